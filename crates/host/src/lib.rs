@@ -1,0 +1,10 @@
+//! One machine's sandboxes: QEMU microVMs, their disks, and the link to each
+//! guest agent. The control plane sees only the [`Host`] trait and the plain
+//! types beside it; it never speaks the guest protocol (`runtime-proto`),
+//! which stays inside this crate.
+//!
+//! Depends on `runtime-proto` only among workspace crates.
+
+mod types;
+
+pub use types::*;

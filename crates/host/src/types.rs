@@ -1,0 +1,214 @@
+//! The seam between the control plane and a host.
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+use tokio::sync::mpsc;
+
+/// The shape of a sandbox's machine, validated by the control plane.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MachineSpec {
+    /// The sandbox id (a UUID); names the VM's directory and logs.
+    pub id: String,
+    pub vcpu: u32,
+    pub memory_mib: u32,
+    pub disk_mib: u32,
+    pub hostname: String,
+}
+
+/// Who a command or file operation runs as.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum RunAs {
+    /// uid 1000 `user`, `HOME=/workspace`.
+    #[default]
+    Sandbox,
+    Root,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TermSize {
+    pub cols: u16,
+    pub rows: u16,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExecSpec {
+    /// Program and arguments; a shell command is `["bash", "-c", cmd]`.
+    pub argv: Vec<String>,
+    pub cwd: Option<String>,
+    /// Applied over the guest's base environment, in order.
+    pub env: Vec<(String, String)>,
+    pub user: RunAs,
+    /// The process group is killed after this long.
+    pub timeout: Option<Duration>,
+    /// Keep stdin open for [`ExecControl::Stdin`]; otherwise it is empty.
+    pub stdin: bool,
+    pub pty: Option<TermSize>,
+    /// Kill what the command left in its process group when it exits.
+    pub kill_group_on_exit: bool,
+}
+
+/// What the control plane sends to a running process.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ExecControl {
+    Stdin(Vec<u8>),
+    CloseStdin,
+    Signal(i32),
+    Resize(TermSize),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExitStatus {
+    /// `None` when killed by a signal or timed out.
+    pub code: Option<i32>,
+    pub signal: Option<i32>,
+    pub timed_out: bool,
+    pub duration_ms: u64,
+    pub out_of_memory: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ExecEvent {
+    Stdout(Vec<u8>),
+    Stderr(Vec<u8>),
+    /// Last event. If the channel closes without it, the link was lost.
+    Exited(ExitStatus),
+}
+
+/// A started process: its guest pid, its output, its input.
+#[derive(Debug)]
+pub struct ExecHandle {
+    pub pid: u32,
+    pub events: mpsc::Receiver<ExecEvent>,
+    pub control: mpsc::Sender<ExecControl>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EntryKind {
+    File,
+    Directory,
+    Symlink,
+    Other,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FileEntry {
+    pub name: String,
+    pub path: String,
+    pub kind: EntryKind,
+    pub size: u64,
+    pub mode: u32,
+    /// Seconds since the epoch.
+    pub modified: i64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FileOp {
+    Stat { path: String },
+    List { path: String, depth: u32, hidden: bool, limit: u32 },
+    Mkdir { path: String, parents: bool },
+    Remove { path: String, recursive: bool },
+    Rename { from: String, to: String, overwrite: bool },
+    Chmod { path: String, mode: u32 },
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FileOpResult {
+    Stat(Option<FileEntry>),
+    Listing { entries: Vec<FileEntry>, truncated: bool },
+    Removed(bool),
+    Done,
+}
+
+/// A guest-side refusal of a file operation or exec.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GuestFailure {
+    FileNotFound,
+    IsADirectory,
+    NotADirectory,
+    PermissionDenied,
+    AlreadyExists,
+    DirectoryNotEmpty,
+    InvalidPath,
+    CommandNotFound,
+    BadRequest,
+    Io,
+}
+
+/// Where a VM failed to come up.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BootStage {
+    Artifacts,
+    Disk,
+    Spawn,
+    Kernel,
+    Agent,
+}
+
+impl std::fmt::Display for BootStage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            BootStage::Artifacts => "artifacts",
+            BootStage::Disk => "disk",
+            BootStage::Spawn => "spawn",
+            BootStage::Kernel => "kernel",
+            BootStage::Agent => "agent",
+        })
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum HostError {
+    #[error("sandbox {id} has no machine on this host")]
+    NoSuchMachine { id: String },
+    #[error("sandbox {id} failed to start at stage {stage}: {reason}")]
+    StartFailed {
+        id: String,
+        stage: BootStage,
+        reason: String,
+        /// The last lines of the serial console.
+        console_tail: String,
+    },
+    #[error("the agent of sandbox {id} refused: {message}")]
+    Guest {
+        id: String,
+        failure: GuestFailure,
+        message: String,
+    },
+    #[error("lost the link to the agent of sandbox {id}")]
+    LinkLost { id: String },
+    #[error("timed out waiting for {what} of sandbox {id}")]
+    Timeout { id: String, what: &'static str },
+    #[error("host I/O failed during {op} for sandbox {id}")]
+    Io {
+        id: String,
+        op: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// One machine's sandboxes, as the control plane drives them.
+#[async_trait]
+pub trait Host: Send + Sync + 'static {
+    /// Boots a machine and returns once its agent answers.
+    async fn start(&self, spec: &MachineSpec) -> Result<(), HostError>;
+    /// Finds a machine left running by an earlier process of the server and
+    /// reattaches to it; `false` if it is gone.
+    async fn recover(&self, spec: &MachineSpec) -> Result<bool, HostError>;
+    /// Ends the machine; `keep_disk` keeps its disk for a later start.
+    async fn stop(&self, id: &str, keep_disk: bool) -> Result<(), HostError>;
+    /// Ends the machine and removes everything it had on this host.
+    async fn destroy(&self, id: &str) -> Result<(), HostError>;
+    async fn exec(&self, id: &str, spec: ExecSpec) -> Result<ExecHandle, HostError>;
+    async fn read_file(&self, id: &str, path: &str, user: RunAs) -> Result<Vec<u8>, HostError>;
+    async fn write_file(
+        &self,
+        id: &str,
+        path: &str,
+        mode: Option<u32>,
+        user: RunAs,
+        data: Vec<u8>,
+    ) -> Result<(), HostError>;
+    async fn file_op(&self, id: &str, op: FileOp, user: RunAs) -> Result<FileOpResult, HostError>;
+}

@@ -1,0 +1,31 @@
+//! The protocol between the host and the guest agent, carried over one
+//! virtio-serial port: length-prefixed frames, each on a numbered stream, so
+//! many requests, output streams and file transfers share the port.
+//!
+//! This crate is a pure codec (bytes in, frames out) and depends on no other
+//! crate of the workspace and on no I/O. Bytes from the guest are untrusted:
+//! [`Decoder`] never panics and never allocates more than [`MAX_FRAME`].
+//!
+//! Frame layout (big endian): `u32 len | u8 kind | u8 channel | u32 stream | payload`,
+//! where `len` counts everything after itself. `kind` is [`Kind::Control`]
+//! (payload: one JSON [`Control`] message) or [`Kind::Data`] (payload: raw
+//! bytes on `channel` of `stream`). Stream 0 is the connection itself (hello,
+//! ping). The host opens a stream per request with a fresh odd-free id; the
+//! guest answers on that stream.
+//!
+//! Versioning: the host sends [`Control::Hello`] first and the guest answers
+//! with the version it speaks; new fields are optional (`#[serde(default)]`),
+//! new message kinds are only sent once the peer announced a version that has
+//! them. Unknown control messages decode to an error the caller may skip.
+
+mod codec;
+mod messages;
+
+pub use codec::{encode, Decoder, Frame, Kind, ProtoError, HEADER_LEN, MAX_FRAME, MAX_PAYLOAD};
+pub use messages::*;
+
+/// The protocol version this build speaks.
+pub const VERSION: u32 = 1;
+
+/// The name of the virtio-serial port the agent opens (`/sys/class/virtio-ports/*/name`).
+pub const PORT_NAME: &str = "runtime.agent";

@@ -1,0 +1,226 @@
+//! Control messages. Host -> guest: [`Request`]; guest -> host: [`Reply`].
+//! Both travel as JSON in [`crate::Kind::Control`] frames.
+
+use serde::{Deserialize, Serialize};
+
+/// Data channels of a stream ([`crate::Kind::Data`] frames).
+pub mod channel {
+    /// Host -> guest: a process's stdin, or the bytes of a file being written.
+    /// Guest -> host: the bytes of a file being read.
+    pub const INPUT: u8 = 0;
+    pub const STDOUT: u8 = 1;
+    pub const STDERR: u8 = 2;
+}
+
+/// Who a command or file operation runs as.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum User {
+    /// uid 1000 `user`, `HOME=/workspace`.
+    #[default]
+    Sandbox,
+    Root,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PtySize {
+    pub cols: u16,
+    pub rows: u16,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExecRequest {
+    /// The program and its arguments; `argv[0]` is looked up in `PATH`.
+    pub argv: Vec<String>,
+    #[serde(default)]
+    pub cwd: Option<String>,
+    /// Environment on top of the agent's base environment, in order.
+    #[serde(default)]
+    pub env: Vec<(String, String)>,
+    #[serde(default)]
+    pub user: User,
+    /// Kill the whole process group after this long; `None` = no limit.
+    #[serde(default)]
+    pub timeout_ms: Option<u64>,
+    /// Keep stdin open for [`crate::channel::INPUT`] data until
+    /// [`Request::CloseStdin`]; otherwise stdin is `/dev/null`.
+    #[serde(default)]
+    pub stdin: bool,
+    /// Run on a pseudo-terminal of this size (stdout carries its output).
+    #[serde(default)]
+    pub pty: Option<PtySize>,
+    /// When the command's main process exits, kill what it left in its
+    /// process group (the documented behaviour of a foreground exec).
+    #[serde(default)]
+    pub kill_group_on_exit: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum Request {
+    /// First message on stream 0; the guest answers [`Reply::Hello`].
+    Hello { version: u32 },
+    /// Liveness, stream 0 or any stream; answered by [`Reply::Pong`].
+    Ping,
+    /// Sets the clock, hostname and entropy: after boot and after every restore.
+    Setup {
+        hostname: String,
+        unix_time_ms: u64,
+        #[serde(default)]
+        entropy: Vec<u8>,
+    },
+    /// Starts a process on this stream: [`Reply::Started`], output data,
+    /// then [`Reply::Exited`].
+    Exec(ExecRequest),
+    /// Ends the stdin of the process on this stream.
+    CloseStdin,
+    /// Sends a signal (a number) to the process group on this stream.
+    Signal { signal: i32 },
+    Resize { size: PtySize },
+    /// The file's bytes come back as INPUT data after [`Reply::FileStart`],
+    /// then [`Reply::Done`].
+    ReadFile { path: String, user: User },
+    /// INPUT data frames follow, then [`Request::EndWrite`]; the file is
+    /// placed atomically (temp file + rename), parents created.
+    WriteFile {
+        path: String,
+        mode: Option<u32>,
+        user: User,
+    },
+    EndWrite,
+    Stat { path: String, user: User },
+    List {
+        path: String,
+        depth: u32,
+        hidden: bool,
+        limit: u32,
+        user: User,
+    },
+    Mkdir { path: String, parents: bool, user: User },
+    Remove { path: String, recursive: bool, user: User },
+    Rename {
+        from: String,
+        to: String,
+        overwrite: bool,
+        user: User,
+    },
+    Chmod { path: String, mode: u32, user: User },
+    /// Flushes file systems (before a snapshot or a stop).
+    Sync,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EntryType {
+    File,
+    Directory,
+    Symlink,
+    Other,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Entry {
+    pub name: String,
+    pub path: String,
+    #[serde(rename = "type")]
+    pub kind: EntryType,
+    pub size: u64,
+    /// Permission bits (e.g. 0o644).
+    pub mode: u32,
+    /// Seconds since the epoch.
+    pub modified: i64,
+}
+
+/// Why a request failed, as the API names it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FailCode {
+    FileNotFound,
+    IsADirectory,
+    NotADirectory,
+    PermissionDenied,
+    AlreadyExists,
+    DirectoryNotEmpty,
+    InvalidPath,
+    CommandNotFound,
+    BadRequest,
+    Io,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "ev", rename_all = "snake_case")]
+pub enum Reply {
+    Hello { version: u32, agent: String },
+    Pong,
+    Started { pid: u32 },
+    Exited {
+        /// `None` when killed by a signal or timed out.
+        exit_code: Option<i32>,
+        signal: Option<i32>,
+        timed_out: bool,
+        duration_ms: u64,
+        #[serde(default)]
+        out_of_memory: bool,
+    },
+    /// Before the bytes of a read file.
+    FileStart { size: u64 },
+    Stat { entry: Option<Entry> },
+    Listing { entries: Vec<Entry>, truncated: bool },
+    Removed { removed: bool },
+    /// A request finished with nothing more to say.
+    Done,
+    Failed { code: FailCode, message: String },
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Freezes the wire names: changing one breaks older agents or hosts.
+    #[test]
+    fn message_names_are_frozen() {
+        let req = Request::Exec(ExecRequest {
+            argv: vec!["true".into()],
+            cwd: None,
+            env: vec![],
+            user: User::Sandbox,
+            timeout_ms: Some(5),
+            stdin: false,
+            pty: None,
+            kill_group_on_exit: true,
+        });
+        let json = serde_json::to_string(&req).unwrap();
+        assert_eq!(
+            json,
+            r#"{"op":"exec","argv":["true"],"cwd":null,"env":[],"user":"sandbox","timeout_ms":5,"stdin":false,"pty":null,"kill_group_on_exit":true}"#
+        );
+        let names: Vec<String> = [
+            Request::Hello { version: 1 },
+            Request::Ping,
+            Request::CloseStdin,
+            Request::EndWrite,
+            Request::Sync,
+        ]
+        .iter()
+        .map(|r| serde_json::to_value(r).unwrap()["op"].as_str().unwrap().to_string())
+        .collect();
+        assert_eq!(names, ["hello", "ping", "close_stdin", "end_write", "sync"]);
+        let reply = Reply::Failed { code: FailCode::IsADirectory, message: "x".into() };
+        assert_eq!(
+            serde_json::to_string(&reply).unwrap(),
+            r#"{"ev":"failed","code":"is_a_directory","message":"x"}"#
+        );
+    }
+
+    #[test]
+    fn new_optional_fields_may_be_missing() {
+        let r: Request = serde_json::from_str(r#"{"op":"exec","argv":["ls"]}"#).unwrap();
+        match r {
+            Request::Exec(e) => {
+                assert_eq!(e.user, User::Sandbox);
+                assert!(!e.stdin && e.timeout_ms.is_none());
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+}

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Installs the host packages `runtime` needs: QEMU 10 (bookworm-backports), the
+# tools that build the guest (kernel source and its build deps, debootstrap,
+# e2fsprogs) and the Python used by the end-to-end suite. Idempotent; needs root.
+# The backports source is derived from the machine's own Debian source so that
+# no mirror host is written down here.
+set -euo pipefail
+
+log() { printf '[host-packages] %s\n' "$*" >&2; }
+
+if [ "$(id -u)" -ne 0 ]; then
+  log "not root: skipping package installation (install them as root: $0)"
+  exit 0
+fi
+
+src_dir=/etc/apt/sources.list.d
+bpo="$src_dir/runtime-backports.sources"
+if [ ! -f "$bpo" ]; then
+  base=""
+  if [ -f "$src_dir/debian.sources" ]; then
+    base=$(awk '/^URIs:/ && !/security/ {print $2; exit}' "$src_dir/debian.sources")
+  fi
+  if [ -z "$base" ] && [ -f /etc/apt/sources.list ]; then
+    base=$(awk '/^deb / && !/security/ {print $2; exit}' /etc/apt/sources.list)
+  fi
+  [ -n "$base" ] || { log "cannot find the Debian mirror in the apt sources"; exit 1; }
+  codename=$(. /etc/os-release && echo "$VERSION_CODENAME")
+  log "adding ${codename}-backports from the machine's Debian source"
+  cat >"$bpo" <<SRC
+Types: deb
+URIs: $base
+Suites: ${codename}-backports
+Components: main
+Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
+SRC
+fi
+
+export DEBIAN_FRONTEND=noninteractive
+log "apt-get update"
+apt-get update -qq
+codename=$(. /etc/os-release && echo "$VERSION_CODENAME")
+log "installing QEMU from ${codename}-backports"
+apt-get install -y -qq --no-install-recommends -t "${codename}-backports" qemu-system-x86 >/dev/null
+log "installing guest build tools"
+apt-get install -y -qq --no-install-recommends \
+  debootstrap e2fsprogs xz-utils bc bison flex libelf-dev libssl-dev cpio rsync kmod \
+  python3-venv sqlite3 >/dev/null
+log "done: $(qemu-system-x86_64 --version | head -1)"
