@@ -1,1 +1,208 @@
-fn main() {}
+//! `runtime`: the one binary. `serve` runs the control plane and the host in
+//! one process with an embedded store; `keys` manages API keys in a data
+//! directory; `image build` builds (or verifies) the guest kernel and image.
+//!
+//! Environment is read here and nowhere else: `RUNTIME_CACHE_DIR`,
+//! `RUNTIME_AGENT_BIN`, `XDG_DATA_HOME`, `XDG_CACHE_HOME`, `HOME`.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use clap::{Parser, Subcommand};
+use runtime_host::{artifacts, choose_accel, QemuConfig, QemuHost};
+
+#[derive(Parser)]
+#[command(name = "runtime", version, about = "Self-hosted sandboxes for AI agents, as QEMU microVMs")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Serve the Runtime API (builds the guest kernel and image first if needed).
+    Serve {
+        #[arg(long, default_value = "127.0.0.1:8080")]
+        listen: SocketAddr,
+        #[arg(long)]
+        data_dir: Option<PathBuf>,
+        /// Seconds a VM may take from QEMU's start until its agent answers.
+        #[arg(long, default_value_t = 120)]
+        boot_timeout: u64,
+    },
+    /// API keys of a data directory.
+    Keys {
+        #[command(subcommand)]
+        cmd: KeysCmd,
+    },
+    /// The guest kernel and root filesystem image.
+    Image {
+        #[command(subcommand)]
+        cmd: ImageCmd,
+    },
+}
+
+#[derive(Subcommand)]
+enum KeysCmd {
+    /// Create a key and print it alone on stdout.
+    Create {
+        #[arg(long)]
+        data_dir: Option<PathBuf>,
+        #[arg(long)]
+        read_only: bool,
+        #[arg(long)]
+        account_wide: bool,
+        #[arg(long)]
+        name: Option<String>,
+    },
+}
+
+#[derive(Subcommand)]
+enum ImageCmd {
+    /// Build (or verify) the default kernel and image in the cache directory.
+    Build,
+}
+
+fn home() -> PathBuf {
+    std::env::var_os("HOME").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("/"))
+}
+
+fn data_dir(arg: Option<PathBuf>) -> PathBuf {
+    arg.unwrap_or_else(|| {
+        std::env::var_os("XDG_DATA_HOME")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| home().join(".local/share"))
+            .join("runtime")
+    })
+}
+
+fn cache_dir() -> PathBuf {
+    if let Some(d) = std::env::var_os("RUNTIME_CACHE_DIR") {
+        return PathBuf::from(d);
+    }
+    std::env::var_os("XDG_CACHE_HOME").map(PathBuf::from).unwrap_or_else(|| home().join(".cache")).join("runtime")
+}
+
+/// The static guest agent: `RUNTIME_AGENT_BIN`, or where the README's build
+/// puts it beside this binary.
+fn agent_bin() -> anyhow::Result<PathBuf> {
+    if let Some(p) = std::env::var_os("RUNTIME_AGENT_BIN") {
+        return Ok(PathBuf::from(p));
+    }
+    let exe = std::env::current_exe().context("locating this binary")?;
+    let dir = exe.parent().unwrap_or(Path::new("."));
+    let profile = dir.file_name().and_then(|s| s.to_str()).unwrap_or("release");
+    let candidates = [
+        dir.join("../x86_64-unknown-linux-gnu").join(profile).join("runtime-agent"),
+        dir.join("runtime-agent-static"),
+    ];
+    for c in &candidates {
+        if c.exists() {
+            return Ok(c.clone());
+        }
+    }
+    bail!(
+        "the static guest agent was not found (looked at {}); build it with scripts/build.sh or set RUNTIME_AGENT_BIN",
+        candidates.iter().map(|c| c.display().to_string()).collect::<Vec<_>>().join(", ")
+    )
+}
+
+/// The agent runs from an initramfs with no libraries: it must be static.
+fn check_static(path: &Path) -> anyhow::Result<()> {
+    let data = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+    if data.len() < 64 || &data[..4] != b"\x7fELF" {
+        bail!("{} is not an ELF binary", path.display());
+    }
+    let u16_at = |o: usize| u16::from_le_bytes([data[o], data[o + 1]]) as usize;
+    let phoff = u64::from_le_bytes(data[32..40].try_into()?) as usize;
+    let (phentsize, phnum) = (u16_at(54), u16_at(56));
+    for i in 0..phnum {
+        let o = phoff + i * phentsize;
+        if o + 4 > data.len() {
+            break;
+        }
+        if u32::from_le_bytes(data[o..o + 4].try_into()?) == 3 {
+            bail!("{} is dynamically linked; the guest agent must be static (see scripts/build.sh)", path.display());
+        }
+    }
+    Ok(())
+}
+
+fn build_artifacts() -> anyhow::Result<artifacts::Artifacts> {
+    let agent = agent_bin()?;
+    check_static(&agent)?;
+    Ok(artifacts::ensure(&cache_dir(), &agent)?)
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(t) => t,
+            Err(_) => {
+                let _ = ctrl_c.await;
+                return;
+            }
+        };
+        tokio::select! {
+            _ = ctrl_c => {},
+            _ = term.recv() => {},
+        }
+    }
+}
+
+async fn serve(listen: SocketAddr, data_dir: PathBuf, boot_timeout: u64) -> anyhow::Result<()> {
+    std::fs::create_dir_all(&data_dir).with_context(|| format!("creating {}", data_dir.display()))?;
+    let arts = tokio::task::spawn_blocking(build_artifacts).await??;
+    let (accel, why) = choose_accel();
+    eprintln!("runtime: accelerator {accel} ({why})");
+    let host = QemuHost::new(QemuConfig {
+        state_dir: data_dir.join("vms"),
+        qemu_binary: PathBuf::from("qemu-system-x86_64"),
+        artifacts: arts,
+        accel,
+        boot_timeout: Duration::from_secs(boot_timeout),
+    })
+    .context("preparing the VM directory")?;
+    if let Some(key) = runtime_server::ensure_admin_key(&data_dir)? {
+        eprintln!("runtime: created the admin key (saved to {}):", data_dir.join("admin.key").display());
+        println!("{key}");
+    }
+    let listener = tokio::net::TcpListener::bind(listen).await.with_context(|| format!("binding {listen}"))?;
+    let addr = listener.local_addr()?;
+    let config = runtime_server::Config::new(data_dir.clone());
+    let server = runtime_server::run(listener, config, Arc::new(host), shutdown_signal());
+    println!("runtime: listening on http://{addr} (data dir {})", data_dir.display());
+    server.await?;
+    Ok(())
+}
+
+fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("RUNTIME_LOG").unwrap_or_else(|_| "info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    match cli.cmd {
+        Cmd::Serve { listen, data_dir: d, boot_timeout } => {
+            let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+            rt.block_on(serve(listen, data_dir(d), boot_timeout))
+        }
+        Cmd::Keys { cmd: KeysCmd::Create { data_dir: d, read_only, account_wide, name } } => {
+            let key = runtime_server::create_key(&data_dir(d), name.as_deref(), read_only, account_wide)?;
+            println!("{key}");
+            Ok(())
+        }
+        Cmd::Image { cmd: ImageCmd::Build } => {
+            let arts = build_artifacts()?;
+            println!("kernel {}\nimage {}\nagent {}", arts.kernel.display(), arts.base.display(), arts.initrd.display());
+            Ok(())
+        }
+    }
+}

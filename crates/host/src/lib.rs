@@ -5,6 +5,13 @@
 //!
 //! Depends on `runtime-proto` only among workspace crates.
 
+pub mod artifacts;
+mod cgroup;
+mod link;
+mod machine;
+mod qemu;
 mod types;
 
+pub use machine::{choose_accel, QemuConfig, QemuHost};
+pub use qemu::Accel;
 pub use types::*;

@@ -1,0 +1,248 @@
+//! The host end of the agent channel: one Unix socket (QEMU's chardev for the
+//! virtio-serial port), multiplexed into streams. A reader task routes frames
+//! to the stream that asked; a writer task owns the socket's write half.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use runtime_proto::{channel, encode, Decoder, Frame, Kind, Reply, Request, MAX_PAYLOAD, VERSION};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::UnixStream;
+use tokio::sync::mpsc;
+
+/// What a stream receives from the guest.
+#[derive(Debug)]
+pub(crate) enum Incoming {
+    Reply(Reply),
+    Data { channel: u8, bytes: Vec<u8> },
+}
+
+type Routes = Arc<Mutex<HashMap<u32, mpsc::UnboundedSender<Incoming>>>>;
+
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum LinkError {
+    #[error("the link is closed")]
+    Closed,
+    #[error("connecting to the agent socket failed")]
+    Connect(#[source] std::io::Error),
+    #[error("the agent did not answer the handshake in time")]
+    HandshakeTimeout,
+    #[error("the request could not be encoded")]
+    Encode(#[source] runtime_proto::ProtoError),
+}
+
+/// A live link to one agent. Cheap to clone.
+#[derive(Clone)]
+pub(crate) struct Link {
+    writer: mpsc::UnboundedSender<Vec<u8>>,
+    routes: Routes,
+    next: Arc<AtomicU32>,
+    closed: tokio_util::sync::CancellationToken,
+}
+
+/// One open stream: send requests and data on it, receive what the guest says.
+pub(crate) struct Stream {
+    pub id: u32,
+    link: Link,
+    pub rx: mpsc::UnboundedReceiver<Incoming>,
+}
+
+impl Drop for Stream {
+    fn drop(&mut self) {
+        if let Ok(mut routes) = self.link.routes.lock() {
+            routes.remove(&self.id);
+        }
+    }
+}
+
+impl Stream {
+    pub fn send(&self, req: &Request) -> Result<(), LinkError> {
+        self.link.send_frame(Frame::control(self.id, req).map_err(LinkError::Encode)?)
+    }
+
+    pub fn send_data(&self, bytes: &[u8]) -> Result<(), LinkError> {
+        for piece in bytes.chunks(MAX_PAYLOAD) {
+            let frame = Frame::data(self.id, channel::INPUT, piece.to_vec()).map_err(LinkError::Encode)?;
+            self.link.send_frame(frame)?;
+        }
+        Ok(())
+    }
+
+    /// The next reply, skipping nothing; `None` if the link closed.
+    pub async fn recv(&mut self) -> Option<Incoming> {
+        self.rx.recv().await
+    }
+
+    /// The next control reply (data frames are not expected here).
+    pub async fn reply(&mut self) -> Result<Reply, LinkError> {
+        loop {
+            match self.rx.recv().await {
+                Some(Incoming::Reply(r)) => return Ok(r),
+                Some(Incoming::Data { .. }) => continue,
+                None => return Err(LinkError::Closed),
+            }
+        }
+    }
+
+    /// A handle that can send on this stream from another task.
+    pub fn sender(&self) -> StreamSender {
+        StreamSender { id: self.id, link: self.link.clone() }
+    }
+}
+
+#[derive(Clone)]
+pub(crate) struct StreamSender {
+    id: u32,
+    link: Link,
+}
+
+impl StreamSender {
+    pub fn send(&self, req: &Request) -> Result<(), LinkError> {
+        self.link.send_frame(Frame::control(self.id, req).map_err(LinkError::Encode)?)
+    }
+    pub fn send_data(&self, bytes: &[u8]) -> Result<(), LinkError> {
+        for piece in bytes.chunks(MAX_PAYLOAD) {
+            let frame = Frame::data(self.id, channel::INPUT, piece.to_vec()).map_err(LinkError::Encode)?;
+            self.link.send_frame(frame)?;
+        }
+        Ok(())
+    }
+}
+
+impl Link {
+    /// Connects to the agent socket and completes the handshake, resending
+    /// Hello until it is answered: the first frames after a (re)connect can be
+    /// lost on virtio-serial.
+    pub async fn connect(sock: &Path, timeout: Duration) -> Result<(Link, Reply), LinkError> {
+        let stream = UnixStream::connect(sock).await.map_err(LinkError::Connect)?;
+        let (mut rd, mut wr) = stream.into_split();
+        let routes: Routes = Arc::new(Mutex::new(HashMap::new()));
+        let closed = tokio_util::sync::CancellationToken::new();
+        let (writer, mut wq) = mpsc::unbounded_channel::<Vec<u8>>();
+        let closed_w = closed.clone();
+        tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    _ = closed_w.cancelled() => break,
+                    buf = wq.recv() => match buf {
+                        Some(buf) => if wr.write_all(&buf).await.is_err() { closed_w.cancel(); break; },
+                        None => break,
+                    }
+                }
+            }
+        });
+        let (hello_tx, mut hello_rx) = mpsc::unbounded_channel::<Incoming>();
+        if let Ok(mut r) = routes.lock() {
+            r.insert(0, hello_tx);
+        }
+        let routes_r = routes.clone();
+        let closed_r = closed.clone();
+        tokio::spawn(async move {
+            let mut dec = Decoder::new();
+            let mut buf = vec![0u8; 64 * 1024];
+            loop {
+                let n = tokio::select! {
+                    _ = closed_r.cancelled() => break,
+                    n = rd.read(&mut buf) => match n { Ok(0) | Err(_) => break, Ok(n) => n },
+                };
+                dec.feed(&buf[..n]);
+                loop {
+                    let frame = match dec.next_frame() {
+                        Ok(Some(f)) => f,
+                        Ok(None) => break,
+                        Err(error) => {
+                            tracing::warn!(%error, "agent stream out of sync; dropping buffered bytes");
+                            dec = Decoder::new();
+                            break;
+                        }
+                    };
+                    let incoming = match frame.kind {
+                        Kind::Control => match frame.parse::<Reply>() {
+                            Ok(r) => Incoming::Reply(r),
+                            Err(error) => {
+                                tracing::debug!(%error, "undecodable reply from agent");
+                                continue;
+                            }
+                        },
+                        Kind::Data => Incoming::Data { channel: frame.channel, bytes: frame.payload },
+                    };
+                    let target = routes_r.lock().ok().and_then(|r| r.get(&frame.stream).cloned());
+                    if let Some(tx) = target {
+                        let _ = tx.send(incoming);
+                    }
+                }
+            }
+            closed_r.cancel();
+            if let Ok(mut r) = routes_r.lock() {
+                r.clear();
+            }
+        });
+        let link = Link { writer, routes, next: Arc::new(AtomicU32::new(1)), closed };
+        let deadline = tokio::time::Instant::now() + timeout;
+        let hello = Frame::control(0, &Request::Hello { version: VERSION }).map_err(LinkError::Encode)?;
+        let mut resend = Duration::from_millis(100);
+        loop {
+            link.send_frame(hello.clone())?;
+            let wait = tokio::time::timeout(resend, hello_rx.recv());
+            match wait.await {
+                Ok(Some(Incoming::Reply(reply @ Reply::Hello { .. }))) => {
+                    if let Ok(mut r) = link.routes.lock() {
+                        r.remove(&0);
+                    }
+                    return Ok((link, reply));
+                }
+                Ok(Some(_)) => continue,
+                Ok(None) => return Err(LinkError::Closed),
+                Err(_) => {
+                    if tokio::time::Instant::now() >= deadline {
+                        link.close();
+                        return Err(LinkError::HandshakeTimeout);
+                    }
+                    resend = (resend * 2).min(Duration::from_millis(400));
+                }
+            }
+        }
+    }
+
+    fn send_frame(&self, frame: Frame) -> Result<(), LinkError> {
+        if self.closed.is_cancelled() {
+            return Err(LinkError::Closed);
+        }
+        let mut buf = Vec::with_capacity(frame.payload.len() + 16);
+        encode(&frame, &mut buf);
+        self.writer.send(buf).map_err(|_| LinkError::Closed)
+    }
+
+    pub fn open(&self) -> Result<Stream, LinkError> {
+        if self.closed.is_cancelled() {
+            return Err(LinkError::Closed);
+        }
+        let (tx, rx) = mpsc::unbounded_channel();
+        let id = loop {
+            let id = self.next.fetch_add(1, Ordering::Relaxed);
+            if id != 0 {
+                break id;
+            }
+        };
+        self.routes.lock().map_err(|_| LinkError::Closed)?.insert(id, tx);
+        Ok(Stream { id, link: self.clone(), rx })
+    }
+
+    /// One request, one reply.
+    pub async fn call(&self, req: &Request) -> Result<Reply, LinkError> {
+        let mut s = self.open()?;
+        s.send(req)?;
+        s.reply().await
+    }
+
+    pub fn is_closed(&self) -> bool {
+        self.closed.is_cancelled()
+    }
+
+    pub fn close(&self) {
+        self.closed.cancel();
+    }
+}

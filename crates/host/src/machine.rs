@@ -1,0 +1,473 @@
+//! [`QemuHost`]: the [`Host`] trait on QEMU microVMs.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use runtime_proto::{channel, Entry, EntryType, ExecRequest, FailCode, PtySize, Reply, Request, User};
+use tokio::sync::mpsc;
+
+use crate::artifacts::Artifacts;
+use crate::cgroup::{self, Layout};
+use crate::link::{Incoming, Link, LinkError};
+use crate::qemu::{self, Accel, VmConfig, VmPaths};
+use crate::types::*;
+
+/// How a [`QemuHost`] runs its machines.
+#[derive(Debug, Clone)]
+pub struct QemuConfig {
+    /// Where each VM gets its directory (overlay, sockets, console log).
+    pub state_dir: PathBuf,
+    pub qemu_binary: PathBuf,
+    pub artifacts: Artifacts,
+    pub accel: Accel,
+    /// From QEMU's start until the agent must have answered.
+    pub boot_timeout: Duration,
+}
+
+struct Vm {
+    paths: VmPaths,
+    pid: u32,
+    link: tokio::sync::Mutex<Option<Link>>,
+}
+
+impl Drop for Vm {
+    fn drop(&mut self) {
+        // QEMU's socket takes one client at a time: let go of ours so a later
+        // host (after a restart) can connect.
+        if let Ok(guard) = self.link.try_lock() {
+            if let Some(l) = guard.as_ref() {
+                l.close();
+            }
+        }
+    }
+}
+
+pub struct QemuHost {
+    cfg: QemuConfig,
+    cgroups: Layout,
+    vms: Mutex<HashMap<String, Arc<Vm>>>,
+}
+
+/// Picks KVM where it is real hardware virtualisation, TCG otherwise. A
+/// software KVM (PVM, as on nested cloud machines) crashes stock guest
+/// kernels, so it counts as no KVM.
+pub fn choose_accel() -> (Accel, String) {
+    if !Path::new("/dev/kvm").exists() {
+        return (Accel::Tcg, "no /dev/kvm".into());
+    }
+    if Path::new("/sys/module/kvm_pvm").exists() {
+        return (Accel::Tcg, "/dev/kvm is the PVM software hypervisor".into());
+    }
+    match std::fs::OpenOptions::new().read(true).write(true).open("/dev/kvm") {
+        Ok(_) => (Accel::Kvm, "/dev/kvm usable".into()),
+        Err(e) => (Accel::Tcg, format!("/dev/kvm not usable: {e}")),
+    }
+}
+
+/// A uid/gid of its own for each VM's QEMU, when the server runs as root.
+fn vm_uid(id: &str) -> Option<(u32, u32)> {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        return None;
+    }
+    let mut h: u32 = 2166136261;
+    for b in id.bytes() {
+        h = (h ^ u32::from(b)).wrapping_mul(16777619);
+    }
+    let uid = 2_000_000_000 + (h % 100_000_000);
+    Some((uid, uid))
+}
+
+fn failure(code: FailCode) -> GuestFailure {
+    match code {
+        FailCode::FileNotFound => GuestFailure::FileNotFound,
+        FailCode::IsADirectory => GuestFailure::IsADirectory,
+        FailCode::NotADirectory => GuestFailure::NotADirectory,
+        FailCode::PermissionDenied => GuestFailure::PermissionDenied,
+        FailCode::AlreadyExists => GuestFailure::AlreadyExists,
+        FailCode::DirectoryNotEmpty => GuestFailure::DirectoryNotEmpty,
+        FailCode::InvalidPath => GuestFailure::InvalidPath,
+        FailCode::CommandNotFound => GuestFailure::CommandNotFound,
+        FailCode::BadRequest => GuestFailure::BadRequest,
+        FailCode::Io => GuestFailure::Io,
+    }
+}
+
+fn user(u: RunAs) -> User {
+    match u {
+        RunAs::Sandbox => User::Sandbox,
+        RunAs::Root => User::Root,
+    }
+}
+
+fn entry(e: Entry) -> FileEntry {
+    FileEntry {
+        name: e.name,
+        path: e.path,
+        kind: match e.kind {
+            EntryType::File => EntryKind::File,
+            EntryType::Directory => EntryKind::Directory,
+            EntryType::Symlink => EntryKind::Symlink,
+            EntryType::Other => EntryKind::Other,
+        },
+        size: e.size,
+        mode: e.mode,
+        modified: e.modified,
+    }
+}
+
+impl QemuHost {
+    pub fn new(cfg: QemuConfig) -> std::io::Result<QemuHost> {
+        std::fs::create_dir_all(&cfg.state_dir)?;
+        let cgroups = cgroup::detect();
+        tracing::info!(accel = %cfg.accel, cgroups = ?cgroups, "qemu host ready");
+        Ok(QemuHost { cfg, cgroups, vms: Mutex::new(HashMap::new()) })
+    }
+
+    fn paths(&self, id: &str) -> VmPaths {
+        VmPaths::new(self.cfg.state_dir.join(id))
+    }
+
+    fn vm(&self, id: &str) -> Result<Arc<Vm>, HostError> {
+        self.vms
+            .lock()
+            .ok()
+            .and_then(|m| m.get(id).cloned())
+            .ok_or_else(|| HostError::NoSuchMachine { id: id.to_owned() })
+    }
+
+    /// The VM's link, reconnecting if it dropped (QEMU keeps the socket).
+    async fn link(&self, id: &str) -> Result<Link, HostError> {
+        let vm = self.vm(id)?;
+        let mut guard = vm.link.lock().await;
+        if let Some(l) = guard.as_ref() {
+            if !l.is_closed() {
+                return Ok(l.clone());
+            }
+        }
+        if !qemu::is_our_qemu(vm.pid, &vm.paths.dir) {
+            return Err(HostError::LinkLost { id: id.to_owned() });
+        }
+        let (l, _) = Link::connect(&vm.paths.agent_sock(), Duration::from_secs(10))
+            .await
+            .map_err(|_| HostError::LinkLost { id: id.to_owned() })?;
+        *guard = Some(l.clone());
+        Ok(l)
+    }
+
+    fn io<'a>(id: &'a str, op: &'static str) -> impl FnOnce(std::io::Error) -> HostError + 'a {
+        move |source| HostError::Io { id: id.to_owned(), op, source }
+    }
+
+    fn start_failed(&self, id: &str, stage: BootStage, reason: String) -> HostError {
+        let paths = self.paths(id);
+        let mut tail = qemu::console_tail(&paths, 4096);
+        if let Ok(q) = std::fs::read_to_string(paths.qemu_log()) {
+            if !q.trim().is_empty() {
+                tail.push_str("\n--- qemu ---\n");
+                tail.push_str(q.trim());
+            }
+        }
+        HostError::StartFailed { id: id.to_owned(), stage, reason, console_tail: tail }
+    }
+
+    async fn boot(&self, spec: &MachineSpec) -> Result<Arc<Vm>, HostError> {
+        let id = spec.id.as_str();
+        let paths = self.paths(id);
+        let _ = std::fs::remove_dir_all(&paths.dir);
+        std::fs::create_dir_all(&paths.dir).map_err(Self::io(id, "create vm dir"))?;
+        let run_as = vm_uid(id);
+        let out = tokio::process::Command::new("qemu-img")
+            .args(["create", "-q", "-f", "qcow2", "-F", "qcow2", "-b"])
+            .arg(&self.cfg.artifacts.base)
+            .arg(paths.overlay())
+            .arg(format!("{}M", spec.disk_mib))
+            .output()
+            .await
+            .map_err(Self::io(id, "create overlay"))?;
+        if !out.status.success() {
+            return Err(self.start_failed(
+                id,
+                BootStage::Disk,
+                format!("qemu-img: {}", String::from_utf8_lossy(&out.stderr).trim()),
+            ));
+        }
+        let cfg = VmConfig {
+            qemu: &self.cfg.qemu_binary,
+            kernel: &self.cfg.artifacts.kernel,
+            initrd: &self.cfg.artifacts.initrd,
+            accel: self.cfg.accel,
+            vcpu: spec.vcpu,
+            memory_mib: spec.memory_mib,
+            paths: &paths,
+            run_as,
+        };
+        let started = Instant::now();
+        let pid = qemu::spawn(&cfg).map_err(|e| self.start_failed(id, BootStage::Spawn, e.to_string()))?;
+        let limits = cgroup::Limits { memory_mib: spec.memory_mib, vcpu: spec.vcpu };
+        if let Err(error) = cgroup::place(self.cgroups, id, pid, &limits) {
+            tracing::warn!(sandbox_id = id, %error, "could not place QEMU in a cgroup");
+        }
+        tracing::info!(sandbox_id = id, pid, "booting");
+        // The sockets appear once QEMU has parsed its options.
+        let sock = paths.agent_sock();
+        while !sock.exists() {
+            if !qemu::is_our_qemu(pid, &paths.dir) {
+                return Err(self.start_failed(id, BootStage::Spawn, "QEMU exited during start-up".into()));
+            }
+            if started.elapsed() > Duration::from_secs(10) {
+                qemu::kill(pid).await;
+                return Err(self.start_failed(id, BootStage::Spawn, "QEMU did not open its sockets".into()));
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let remaining = self.cfg.boot_timeout.saturating_sub(started.elapsed());
+        let connect = Link::connect(&sock, remaining);
+        tokio::pin!(connect);
+        let link = loop {
+            tokio::select! {
+                r = &mut connect => match r {
+                    Ok((link, _hello)) => break link,
+                    Err(e) => {
+                        qemu::kill(pid).await;
+                        let stage = if qemu::console_tail(&paths, 1 << 20).contains("runtime-agent") {
+                            BootStage::Agent
+                        } else {
+                            BootStage::Kernel
+                        };
+                        return Err(self.start_failed(id, stage, format!("no answer from the agent: {e}")));
+                    }
+                },
+                _ = tokio::time::sleep(Duration::from_millis(100)) => {
+                    if !qemu::is_our_qemu(pid, &paths.dir) {
+                        return Err(self.start_failed(id, BootStage::Kernel, "QEMU exited before the agent answered".into()));
+                    }
+                }
+            }
+        };
+        tracing::info!(sandbox_id = id, ms = started.elapsed().as_millis() as u64, "agent ready");
+        let vm = Arc::new(Vm { paths, pid, link: tokio::sync::Mutex::new(Some(link.clone())) });
+        setup(&link, &spec.hostname).await.map_err(|e| self.start_failed(id, BootStage::Agent, e.to_string()))?;
+        Ok(vm)
+    }
+}
+
+async fn setup(link: &Link, hostname: &str) -> Result<(), LinkError> {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0);
+    let mut entropy = vec![0u8; 64];
+    if let Ok(mut f) = std::fs::File::open("/dev/urandom") {
+        use std::io::Read;
+        let _ = f.read_exact(&mut entropy);
+    }
+    link.call(&Request::Setup { hostname: hostname.to_owned(), unix_time_ms: now, entropy }).await?;
+    Ok(())
+}
+
+fn guest_err(id: &str, r: Reply) -> HostError {
+    match r {
+        Reply::Failed { code, message } => HostError::Guest { id: id.to_owned(), failure: failure(code), message },
+        other => HostError::Guest {
+            id: id.to_owned(),
+            failure: GuestFailure::Io,
+            message: format!("unexpected reply {other:?}"),
+        },
+    }
+}
+
+#[async_trait]
+impl Host for QemuHost {
+    async fn start(&self, spec: &MachineSpec) -> Result<(), HostError> {
+        let vm = self.boot(spec).await?;
+        if let Ok(mut m) = self.vms.lock() {
+            m.insert(spec.id.clone(), vm);
+        }
+        Ok(())
+    }
+
+    async fn recover(&self, spec: &MachineSpec) -> Result<bool, HostError> {
+        let paths = self.paths(&spec.id);
+        let Some(pid) = qemu::read_pid(&paths) else { return Ok(false) };
+        if !qemu::is_our_qemu(pid, &paths.dir) {
+            return Ok(false);
+        }
+        match Link::connect(&paths.agent_sock(), Duration::from_secs(10)).await {
+            Ok((link, _)) => {
+                let vm = Arc::new(Vm { paths, pid, link: tokio::sync::Mutex::new(Some(link)) });
+                if let Ok(mut m) = self.vms.lock() {
+                    m.insert(spec.id.clone(), vm);
+                }
+                tracing::info!(sandbox_id = %spec.id, pid, "recovered running machine");
+                Ok(true)
+            }
+            Err(error) => {
+                tracing::warn!(sandbox_id = %spec.id, %error, "machine found but its agent does not answer");
+                qemu::kill(pid).await;
+                Ok(false)
+            }
+        }
+    }
+
+    async fn stop(&self, id: &str, keep_disk: bool) -> Result<(), HostError> {
+        let vm = self.vms.lock().ok().and_then(|mut m| m.remove(id));
+        if let Some(vm) = vm {
+            if keep_disk {
+                if let Some(l) = vm.link.lock().await.as_ref() {
+                    let _ = tokio::time::timeout(Duration::from_secs(10), l.call(&Request::Sync)).await;
+                }
+            }
+            if let Some(l) = vm.link.lock().await.take() {
+                l.close();
+            }
+            qemu::kill(vm.pid).await;
+        } else {
+            let paths = self.paths(id);
+            if let Some(pid) = qemu::read_pid(&paths) {
+                if qemu::is_our_qemu(pid, &paths.dir) {
+                    qemu::kill(pid).await;
+                }
+            }
+        }
+        cgroup::remove(self.cgroups, id);
+        if !keep_disk {
+            let _ = std::fs::remove_dir_all(self.paths(id).dir);
+        }
+        Ok(())
+    }
+
+    async fn destroy(&self, id: &str) -> Result<(), HostError> {
+        self.stop(id, false).await
+    }
+
+    async fn exec(&self, id: &str, spec: ExecSpec) -> Result<ExecHandle, HostError> {
+        let link = self.link(id).await?;
+        let lost = || HostError::LinkLost { id: id.to_owned() };
+        let mut stream = link.open().map_err(|_| lost())?;
+        let req = ExecRequest {
+            argv: spec.argv,
+            cwd: spec.cwd,
+            env: spec.env,
+            user: user(spec.user),
+            timeout_ms: spec.timeout.map(|t| t.as_millis() as u64),
+            stdin: spec.stdin,
+            pty: spec.pty.map(|t| PtySize { cols: t.cols, rows: t.rows }),
+            kill_group_on_exit: spec.kill_group_on_exit,
+        };
+        stream.send(&Request::Exec(req)).map_err(|_| lost())?;
+        let pid = match stream.reply().await.map_err(|_| lost())? {
+            Reply::Started { pid } => pid,
+            other => return Err(guest_err(id, other)),
+        };
+        let (ev_tx, ev_rx) = mpsc::channel(64);
+        let (ctl_tx, mut ctl_rx) = mpsc::channel::<ExecControl>(64);
+        let sender = stream.sender();
+        tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    inc = stream.recv() => {
+                        let ev = match inc {
+                            Some(Incoming::Data { channel: channel::STDOUT, bytes }) => ExecEvent::Stdout(bytes),
+                            Some(Incoming::Data { channel: channel::STDERR, bytes }) => ExecEvent::Stderr(bytes),
+                            Some(Incoming::Data { .. }) => continue,
+                            Some(Incoming::Reply(Reply::Exited { exit_code, signal, timed_out, duration_ms, out_of_memory })) => {
+                                let _ = ev_tx.send(ExecEvent::Exited(ExitStatus { code: exit_code, signal, timed_out, duration_ms, out_of_memory })).await;
+                                break;
+                            }
+                            Some(Incoming::Reply(_)) => continue,
+                            None => break,
+                        };
+                        if ev_tx.send(ev).await.is_err() {
+                            // Nobody listens any more; keep draining so the
+                            // stream's route does not pile up.
+                            continue;
+                        }
+                    }
+                    ctl = ctl_rx.recv() => {
+                        let r = match ctl {
+                            Some(ExecControl::Stdin(b)) => sender.send_data(&b),
+                            Some(ExecControl::CloseStdin) => sender.send(&Request::CloseStdin),
+                            Some(ExecControl::Signal(s)) => sender.send(&Request::Signal { signal: s }),
+                            Some(ExecControl::Resize(t)) => sender.send(&Request::Resize { size: PtySize { cols: t.cols, rows: t.rows } }),
+                            None => { ctl_rx.close(); Ok(()) }
+                        };
+                        if r.is_err() { break; }
+                    }
+                }
+            }
+        });
+        Ok(ExecHandle { pid, events: ev_rx, control: ctl_tx })
+    }
+
+    async fn read_file(&self, id: &str, path: &str, u: RunAs) -> Result<Vec<u8>, HostError> {
+        let link = self.link(id).await?;
+        let lost = || HostError::LinkLost { id: id.to_owned() };
+        let mut s = link.open().map_err(|_| lost())?;
+        s.send(&Request::ReadFile { path: path.to_owned(), user: user(u) }).map_err(|_| lost())?;
+        let mut data = Vec::new();
+        loop {
+            match s.recv().await.ok_or_else(lost)? {
+                Incoming::Reply(Reply::FileStart { size }) => data.reserve(size.min(1 << 30) as usize),
+                Incoming::Data { bytes, .. } => data.extend_from_slice(&bytes),
+                Incoming::Reply(Reply::Done) => return Ok(data),
+                Incoming::Reply(other) => return Err(guest_err(id, other)),
+            }
+        }
+    }
+
+    async fn write_file(&self, id: &str, path: &str, mode: Option<u32>, u: RunAs, data: Vec<u8>) -> Result<(), HostError> {
+        let link = self.link(id).await?;
+        let lost = || HostError::LinkLost { id: id.to_owned() };
+        let mut s = link.open().map_err(|_| lost())?;
+        s.send(&Request::WriteFile { path: path.to_owned(), mode, user: user(u) }).map_err(|_| lost())?;
+        s.send_data(&data).map_err(|_| lost())?;
+        s.send(&Request::EndWrite).map_err(|_| lost())?;
+        match s.reply().await.map_err(|_| lost())? {
+            Reply::Done => Ok(()),
+            other => Err(guest_err(id, other)),
+        }
+    }
+
+    async fn file_op(&self, id: &str, op: FileOp, u: RunAs) -> Result<FileOpResult, HostError> {
+        let link = self.link(id).await?;
+        let user = user(u);
+        let req = match op {
+            FileOp::Stat { path } => Request::Stat { path, user },
+            FileOp::List { path, depth, hidden, limit } => Request::List { path, depth, hidden, limit, user },
+            FileOp::Mkdir { path, parents } => Request::Mkdir { path, parents, user },
+            FileOp::Remove { path, recursive } => Request::Remove { path, recursive, user },
+            FileOp::Rename { from, to, overwrite } => Request::Rename { from, to, overwrite, user },
+            FileOp::Chmod { path, mode } => Request::Chmod { path, mode, user },
+        };
+        match link.call(&req).await.map_err(|_| HostError::LinkLost { id: id.to_owned() })? {
+            Reply::Stat { entry: e } => Ok(FileOpResult::Stat(e.map(entry))),
+            Reply::Listing { entries, truncated } => {
+                Ok(FileOpResult::Listing { entries: entries.into_iter().map(entry).collect(), truncated })
+            }
+            Reply::Removed { removed } => Ok(FileOpResult::Removed(removed)),
+            Reply::Done => Ok(FileOpResult::Done),
+            other => Err(guest_err(id, other)),
+        }
+    }
+}
+
+impl QemuHost {
+    /// The memory limit of a VM's cgroup in bytes, if cgroups are in use.
+    pub fn memory_limit(&self, id: &str) -> Option<u64> {
+        cgroup::memory_limit(self.cgroups, id)
+    }
+
+    /// The pid of a VM's QEMU.
+    pub fn qemu_pid(&self, id: &str) -> Option<u32> {
+        self.vm(id).ok().map(|v| v.pid)
+    }
+
+    /// The serial console so far.
+    pub fn console(&self, id: &str) -> String {
+        qemu::console_tail(&self.paths(id), 1 << 20)
+    }
+}

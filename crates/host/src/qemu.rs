@@ -1,0 +1,209 @@
+//! QEMU microVM processes: the command line, spawning it unprivileged in its
+//! own session (so it outlives a restart of the server), and ending it.
+
+use std::ffi::OsString;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+/// Accelerator chosen for this host.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Accel {
+    Kvm,
+    Tcg,
+}
+
+impl std::fmt::Display for Accel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Accel::Kvm => "kvm",
+            Accel::Tcg => "tcg",
+        })
+    }
+}
+
+/// Files of one VM, all inside its directory.
+#[derive(Debug, Clone)]
+pub(crate) struct VmPaths {
+    pub dir: PathBuf,
+}
+
+impl VmPaths {
+    pub fn new(dir: PathBuf) -> Self {
+        VmPaths { dir }
+    }
+    pub fn overlay(&self) -> PathBuf {
+        self.dir.join("disk.qcow2")
+    }
+    pub fn agent_sock(&self) -> PathBuf {
+        self.dir.join("agent.sock")
+    }
+    pub fn qmp_sock(&self) -> PathBuf {
+        self.dir.join("qmp.sock")
+    }
+    pub fn console(&self) -> PathBuf {
+        self.dir.join("console.log")
+    }
+    pub fn qemu_log(&self) -> PathBuf {
+        self.dir.join("qemu.log")
+    }
+    pub fn pidfile(&self) -> PathBuf {
+        self.dir.join("qemu.pid")
+    }
+}
+
+pub(crate) struct VmConfig<'a> {
+    pub qemu: &'a Path,
+    pub kernel: &'a Path,
+    pub initrd: &'a Path,
+    pub accel: Accel,
+    pub vcpu: u32,
+    pub memory_mib: u32,
+    pub paths: &'a VmPaths,
+    /// Run QEMU as this uid/gid (when the server is root).
+    pub run_as: Option<(u32, u32)>,
+}
+
+/// The kernel command line. The agent is `/init` of the initramfs; it mounts
+/// `/dev/vda` and switches root itself. A panic or reboot ends QEMU.
+pub(crate) const KERNEL_CMDLINE: &str = "console=ttyS0 reboot=t panic=-1 quiet loglevel=4 random.trust_cpu=on";
+
+pub(crate) fn command_line(cfg: &VmConfig<'_>) -> Vec<OsString> {
+    let p = cfg.paths;
+    let mut a: Vec<OsString> = Vec::new();
+    let mut push = |s: &str| a.push(OsString::from(s));
+    // acpi=off: the custom kernel takes its virtio-mmio devices from the
+    // command line and keeps the legacy PIC/PIT it programs itself, which
+    // boots reliably under TCG (shared/docs/feasibility-qemu.md §9).
+    push("-M");
+    push("microvm,acpi=off");
+    push("-accel");
+    match cfg.accel {
+        Accel::Kvm => push("kvm"),
+        Accel::Tcg => push("tcg,thread=multi,tb-size=256"),
+    }
+    if cfg.accel == Accel::Kvm {
+        push("-cpu");
+        push("host");
+    }
+    push("-m");
+    push(&format!("{}M", cfg.memory_mib));
+    push("-smp");
+    push(&cfg.vcpu.to_string());
+    for s in ["-nodefaults", "-no-user-config", "-display", "none", "-no-reboot"] {
+        push(s);
+    }
+    // QEMU's own seccomp filter: no spawning, no obsolete or resource calls.
+    // `elevateprivileges=deny` would also forbid the setuid of `-run-with
+    // user=`, which happens after the filter is installed; once QEMU has
+    // dropped to an unprivileged uid it has no capabilities to regain.
+    push("-sandbox");
+    push("on,obsolete=deny,spawn=deny,resourcecontrol=deny");
+    if let Some((uid, gid)) = cfg.run_as {
+        // Files are opened as the server's user, then QEMU drops to its own uid.
+        push("-run-with");
+        push(&format!("user={uid}:{gid}"));
+    }
+    push("-serial");
+    push(&format!("file:{}", p.console().display()));
+    push("-kernel");
+    a.push(cfg.kernel.as_os_str().to_owned());
+    a.push(OsString::from("-initrd"));
+    a.push(cfg.initrd.as_os_str().to_owned());
+    let mut push = |s: &str| a.push(OsString::from(s));
+    push("-append");
+    push(KERNEL_CMDLINE);
+    push("-drive");
+    push(&format!(
+        "file={},if=none,id=root,format=qcow2,discard=unmap,cache=writeback",
+        p.overlay().display()
+    ));
+    push("-device");
+    push("virtio-blk-device,drive=root");
+    push("-device");
+    push("virtio-rng-device");
+    push("-device");
+    push("virtio-serial-device,max_ports=2");
+    push("-chardev");
+    push(&format!("socket,id=agent,path={},server=on,wait=off", p.agent_sock().display()));
+    push("-device");
+    push(&format!("virtserialport,chardev=agent,name={}", runtime_proto::PORT_NAME));
+    push("-qmp");
+    push(&format!("unix:{},server=on,wait=off", p.qmp_sock().display()));
+    push("-pidfile");
+    push(&p.pidfile().display().to_string());
+    a
+}
+
+/// Starts QEMU in a session of its own, detached from the server, so a
+/// restart of the server leaves it running. Returns its pid.
+pub(crate) fn spawn(cfg: &VmConfig<'_>) -> std::io::Result<u32> {
+    let log = std::fs::File::create(cfg.paths.qemu_log())?;
+    let log2 = log.try_clone()?;
+    let mut cmd = Command::new(cfg.qemu);
+    cmd.args(command_line(cfg))
+        .stdin(Stdio::null())
+        .stdout(Stdio::from(log))
+        .stderr(Stdio::from(log2))
+        .current_dir(&cfg.paths.dir);
+    // SAFETY: setsid is async-signal-safe and touches no memory of the parent.
+    unsafe {
+        cmd.pre_exec(|| {
+            if libc::setsid() < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let child = cmd.spawn()?;
+    let pid = child.id();
+    // The child is reaped by a thread so it never lingers as a zombie while
+    // this server runs; after a restart init reaps it.
+    std::thread::spawn(move || {
+        let mut child = child;
+        let _ = child.wait();
+    });
+    Ok(pid)
+}
+
+/// Whether `pid` is alive and is a QEMU whose command line names `dir`.
+pub(crate) fn is_our_qemu(pid: u32, dir: &Path) -> bool {
+    let Ok(cmdline) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
+        return false;
+    };
+    let needle = dir.join("agent.sock");
+    let needle = needle.to_string_lossy();
+    let text = String::from_utf8_lossy(&cmdline);
+    text.contains("qemu-system") && text.contains(needle.as_ref())
+}
+
+pub(crate) fn read_pid(paths: &VmPaths) -> Option<u32> {
+    std::fs::read_to_string(paths.pidfile()).ok()?.trim().parse().ok()
+}
+
+/// SIGKILL, then wait (bounded) for the process to disappear.
+pub(crate) async fn kill(pid: u32) {
+    // SAFETY: kill has no memory-safety preconditions.
+    unsafe {
+        libc::kill(pid as i32, libc::SIGKILL);
+    }
+    for _ in 0..200 {
+        if !Path::new(&format!("/proc/{pid}")).exists() {
+            return;
+        }
+        // A zombie still has /proc/<pid>; its state tells.
+        if let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+            if stat.rsplit(')').next().map(|s| s.trim_start().starts_with('Z')).unwrap_or(false) {
+                return;
+            }
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+}
+
+/// The last `max` bytes of the serial console, as text.
+pub(crate) fn console_tail(paths: &VmPaths, max: usize) -> String {
+    let data = std::fs::read(paths.console()).unwrap_or_default();
+    let start = data.len().saturating_sub(max);
+    String::from_utf8_lossy(&data[start..]).into_owned()
+}

@@ -1,0 +1,166 @@
+//! The host against real QEMU: a real kernel, the real root filesystem and
+//! the real agent (TCG where KVM does not work; never skipped).
+//!
+//! Needs the static agent (scripts/build.sh) and uses the artifact cache
+//! (`RUNTIME_CACHE_DIR`, default `~/.cache/runtime`), building it if empty.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use runtime_host::*;
+
+fn workspace() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn cache() -> PathBuf {
+    std::env::var_os("RUNTIME_CACHE_DIR").map(PathBuf::from).unwrap_or_else(|| {
+        PathBuf::from(std::env::var_os("HOME").expect("HOME")).join(".cache/runtime")
+    })
+}
+
+struct TestHost {
+    host: QemuHost,
+    state: PathBuf,
+}
+
+fn host() -> TestHost {
+    let agent = std::env::var_os("RUNTIME_AGENT_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| workspace().join("target/x86_64-unknown-linux-gnu/release/runtime-agent"));
+    let arts = artifacts::ensure(&cache(), &agent).expect("artifacts (run scripts/build.sh first)");
+    let state = std::env::temp_dir().join(format!("rt-host-test-{}-{}", std::process::id(), rand_suffix()));
+    let (accel, _) = choose_accel();
+    let host = QemuHost::new(QemuConfig {
+        state_dir: state.clone(),
+        qemu_binary: "qemu-system-x86_64".into(),
+        artifacts: arts,
+        accel,
+        boot_timeout: Duration::from_secs(120),
+    })
+    .unwrap();
+    TestHost { host, state }
+}
+
+fn rand_suffix() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64
+}
+
+fn spec(id: &str) -> MachineSpec {
+    MachineSpec { id: id.into(), vcpu: 2, memory_mib: 1024, disk_mib: 4096, hostname: "sbx-test".into() }
+}
+
+async fn run(h: &QemuHost, id: &str, argv: &[&str], user: RunAs, timeout: Option<Duration>) -> (String, String, ExitStatus) {
+    let mut handle = h
+        .exec(
+            id,
+            ExecSpec {
+                argv: argv.iter().map(|s| s.to_string()).collect(),
+                cwd: None,
+                env: vec![("GREETING".into(), "hi there".into())],
+                user,
+                timeout,
+                stdin: false,
+                pty: None,
+                kill_group_on_exit: true,
+            },
+        )
+        .await
+        .unwrap();
+    let (mut out, mut err) = (Vec::new(), Vec::new());
+    loop {
+        match tokio::time::timeout(Duration::from_secs(60), handle.events.recv()).await.expect("exec stalled") {
+            Some(ExecEvent::Stdout(b)) => out.extend(b),
+            Some(ExecEvent::Stderr(b)) => err.extend(b),
+            Some(ExecEvent::Exited(s)) => {
+                return (String::from_utf8_lossy(&out).into(), String::from_utf8_lossy(&err).into(), s)
+            }
+            None => panic!("link lost during exec"),
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn boots_runs_commands_moves_files_and_cleans_up() {
+    let t = host();
+    let h = &t.host;
+    let id = "00000000-0000-4000-8000-00000000a001";
+    h.start(&spec(id)).await.unwrap_or_else(|e| panic!("start: {e:?}"));
+
+    let (out, _, st) = run(h, id, &["bash", "-c", "echo $GREETING; id -u; echo $HOME; pwd; nproc; hostname"], RunAs::Sandbox, None).await;
+    assert_eq!(st.code, Some(0));
+    assert_eq!(out, "hi there\n1000\n/workspace\n/workspace\n2\nsbx-test\n");
+
+    let (out, _, _) = run(h, id, &["id", "-u"], RunAs::Root, None).await;
+    assert_eq!(out.trim(), "0");
+
+    let (out, _, _) = run(h, id, &["bash", "-c", "grep MemTotal /proc/meminfo | awk '{print $2}'; df -m / | tail -1 | awk '{print $2}'"], RunAs::Sandbox, None).await;
+    let mut lines = out.lines();
+    let mem_kib: u64 = lines.next().unwrap().parse().unwrap();
+    let disk_mib: u64 = lines.next().unwrap().parse().unwrap();
+    assert!((900_000..=1_048_576).contains(&mem_kib), "MemTotal {mem_kib} KiB for 1024 MiB");
+    assert!((3800..=4096).contains(&disk_mib), "root is {disk_mib} MiB for a 4096 MiB disk");
+
+    let (_, err, st) = run(h, id, &["bash", "-c", "echo oops >&2; exit 3"], RunAs::Sandbox, None).await;
+    assert_eq!((st.code, err.as_str()), (Some(3), "oops\n"));
+
+    let (_, _, st) = run(h, id, &["sleep", "30"], RunAs::Sandbox, Some(Duration::from_millis(500))).await;
+    assert!(st.timed_out && st.code.is_none(), "{st:?}");
+
+    let big: Vec<u8> = (0..3 * 1024 * 1024u32).map(|i| (i % 251) as u8).collect();
+    h.write_file(id, "/workspace/d/big.bin", Some(0o600), RunAs::Sandbox, big.clone()).await.unwrap();
+    assert_eq!(h.read_file(id, "/workspace/d/big.bin", RunAs::Sandbox).await.unwrap(), big);
+    match h.file_op(id, FileOp::Stat { path: "/workspace/d/big.bin".into() }, RunAs::Sandbox).await.unwrap() {
+        FileOpResult::Stat(Some(e)) => assert_eq!((e.size, e.mode & 0o777, e.kind), (big.len() as u64, 0o600, EntryKind::File)),
+        other => panic!("{other:?}"),
+    }
+    let err = h.read_file(id, "/etc/shadow", RunAs::Sandbox).await.unwrap_err();
+    assert!(matches!(err, HostError::Guest { failure: GuestFailure::PermissionDenied, .. }), "{err:?}");
+    let err = h.read_file(id, "/workspace/missing", RunAs::Sandbox).await.unwrap_err();
+    assert!(matches!(err, HostError::Guest { failure: GuestFailure::FileNotFound, .. }), "{err:?}");
+
+    // QEMU runs unprivileged, under its seccomp filter, inside a memory limit.
+    let pid = h.qemu_pid(id).unwrap();
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let uid_line = status.lines().find(|l| l.starts_with("Uid:")).unwrap();
+    let is_root = unsafe { libc::geteuid() } == 0;
+    if is_root {
+        assert!(!uid_line.split_whitespace().skip(1).any(|u| u == "0"), "QEMU runs as root: {uid_line}");
+        assert!(status.lines().any(|l| l == "Seccomp:\t2"), "no seccomp filter");
+        if let Some(limit) = h.memory_limit(id) {
+            assert_eq!(limit, (1024 + 512) * 1024 * 1024);
+        }
+    }
+    assert!(h.console(id).contains("Linux version"), "the serial console is kept");
+
+    h.destroy(id).await.unwrap();
+    assert!(!std::path::Path::new(&format!("/proc/{pid}")).exists() || std::fs::read_to_string(format!("/proc/{pid}/stat")).map(|s| s.contains(") Z")).unwrap_or(true));
+    assert!(!t.state.join(id).exists(), "the VM directory is removed");
+    let err = h.exec(id, ExecSpec { argv: vec!["true".into()], cwd: None, env: vec![], user: RunAs::Sandbox, timeout: None, stdin: false, pty: None, kill_group_on_exit: true }).await.unwrap_err();
+    assert!(matches!(err, HostError::NoSuchMachine { .. }));
+    let _ = std::fs::remove_dir_all(&t.state);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_host_process_recovers_a_running_machine() {
+    let t = host();
+    let id = "00000000-0000-4000-8000-00000000a002";
+    t.host.start(&spec(id)).await.unwrap_or_else(|e| panic!("start: {e:?}"));
+    let (_, _, st) = run(&t.host, id, &["bash", "-c", "echo kept > /tmp/mem-only; sleep 600 >/dev/null 2>&1 &"], RunAs::Sandbox, None).await;
+    assert_eq!(st.code, Some(0));
+    let pid = t.host.qemu_pid(id).unwrap();
+    drop(t.host);
+
+    // As after a restart of the server: a fresh host on the same state dir.
+    let (accel, _) = choose_accel();
+    let agent = workspace().join("target/x86_64-unknown-linux-gnu/release/runtime-agent");
+    let arts = artifacts::ensure(&cache(), &std::env::var_os("RUNTIME_AGENT_BIN").map(PathBuf::from).unwrap_or(agent)).unwrap();
+    let h2 = QemuHost::new(QemuConfig { state_dir: t.state.clone(), qemu_binary: "qemu-system-x86_64".into(), artifacts: arts, accel, boot_timeout: Duration::from_secs(60) }).unwrap();
+    assert!(h2.recover(&spec(id)).await.unwrap());
+    assert_eq!(h2.qemu_pid(id), Some(pid));
+    let (out, _, _) = run(&h2, id, &["cat", "/tmp/mem-only"], RunAs::Sandbox, None).await;
+    assert_eq!(out, "kept\n");
+    assert!(!h2.recover(&spec("00000000-0000-4000-8000-00000000a0ff")).await.unwrap());
+    h2.destroy(id).await.unwrap();
+    let _ = std::fs::remove_dir_all(&t.state);
+}
