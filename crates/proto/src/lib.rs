@@ -8,12 +8,12 @@
 //!
 //! Frame layout (big endian): `u32 len | u8 kind | u8 channel | u32 stream | payload`,
 //! where `len` counts everything after itself. `kind` is [`Kind::Control`]
-//! (payload: one JSON [`Control`] message) or [`Kind::Data`] (payload: raw
+//! (payload: one JSON [`Request`] or [`Reply`]) or [`Kind::Data`] (payload: raw
 //! bytes on `channel` of `stream`). Stream 0 is the connection itself (hello,
 //! ping). The host opens a stream per request with a fresh odd-free id; the
 //! guest answers on that stream.
 //!
-//! Versioning: the host sends [`Control::Hello`] first and the guest answers
+//! Versioning: the host sends [`Request::Hello`] first and the guest answers
 //! with the version it speaks; new fields are optional (`#[serde(default)]`),
 //! new message kinds are only sent once the peer announced a version that has
 //! them. Unknown control messages decode to an error the caller may skip.

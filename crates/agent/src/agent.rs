@@ -1,0 +1,428 @@
+//! The request dispatcher: the reader loop decodes frames and hands each
+//! request to its own thread, so nothing slow ever runs on the reader.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::{mpsc, Arc, Mutex};
+use std::time::Duration;
+
+use runtime_proto::{channel, Decoder, FailCode, Frame, Kind, Reply, Request, User, VERSION};
+
+use crate::exec::{self, ExecCtl, Input};
+use crate::files::{self, WriteMsg};
+use crate::link::{Link, Outbox};
+use crate::reaper::Reaper;
+use crate::sys::{errno, lock, log, log_limited, poll1, Fail, RateLimit};
+
+static STRAY: RateLimit = RateLimit::new(std::time::Duration::from_secs(10), 5);
+static BAD_FRAMES: RateLimit = RateLimit::new(std::time::Duration::from_secs(10), 5);
+
+/// What the reader keeps per stream for requests that receive more frames.
+enum StreamState {
+    Exec(Arc<ExecCtl>),
+    Write(mpsc::Sender<WriteMsg>),
+}
+
+pub struct Agent {
+    pub out: Arc<Outbox>,
+    pub reaper: Arc<Reaper>,
+    streams: Mutex<HashMap<u32, StreamState>>,
+}
+
+impl Agent {
+    /// Drops the state of a stream whose request has finished.
+    pub fn forget(&self, stream: u32) {
+        lock(&self.streams).remove(&stream);
+    }
+
+    /// Kills every running command (test mode, before exiting).
+    fn kill_all(&self) {
+        for s in lock(&self.streams).values() {
+            if let StreamState::Exec(ctl) = s {
+                crate::sys::kill_session(ctl.pgid(), libc::SIGKILL);
+            }
+        }
+    }
+
+    fn handle(self: &Arc<Self>, frame: Frame) {
+        let stream = frame.stream;
+        match frame.kind {
+            Kind::Data => {
+                if frame.channel != channel::INPUT {
+                    log_limited!(
+                        STRAY,
+                        "data on channel {} of stream {stream} ignored",
+                        frame.channel
+                    );
+                    return;
+                }
+                match lock(&self.streams).get(&stream) {
+                    Some(StreamState::Exec(ctl)) => {
+                        let _ = ctl.input.send(Input::Data(frame.payload));
+                    }
+                    Some(StreamState::Write(tx)) => {
+                        let _ = tx.send(WriteMsg::Data(frame.payload));
+                    }
+                    None => log_limited!(STRAY, "data for idle stream {stream} dropped"),
+                }
+            }
+            Kind::Control => match serde_json::from_slice::<Request>(&frame.payload) {
+                Ok(req) => self.request(stream, req),
+                Err(e) => {
+                    log_limited!(BAD_FRAMES, "bad request on stream {stream}: {e}");
+                    let fail = Fail::new(
+                        FailCode::BadRequest,
+                        format!("unknown or malformed request: {e}"),
+                    );
+                    self.out.reply_now(stream, &fail.reply());
+                }
+            },
+        }
+    }
+
+    /// Runs `f` on a new thread; if none can be started, answers `Failed`.
+    fn spawn(self: &Arc<Self>, stream: u32, f: impl FnOnce() + Send + 'static) -> bool {
+        match std::thread::Builder::new()
+            .name(format!("stream-{stream}"))
+            .spawn(f)
+        {
+            Ok(_) => true,
+            Err(e) => {
+                log!("cannot start a thread: {e}");
+                self.out.reply_now(
+                    stream,
+                    &Fail::new(FailCode::Io, format!("cannot start a thread: {e}")).reply(),
+                );
+                false
+            }
+        }
+    }
+
+    /// A file operation answered by one reply, run as `user`.
+    fn file_op(
+        self: &Arc<Self>,
+        stream: u32,
+        user: User,
+        op: impl FnOnce() -> Result<Reply, Fail> + Send + 'static,
+    ) {
+        let out = Arc::clone(&self.out);
+        self.spawn(stream, move || {
+            let reply = files::become_user(user)
+                .and_then(|()| op())
+                .unwrap_or_else(Fail::reply);
+            out.reply_now(stream, &reply);
+        });
+    }
+
+    fn busy(&self, stream: u32) -> bool {
+        if lock(&self.streams).contains_key(&stream) {
+            let fail = Fail::new(FailCode::BadRequest, format!("stream {stream} is busy"));
+            self.out.reply_now(stream, &fail.reply());
+            return true;
+        }
+        false
+    }
+
+    fn request(self: &Arc<Self>, stream: u32, req: Request) {
+        match req {
+            Request::Hello { version } => {
+                log!("hello from host (protocol {version})");
+                let agent = env!("CARGO_PKG_VERSION").to_string();
+                self.out.reply_now(
+                    stream,
+                    &Reply::Hello {
+                        version: VERSION,
+                        agent,
+                    },
+                );
+            }
+            Request::Ping => self.out.reply_now(stream, &Reply::Pong),
+            Request::Setup {
+                hostname,
+                unix_time_ms,
+                entropy,
+            } => {
+                let out = Arc::clone(&self.out);
+                self.spawn(stream, move || {
+                    let reply = match setup(&hostname, unix_time_ms, &entropy) {
+                        Ok(()) => Reply::Done,
+                        Err(message) => Reply::Failed {
+                            code: FailCode::Io,
+                            message,
+                        },
+                    };
+                    out.reply_now(stream, &reply);
+                });
+            }
+            Request::Sync => {
+                let out = Arc::clone(&self.out);
+                self.spawn(stream, move || {
+                    // SAFETY: plain syscall.
+                    unsafe { libc::sync() };
+                    out.reply_now(stream, &Reply::Done);
+                });
+            }
+            Request::Exec(req) => {
+                if self.busy(stream) {
+                    return;
+                }
+                let (ctl, input) = ExecCtl::new();
+                // Registered now, so stdin data right behind the request is kept.
+                lock(&self.streams).insert(stream, StreamState::Exec(Arc::clone(&ctl)));
+                let agent = Arc::clone(self);
+                if !self.spawn(stream, move || exec::run(agent, stream, req, ctl, input)) {
+                    self.forget(stream);
+                }
+            }
+            Request::CloseStdin => {
+                if let Some(StreamState::Exec(ctl)) = lock(&self.streams).get(&stream) {
+                    let _ = ctl.input.send(Input::Close);
+                }
+            }
+            Request::Signal { signal } => {
+                if !(1..=64).contains(&signal) {
+                    let fail = Fail::new(FailCode::BadRequest, format!("no signal {signal}"));
+                    self.out.reply_now(stream, &fail.reply());
+                } else if let Some(StreamState::Exec(ctl)) = lock(&self.streams).get(&stream) {
+                    ctl.signal(signal);
+                }
+            }
+            Request::Resize { size } => {
+                if let Some(StreamState::Exec(ctl)) = lock(&self.streams).get(&stream) {
+                    ctl.resize(size);
+                }
+            }
+            Request::ReadFile { path, user } => {
+                let out = Arc::clone(&self.out);
+                self.spawn(stream, move || {
+                    if let Err(fail) = files::become_user(user)
+                        .and_then(|()| files::read_file(&out, stream, &path))
+                    {
+                        out.reply(stream, &fail.reply());
+                    }
+                });
+            }
+            Request::WriteFile { path, mode, user } => {
+                if self.busy(stream) {
+                    return;
+                }
+                let (tx, rx) = mpsc::channel();
+                lock(&self.streams).insert(stream, StreamState::Write(tx));
+                let out = Arc::clone(&self.out);
+                let spawned = self.spawn(stream, move || {
+                    let result = match files::become_user(user) {
+                        Ok(()) => files::write_file(&path, mode, &rx),
+                        Err(fail) => {
+                            // The one reply comes after EndWrite.
+                            while let Ok(WriteMsg::Data(_)) = rx.recv() {}
+                            Err(fail)
+                        }
+                    };
+                    out.reply_now(
+                        stream,
+                        &result.map(|()| Reply::Done).unwrap_or_else(Fail::reply),
+                    );
+                });
+                if !spawned {
+                    self.forget(stream);
+                }
+            }
+            Request::EndWrite => match lock(&self.streams).remove(&stream) {
+                Some(StreamState::Write(tx)) => {
+                    let _ = tx.send(WriteMsg::End);
+                }
+                Some(other) => {
+                    lock(&self.streams).insert(stream, other);
+                    let fail = Fail::new(
+                        FailCode::BadRequest,
+                        "end_write on a stream that is not writing",
+                    );
+                    self.out.reply_now(stream, &fail.reply());
+                }
+                None => {
+                    let fail = Fail::new(FailCode::BadRequest, "end_write without write_file");
+                    self.out.reply_now(stream, &fail.reply());
+                }
+            },
+            Request::Stat { path, user } => self.file_op(stream, user, move || files::stat(&path)),
+            Request::List {
+                path,
+                depth,
+                hidden,
+                limit,
+                user,
+            } => self.file_op(stream, user, move || {
+                files::list(&path, depth, hidden, limit)
+            }),
+            Request::Mkdir {
+                path,
+                parents,
+                user,
+            } => self.file_op(stream, user, move || files::mkdir(&path, parents)),
+            Request::Remove {
+                path,
+                recursive,
+                user,
+            } => self.file_op(stream, user, move || files::remove(&path, recursive)),
+            Request::Rename {
+                from,
+                to,
+                overwrite,
+                user,
+            } => self.file_op(stream, user, move || files::rename(&from, &to, overwrite)),
+            Request::Chmod { path, mode, user } => {
+                self.file_op(stream, user, move || files::chmod(&path, mode))
+            }
+        }
+    }
+}
+
+fn setup(hostname: &str, unix_time_ms: u64, entropy: &[u8]) -> Result<(), String> {
+    let mut errors = Vec::new();
+    if !hostname.is_empty() {
+        // SAFETY: pointer and length of a valid buffer.
+        if unsafe { libc::sethostname(hostname.as_ptr().cast(), hostname.len()) } < 0 {
+            errors.push(format!("sethostname: {}", std::io::Error::last_os_error()));
+        }
+    }
+    if unix_time_ms > 0 {
+        let ts = libc::timespec {
+            tv_sec: (unix_time_ms / 1000) as libc::time_t,
+            tv_nsec: ((unix_time_ms % 1000) * 1_000_000) as libc::c_long,
+        };
+        // SAFETY: a valid timespec.
+        if unsafe { libc::clock_settime(libc::CLOCK_REALTIME, &ts) } < 0 {
+            errors.push(format!(
+                "clock_settime: {}",
+                std::io::Error::last_os_error()
+            ));
+        }
+    }
+    if !entropy.is_empty() {
+        if let Err(e) = add_entropy(entropy) {
+            errors.push(format!("entropy: {e}"));
+        }
+    }
+    if errors.is_empty() {
+        Ok(())
+    } else {
+        Err(errors.join("; "))
+    }
+}
+
+/// Mixes the host's bytes into the pool and credits them (RNDADDENTROPY),
+/// so a restored copy does not share its random state with its siblings.
+fn add_entropy(bytes: &[u8]) -> std::io::Result<()> {
+    use std::io::Write as _;
+    use std::os::fd::AsRawFd as _;
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .open("/dev/urandom")?;
+    f.write_all(bytes)?;
+    // struct rand_pool_info { int entropy_count; int buf_size; __u32 buf[]; }
+    let mut info = Vec::with_capacity(8 + bytes.len());
+    info.extend_from_slice(&((bytes.len() * 8) as i32).to_ne_bytes());
+    info.extend_from_slice(&(bytes.len() as i32).to_ne_bytes());
+    info.extend_from_slice(bytes);
+    const RNDADDENTROPY: libc::c_ulong = 0x4008_5203;
+    // SAFETY: `info` is laid out as rand_pool_info and outlives the call.
+    unsafe { libc::ioctl(f.as_raw_fd(), RNDADDENTROPY as _, info.as_ptr()) };
+    Ok(())
+}
+
+/// Opens the channel (retrying until it exists) and serves it. Returns only
+/// in test mode, when the socket is gone.
+pub fn serve(socket: Option<&Path>, reaper: &Arc<Reaper>) {
+    let mut logged = false;
+    let link = loop {
+        match Link::open(socket) {
+            Ok(link) => break Arc::new(link),
+            Err(e) => {
+                if socket.is_some() {
+                    log!(
+                        "cannot connect to {}: {e}",
+                        socket
+                            .map(Path::display)
+                            .map(|d| d.to_string())
+                            .unwrap_or_default()
+                    );
+                    return;
+                }
+                if !logged {
+                    log!("waiting for the host channel: {e}");
+                    logged = true;
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        }
+    };
+    log!("channel open");
+    let out = Arc::new(Outbox::default());
+    {
+        let (out, link) = (Arc::clone(&out), Arc::clone(&link));
+        if let Err(e) = std::thread::Builder::new()
+            .name("writer".into())
+            .spawn(move || out.run_writer(&link))
+        {
+            log!("cannot start the writer thread: {e}");
+            return;
+        }
+    }
+    let agent = Arc::new(Agent {
+        out,
+        reaper: Arc::clone(reaper),
+        streams: Mutex::new(HashMap::new()),
+    });
+    read_loop(&agent, &link);
+    agent.kill_all();
+}
+
+fn read_loop(agent: &Arc<Agent>, link: &Link) {
+    static READ_ERRORS: RateLimit = RateLimit::new(Duration::from_secs(10), 3);
+    let fd = link.fd();
+    let mut buf = vec![0u8; 256 * 1024];
+    let mut dec = Decoder::new();
+    loop {
+        // SAFETY: reads into `buf`.
+        let n = unsafe { libc::read(fd, buf.as_mut_ptr().cast(), buf.len()) };
+        if n > 0 {
+            dec.feed(&buf[..n as usize]);
+            loop {
+                match dec.next_frame() {
+                    Ok(Some(frame)) => agent.handle(frame),
+                    Ok(None) => break,
+                    Err(e) => {
+                        log_limited!(
+                            BAD_FRAMES,
+                            "out of sync with the host ({e}): dropping buffered bytes"
+                        );
+                        dec = Decoder::new();
+                        break;
+                    }
+                }
+            }
+        } else if n == 0 {
+            // The host hung up; it reconnects after a restart or a restore.
+            dec = Decoder::new();
+            if link.is_socket() {
+                if !link.reconnect() {
+                    log!("socket closed; exiting");
+                    return;
+                }
+            } else {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        } else {
+            match errno() {
+                libc::EINTR => {}
+                libc::EAGAIN => {
+                    let _ = poll1(fd, libc::POLLIN, 1000);
+                }
+                e => {
+                    log_limited!(READ_ERRORS, "read from the host channel failed: errno {e}");
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+            }
+        }
+    }
+}

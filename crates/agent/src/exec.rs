@@ -1,0 +1,641 @@
+//! Running commands: fork/exec in a new session as the requested user,
+//! output pumps, stdin feeding, timeouts, and the one `Exited` at the end.
+//!
+//! Processes are forked by hand rather than with `std::process::Command`:
+//! the reaper owns `waitpid(-1)`, and std's spawn waits on its child itself
+//! when exec fails, which would race with the reaper.
+
+use std::ffi::CString;
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::fs::PermissionsExt;
+use std::path::Path;
+use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::mpsc::{self, RecvTimeoutError};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use runtime_proto::{channel, ExecRequest, FailCode, PtySize, Reply, User};
+
+use crate::agent::Agent;
+use crate::link::Outbox;
+use crate::reaper::Reaper;
+use crate::sys::{cstring, cvt, errno, kill_session, lock, log, poll1, Fail};
+
+pub const SANDBOX_ID: u32 = 1000;
+const BASE_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+const WORKSPACE: &str = "/workspace";
+/// After the main process exits, output is drained until EOF or this long of silence...
+const IDLE_AFTER_EXIT: Duration = Duration::from_millis(200);
+/// ...and never longer than this (something that escaped the group keeps writing).
+const MAX_DRAIN_AFTER_EXIT: Duration = Duration::from_secs(2);
+const READ_CHUNK: usize = 64 * 1024;
+
+/// What the reader thread forwards to a running process.
+pub enum Input {
+    Data(Vec<u8>),
+    Close,
+}
+
+/// The handle the reader thread keeps for a running exec.
+pub struct ExecCtl {
+    pub input: mpsc::Sender<Input>,
+    /// The process group (= session) id, 0 until started.
+    pgid: AtomicI32,
+    master: Mutex<Option<Arc<OwnedFd>>>,
+}
+
+impl ExecCtl {
+    pub fn new() -> (Arc<ExecCtl>, mpsc::Receiver<Input>) {
+        let (tx, rx) = mpsc::channel();
+        (
+            Arc::new(ExecCtl {
+                input: tx,
+                pgid: AtomicI32::new(0),
+                master: Mutex::new(None),
+            }),
+            rx,
+        )
+    }
+
+    pub fn pgid(&self) -> i32 {
+        self.pgid.load(Ordering::SeqCst)
+    }
+
+    pub fn signal(&self, sig: i32) {
+        let pgid = self.pgid();
+        if pgid > 1 {
+            // SAFETY: plain syscall; a negative pid addresses the process group.
+            unsafe { libc::kill(-pgid, sig) };
+        }
+    }
+
+    pub fn resize(&self, size: PtySize) {
+        if let Some(master) = lock(&self.master).as_ref() {
+            set_winsize(master.as_raw_fd(), size);
+        }
+    }
+}
+
+fn set_winsize(fd: RawFd, size: PtySize) {
+    let ws = libc::winsize {
+        ws_row: size.rows,
+        ws_col: size.cols,
+        ws_xpixel: 0,
+        ws_ypixel: 0,
+    };
+    // SAFETY: TIOCSWINSZ reads a winsize from the pointer.
+    unsafe { libc::ioctl(fd, libc::TIOCSWINSZ, &ws) };
+}
+
+/// Everything the child needs, built before the fork (the child must not allocate).
+struct Plan {
+    path: CString,
+    argv: Vec<CString>,
+    envp: Vec<CString>,
+    cwd: CString,
+    sandbox: bool,
+}
+
+fn bad(message: impl Into<String>) -> Fail {
+    Fail::new(FailCode::BadRequest, message)
+}
+
+fn plan(req: &ExecRequest) -> Result<Plan, Fail> {
+    let Some(argv0) = req.argv.first() else {
+        return Err(bad("argv is empty"));
+    };
+    let (home, user) = match req.user {
+        User::Sandbox => (WORKSPACE, "user"),
+        User::Root => ("/root", "root"),
+    };
+    let mut env: Vec<(String, String)> = [
+        ("PATH", BASE_PATH),
+        ("HOME", home),
+        ("USER", user),
+        ("LOGNAME", user),
+        ("SHELL", "/bin/bash"),
+        ("LANG", "C.UTF-8"),
+    ]
+    .iter()
+    .map(|(k, v)| (k.to_string(), v.to_string()))
+    .collect();
+    if req.pty.is_some() {
+        env.push(("TERM".into(), "xterm-256color".into()));
+    }
+    for (k, v) in &req.env {
+        if k.is_empty() || k.contains('=') {
+            return Err(bad(format!("invalid environment variable name {k:?}")));
+        }
+        match env.iter_mut().find(|(ek, _)| ek == k) {
+            Some(slot) => slot.1 = v.clone(),
+            None => env.push((k.clone(), v.clone())),
+        }
+    }
+    let path_var = env
+        .iter()
+        .find(|(k, _)| k == "PATH")
+        .map(|(_, v)| v.as_str())
+        .unwrap_or("");
+    let Some(path) = resolve(argv0, path_var) else {
+        return Err(Fail::new(
+            FailCode::CommandNotFound,
+            format!("{argv0}: command not found"),
+        ));
+    };
+    let cwd = match &req.cwd {
+        Some(cwd) if !cwd.starts_with('/') => {
+            return Err(Fail::new(
+                FailCode::InvalidPath,
+                format!("cwd {cwd:?} is not absolute"),
+            ));
+        }
+        Some(cwd) => cwd.clone(),
+        // Outside the VM (tests) there may be no /workspace.
+        None if Path::new(WORKSPACE).is_dir() => WORKSPACE.into(),
+        None => "/".into(),
+    };
+    let nul = |_| bad("a NUL byte in argv, env or cwd");
+    Ok(Plan {
+        path: cstring(&path).map_err(nul)?,
+        argv: req
+            .argv
+            .iter()
+            .map(|a| cstring(a))
+            .collect::<Result<_, _>>()
+            .map_err(nul)?,
+        envp: env
+            .iter()
+            .map(|(k, v)| cstring(&format!("{k}={v}")))
+            .collect::<Result<_, _>>()
+            .map_err(nul)?,
+        cwd: cstring(&cwd).map_err(nul)?,
+        sandbox: req.user == User::Sandbox,
+    })
+}
+
+/// Looks `argv0` up in `PATH` like execvp; a name with a slash is taken as is.
+fn resolve(argv0: &str, path_var: &str) -> Option<String> {
+    if argv0.is_empty() {
+        return None;
+    }
+    if argv0.contains('/') {
+        return Some(argv0.to_string());
+    }
+    path_var.split(':').find_map(|dir| {
+        let dir = if dir.is_empty() { "." } else { dir };
+        let candidate = Path::new(dir).join(argv0);
+        let md = std::fs::metadata(&candidate).ok()?;
+        (md.is_file() && md.permissions().mode() & 0o111 != 0)
+            .then(|| candidate.to_string_lossy().into_owned())
+    })
+}
+
+fn pipe() -> io::Result<(OwnedFd, OwnedFd)> {
+    let mut fds = [0; 2];
+    // SAFETY: `fds` has room for two fds.
+    cvt(unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) })?;
+    // SAFETY: pipe2 just returned these fds and nothing else owns them.
+    Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
+}
+
+fn set_cloexec(fd: RawFd) {
+    // SAFETY: plain fcntl.
+    unsafe { libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC) };
+}
+
+const STAGE_SETUP: u8 = 1;
+const STAGE_USER: u8 = 2;
+const STAGE_CWD: u8 = 3;
+const STAGE_EXEC: u8 = 4;
+
+struct ChildFds {
+    stdin: RawFd,
+    stdout: RawFd,
+    stderr: RawFd,
+    /// The pty slave to make the controlling terminal.
+    ctty: Option<RawFd>,
+    /// Close-on-exec pipe: the stage and errno of a failure before exec.
+    report: RawFd,
+}
+
+/// Runs in the forked child: only async-signal-safe calls, no allocation.
+///
+/// # Safety
+/// Call only in a freshly forked child; the pointer arrays must be NULL-terminated.
+unsafe fn child(
+    plan: &Plan,
+    argv: &[*const libc::c_char],
+    envp: &[*const libc::c_char],
+    fds: &ChildFds,
+) -> ! {
+    unsafe fn fail(report: RawFd, stage: u8) -> ! {
+        let e = errno().to_ne_bytes();
+        let msg = [stage, e[0], e[1], e[2], e[3]];
+        // SAFETY: writes a local buffer; _exit never returns.
+        unsafe {
+            libc::write(report, msg.as_ptr().cast(), msg.len());
+            libc::_exit(127)
+        }
+    }
+    // SAFETY: all calls below are async-signal-safe syscalls on valid
+    // pointers prepared by the parent before the fork.
+    unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        libc::pthread_sigmask(libc::SIG_SETMASK, &set, std::ptr::null_mut());
+        // The agent's dispositions (Rust ignores SIGPIPE) must not leak.
+        for sig in 1..32 {
+            libc::signal(sig, libc::SIG_DFL);
+        }
+        if libc::setsid() < 0 {
+            fail(fds.report, STAGE_SETUP);
+        }
+        if let Some(tty) = fds.ctty {
+            if libc::ioctl(tty, libc::TIOCSCTTY, 0) < 0 {
+                fail(fds.report, STAGE_SETUP);
+            }
+        }
+        for (src, dst) in [(fds.stdin, 0), (fds.stdout, 1), (fds.stderr, 2)] {
+            if src == dst {
+                libc::fcntl(src, libc::F_SETFD, 0);
+            } else if libc::dup2(src, dst) < 0 {
+                fail(fds.report, STAGE_SETUP);
+            }
+        }
+        if plan.sandbox {
+            if libc::setgroups(0, std::ptr::null()) < 0
+                || libc::setgid(SANDBOX_ID) < 0
+                || libc::setuid(SANDBOX_ID) < 0
+            {
+                fail(fds.report, STAGE_USER);
+            }
+        } else {
+            libc::setgroups(0, std::ptr::null());
+        }
+        if libc::chdir(plan.cwd.as_ptr()) < 0 {
+            fail(fds.report, STAGE_CWD);
+        }
+        libc::execve(plan.path.as_ptr(), argv.as_ptr(), envp.as_ptr());
+        fail(fds.report, STAGE_EXEC)
+    }
+}
+
+/// A started process: the parent's ends of its stdio.
+struct Child {
+    pid: i32,
+    status: mpsc::Receiver<i32>,
+    started: Instant,
+    stdout: Option<Arc<OwnedFd>>,
+    stderr: Option<Arc<OwnedFd>>,
+    stdin: Option<Arc<OwnedFd>>,
+    master: Option<Arc<OwnedFd>>,
+}
+
+fn start(reaper: &Reaper, req: &ExecRequest) -> Result<Child, Fail> {
+    let plan = plan(req)?;
+    let argv: Vec<*const libc::c_char> = plan
+        .argv
+        .iter()
+        .map(|c| c.as_ptr())
+        .chain(std::iter::once(std::ptr::null()))
+        .collect();
+    let envp: Vec<*const libc::c_char> = plan
+        .envp
+        .iter()
+        .map(|c| c.as_ptr())
+        .chain(std::iter::once(std::ptr::null()))
+        .collect();
+    let io_fail = |what: &str| {
+        let e = io::Error::last_os_error();
+        Fail::io(what, &e)
+    };
+    let (report_r, report_w) = pipe().map_err(|e| Fail::io("pipe", &e))?;
+
+    // Parent ends, and the child ends which the parent closes after the fork.
+    let mut parent = Child {
+        pid: 0,
+        status: mpsc::channel().1,
+        started: Instant::now(),
+        stdout: None,
+        stderr: None,
+        stdin: None,
+        master: None,
+    };
+    let mut child_ends: Vec<OwnedFd> = Vec::new();
+    let mut guard;
+    let fds = match req.pty {
+        None => {
+            let (out_r, out_w) = pipe().map_err(|e| Fail::io("pipe", &e))?;
+            let (err_r, err_w) = pipe().map_err(|e| Fail::io("pipe", &e))?;
+            let stdin_child: OwnedFd = if req.stdin {
+                let (r, w) = pipe().map_err(|e| Fail::io("pipe", &e))?;
+                parent.stdin = Some(Arc::new(w));
+                r
+            } else {
+                std::fs::File::open("/dev/null")
+                    .map_err(|e| Fail::io("/dev/null", &e))?
+                    .into()
+            };
+            parent.stdout = Some(Arc::new(out_r));
+            parent.stderr = Some(Arc::new(err_r));
+            let fds = ChildFds {
+                stdin: stdin_child.as_raw_fd(),
+                stdout: out_w.as_raw_fd(),
+                stderr: err_w.as_raw_fd(),
+                ctty: None,
+                report: report_w.as_raw_fd(),
+            };
+            child_ends.extend([stdin_child, out_w, err_w]);
+            guard = reaper.fork_lock();
+            fds
+        }
+        Some(size) => {
+            // Under the fork lock: openpty's fds are not close-on-exec yet.
+            guard = reaper.fork_lock();
+            let (mut m, mut s) = (-1, -1);
+            let ws = libc::winsize {
+                ws_row: size.rows,
+                ws_col: size.cols,
+                ws_xpixel: 0,
+                ws_ypixel: 0,
+            };
+            // SAFETY: valid out pointers and a valid winsize; name and termios may be NULL.
+            if unsafe { libc::openpty(&mut m, &mut s, std::ptr::null_mut(), std::ptr::null(), &ws) }
+                < 0
+            {
+                return Err(io_fail("openpty"));
+            }
+            set_cloexec(m);
+            set_cloexec(s);
+            // SAFETY: openpty just returned these fds.
+            let (master, slave) = unsafe { (OwnedFd::from_raw_fd(m), OwnedFd::from_raw_fd(s)) };
+            let master = Arc::new(master);
+            parent.master = Some(Arc::clone(&master));
+            parent.stdout = Some(Arc::clone(&master));
+            if req.stdin {
+                parent.stdin = Some(master);
+            }
+            let fds = ChildFds {
+                stdin: slave.as_raw_fd(),
+                stdout: slave.as_raw_fd(),
+                stderr: slave.as_raw_fd(),
+                ctty: Some(slave.as_raw_fd()),
+                report: report_w.as_raw_fd(),
+            };
+            child_ends.push(slave);
+            fds
+        }
+    };
+
+    // SAFETY: the child only runs `child`, which is async-signal-safe.
+    let pid = unsafe { libc::fork() };
+    if pid == 0 {
+        // SAFETY: we are the freshly forked child; argv/envp are NULL-terminated.
+        unsafe { child(&plan, &argv, &envp, &fds) }
+    }
+    if pid < 0 {
+        return Err(io_fail("fork"));
+    }
+    parent.pid = pid;
+    parent.status = guard.register(pid);
+    parent.started = Instant::now();
+    drop(guard);
+    drop(child_ends);
+    drop(report_w);
+
+    let mut msg = [0u8; 5];
+    let mut got = 0;
+    while got < msg.len() {
+        // SAFETY: reads into the unfilled tail of `msg`.
+        let n = unsafe {
+            libc::read(
+                report_r.as_raw_fd(),
+                msg[got..].as_mut_ptr().cast(),
+                msg.len() - got,
+            )
+        };
+        if n > 0 {
+            got += n as usize;
+        } else if n == 0 || errno() != libc::EINTR {
+            break;
+        }
+    }
+    if got == msg.len() {
+        // The child failed before exec and exits; the reaper collects it.
+        let e = io::Error::from_raw_os_error(i32::from_ne_bytes([msg[1], msg[2], msg[3], msg[4]]));
+        let argv0 = req.argv.first().map(String::as_str).unwrap_or("");
+        return Err(match msg[0] {
+            STAGE_EXEC if e.raw_os_error() == Some(libc::ENOENT) => Fail::new(
+                FailCode::CommandNotFound,
+                format!("{argv0}: command not found"),
+            ),
+            STAGE_EXEC => Fail::io(format_args!("cannot execute {argv0}"), &e),
+            STAGE_CWD => Fail::io(
+                format_args!("cannot enter {}", plan.cwd.to_string_lossy()),
+                &e,
+            ),
+            STAGE_USER => Fail::io("cannot switch user", &e),
+            _ => Fail::io("cannot set up the process", &e),
+        });
+    }
+    Ok(parent)
+}
+
+/// When the main process exited; pumps drain a little longer, then stop.
+#[derive(Default)]
+struct Drain(Mutex<Option<Instant>>);
+
+impl Drain {
+    fn exited_at(&self) -> Option<Instant> {
+        *lock(&self.0)
+    }
+}
+
+/// Copies one output fd to Data frames as soon as bytes are available.
+fn pump(out: &Outbox, stream: u32, chan: u8, fd: &OwnedFd, drain: &Drain) {
+    let fd = fd.as_raw_fd();
+    let mut buf = vec![0u8; READ_CHUNK];
+    let mut last = Instant::now();
+    loop {
+        let exited = drain.exited_at();
+        let timeout = if exited.is_some() { 50 } else { 250 };
+        let mut idle = false;
+        match poll1(fd, libc::POLLIN, timeout) {
+            Ok(0) => idle = true,
+            Ok(_) => {
+                // SAFETY: reads into `buf`.
+                let n = unsafe { libc::read(fd, buf.as_mut_ptr().cast(), buf.len()) };
+                if n > 0 {
+                    out.data(stream, chan, &buf[..n as usize]);
+                    last = Instant::now();
+                } else if n == 0 {
+                    return;
+                } else {
+                    match errno() {
+                        libc::EINTR | libc::EAGAIN => {}
+                        // EIO: every slave fd of the pty is closed.
+                        _ => return,
+                    }
+                }
+            }
+            Err(e) if e.raw_os_error() == Some(libc::EINTR) => {}
+            Err(_) => return,
+        }
+        if let Some(t) = exited.or_else(|| drain.exited_at()) {
+            let now = Instant::now();
+            if now.duration_since(t) >= MAX_DRAIN_AFTER_EXIT
+                || (idle && now.duration_since(t.max(last)) >= IDLE_AFTER_EXIT)
+            {
+                return;
+            }
+        }
+    }
+}
+
+fn write_all(fd: RawFd, mut buf: &[u8]) -> io::Result<()> {
+    while !buf.is_empty() {
+        // SAFETY: writes from a valid buffer.
+        let n = unsafe { libc::write(fd, buf.as_ptr().cast(), buf.len()) };
+        if n < 0 {
+            let e = io::Error::last_os_error();
+            if e.raw_os_error() == Some(libc::EINTR) {
+                continue;
+            }
+            return Err(e);
+        }
+        buf = &buf[n as usize..];
+    }
+    Ok(())
+}
+
+/// Feeds stdin from the host's INPUT data; closing drops the pipe (EOF), or
+/// on a pty sends ^D (the terminal's end-of-file).
+fn feed_stdin(fd: Arc<OwnedFd>, pty: bool, input: mpsc::Receiver<Input>) {
+    while let Ok(msg) = input.recv() {
+        match msg {
+            Input::Data(bytes) => {
+                if write_all(fd.as_raw_fd(), &bytes).is_err() && !pty {
+                    return;
+                }
+            }
+            Input::Close if pty => {
+                let _ = write_all(fd.as_raw_fd(), &[4]);
+            }
+            Input::Close => return,
+        }
+    }
+}
+
+fn spawn_thread(
+    name: &str,
+    f: impl FnOnce() + Send + 'static,
+) -> Option<std::thread::JoinHandle<()>> {
+    match std::thread::Builder::new().name(name.into()).spawn(f) {
+        Ok(h) => Some(h),
+        Err(e) => {
+            log!("cannot start a {name} thread: {e}");
+            None
+        }
+    }
+}
+
+/// Runs one exec request to its end: `Started`, output, `Exited` (or one `Failed`).
+pub fn run(
+    agent: Arc<Agent>,
+    stream: u32,
+    req: ExecRequest,
+    ctl: Arc<ExecCtl>,
+    input: mpsc::Receiver<Input>,
+) {
+    let out = Arc::clone(&agent.out);
+    let child = match start(&agent.reaper, &req) {
+        Ok(c) => c,
+        Err(fail) => {
+            agent.forget(stream);
+            out.reply(stream, &fail.reply());
+            return;
+        }
+    };
+    let pid = child.pid;
+    ctl.pgid.store(pid, Ordering::SeqCst);
+    *lock(&ctl.master) = child.master.clone();
+    out.reply(stream, &Reply::Started { pid: pid as u32 });
+
+    let drain = Arc::new(Drain::default());
+    let mut pumps = Vec::new();
+    for (fd, chan) in [
+        (child.stdout, channel::STDOUT),
+        (child.stderr, channel::STDERR),
+    ] {
+        let Some(fd) = fd else { continue };
+        let (out, drain) = (Arc::clone(&out), Arc::clone(&drain));
+        pumps.extend(spawn_thread("exec-output", move || {
+            pump(&out, stream, chan, &fd, &drain)
+        }));
+    }
+    match child.stdin {
+        Some(fd) => {
+            let pty = req.pty.is_some();
+            spawn_thread("exec-stdin", move || feed_stdin(fd, pty, input));
+        }
+        None => drop(input),
+    }
+
+    let deadline = req
+        .timeout_ms
+        .map(|ms| child.started + Duration::from_millis(ms));
+    let mut timed_out = false;
+    let status = loop {
+        let next = match deadline {
+            Some(d) if !timed_out => child
+                .status
+                .recv_timeout(d.saturating_duration_since(Instant::now())),
+            _ => child
+                .status
+                .recv()
+                .map_err(|_| RecvTimeoutError::Disconnected),
+        };
+        match next {
+            Ok(status) => break Some(status),
+            Err(RecvTimeoutError::Timeout) => {
+                kill_session(pid, libc::SIGKILL);
+                timed_out = true;
+            }
+            Err(RecvTimeoutError::Disconnected) => {
+                log!("lost the exit status of pid {pid}");
+                break None;
+            }
+        }
+    };
+    let duration_ms = child.started.elapsed().as_millis() as u64;
+    if timed_out || req.kill_group_on_exit {
+        kill_session(pid, libc::SIGKILL);
+    }
+    *lock(&drain.0) = Some(Instant::now());
+    for p in pumps {
+        let _ = p.join();
+    }
+
+    let (mut exit_code, signal) = match status {
+        Some(s) if libc::WIFEXITED(s) => (Some(libc::WEXITSTATUS(s)), None),
+        Some(s) if libc::WIFSIGNALED(s) => (None, Some(libc::WTERMSIG(s))),
+        _ => (None, None),
+    };
+    if timed_out {
+        exit_code = None;
+    }
+    agent.forget(stream);
+    *lock(&ctl.master) = None;
+    drop(ctl);
+    out.reply(
+        stream,
+        &Reply::Exited {
+            exit_code,
+            signal,
+            timed_out,
+            duration_ms,
+            out_of_memory: false,
+        },
+    );
+}
