@@ -1,1 +1,200 @@
-//! Public HTTP types of the Runtime API (serde only; depends on no workspace crate).
+//! Public HTTP types of the Runtime API: the records the server answers, the
+//! one error body, and the error codes. Serde only; depends on no workspace
+//! crate. Field names follow the wire contract (`docs/runtime-api.md`):
+//! camelCase, ISO 8601 UTC times with `Z`, money in integer microdollars.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+/// The one error body: `{"error": {...}}`.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct ErrorBody {
+    pub error: ErrorObject,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct ErrorObject {
+    pub code: String,
+    pub status: u16,
+    pub message: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub hint: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub details: Option<Value>,
+    pub request_id: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub retryable: Option<bool>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub retry_after_ms: Option<u64>,
+}
+
+/// One wrong field of a request (`details.issues[]` of a 400 `invalid_request`).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Issue {
+    pub field: String,
+    pub message: String,
+}
+
+/// Error codes the server answers.
+pub mod codes {
+    pub const UNAUTHORIZED: &str = "unauthorized";
+    pub const FORBIDDEN: &str = "forbidden";
+    pub const INVALID_REQUEST: &str = "invalid_request";
+    pub const ROUTE_NOT_FOUND: &str = "route_not_found";
+    pub const METHOD_NOT_ALLOWED: &str = "method_not_allowed";
+    pub const NOT_FOUND: &str = "not_found";
+    pub const SANDBOX_NOT_FOUND: &str = "sandbox_not_found";
+    pub const PROCESS_NOT_FOUND: &str = "process_not_found";
+    pub const UPLOAD_NOT_FOUND: &str = "upload_not_found";
+    pub const NAME_TAKEN: &str = "name_taken";
+    pub const SANDBOX_NOT_RUNNING: &str = "sandbox_not_running";
+    pub const SANDBOX_PAUSED: &str = "sandbox_paused";
+    pub const IDEMPOTENCY_KEY_REUSED: &str = "idempotency_key_reused";
+    pub const PAYLOAD_TOO_LARGE: &str = "payload_too_large";
+    pub const FILE_NOT_FOUND: &str = "file_not_found";
+    pub const IS_A_DIRECTORY: &str = "is_a_directory";
+    pub const NOT_A_DIRECTORY: &str = "not_a_directory";
+    pub const PERMISSION_DENIED: &str = "permission_denied";
+    pub const ALREADY_EXISTS: &str = "already_exists";
+    pub const DIRECTORY_NOT_EMPTY: &str = "directory_not_empty";
+    pub const COMMAND_NOT_FOUND: &str = "command_not_found";
+    pub const CHECKSUM_MISMATCH: &str = "checksum_mismatch";
+    pub const UPLOAD_INCOMPLETE: &str = "upload_incomplete";
+    pub const OFFSET_MISMATCH: &str = "offset_mismatch";
+    pub const PROCESS_NOT_RUNNING: &str = "process_not_running";
+    pub const OUTPUT_GONE: &str = "output_gone";
+    pub const UNSUPPORTED: &str = "unsupported";
+    pub const HOST_UNAVAILABLE: &str = "host_unavailable";
+    pub const GUEST_ERROR: &str = "guest_error";
+    pub const INTERNAL: &str = "internal_error";
+}
+
+/// The sandbox record (create, get, list items, lifecycle verbs).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct Sandbox {
+    pub id: String,
+    pub kind: String,
+    pub name: Option<String>,
+    pub labels: BTreeMap<String, String>,
+    /// `pending|active|paused|stopping|stopped`, derived from `state`.
+    pub status: String,
+    /// `starting|running|pausing|paused|resuming|stopping|stopped`.
+    pub state: String,
+    pub region: String,
+    pub funding: String,
+    pub vcpu: u32,
+    #[serde(rename = "memoryMiB")]
+    pub memory_mib: u32,
+    #[serde(rename = "diskMiB")]
+    pub disk_mib: u32,
+    pub cpu: String,
+    pub cpu_floor_millis: u32,
+    pub pausable: bool,
+    pub timeout_seconds: Option<u32>,
+    pub idle_pause_seconds: u32,
+    pub auto_wake: bool,
+    pub persistent: bool,
+    pub on_lease_end: String,
+    pub user: String,
+    pub created_at: String,
+    pub ready_at: Option<String>,
+    pub expires_at: Option<String>,
+    pub ends_at: Option<String>,
+    pub ended_at: Option<String>,
+    pub stop_reason: Option<String>,
+    pub paused_at: Option<String>,
+    pub paused_expires_at: Option<String>,
+    pub last_active_at: Option<String>,
+    pub charged_micros: i64,
+    pub held_micros: i64,
+    pub max_total_cost_micros: Option<i64>,
+    pub max_cost_micros: Option<i64>,
+    pub env_names: Vec<String>,
+    pub image: Option<String>,
+}
+
+/// `status` for a `state`.
+pub fn status_for_state(state: &str) -> &'static str {
+    match state {
+        "starting" => "pending",
+        "running" => "active",
+        "pausing" | "paused" | "resuming" => "paused",
+        "stopping" => "stopping",
+        _ => "stopped",
+    }
+}
+
+/// The answer of `DELETE /v1/sandboxes/{id}`.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct DeletedSandbox {
+    pub id: String,
+    pub kind: String,
+    pub name: Option<String>,
+    pub labels: BTreeMap<String, String>,
+    pub status: String,
+    pub state: String,
+    pub deleted_at: String,
+    pub ended_at: Option<String>,
+}
+
+/// The JSON answer of an unstreamed `:exec`.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct ExecResult {
+    pub exit_code: Option<i32>,
+    pub stdout: String,
+    pub stderr: String,
+    pub timed_out: bool,
+    pub stdout_truncated: bool,
+    pub stderr_truncated: bool,
+    pub duration_ms: u64,
+    pub process_id: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub out_of_memory: Option<Value>,
+}
+
+/// One entry of `GET …/files/list` and `…/files/stat`.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct FileEntry {
+    pub name: String,
+    pub path: String,
+    /// `file|directory|symlink|other`.
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub size: u64,
+    /// Permission bits as octal digits, e.g. `"644"` (what the SDK's adapters parse).
+    pub mode: String,
+    pub modified_at: String,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn error_body_omits_absent_fields() {
+        let body = ErrorBody {
+            error: ErrorObject {
+                code: "x".into(),
+                status: 400,
+                message: "m".into(),
+                hint: None,
+                details: None,
+                request_id: "r".into(),
+                retryable: None,
+                retry_after_ms: None,
+            },
+        };
+        let v = serde_json::to_value(&body).unwrap_or_default();
+        assert_eq!(
+            v,
+            serde_json::json!({"error":{"code":"x","status":400,"message":"m","requestId":"r"}})
+        );
+    }
+}

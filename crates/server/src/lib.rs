@@ -1,1 +1,255 @@
-//! server
+//! The control plane: the Runtime Cloud HTTP API (axum), keys, validation,
+//! idempotency, waits, the sandbox state machine and leases, over an embedded
+//! SQLite store. It drives machines only through [`runtime_host::Host`] and
+//! answers with the types of `runtime-api`; it never speaks the guest
+//! protocol and depends on no other workspace crate.
+
+mod error;
+mod files;
+mod http;
+mod idempotency;
+mod procs;
+mod sandboxes;
+mod store;
+mod util;
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use runtime_host::Host;
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+pub use error::{ApiError, ServerError};
+pub use store::Store;
+
+/// The server's settings, loaded once by the CLI and passed down.
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub data_dir: PathBuf,
+    /// An answer not ready after this long is sent as `200` +
+    /// `runtime-late-answer: true`, its JSON following when done.
+    pub late_answer_after: Duration,
+    /// Silence on an NDJSON stream after which a `\n` is sent.
+    pub heartbeat: Duration,
+    /// How long an exited process's output stays readable.
+    pub output_keep: Duration,
+    /// Output kept per process for resuming readers.
+    pub output_buffer_bytes: usize,
+    /// Largest chunked upload.
+    pub max_upload_bytes: u64,
+    /// How long idempotency records are kept.
+    pub idempotency_ttl: Duration,
+    /// How long `run` waits for owned tasks after the listener closed.
+    pub drain_timeout: Duration,
+}
+
+impl Config {
+    pub fn new(data_dir: impl Into<PathBuf>) -> Self {
+        Config {
+            data_dir: data_dir.into(),
+            late_answer_after: Duration::from_secs(90),
+            heartbeat: Duration::from_secs(15),
+            output_keep: Duration::from_secs(600),
+            output_buffer_bytes: 1 << 20,
+            max_upload_bytes: 1 << 30,
+            idempotency_ttl: Duration::from_secs(24 * 3600),
+            drain_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+/// Everything a request handler reaches. Cheap to clone.
+#[derive(Clone)]
+pub struct AppState {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    config: Config,
+    store: Store,
+    host: Arc<dyn Host>,
+    /// Bumped on every sandbox state change; waits re-read the store.
+    changes: watch::Sender<u64>,
+    /// One lifecycle lock per sandbox: start, stop and destroy never overlap.
+    lifecycle: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    /// Serializes name checks with inserts.
+    create_lock: tokio::sync::Mutex<()>,
+    inflight: idempotency::Inflight,
+    procs: procs::Table,
+    uploads: files::Uploads,
+    tasks: TaskTracker,
+    cancel: CancellationToken,
+}
+
+impl AppState {
+    pub fn new(config: Config, store: Store, host: Arc<dyn Host>) -> Self {
+        let uploads_dir = config.data_dir.join("uploads");
+        // Partial uploads do not survive a restart.
+        let _ = std::fs::remove_dir_all(&uploads_dir);
+        AppState {
+            inner: Arc::new(Inner {
+                changes: watch::channel(0).0,
+                lifecycle: Mutex::new(HashMap::new()),
+                create_lock: tokio::sync::Mutex::new(()),
+                inflight: idempotency::Inflight::default(),
+                procs: procs::Table::default(),
+                uploads: files::Uploads::new(uploads_dir),
+                tasks: TaskTracker::new(),
+                cancel: CancellationToken::new(),
+                config,
+                store,
+                host,
+            }),
+        }
+    }
+
+    fn config(&self) -> &Config {
+        &self.inner.config
+    }
+
+    fn store(&self) -> &Store {
+        &self.inner.store
+    }
+
+    fn host(&self) -> &Arc<dyn Host> {
+        &self.inner.host
+    }
+
+    fn notify_change(&self) {
+        self.inner.changes.send_modify(|v| *v = v.wrapping_add(1));
+    }
+
+    fn lifecycle_lock(&self, id: &str) -> Arc<tokio::sync::Mutex<()>> {
+        let mut m = self
+            .inner
+            .lifecycle
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        m.entry(id.to_string()).or_default().clone()
+    }
+
+    fn spawn<F>(&self, fut: F) -> tokio::task::JoinHandle<F::Output>
+    where
+        F: Future + Send + 'static,
+        F::Output: Send + 'static,
+    {
+        self.inner.tasks.spawn(fut)
+    }
+
+    /// Starts the lease reaper and housekeeping. `run` calls it; tests may.
+    pub fn start_background(&self) {
+        let st = self.clone();
+        self.spawn(async move { sandboxes::reaper(st).await });
+    }
+
+    /// Ends streams and background tasks, waiting up to the drain timeout.
+    pub async fn shutdown(&self) {
+        self.inner.cancel.cancel();
+        self.inner.tasks.close();
+        if tokio::time::timeout(self.config().drain_timeout, self.inner.tasks.wait())
+            .await
+            .is_err()
+        {
+            tracing::warn!("tasks still running after the drain timeout");
+        }
+    }
+}
+
+/// Opens (creating or migrating) the store at `data_dir/runtime.db`.
+pub fn open_store(data_dir: &Path) -> Result<Store, ServerError> {
+    Store::open(data_dir)
+}
+
+/// On first start creates the account-wide admin key, writes it to
+/// `data_dir/admin.key` (mode 0600) and returns it to be printed once.
+pub fn ensure_admin_key(data_dir: &Path) -> Result<Option<String>, ServerError> {
+    let path = data_dir.join("admin.key");
+    if path.exists() {
+        return Ok(None);
+    }
+    let key = create_key(data_dir, Some("admin"), false, true)?;
+    write_secret_file(&path, &key)?;
+    Ok(Some(key))
+}
+
+fn write_secret_file(path: &Path, contents: &str) -> Result<(), ServerError> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let io = |source| ServerError::Io {
+        op: "write admin key",
+        path: path.display().to_string(),
+        source,
+    };
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path)
+        .map_err(io)?;
+    f.write_all(format!("{contents}\n").as_bytes())
+        .map_err(io)?;
+    f.sync_all().map_err(io)
+}
+
+/// Creates a key and returns it (only its SHA-256 is stored). Uses its own
+/// connection, so it works while a server runs on the same file.
+pub fn create_key(
+    data_dir: &Path,
+    name: Option<&str>,
+    read_only: bool,
+    account_wide: bool,
+) -> Result<String, ServerError> {
+    let conn = store::open_connection(data_dir)?;
+    let (id, key) = util::new_key();
+    store::insert_key(
+        &conn,
+        &id,
+        name,
+        &util::sha256_hex(key.as_bytes()),
+        read_only,
+        account_wide,
+        &util::now_iso(),
+    )?;
+    Ok(key)
+}
+
+/// The whole API as a router, so tests drive it without a socket.
+pub fn router(state: AppState) -> axum::Router {
+    http::router(state)
+}
+
+/// Reattaches to the sandboxes an earlier server left starting or running:
+/// found ones are `running`, the rest `stopped` with `stopReason: host_lost`.
+pub async fn recover(state: &AppState) -> Result<(), ServerError> {
+    sandboxes::recover(state).await
+}
+
+/// Recovers sandboxes, serves until `shutdown` resolves, then drains.
+pub async fn run(
+    listener: tokio::net::TcpListener,
+    config: Config,
+    host: Arc<dyn Host>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), ServerError> {
+    let store = open_store(&config.data_dir)?;
+    let state = AppState::new(config, store, host);
+    recover(&state).await?;
+    state.start_background();
+    let app = router(state.clone());
+    let cancel = state.inner.cancel.clone();
+    let result = axum::serve(listener, app)
+        .with_graceful_shutdown(async move {
+            shutdown.await;
+            // Ends long streams so the graceful shutdown can finish.
+            cancel.cancel();
+        })
+        .await
+        .map_err(ServerError::Serve);
+    state.shutdown().await;
+    result
+}

@@ -1,0 +1,380 @@
+//! The HTTP edge: request ids, auth, routing on raw path segments, bodies,
+//! late answers. Routes are matched here by hand because ids arrive
+//! percent-encoded and actions follow the first literal `:` of the last raw
+//! segment (`/v1/sandboxes/{id}:exec`), which axum's router treats specially.
+
+use std::convert::Infallible;
+
+use axum::body::{Body, Bytes};
+use axum::extract::{Request, State};
+use axum::http::{HeaderMap, HeaderValue, Method, StatusCode};
+use axum::response::{IntoResponse, Response};
+use serde_json::Value;
+use tracing::Instrument;
+
+use crate::error::{ApiError, ApiResult};
+use crate::store::KeyInfo;
+use crate::util::{parse_query, percent_decode, sha256_hex};
+use crate::{files, idempotency, procs, sandboxes, AppState};
+
+/// What a handler answers.
+pub enum Reply {
+    /// A JSON answer; stored for idempotent replay when 2xx.
+    Json(StatusCode, Value),
+    /// Raw bytes or other non-JSON answers (never stored).
+    Raw(Response),
+    /// An NDJSON stream; `replay` names the process a duplicate follows.
+    Stream { response: Response, replay: Value },
+}
+
+impl Reply {
+    pub fn ok(v: Value) -> ApiResult<Reply> {
+        Ok(Reply::Json(StatusCode::OK, v))
+    }
+
+    pub fn into_response(self) -> Response {
+        match self {
+            Reply::Json(status, v) => (status, axum::Json(v)).into_response(),
+            Reply::Raw(r) => r,
+            Reply::Stream { response, .. } => response,
+        }
+    }
+}
+
+/// Who asks, and the parts of the request every handler may need.
+#[derive(Clone)]
+pub struct Ctx {
+    pub key: KeyInfo,
+    pub headers: HeaderMap,
+    pub query: Vec<(String, String)>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Route {
+    CreateSandbox,
+    ListSandboxes,
+    GetSandbox(String),
+    DeleteSandbox(String),
+    SandboxAction(String, String),
+    FileContentGet(String),
+    FileContentPut(String),
+    FilesList(String),
+    FilesStat(String),
+    FilesAction(String, String),
+    UploadBegin(String),
+    UploadChunk(String, String),
+    UploadAction(String, String, String),
+    ProcSpawn(String),
+    ProcList(String),
+    ProcGet(String, String),
+    ProcOutput(String, String),
+    ProcAction(String, String, String),
+}
+
+pub fn router(state: AppState) -> axum::Router {
+    axum::Router::new().fallback(handle).with_state(state)
+}
+
+async fn handle(State(st): State<AppState>, req: Request) -> Response {
+    let rid = format!("req_{}", uuid::Uuid::new_v4().simple());
+    let span = tracing::info_span!("request", request_id = %rid, method = %req.method(), path = %req.uri().path());
+    let mut resp = async {
+        match serve(&st, req, &rid).await {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::debug!(error = %e, "request refused");
+                e.into_response_with(&rid)
+            }
+        }
+    }
+    .instrument(span)
+    .await;
+    if let Ok(v) = HeaderValue::from_str(&rid) {
+        resp.headers_mut().insert("x-request-id", v);
+    }
+    resp
+}
+
+fn authenticate(st: &AppState, headers: &HeaderMap) -> ApiResult<KeyInfo> {
+    let token = headers
+        .get(axum::http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::trim)
+        .filter(|t| !t.is_empty())
+        .ok_or(ApiError::Unauthorized)?;
+    st.store()
+        .find_key(&sha256_hex(token.as_bytes()))?
+        .ok_or(ApiError::Unauthorized)
+}
+
+/// Splits the raw path into decoded segments and the action verb.
+fn segments(raw: &str) -> Option<(Vec<String>, Option<String>)> {
+    let mut raw_segs: Vec<&str> = raw.strip_prefix('/')?.split('/').collect();
+    if raw_segs.last() == Some(&"") {
+        raw_segs.pop();
+    }
+    let mut verb = None;
+    if let Some(last) = raw_segs.last_mut() {
+        if let Some((head, v)) = last.split_once(':') {
+            verb = Some(percent_decode(v, false)?);
+            *last = head;
+        }
+    }
+    let segs = raw_segs
+        .iter()
+        .map(|s| percent_decode(s, false))
+        .collect::<Option<Vec<_>>>()?;
+    Some((segs, verb))
+}
+
+pub fn route(method: &Method, raw_path: &str) -> ApiResult<Route> {
+    let not_found = || ApiError::RouteNotFound {
+        method: method.to_string(),
+        path: raw_path.to_string(),
+    };
+    let not_allowed = || ApiError::MethodNotAllowed {
+        method: method.to_string(),
+        path: raw_path.to_string(),
+    };
+    let (segs, verb) = segments(raw_path).ok_or_else(not_found)?;
+    let s: Vec<&str> = segs.iter().map(String::as_str).collect();
+    let m = method.clone();
+    let verb_or_none = |want_verb: bool| verb.is_some() == want_verb;
+    let r = match s.as_slice() {
+        ["v1", "sandboxes"] if verb_or_none(false) => match m {
+            Method::POST => Route::CreateSandbox,
+            Method::GET => Route::ListSandboxes,
+            _ => return Err(not_allowed()),
+        },
+        ["v1", "sandboxes", id] => match (&m, &verb) {
+            (&Method::GET, None) => Route::GetSandbox(id.to_string()),
+            (&Method::DELETE, None) => Route::DeleteSandbox(id.to_string()),
+            (&Method::POST, Some(v)) => Route::SandboxAction(id.to_string(), v.clone()),
+            _ => return Err(not_allowed()),
+        },
+        ["v1", "sandboxes", id, "files", "content"] if verb_or_none(false) => match m {
+            Method::GET => Route::FileContentGet(id.to_string()),
+            Method::PUT => Route::FileContentPut(id.to_string()),
+            _ => return Err(not_allowed()),
+        },
+        ["v1", "sandboxes", id, "files", "list"] if verb_or_none(false) => match m {
+            Method::GET => Route::FilesList(id.to_string()),
+            _ => return Err(not_allowed()),
+        },
+        ["v1", "sandboxes", id, "files", "stat"] if verb_or_none(false) => match m {
+            Method::GET => Route::FilesStat(id.to_string()),
+            _ => return Err(not_allowed()),
+        },
+        ["v1", "sandboxes", id, "files"] => match (&m, &verb) {
+            (&Method::POST, Some(v)) => Route::FilesAction(id.to_string(), v.clone()),
+            _ => return Err(not_found()),
+        },
+        ["v1", "sandboxes", id, "uploads"] if verb_or_none(false) => match m {
+            Method::POST => Route::UploadBegin(id.to_string()),
+            _ => return Err(not_allowed()),
+        },
+        ["v1", "sandboxes", id, "uploads", u] => match (&m, &verb) {
+            (&Method::PUT, None) => Route::UploadChunk(id.to_string(), u.to_string()),
+            (&Method::POST, Some(v)) => {
+                Route::UploadAction(id.to_string(), u.to_string(), v.clone())
+            }
+            _ => return Err(not_allowed()),
+        },
+        ["v1", "sandboxes", id, "processes"] if verb_or_none(false) => match m {
+            Method::POST => Route::ProcSpawn(id.to_string()),
+            Method::GET => Route::ProcList(id.to_string()),
+            _ => return Err(not_allowed()),
+        },
+        ["v1", "sandboxes", id, "processes", pid] => match (&m, &verb) {
+            (&Method::GET, None) => Route::ProcGet(id.to_string(), pid.to_string()),
+            (&Method::POST, Some(v)) => {
+                Route::ProcAction(id.to_string(), pid.to_string(), v.clone())
+            }
+            _ => return Err(not_allowed()),
+        },
+        ["v1", "sandboxes", id, "processes", pid, "output"] if verb_or_none(false) => match m {
+            Method::GET => Route::ProcOutput(id.to_string(), pid.to_string()),
+            _ => return Err(not_allowed()),
+        },
+        _ => return Err(not_found()),
+    };
+    Ok(r)
+}
+
+/// The largest body a route reads.
+fn body_limit(r: &Route) -> usize {
+    match r {
+        Route::FileContentPut(_) | Route::UploadChunk(..) => files::CHUNK_BYTES,
+        _ => 8 << 20,
+    }
+}
+
+async fn read_body(body: Body, limit: usize) -> ApiResult<Bytes> {
+    axum::body::to_bytes(body, limit).await.map_err(|e| {
+        // axum wraps http-body-util's LengthLimitError; any other failure is a
+        // client that hung up mid-body, and then nobody reads the answer.
+        tracing::debug!(error = %e, "reading the body failed");
+        ApiError::PayloadTooLarge { limit }
+    })
+}
+
+async fn serve(st: &AppState, req: Request, rid: &str) -> ApiResult<Response> {
+    let (parts, body) = req.into_parts();
+    let key = authenticate(st, &parts.headers)?;
+    let r = route(&parts.method, parts.uri.path())?;
+    if parts.method != Method::GET && key.read_only {
+        return Err(ApiError::Forbidden {
+            action: "make changes",
+        });
+    }
+    if key.read_only
+        && matches!(
+            r,
+            Route::FileContentGet(_)
+                | Route::FilesList(_)
+                | Route::FilesStat(_)
+                | Route::ProcOutput(..)
+        )
+    {
+        return Err(ApiError::Forbidden {
+            action: "read files or process output",
+        });
+    }
+    let query = parse_query(parts.uri.query())?;
+    let bytes = if parts.method == Method::GET {
+        Bytes::new()
+    } else {
+        read_body(body, body_limit(&r)).await?
+    };
+    let ctx = Ctx {
+        key,
+        headers: parts.headers.clone(),
+        query,
+    };
+
+    let idem = match parts.headers.get("idempotency-key") {
+        Some(v) if parts.method != Method::GET => {
+            let k = v
+                .to_str()
+                .map_err(|_| ApiError::invalid("Idempotency-Key", "must be ASCII"))?;
+            if !valid_idempotency_key(k) {
+                return Err(ApiError::invalid(
+                    "Idempotency-Key",
+                    "must be 1-128 of [A-Za-z0-9_.:-], starting with a letter or digit",
+                ));
+            }
+            let mut fp = Vec::new();
+            fp.extend_from_slice(parts.method.as_str().as_bytes());
+            fp.push(b' ');
+            fp.extend_from_slice(parts.uri.path().as_bytes());
+            fp.push(b'?');
+            fp.extend_from_slice(parts.uri.query().unwrap_or("").as_bytes());
+            fp.push(b'\n');
+            fp.extend_from_slice(&bytes);
+            Some(idempotency::Request {
+                idem_key: k.to_string(),
+                fingerprint: sha256_hex(&fp),
+            })
+        }
+        _ => None,
+    };
+
+    let is_get = parts.method == Method::GET;
+    let key_id = ctx.key.id.clone();
+    let st2 = st.clone();
+    let work = async move { dispatch(st2, ctx, r, bytes).await };
+    if is_get {
+        // Reads run in the request's task; a hang-up simply ends them.
+        return Ok(work.await?.into_response());
+    }
+    idempotency::execute(st, &key_id, idem, work, rid).await
+}
+
+fn valid_idempotency_key(k: &str) -> bool {
+    (1..=128).contains(&k.len())
+        && k.as_bytes()[0].is_ascii_alphanumeric()
+        && k.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b':' | b'-'))
+}
+
+async fn dispatch(st: AppState, ctx: Ctx, r: Route, body: Bytes) -> ApiResult<Reply> {
+    match r {
+        Route::CreateSandbox => sandboxes::create(st, ctx, body).await,
+        Route::ListSandboxes => sandboxes::list(st, ctx).await,
+        Route::GetSandbox(id) => sandboxes::get(st, ctx, id).await,
+        Route::DeleteSandbox(id) => sandboxes::delete(st, ctx, id).await,
+        Route::SandboxAction(id, verb) => match verb.as_str() {
+            "exec" => procs::exec(st, ctx, id, body).await,
+            _ => sandboxes::action(st, ctx, id, verb, body).await,
+        },
+        Route::FileContentGet(id) => files::read(st, ctx, id).await,
+        Route::FileContentPut(id) => files::write(st, ctx, id, body).await,
+        Route::FilesList(id) => files::list(st, ctx, id).await,
+        Route::FilesStat(id) => files::stat(st, ctx, id).await,
+        Route::FilesAction(id, verb) => files::action(st, ctx, id, verb, body).await,
+        Route::UploadBegin(id) => files::upload_begin(st, ctx, id, body).await,
+        Route::UploadChunk(id, u) => files::upload_chunk(st, ctx, id, u, body).await,
+        Route::UploadAction(id, u, verb) => files::upload_action(st, ctx, id, u, verb, body).await,
+        Route::ProcSpawn(id) => procs::spawn(st, ctx, id, body).await,
+        Route::ProcList(id) => procs::list(st, ctx, id).await,
+        Route::ProcGet(id, pid) => procs::get(st, ctx, id, pid).await,
+        Route::ProcOutput(id, pid) => procs::output(st, ctx, id, pid).await,
+        Route::ProcAction(id, pid, verb) => procs::action(st, ctx, id, pid, verb, body).await,
+    }
+}
+
+/// A body that sends nothing until `fut` resolves, then its bytes.
+pub fn deferred_body<F>(fut: F) -> Body
+where
+    F: std::future::Future<Output = Bytes> + Send + 'static,
+{
+    Body::from_stream(futures::stream::once(async move {
+        Ok::<_, Infallible>(fut.await)
+    }))
+}
+
+pub fn json_bytes(v: &impl serde::Serialize) -> Bytes {
+    Bytes::from(serde_json::to_vec(v).unwrap_or_default())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn verbs_split_at_the_first_raw_colon() {
+        assert_eq!(
+            route(&Method::POST, "/v1/sandboxes/ab%3Acd:exec").ok(),
+            Some(Route::SandboxAction("ab:cd".into(), "exec".into()))
+        );
+        assert_eq!(
+            route(&Method::POST, "/v1/sandboxes/x/files:mkdir").ok(),
+            Some(Route::FilesAction("x".into(), "mkdir".into()))
+        );
+        assert_eq!(
+            route(&Method::POST, "/v1/sandboxes/x/uploads/u%2F1:commit").ok(),
+            Some(Route::UploadAction(
+                "x".into(),
+                "u/1".into(),
+                "commit".into()
+            ))
+        );
+        assert!(matches!(
+            route(&Method::GET, "/v2/x"),
+            Err(ApiError::RouteNotFound { .. })
+        ));
+        assert!(matches!(
+            route(&Method::PATCH, "/v1/sandboxes/x"),
+            Err(ApiError::MethodNotAllowed { .. })
+        ));
+    }
+
+    #[test]
+    fn idempotency_key_shape() {
+        assert!(valid_idempotency_key("a1:b.c-d_e"));
+        assert!(!valid_idempotency_key("-a"));
+        assert!(!valid_idempotency_key(""));
+        assert!(!valid_idempotency_key(&"a".repeat(129)));
+    }
+}

@@ -1,0 +1,924 @@
+//! Exec and background processes (contract §6).
+//!
+//! Every exec and spawn is a process in an in-memory table. A pump task
+//! moves the host's events into a bounded buffer (1 MiB, with offsets
+//! counting stdout and stderr together) that readers follow from a cursor,
+//! and into the first 64 KiB per stream for the JSON answer. Offsets are
+//! assigned when bytes enter the buffer, after an incomplete UTF-8 tail was
+//! held back, so every chunk is whole characters unless the bytes are not
+//! UTF-8 at all (then events also carry `base64`). The table is lost on a
+//! restart of the server.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use axum::body::{Body, Bytes};
+use axum::http::{header, HeaderValue};
+use axum::response::Response;
+use base64::Engine;
+use runtime_api::{codes, ExecResult};
+use runtime_host::{ExecControl, ExecEvent, ExecHandle, ExecSpec, ExitStatus, RunAs, TermSize};
+use serde_json::{json, Map, Value};
+use tokio::sync::{mpsc, watch};
+use tokio_util::sync::CancellationToken;
+
+use crate::error::{ApiError, ApiResult};
+use crate::http::{Ctx, Reply};
+use crate::sandboxes::{find, find_running};
+use crate::store::SandboxRow;
+use crate::util::{iso, json_object, now_ms, query_object, Fields};
+use crate::AppState;
+
+/// Kept per stream for the JSON answer of an unstreamed exec.
+pub const JSON_KEEP: usize = 64 * 1024;
+const DEFAULT_EXEC_TIMEOUT_MS: i64 = 60_000;
+const MAX_TIMEOUT_MS: i64 = 86_400_000;
+
+#[derive(Default)]
+pub struct Table {
+    map: Mutex<HashMap<String, Arc<Proc>>>,
+}
+
+impl Table {
+    fn lock(&self) -> MutexGuard<'_, HashMap<String, Arc<Proc>>> {
+        self.map.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn get(&self, sandbox_id: &str, pid: &str) -> ApiResult<Arc<Proc>> {
+        match self.lock().get(pid) {
+            Some(p) if p.sandbox_id == sandbox_id => Ok(p.clone()),
+            _ => Err(ApiError::NotFound {
+                code: codes::PROCESS_NOT_FOUND,
+                what: "process",
+                id: pid.to_string(),
+            }),
+        }
+    }
+
+    /// The sandbox stopped or was deleted: its processes' output goes too.
+    pub fn sandbox_gone(&self, sandbox_id: &str) {
+        self.lock().retain(|_, p| p.sandbox_id != sandbox_id);
+    }
+
+    pub fn forget_old(&self, keep: Duration) {
+        let cutoff = now_ms() - keep.as_millis() as i64;
+        self.lock()
+            .retain(|_, p| p.state().ended_ms.is_none_or(|t| t > cutoff));
+    }
+}
+
+struct Chunk {
+    offset: u64,
+    stderr: bool,
+    data: Vec<u8>,
+}
+
+/// Output with offsets, keeping the last `cap` bytes.
+struct OutBuf {
+    chunks: VecDeque<Chunk>,
+    start: u64,
+    end: u64,
+    size: usize,
+    cap: usize,
+}
+
+impl OutBuf {
+    fn push(&mut self, stderr: bool, data: Vec<u8>) {
+        let len = data.len();
+        self.chunks.push_back(Chunk {
+            offset: self.end,
+            stderr,
+            data,
+        });
+        self.end += len as u64;
+        self.size += len;
+        while self.size > self.cap {
+            let excess = self.size - self.cap;
+            let Some(front) = self.chunks.front_mut() else {
+                break;
+            };
+            if front.data.len() <= excess {
+                self.size -= front.data.len();
+                self.chunks.pop_front();
+            } else {
+                front.data.drain(..excess);
+                front.offset += excess as u64;
+                self.size -= excess;
+            }
+        }
+        self.start = self.chunks.front().map_or(self.end, |c| c.offset);
+    }
+}
+
+#[derive(Default)]
+struct Kept {
+    data: Vec<u8>,
+    total: u64,
+}
+
+impl Kept {
+    fn add(&mut self, b: &[u8]) {
+        let room = JSON_KEEP.saturating_sub(self.data.len());
+        self.data.extend_from_slice(&b[..room.min(b.len())]);
+        self.total += b.len() as u64;
+    }
+
+    fn truncated(&self) -> bool {
+        self.total > self.data.len() as u64
+    }
+
+    /// The kept bytes as text, cut at a character boundary when truncated.
+    fn text(&self) -> String {
+        let mut d = &self.data[..];
+        if self.truncated() {
+            d = &d[..d.len() - incomplete_tail(d)];
+        }
+        String::from_utf8_lossy(d).into_owned()
+    }
+}
+
+#[derive(Clone)]
+struct Exit {
+    status: ExitStatus,
+    lost: bool,
+}
+
+struct ProcState {
+    buf: OutBuf,
+    carry: [Vec<u8>; 2],
+    kept: [Kept; 2],
+    exit: Option<Exit>,
+    ended_ms: Option<i64>,
+    stdin_offset: u64,
+    stdin_closed: bool,
+}
+
+pub struct Proc {
+    id: String,
+    sandbox_id: String,
+    command: String,
+    argv: Vec<String>,
+    user: RunAs,
+    guest_pid: u32,
+    pty: bool,
+    stdin_pipe: bool,
+    base64_always: bool,
+    started_ms: i64,
+    state: Mutex<ProcState>,
+    changed: watch::Sender<u64>,
+    control: mpsc::Sender<ExecControl>,
+    /// Serializes `:write` calls so offsets stay exact.
+    writes: tokio::sync::Mutex<()>,
+}
+
+/// Bytes at the end of `d` that start a UTF-8 character not yet complete.
+fn incomplete_tail(d: &[u8]) -> usize {
+    for k in 1..=3.min(d.len()) {
+        let b = d[d.len() - k];
+        if b & 0xC0 == 0x80 {
+            continue; // continuation byte: look further back
+        }
+        let need = match b {
+            0xC0..=0xDF => 2,
+            0xE0..=0xEF => 3,
+            0xF0..=0xF7 => 4,
+            _ => return 0,
+        };
+        return if need > k { k } else { 0 };
+    }
+    0
+}
+
+impl Proc {
+    fn state(&self) -> MutexGuard<'_, ProcState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn bump(&self) {
+        self.changed.send_modify(|v| *v = v.wrapping_add(1));
+    }
+
+    fn ingest(&self, stderr: bool, bytes: Vec<u8>) {
+        let mut s = self.state();
+        let i = usize::from(stderr);
+        s.kept[i].add(&bytes);
+        let mut data = std::mem::take(&mut s.carry[i]);
+        data.extend_from_slice(&bytes);
+        let keep = incomplete_tail(&data);
+        s.carry[i] = data.split_off(data.len() - keep);
+        if !data.is_empty() {
+            s.buf.push(stderr, data);
+        }
+    }
+
+    fn finish(&self, status: ExitStatus, lost: bool) {
+        let mut s = self.state();
+        for i in 0..2 {
+            let rest = std::mem::take(&mut s.carry[i]);
+            if !rest.is_empty() {
+                s.buf.push(i == 1, rest);
+            }
+        }
+        s.exit = Some(Exit { status, lost });
+        s.ended_ms = Some(now_ms());
+    }
+
+    /// Events from `cursor` on, the new cursor, and the exit once all output is read.
+    fn read_from(&self, mut cursor: u64) -> (Vec<Value>, u64, Option<Exit>) {
+        let s = self.state();
+        let mut events = Vec::new();
+        if cursor < s.buf.start {
+            events.push(json!({"type": "truncated", "droppedBytes": s.buf.start - cursor, "resumeAt": s.buf.start}));
+            cursor = s.buf.start;
+        }
+        for c in &s.buf.chunks {
+            let end = c.offset + c.data.len() as u64;
+            if end <= cursor {
+                continue;
+            }
+            let skip = cursor.saturating_sub(c.offset) as usize;
+            let bytes = &c.data[skip..];
+            let mut ev = Map::new();
+            ev.insert(
+                "type".into(),
+                json!(if c.stderr { "stderr" } else { "stdout" }),
+            );
+            ev.insert("offset".into(), json!(c.offset + skip as u64));
+            match std::str::from_utf8(bytes) {
+                Ok(text) => {
+                    ev.insert("data".into(), json!(text));
+                    if self.base64_always {
+                        ev.insert("base64".into(), json!(b64(bytes)));
+                    }
+                }
+                Err(_) => {
+                    ev.insert("data".into(), json!(String::from_utf8_lossy(bytes)));
+                    ev.insert("base64".into(), json!(b64(bytes)));
+                }
+            }
+            events.push(Value::Object(ev));
+            cursor = end;
+        }
+        let exit = if cursor >= s.buf.end {
+            s.exit.clone()
+        } else {
+            None
+        };
+        (events, cursor, exit)
+    }
+
+    fn info(&self) -> Value {
+        let s = self.state();
+        let (state, code, timed_out, duration, signal) = match &s.exit {
+            None => ("running", None, false, None, None),
+            Some(e) => (
+                if e.lost { "lost" } else { "exited" },
+                e.status.code,
+                e.status.timed_out,
+                Some(e.status.duration_ms),
+                e.status.signal,
+            ),
+        };
+        json!({
+            "id": self.id,
+            "sandboxId": self.sandbox_id,
+            "command": self.command,
+            "argv": self.argv,
+            "user": if self.user == RunAs::Root { "root" } else { "sandbox" },
+            "pid": self.guest_pid,
+            "state": state,
+            "exitCode": code,
+            "signal": signal,
+            "timedOut": timed_out,
+            "durationMs": duration,
+            "startedAt": iso(self.started_ms),
+            "endedAt": s.ended_ms.map(iso),
+            "stdinOffset": s.stdin_offset,
+            "stdinOpen": self.stdin_pipe && !s.stdin_closed && s.exit.is_none(),
+            "pty": self.pty,
+            "outputEncoding": if self.base64_always { "base64" } else { "utf8" },
+            "outputBytes": s.buf.end,
+        })
+    }
+}
+
+fn b64(b: &[u8]) -> String {
+    base64::engine::general_purpose::STANDARD.encode(b)
+}
+
+fn exit_event(e: &Exit) -> Value {
+    let mut v = json!({
+        "type": "exit",
+        "exitCode": e.status.code,
+        "state": if e.lost { "lost" } else { "exited" },
+        "timedOut": e.status.timed_out,
+        "durationMs": e.status.duration_ms,
+    });
+    if e.status.out_of_memory {
+        v["outOfMemory"] = json!({});
+    }
+    v
+}
+
+/// What exec and spawn both take.
+struct CommandReq {
+    spec: ExecSpec,
+    command: String,
+    stdin_data: Option<Vec<u8>>,
+    stream: bool,
+    base64_always: bool,
+}
+
+fn parse_command(row: &SandboxRow, body: &[u8], spawn: bool) -> ApiResult<CommandReq> {
+    let obj = json_object(body)?;
+    let mut f = Fields::new(&obj);
+    let command = f.string("command");
+    let argv = match f.raw("argv") {
+        None => None,
+        Some(Value::Array(a)) if !a.is_empty() && a.iter().all(Value::is_string) => Some(
+            a.iter()
+                .filter_map(|v| v.as_str().map(String::from))
+                .collect::<Vec<_>>(),
+        ),
+        Some(_) => {
+            f.issue("argv", "must be a non-empty array of strings");
+            None
+        }
+    };
+    let argv = match (command, argv) {
+        (Some(c), None) => vec!["bash".to_string(), "-c".to_string(), c],
+        (None, Some(a)) => a,
+        (Some(_), Some(_)) => {
+            f.issue("argv", "give command or argv, not both");
+            Vec::new()
+        }
+        (None, None) => {
+            if !f.present("argv") && !f.present("command") {
+                f.issue("command", "command or argv is required");
+            }
+            Vec::new()
+        }
+    };
+    let cwd = f.string("cwd");
+    let env = f.string_map("env", 256).unwrap_or_default();
+    let stdin_text = f.string("stdin");
+    let stdin_b64 = f.string("stdinBase64");
+    let mut stdin_data = None;
+    match (stdin_text, stdin_b64) {
+        (Some(_), Some(_)) => f.issue("stdinBase64", "give stdin or stdinBase64, not both"),
+        (Some(t), None) => stdin_data = Some(t.into_bytes()),
+        (None, Some(b)) => match base64::engine::general_purpose::STANDARD.decode(b) {
+            Ok(d) => stdin_data = Some(d),
+            Err(_) => f.issue("stdinBase64", "is not valid base64"),
+        },
+        (None, None) => {}
+    }
+    let timeout_ms = f.int("timeoutMs", 1, MAX_TIMEOUT_MS);
+    let user = f
+        .one_of("user", &["sandbox", "root"])
+        .unwrap_or_else(|| row.record.user.clone());
+    if f.bool("traceFiles") == Some(true) {
+        f.issue(
+            "traceFiles",
+            "tracing files is not supported by this server yet",
+        );
+    }
+    let mut stream = false;
+    let mut stdin_pipe = false;
+    let mut pty = None;
+    let mut base64_always = false;
+    if spawn {
+        stdin_pipe = f.one_of("stdinMode", &["pipe"]).is_some();
+        if let Some(p) = f.raw("pty") {
+            match p {
+                Value::Object(m) => {
+                    let mut pf = Fields::new(m);
+                    let cols = pf.int("cols", 1, 1000).unwrap_or(80) as u16;
+                    let rows = pf.int("rows", 1, 1000).unwrap_or(24) as u16;
+                    if let Err(ApiError::Invalid { issues }) = pf.finish() {
+                        for i in issues {
+                            f.issue(&format!("pty.{}", i.field), i.message);
+                        }
+                    }
+                    pty = Some(TermSize { cols, rows });
+                }
+                _ => f.issue("pty", "must be an object {cols, rows}"),
+            }
+        }
+        base64_always =
+            f.one_of("outputEncoding", &["utf8", "base64"]).as_deref() == Some("base64");
+    } else {
+        stream = f.bool("stream").unwrap_or(false);
+    }
+    f.finish()?;
+    let timeout_ms = match (timeout_ms, spawn, stream) {
+        (Some(t), _, _) => Some(t),
+        (None, false, false) => Some(DEFAULT_EXEC_TIMEOUT_MS),
+        (None, false, true) => Some(MAX_TIMEOUT_MS),
+        (None, true, _) => None,
+    };
+    let mut merged = row.env.clone();
+    merged.extend(env);
+    let command = argv.join(" ");
+    let stdin = stdin_pipe || stdin_data.is_some();
+    Ok(CommandReq {
+        spec: ExecSpec {
+            argv,
+            cwd,
+            env: merged,
+            user: if user == "root" {
+                RunAs::Root
+            } else {
+                RunAs::Sandbox
+            },
+            timeout: timeout_ms.map(|t| Duration::from_millis(t as u64)),
+            stdin,
+            pty,
+            kill_group_on_exit: !spawn,
+        },
+        command,
+        stdin_data,
+        stream,
+        base64_always,
+    })
+}
+
+async fn start(
+    st: &AppState,
+    row: &SandboxRow,
+    req: CommandReq,
+    stdin_pipe: bool,
+) -> ApiResult<Arc<Proc>> {
+    let user = req.spec.user;
+    let argv = req.spec.argv.clone();
+    let pty = req.spec.pty.is_some();
+    let ExecHandle {
+        pid,
+        mut events,
+        control,
+    } = st.host().exec(&row.record.id, req.spec).await?;
+    let stdin_closed = !stdin_pipe;
+    if let Some(data) = req.stdin_data {
+        // Sent before the pump starts; a full control channel waits here.
+        let _ = control.send(ExecControl::Stdin(data)).await;
+    }
+    if !stdin_pipe {
+        let _ = control.send(ExecControl::CloseStdin).await;
+    }
+    let proc = Arc::new(Proc {
+        id: format!("proc_{}", uuid::Uuid::new_v4().simple()),
+        sandbox_id: row.record.id.clone(),
+        command: req.command,
+        argv,
+        user,
+        guest_pid: pid,
+        pty,
+        stdin_pipe,
+        base64_always: req.base64_always,
+        started_ms: now_ms(),
+        state: Mutex::new(ProcState {
+            buf: OutBuf {
+                chunks: VecDeque::new(),
+                start: 0,
+                end: 0,
+                size: 0,
+                cap: st.config().output_buffer_bytes,
+            },
+            carry: [Vec::new(), Vec::new()],
+            kept: [Kept::default(), Kept::default()],
+            exit: None,
+            ended_ms: None,
+            stdin_offset: 0,
+            stdin_closed,
+        }),
+        changed: watch::channel(0).0,
+        control,
+        writes: tokio::sync::Mutex::new(()),
+    });
+    st.inner.procs.lock().insert(proc.id.clone(), proc.clone());
+    tracing::debug!(sandbox_id = %proc.sandbox_id, process_id = %proc.id, "process started");
+    let p = proc.clone();
+    let cancel = st.inner.cancel.clone();
+    st.spawn(async move {
+        let started = now_ms();
+        loop {
+            let ev = tokio::select! {
+                ev = events.recv() => ev,
+                _ = cancel.cancelled() => return,
+            };
+            match ev {
+                Some(ExecEvent::Stdout(b)) => p.ingest(false, b),
+                Some(ExecEvent::Stderr(b)) => p.ingest(true, b),
+                Some(ExecEvent::Exited(status)) => {
+                    p.finish(status, false);
+                    p.bump();
+                    return;
+                }
+                None => {
+                    let status = ExitStatus {
+                        code: None,
+                        signal: None,
+                        timed_out: false,
+                        duration_ms: (now_ms() - started).max(0) as u64,
+                        out_of_memory: false,
+                    };
+                    tracing::warn!(process_id = %p.id, "lost the process's event stream");
+                    p.finish(status, true);
+                    p.bump();
+                    return;
+                }
+            }
+            p.bump();
+        }
+    });
+    Ok(proc)
+}
+
+pub async fn exec(st: AppState, ctx: Ctx, id: String, body: Bytes) -> ApiResult<Reply> {
+    let row = find_running(&st, &ctx.key, &id)?;
+    let req = parse_command(&row, &body, false)?;
+    let stream = req.stream;
+    let guard_ms = req
+        .spec
+        .timeout
+        .map_or(MAX_TIMEOUT_MS as u64, |t| t.as_millis() as u64)
+        + 30_000;
+    let proc = start(&st, &row, req, false).await?;
+    if stream {
+        let replay = json!({"sandboxId": id, "processId": proc.id});
+        return Ok(Reply::Stream {
+            response: follow_response(&st, proc, 0, true),
+            replay,
+        });
+    }
+    let mut rx = proc.changed.subscribe();
+    let deadline = tokio::time::Instant::now() + Duration::from_millis(guard_ms);
+    let mut killed = false;
+    loop {
+        if proc.state().exit.is_some() {
+            break;
+        }
+        if tokio::time::timeout_at(deadline, rx.changed())
+            .await
+            .is_err()
+        {
+            if killed {
+                break;
+            }
+            // The host missed its own timeout; end the group ourselves.
+            let _ = proc.control.send(ExecControl::Signal(libc_sigkill())).await;
+            killed = true;
+        }
+    }
+    let s = proc.state();
+    let (code, timed_out, duration, oom) = match &s.exit {
+        Some(e) => (
+            e.status.code,
+            e.status.timed_out,
+            e.status.duration_ms,
+            e.status.out_of_memory,
+        ),
+        None => (None, true, guard_ms, false),
+    };
+    let result = ExecResult {
+        exit_code: code,
+        stdout: s.kept[0].text(),
+        stderr: s.kept[1].text(),
+        timed_out,
+        stdout_truncated: s.kept[0].truncated(),
+        stderr_truncated: s.kept[1].truncated(),
+        duration_ms: duration,
+        process_id: proc.id.clone(),
+        out_of_memory: oom.then(|| json!({})),
+    };
+    Reply::ok(serde_json::to_value(result).unwrap_or(Value::Null))
+}
+
+const fn libc_sigkill() -> i32 {
+    9
+}
+
+struct Follow {
+    proc: Arc<Proc>,
+    cursor: u64,
+    rx: watch::Receiver<u64>,
+    send_start: bool,
+    done: bool,
+    heartbeat: Duration,
+    cancel: CancellationToken,
+}
+
+fn lines(events: &[Value]) -> Bytes {
+    let mut out = Vec::new();
+    for e in events {
+        if serde_json::to_writer(&mut out, e).is_ok() {
+            out.push(b'\n');
+        }
+    }
+    Bytes::from(out)
+}
+
+/// An NDJSON answer following `proc` from `cursor` until it exits.
+fn follow_response(st: &AppState, proc: Arc<Proc>, cursor: u64, send_start: bool) -> Response {
+    let f = Follow {
+        rx: proc.changed.subscribe(),
+        proc,
+        cursor,
+        send_start,
+        done: false,
+        heartbeat: st.config().heartbeat,
+        cancel: st.inner.cancel.clone(),
+    };
+    let stream = futures::stream::unfold(f, |mut f| async move {
+        if f.done {
+            return None;
+        }
+        if f.send_start {
+            f.send_start = false;
+            let start = json!({"type": "start", "processId": f.proc.id});
+            return Some((Ok::<_, std::convert::Infallible>(lines(&[start])), f));
+        }
+        loop {
+            let (mut events, cursor, exit) = f.proc.read_from(f.cursor);
+            f.cursor = cursor;
+            if let Some(e) = exit {
+                events.push(exit_event(&e));
+                f.done = true;
+            }
+            if !events.is_empty() {
+                return Some((Ok(lines(&events)), f));
+            }
+            tokio::select! {
+                r = tokio::time::timeout(f.heartbeat, f.rx.changed()) => match r {
+                    Ok(_) => continue,
+                    Err(_) => return Some((Ok(Bytes::from_static(b"\n")), f)),
+                },
+                _ = f.cancel.cancelled() => {
+                    // The server is shutting down: tell the reader where to resume.
+                    f.done = true;
+                    let c = json!({"type": "continue", "processId": f.proc.id, "cursor": f.cursor});
+                    return Some((Ok(lines(&[c])), f));
+                }
+            }
+        }
+    });
+    let mut resp = Response::new(Body::from_stream(stream));
+    resp.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/x-ndjson"),
+    );
+    resp.headers_mut()
+        .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    resp
+}
+
+/// A duplicate of a streamed exec follows the same process from the start.
+pub fn replay_stream(st: &AppState, sandbox_id: &str, pid: &str) -> ApiResult<Response> {
+    match st.inner.procs.get(sandbox_id, pid) {
+        Ok(p) => Ok(follow_response(st, p, 0, true)),
+        Err(_) => Err(ApiError::Conflict {
+            code: codes::OUTPUT_GONE,
+            message: format!("The output of process {pid} is no longer kept; run the command again with a new key."),
+            details: Some(json!({"processId": pid})),
+        }),
+    }
+}
+
+pub async fn spawn(st: AppState, ctx: Ctx, id: String, body: Bytes) -> ApiResult<Reply> {
+    let row = find_running(&st, &ctx.key, &id)?;
+    let req = parse_command(&row, &body, true)?;
+    let pipe = req.spec.stdin && req.stdin_data.is_none();
+    let proc = start(&st, &row, req, pipe).await?;
+    Ok(Reply::Json(axum::http::StatusCode::CREATED, proc.info()))
+}
+
+pub async fn list(st: AppState, ctx: Ctx, id: String) -> ApiResult<Reply> {
+    find(&st, &ctx.key, &id)?;
+    let mut procs: Vec<Arc<Proc>> = st
+        .inner
+        .procs
+        .lock()
+        .values()
+        .filter(|p| p.sandbox_id == id)
+        .cloned()
+        .collect();
+    procs.sort_by_key(|p| p.started_ms);
+    let data: Vec<Value> = procs.iter().map(|p| p.info()).collect();
+    Reply::ok(json!({ "data": data }))
+}
+
+pub async fn get(st: AppState, ctx: Ctx, id: String, pid: String) -> ApiResult<Reply> {
+    find(&st, &ctx.key, &id)?;
+    Reply::ok(st.inner.procs.get(&id, &pid)?.info())
+}
+
+pub async fn output(st: AppState, ctx: Ctx, id: String, pid: String) -> ApiResult<Reply> {
+    let q = query_object(&ctx.query, &[]);
+    let mut f = Fields::new(&q);
+    let cursor = f.q_int("cursor", 0, i64::MAX).unwrap_or(0) as u64;
+    let follow = f.q_bool("follow").unwrap_or(false);
+    f.finish()?;
+    find(&st, &ctx.key, &id)?;
+    let proc = st.inner.procs.get(&id, &pid)?;
+    if follow {
+        return Ok(Reply::Raw(follow_response(&st, proc, cursor, false)));
+    }
+    let (mut events, _, exit) = proc.read_from(cursor);
+    if let Some(e) = exit {
+        events.push(exit_event(&e));
+    }
+    let mut resp = Response::new(Body::from(lines(&events)));
+    resp.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/x-ndjson"),
+    );
+    Ok(Reply::Raw(resp))
+}
+
+fn signal_number(v: &Value) -> Option<i32> {
+    if let Some(n) = v.as_i64() {
+        return (1..=64).contains(&n).then_some(n as i32);
+    }
+    let s = v.as_str()?;
+    let name = s.strip_prefix("SIG").unwrap_or(s);
+    Some(match name {
+        "HUP" => 1,
+        "INT" => 2,
+        "QUIT" => 3,
+        "KILL" => 9,
+        "USR1" => 10,
+        "USR2" => 12,
+        "TERM" => 15,
+        "CONT" => 18,
+        "STOP" => 19,
+        "TSTP" => 20,
+        "WINCH" => 28,
+        _ => return None,
+    })
+}
+
+pub async fn action(
+    st: AppState,
+    ctx: Ctx,
+    id: String,
+    pid: String,
+    verb: String,
+    body: Bytes,
+) -> ApiResult<Reply> {
+    let obj = json_object(&body)?;
+    let mut f = Fields::new(&obj);
+    match verb.as_str() {
+        "write" => {
+            let data = match f.string("base64") {
+                Some(b) => match base64::engine::general_purpose::STANDARD.decode(b) {
+                    Ok(d) => d,
+                    Err(_) => {
+                        f.issue("base64", "is not valid base64");
+                        Vec::new()
+                    }
+                },
+                None => Vec::new(),
+            };
+            let offset = f.int("offset", 0, i64::MAX).map(|o| o as u64);
+            let eof = f.bool("eof").unwrap_or(false);
+            f.finish()?;
+            find_running(&st, &ctx.key, &id)?;
+            let proc = st.inner.procs.get(&id, &pid)?;
+            let _w = proc.writes.lock().await;
+            let (current, closed, exited) = {
+                let s = proc.state();
+                (s.stdin_offset, s.stdin_closed, s.exit.is_some())
+            };
+            if exited {
+                return Err(ApiError::Conflict {
+                    code: codes::PROCESS_NOT_RUNNING,
+                    message: format!("Process {pid} has exited."),
+                    details: Some(json!({"processId": pid, "offset": current})),
+                });
+            }
+            let offset = offset.unwrap_or(current);
+            if offset > current {
+                return Err(ApiError::Conflict {
+                    code: codes::OFFSET_MISMATCH,
+                    message: format!("Input offset {offset} is past the {current} bytes received."),
+                    details: Some(json!({"offset": current})),
+                });
+            }
+            let skip = (current - offset) as usize;
+            let fresh = data.get(skip..).unwrap_or(&[]);
+            if !fresh.is_empty() {
+                if closed {
+                    return Err(ApiError::Conflict {
+                        code: "stdin_closed",
+                        message: format!("The input of process {pid} is closed."),
+                        details: Some(json!({"offset": current})),
+                    });
+                }
+                proc.control
+                    .send(ExecControl::Stdin(fresh.to_vec()))
+                    .await
+                    .map_err(|_| ApiError::Conflict {
+                        code: codes::PROCESS_NOT_RUNNING,
+                        message: format!("Process {pid} has exited."),
+                        details: None,
+                    })?;
+            }
+            let new_offset = current + fresh.len() as u64;
+            let mut close = false;
+            {
+                let mut s = proc.state();
+                s.stdin_offset = new_offset;
+                if eof && !s.stdin_closed {
+                    s.stdin_closed = true;
+                    close = true;
+                }
+            }
+            if close {
+                let _ = proc.control.send(ExecControl::CloseStdin).await;
+            }
+            Reply::ok(json!({ "offset": new_offset }))
+        }
+        "signal" => {
+            let sig = match f.raw("signal") {
+                None => Some(15),
+                Some(v) => {
+                    let n = signal_number(v);
+                    if n.is_none() {
+                        f.issue(
+                            "signal",
+                            "must be a signal name such as SIGTERM, or its number",
+                        );
+                    }
+                    n
+                }
+            };
+            f.finish()?;
+            find(&st, &ctx.key, &id)?;
+            let proc = st.inner.procs.get(&id, &pid)?;
+            let delivered = proc.state().exit.is_none()
+                && proc
+                    .control
+                    .send(ExecControl::Signal(sig.unwrap_or(15)))
+                    .await
+                    .is_ok();
+            Reply::ok(json!({ "id": pid, "signal": sig, "delivered": delivered }))
+        }
+        "resize" => {
+            let cols = f.int("cols", 1, 1000);
+            let rows = f.int("rows", 1, 1000);
+            if !f.present("cols") {
+                f.issue("cols", "is required");
+            }
+            if !f.present("rows") {
+                f.issue("rows", "is required");
+            }
+            f.finish()?;
+            find(&st, &ctx.key, &id)?;
+            let proc = st.inner.procs.get(&id, &pid)?;
+            let size = TermSize {
+                cols: cols.unwrap_or(80) as u16,
+                rows: rows.unwrap_or(24) as u16,
+            };
+            let _ = proc.control.send(ExecControl::Resize(size)).await;
+            Reply::ok(json!({ "id": pid, "cols": size.cols, "rows": size.rows }))
+        }
+        _ => Err(ApiError::RouteNotFound {
+            method: "POST".into(),
+            path: format!("/v1/sandboxes/{id}/processes/{pid}:{verb}"),
+        }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn incomplete_utf8_tails() {
+        assert_eq!(incomplete_tail(b"abc"), 0);
+        assert_eq!(incomplete_tail("é".as_bytes()), 0);
+        assert_eq!(incomplete_tail(&"é".as_bytes()[..1]), 1);
+        assert_eq!(incomplete_tail(&"€".as_bytes()[..2]), 2);
+        assert_eq!(incomplete_tail(&"😀".as_bytes()[..3]), 3);
+        assert_eq!(incomplete_tail(b"\xff"), 0);
+    }
+
+    #[test]
+    fn buffer_keeps_the_last_bytes() {
+        let mut b = OutBuf {
+            chunks: VecDeque::new(),
+            start: 0,
+            end: 0,
+            size: 0,
+            cap: 10,
+        };
+        b.push(false, vec![1; 6]);
+        b.push(true, vec![2; 6]);
+        assert_eq!((b.start, b.end, b.size), (2, 12, 10));
+        assert_eq!(
+            b.chunks.front().map(|c| (c.offset, c.data.len())),
+            Some((2, 4))
+        );
+    }
+}

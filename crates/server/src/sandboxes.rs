@@ -1,0 +1,872 @@
+//! Sandboxes (contract §5): create, get, list, stop, delete, extend, update;
+//! the state machine, waits, leases and recovery after a restart.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use axum::body::Bytes;
+use axum::http::StatusCode;
+use base64::Engine;
+use runtime_api::{DeletedSandbox, Sandbox};
+use runtime_host::MachineSpec;
+use serde_json::{json, Value};
+use tokio::time::Instant;
+
+use crate::error::{ApiError, ApiResult, ServerError};
+use crate::http::{Ctx, Reply};
+use crate::store::{KeyInfo, SandboxRow};
+use crate::util::{iso, json_object, now_ms, parse_iso_ms, prefer_wait, query_object, Fields};
+use crate::AppState;
+
+const STATES: &[&str] = &[
+    "starting", "running", "pausing", "paused", "resuming", "stopping", "stopped",
+];
+
+fn visible(key: &KeyInfo, row: &SandboxRow) -> bool {
+    key.account_wide || row.key_id == key.id
+}
+
+/// The sandbox as this key may see it (deleted or foreign ones are 404).
+pub fn find(st: &AppState, key: &KeyInfo, id: &str) -> ApiResult<SandboxRow> {
+    match st.store().get_sandbox(id)? {
+        Some(row) if row.deleted.is_none() && visible(key, &row) => Ok(row),
+        _ => Err(ApiError::sandbox_not_found(id)),
+    }
+}
+
+/// The sandbox, which must be running (exec, files, processes).
+pub fn find_running(st: &AppState, key: &KeyInfo, id: &str) -> ApiResult<SandboxRow> {
+    let row = find(st, key, id)?;
+    if row.record.state != "running" {
+        return Err(ApiError::NotRunning {
+            id: row.record.id,
+            state: row.record.state,
+        });
+    }
+    Ok(row)
+}
+
+fn record_json(s: &Sandbox, extra: &[(&str, Value)]) -> Value {
+    let mut v = serde_json::to_value(s).unwrap_or(Value::Null);
+    if let Value::Object(m) = &mut v {
+        for (k, x) in extra {
+            m.insert((*k).to_string(), x.clone());
+        }
+    }
+    v
+}
+
+pub fn machine_spec(s: &Sandbox) -> MachineSpec {
+    MachineSpec {
+        id: s.id.clone(),
+        vcpu: s.vcpu,
+        memory_mib: s.memory_mib,
+        disk_mib: s.disk_mib,
+        hostname: format!("sbx-{}", s.id.chars().take(8).collect::<String>()),
+    }
+}
+
+fn valid_env_name(n: &str) -> bool {
+    let mut b = n.bytes();
+    matches!(b.next(), Some(c) if c.is_ascii_alphabetic() || c == b'_')
+        && b.all(|c| c.is_ascii_alphanumeric() || c == b'_')
+}
+
+fn valid_name(n: &str) -> bool {
+    (1..=128).contains(&n.chars().count()) && !n.chars().any(|c| c.is_control())
+}
+
+fn check_labels(
+    f: &mut Fields<'_>,
+    labels: Option<Vec<(String, String)>>,
+) -> Option<BTreeMap<String, String>> {
+    let labels = labels?;
+    let mut out = BTreeMap::new();
+    for (k, v) in labels {
+        if k.is_empty() || k.len() > 63 || k.contains(':') {
+            f.issue(
+                &format!("labels.{k}"),
+                "keys must be 1-63 characters without ':'",
+            );
+        } else if v.len() > 256 {
+            f.issue(
+                &format!("labels.{k}"),
+                "values must be at most 256 characters",
+            );
+        } else {
+            out.insert(k, v);
+        }
+    }
+    Some(out)
+}
+
+fn check_env(
+    f: &mut Fields<'_>,
+    env: Option<Vec<(String, String)>>,
+) -> Option<Vec<(String, String)>> {
+    let env = env?;
+    let total: usize = env.iter().map(|(k, v)| k.len() + v.len()).sum();
+    if total > 32 * 1024 {
+        f.issue("env", "must be at most 32 KiB in total");
+    }
+    for (k, _) in &env {
+        if !valid_env_name(k) {
+            f.issue(&format!("env.{k}"), "is not a valid variable name");
+        }
+    }
+    Some(env)
+}
+
+struct CreateReq {
+    record: Sandbox,
+    env: Vec<(String, String)>,
+    get_or_create: bool,
+}
+
+fn parse_create(body: &[u8]) -> ApiResult<CreateReq> {
+    let obj = json_object(body)?;
+    let mut f = Fields::new(&obj);
+    let name = f.string("name");
+    if let Some(n) = &name {
+        if !valid_name(n) {
+            f.issue(
+                "name",
+                "must be 1-128 characters without control characters",
+            );
+        }
+    }
+    let labels = f.string_map("labels", 32);
+    let labels = check_labels(&mut f, labels).unwrap_or_default();
+    let funding = f
+        .one_of("funding", &["trial", "paid"])
+        .unwrap_or_else(|| "paid".into());
+    if let Some(r) = f.string("region") {
+        if r != "local" {
+            f.issue("region", "this server has one region, \"local\"");
+        }
+    }
+    let vcpu = f.int("vcpu", 1, 16).unwrap_or(2) as u32;
+    let memory_mib = f.int("memoryMiB", 128, 65536).unwrap_or(4096) as u32;
+    let disk_mib = f.int("diskMiB", 3072, 1 << 20).unwrap_or(4096) as u32;
+    let cpu = f
+        .one_of("cpu", &["shared", "reserved"])
+        .unwrap_or_else(|| "shared".into());
+    let floor_default = if cpu == "reserved" { vcpu * 1000 } else { 50 };
+    let cpu_floor_millis = f
+        .int("cpuFloorMillis", 0, i64::from(vcpu) * 1000)
+        .map(|n| n as u32)
+        .unwrap_or(floor_default);
+    let timeout_seconds = f.int("timeoutSeconds", 60, 86400).map(|n| n as u32);
+    let on_lease_end = f
+        .one_of("onLeaseEnd", &["pause", "stop", "delete"])
+        .unwrap_or_else(|| "pause".into());
+    let pausable = f.bool("pausable").unwrap_or(true);
+    let idle_pause_seconds = f.int("idlePauseSeconds", 0, 86400).unwrap_or(0) as u32;
+    if (1..60).contains(&idle_pause_seconds) {
+        f.issue(
+            "idlePauseSeconds",
+            "must be 0 (never) or between 60 and 86400",
+        );
+    }
+    let auto_wake = f.bool("autoWake").unwrap_or(true);
+    let user = f
+        .one_of("user", &["sandbox", "root"])
+        .unwrap_or_else(|| "sandbox".into());
+    let persistent = f.bool("persistent").unwrap_or(false);
+    let max_total_cost_micros = f.int("maxTotalCostMicros", 0, i64::MAX);
+    let max_cost_micros = f.int("maxCostMicros", 0, i64::MAX);
+    let get_or_create = f.bool("getOrCreate").unwrap_or(false);
+    if get_or_create && name.is_none() {
+        f.issue("getOrCreate", "needs a name");
+    }
+    let env = f.string_map("env", 32);
+    let env = check_env(&mut f, env).unwrap_or_default();
+    if let Some(img) = f.raw("image") {
+        if img.as_str() != Some("default") {
+            f.issue("image", "only the default image exists on this server yet");
+        }
+    }
+    f.refuse(
+        "network",
+        "network rules are not supported by this server yet",
+    );
+    f.refuse(
+        "snapshot",
+        "starting from a snapshot is not supported by this server yet",
+    );
+    f.refuse(
+        "spreadFrom",
+        "is not supported by this server (one machine)",
+    );
+    f.refuse("tailscale", "is not supported by this server");
+    for list in ["volumes", "secrets"] {
+        match f.raw(list) {
+            None => {}
+            Some(Value::Array(a)) if a.is_empty() => {}
+            Some(_) => f.issue(list, format!("{list} are not supported by this server yet")),
+        }
+    }
+    f.finish()?;
+
+    let now = now_ms();
+    let ends_at = timeout_seconds.map(|t| iso(now + i64::from(t) * 1000));
+    let mut env_names: Vec<String> = env.iter().map(|(k, _)| k.clone()).collect();
+    env_names.sort();
+    env_names.dedup();
+    let record = Sandbox {
+        id: uuid::Uuid::new_v4().to_string(),
+        kind: "sandbox".into(),
+        name,
+        labels,
+        status: "pending".into(),
+        state: "starting".into(),
+        region: "local".into(),
+        funding,
+        vcpu,
+        memory_mib,
+        disk_mib,
+        cpu,
+        cpu_floor_millis,
+        pausable,
+        timeout_seconds,
+        idle_pause_seconds,
+        auto_wake,
+        persistent,
+        on_lease_end,
+        user,
+        created_at: iso(now),
+        ready_at: None,
+        expires_at: ends_at.clone(),
+        ends_at,
+        ended_at: None,
+        stop_reason: None,
+        paused_at: None,
+        paused_expires_at: None,
+        last_active_at: Some(iso(now)),
+        charged_micros: 0,
+        held_micros: 0,
+        max_total_cost_micros,
+        max_cost_micros,
+        env_names,
+        image: None,
+    };
+    Ok(CreateReq {
+        record,
+        env,
+        get_or_create,
+    })
+}
+
+/// The live sandbox that holds `name`, if any: not stopped, or stopped and persistent.
+fn name_holder(
+    st: &AppState,
+    name: &str,
+    except: Option<&str>,
+) -> Result<Option<SandboxRow>, ServerError> {
+    Ok(st.store().live_sandboxes()?.into_iter().find(|r| {
+        r.record.name.as_deref() == Some(name)
+            && Some(r.record.id.as_str()) != except
+            && (r.record.state != "stopped" || r.record.persistent)
+    }))
+}
+
+pub async fn create(st: AppState, ctx: Ctx, body: Bytes) -> ApiResult<Reply> {
+    let req = parse_create(&body)?;
+    let wait = prefer_wait(&ctx.headers);
+    let created = {
+        let _g = st.inner.create_lock.lock().await;
+        let holder = match &req.record.name {
+            Some(n) => name_holder(&st, n, None)?,
+            None => None,
+        };
+        match holder {
+            Some(h) if req.get_or_create && visible(&ctx.key, &h) => {
+                let id = h.record.id.clone();
+                if h.record.state == "stopped" {
+                    restart(&st, &id)?;
+                }
+                Err(id)
+            }
+            Some(h) => {
+                let sandbox_id = visible(&ctx.key, &h).then(|| h.record.id.clone());
+                return Err(ApiError::NameTaken {
+                    name: h.record.name.unwrap_or_default(),
+                    sandbox_id,
+                });
+            }
+            None => {
+                let row = SandboxRow {
+                    seq: 0,
+                    key_id: ctx.key.id.clone(),
+                    record: req.record,
+                    env: req.env,
+                    deleted: None,
+                };
+                st.store().insert_sandbox(&row)?;
+                tracing::info!(sandbox_id = %row.record.id, "sandbox created");
+                spawn_start(&st, row.record.id.clone());
+                Ok(row.record.id)
+            }
+        }
+    };
+    let (id, reused) = match created {
+        Ok(id) => (id, false),
+        Err(id) => (id, true),
+    };
+    if let Some(secs) = wait {
+        wait_until(&st, &id, Duration::from_secs(secs), |s| {
+            s != "starting" && s != "stopping"
+        })
+        .await?;
+    }
+    let row = st
+        .store()
+        .get_sandbox(&id)?
+        .ok_or_else(|| ApiError::sandbox_not_found(&id))?;
+    let status = if reused {
+        StatusCode::OK
+    } else {
+        StatusCode::CREATED
+    };
+    Ok(Reply::Json(
+        status,
+        record_json(
+            &row.record,
+            &[
+                ("reused", Value::Bool(reused)),
+                ("start", json!({"mode": "boot"})),
+            ],
+        ),
+    ))
+}
+
+/// Moves a stopped persistent sandbox back to `starting` and boots it.
+fn restart(st: &AppState, id: &str) -> ApiResult<()> {
+    st.store().update_sandbox(id, |r| {
+        r.record.state = "starting".into();
+        r.record.ended_at = None;
+        r.record.stop_reason = None;
+        r.record.ready_at = None;
+        let now = now_ms();
+        r.record.ends_at = r
+            .record
+            .timeout_seconds
+            .map(|t| iso(now + i64::from(t) * 1000));
+        r.record.expires_at = r.record.ends_at.clone();
+        true
+    })?;
+    st.notify_change();
+    spawn_start(st, id.to_string());
+    Ok(())
+}
+
+fn spawn_start(st: &AppState, id: String) {
+    let st2 = st.clone();
+    st.spawn(async move {
+        let lock = st2.lifecycle_lock(&id);
+        let _g = lock.lock().await;
+        let row = match st2.store().get_sandbox(&id) {
+            Ok(Some(r)) if r.deleted.is_none() && r.record.state == "starting" => r,
+            Ok(_) => return,
+            Err(e) => {
+                tracing::error!(sandbox_id = %id, error = %e, "reading the sandbox to start failed");
+                return;
+            }
+        };
+        let result = st2.host().start(&machine_spec(&row.record)).await;
+        let now = now_ms();
+        let updated = st2.store().update_sandbox(&id, |r| {
+            if r.record.state != "starting" || r.deleted.is_some() {
+                // Stopped or deleted while booting: that task, queued on the lock, ends it.
+                return false;
+            }
+            match &result {
+                Ok(()) => {
+                    r.record.state = "running".into();
+                    r.record.ready_at = Some(iso(now));
+                    r.record.last_active_at = Some(iso(now));
+                }
+                Err(_) => {
+                    r.record.state = "stopped".into();
+                    r.record.stop_reason = Some("start_failed".into());
+                    r.record.ended_at = Some(iso(now));
+                }
+            }
+            true
+        });
+        match (&result, updated) {
+            (Ok(()), Ok(_)) => tracing::info!(sandbox_id = %id, "sandbox running"),
+            (Err(e), Ok(_)) => tracing::warn!(sandbox_id = %id, error = %e, "sandbox failed to start"),
+            (_, Err(e)) => tracing::error!(sandbox_id = %id, error = %e, "recording the start failed"),
+        }
+        st2.notify_change();
+    });
+}
+
+/// Asks a sandbox to stop; the host is driven in an owned task.
+fn request_stop(st: &AppState, id: &str, reason: &'static str) -> ApiResult<()> {
+    let mut changed = false;
+    st.store().update_sandbox(id, |r| {
+        if r.deleted.is_some() || r.record.state == "stopped" || r.record.state == "stopping" {
+            return false;
+        }
+        r.record.state = "stopping".into();
+        changed = true;
+        true
+    })?;
+    if !changed {
+        return Ok(());
+    }
+    st.notify_change();
+    st.inner.procs.sandbox_gone(id);
+    let st2 = st.clone();
+    let id = id.to_string();
+    st.spawn(async move {
+        let lock = st2.lifecycle_lock(&id);
+        let _g = lock.lock().await;
+        let keep_disk = match st2.store().get_sandbox(&id) {
+            Ok(Some(r)) if r.record.state == "stopping" && r.deleted.is_none() => r.record.persistent,
+            _ => return,
+        };
+        if let Err(e) = st2.host().stop(&id, keep_disk).await {
+            tracing::warn!(sandbox_id = %id, error = %e, "host stop failed; recording the sandbox as stopped");
+        }
+        let now = iso(now_ms());
+        if let Err(e) = st2.store().update_sandbox(&id, |r| {
+            if r.record.state != "stopping" {
+                return false;
+            }
+            r.record.state = "stopped".into();
+            r.record.stop_reason = Some(reason.into());
+            r.record.ended_at = Some(now.clone());
+            true
+        }) {
+            tracing::error!(sandbox_id = %id, error = %e, "recording the stop failed");
+        }
+        tracing::info!(sandbox_id = %id, reason, "sandbox stopped");
+        st2.notify_change();
+    });
+    Ok(())
+}
+
+/// Waits until `done(state)` holds or `timeout` passes.
+async fn wait_until(
+    st: &AppState,
+    id: &str,
+    timeout: Duration,
+    done: impl Fn(&str) -> bool,
+) -> ApiResult<()> {
+    let deadline = Instant::now() + timeout;
+    let mut rx = st.inner.changes.subscribe();
+    loop {
+        match st.store().get_sandbox(id)? {
+            Some(r) if r.deleted.is_none() && !done(&r.record.state) => {}
+            _ => return Ok(()),
+        }
+        match tokio::time::timeout_at(deadline, rx.changed()).await {
+            Ok(Ok(())) => {}
+            _ => return Ok(()),
+        }
+    }
+}
+
+pub async fn get(st: AppState, ctx: Ctx, id: String) -> ApiResult<Reply> {
+    let q = query_object(&ctx.query, &[]);
+    let mut f = Fields::new(&q);
+    let wait_for = f.one_of("waitFor", STATES);
+    let timeout = f.q_int("timeoutSeconds", 0, 120).unwrap_or(60);
+    f.finish()?;
+    find(&st, &ctx.key, &id)?;
+    if let Some(target) = wait_for {
+        // A sandbox that stopped will not reach any other state by itself.
+        wait_until(&st, &id, Duration::from_secs(timeout as u64), |s| {
+            s == target || s == "stopped"
+        })
+        .await?;
+    }
+    Reply::ok(record_json(&find(&st, &ctx.key, &id)?.record, &[]))
+}
+
+fn encode_cursor(seq: i64) -> String {
+    base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(format!("seq:{seq}"))
+}
+
+fn decode_cursor(c: &str) -> Option<i64> {
+    let raw = base64::engine::general_purpose::URL_SAFE_NO_PAD
+        .decode(c)
+        .ok()?;
+    String::from_utf8(raw)
+        .ok()?
+        .strip_prefix("seq:")?
+        .parse()
+        .ok()
+}
+
+pub async fn list(st: AppState, ctx: Ctx) -> ApiResult<Reply> {
+    let q = query_object(&ctx.query, &["state", "label"]);
+    let mut f = Fields::new(&q);
+    let mut states = Vec::new();
+    if let Some(Value::Array(a)) = f.raw("state") {
+        for s in a.iter().filter_map(Value::as_str) {
+            if STATES.contains(&s) {
+                states.push(s.to_string());
+            } else {
+                f.issue("state", format!("{s} is not a state"));
+            }
+        }
+    }
+    let name = f.string("name");
+    let mut labels = Vec::new();
+    if let Some(Value::Array(a)) = f.raw("label") {
+        for l in a.iter().filter_map(Value::as_str) {
+            match l.split_once(':') {
+                Some((k, v)) => labels.push((k.to_string(), v.to_string())),
+                None => f.issue("label", format!("{l} is not key:value")),
+            }
+        }
+    }
+    let include_stopped = f.q_bool("includeStopped").unwrap_or(false);
+    let limit = f.q_int("limit", 1, 100).unwrap_or(50) as usize;
+    let cursor = match f.string("cursor") {
+        Some(c) if !c.is_empty() => match decode_cursor(&c) {
+            Some(seq) => Some(seq),
+            None => {
+                f.issue("cursor", "is not a cursor this server gave");
+                None
+            }
+        },
+        _ => None,
+    };
+    f.finish()?;
+    let mut rows = st
+        .store()
+        .live_sandboxes()?
+        .into_iter()
+        .filter(|r| visible(&ctx.key, r))
+        .filter(|r| cursor.is_none_or(|c| r.seq < c))
+        .filter(|r| {
+            if states.is_empty() {
+                include_stopped || r.record.state != "stopped"
+            } else {
+                states.contains(&r.record.state)
+            }
+        })
+        .filter(|r| {
+            name.as_ref()
+                .is_none_or(|n| r.record.name.as_ref() == Some(n))
+        })
+        .filter(|r| {
+            labels
+                .iter()
+                .all(|(k, v)| r.record.labels.get(k) == Some(v))
+        })
+        .take(limit + 1)
+        .collect::<Vec<_>>();
+    let next = if rows.len() > limit {
+        rows.truncate(limit);
+        rows.last().map(|r| encode_cursor(r.seq))
+    } else {
+        None
+    };
+    let data: Vec<Value> = rows.iter().map(|r| record_json(&r.record, &[])).collect();
+    Reply::ok(json!({ "data": data, "nextCursor": next }))
+}
+
+pub async fn delete(st: AppState, ctx: Ctx, id: String) -> ApiResult<Reply> {
+    let row = match st.store().get_sandbox(&id)? {
+        Some(r) if visible(&ctx.key, &r) => r,
+        _ => return Err(ApiError::sandbox_not_found(&id)),
+    };
+    if let Some(d) = row.deleted {
+        return Reply::ok(serde_json::to_value(d).unwrap_or(Value::Null));
+    }
+    let now = iso(now_ms());
+    let row = st
+        .store()
+        .update_sandbox(&id, |r| {
+            if r.deleted.is_some() {
+                return false;
+            }
+            if r.record.state != "stopped" {
+                r.record.ended_at = Some(now.clone());
+                r.record.stop_reason = Some("deleted".into());
+            }
+            r.record.state = "stopped".into();
+            r.deleted = Some(DeletedSandbox {
+                id: r.record.id.clone(),
+                kind: "sandbox".into(),
+                name: r.record.name.clone(),
+                labels: r.record.labels.clone(),
+                status: "deleted".into(),
+                state: "stopped".into(),
+                deleted_at: now.clone(),
+                ended_at: r.record.ended_at.clone(),
+            });
+            true
+        })?
+        .ok_or_else(|| ApiError::sandbox_not_found(&id))?;
+    st.notify_change();
+    st.inner.procs.sandbox_gone(&id);
+    st.inner.uploads.sandbox_gone(&id);
+    let st2 = st.clone();
+    let id2 = id.clone();
+    st.spawn(async move {
+        let lock = st2.lifecycle_lock(&id2);
+        let _g = lock.lock().await;
+        match st2.host().destroy(&id2).await {
+            Ok(()) | Err(runtime_host::HostError::NoSuchMachine { .. }) => {
+                tracing::info!(sandbox_id = %id2, "sandbox destroyed")
+            }
+            Err(e) => {
+                tracing::warn!(sandbox_id = %id2, error = %e, "destroying the sandbox failed")
+            }
+        }
+    });
+    Reply::ok(serde_json::to_value(row.deleted).unwrap_or(Value::Null))
+}
+
+pub async fn action(
+    st: AppState,
+    ctx: Ctx,
+    id: String,
+    verb: String,
+    body: Bytes,
+) -> ApiResult<Reply> {
+    match verb.as_str() {
+        "stop" => {
+            let obj = json_object(&body)?;
+            Fields::new(&obj).finish()?;
+            find(&st, &ctx.key, &id)?;
+            request_stop(&st, &id, "requested")?;
+            if let Some(secs) = prefer_wait(&ctx.headers) {
+                wait_until(&st, &id, Duration::from_secs(secs), |s| s == "stopped").await?;
+            }
+            Reply::ok(record_json(&find(&st, &ctx.key, &id)?.record, &[]))
+        }
+        "extend" => extend(st, ctx, id, body).await,
+        "update" => update(st, ctx, id, body).await,
+        "pause" | "wake" | "restart" | "fork" | "snapshot" | "resize" | "switch-image" => {
+            find(&st, &ctx.key, &id)?;
+            Err(ApiError::Unsupported {
+                feature: "this sandbox action",
+            })
+        }
+        _ => Err(ApiError::RouteNotFound {
+            method: "POST".into(),
+            path: format!("/v1/sandboxes/{id}:{verb}"),
+        }),
+    }
+}
+
+async fn extend(st: AppState, ctx: Ctx, id: String, body: Bytes) -> ApiResult<Reply> {
+    let obj = json_object(&body)?;
+    let mut f = Fields::new(&obj);
+    let seconds = f.int("seconds", 1, 86400);
+    if seconds.is_none() && !f.present("seconds") {
+        f.issue("seconds", "is required");
+    }
+    f.finish()?;
+    let seconds = seconds.unwrap_or(0);
+    let row = find(&st, &ctx.key, &id)?;
+    if row.record.state != "running" && row.record.state != "starting" {
+        return Err(ApiError::NotRunning {
+            id,
+            state: row.record.state,
+        });
+    }
+    let row = st
+        .store()
+        .update_sandbox(&id, |r| {
+            let Some(end) = r.record.ends_at.as_deref().and_then(parse_iso_ms) else {
+                return false;
+            };
+            let end = iso(end.max(now_ms()) + seconds * 1000);
+            r.record.ends_at = Some(end.clone());
+            r.record.expires_at = Some(end);
+            true
+        })?
+        .ok_or_else(|| ApiError::sandbox_not_found(&id))?;
+    st.notify_change();
+    Reply::ok(record_json(&row.record, &[]))
+}
+
+async fn update(st: AppState, ctx: Ctx, id: String, body: Bytes) -> ApiResult<Reply> {
+    let obj = json_object(&body)?;
+    let mut f = Fields::new(&obj);
+    let name_given = f.present("name");
+    let name = f.string("name");
+    if let Some(n) = &name {
+        if !valid_name(n) {
+            f.issue(
+                "name",
+                "must be 1-128 characters without control characters",
+            );
+        }
+    }
+    let labels = f.string_map("labels", 32);
+    let labels = check_labels(&mut f, labels);
+    let mut env_changes: Vec<(String, Option<String>)> = Vec::new();
+    match f.raw("env") {
+        None => {}
+        Some(Value::Object(m)) => {
+            for (k, v) in m {
+                match v {
+                    Value::String(s) if valid_env_name(k) => {
+                        env_changes.push((k.clone(), Some(s.clone())))
+                    }
+                    Value::Null if valid_env_name(k) => env_changes.push((k.clone(), None)),
+                    Value::String(_) | Value::Null => {
+                        f.issue(&format!("env.{k}"), "is not a valid variable name")
+                    }
+                    _ => f.issue(&format!("env.{k}"), "must be a string or null"),
+                }
+            }
+        }
+        Some(_) => f.issue("env", "must be an object"),
+    }
+    let auto_wake = f.bool("autoWake");
+    let user = f.one_of("user", &["sandbox", "root"]);
+    let idle = f.int("idlePauseSeconds", 0, 86400);
+    let persistent = f.bool("persistent");
+    let max_total = f.int("maxTotalCostMicros", 0, i64::MAX);
+    let timeout_given = f.present("timeoutSeconds");
+    let timeout = f.int("timeoutSeconds", 60, 86400);
+    let on_timeout = f.one_of("onTimeout", &["pause", "stop", "delete"]);
+    f.finish()?;
+    find(&st, &ctx.key, &id)?;
+    let _g = st.inner.create_lock.lock().await;
+    if let Some(n) = &name {
+        if let Some(h) = name_holder(&st, n, Some(&id))? {
+            let sandbox_id = visible(&ctx.key, &h).then(|| h.record.id.clone());
+            return Err(ApiError::NameTaken {
+                name: n.clone(),
+                sandbox_id,
+            });
+        }
+    }
+    let row = st
+        .store()
+        .update_sandbox(&id, |r| {
+            let s = &mut r.record;
+            if name_given {
+                s.name = name.clone();
+            }
+            if let Some(l) = &labels {
+                s.labels = l.clone();
+            }
+            for (k, v) in &env_changes {
+                r.env.retain(|(n, _)| n != k);
+                if let Some(v) = v {
+                    r.env.push((k.clone(), v.clone()));
+                }
+            }
+            let mut names: Vec<String> = r.env.iter().map(|(k, _)| k.clone()).collect();
+            names.sort();
+            names.dedup();
+            s.env_names = names;
+            s.auto_wake = auto_wake.unwrap_or(s.auto_wake);
+            s.user = user.clone().unwrap_or(s.user.clone());
+            s.idle_pause_seconds = idle.map(|n| n as u32).unwrap_or(s.idle_pause_seconds);
+            s.persistent = persistent.unwrap_or(s.persistent);
+            if max_total.is_some() {
+                s.max_total_cost_micros = max_total;
+            }
+            if let Some(o) = &on_timeout {
+                s.on_lease_end = o.clone();
+            }
+            if timeout_given {
+                s.timeout_seconds = timeout.map(|t| t as u32);
+                s.ends_at = timeout.map(|t| iso(now_ms() + t * 1000));
+                s.expires_at = s.ends_at.clone();
+            }
+            true
+        })?
+        .ok_or_else(|| ApiError::sandbox_not_found(&id))?;
+    st.notify_change();
+    Reply::ok(record_json(&row.record, &[]))
+}
+
+/// Ends leases, forgets old idempotency records and process output.
+pub async fn reaper(st: AppState) {
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    let mut n: u64 = 0;
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = st.inner.cancel.cancelled() => return,
+        }
+        n += 1;
+        let now = now_ms();
+        match st.store().live_sandboxes() {
+            Ok(rows) => {
+                for r in rows.iter().filter(|r| r.record.state == "running") {
+                    let Some(end) = r.record.ends_at.as_deref().and_then(parse_iso_ms) else {
+                        continue;
+                    };
+                    if end > now {
+                        continue;
+                    }
+                    tracing::info!(sandbox_id = %r.record.id, "lease ended");
+                    // Pausing at lease end comes with pause itself; until then it stops.
+                    if let Err(e) = request_stop(&st, &r.record.id, "timeout") {
+                        tracing::error!(sandbox_id = %r.record.id, error = %e, "ending the lease failed");
+                    }
+                }
+            }
+            Err(e) => tracing::error!(error = %e, "reading sandboxes for leases failed"),
+        }
+        if n % 60 == 1 {
+            let ttl = st.config().idempotency_ttl.as_millis() as i64;
+            if let Err(e) = st.store().idem_purge(now - ttl) {
+                tracing::error!(error = %e, "purging idempotency records failed");
+            }
+            st.inner.procs.forget_old(st.config().output_keep);
+        }
+    }
+}
+
+/// Reattaches every sandbox an earlier server left starting, running or stopping.
+pub async fn recover(st: &AppState) -> Result<(), ServerError> {
+    for row in st.store().live_sandboxes()? {
+        let id = row.record.id.clone();
+        match row.record.state.as_str() {
+            "starting" | "running" => {
+                let found = match st.host().recover(&machine_spec(&row.record)).await {
+                    Ok(found) => found,
+                    Err(e) => {
+                        tracing::warn!(sandbox_id = %id, error = %e, "recovering the sandbox failed");
+                        false
+                    }
+                };
+                let now = iso(now_ms());
+                st.store().update_sandbox(&id, |r| {
+                    if found {
+                        if r.record.state == "starting" {
+                            r.record.ready_at = Some(now.clone());
+                        }
+                        r.record.state = "running".into();
+                    } else {
+                        r.record.state = "stopped".into();
+                        r.record.stop_reason = Some("host_lost".into());
+                        r.record.ended_at = Some(now.clone());
+                    }
+                    true
+                })?;
+                tracing::info!(sandbox_id = %id, found, "sandbox recovered");
+            }
+            "stopping" => {
+                // Finish the stop an earlier server began.
+                st.store().update_sandbox(&id, |r| {
+                    r.record.state = "running".into();
+                    true
+                })?;
+                if let Err(e) = request_stop(st, &id, "requested") {
+                    tracing::warn!(sandbox_id = %id, error = %e, "finishing a stop failed");
+                }
+            }
+            _ => {}
+        }
+    }
+    st.notify_change();
+    Ok(())
+}

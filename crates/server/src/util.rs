@@ -1,0 +1,343 @@
+//! Small helpers: times, keys, percent-decoding, and field-by-field validation.
+
+use std::collections::HashSet;
+
+use base64::Engine;
+use rand::RngCore;
+use runtime_api::Issue;
+use serde_json::{Map, Value};
+use sha2::{Digest, Sha256};
+use time::OffsetDateTime;
+
+use crate::error::ApiError;
+
+pub fn now_ms() -> i64 {
+    (OffsetDateTime::now_utc().unix_timestamp_nanos() / 1_000_000) as i64
+}
+
+/// ISO 8601 UTC with milliseconds and `Z`.
+pub fn iso(ms: i64) -> String {
+    let t = OffsetDateTime::from_unix_timestamp_nanos(ms as i128 * 1_000_000)
+        .unwrap_or(OffsetDateTime::UNIX_EPOCH);
+    format!(
+        "{:04}-{:02}-{:02}T{:02}:{:02}:{:02}.{:03}Z",
+        t.year(),
+        u8::from(t.month()),
+        t.day(),
+        t.hour(),
+        t.minute(),
+        t.second(),
+        t.millisecond()
+    )
+}
+
+pub fn now_iso() -> String {
+    iso(now_ms())
+}
+
+pub fn parse_iso_ms(s: &str) -> Option<i64> {
+    let t = OffsetDateTime::parse(s, &time::format_description::well_known::Rfc3339).ok()?;
+    Some((t.unix_timestamp_nanos() / 1_000_000) as i64)
+}
+
+pub fn sha256_hex(data: &[u8]) -> String {
+    hex::encode(Sha256::digest(data))
+}
+
+/// A new API key `rtcloud_<uuid>_<43 base64url chars>` and its id.
+pub fn new_key() -> (String, String) {
+    let id = uuid::Uuid::new_v4().to_string();
+    let mut secret = [0u8; 32];
+    rand::thread_rng().fill_bytes(&mut secret);
+    let secret = base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(secret);
+    (id.clone(), format!("rtcloud_{id}_{secret}"))
+}
+
+/// Percent-decodes one path segment or query component (`plus` = space).
+pub fn percent_decode(s: &str, plus_is_space: bool) -> Option<String> {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        match b[i] {
+            b'%' => {
+                let h = b.get(i + 1..i + 3)?;
+                let h = std::str::from_utf8(h).ok()?;
+                out.push(u8::from_str_radix(h, 16).ok()?);
+                i += 3;
+            }
+            b'+' if plus_is_space => {
+                out.push(b' ');
+                i += 1;
+            }
+            c => {
+                out.push(c);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8(out).ok()
+}
+
+pub fn parse_query(q: Option<&str>) -> Result<Vec<(String, String)>, ApiError> {
+    let mut out = Vec::new();
+    for part in q.unwrap_or("").split('&').filter(|p| !p.is_empty()) {
+        let (k, v) = part.split_once('=').unwrap_or((part, ""));
+        match (percent_decode(k, true), percent_decode(v, true)) {
+            (Some(k), Some(v)) => out.push((k, v)),
+            _ => {
+                return Err(ApiError::invalid(
+                    "query",
+                    "is not valid percent-encoded UTF-8",
+                ))
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Checks a JSON object field by field, collecting every issue, then
+/// refuses unknown fields. Each getter records its field as known.
+pub struct Fields<'a> {
+    obj: &'a Map<String, Value>,
+    prefix: String,
+    known: HashSet<String>,
+    pub issues: Vec<Issue>,
+}
+
+impl<'a> Fields<'a> {
+    pub fn new(obj: &'a Map<String, Value>) -> Self {
+        Fields {
+            obj,
+            prefix: String::new(),
+            known: HashSet::new(),
+            issues: Vec::new(),
+        }
+    }
+
+    pub fn issue(&mut self, field: &str, message: impl Into<String>) {
+        self.issues.push(Issue {
+            field: format!("{}{field}", self.prefix),
+            message: message.into(),
+        });
+    }
+
+    /// The value, `None` when absent or null.
+    pub fn raw(&mut self, name: &str) -> Option<&'a Value> {
+        self.known.insert(name.to_string());
+        match self.obj.get(name) {
+            None | Some(Value::Null) => None,
+            Some(v) => Some(v),
+        }
+    }
+
+    pub fn present(&self, name: &str) -> bool {
+        self.obj.contains_key(name)
+    }
+
+    pub fn string(&mut self, name: &str) -> Option<String> {
+        match self.raw(name)? {
+            Value::String(s) => Some(s.clone()),
+            _ => {
+                self.issue(name, "must be a string");
+                None
+            }
+        }
+    }
+
+    pub fn bool(&mut self, name: &str) -> Option<bool> {
+        match self.raw(name)? {
+            Value::Bool(b) => Some(*b),
+            _ => {
+                self.issue(name, "must be a boolean");
+                None
+            }
+        }
+    }
+
+    pub fn int(&mut self, name: &str, min: i64, max: i64) -> Option<i64> {
+        let v = self.raw(name)?;
+        match v.as_i64() {
+            Some(n) if (min..=max).contains(&n) => Some(n),
+            Some(_) => {
+                self.issue(name, format!("must be between {min} and {max}"));
+                None
+            }
+            None => {
+                self.issue(name, "must be an integer");
+                None
+            }
+        }
+    }
+
+    pub fn one_of(&mut self, name: &str, allowed: &[&str]) -> Option<String> {
+        let s = self.string(name)?;
+        if allowed.contains(&s.as_str()) {
+            Some(s)
+        } else {
+            self.issue(name, format!("must be one of {}", allowed.join(", ")));
+            None
+        }
+    }
+
+    /// A map of string to string.
+    pub fn string_map(&mut self, name: &str, max_entries: usize) -> Option<Vec<(String, String)>> {
+        let v = self.raw(name)?;
+        let Value::Object(m) = v else {
+            self.issue(name, "must be an object of strings");
+            return None;
+        };
+        if m.len() > max_entries {
+            self.issue(name, format!("must have at most {max_entries} entries"));
+            return None;
+        }
+        let mut out = Vec::new();
+        for (k, v) in m {
+            match v {
+                Value::String(s) => out.push((k.clone(), s.clone())),
+                _ => self.issue(&format!("{name}.{k}"), "must be a string"),
+            }
+        }
+        Some(out)
+    }
+
+    /// Refuses with a named issue a field this server does not support.
+    pub fn refuse(&mut self, name: &str, why: &str) {
+        if self.raw(name).is_some() {
+            self.issue(name, why.to_string());
+        }
+    }
+
+    /// Records unknown fields, then answers every issue at once.
+    pub fn finish(mut self) -> Result<(), ApiError> {
+        let mut unknown: Vec<&String> = self
+            .obj
+            .keys()
+            .filter(|k| !self.known.contains(*k))
+            .collect();
+        unknown.sort();
+        for k in unknown {
+            self.issues.push(Issue {
+                field: format!("{}{k}", self.prefix),
+                message: "is not a known field".into(),
+            });
+        }
+        if self.issues.is_empty() {
+            Ok(())
+        } else {
+            Err(ApiError::Invalid {
+                issues: self.issues,
+            })
+        }
+    }
+}
+
+/// The body as a JSON object; an empty body is `{}`.
+pub fn json_object(body: &[u8]) -> Result<Map<String, Value>, ApiError> {
+    if body.iter().all(|b| b.is_ascii_whitespace()) {
+        return Ok(Map::new());
+    }
+    match serde_json::from_slice::<Value>(body) {
+        Ok(Value::Object(m)) => Ok(m),
+        Ok(_) => Err(ApiError::invalid("body", "must be a JSON object")),
+        Err(e) => Err(ApiError::invalid("body", format!("is not valid JSON: {e}"))),
+    }
+}
+
+/// Query parameters as a JSON object of strings (repeated keys: last wins,
+/// except for the names in `lists`, which become arrays).
+pub fn query_object(q: &[(String, String)], lists: &[&str]) -> Map<String, Value> {
+    let mut m = Map::new();
+    for (k, v) in q {
+        if lists.contains(&k.as_str()) {
+            let e = m
+                .entry(k.clone())
+                .or_insert_with(|| Value::Array(Vec::new()));
+            if let Value::Array(a) = e {
+                a.push(Value::String(v.clone()));
+            }
+        } else {
+            m.insert(k.clone(), Value::String(v.clone()));
+        }
+    }
+    m
+}
+
+/// Query getters: values arrive as strings.
+impl Fields<'_> {
+    pub fn q_int(&mut self, name: &str, min: i64, max: i64) -> Option<i64> {
+        let s = self.string(name)?;
+        match s.parse::<i64>() {
+            Ok(n) if (min..=max).contains(&n) => Some(n),
+            Ok(_) => {
+                self.issue(name, format!("must be between {min} and {max}"));
+                None
+            }
+            Err(_) => {
+                self.issue(name, "must be an integer");
+                None
+            }
+        }
+    }
+
+    pub fn q_bool(&mut self, name: &str) -> Option<bool> {
+        match self.string(name)?.as_str() {
+            "true" | "1" => Some(true),
+            "false" | "0" => Some(false),
+            _ => {
+                self.issue(name, "must be true or false");
+                None
+            }
+        }
+    }
+}
+
+/// Parses `Prefer: wait=N` (capped at 120 s).
+pub fn prefer_wait(headers: &axum::http::HeaderMap) -> Option<u64> {
+    let v = headers.get("prefer")?.to_str().ok()?;
+    v.split([',', ';'])
+        .filter_map(|p| p.trim().strip_prefix("wait="))
+        .find_map(|n| n.trim().parse::<u64>().ok())
+        .map(|n| n.min(120))
+}
+
+/// A mode as 3 or 4 octal digits (`"755"`), or an integer (0o755 = 493).
+pub fn parse_mode(v: &Value) -> Option<u32> {
+    match v {
+        Value::String(s) if (1..=4).contains(&s.len()) => {
+            u32::from_str_radix(s, 8).ok().filter(|m| *m <= 0o7777)
+        }
+        Value::Number(n) => n.as_u64().filter(|m| *m <= 0o7777).map(|m| m as u32),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn iso_has_z_and_millis() {
+        assert_eq!(iso(0), "1970-01-01T00:00:00.000Z");
+        assert_eq!(
+            parse_iso_ms(&iso(1_700_000_000_123)),
+            Some(1_700_000_000_123)
+        );
+    }
+
+    #[test]
+    fn keys_have_the_cli_shape() {
+        let (_, k) = new_key();
+        let parts: Vec<&str> = k.splitn(3, '_').collect();
+        assert_eq!(parts[0], "rtcloud");
+        assert_eq!(parts[1].len(), 36);
+        assert_eq!(k.len(), "rtcloud_".len() + 36 + 1 + 43);
+    }
+
+    #[test]
+    fn percent_decoding() {
+        assert_eq!(percent_decode("a%3Ab+c", true).as_deref(), Some("a:b c"));
+        assert_eq!(percent_decode("a%3Ab+c", false).as_deref(), Some("a:b+c"));
+        assert_eq!(percent_decode("%zz", false), None);
+    }
+}

@@ -1,0 +1,1111 @@
+//! The server through its router, against a fake host.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::type_complexity)]
+
+mod fake;
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::{Body, Bytes};
+use axum::http::{HeaderMap, Request, StatusCode};
+use base64::Engine;
+use fake::{FakeHost, Step};
+use http_body_util::BodyExt;
+use runtime_server::{create_key, ensure_admin_key, open_store, router, AppState, Config};
+use serde_json::{json, Value};
+use sha2::{Digest, Sha256};
+use tower::ServiceExt;
+
+struct T {
+    dir: PathBuf,
+    host: Arc<FakeHost>,
+    state: AppState,
+    admin: String,
+}
+
+fn tmpdir() -> PathBuf {
+    let d = std::env::temp_dir().join(format!("rt-server-test-{}", uuid::Uuid::new_v4()));
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+impl T {
+    fn new() -> T {
+        Self::with(|_| {})
+    }
+
+    fn with(tweak: impl FnOnce(&mut Config)) -> T {
+        let dir = tmpdir();
+        let admin = ensure_admin_key(&dir).unwrap().unwrap();
+        Self::open(dir, admin, Arc::new(FakeHost::default()), tweak)
+    }
+
+    fn open(
+        dir: PathBuf,
+        admin: String,
+        host: Arc<FakeHost>,
+        tweak: impl FnOnce(&mut Config),
+    ) -> T {
+        let mut config = Config::new(&dir);
+        config.heartbeat = Duration::from_millis(200);
+        tweak(&mut config);
+        let store = open_store(&dir).unwrap();
+        let state = AppState::new(config, store, host.clone());
+        T {
+            dir,
+            host,
+            state,
+            admin,
+        }
+    }
+
+    async fn call(
+        &self,
+        method: &str,
+        path: &str,
+        key: Option<&str>,
+        headers: &[(&str, &str)],
+        body: Body,
+    ) -> (StatusCode, HeaderMap, Bytes) {
+        let mut b = Request::builder().method(method).uri(path);
+        if let Some(k) = key {
+            b = b.header("authorization", format!("Bearer {k}"));
+        }
+        for (k, v) in headers {
+            b = b.header(*k, *v);
+        }
+        let resp = router(self.state.clone())
+            .oneshot(b.body(body).unwrap())
+            .await
+            .unwrap();
+        let status = resp.status();
+        let headers = resp.headers().clone();
+        let bytes = resp.into_body().collect().await.unwrap().to_bytes();
+        (status, headers, bytes)
+    }
+
+    async fn json(&self, method: &str, path: &str, body: Option<Value>) -> (StatusCode, Value) {
+        self.json_as(&self.admin.clone(), method, path, body, &[])
+            .await
+    }
+
+    async fn json_as(
+        &self,
+        key: &str,
+        method: &str,
+        path: &str,
+        body: Option<Value>,
+        headers: &[(&str, &str)],
+    ) -> (StatusCode, Value) {
+        let idem = uuid::Uuid::new_v4().to_string();
+        let mut h: Vec<(&str, &str)> = headers.to_vec();
+        if method != "GET" && !headers.iter().any(|(k, _)| *k == "idempotency-key") {
+            h.push(("idempotency-key", &idem));
+        }
+        let body = match body {
+            Some(v) => {
+                h.push(("content-type", "application/json"));
+                Body::from(v.to_string())
+            }
+            None => Body::empty(),
+        };
+        let (s, hd, b) = self.call(method, path, Some(key), &h, body).await;
+        let v: Value = serde_json::from_slice(&b).unwrap_or(Value::Null);
+        if let Some(rid) = v.pointer("/error/requestId") {
+            assert_eq!(
+                hd.get("x-request-id").unwrap().to_str().unwrap(),
+                rid.as_str().unwrap()
+            );
+        }
+        (s, v)
+    }
+
+    async fn running(&self, body: Value) -> String {
+        let (s, v) = self
+            .json_as(
+                &self.admin.clone(),
+                "POST",
+                "/v1/sandboxes",
+                Some(body),
+                &[("prefer", "wait=10")],
+            )
+            .await;
+        assert_eq!(s, StatusCode::CREATED, "{v}");
+        assert_eq!(v["state"], "running", "{v}");
+        v["id"].as_str().unwrap().to_string()
+    }
+}
+
+impl Drop for T {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn assert_error(v: &Value, status: u16, code: &str) {
+    let e = &v["error"];
+    assert_eq!(e["code"], code, "{v}");
+    assert_eq!(e["status"], status, "{v}");
+    assert!(e["message"].as_str().is_some_and(|m| !m.is_empty()), "{v}");
+    assert!(
+        e["requestId"]
+            .as_str()
+            .is_some_and(|r| r.starts_with("req_")),
+        "{v}"
+    );
+}
+
+fn ndjson(b: &[u8]) -> Vec<Value> {
+    b.split(|c| *c == b'\n')
+        .filter(|l| !l.is_empty())
+        .map(|l| serde_json::from_slice(l).unwrap())
+        .collect()
+}
+
+#[tokio::test]
+async fn missing_or_bad_key_is_401_with_the_error_body() {
+    let t = T::new();
+    let (s, h, b) = t
+        .call("GET", "/v1/sandboxes", None, &[], Body::empty())
+        .await;
+    assert_eq!(s, StatusCode::UNAUTHORIZED);
+    let v: Value = serde_json::from_slice(&b).unwrap();
+    assert_error(&v, 401, "unauthorized");
+    assert_eq!(h["x-request-id"].to_str().unwrap(), v["error"]["requestId"]);
+    let (s, v) = t
+        .json_as("rtcloud_nope", "GET", "/v1/sandboxes", None, &[])
+        .await;
+    assert_eq!(s, StatusCode::UNAUTHORIZED);
+    assert_error(&v, 401, "unauthorized");
+    // The admin key works, and ensure_admin_key does not make a second one.
+    assert_eq!(t.json("GET", "/v1/sandboxes", None).await.0, StatusCode::OK);
+    assert_eq!(ensure_admin_key(&t.dir).unwrap(), None);
+}
+
+#[tokio::test]
+async fn read_only_keys_get_403_on_changes() {
+    let t = T::new();
+    let ro = create_key(&t.dir, Some("ro"), true, true).unwrap();
+    let (s, v) = t
+        .json_as(&ro, "POST", "/v1/sandboxes", Some(json!({})), &[])
+        .await;
+    assert_eq!(s, StatusCode::FORBIDDEN);
+    assert_error(&v, 403, "forbidden");
+    let (s, _) = t.json_as(&ro, "GET", "/v1/sandboxes", None, &[]).await;
+    assert_eq!(s, StatusCode::OK);
+}
+
+#[tokio::test]
+async fn keys_see_only_their_sandboxes() {
+    let t = T::new();
+    let a = create_key(&t.dir, Some("a"), false, false).unwrap();
+    let b = create_key(&t.dir, Some("b"), false, false).unwrap();
+    let (s, v) = t
+        .json_as(
+            &a,
+            "POST",
+            "/v1/sandboxes",
+            Some(json!({"name": "mine"})),
+            &[("prefer", "wait=5")],
+        )
+        .await;
+    assert_eq!(s, StatusCode::CREATED);
+    let id = v["id"].as_str().unwrap();
+    let (s, v) = t
+        .json_as(&b, "GET", &format!("/v1/sandboxes/{id}"), None, &[])
+        .await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+    assert_error(&v, 404, "sandbox_not_found");
+    let (s, _) = t
+        .json_as(&b, "DELETE", &format!("/v1/sandboxes/{id}"), None, &[])
+        .await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+    let (_, v) = t.json_as(&b, "GET", "/v1/sandboxes", None, &[]).await;
+    assert_eq!(v["data"].as_array().unwrap().len(), 0);
+    let (s, _) = t
+        .json_as(&a, "GET", &format!("/v1/sandboxes/{id}"), None, &[])
+        .await;
+    assert_eq!(s, StatusCode::OK);
+    // The admin key is account-wide.
+    let (s, _) = t.json("GET", &format!("/v1/sandboxes/{id}"), None).await;
+    assert_eq!(s, StatusCode::OK);
+}
+
+#[tokio::test]
+async fn unknown_routes_and_malformed_json_use_the_one_error_body() {
+    let t = T::new();
+    let (s, v) = t.json("GET", "/v1/nothing", None).await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+    assert_error(&v, 404, "route_not_found");
+    let (s, v) = t
+        .json("POST", "/v1/sandboxes/x:frobnicate", Some(json!({})))
+        .await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+    assert_eq!(v["error"]["status"], 404);
+    let (s, _, b) = t
+        .call(
+            "POST",
+            "/v1/sandboxes",
+            Some(&t.admin),
+            &[
+                ("content-type", "application/json"),
+                ("idempotency-key", "k1"),
+            ],
+            Body::from("{not json"),
+        )
+        .await;
+    assert_eq!(s, StatusCode::BAD_REQUEST);
+    let v: Value = serde_json::from_slice(&b).unwrap();
+    assert_error(&v, 400, "invalid_request");
+    assert_eq!(v["error"]["details"]["issues"][0]["field"], "body");
+    let (s, v) = t
+        .json(
+            "GET",
+            "/v1/sandboxes/00000000-0000-0000-0000-000000000000",
+            None,
+        )
+        .await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+    assert_error(&v, 404, "sandbox_not_found");
+}
+
+#[tokio::test]
+async fn one_400_names_every_wrong_field() {
+    let t = T::new();
+    let body = json!({
+        "vcpu": 99, "memoryMiB": "lots", "user": "admin", "timeoutSeconds": 10,
+        "bogus": 1, "network": {"internet": false}, "labels": {"a": 1}
+    });
+    let (s, v) = t.json("POST", "/v1/sandboxes", Some(body)).await;
+    assert_eq!(s, StatusCode::BAD_REQUEST);
+    assert_error(&v, 400, "invalid_request");
+    let mut fields: Vec<String> = v["error"]["details"]["issues"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|i| i["field"].as_str().unwrap().to_string())
+        .collect();
+    fields.sort();
+    assert_eq!(
+        fields,
+        [
+            "bogus",
+            "labels.a",
+            "memoryMiB",
+            "network",
+            "timeoutSeconds",
+            "user",
+            "vcpu"
+        ]
+    );
+    // Nothing was created.
+    let (_, v) = t
+        .json("GET", "/v1/sandboxes?includeStopped=true", None)
+        .await;
+    assert_eq!(v["data"].as_array().unwrap().len(), 0);
+}
+
+#[tokio::test]
+async fn sandbox_lifecycle_create_get_list_stop_delete() {
+    let t = T::new();
+    *t.host.start_delay_ms.lock().unwrap() = 50;
+    let (s, v) = t
+        .json_as(
+            &t.admin.clone(),
+            "POST",
+            "/v1/sandboxes",
+            Some(json!({"name": "web", "labels": {"team": "search"}, "env": {"TOKEN": "secret"}, "vcpu": 4, "timeoutSeconds": 600})),
+            &[("prefer", "wait=10")],
+        )
+        .await;
+    assert_eq!(s, StatusCode::CREATED, "{v}");
+    assert_eq!(v["state"], "running");
+    assert_eq!(v["status"], "active");
+    assert_eq!(v["vcpu"], 4);
+    assert_eq!(v["memoryMiB"], 4096);
+    assert_eq!(v["envNames"], json!(["TOKEN"]));
+    assert!(!v.to_string().contains("secret"));
+    assert!(v["endsAt"].as_str().unwrap().ends_with('Z'));
+    assert!(v["readyAt"].is_string());
+    let id = v["id"].as_str().unwrap().to_string();
+
+    // Without Prefer, create answers `starting`; waitFor then settles it.
+    let (s, v) = t
+        .json(
+            "POST",
+            "/v1/sandboxes",
+            Some(json!({"labels": {"team": "ads"}})),
+        )
+        .await;
+    assert_eq!(s, StatusCode::CREATED);
+    assert_eq!(v["state"], "starting");
+    assert_eq!(v["endsAt"], Value::Null);
+    let id2 = v["id"].as_str().unwrap().to_string();
+    let (_, v) = t
+        .json(
+            "GET",
+            &format!("/v1/sandboxes/{id2}?waitFor=running&timeoutSeconds=10"),
+            None,
+        )
+        .await;
+    assert_eq!(v["state"], "running");
+
+    let (s, v) = t
+        .json("POST", "/v1/sandboxes", Some(json!({"name": "web"})))
+        .await;
+    assert_eq!(s, StatusCode::CONFLICT);
+    assert_error(&v, 409, "name_taken");
+    assert_eq!(v["error"]["details"]["sandboxId"], id);
+    let (s, v) = t
+        .json(
+            "POST",
+            "/v1/sandboxes",
+            Some(json!({"name": "web", "getOrCreate": true})),
+        )
+        .await;
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(v["id"], id);
+    assert_eq!(v["reused"], true);
+
+    let id3 = t.running(json!({"labels": {"team": "search"}})).await;
+
+    let (_, v) = t
+        .json("GET", "/v1/sandboxes?label=team%3Asearch", None)
+        .await;
+    let ids: Vec<&str> = v["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, [id3.as_str(), id.as_str()]);
+    let (_, v) = t.json("GET", "/v1/sandboxes?name=web", None).await;
+    assert_eq!(v["data"].as_array().unwrap().len(), 1);
+    // Paging with a cursor visits each one once.
+    let (_, v) = t.json("GET", "/v1/sandboxes?limit=2", None).await;
+    assert_eq!(v["data"].as_array().unwrap().len(), 2);
+    let cursor = v["nextCursor"].as_str().unwrap().to_string();
+    let (_, v2) = t
+        .json(
+            "GET",
+            &format!("/v1/sandboxes?limit=2&cursor={cursor}"),
+            None,
+        )
+        .await;
+    assert_eq!(v2["data"].as_array().unwrap().len(), 1);
+    assert_eq!(v2["nextCursor"], Value::Null);
+    assert_eq!(v2["data"][0]["id"], id);
+    let (s, v) = t
+        .json("GET", "/v1/sandboxes?limit=0&state=sleeping", None)
+        .await;
+    assert_eq!(s, StatusCode::BAD_REQUEST);
+    assert_eq!(v["error"]["details"]["issues"].as_array().unwrap().len(), 2);
+
+    let (s, v) = t
+        .json_as(
+            &t.admin.clone(),
+            "POST",
+            &format!("/v1/sandboxes/{id}:stop"),
+            Some(json!({})),
+            &[("prefer", "wait=10")],
+        )
+        .await;
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(v["state"], "stopped");
+    assert_eq!(v["stopReason"], "requested");
+    assert!(v["endedAt"].is_string());
+    assert_eq!(
+        t.host.stopped.lock().unwrap().as_slice(),
+        &[(id.clone(), false)]
+    );
+    // A stopped sandbox no longer holds its name.
+    let (_, v) = t.json("GET", "/v1/sandboxes?state=running", None).await;
+    assert_eq!(v["data"].as_array().unwrap().len(), 2);
+    let (_, v) = t
+        .json("GET", "/v1/sandboxes?includeStopped=true", None)
+        .await;
+    assert_eq!(v["data"].as_array().unwrap().len(), 3);
+    let (s, v) = t
+        .json(
+            "POST",
+            &format!("/v1/sandboxes/{id}:exec"),
+            Some(json!({"command": "true"})),
+        )
+        .await;
+    assert_eq!(s, StatusCode::CONFLICT);
+    assert_error(&v, 409, "sandbox_not_running");
+
+    let (s, v) = t.json("DELETE", &format!("/v1/sandboxes/{id}"), None).await;
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(v["status"], "deleted");
+    assert_eq!(v["state"], "stopped");
+    assert_eq!(v["labels"], json!({"team": "search"}));
+    let (s, again) = t.json("DELETE", &format!("/v1/sandboxes/{id}"), None).await;
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(again, v);
+    let (s, _) = t.json("GET", &format!("/v1/sandboxes/{id}"), None).await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(
+        t.host.destroyed.lock().unwrap().as_slice(),
+        std::slice::from_ref(&id)
+    );
+}
+
+#[tokio::test]
+async fn a_failed_start_is_stopped_with_start_failed() {
+    let t = T::new();
+    let (s, v) = t
+        .json_as(
+            &t.admin.clone(),
+            "POST",
+            "/v1/sandboxes",
+            Some(json!({"memoryMiB": 128})),
+            &[("prefer", "wait=10")],
+        )
+        .await;
+    assert_eq!(s, StatusCode::CREATED);
+    assert_eq!(v["state"], "stopped");
+    assert_eq!(v["stopReason"], "start_failed");
+}
+
+#[tokio::test]
+async fn idempotent_replay_and_reuse() {
+    let t = T::new();
+    let h = [("idempotency-key", "create-1"), ("prefer", "wait=5")];
+    let admin = t.admin.clone();
+    let (s1, v1) = t
+        .json_as(
+            &admin,
+            "POST",
+            "/v1/sandboxes",
+            Some(json!({"name": "once"})),
+            &h,
+        )
+        .await;
+    assert_eq!(s1, StatusCode::CREATED);
+    let (_, hd, b) = t
+        .call(
+            "POST",
+            "/v1/sandboxes",
+            Some(&admin),
+            &h,
+            Body::from(json!({"name": "once"}).to_string()),
+        )
+        .await;
+    let v2: Value = serde_json::from_slice(&b).unwrap();
+    assert_eq!(v2["id"], v1["id"]);
+    assert_eq!(v2["replayed"], true);
+    assert_eq!(hd["idempotency-replayed"], "true");
+    assert_eq!(t.host.started.lock().unwrap().len(), 1);
+    let (s, v) = t
+        .json_as(
+            &admin,
+            "POST",
+            "/v1/sandboxes",
+            Some(json!({"name": "twice"})),
+            &h,
+        )
+        .await;
+    assert_eq!(s, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_error(&v, 422, "idempotency_key_reused");
+    // Keys are per API key: another key may use the same idempotency key.
+    let other = create_key(&t.dir, None, false, true).unwrap();
+    let (s, v) = t
+        .json_as(
+            &other,
+            "POST",
+            "/v1/sandboxes",
+            Some(json!({"name": "other"})),
+            &h,
+        )
+        .await;
+    assert_eq!(s, StatusCode::CREATED, "{v}");
+}
+
+#[tokio::test]
+async fn a_duplicate_in_flight_waits_then_replays() {
+    let t = T::new();
+    *t.host.start_delay_ms.lock().unwrap() = 300;
+    let admin = t.admin.clone();
+    let h = [("idempotency-key", "same"), ("prefer", "wait=10")];
+    let body = json!({"labels": {"x": "y"}});
+    let (a, b) = tokio::join!(
+        t.json_as(&admin, "POST", "/v1/sandboxes", Some(body.clone()), &h),
+        async {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            t.json_as(&admin, "POST", "/v1/sandboxes", Some(body.clone()), &h)
+                .await
+        }
+    );
+    assert_eq!(a.0, StatusCode::CREATED);
+    assert_eq!(b.0, StatusCode::CREATED);
+    assert_eq!(a.1["id"], b.1["id"]);
+    assert_eq!(b.1["replayed"], true);
+    assert_eq!(b.1["state"], "running");
+    assert_eq!(t.host.started.lock().unwrap().len(), 1);
+}
+
+#[tokio::test]
+async fn exec_answers_json_with_exit_code_and_stdin() {
+    let t = T::new();
+    let id = t.running(json!({"env": {"A": "1", "B": "2"}})).await;
+    t.host.script(
+        "hello",
+        vec![
+            Step::Out(b"hi\n".to_vec()),
+            Step::Err(b"warn\n".to_vec()),
+            Step::Exit(3),
+        ],
+    );
+    let (s, v) = t
+        .json(
+            "POST",
+            &format!("/v1/sandboxes/{id}:exec"),
+            Some(json!({"command": "hello", "env": {"B": "3"}, "cwd": "/tmp"})),
+        )
+        .await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert_eq!(v["exitCode"], 3);
+    assert_eq!(v["stdout"], "hi\n");
+    assert_eq!(v["stderr"], "warn\n");
+    assert_eq!(v["timedOut"], false);
+    assert_eq!(v["stdoutTruncated"], false);
+    assert!(v["processId"].as_str().unwrap().starts_with("proc_"));
+    let spec = t.host.last_exec.lock().unwrap().clone().unwrap();
+    assert_eq!(spec.argv, ["bash", "-c", "hello"]);
+    assert_eq!(spec.cwd.as_deref(), Some("/tmp"));
+    assert!(spec.kill_group_on_exit);
+    assert_eq!(spec.timeout, Some(Duration::from_secs(60)));
+    // The request's env comes after the sandbox's, so it wins.
+    let b_vals: Vec<&str> = spec
+        .env
+        .iter()
+        .filter(|(k, _)| k == "B")
+        .map(|(_, v)| v.as_str())
+        .collect();
+    assert_eq!(b_vals.last(), Some(&"3"));
+
+    let (_, v) = t
+        .json(
+            "POST",
+            &format!("/v1/sandboxes/{id}:exec"),
+            Some(json!({"argv": ["cat"], "stdin": "abc"})),
+        )
+        .await;
+    assert_eq!(v["stdout"], "abc");
+    assert_eq!(v["exitCode"], 0);
+
+    let (s, v) = t
+        .json(
+            "POST",
+            &format!("/v1/sandboxes/{id}:exec"),
+            Some(json!({"command": "x", "argv": ["y"], "timeoutMs": -1})),
+        )
+        .await;
+    assert_eq!(s, StatusCode::BAD_REQUEST);
+    assert_eq!(v["error"]["details"]["issues"].as_array().unwrap().len(), 2);
+}
+
+#[tokio::test]
+async fn exec_keeps_64_kib_per_stream() {
+    let t = T::new();
+    let id = t.running(json!({})).await;
+    let mut steps: Vec<Step> = (0..20).map(|_| Step::Out(vec![b'x'; 10_000])).collect();
+    steps.push(Step::Err(b"small".to_vec()));
+    steps.push(Step::Exit(0));
+    t.host.script("big", steps);
+    let (_, v) = t
+        .json(
+            "POST",
+            &format!("/v1/sandboxes/{id}:exec"),
+            Some(json!({"command": "big"})),
+        )
+        .await;
+    assert_eq!(v["stdout"].as_str().unwrap().len(), 65_536);
+    assert_eq!(v["stdoutTruncated"], true);
+    assert_eq!(v["stderr"], "small");
+    assert_eq!(v["stderrTruncated"], false);
+}
+
+#[tokio::test]
+async fn streamed_exec_sends_ndjson_with_byte_offsets() {
+    let t = T::new();
+    let id = t.running(json!({})).await;
+    let euro = "€".as_bytes(); // e2 82 ac
+    t.host.script(
+        "mixed",
+        vec![
+            Step::Out(b"a".to_vec()),
+            Step::Err(b"bb".to_vec()),
+            Step::Out(euro[..2].to_vec()),
+            Step::Sleep(30),
+            Step::Out([&euro[2..], b"\n"].concat()),
+            Step::Out(vec![0xff, b'x']),
+            Step::Exit(0),
+        ],
+    );
+    let (s, h, b) = t
+        .call(
+            "POST",
+            &format!("/v1/sandboxes/{id}:exec"),
+            Some(&t.admin),
+            &[
+                ("idempotency-key", "stream-1"),
+                ("accept", "application/x-ndjson"),
+            ],
+            Body::from(
+                json!({"command": "mixed", "stream": true, "timeoutMs": 86_400_000}).to_string(),
+            ),
+        )
+        .await;
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(h["content-type"], "application/x-ndjson");
+    let ev = ndjson(&b);
+    let types: Vec<&str> = ev.iter().map(|e| e["type"].as_str().unwrap()).collect();
+    assert_eq!(
+        types,
+        ["start", "stdout", "stderr", "stdout", "stdout", "exit"],
+        "{ev:?}"
+    );
+    let pid = ev[0]["processId"].as_str().unwrap().to_string();
+    assert_eq!(
+        (ev[1]["data"].as_str(), ev[1]["offset"].as_u64()),
+        (Some("a"), Some(0))
+    );
+    assert_eq!(
+        (ev[2]["data"].as_str(), ev[2]["offset"].as_u64()),
+        (Some("bb"), Some(1))
+    );
+    assert_eq!(
+        (ev[3]["data"].as_str(), ev[3]["offset"].as_u64()),
+        (Some("€\n"), Some(3))
+    );
+    assert!(ev[3].get("base64").is_none());
+    assert_eq!(ev[4]["offset"], 7);
+    assert_eq!(
+        ev[4]["base64"],
+        base64::engine::general_purpose::STANDARD.encode([0xff, b'x'])
+    );
+    assert_eq!(ev[5]["exitCode"], 0);
+    assert_eq!(ev[5]["state"], "exited");
+
+    // Resuming from a cursor replays only what follows it.
+    let (_, _, b) = t
+        .call(
+            "GET",
+            &format!("/v1/sandboxes/{id}/processes/{pid}/output?cursor=3&follow=true"),
+            Some(&t.admin),
+            &[],
+            Body::empty(),
+        )
+        .await;
+    let ev = ndjson(&b);
+    assert_eq!(ev[0]["offset"], 3);
+    assert_eq!(ev[0]["data"], "€\n");
+    assert_eq!(ev.last().unwrap()["type"], "exit");
+    // A duplicate of the stream follows the same process (it does not run twice).
+    let (_, h, b) = t
+        .call(
+            "POST",
+            &format!("/v1/sandboxes/{id}:exec"),
+            Some(&t.admin),
+            &[("idempotency-key", "stream-1")],
+            Body::from(
+                json!({"command": "mixed", "stream": true, "timeoutMs": 86_400_000}).to_string(),
+            ),
+        )
+        .await;
+    assert_eq!(h["idempotency-replayed"], "true");
+    let ev = ndjson(&b);
+    assert_eq!(ev[0]["processId"], pid.as_str());
+    assert_eq!(ev.len(), 6);
+}
+
+#[tokio::test]
+async fn a_reader_behind_the_buffer_gets_truncated() {
+    let t = T::new();
+    let id = t.running(json!({})).await;
+    // 3 MiB of output; 1 MiB is kept.
+    let mut steps: Vec<Step> = (0..48).map(|_| Step::Out(vec![b'y'; 65_536])).collect();
+    steps.push(Step::Exit(0));
+    t.host.script("flood", steps);
+    let (_, v) = t
+        .json(
+            "POST",
+            &format!("/v1/sandboxes/{id}:exec"),
+            Some(json!({"command": "flood"})),
+        )
+        .await;
+    let pid = v["processId"].as_str().unwrap();
+    let (_, _, b) = t
+        .call(
+            "GET",
+            &format!("/v1/sandboxes/{id}/processes/{pid}/output?cursor=0"),
+            Some(&t.admin),
+            &[],
+            Body::empty(),
+        )
+        .await;
+    let ev = ndjson(&b);
+    assert_eq!(ev[0]["type"], "truncated");
+    assert_eq!(ev[0]["droppedBytes"], 2 << 20);
+    assert_eq!(ev[0]["resumeAt"], 2 << 20);
+    assert_eq!(ev[1]["offset"], 2 << 20);
+    let got: usize = ev
+        .iter()
+        .filter_map(|e| e["data"].as_str())
+        .map(str::len)
+        .sum();
+    assert_eq!(got, 1 << 20);
+}
+
+#[tokio::test]
+async fn spawned_process_takes_offset_tracked_input() {
+    let t = T::new();
+    let id = t.running(json!({})).await;
+    let (s, p) = t
+        .json(
+            "POST",
+            &format!("/v1/sandboxes/{id}/processes"),
+            Some(json!({"argv": ["cat"], "stdinMode": "pipe"})),
+        )
+        .await;
+    assert_eq!(s, StatusCode::CREATED, "{p}");
+    assert_eq!(p["state"], "running");
+    let pid = p["id"].as_str().unwrap().to_string();
+    let w = |data: &str, offset: u64, eof: bool| json!({"base64": base64::engine::general_purpose::STANDARD.encode(data), "offset": offset, "eof": eof});
+    let path = format!("/v1/sandboxes/{id}/processes/{pid}:write");
+    let (_, v) = t.json("POST", &path, Some(w("hello", 0, false))).await;
+    assert_eq!(v["offset"], 5);
+    // A retried write is not typed twice.
+    let (_, v) = t.json("POST", &path, Some(w("hello", 0, false))).await;
+    assert_eq!(v["offset"], 5);
+    let (s, v) = t.json("POST", &path, Some(w("zzz", 9, false))).await;
+    assert_eq!(s, StatusCode::CONFLICT);
+    assert_eq!(v["error"]["details"]["offset"], 5);
+    let (_, v) = t.json("POST", &path, Some(w("lo world", 3, true))).await;
+    assert_eq!(v["offset"], 11);
+    let (_, _, b) = t
+        .call(
+            "GET",
+            &format!("/v1/sandboxes/{id}/processes/{pid}/output?cursor=6&follow=true"),
+            Some(&t.admin),
+            &[],
+            Body::empty(),
+        )
+        .await;
+    let ev = ndjson(&b);
+    assert_eq!(ev[0]["data"], "world");
+    assert_eq!(ev[0]["offset"], 6);
+    assert_eq!(ev.last().unwrap()["type"], "exit");
+    assert_eq!(t.host.stdin_seen.lock().unwrap().as_slice(), b"hello world");
+    let (_, v) = t
+        .json("GET", &format!("/v1/sandboxes/{id}/processes"), None)
+        .await;
+    assert_eq!(v["data"][0]["id"], pid.as_str());
+    assert_eq!(v["data"][0]["state"], "exited");
+    assert_eq!(v["data"][0]["stdinOffset"], 11);
+    let (s, _) = t
+        .json(
+            "GET",
+            &format!("/v1/sandboxes/{id}/processes/proc_nope"),
+            None,
+        )
+        .await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+}
+
+#[tokio::test]
+async fn uploads_take_chunks_in_any_order_and_check_sha256() {
+    let t = T::new();
+    let id = t.running(json!({})).await;
+    let data: Vec<u8> = (0..2_621_440u32).map(|i| (i % 251) as u8).collect();
+    let sha = hex::encode(Sha256::digest(&data));
+    let (s, v) = t
+        .json("POST", &format!("/v1/sandboxes/{id}/uploads"), Some(json!({"path": "/workspace/big.bin", "size": data.len(), "sha256": sha, "mode": "755"})))
+        .await;
+    assert_eq!(s, StatusCode::CREATED, "{v}");
+    assert_eq!(v["mode"], "755");
+    let u = v["uploadId"].as_str().unwrap().to_string();
+    let step = v["chunkBytes"].as_u64().unwrap() as usize;
+    let commit = format!("/v1/sandboxes/{id}/uploads/{u}:commit");
+    for (n, off) in [2 * step, 0].into_iter().enumerate() {
+        let chunk = data[off..(off + step).min(data.len())].to_vec();
+        let key = format!("c{n}");
+        let (s, _, _) = t
+            .call(
+                "PUT",
+                &format!("/v1/sandboxes/{id}/uploads/{u}?offset={off}"),
+                Some(&t.admin),
+                &[("idempotency-key", &key)],
+                Body::from(chunk),
+            )
+            .await;
+        assert_eq!(s, StatusCode::OK);
+    }
+    let (s, v) = t.json("POST", &commit, Some(json!({}))).await;
+    assert_eq!(s, StatusCode::CONFLICT);
+    assert_error(&v, 409, "upload_incomplete");
+    let chunk = data[step..2 * step].to_vec();
+    t.call(
+        "PUT",
+        &format!("/v1/sandboxes/{id}/uploads/{u}?offset={step}"),
+        Some(&t.admin),
+        &[("idempotency-key", "c9")],
+        Body::from(chunk),
+    )
+    .await;
+    let (s, v) = t.json("POST", &commit, Some(json!({}))).await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    let files = t.host.files.lock().unwrap().clone();
+    let (stored, mode) = files
+        .get(&(id.clone(), "/workspace/big.bin".into()))
+        .unwrap();
+    assert_eq!(stored, &data);
+    assert_eq!(*mode, 0o755);
+
+    // A wrong sha256 is refused at commit and nothing is written.
+    let (_, v) = t
+        .json(
+            "POST",
+            &format!("/v1/sandboxes/{id}/uploads"),
+            Some(json!({"path": "/workspace/bad.bin", "size": 4, "sha256": "0".repeat(64)})),
+        )
+        .await;
+    let u = v["uploadId"].as_str().unwrap().to_string();
+    t.call(
+        "PUT",
+        &format!("/v1/sandboxes/{id}/uploads/{u}?offset=0"),
+        Some(&t.admin),
+        &[("idempotency-key", "b0")],
+        Body::from("abcd"),
+    )
+    .await;
+    let (s, v) = t
+        .json(
+            "POST",
+            &format!("/v1/sandboxes/{id}/uploads/{u}:commit"),
+            Some(json!({})),
+        )
+        .await;
+    assert_eq!(s, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_error(&v, 422, "checksum_mismatch");
+    assert!(!t
+        .host
+        .files
+        .lock()
+        .unwrap()
+        .contains_key(&(id.clone(), "/workspace/bad.bin".into())));
+    let (s, v) = t
+        .json(
+            "POST",
+            &format!("/v1/sandboxes/{id}/uploads/{u}:abort"),
+            Some(json!({})),
+        )
+        .await;
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(v["aborted"], true);
+}
+
+#[tokio::test]
+async fn files_round_trip_and_map_guest_errors() {
+    let t = T::new();
+    let id = t.running(json!({})).await;
+    let base = format!("/v1/sandboxes/{id}");
+    let (s, _, _) = t
+        .call(
+            "PUT",
+            &format!("{base}/files/content?path=%2Fworkspace%2Fa.txt&mode=600"),
+            Some(&t.admin),
+            &[("idempotency-key", "w1")],
+            Body::from("hello"),
+        )
+        .await;
+    assert_eq!(s, StatusCode::OK);
+    let (s, h, b) = t
+        .call(
+            "GET",
+            &format!("{base}/files/content?path=/workspace/a.txt"),
+            Some(&t.admin),
+            &[],
+            Body::empty(),
+        )
+        .await;
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(&b[..], b"hello");
+    assert_eq!(h["x-content-length"], "5");
+    assert_eq!(h["x-content-sha256"], hex::encode(Sha256::digest(b"hello")));
+    let (_, v) = t
+        .json(
+            "GET",
+            &format!("{base}/files/stat?path=/workspace/a.txt"),
+            None,
+        )
+        .await;
+    assert_eq!(v["exists"], true);
+    assert_eq!(v["mode"], "600");
+    assert_eq!(v["type"], "file");
+    assert!(v["modifiedAt"].as_str().unwrap().ends_with('Z'));
+    let (_, v) = t
+        .json(
+            "GET",
+            &format!("{base}/files/stat?path=/workspace/none"),
+            None,
+        )
+        .await;
+    assert_eq!(v, json!({"exists": false}));
+    let (_, v) = t
+        .json("GET", &format!("{base}/files/list?glob=*.txt"), None)
+        .await;
+    assert_eq!(v["data"][0]["name"], "a.txt");
+
+    let (s, v) = t
+        .json(
+            "GET",
+            &format!("{base}/files/content?path=/workspace/none"),
+            None,
+        )
+        .await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+    assert_error(&v, 404, "file_not_found");
+    let (s, v) = t
+        .json(
+            "GET",
+            &format!("{base}/files/content?path=/workspace"),
+            None,
+        )
+        .await;
+    assert_eq!(s, StatusCode::CONFLICT);
+    assert_error(&v, 409, "is_a_directory");
+    let (s, v) = t
+        .json("GET", &format!("{base}/files/content?path=/root/x"), None)
+        .await;
+    assert_eq!(s, StatusCode::FORBIDDEN);
+    assert_error(&v, 403, "permission_denied");
+    let (s, v) = t
+        .json(
+            "POST",
+            &format!("{base}/files:mkdir"),
+            Some(json!({"path": "/workspace", "parents": false})),
+        )
+        .await;
+    assert_eq!(s, StatusCode::CONFLICT);
+    assert_error(&v, 409, "already_exists");
+    let (s, v) = t
+        .json("GET", &format!("{base}/files/content?path=relative"), None)
+        .await;
+    assert_eq!(s, StatusCode::BAD_REQUEST);
+    assert_eq!(v["error"]["details"]["issues"][0]["field"], "path");
+
+    let (s, _) = t
+        .json(
+            "POST",
+            &format!("{base}/files:rename"),
+            Some(json!({"from": "/workspace/a.txt", "to": "/workspace/b.txt", "overwrite": false})),
+        )
+        .await;
+    assert_eq!(s, StatusCode::OK);
+    let (_, v) = t
+        .json(
+            "POST",
+            &format!("{base}/files:remove"),
+            Some(json!({"path": "/workspace/b.txt", "recursive": false})),
+        )
+        .await;
+    assert_eq!(v["removed"], true);
+    let (_, v) = t
+        .json(
+            "POST",
+            &format!("{base}/files:remove"),
+            Some(json!({"path": "/workspace/b.txt", "recursive": false})),
+        )
+        .await;
+    assert_eq!(v["removed"], false);
+
+    let (s, _, b) = t
+        .call(
+            "PUT",
+            &format!("{base}/files/content?path=/workspace/huge"),
+            Some(&t.admin),
+            &[("idempotency-key", "w2")],
+            Body::from(vec![0u8; (1 << 20) + 1]),
+        )
+        .await;
+    assert_eq!(s, StatusCode::PAYLOAD_TOO_LARGE);
+    let v: Value = serde_json::from_slice(&b).unwrap();
+    assert_error(&v, 413, "payload_too_large");
+}
+
+#[tokio::test]
+async fn slow_answers_are_sent_late() {
+    let t = T::with(|c| c.late_answer_after = Duration::from_millis(100));
+    let id = t.running(json!({})).await;
+    t.host.script(
+        "slow",
+        vec![Step::Sleep(400), Step::Out(b"done".to_vec()), Step::Exit(0)],
+    );
+    let (s, h, b) = t
+        .call(
+            "POST",
+            &format!("/v1/sandboxes/{id}:exec"),
+            Some(&t.admin),
+            &[("idempotency-key", "slow-1")],
+            Body::from(json!({"command": "slow"}).to_string()),
+        )
+        .await;
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(h["runtime-late-answer"], "true");
+    let v: Value = serde_json::from_slice(&b).unwrap();
+    assert_eq!(v["stdout"], "done");
+    // A late error is the one error body.
+    let (s, h, b) = t
+        .call(
+            "POST",
+            &format!("/v1/sandboxes/{id}:exec"),
+            Some(&t.admin),
+            &[("idempotency-key", "slow-2")],
+            Body::from(json!({"command": "slowfail"}).to_string()),
+        )
+        .await;
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(h["runtime-late-answer"], "true");
+    let v: Value = serde_json::from_slice(&b).unwrap();
+    assert_eq!(v.as_object().unwrap().len(), 1);
+    assert_error(&v, 400, "command_not_found");
+}
+
+#[tokio::test]
+async fn restart_recovers_found_sandboxes_and_stops_lost_ones() {
+    let t = T::new();
+    let kept = t.running(json!({"name": "kept"})).await;
+    let lost = t.running(json!({"name": "lost"})).await;
+    let stopped = t.running(json!({})).await;
+    t.json_as(
+        &t.admin.clone(),
+        "POST",
+        &format!("/v1/sandboxes/{stopped}:stop"),
+        Some(json!({})),
+        &[("prefer", "wait=5")],
+    )
+    .await;
+    t.state.shutdown().await;
+
+    let host = Arc::new(FakeHost::default());
+    host.recoverable.lock().unwrap().insert(kept.clone());
+    host.recoverable.lock().unwrap().insert(stopped.clone());
+    let t2 = T::open(t.dir.clone(), t.admin.clone(), host, |_| {});
+    runtime_server::recover(&t2.state).await.unwrap();
+    let (_, v) = t2.json("GET", &format!("/v1/sandboxes/{kept}"), None).await;
+    assert_eq!(v["state"], "running");
+    assert_eq!(v["name"], "kept");
+    let (_, v) = t2.json("GET", &format!("/v1/sandboxes/{lost}"), None).await;
+    assert_eq!(v["state"], "stopped");
+    assert_eq!(v["stopReason"], "host_lost");
+    let (_, v) = t2
+        .json("GET", &format!("/v1/sandboxes/{stopped}"), None)
+        .await;
+    assert_eq!(v["stopReason"], "requested");
+}

@@ -1,0 +1,303 @@
+//! A fake Host for the server's tests only: in-memory files, scripted exec.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use runtime_host::{
+    EntryKind, ExecControl, ExecEvent, ExecHandle, ExecSpec, ExitStatus, FileEntry, FileOp,
+    FileOpResult, GuestFailure, Host, HostError, MachineSpec, RunAs,
+};
+use tokio::sync::mpsc;
+
+#[derive(Debug, Clone)]
+pub enum Step {
+    Out(Vec<u8>),
+    Err(Vec<u8>),
+    Sleep(u64),
+    Exit(i32),
+}
+
+#[derive(Default)]
+pub struct FakeHost {
+    /// (sandbox, path) -> (bytes, mode); directories are in `dirs`.
+    pub files: Mutex<HashMap<(String, String), (Vec<u8>, u32)>>,
+    pub dirs: Mutex<HashSet<(String, String)>>,
+    /// Keyed by the command (last argv element).
+    pub scripts: Mutex<HashMap<String, Vec<Step>>>,
+    pub start_delay_ms: Mutex<u64>,
+    pub recoverable: Mutex<HashSet<String>>,
+    pub started: Mutex<Vec<String>>,
+    pub stopped: Mutex<Vec<(String, bool)>>,
+    pub destroyed: Mutex<Vec<String>>,
+    /// Everything `cat` received on stdin, per process.
+    pub stdin_seen: Arc<Mutex<Vec<u8>>>,
+    pub last_exec: Mutex<Option<ExecSpec>>,
+}
+
+fn guest(id: &str, failure: GuestFailure, message: &str) -> HostError {
+    HostError::Guest {
+        id: id.into(),
+        failure,
+        message: message.into(),
+    }
+}
+
+fn parent(p: &str) -> String {
+    match p.rfind('/') {
+        Some(0) | None => "/".into(),
+        Some(i) => p[..i].into(),
+    }
+}
+
+impl FakeHost {
+    pub fn script(&self, command: &str, steps: Vec<Step>) {
+        self.scripts.lock().unwrap().insert(command.into(), steps);
+    }
+
+    fn entry(&self, id: &str, path: &str) -> Option<FileEntry> {
+        let name = path.rsplit('/').next().unwrap_or("").to_string();
+        if self
+            .dirs
+            .lock()
+            .unwrap()
+            .contains(&(id.into(), path.into()))
+        {
+            return Some(FileEntry {
+                name,
+                path: path.into(),
+                kind: EntryKind::Directory,
+                size: 4096,
+                mode: 0o755,
+                modified: 1_700_000_000,
+            });
+        }
+        self.files
+            .lock()
+            .unwrap()
+            .get(&(id.into(), path.into()))
+            .map(|(d, m)| FileEntry {
+                name,
+                path: path.into(),
+                kind: EntryKind::File,
+                size: d.len() as u64,
+                mode: *m,
+                modified: 1_700_000_000,
+            })
+    }
+}
+
+#[async_trait]
+impl Host for FakeHost {
+    async fn start(&self, spec: &MachineSpec) -> Result<(), HostError> {
+        let delay = *self.start_delay_ms.lock().unwrap();
+        tokio::time::sleep(Duration::from_millis(delay)).await;
+        if spec.memory_mib == 128 {
+            return Err(HostError::StartFailed {
+                id: spec.id.clone(),
+                stage: runtime_host::BootStage::Kernel,
+                reason: "too little memory".into(),
+                console_tail: "panic".into(),
+            });
+        }
+        self.started.lock().unwrap().push(spec.id.clone());
+        for d in ["/", "/workspace"] {
+            self.dirs
+                .lock()
+                .unwrap()
+                .insert((spec.id.clone(), d.into()));
+        }
+        Ok(())
+    }
+
+    async fn recover(&self, spec: &MachineSpec) -> Result<bool, HostError> {
+        Ok(self.recoverable.lock().unwrap().contains(&spec.id))
+    }
+
+    async fn stop(&self, id: &str, keep_disk: bool) -> Result<(), HostError> {
+        self.stopped.lock().unwrap().push((id.into(), keep_disk));
+        Ok(())
+    }
+
+    async fn destroy(&self, id: &str) -> Result<(), HostError> {
+        self.destroyed.lock().unwrap().push(id.into());
+        Ok(())
+    }
+
+    async fn exec(&self, _id: &str, spec: ExecSpec) -> Result<ExecHandle, HostError> {
+        *self.last_exec.lock().unwrap() = Some(spec.clone());
+        let (etx, erx) = mpsc::channel(16);
+        let (ctx, mut crx) = mpsc::channel::<ExecControl>(16);
+        let cmd = spec.argv.last().cloned().unwrap_or_default();
+        if cmd == "slowfail" {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            return Err(guest(
+                _id,
+                GuestFailure::CommandNotFound,
+                "slowfail: not found",
+            ));
+        }
+        if cmd == "cat" {
+            let seen = self.stdin_seen.clone();
+            tokio::spawn(async move {
+                while let Some(c) = crx.recv().await {
+                    match c {
+                        ExecControl::Stdin(b) => {
+                            seen.lock().unwrap().extend_from_slice(&b);
+                            let _ = etx.send(ExecEvent::Stdout(b)).await;
+                        }
+                        ExecControl::CloseStdin | ExecControl::Signal(_) => break,
+                        ExecControl::Resize(_) => {}
+                    }
+                }
+                let _ = etx.send(ExecEvent::Exited(exit(Some(0)))).await;
+            });
+        } else {
+            let steps = self
+                .scripts
+                .lock()
+                .unwrap()
+                .get(&cmd)
+                .cloned()
+                .unwrap_or(vec![
+                    Step::Err(format!("bash: {cmd}: command not found\n").into_bytes()),
+                    Step::Exit(127),
+                ]);
+            tokio::spawn(async move {
+                let _keep = &mut crx;
+                for s in steps {
+                    let ev = match s {
+                        Step::Out(b) => ExecEvent::Stdout(b),
+                        Step::Err(b) => ExecEvent::Stderr(b),
+                        Step::Sleep(ms) => {
+                            tokio::time::sleep(Duration::from_millis(ms)).await;
+                            continue;
+                        }
+                        Step::Exit(c) => ExecEvent::Exited(exit(Some(c))),
+                    };
+                    if etx.send(ev).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+        Ok(ExecHandle {
+            pid: 42,
+            events: erx,
+            control: ctx,
+        })
+    }
+
+    async fn read_file(&self, id: &str, path: &str, _user: RunAs) -> Result<Vec<u8>, HostError> {
+        if path.starts_with("/root") {
+            return Err(guest(
+                id,
+                GuestFailure::PermissionDenied,
+                "permission denied",
+            ));
+        }
+        if self
+            .dirs
+            .lock()
+            .unwrap()
+            .contains(&(id.into(), path.into()))
+        {
+            return Err(guest(id, GuestFailure::IsADirectory, "is a directory"));
+        }
+        self.files
+            .lock()
+            .unwrap()
+            .get(&(id.into(), path.into()))
+            .map(|(d, _)| d.clone())
+            .ok_or_else(|| guest(id, GuestFailure::FileNotFound, "no such file"))
+    }
+
+    async fn write_file(
+        &self,
+        id: &str,
+        path: &str,
+        mode: Option<u32>,
+        _user: RunAs,
+        data: Vec<u8>,
+    ) -> Result<(), HostError> {
+        self.files
+            .lock()
+            .unwrap()
+            .insert((id.into(), path.into()), (data, mode.unwrap_or(0o644)));
+        Ok(())
+    }
+
+    async fn file_op(&self, id: &str, op: FileOp, _user: RunAs) -> Result<FileOpResult, HostError> {
+        match op {
+            FileOp::Stat { path } => Ok(FileOpResult::Stat(self.entry(id, &path))),
+            FileOp::List { path, .. } => {
+                let mut out = BTreeMap::new();
+                let prefix = format!("{}/", path.trim_end_matches('/'));
+                for (sid, p) in self.files.lock().unwrap().keys() {
+                    if sid == id && p.starts_with(&prefix) {
+                        out.insert(p.clone(), ());
+                    }
+                }
+                let entries = out.keys().filter_map(|p| self.entry(id, p)).collect();
+                Ok(FileOpResult::Listing {
+                    entries,
+                    truncated: false,
+                })
+            }
+            FileOp::Mkdir { path, parents } => {
+                if self.entry(id, &path).is_some() && !parents {
+                    return Err(guest(id, GuestFailure::AlreadyExists, "exists"));
+                }
+                if !parents && self.entry(id, &parent(&path)).is_none() {
+                    return Err(guest(id, GuestFailure::FileNotFound, "no parent"));
+                }
+                self.dirs.lock().unwrap().insert((id.into(), path));
+                Ok(FileOpResult::Done)
+            }
+            FileOp::Remove { path, .. } => {
+                let f = self
+                    .files
+                    .lock()
+                    .unwrap()
+                    .remove(&(id.into(), path.clone()))
+                    .is_some();
+                let d = self.dirs.lock().unwrap().remove(&(id.into(), path));
+                Ok(FileOpResult::Removed(f || d))
+            }
+            FileOp::Rename {
+                from,
+                to,
+                overwrite,
+            } => {
+                let mut files = self.files.lock().unwrap();
+                if files.contains_key(&(id.into(), to.clone())) && !overwrite {
+                    return Err(guest(id, GuestFailure::AlreadyExists, "exists"));
+                }
+                let v = files
+                    .remove(&(id.into(), from))
+                    .ok_or_else(|| guest(id, GuestFailure::FileNotFound, "no such file"))?;
+                files.insert((id.into(), to), v);
+                Ok(FileOpResult::Done)
+            }
+            FileOp::Chmod { path, mode } => {
+                let mut files = self.files.lock().unwrap();
+                let f = files
+                    .get_mut(&(id.into(), path))
+                    .ok_or_else(|| guest(id, GuestFailure::FileNotFound, "no such file"))?;
+                f.1 = mode;
+                Ok(FileOpResult::Done)
+            }
+        }
+    }
+}
+
+fn exit(code: Option<i32>) -> ExitStatus {
+    ExitStatus {
+        code,
+        signal: None,
+        timed_out: false,
+        duration_ms: 5,
+        out_of_memory: false,
+    }
+}
