@@ -233,7 +233,7 @@ impl QemuHost {
                     Ok((link, _hello)) => break link,
                     Err(e) => {
                         qemu::kill(pid).await;
-                        let stage = if qemu::console_tail(&paths, 1 << 20).contains("runtime-agent") {
+                        let stage = if qemu::console_tail(&paths, 1 << 20).contains("agent: ") {
                             BootStage::Agent
                         } else {
                             BootStage::Kernel
