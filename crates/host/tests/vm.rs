@@ -22,13 +22,39 @@ fn cache() -> PathBuf {
 struct TestHost {
     host: QemuHost,
     state: PathBuf,
+    _cleanup: Cleanup,
+}
+
+/// Even when a test fails: no QEMU left running, no state left on disk.
+struct Cleanup(PathBuf);
+
+impl Drop for Cleanup {
+    fn drop(&mut self) {
+        kill_all(&self.0);
+    }
+}
+
+fn kill_all(state: &std::path::Path) {
+    if let Ok(dirs) = std::fs::read_dir(state) {
+        for d in dirs.flatten() {
+            if let Ok(pid) = std::fs::read_to_string(d.path().join("qemu.pid")) {
+                if let Ok(pid) = pid.trim().parse::<i32>() {
+                    unsafe { libc::kill(pid, libc::SIGKILL) };
+                }
+            }
+        }
+    }
+    let _ = std::fs::remove_dir_all(state);
+}
+
+fn agent_path() -> PathBuf {
+    std::env::var_os("RUNTIME_AGENT_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| workspace().join("target/x86_64-unknown-linux-gnu/release/runtime-agent"))
 }
 
 fn host() -> TestHost {
-    let agent = std::env::var_os("RUNTIME_AGENT_BIN")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| workspace().join("target/x86_64-unknown-linux-gnu/release/runtime-agent"));
-    let arts = artifacts::ensure(&cache(), &agent).expect("artifacts (run scripts/build.sh first)");
+    let arts = artifacts::ensure(&cache(), &agent_path()).expect("artifacts (run scripts/build.sh first)");
     let state = std::env::temp_dir().join(format!("rt-host-test-{}-{}", std::process::id(), rand_suffix()));
     let (accel, _) = choose_accel();
     let host = QemuHost::new(QemuConfig {
@@ -39,7 +65,7 @@ fn host() -> TestHost {
         boot_timeout: Duration::from_secs(120),
     })
     .unwrap();
-    TestHost { host, state }
+    TestHost { host, _cleanup: Cleanup(state.clone()), state }
 }
 
 fn rand_suffix() -> u64 {
@@ -138,7 +164,6 @@ async fn boots_runs_commands_moves_files_and_cleans_up() {
     assert!(!t.state.join(id).exists(), "the VM directory is removed");
     let err = h.exec(id, ExecSpec { argv: vec!["true".into()], cwd: None, env: vec![], user: RunAs::Sandbox, timeout: None, stdin: false, pty: None, kill_group_on_exit: true }).await.unwrap_err();
     assert!(matches!(err, HostError::NoSuchMachine { .. }));
-    let _ = std::fs::remove_dir_all(&t.state);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -149,18 +174,17 @@ async fn a_new_host_process_recovers_a_running_machine() {
     let (_, _, st) = run(&t.host, id, &["bash", "-c", "echo kept > /tmp/mem-only; sleep 600 >/dev/null 2>&1 &"], RunAs::Sandbox, None).await;
     assert_eq!(st.code, Some(0));
     let pid = t.host.qemu_pid(id).unwrap();
-    drop(t.host);
+    let TestHost { host, state, _cleanup } = t;
+    drop(host);
 
     // As after a restart of the server: a fresh host on the same state dir.
     let (accel, _) = choose_accel();
-    let agent = workspace().join("target/x86_64-unknown-linux-gnu/release/runtime-agent");
-    let arts = artifacts::ensure(&cache(), &std::env::var_os("RUNTIME_AGENT_BIN").map(PathBuf::from).unwrap_or(agent)).unwrap();
-    let h2 = QemuHost::new(QemuConfig { state_dir: t.state.clone(), qemu_binary: "qemu-system-x86_64".into(), artifacts: arts, accel, boot_timeout: Duration::from_secs(60) }).unwrap();
+    let arts = artifacts::ensure(&cache(), &agent_path()).unwrap();
+    let h2 = QemuHost::new(QemuConfig { state_dir: state.clone(), qemu_binary: "qemu-system-x86_64".into(), artifacts: arts, accel, boot_timeout: Duration::from_secs(60) }).unwrap();
     assert!(h2.recover(&spec(id)).await.unwrap());
     assert_eq!(h2.qemu_pid(id), Some(pid));
     let (out, _, _) = run(&h2, id, &["cat", "/tmp/mem-only"], RunAs::Sandbox, None).await;
     assert_eq!(out, "kept\n");
     assert!(!h2.recover(&spec("00000000-0000-4000-8000-00000000a0ff")).await.unwrap());
     h2.destroy(id).await.unwrap();
-    let _ = std::fs::remove_dir_all(&t.state);
 }
