@@ -10,6 +10,7 @@ mod cgroup;
 mod link;
 mod machine;
 mod qemu;
+mod qmp;
 mod types;
 
 pub use machine::{choose_accel, QemuConfig, QemuHost};

@@ -13,6 +13,8 @@ use crate::artifacts::Artifacts;
 use crate::cgroup::{self, Layout};
 use crate::link::{Incoming, Link, LinkError};
 use crate::qemu::{self, Accel, VmConfig, VmPaths};
+use crate::qmp::{Qmp, QmpError};
+use serde_json::json;
 use crate::types::*;
 
 /// How a [`QemuHost`] runs its machines.
@@ -174,12 +176,21 @@ impl QemuHost {
         HostError::StartFailed { id: id.to_owned(), stage, reason, console_tail: tail }
     }
 
-    async fn boot(&self, spec: &MachineSpec) -> Result<Arc<Vm>, HostError> {
+    /// A fresh VM directory (owned by the VM's uid, so QEMU can write its
+    /// captures there) with an empty overlay on the base image.
+    async fn fresh_dir(&self, spec: &MachineSpec) -> Result<VmPaths, HostError> {
         let id = spec.id.as_str();
         let paths = self.paths(id);
         let _ = std::fs::remove_dir_all(&paths.dir);
         std::fs::create_dir_all(&paths.dir).map_err(Self::io(id, "create vm dir"))?;
-        let run_as = vm_uid(id);
+        if let Some((uid, gid)) = vm_uid(id) {
+            std::os::unix::fs::chown(&paths.dir, Some(uid), Some(gid)).map_err(Self::io(id, "chown vm dir"))?;
+        }
+        Ok(paths)
+    }
+
+    async fn new_overlay(&self, spec: &MachineSpec, paths: &VmPaths) -> Result<(), HostError> {
+        let id = spec.id.as_str();
         let out = tokio::process::Command::new("qemu-img")
             .args(["create", "-q", "-f", "qcow2", "-F", "qcow2", "-b"])
             .arg(&self.cfg.artifacts.base)
@@ -195,6 +206,24 @@ impl QemuHost {
                 format!("qemu-img: {}", String::from_utf8_lossy(&out.stderr).trim()),
             ));
         }
+        Ok(())
+    }
+
+    async fn boot(&self, spec: &MachineSpec) -> Result<Arc<Vm>, HostError> {
+        let paths = self.fresh_dir(spec).await?;
+        self.new_overlay(spec, &paths).await?;
+        self.launch(spec, paths, None).await
+    }
+
+    /// Starts QEMU in `paths` (its disk already there), either booting or
+    /// loading the state in `incoming`, and returns once the agent answered.
+    async fn launch(&self, spec: &MachineSpec, paths: VmPaths, incoming: Option<std::fs::File>) -> Result<Arc<Vm>, HostError> {
+        use std::os::fd::AsRawFd;
+        let id = spec.id.as_str();
+        if let Some((uid, gid)) = vm_uid(id) {
+            // QEMU reopens its disk as its own uid after a migration.
+            std::os::unix::fs::chown(paths.overlay(), Some(uid), Some(gid)).map_err(Self::io(id, "chown disk"))?;
+        }
         let cfg = VmConfig {
             qemu: &self.cfg.qemu_binary,
             kernel: &self.cfg.artifacts.kernel,
@@ -203,18 +232,20 @@ impl QemuHost {
             vcpu: spec.vcpu,
             memory_mib: spec.memory_mib,
             paths: &paths,
-            run_as,
+            run_as: vm_uid(id),
+            incoming: incoming.as_ref().map(|f| f.as_raw_fd()),
         };
         let started = Instant::now();
         let pid = qemu::spawn(&cfg).map_err(|e| self.start_failed(id, BootStage::Spawn, e.to_string()))?;
+        drop(incoming);
         let limits = cgroup::Limits { memory_mib: spec.memory_mib, vcpu: spec.vcpu };
         if let Err(error) = cgroup::place(self.cgroups, id, pid, &limits) {
             tracing::warn!(sandbox_id = id, %error, "could not place QEMU in a cgroup");
         }
-        tracing::info!(sandbox_id = id, pid, "booting");
+        tracing::info!(sandbox_id = id, pid, restore = cfg.incoming.is_some(), "launching");
         // The sockets appear once QEMU has parsed its options.
         let sock = paths.agent_sock();
-        while !sock.exists() {
+        while !sock.exists() || !paths.qmp_sock().exists() {
             if !qemu::is_our_qemu(pid, &paths.dir) {
                 return Err(self.start_failed(id, BootStage::Spawn, "QEMU exited during start-up".into()));
             }
@@ -222,7 +253,14 @@ impl QemuHost {
                 qemu::kill(pid).await;
                 return Err(self.start_failed(id, BootStage::Spawn, "QEMU did not open its sockets".into()));
             }
-            tokio::time::sleep(Duration::from_millis(5)).await;
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        if cfg.incoming.is_some() {
+            if let Err(e) = resume_loaded(&paths).await {
+                qemu::kill(pid).await;
+                return Err(self.start_failed(id, BootStage::Restore, e.to_string()));
+            }
+            tracing::info!(sandbox_id = id, ms = started.elapsed().as_millis() as u64, "state loaded");
         }
         let remaining = self.cfg.boot_timeout.saturating_sub(started.elapsed());
         let connect = Link::connect(&sock, remaining);
@@ -252,6 +290,84 @@ impl QemuHost {
         let vm = Arc::new(Vm { paths, pid, link: tokio::sync::Mutex::new(Some(link.clone())) });
         setup(&link, &spec.hostname).await.map_err(|e| self.start_failed(id, BootStage::Agent, e.to_string()))?;
         Ok(vm)
+    }
+
+    /// Stops the VM's vCPUs and writes its memory and device state to
+    /// `<vm dir>/capture.state`; the VM stays stopped (QEMU alive).
+    async fn capture_stopped(&self, id: &str, vm: &Vm) -> Result<PathBuf, HostError> {
+        let qerr = |e: QmpError| HostError::Capture { id: id.to_owned(), reason: e.to_string() };
+        let started = Instant::now();
+        let mut q = Qmp::connect(&vm.paths.qmp_sock(), Duration::from_secs(10)).await.map_err(qerr)?;
+        q.execute("stop", json!({})).await.map_err(qerr)?;
+        let file = vm.paths.capture_state();
+        let _ = std::fs::remove_file(&file);
+        q.execute("migrate", json!({"uri": format!("file:{}", file.display())})).await.map_err(qerr)?;
+        q.wait_migration(Duration::from_secs(300)).await.map_err(qerr)?;
+        tracing::info!(sandbox_id = id, ms = started.elapsed().as_millis() as u64, "captured");
+        Ok(file)
+    }
+
+    async fn resume(&self, id: &str, vm: &Vm) -> Result<(), HostError> {
+        let qerr = |e: QmpError| HostError::Capture { id: id.to_owned(), reason: e.to_string() };
+        let mut q = Qmp::connect(&vm.paths.qmp_sock(), Duration::from_secs(10)).await.map_err(qerr)?;
+        q.execute("cont", json!({})).await.map_err(qerr)?;
+        Ok(())
+    }
+
+    async fn end_vm(&self, id: &str, vm: &Vm) {
+        if let Some(l) = vm.link.lock().await.take() {
+            l.close();
+        }
+        qemu::kill(vm.pid).await;
+        cgroup::remove(self.cgroups, id);
+    }
+
+    fn take_vm(&self, id: &str) -> Option<Arc<Vm>> {
+        self.vms.lock().ok().and_then(|mut m| m.remove(id))
+    }
+
+    fn insert_vm(&self, id: &str, vm: Arc<Vm>) {
+        if let Ok(mut m) = self.vms.lock() {
+            m.insert(id.to_owned(), vm);
+        }
+    }
+}
+
+/// After `-incoming`: waits for the state to load, then runs the vCPUs.
+async fn resume_loaded(paths: &VmPaths) -> Result<(), QmpError> {
+    let mut q = Qmp::connect(&paths.qmp_sock(), Duration::from_secs(10)).await?;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(300);
+    loop {
+        let st = q.execute("query-status", json!({})).await?;
+        match st.get("status").and_then(|s| s.as_str()) {
+            Some("inmigrate") => {}
+            Some("running") => return Ok(()),
+            Some(_) => {
+                q.execute("cont", json!({})).await?;
+                return Ok(());
+            }
+            None => {}
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return Err(QmpError::Timeout { command: "incoming migration".into() });
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// Copies a disk image keeping its holes (and sharing extents where the
+/// file system can).
+async fn copy_sparse(from: &Path, to: &Path) -> std::io::Result<()> {
+    let st = tokio::process::Command::new("cp")
+        .args(["--sparse=always", "--reflink=auto"])
+        .arg(from)
+        .arg(to)
+        .status()
+        .await?;
+    if st.success() {
+        Ok(())
+    } else {
+        Err(std::io::Error::other(format!("cp {} failed: {st}", from.display())))
     }
 }
 
@@ -342,6 +458,100 @@ impl Host for QemuHost {
 
     async fn destroy(&self, id: &str) -> Result<(), HostError> {
         self.stop(id, false).await
+    }
+
+    async fn pause(&self, id: &str) -> Result<(), HostError> {
+        let vm = self.take_vm(id).ok_or_else(|| HostError::NoSuchMachine { id: id.to_owned() })?;
+        match self.capture_stopped(id, &vm).await {
+            Ok(file) => {
+                std::fs::rename(&file, vm.paths.paused_state()).map_err(Self::io(id, "keep paused state"))?;
+                self.end_vm(id, &vm).await;
+                tracing::info!(sandbox_id = id, "paused");
+                Ok(())
+            }
+            Err(e) => {
+                // Nothing is lost: the machine runs on.
+                let _ = self.resume(id, &vm).await;
+                self.insert_vm(id, vm);
+                Err(e)
+            }
+        }
+    }
+
+    async fn wake(&self, spec: &MachineSpec) -> Result<(), HostError> {
+        let id = spec.id.as_str();
+        let paths = self.paths(id);
+        let state = paths.paused_state();
+        let file = std::fs::File::open(&state).map_err(|_| HostError::NotPaused { id: id.to_owned() })?;
+        let vm = self.launch(spec, paths, Some(file)).await?;
+        // The machine has moved on from that state; keep only the newest.
+        let _ = std::fs::remove_file(&state);
+        self.insert_vm(id, vm);
+        Ok(())
+    }
+
+    async fn capture(&self, id: &str, dest: &Path, memory: bool) -> Result<(), HostError> {
+        std::fs::create_dir_all(dest).map_err(Self::io(id, "create capture dir"))?;
+        let running = self.vm(id).ok();
+        let paths = self.paths(id);
+        let result = async {
+            match &running {
+                Some(vm) => {
+                    if !memory {
+                        // Only the disk is kept: flush the guest's page cache first.
+                        if let Ok(link) = self.link(id).await {
+                            let _ = tokio::time::timeout(Duration::from_secs(30), link.call(&Request::Sync)).await;
+                        }
+                    }
+                    let file = self.capture_stopped(id, vm).await?;
+                    let r = async {
+                        if memory {
+                            std::fs::rename(&file, dest.join("memory.state")).map_err(Self::io(id, "move capture"))?;
+                        } else {
+                            let _ = std::fs::remove_file(&file);
+                        }
+                        copy_sparse(&paths.overlay(), &dest.join("disk.qcow2")).await.map_err(Self::io(id, "copy disk"))
+                    }
+                    .await;
+                    self.resume(id, vm).await?;
+                    r
+                }
+                None => {
+                    let state = paths.paused_state();
+                    if !state.exists() {
+                        return Err(HostError::NotPaused { id: id.to_owned() });
+                    }
+                    if memory {
+                        std::fs::hard_link(&state, dest.join("memory.state")).map_err(Self::io(id, "link paused state"))?;
+                    }
+                    copy_sparse(&paths.overlay(), &dest.join("disk.qcow2")).await.map_err(Self::io(id, "copy disk"))
+                }
+            }
+        }
+        .await;
+        if result.is_err() {
+            let _ = std::fs::remove_dir_all(dest);
+        }
+        result
+    }
+
+    async fn restore(&self, spec: &MachineSpec, from: &Path) -> Result<(), HostError> {
+        let id = spec.id.as_str();
+        let disk = from.join("disk.qcow2");
+        if !disk.exists() {
+            return Err(HostError::BadCapture { path: from.to_owned(), reason: "no disk.qcow2".into() });
+        }
+        let paths = self.fresh_dir(spec).await?;
+        copy_sparse(&disk, &paths.overlay()).await.map_err(Self::io(id, "copy disk"))?;
+        let memory = from.join("memory.state");
+        let incoming = if memory.exists() {
+            Some(std::fs::File::open(&memory).map_err(Self::io(id, "open capture"))?)
+        } else {
+            None
+        };
+        let vm = self.launch(spec, paths, incoming).await?;
+        self.insert_vm(id, vm);
+        Ok(())
     }
 
     async fn exec(&self, id: &str, spec: ExecSpec) -> Result<ExecHandle, HostError> {

@@ -50,6 +50,14 @@ impl VmPaths {
     pub fn pidfile(&self) -> PathBuf {
         self.dir.join("qemu.pid")
     }
+    /// Written by QEMU (as the VM's uid) when the machine is captured.
+    pub fn capture_state(&self) -> PathBuf {
+        self.dir.join("capture.state")
+    }
+    /// The memory and device state of a paused machine.
+    pub fn paused_state(&self) -> PathBuf {
+        self.dir.join("paused.state")
+    }
 }
 
 pub(crate) struct VmConfig<'a> {
@@ -62,7 +70,13 @@ pub(crate) struct VmConfig<'a> {
     pub paths: &'a VmPaths,
     /// Run QEMU as this uid/gid (when the server is root).
     pub run_as: Option<(u32, u32)>,
+    /// Load the machine's state from this open file (fd 3 in QEMU) instead
+    /// of booting: a wake, a fork copy, or a start from a snapshot.
+    pub incoming: Option<std::os::fd::RawFd>,
 }
+
+/// The fd number a restoring QEMU reads its state from.
+const INCOMING_FD: i32 = 3;
 
 /// The kernel command line. The agent is `/init` of the initramfs; it mounts
 /// `/dev/vda` and switches root itself. A panic or reboot ends QEMU.
@@ -132,6 +146,10 @@ pub(crate) fn command_line(cfg: &VmConfig<'_>) -> Vec<OsString> {
     push(&format!("unix:{},server=on,wait=off", p.qmp_sock().display()));
     push("-pidfile");
     push(&p.pidfile().display().to_string());
+    if cfg.incoming.is_some() {
+        push("-incoming");
+        push(&format!("fd:{INCOMING_FD}"));
+    }
     a
 }
 
@@ -146,11 +164,19 @@ pub(crate) fn spawn(cfg: &VmConfig<'_>) -> std::io::Result<u32> {
         .stdout(Stdio::from(log))
         .stderr(Stdio::from(log2))
         .current_dir(&cfg.paths.dir);
-    // SAFETY: setsid is async-signal-safe and touches no memory of the parent.
+    let incoming = cfg.incoming;
+    // SAFETY: setsid and dup2 are async-signal-safe and touch no memory of
+    // the parent; `incoming` is an fd the caller keeps open across spawn.
     unsafe {
-        cmd.pre_exec(|| {
+        cmd.pre_exec(move || {
             if libc::setsid() < 0 {
                 return Err(std::io::Error::last_os_error());
+            }
+            if let Some(fd) = incoming {
+                // dup2 clears close-on-exec on the new descriptor.
+                if libc::dup2(fd, INCOMING_FD) < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
             }
             Ok(())
         });

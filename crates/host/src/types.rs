@@ -143,6 +143,7 @@ pub enum BootStage {
     Spawn,
     Kernel,
     Agent,
+    Restore,
 }
 
 impl std::fmt::Display for BootStage {
@@ -153,6 +154,7 @@ impl std::fmt::Display for BootStage {
             BootStage::Spawn => "spawn",
             BootStage::Kernel => "kernel",
             BootStage::Agent => "agent",
+            BootStage::Restore => "restore",
         })
     }
 }
@@ -175,6 +177,12 @@ pub enum HostError {
         failure: GuestFailure,
         message: String,
     },
+    #[error("capturing the state of sandbox {id} failed: {reason}")]
+    Capture { id: String, reason: String },
+    #[error("sandbox {id} has no paused state on this host")]
+    NotPaused { id: String },
+    #[error("capture {path} cannot be used: {reason}")]
+    BadCapture { path: std::path::PathBuf, reason: String },
     #[error("lost the link to the agent of sandbox {id}")]
     LinkLost { id: String },
     #[error("timed out waiting for {what} of sandbox {id}")]
@@ -200,6 +208,19 @@ pub trait Host: Send + Sync + 'static {
     async fn stop(&self, id: &str, keep_disk: bool) -> Result<(), HostError>;
     /// Ends the machine and removes everything it had on this host.
     async fn destroy(&self, id: &str) -> Result<(), HostError>;
+    /// Stops the vCPUs, writes memory and device state beside the disk and
+    /// ends QEMU: nothing runs until [`Host::wake`], which restores processes,
+    /// memory and `/tmp` as they were.
+    async fn pause(&self, id: &str) -> Result<(), HostError>;
+    /// Starts a paused machine again from its saved state.
+    async fn wake(&self, spec: &MachineSpec) -> Result<(), HostError>;
+    /// Writes the machine's disk, and its memory when `memory`, into the new
+    /// directory `dest`. A running machine stops for the copy and goes on; a
+    /// paused one stays paused.
+    async fn capture(&self, id: &str, dest: &std::path::Path, memory: bool) -> Result<(), HostError>;
+    /// Starts a new machine from a capture: from its memory when it has one
+    /// (processes and all), otherwise by booting its disk.
+    async fn restore(&self, spec: &MachineSpec, from: &std::path::Path) -> Result<(), HostError>;
     async fn exec(&self, id: &str, spec: ExecSpec) -> Result<ExecHandle, HostError>;
     async fn read_file(&self, id: &str, path: &str, user: RunAs) -> Result<Vec<u8>, HostError>;
     async fn write_file(

@@ -188,3 +188,76 @@ async fn a_new_host_process_recovers_a_running_machine() {
     assert!(!h2.recover(&spec("00000000-0000-4000-8000-00000000a0ff")).await.unwrap());
     h2.destroy(id).await.unwrap();
 }
+
+const COUNTER: &str = "setsid bash -c 'x=0; while true; do x=$((x+1)); echo $x > /tmp/counter.new; mv -f /tmp/counter.new /tmp/counter; sleep 0.2; done' >/dev/null 2>&1 < /dev/null & sleep 0.5; echo started";
+
+async fn counter(h: &QemuHost, id: &str) -> u64 {
+    let (out, err, _) = run(h, id, &["cat", "/tmp/counter"], RunAs::Sandbox, None).await;
+    out.trim().parse().unwrap_or_else(|_| panic!("counter: {out:?} {err:?}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pause_and_wake_keep_memory_processes_and_files() {
+    let t = host();
+    let h = &t.host;
+    let id = "00000000-0000-4000-8000-00000000a003";
+    h.start(&spec(id)).await.unwrap_or_else(|e| panic!("start: {e:?}"));
+    run(h, id, &["bash", "-c", COUNTER], RunAs::Sandbox, None).await;
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    for round in 0..3 {
+        let before = counter(h, id).await;
+        h.write_file(id, &format!("/workspace/f{round}"), None, RunAs::Sandbox, vec![b'x'; 10]).await.unwrap();
+        let pid = h.qemu_pid(id).unwrap();
+        h.pause(id).await.unwrap();
+        assert!(h.qemu_pid(id).is_none(), "no machine while paused");
+        assert!(!std::path::Path::new(&format!("/proc/{pid}/cmdline")).exists() || std::fs::read(format!("/proc/{pid}/cmdline")).map(|c| c.is_empty()).unwrap_or(true), "QEMU ended");
+        h.wake(&spec(id)).await.unwrap_or_else(|e| panic!("wake: {e:?}"));
+        let after = counter(h, id).await;
+        // The loop's variable lives only in memory: it goes on from where it was.
+        assert!(after >= before && after < before + 50, "round {round}: {before} -> {after}");
+    }
+    let (out, _, _) = run(h, id, &["bash", "-c", "ls /workspace | grep -c '^f'; pgrep -c -f 'x=\\$'"], RunAs::Sandbox, None).await;
+    assert_eq!(out.lines().next(), Some("3"), "{out}");
+    h.destroy(id).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn captures_restore_into_copies_that_diverge() {
+    let t = host();
+    let h = &t.host;
+    let src = "00000000-0000-4000-8000-00000000a004";
+    h.start(&spec(src)).await.unwrap_or_else(|e| panic!("start: {e:?}"));
+    run(h, src, &["bash", "-c", COUNTER], RunAs::Sandbox, None).await;
+    h.write_file(src, "/workspace/shared", None, RunAs::Sandbox, b"from source".to_vec()).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let cap = t.state.join("capture-1");
+    h.capture(src, &cap, true).await.unwrap();
+    let copies = ["00000000-0000-4000-8000-00000000a005", "00000000-0000-4000-8000-00000000a006"];
+    for c in copies {
+        h.restore(&MachineSpec { hostname: format!("copy-{}", &c[c.len() - 1..]), ..spec(c) }, &cap).await.unwrap_or_else(|e| panic!("restore: {e:?}"));
+    }
+    let base = counter(h, src).await;
+    for (i, c) in copies.iter().enumerate() {
+        assert!(counter(h, c).await >= 1, "the copy's memory-only loop runs");
+        assert_eq!(h.read_file(c, "/workspace/shared", RunAs::Sandbox).await.unwrap(), b"from source");
+        h.write_file(c, "/workspace/mine", None, RunAs::Sandbox, format!("copy {i}").into_bytes()).await.unwrap();
+    }
+    assert!(counter(h, src).await >= base, "the source runs on");
+    assert_eq!(h.read_file(copies[0], "/workspace/mine", RunAs::Sandbox).await.unwrap(), b"copy 0");
+    assert_eq!(h.read_file(copies[1], "/workspace/mine", RunAs::Sandbox).await.unwrap(), b"copy 1");
+    assert!(h.read_file(src, "/workspace/mine", RunAs::Sandbox).await.is_err(), "the source does not see the copies' files");
+    let (out, _, _) = run(h, copies[1], &["hostname"], RunAs::Sandbox, None).await;
+    assert_eq!(out.trim(), "copy-6");
+
+    // A disk-only capture boots a fresh machine with the files but not the processes.
+    let disk = t.state.join("capture-disk");
+    h.capture(src, &disk, false).await.unwrap();
+    let d = "00000000-0000-4000-8000-00000000a007";
+    h.restore(&spec(d), &disk).await.unwrap_or_else(|e| panic!("restore disk: {e:?}"));
+    assert_eq!(h.read_file(d, "/workspace/shared", RunAs::Sandbox).await.unwrap(), b"from source");
+    let err = h.read_file(d, "/tmp/counter", RunAs::Sandbox).await.unwrap_err();
+    assert!(matches!(err, HostError::Guest { failure: GuestFailure::FileNotFound, .. }), "{err:?}");
+    for id in [src, copies[0], copies[1], d] {
+        h.destroy(id).await.unwrap();
+    }
+}

@@ -334,7 +334,18 @@ fn host_parts(e: &HostError) -> Parts {
                 "The sandbox did not answer; try again.".into(),
             )
         },
-        HostError::StartFailed { .. } | HostError::Io { .. } => p(
+        HostError::NotPaused { id } => Parts {
+            details: Some(json!({ "sandboxId": id })),
+            ..p(
+                StatusCode::CONFLICT,
+                codes::SANDBOX_NOT_RUNNING,
+                format!("Sandbox {id} has no saved state to start from."),
+            )
+        },
+        HostError::StartFailed { .. }
+        | HostError::Io { .. }
+        | HostError::Capture { .. }
+        | HostError::BadCapture { .. } => p(
             StatusCode::INTERNAL_SERVER_ERROR,
             codes::INTERNAL,
             "Internal server error.".into(),

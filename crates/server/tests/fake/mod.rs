@@ -125,6 +125,23 @@ impl Host for FakeHost {
         Ok(())
     }
 
+    async fn pause(&self, _id: &str) -> Result<(), HostError> {
+        Ok(())
+    }
+
+    async fn wake(&self, _spec: &MachineSpec) -> Result<(), HostError> {
+        Ok(())
+    }
+
+    async fn capture(&self, _id: &str, dest: &std::path::Path, _memory: bool) -> Result<(), HostError> {
+        let _ = std::fs::create_dir_all(dest);
+        Ok(())
+    }
+
+    async fn restore(&self, _spec: &MachineSpec, _from: &std::path::Path) -> Result<(), HostError> {
+        Ok(())
+    }
+
     async fn exec(&self, _id: &str, spec: ExecSpec) -> Result<ExecHandle, HostError> {
         *self.last_exec.lock().unwrap() = Some(spec.clone());
         let (etx, erx) = mpsc::channel(16);
