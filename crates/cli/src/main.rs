@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use clap::{Parser, Subcommand};
-use runtime_host::{artifacts, choose_accel, QemuConfig, QemuHost};
+use runtime_host::{artifacts, choose_accel, probe_boot, Accel, QemuConfig, QemuHost};
 
 #[derive(Parser)]
 #[command(name = "runtime", version, about = "Self-hosted sandboxes for AI agents, as QEMU microVMs")]
@@ -158,16 +158,26 @@ async fn shutdown_signal() {
 async fn serve(listen: SocketAddr, data_dir: PathBuf, boot_timeout: u64) -> anyhow::Result<()> {
     std::fs::create_dir_all(&data_dir).with_context(|| format!("creating {}", data_dir.display()))?;
     let arts = tokio::task::spawn_blocking(build_artifacts).await??;
-    let (accel, why) = choose_accel();
-    eprintln!("runtime: accelerator {accel} ({why})");
-    let host = QemuHost::new(QemuConfig {
+    let (mut accel, mut why) = choose_accel();
+    let mut qemu_cfg = QemuConfig {
         state_dir: data_dir.join("vms"),
         qemu_binary: PathBuf::from("qemu-system-x86_64"),
         artifacts: arts,
         accel,
         boot_timeout: Duration::from_secs(boot_timeout),
-    })
-    .context("preparing the VM directory")?;
+    };
+    if accel == Accel::Kvm {
+        match probe_boot(qemu_cfg.clone()).await {
+            Ok(t) => why = format!("{why}; probe boot answered in {} ms", t.as_millis()),
+            Err(e) => {
+                accel = Accel::Tcg;
+                why = format!("a probe boot under KVM failed ({e}); using TCG");
+            }
+        }
+        qemu_cfg.accel = accel;
+    }
+    eprintln!("runtime: accelerator {accel} ({why})");
+    let host = QemuHost::new(qemu_cfg).context("preparing the VM directory")?;
     if let Some(key) = runtime_server::ensure_admin_key(&data_dir)? {
         eprintln!("runtime: created the admin key (saved to {}):", data_dir.join("admin.key").display());
         println!("{key}");

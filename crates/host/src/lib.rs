@@ -13,6 +13,6 @@ mod qemu;
 mod qmp;
 mod types;
 
-pub use machine::{choose_accel, QemuConfig, QemuHost};
+pub use machine::{choose_accel, probe_boot, QemuConfig, QemuHost};
 pub use qemu::Accel;
 pub use types::*;

@@ -69,6 +69,21 @@ pub fn choose_accel() -> (Accel, String) {
     }
 }
 
+/// Boots a throwaway machine with `cfg` (its accelerator, a short timeout)
+/// and ends it: `Ok` when its agent answered. `serve` uses it to keep KVM
+/// only where a guest really boots under it.
+pub async fn probe_boot(cfg: QemuConfig) -> Result<Duration, HostError> {
+    let state = cfg.state_dir.join("probe");
+    let host = QemuHost::new(QemuConfig { state_dir: state.clone(), boot_timeout: Duration::from_secs(30), ..cfg })
+        .map_err(|source| HostError::Io { id: "probe".into(), op: "probe dir", source })?;
+    let spec = MachineSpec { id: "probe".into(), vcpu: 1, memory_mib: 256, disk_mib: 3072, hostname: "probe".into() };
+    let started = Instant::now();
+    let r = host.start(&spec).await;
+    let _ = host.destroy("probe").await;
+    let _ = std::fs::remove_dir_all(state);
+    r.map(|_| started.elapsed())
+}
+
 /// A uid/gid of its own for each VM's QEMU, when the server runs as root.
 fn vm_uid(id: &str) -> Option<(u32, u32)> {
     // SAFETY: geteuid has no preconditions.
