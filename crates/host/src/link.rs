@@ -180,7 +180,15 @@ impl Link {
                 r.clear();
             }
         });
-        let link = Link { writer, routes, next: Arc::new(AtomicU32::new(1)), closed };
+        // Streams of an earlier connection (a server before a restart, a
+        // machine before a pause) may still be open in the agent: start this
+        // connection's ids somewhere else.
+        let first = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| (d.as_nanos() as u32) ^ std::process::id().rotate_left(16))
+            .unwrap_or(1)
+            | 1;
+        let link = Link { writer, routes, next: Arc::new(AtomicU32::new(first)), closed };
         let deadline = tokio::time::Instant::now() + timeout;
         let hello = Frame::control(0, &Request::Hello { version: VERSION }).map_err(LinkError::Encode)?;
         let mut resend = Duration::from_millis(100);

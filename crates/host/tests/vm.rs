@@ -132,6 +132,11 @@ async fn boots_runs_commands_moves_files_and_cleans_up() {
 
     let (_, _, st) = run(h, id, &["sleep", "30"], RunAs::Sandbox, Some(Duration::from_millis(500))).await;
     assert!(st.timed_out && st.code.is_none(), "{st:?}");
+    // A timeout ends the whole process group, not only the shell.
+    let (out, _, st) = run(h, id, &["bash", "-c", "echo before; sleep 31; echo after"], RunAs::Sandbox, Some(Duration::from_millis(1500))).await;
+    assert!(st.timed_out && out == "before\n", "{st:?} {out:?}");
+    let (out, _, _) = run(h, id, &["bash", "-c", "pgrep -fx 'sleep 31' || echo none"], RunAs::Root, None).await;
+    assert_eq!(out, "none\n");
 
     let big: Vec<u8> = (0..3 * 1024 * 1024u32).map(|i| (i % 251) as u8).collect();
     h.write_file(id, "/workspace/d/big.bin", Some(0o600), RunAs::Sandbox, big.clone()).await.unwrap();

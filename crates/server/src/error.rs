@@ -70,6 +70,9 @@ pub enum ApiError {
         message: String,
         details: Option<Value>,
     },
+    /// A lifecycle change the host could not make (`pause_failed`, `wake_failed`, …).
+    #[error("{message}")]
+    Failed { code: &'static str, message: String },
     #[error("{feature} is not supported by this server")]
     Unsupported { feature: &'static str },
     #[error("host failed")]
@@ -172,7 +175,7 @@ impl ApiError {
                 details: Some(json!({ "sandboxId": id, "state": state })),
                 ..p(
                     StatusCode::CONFLICT,
-                    if state == "paused" {
+                    if state == "paused" || state == "pausing" {
                         codes::SANDBOX_PAUSED
                     } else {
                         codes::SANDBOX_NOT_RUNNING
@@ -220,6 +223,9 @@ impl ApiError {
                     format!("{feature} is not supported by this server yet."),
                 )
             },
+            ApiError::Failed { code, message } => {
+                p(StatusCode::INTERNAL_SERVER_ERROR, code, message.clone())
+            }
             ApiError::Host(e) => host_parts(e),
             ApiError::Server(_) | ApiError::Internal { .. } => p(
                 StatusCode::INTERNAL_SERVER_ERROR,

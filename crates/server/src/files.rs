@@ -67,7 +67,7 @@ pub async fn read(st: AppState, ctx: Ctx, id: String) -> ApiResult<Reply> {
     let path = check_path(&mut f, "path", p);
     let user = f.one_of("user", &["sandbox", "root"]);
     f.finish()?;
-    let row = find_running(&st, &ctx.key, &id)?;
+    let row = find_running(&st, &ctx.key, &id).await?;
     let data = st.host().read_file(&id, &path, user_of(&row, user)).await?;
     let mut resp = Response::new(Body::from(Bytes::new()));
     let h = resp.headers_mut();
@@ -93,7 +93,7 @@ pub async fn write(st: AppState, ctx: Ctx, id: String, body: Bytes) -> ApiResult
     let mode = mode_field(&mut f);
     let user = f.one_of("user", &["sandbox", "root"]);
     f.finish()?;
-    let row = find_running(&st, &ctx.key, &id)?;
+    let row = find_running(&st, &ctx.key, &id).await?;
     let size = body.len();
     let sha = sha256_hex(&body);
     st.host()
@@ -138,7 +138,7 @@ pub async fn list(st: AppState, ctx: Ctx, id: String) -> ApiResult<Reply> {
     let limit = f.q_int("limit", 1, 100_000).unwrap_or(10_000) as u32;
     let user = f.one_of("user", &["sandbox", "root"]);
     f.finish()?;
-    let row = find_running(&st, &ctx.key, &id)?;
+    let row = find_running(&st, &ctx.key, &id).await?;
     // A glob with `/` or `**` looks deeper than the first level by default.
     let depth = depth.unwrap_or(match &glob {
         Some(g) if g.contains("**") => 64,
@@ -191,7 +191,7 @@ pub async fn stat(st: AppState, ctx: Ctx, id: String) -> ApiResult<Reply> {
     let path = check_path(&mut f, "path", p);
     let user = f.one_of("user", &["sandbox", "root"]);
     f.finish()?;
-    let row = find_running(&st, &ctx.key, &id)?;
+    let row = find_running(&st, &ctx.key, &id).await?;
     match st
         .host()
         .file_op(&id, FileOp::Stat { path }, user_of(&row, user))
@@ -283,7 +283,7 @@ pub async fn action(
         }
     };
     f.finish()?;
-    let row = find_running(&st, &ctx.key, &id)?;
+    let row = find_running(&st, &ctx.key, &id).await?;
     let result = st.host().file_op(&id, op, user_of(&row, user)).await?;
     let mut answer = answer;
     match result {
@@ -381,7 +381,7 @@ pub async fn upload_begin(st: AppState, ctx: Ctx, id: String, body: Bytes) -> Ap
     let mode = mode_field(&mut f);
     let user = f.one_of("user", &["sandbox", "root"]);
     f.finish()?;
-    let row = find_running(&st, &ctx.key, &id)?;
+    let row = find_running(&st, &ctx.key, &id).await?;
     let upload_id = format!("upl_{}", uuid::Uuid::new_v4().simple());
     let dir = st.inner.uploads.dir.clone();
     tokio::fs::create_dir_all(&dir)
@@ -429,7 +429,7 @@ pub async fn upload_chunk(
         f.issue("offset", "is required");
     }
     f.finish()?;
-    find_running(&st, &ctx.key, &id)?;
+    find_running(&st, &ctx.key, &id).await?;
     let up = st.inner.uploads.get(&id, &upload_id)?;
     let mut u = up.lock().await;
     let offset = offset.unwrap_or(0) as u64;
@@ -478,7 +478,7 @@ pub async fn upload_action(
     Fields::new(&obj).finish()?;
     match verb.as_str() {
         "commit" => {
-            find_running(&st, &ctx.key, &id)?;
+            find_running(&st, &ctx.key, &id).await?;
             let up = st.inner.uploads.get(&id, &upload_id)?;
             let u = up.lock().await;
             let have = covered(&u.received);

@@ -61,6 +61,39 @@ impl Table {
         self.lock().retain(|_, p| p.sandbox_id != sandbox_id);
     }
 
+    /// Whether a process of the sandbox still runs (it is then not idle).
+    pub fn running_in(&self, sandbox_id: &str) -> bool {
+        self.lock()
+            .values()
+            .any(|p| p.sandbox_id == sandbox_id && p.state().exit.is_none())
+    }
+
+    /// The sandbox paused: the host's links to its processes are gone, so
+    /// each one still running ends as `lost` (its stream's last event is an
+    /// `exit` with `state: "lost"`). The processes themselves go on in the
+    /// guest after the wake; their output from then on is not collected.
+    pub fn sandbox_paused(&self, sandbox_id: &str) {
+        let procs: Vec<Arc<Proc>> = self
+            .lock()
+            .values()
+            .filter(|p| p.sandbox_id == sandbox_id)
+            .cloned()
+            .collect();
+        for p in procs {
+            if p.state().exit.is_none() {
+                let status = ExitStatus {
+                    code: None,
+                    signal: None,
+                    timed_out: false,
+                    duration_ms: (now_ms() - p.started_ms).max(0) as u64,
+                    out_of_memory: false,
+                };
+                p.finish(status, true);
+                p.bump();
+            }
+        }
+    }
+
     pub fn forget_old(&self, keep: Duration) {
         let cutoff = now_ms() - keep.as_millis() as i64;
         self.lock()
@@ -214,6 +247,9 @@ impl Proc {
 
     fn finish(&self, status: ExitStatus, lost: bool) {
         let mut s = self.state();
+        if s.exit.is_some() {
+            return;
+        }
         for i in 0..2 {
             let rest = std::mem::take(&mut s.carry[i]);
             if !rest.is_empty() {
@@ -536,7 +572,7 @@ async fn start(
 }
 
 pub async fn exec(st: AppState, ctx: Ctx, id: String, body: Bytes) -> ApiResult<Reply> {
-    let row = find_running(&st, &ctx.key, &id)?;
+    let row = find_running(&st, &ctx.key, &id).await?;
     let req = parse_command(&row, &body, false)?;
     let stream = req.stream;
     let guard_ms = req
@@ -686,7 +722,7 @@ pub fn replay_stream(st: &AppState, sandbox_id: &str, pid: &str) -> ApiResult<Re
 }
 
 pub async fn spawn(st: AppState, ctx: Ctx, id: String, body: Bytes) -> ApiResult<Reply> {
-    let row = find_running(&st, &ctx.key, &id)?;
+    let row = find_running(&st, &ctx.key, &id).await?;
     let req = parse_command(&row, &body, true)?;
     let pipe = req.spec.stdin && req.stdin_data.is_none();
     let proc = start(&st, &row, req, pipe).await?;
@@ -783,7 +819,7 @@ pub async fn action(
             let offset = f.int("offset", 0, i64::MAX).map(|o| o as u64);
             let eof = f.bool("eof").unwrap_or(false);
             f.finish()?;
-            find_running(&st, &ctx.key, &id)?;
+            find_running(&st, &ctx.key, &id).await?;
             let proc = st.inner.procs.get(&id, &pid)?;
             let _w = proc.writes.lock().await;
             let (current, closed, exited) = {

@@ -1,14 +1,23 @@
-//! Sandboxes (contract §5): create, get, list, stop, delete, extend, update;
-//! the state machine, waits, leases and recovery after a restart.
+//! Sandboxes (contract §5): create, get, list, stop, pause, wake, delete,
+//! extend, update; the state machine, waits, leases, idle pauses, auto-wake
+//! and recovery after a restart.
+//!
+//! Every host operation on a sandbox runs in an owned task under its
+//! lifecycle lock, after the store moved it to a transitional state
+//! (`starting`, `pausing`, `resuming`, `stopping`); the task re-reads the
+//! state under the lock and only records its outcome when nothing else
+//! (a stop, a delete) changed it meanwhile.
 
 use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 use axum::body::Bytes;
 use axum::http::StatusCode;
 use base64::Engine;
 use runtime_api::{DeletedSandbox, Sandbox};
-use runtime_host::MachineSpec;
+use runtime_host::{HostError, MachineSpec};
 use serde_json::{json, Value};
 use tokio::time::Instant;
 
@@ -22,7 +31,10 @@ const STATES: &[&str] = &[
     "starting", "running", "pausing", "paused", "resuming", "stopping", "stopped",
 ];
 
-fn visible(key: &KeyInfo, row: &SandboxRow) -> bool {
+/// How long a call on a paused sandbox waits for its wake.
+const WAKE_WAIT: Duration = Duration::from_secs(120);
+
+pub(crate) fn visible(key: &KeyInfo, row: &SandboxRow) -> bool {
     key.account_wide || row.key_id == key.id
 }
 
@@ -34,19 +46,99 @@ pub fn find(st: &AppState, key: &KeyInfo, id: &str) -> ApiResult<SandboxRow> {
     }
 }
 
-/// The sandbox, which must be running (exec, files, processes).
-pub fn find_running(st: &AppState, key: &KeyInfo, id: &str) -> ApiResult<SandboxRow> {
-    let row = find(st, key, id)?;
+/// The sandbox, which must be awake (exec, files, processes). A paused one
+/// with `autoWake` is woken first (callers arriving together share one
+/// wake); without it the answer is 409 `sandbox_paused`. The call counts as
+/// activity for `idlePauseSeconds`.
+pub async fn find_running(st: &AppState, key: &KeyInfo, id: &str) -> ApiResult<SandboxRow> {
+    let mut row = find(st, key, id)?;
     if row.record.state != "running" {
-        return Err(ApiError::NotRunning {
-            id: row.record.id,
-            state: row.record.state,
-        });
+        let wakes = match row.record.state.as_str() {
+            "resuming" => true,
+            "paused" | "pausing" => row.record.auto_wake,
+            _ => false,
+        };
+        if !wakes {
+            return Err(ApiError::NotRunning {
+                id: row.record.id,
+                state: row.record.state,
+            });
+        }
+        ensure_awake(st, id, WAKE_WAIT).await?;
+        row = find(st, key, id)?;
+        if row.record.state != "running" {
+            return Err(ApiError::NotRunning {
+                id: row.record.id,
+                state: row.record.state,
+            });
+        }
     }
+    touch(st, &row);
     Ok(row)
 }
 
-fn record_json(s: &Sandbox, extra: &[(&str, Value)]) -> Value {
+/// Records activity (`lastActiveAt`), at most once a second per sandbox.
+fn touch(st: &AppState, row: &SandboxRow) {
+    let now = now_ms();
+    let recent = row
+        .record
+        .last_active_at
+        .as_deref()
+        .and_then(parse_iso_ms)
+        .is_some_and(|t| now - t < 1000);
+    if recent {
+        return;
+    }
+    if let Err(e) = st.store().update_sandbox(&row.record.id, |r| {
+        r.record.last_active_at = Some(iso(now));
+        true
+    }) {
+        tracing::warn!(sandbox_id = %row.record.id, error = %e, "recording activity failed");
+    }
+}
+
+/// Wakes the sandbox if it is paused (or waits for the pause under way to
+/// end, then wakes it) and returns once it runs.
+pub(crate) async fn ensure_awake(st: &AppState, id: &str, timeout: Duration) -> ApiResult<()> {
+    let deadline = Instant::now() + timeout;
+    let mut asked = false;
+    loop {
+        let row = match st.store().get_sandbox(id)? {
+            Some(r) if r.deleted.is_none() => r,
+            _ => return Err(ApiError::sandbox_not_found(id)),
+        };
+        let state = row.record.state;
+        match state.as_str() {
+            "running" => return Ok(()),
+            "paused" if asked => {
+                return Err(ApiError::Failed {
+                    code: "wake_failed",
+                    message: format!("Sandbox {id} could not be woken; it stays paused."),
+                })
+            }
+            "paused" => {
+                request_wake(st, id, None)?;
+                asked = true;
+                continue;
+            }
+            "pausing" | "resuming" | "starting" => {}
+            _ => return Err(ApiError::NotRunning { id: id.into(), state }),
+        }
+        if state == "resuming" {
+            asked = true;
+        }
+        let now = Instant::now();
+        if now >= deadline {
+            return Err(ApiError::Host(HostError::Timeout {
+                id: id.into(),
+                what: "the wake",
+            }));
+        }
+        wait_until(st, id, deadline - now, |s| s != state).await?;
+    }
+}
+
+pub(crate) fn record_json(s: &Sandbox, extra: &[(&str, Value)]) -> Value {
     let mut v = serde_json::to_value(s).unwrap_or(Value::Null);
     if let Value::Object(m) = &mut v {
         for (k, x) in extra {
@@ -72,11 +164,11 @@ fn valid_env_name(n: &str) -> bool {
         && b.all(|c| c.is_ascii_alphanumeric() || c == b'_')
 }
 
-fn valid_name(n: &str) -> bool {
+pub(crate) fn valid_name(n: &str) -> bool {
     (1..=128).contains(&n.chars().count()) && !n.chars().any(|c| c.is_control())
 }
 
-fn check_labels(
+pub(crate) fn check_labels(
     f: &mut Fields<'_>,
     labels: Option<Vec<(String, String)>>,
 ) -> Option<BTreeMap<String, String>> {
@@ -121,6 +213,10 @@ struct CreateReq {
     record: Sandbox,
     env: Vec<(String, String)>,
     get_or_create: bool,
+    snapshot: Option<String>,
+    /// The shape fields the request named (a snapshot's shape must match them).
+    shape_given: Vec<(&'static str, u32)>,
+    floor_given: bool,
 }
 
 fn parse_create(body: &[u8]) -> ApiResult<CreateReq> {
@@ -145,9 +241,21 @@ fn parse_create(body: &[u8]) -> ApiResult<CreateReq> {
             f.issue("region", "this server has one region, \"local\"");
         }
     }
-    let vcpu = f.int("vcpu", 1, 16).unwrap_or(2) as u32;
-    let memory_mib = f.int("memoryMiB", 128, 65536).unwrap_or(4096) as u32;
-    let disk_mib = f.int("diskMiB", 3072, 1 << 20).unwrap_or(4096) as u32;
+    let vcpu_given = f.int("vcpu", 1, 16);
+    let memory_given = f.int("memoryMiB", 128, 65536);
+    let disk_given = f.int("diskMiB", 3072, 1 << 20);
+    let shape_given: Vec<(&'static str, u32)> = [
+        ("vcpu", vcpu_given),
+        ("memoryMiB", memory_given),
+        ("diskMiB", disk_given),
+    ]
+    .into_iter()
+    .filter_map(|(k, v)| v.map(|v| (k, v as u32)))
+    .collect();
+    let floor_given = f.present("cpuFloorMillis");
+    let vcpu = vcpu_given.unwrap_or(2) as u32;
+    let memory_mib = memory_given.unwrap_or(4096) as u32;
+    let disk_mib = disk_given.unwrap_or(4096) as u32;
     let cpu = f
         .one_of("cpu", &["shared", "reserved"])
         .unwrap_or_else(|| "shared".into());
@@ -181,18 +289,19 @@ fn parse_create(body: &[u8]) -> ApiResult<CreateReq> {
     }
     let env = f.string_map("env", 32);
     let env = check_env(&mut f, env).unwrap_or_default();
-    if let Some(img) = f.raw("image") {
+    let image = f.raw("image");
+    if let Some(img) = image {
         if img.as_str() != Some("default") {
             f.issue("image", "only the default image exists on this server yet");
         }
     }
+    let snapshot = f.string("snapshot");
+    if snapshot.is_some() && image.is_some() {
+        f.issue("snapshot", "give image or snapshot, not both");
+    }
     f.refuse(
         "network",
         "network rules are not supported by this server yet",
-    );
-    f.refuse(
-        "snapshot",
-        "starting from a snapshot is not supported by this server yet",
     );
     f.refuse(
         "spreadFrom",
@@ -254,11 +363,14 @@ fn parse_create(body: &[u8]) -> ApiResult<CreateReq> {
         record,
         env,
         get_or_create,
+        snapshot,
+        shape_given,
+        floor_given,
     })
 }
 
 /// The live sandbox that holds `name`, if any: not stopped, or stopped and persistent.
-fn name_holder(
+pub(crate) fn name_holder(
     st: &AppState,
     name: &str,
     except: Option<&str>,
@@ -271,8 +383,49 @@ fn name_holder(
 }
 
 pub async fn create(st: AppState, ctx: Ctx, body: Bytes) -> ApiResult<Reply> {
-    let req = parse_create(&body)?;
+    let mut req = parse_create(&body)?;
     let wait = prefer_wait(&ctx.headers);
+    let from = match &req.snapshot {
+        Some(sid) => {
+            let snap = crate::snapshots::find_ready(&st, &ctx.key, sid)?;
+            let s = &snap.record;
+            let want = [
+                ("vcpu", s.vcpu),
+                ("memoryMiB", s.memory_mib),
+                ("diskMiB", s.disk_mib),
+            ];
+            let issues: Vec<runtime_api::Issue> = req
+                .shape_given
+                .iter()
+                .filter_map(|(k, v)| {
+                    let (_, w) = want.iter().find(|(n, _)| n == k)?;
+                    (v != w).then(|| runtime_api::Issue {
+                        field: (*k).to_string(),
+                        message: format!(
+                            "must be {w}, the value of snapshot {sid} (or left out)"
+                        ),
+                    })
+                })
+                .collect();
+            if !issues.is_empty() {
+                return Err(ApiError::Invalid { issues });
+            }
+            let r = &mut req.record;
+            r.vcpu = s.vcpu;
+            r.memory_mib = s.memory_mib;
+            r.disk_mib = s.disk_mib;
+            if r.cpu == "reserved" && !req.floor_given {
+                r.cpu_floor_millis = r.vcpu * 1000;
+            }
+            r.cpu_floor_millis = r.cpu_floor_millis.min(r.vcpu * 1000);
+            Some(Arc::new(CaptureDir {
+                path: crate::snapshots::dir(&st, sid),
+                temporary: false,
+            }))
+        }
+        None => None,
+    };
+    let start_mode = if from.is_some() { "snapshot" } else { "boot" };
     let created = {
         let _g = st.inner.create_lock.lock().await;
         let holder = match &req.record.name {
@@ -304,7 +457,7 @@ pub async fn create(st: AppState, ctx: Ctx, body: Bytes) -> ApiResult<Reply> {
                 };
                 st.store().insert_sandbox(&row)?;
                 tracing::info!(sandbox_id = %row.record.id, "sandbox created");
-                spawn_start(&st, row.record.id.clone());
+                spawn_start(&st, row.record.id.clone(), from);
                 Ok(row.record.id)
             }
         }
@@ -334,7 +487,7 @@ pub async fn create(st: AppState, ctx: Ctx, body: Bytes) -> ApiResult<Reply> {
             &row.record,
             &[
                 ("reused", Value::Bool(reused)),
-                ("start", json!({"mode": "boot"})),
+                ("start", json!({"mode": start_mode})),
             ],
         ),
     ))
@@ -356,11 +509,31 @@ fn restart(st: &AppState, id: &str) -> ApiResult<()> {
         true
     })?;
     st.notify_change();
-    spawn_start(st, id.to_string());
+    spawn_start(st, id.to_string(), None);
     Ok(())
 }
 
-fn spawn_start(st: &AppState, id: String) {
+/// A capture a machine starts from: a snapshot's directory, or a fork's
+/// temporary one, removed once the last copy started from it.
+pub(crate) struct CaptureDir {
+    pub path: PathBuf,
+    pub temporary: bool,
+}
+
+impl Drop for CaptureDir {
+    fn drop(&mut self) {
+        if self.temporary {
+            if let Err(e) = std::fs::remove_dir_all(&self.path) {
+                if e.kind() != std::io::ErrorKind::NotFound {
+                    tracing::warn!(path = %self.path.display(), error = %e, "removing a capture failed");
+                }
+            }
+        }
+    }
+}
+
+/// Boots the `starting` sandbox, or restores it from `from`.
+pub(crate) fn spawn_start(st: &AppState, id: String, from: Option<Arc<CaptureDir>>) {
     let st2 = st.clone();
     st.spawn(async move {
         let lock = st2.lifecycle_lock(&id);
@@ -373,7 +546,12 @@ fn spawn_start(st: &AppState, id: String) {
                 return;
             }
         };
-        let result = st2.host().start(&machine_spec(&row.record)).await;
+        let spec = machine_spec(&row.record);
+        let result = match &from {
+            Some(dir) => st2.host().restore(&spec, &dir.path).await,
+            None => st2.host().start(&spec).await,
+        };
+        drop(from);
         let now = now_ms();
         let updated = st2.store().update_sandbox(&id, |r| {
             if r.record.state != "starting" || r.deleted.is_some() {
@@ -449,8 +627,245 @@ fn request_stop(st: &AppState, id: &str, reason: &'static str) -> ApiResult<()> 
     Ok(())
 }
 
+/// Moves a running sandbox to `pausing` and pauses it in an owned task:
+/// `paused` when the host saved it, `running` again when it could not
+/// (nothing is lost), `stopped` (`host_lost`) when its machine was gone.
+/// `false` when the sandbox was not running.
+pub(crate) fn request_pause(st: &AppState, id: &str, reason: &'static str) -> ApiResult<bool> {
+    let mut changed = false;
+    st.store().update_sandbox(id, |r| {
+        if r.deleted.is_some() || r.record.state != "running" {
+            return false;
+        }
+        r.record.state = "pausing".into();
+        changed = true;
+        true
+    })?;
+    if !changed {
+        return Ok(false);
+    }
+    st.notify_change();
+    let st2 = st.clone();
+    let id = id.to_string();
+    st.spawn(async move {
+        let lock = st2.lifecycle_lock(&id);
+        let _g = lock.lock().await;
+        match st2.store().get_sandbox(&id) {
+            Ok(Some(r)) if r.record.state == "pausing" && r.deleted.is_none() => {}
+            _ => return,
+        }
+        let result = st2.host().pause(&id).await;
+        if result.is_ok() {
+            st2.inner.procs.sandbox_paused(&id);
+        }
+        let now = iso(now_ms());
+        let updated = st2.store().update_sandbox(&id, |r| {
+            if r.record.state != "pausing" || r.deleted.is_some() {
+                return false;
+            }
+            match &result {
+                Ok(()) => {
+                    r.record.state = "paused".into();
+                    r.record.paused_at = Some(now.clone());
+                }
+                Err(HostError::NoSuchMachine { .. }) => {
+                    r.record.state = "stopped".into();
+                    r.record.stop_reason = Some("host_lost".into());
+                    r.record.ended_at = Some(now.clone());
+                }
+                Err(_) => r.record.state = "running".into(),
+            }
+            true
+        });
+        match (&result, updated) {
+            (Ok(()), Ok(_)) => tracing::info!(sandbox_id = %id, reason, "sandbox paused"),
+            (Err(e), Ok(_)) => tracing::warn!(sandbox_id = %id, reason, error = %e, "pausing the sandbox failed"),
+            (_, Err(e)) => tracing::error!(sandbox_id = %id, error = %e, "recording the pause failed"),
+        }
+        if matches!(result, Err(HostError::NoSuchMachine { .. })) {
+            st2.inner.procs.sandbox_gone(&id);
+        }
+        st2.notify_change();
+    });
+    Ok(true)
+}
+
+/// Moves a paused sandbox to `resuming` and wakes it in an owned task:
+/// `running` with a new lease (`lease` seconds, else its `timeoutSeconds`),
+/// `paused` again when the host failed, `stopped` (`host_lost`) when its
+/// saved state is gone. `false` when the sandbox was not paused, so callers
+/// arriving together share one wake.
+pub(crate) fn request_wake(st: &AppState, id: &str, lease: Option<u32>) -> ApiResult<bool> {
+    let mut changed = false;
+    st.store().update_sandbox(id, |r| {
+        if r.deleted.is_some() || r.record.state != "paused" {
+            return false;
+        }
+        r.record.state = "resuming".into();
+        if lease.is_some() {
+            r.record.timeout_seconds = lease;
+        }
+        changed = true;
+        true
+    })?;
+    if !changed {
+        return Ok(false);
+    }
+    st.notify_change();
+    let st2 = st.clone();
+    let id = id.to_string();
+    st.spawn(async move {
+        let lock = st2.lifecycle_lock(&id);
+        let _g = lock.lock().await;
+        let row = match st2.store().get_sandbox(&id) {
+            Ok(Some(r)) if r.record.state == "resuming" && r.deleted.is_none() => r,
+            _ => return,
+        };
+        let result = st2.host().wake(&machine_spec(&row.record)).await;
+        let now = now_ms();
+        let updated = st2.store().update_sandbox(&id, |r| {
+            if r.record.state != "resuming" || r.deleted.is_some() {
+                return false;
+            }
+            match &result {
+                Ok(()) => {
+                    r.record.state = "running".into();
+                    r.record.paused_at = None;
+                    r.record.paused_expires_at = None;
+                    r.record.last_active_at = Some(iso(now));
+                    r.record.ends_at = r
+                        .record
+                        .timeout_seconds
+                        .map(|t| iso(now + i64::from(t) * 1000));
+                    r.record.expires_at = r.record.ends_at.clone();
+                }
+                Err(HostError::NotPaused { .. }) => {
+                    r.record.state = "stopped".into();
+                    r.record.stop_reason = Some("host_lost".into());
+                    r.record.ended_at = Some(iso(now));
+                }
+                Err(_) => r.record.state = "paused".into(),
+            }
+            true
+        });
+        match (&result, updated) {
+            (Ok(()), Ok(_)) => tracing::info!(sandbox_id = %id, "sandbox woken"),
+            (Err(e), Ok(_)) => tracing::warn!(sandbox_id = %id, error = %e, "waking the sandbox failed"),
+            (_, Err(e)) => tracing::error!(sandbox_id = %id, error = %e, "recording the wake failed"),
+        }
+        st2.notify_change();
+    });
+    Ok(true)
+}
+
+/// Waits until the sandbox is in none of `states` (bounded), answering the row.
+async fn settle(
+    st: &AppState,
+    key: &KeyInfo,
+    id: &str,
+    states: &'static [&'static str],
+) -> ApiResult<SandboxRow> {
+    let row = find(st, key, id)?;
+    if !states.contains(&row.record.state.as_str()) {
+        return Ok(row);
+    }
+    wait_until(st, id, WAKE_WAIT, |s| !states.contains(&s)).await?;
+    find(st, key, id)
+}
+
+/// The source of a fork or snapshot: running or paused, after any start,
+/// pause or wake under way ended.
+pub(crate) async fn settled_source(st: &AppState, key: &KeyInfo, id: &str) -> ApiResult<SandboxRow> {
+    let row = settle(st, key, id, &["starting", "pausing", "resuming"]).await?;
+    match row.record.state.as_str() {
+        "running" | "paused" => Ok(row),
+        _ => Err(ApiError::NotRunning {
+            id: row.record.id,
+            state: row.record.state,
+        }),
+    }
+}
+
+async fn pause(st: AppState, ctx: Ctx, id: String, body: Bytes) -> ApiResult<Reply> {
+    let obj = json_object(&body)?;
+    Fields::new(&obj).finish()?;
+    let row = settle(&st, &ctx.key, &id, &["starting", "resuming"]).await?;
+    let mut asked = false;
+    match row.record.state.as_str() {
+        "running" if !row.record.pausable => {
+            return Err(ApiError::Conflict {
+                code: "not_pausable",
+                message: format!("Sandbox {id} was created with pausable: false."),
+                details: Some(json!({ "sandboxId": id })),
+            })
+        }
+        "running" => asked = request_pause(&st, &id, "requested")?,
+        "pausing" | "paused" => {}
+        _ => {
+            return Err(ApiError::NotRunning {
+                id,
+                state: row.record.state,
+            })
+        }
+    }
+    if let Some(secs) = prefer_wait(&ctx.headers) {
+        wait_until(&st, &id, Duration::from_secs(secs), |s| s != "pausing").await?;
+    }
+    let row = find(&st, &ctx.key, &id)?;
+    if asked && row.record.state == "running" {
+        return Err(ApiError::Failed {
+            code: "pause_failed",
+            message: format!("Sandbox {id} could not be paused; it runs on."),
+        });
+    }
+    Reply::ok(record_json(&row.record, &[]))
+}
+
+async fn wake(st: AppState, ctx: Ctx, id: String, body: Bytes) -> ApiResult<Reply> {
+    let obj = json_object(&body)?;
+    let mut f = Fields::new(&obj);
+    let lease = f.int("timeoutSeconds", 60, 86400).map(|t| t as u32);
+    f.finish()?;
+    let row = settle(&st, &ctx.key, &id, &["pausing"]).await?;
+    let mut asked = false;
+    match row.record.state.as_str() {
+        "paused" => asked = request_wake(&st, &id, lease)?,
+        "resuming" => {}
+        "running" | "starting" => {
+            // Already awake: done. A new limit asked for applies from now.
+            if let Some(t) = lease {
+                st.store().update_sandbox(&id, |r| {
+                    let end = iso(now_ms() + i64::from(t) * 1000);
+                    r.record.timeout_seconds = Some(t);
+                    r.record.ends_at = Some(end.clone());
+                    r.record.expires_at = Some(end);
+                    true
+                })?;
+                st.notify_change();
+            }
+        }
+        _ => {
+            return Err(ApiError::NotRunning {
+                id,
+                state: row.record.state,
+            })
+        }
+    }
+    if let Some(secs) = prefer_wait(&ctx.headers) {
+        wait_until(&st, &id, Duration::from_secs(secs), |s| s != "resuming").await?;
+    }
+    let row = find(&st, &ctx.key, &id)?;
+    if asked && row.record.state == "paused" {
+        return Err(ApiError::Failed {
+            code: "wake_failed",
+            message: format!("Sandbox {id} could not be woken; it stays paused."),
+        });
+    }
+    Reply::ok(record_json(&row.record, &[]))
+}
+
 /// Waits until `done(state)` holds or `timeout` passes.
-async fn wait_until(
+pub(crate) async fn wait_until(
     st: &AppState,
     id: &str,
     timeout: Duration,
@@ -580,16 +995,23 @@ pub async fn delete(st: AppState, ctx: Ctx, id: String) -> ApiResult<Reply> {
     if let Some(d) = row.deleted {
         return Reply::ok(serde_json::to_value(d).unwrap_or(Value::Null));
     }
+    let row = delete_sandbox(&st, &id, "deleted")?;
+    Reply::ok(serde_json::to_value(row.deleted).unwrap_or(Value::Null))
+}
+
+/// Marks the sandbox deleted (from any state) and destroys its machine and
+/// saved state in an owned task.
+pub(crate) fn delete_sandbox(st: &AppState, id: &str, reason: &str) -> ApiResult<SandboxRow> {
     let now = iso(now_ms());
     let row = st
         .store()
-        .update_sandbox(&id, |r| {
+        .update_sandbox(id, |r| {
             if r.deleted.is_some() {
                 return false;
             }
             if r.record.state != "stopped" {
                 r.record.ended_at = Some(now.clone());
-                r.record.stop_reason = Some("deleted".into());
+                r.record.stop_reason = Some(reason.into());
             }
             r.record.state = "stopped".into();
             r.deleted = Some(DeletedSandbox {
@@ -604,12 +1026,12 @@ pub async fn delete(st: AppState, ctx: Ctx, id: String) -> ApiResult<Reply> {
             });
             true
         })?
-        .ok_or_else(|| ApiError::sandbox_not_found(&id))?;
+        .ok_or_else(|| ApiError::sandbox_not_found(id))?;
     st.notify_change();
-    st.inner.procs.sandbox_gone(&id);
-    st.inner.uploads.sandbox_gone(&id);
+    st.inner.procs.sandbox_gone(id);
+    st.inner.uploads.sandbox_gone(id);
     let st2 = st.clone();
-    let id2 = id.clone();
+    let id2 = id.to_string();
     st.spawn(async move {
         let lock = st2.lifecycle_lock(&id2);
         let _g = lock.lock().await;
@@ -622,7 +1044,7 @@ pub async fn delete(st: AppState, ctx: Ctx, id: String) -> ApiResult<Reply> {
             }
         }
     });
-    Reply::ok(serde_json::to_value(row.deleted).unwrap_or(Value::Null))
+    Ok(row)
 }
 
 pub async fn action(
@@ -645,7 +1067,11 @@ pub async fn action(
         }
         "extend" => extend(st, ctx, id, body).await,
         "update" => update(st, ctx, id, body).await,
-        "pause" | "wake" | "restart" | "fork" | "snapshot" | "resize" | "switch-image" => {
+        "pause" => pause(st, ctx, id, body).await,
+        "wake" => wake(st, ctx, id, body).await,
+        "fork" => crate::snapshots::fork(st, ctx, id, body).await,
+        "snapshot" => crate::snapshots::snapshot(st, ctx, id, body).await,
+        "restart" | "resize" | "switch-image" => {
             find(&st, &ctx.key, &id)?;
             Err(ApiError::Unsupported {
                 feature: "this sandbox action",
@@ -800,15 +1226,7 @@ pub async fn reaper(st: AppState) {
         match st.store().live_sandboxes() {
             Ok(rows) => {
                 for r in rows.iter().filter(|r| r.record.state == "running") {
-                    let Some(end) = r.record.ends_at.as_deref().and_then(parse_iso_ms) else {
-                        continue;
-                    };
-                    if end > now {
-                        continue;
-                    }
-                    tracing::info!(sandbox_id = %r.record.id, "lease ended");
-                    // Pausing at lease end comes with pause itself; until then it stops.
-                    if let Err(e) = request_stop(&st, &r.record.id, "timeout") {
+                    if let Err(e) = end_lease_or_idle(&st, r, now) {
                         tracing::error!(sandbox_id = %r.record.id, error = %e, "ending the lease failed");
                     }
                 }
@@ -821,8 +1239,42 @@ pub async fn reaper(st: AppState) {
                 tracing::error!(error = %e, "purging idempotency records failed");
             }
             st.inner.procs.forget_old(st.config().output_keep);
+            crate::snapshots::expire(&st, now);
         }
     }
+}
+
+/// Applies `onLeaseEnd` to a running sandbox whose lease ended, or pauses
+/// one idle (no call and no process of ours running) for `idlePauseSeconds`.
+fn end_lease_or_idle(st: &AppState, r: &SandboxRow, now: i64) -> ApiResult<()> {
+    let s = &r.record;
+    let lease_ended = s
+        .ends_at
+        .as_deref()
+        .and_then(parse_iso_ms)
+        .is_some_and(|end| end <= now);
+    if lease_ended {
+        tracing::info!(sandbox_id = %s.id, on_lease_end = %s.on_lease_end, "lease ended");
+        return match s.on_lease_end.as_str() {
+            "pause" if s.pausable => request_pause(st, &s.id, "lease_end").map(|_| ()),
+            "delete" => delete_sandbox(st, &s.id, "timeout").map(|_| ()),
+            _ => request_stop(st, &s.id, "timeout"),
+        };
+    }
+    if s.idle_pause_seconds == 0 || !s.pausable {
+        return Ok(());
+    }
+    let last = s
+        .last_active_at
+        .as_deref()
+        .or(s.ready_at.as_deref())
+        .and_then(parse_iso_ms)
+        .unwrap_or(now);
+    if now - last >= i64::from(s.idle_pause_seconds) * 1000 && !st.inner.procs.running_in(&s.id) {
+        tracing::info!(sandbox_id = %s.id, "idle: pausing");
+        request_pause(st, &s.id, "idle")?;
+    }
+    Ok(())
 }
 
 /// Reattaches every sandbox an earlier server left starting, running or stopping.
@@ -853,6 +1305,31 @@ pub async fn recover(st: &AppState) -> Result<(), ServerError> {
                     true
                 })?;
                 tracing::info!(sandbox_id = %id, found, "sandbox recovered");
+            }
+            "pausing" | "resuming" => {
+                // A machine still running means the pause had not happened
+                // or the wake had; otherwise its saved state is on disk.
+                let pausing = row.record.state == "pausing";
+                let found = st
+                    .host()
+                    .recover(&machine_spec(&row.record))
+                    .await
+                    .unwrap_or(false);
+                st.store().update_sandbox(&id, |r| {
+                    r.record.state = if found { "running" } else { "paused" }.into();
+                    if found {
+                        r.record.paused_at = None;
+                    } else if r.record.paused_at.is_none() {
+                        r.record.paused_at = Some(iso(now_ms()));
+                    }
+                    true
+                })?;
+                if found && pausing {
+                    if let Err(e) = request_pause(st, &id, "requested") {
+                        tracing::warn!(sandbox_id = %id, error = %e, "finishing a pause failed");
+                    }
+                }
+                tracing::info!(sandbox_id = %id, found, "sandbox recovered from a pause or wake");
             }
             "stopping" => {
                 // Finish the stop an earlier server began.

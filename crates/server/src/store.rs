@@ -1,4 +1,4 @@
-//! The embedded SQLite store: keys, sandboxes, idempotency records.
+//! The embedded SQLite store: keys, sandboxes, snapshots, idempotency records.
 //!
 //! One connection behind a mutex; every call is short and never held across
 //! an `.await`. Schema version lives in `PRAGMA user_version`.
@@ -10,8 +10,9 @@ use runtime_api::{DeletedSandbox, Sandbox};
 use rusqlite::{params, Connection, OptionalExtension};
 
 use crate::error::ServerError;
+use crate::snapshots::Snapshot;
 
-const SCHEMA_VERSION: i64 = 1;
+const SCHEMA_VERSION: i64 = 2;
 
 const SCHEMA_V1: &str = "
 CREATE TABLE IF NOT EXISTS keys (
@@ -44,6 +45,18 @@ CREATE TABLE IF NOT EXISTS idempotency (
     body TEXT NOT NULL,
     created_ms INTEGER NOT NULL,
     PRIMARY KEY (key_id, idem_key)
+);
+";
+
+const SCHEMA_V2: &str = "
+CREATE TABLE IF NOT EXISTS snapshots (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    id TEXT NOT NULL UNIQUE,
+    key_id TEXT NOT NULL,
+    sandbox_id TEXT NOT NULL,
+    state TEXT NOT NULL,
+    record TEXT NOT NULL,
+    deleted TEXT
 );
 ";
 
@@ -104,15 +117,20 @@ pub fn open_connection(data_dir: &Path) -> Result<Connection, ServerError> {
     let version: i64 = conn
         .query_row("PRAGMA user_version", [], |r| r.get(0))
         .map_err(store_err("user_version"))?;
-    if version < 1 {
-        conn.execute_batch(SCHEMA_V1)
-            .map_err(store_err("migrate v1"))?;
-        conn.pragma_update(None, "user_version", SCHEMA_VERSION)
-            .map_err(store_err("set user_version"))?;
-    } else if version > SCHEMA_VERSION {
+    if version > SCHEMA_VERSION {
         return Err(corrupt(format!(
             "runtime.db has schema {version}, newer than this server ({SCHEMA_VERSION})"
         )));
+    }
+    if version < 1 {
+        conn.execute_batch(SCHEMA_V1)
+            .map_err(store_err("migrate v1"))?;
+    }
+    if version < 2 {
+        conn.execute_batch(SCHEMA_V2)
+            .map_err(store_err("migrate v2"))?;
+        conn.pragma_update(None, "user_version", SCHEMA_VERSION)
+            .map_err(store_err("set user_version"))?;
     }
     Ok(conn)
 }
@@ -254,6 +272,103 @@ impl Store {
             )
             .map_err(store_err("purge idempotency"))
     }
+}
+
+/// A snapshot as stored: its public record and its owner.
+#[derive(Debug, Clone)]
+pub struct SnapshotRow {
+    pub seq: i64,
+    pub key_id: String,
+    pub record: Snapshot,
+    /// When it was deleted; the record is then invisible.
+    pub deleted: Option<String>,
+}
+
+impl Store {
+    pub fn insert_snapshot(&self, key_id: &str, s: &Snapshot) -> Result<(), ServerError> {
+        let record = serde_json::to_string(s).map_err(|e| corrupt(e.to_string()))?;
+        self.conn()
+            .execute(
+                "INSERT INTO snapshots (id, key_id, sandbox_id, state, record) VALUES (?1, ?2, ?3, ?4, ?5)",
+                params![s.id, key_id, s.sandbox_id, s.state, record],
+            )
+            .map(|_| ())
+            .map_err(store_err("insert snapshot"))
+    }
+
+    pub fn get_snapshot(&self, id: &str) -> Result<Option<SnapshotRow>, ServerError> {
+        let conn = self.conn();
+        get_snapshot_row(&conn, id)
+    }
+
+    /// Read-modify-write of one snapshot; `f` returns whether to write.
+    pub fn update_snapshot(
+        &self,
+        id: &str,
+        f: impl FnOnce(&mut SnapshotRow) -> bool,
+    ) -> Result<Option<SnapshotRow>, ServerError> {
+        let mut conn = self.conn();
+        let tx = conn.transaction().map_err(store_err("begin"))?;
+        let Some(mut row) = get_snapshot_row(&tx, id)? else {
+            return Ok(None);
+        };
+        if f(&mut row) {
+            let record =
+                serde_json::to_string(&row.record).map_err(|e| corrupt(e.to_string()))?;
+            tx.execute(
+                "UPDATE snapshots SET state = ?2, record = ?3, deleted = ?4 WHERE id = ?1",
+                params![id, row.record.state, record, row.deleted],
+            )
+            .map_err(store_err("update snapshot"))?;
+        }
+        tx.commit().map_err(store_err("commit"))?;
+        Ok(Some(row))
+    }
+
+    /// Every snapshot not deleted, newest first.
+    pub fn live_snapshots(&self) -> Result<Vec<SnapshotRow>, ServerError> {
+        let conn = self.conn();
+        let mut stmt = conn
+            .prepare("SELECT seq, key_id, record, deleted FROM snapshots WHERE deleted IS NULL ORDER BY seq DESC")
+            .map_err(store_err("list snapshots"))?;
+        let rows = stmt
+            .query_map([], raw_snapshot)
+            .map_err(store_err("list snapshots"))?;
+        let mut out = Vec::new();
+        for r in rows {
+            out.push(parse_snapshot(r.map_err(store_err("list snapshots"))?)?);
+        }
+        Ok(out)
+    }
+}
+
+type RawSnapshot = (i64, String, String, Option<String>);
+
+fn raw_snapshot(r: &rusqlite::Row<'_>) -> rusqlite::Result<RawSnapshot> {
+    Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?))
+}
+
+fn parse_snapshot((seq, key_id, record, deleted): RawSnapshot) -> Result<SnapshotRow, ServerError> {
+    let record: Snapshot =
+        serde_json::from_str(&record).map_err(|e| corrupt(format!("snapshot record: {e}")))?;
+    Ok(SnapshotRow {
+        seq,
+        key_id,
+        record,
+        deleted,
+    })
+}
+
+fn get_snapshot_row(conn: &Connection, id: &str) -> Result<Option<SnapshotRow>, ServerError> {
+    let raw = conn
+        .query_row(
+            "SELECT seq, key_id, record, deleted FROM snapshots WHERE id = ?1",
+            params![id],
+            raw_snapshot,
+        )
+        .optional()
+        .map_err(store_err("get snapshot"))?;
+    raw.map(parse_snapshot).transpose()
 }
 
 type RawRow = (i64, String, String, String, Option<String>);

@@ -1,0 +1,188 @@
+"""Latency benchmark of a `runtime` server through the official client.
+
+    .venv/bin/python bench/run.py            # starts its own server (like the e2e suite)
+    .venv/bin/python bench/run.py -n 50      # more runs
+    RUNTIME_API_URL=... RUNTIME_API_KEY=... .venv/bin/python bench/run.py   # an existing server
+
+Over N sequential runs (default 20), each with a fresh sandbox, it measures:
+create until running; create through the first `python3 -c pass` exec; an
+exec of `true` in the running sandbox; delete; and, side by side, a local
+`python3 -c pass` subprocess as the floor. Prints a Markdown table and writes
+the samples to bench/results/<timestamp>.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+METRICS = [
+    ("create_until_running", "create until running"),
+    ("create_to_first_exec", "create through first `python3 -c pass`"),
+    ("exec_true", "exec `true` (running sandbox)"),
+    ("delete", "delete"),
+    ("local_python_floor", "local `python3 -c pass` (floor)"),
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class OwnServer:
+    """`runtime serve` on a free port and a temporary data directory."""
+
+    def __init__(self, binary: Path, timeout: float) -> None:
+        self.root = Path(tempfile.mkdtemp(prefix="runtime-bench-"))
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = self.root / "server.log"
+        with self.log.open("w") as log:
+            self.proc = subprocess.Popen(
+                [str(binary), "serve", "--listen", f"127.0.0.1:{self.port}", "--data-dir", str(self.root / "data")],
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while f"listening on {self.url}" not in self.log.read_text(errors="replace"):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.close()
+                sys.exit(f"runtime serve did not start; log tail:\n{self.log.read_text(errors='replace')[-4000:]}")
+            time.sleep(0.2)
+        self.key = (self.root / "data" / "admin.key").read_text().strip()
+
+    def accelerator(self) -> str:
+        found = re.search(r"accelerator (\S+)", self.log.read_text(errors="replace"))
+        return found.group(1) if found else "unknown"
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(30)
+        needle = str(self.root).encode()
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                try:
+                    cmd = (entry / "cmdline").read_bytes()
+                except OSError:
+                    continue
+                if b"qemu-system" in cmd.split(b"\0", 1)[0] and needle in cmd:
+                    try:
+                        os.kill(int(entry.name), signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def percentile(samples: list[float], p: float) -> float:
+    """Nearest-rank percentile."""
+    ordered = sorted(samples)
+    rank = max(1, int(-(-p * len(ordered) // 100)))
+    return ordered[rank - 1]
+
+
+def measure(rt, runs: int) -> dict[str, list[float]]:
+    samples: dict[str, list[float]] = {name: [] for name, _ in METRICS}
+    for i in range(runs):
+        t0 = time.perf_counter()
+        sbx = rt.sandboxes.create(labels={"bench": "run"})
+        t1 = time.perf_counter()
+        first = sbx.exec(["python3", "-c", "pass"])
+        t2 = time.perf_counter()
+        assert sbx.state == "running" and first.exit_code == 0, (sbx.info, first)
+        t3 = time.perf_counter()
+        done = sbx.exec("true")
+        t4 = time.perf_counter()
+        assert done.exit_code == 0, done
+        sbx.delete()
+        t5 = time.perf_counter()
+        local = subprocess.run(["python3", "-c", "pass"], check=True)
+        t6 = time.perf_counter()
+        assert local.returncode == 0
+        samples["create_until_running"].append((t1 - t0) * 1000)
+        samples["create_to_first_exec"].append((t2 - t0) * 1000)
+        samples["exec_true"].append((t4 - t3) * 1000)
+        samples["delete"].append((t5 - t4) * 1000)
+        samples["local_python_floor"].append((t6 - t5) * 1000)
+        print(f"run {i + 1}/{runs}: create {samples['create_until_running'][-1]:.0f} ms, "
+              f"first exec {samples['create_to_first_exec'][-1]:.0f} ms, "
+              f"exec true {samples['exec_true'][-1]:.0f} ms, delete {samples['delete'][-1]:.0f} ms", file=sys.stderr)
+    return samples
+
+
+def table(summary: dict[str, dict[str, float]], runs: int) -> str:
+    lines = [f"| operation (n={runs}) | median ms | p95 ms |", "|---|---:|---:|"]
+    for name, label in METRICS:
+        s = summary[name]
+        lines.append(f"| {label} | {s['median_ms']:.0f} | {s['p95_ms']:.0f} |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("-n", "--runs", type=int, default=20)
+    parser.add_argument("--binary", type=Path, default=REPO / "target" / "release" / "runtime")
+    parser.add_argument("--start-timeout", type=float, default=1200)
+    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
+    args = parser.parse_args()
+
+    from withruntime import Runtime, __version__
+
+    own = None
+    url, key = os.environ.get("RUNTIME_API_URL"), os.environ.get("RUNTIME_API_KEY")
+    if not url:
+        own = OwnServer(args.binary, args.start_timeout)
+        url, key = own.url, own.key
+    if not key:
+        sys.exit("RUNTIME_API_URL is set but RUNTIME_API_KEY is not")
+    try:
+        with Runtime(api_key=key, base_url=url) as rt:
+            # One untimed warm-up run (page cache, first QEMU start).
+            measure(rt, 1)
+            samples = measure(rt, args.runs)
+        accelerator = own.accelerator() if own else "unknown (external server)"
+    finally:
+        if own:
+            own.close()
+
+    summary = {name: {"median_ms": statistics.median(v), "p95_ms": percentile(v, 95), "samples_ms": v}
+               for name, v in samples.items()}
+    now = datetime.now(timezone.utc)
+    result = {
+        "date": now.isoformat(timespec="seconds").replace("+00:00", "Z"),
+        "command": "python bench/run.py " + " ".join(sys.argv[1:]),
+        "runs": args.runs,
+        "server": "started by the benchmark" if own else "external (RUNTIME_API_URL)",
+        "accelerator": accelerator,
+        "client": f"withruntime {__version__}",
+        "host": {"cpus": os.cpu_count(), "machine": platform.machine(), "python": platform.python_version(),
+                 "kernel": platform.release()},
+        "metrics": summary,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"{now.strftime('%Y%m%dT%H%M%SZ')}.json"
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(table(summary, args.runs))
+    print(f"\naccelerator: {accelerator}; samples in {path.relative_to(REPO) if path.is_relative_to(REPO) else path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,290 @@
+"""The end-to-end suite's server: one `runtime serve` per session, driven
+through the official client (`withruntime`), plus raw HTTP for the wire
+details the client hides.
+
+The server gets a free loopback port and a fresh data directory. Teardown
+deletes every sandbox still listed, stops the server (SIGTERM, then SIGKILL)
+and kills any QEMU left behind whose command line names the data directory.
+When a test failed, the data directory (server log, VM consoles) is kept and
+its path printed, with the tail of the server log.
+
+Environment knobs: RUNTIME_BIN (the binary, default target/release/runtime),
+RUNTIME_E2E_START_TIMEOUT (seconds to wait for `listening on`, default 1200:
+the first start may build the guest kernel and image), RUNTIME_E2E_KEEP=1
+(keep the data directory even when everything passed).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+import uuid
+from pathlib import Path
+from typing import Any, Optional
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+BINARY = Path(os.environ.get("RUNTIME_BIN", REPO / "target" / "release" / "runtime"))
+START_TIMEOUT = float(os.environ.get("RUNTIME_E2E_START_TIMEOUT", "1200"))
+STOP_TIMEOUT = 30.0
+
+# The example's scripted model is shared with the LangChain tests.
+sys.path.insert(0, str(REPO / "examples"))
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tail(path: Path, lines: int = 80) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError as error:
+        return f"(cannot read {path}: {error})"
+
+
+class Server:
+    """A `runtime serve` child on a fixed port and data directory."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.data_dir = root / "data"
+        self.log_path = root / "server.log"
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: Optional[subprocess.Popen] = None
+        self.starts = 0
+        self.keys: list[str] = []
+
+    # -- process ---------------------------------------------------------
+    def start(self) -> None:
+        if not BINARY.exists():
+            raise RuntimeError(f"{BINARY} does not exist: build it first (bash scripts/build.sh)")
+        self.starts += 1
+        mark = f"listening on http://127.0.0.1:{self.port}"
+        with self.log_path.open("a") as log:
+            log.write(f"\n===== start {self.starts} =====\n")
+            log.flush()
+            offset = self.log_path.stat().st_size
+            self.proc = subprocess.Popen(
+                [str(BINARY), "serve", "--listen", f"127.0.0.1:{self.port}", "--data-dir", str(self.data_dir)],
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                env={**os.environ, "RUST_BACKTRACE": "1"})
+        deadline = time.monotonic() + START_TIMEOUT
+        while True:
+            with self.log_path.open("rb") as log:
+                log.seek(offset)
+                if mark.encode() in log.read():
+                    return
+            code = self.proc.poll()
+            if code is not None:
+                raise RuntimeError(f"runtime serve exited with {code} before listening; log tail:\n"
+                                   f"{tail(self.log_path)}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"runtime serve did not print {mark!r} within {START_TIMEOUT:.0f} s; "
+                                   f"log tail:\n{tail(self.log_path)}")
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        """SIGTERM to the server alone (its VMs are its business), then SIGKILL."""
+        proc, self.proc = self.proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(STOP_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(STOP_TIMEOUT)
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    def admin_key(self) -> str:
+        return (self.data_dir / "admin.key").read_text().strip()
+
+    def create_key(self, *, read_only: bool = False, account_wide: bool = False,
+                   name: Optional[str] = None) -> str:
+        args = [str(BINARY), "keys", "create", "--data-dir", str(self.data_dir)]
+        if read_only:
+            args.append("--read-only")
+        if account_wide:
+            args.append("--account-wide")
+        if name:
+            args += ["--name", name]
+        out = subprocess.run(args, check=True, capture_output=True, text=True, timeout=60,
+                             stdin=subprocess.DEVNULL)
+        key = out.stdout.strip()
+        assert key and len(key.split()) == 1, f"keys create printed {out.stdout!r}"
+        self.keys.append(key)
+        return key
+
+    # -- clean-up --------------------------------------------------------
+    def delete_all_sandboxes(self) -> list[str]:
+        from withruntime import Runtime
+        problems = []
+        for key in [self.admin_key(), *self.keys]:
+            try:
+                with Runtime(api_key=key, base_url=self.url, timeout=60, max_retries=0) as rt:
+                    for sbx in rt.sandboxes.list(include_stopped=True):
+                        try:
+                            rt.sandboxes.delete(sbx.id)
+                        except Exception as error:  # noqa: BLE001 - keep cleaning
+                            problems.append(f"delete {sbx.id}: {error}")
+            except Exception as error:  # noqa: BLE001 - a read-only or revoked key, a dead server
+                problems.append(f"list with key …{key[-6:]}: {error}")
+        return problems
+
+    def kill_leftover_qemu(self) -> list[int]:
+        killed = []
+        needle = str(self.root).encode()
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                cmdline = (entry / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"qemu-system" in cmdline.split(b"\0", 1)[0] and needle in cmdline:
+                try:
+                    os.kill(int(entry.name), signal.SIGKILL)
+                    killed.append(int(entry.name))
+                except ProcessLookupError:
+                    pass
+        return killed
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed:
+        item.session.e2e_failed = True
+
+
+@pytest.fixture(scope="session")
+def server(request):
+    root = Path(tempfile.mkdtemp(prefix="runtime-e2e-"))
+    srv = Server(root)
+    saved = {k: os.environ.get(k) for k in ("RUNTIME_API_URL", "RUNTIME_API_KEY", "NO_PROXY", "no_proxy")}
+    try:
+        srv.start()
+    except Exception:
+        srv.kill_leftover_qemu()
+        print(f"\n[e2e] the server did not start; kept {root}", file=sys.stderr)
+        raise
+    os.environ["RUNTIME_API_URL"] = srv.url
+    os.environ["RUNTIME_API_KEY"] = srv.admin_key()
+    # Proxy variables apply to loopback too unless excluded.
+    for name in ("NO_PROXY", "no_proxy"):
+        os.environ[name] = ",".join(filter(None, [os.environ.get(name), "127.0.0.1", "localhost"]))
+    try:
+        yield srv
+    finally:
+        problems = srv.delete_all_sandboxes() if srv.proc is not None else ["server not running at teardown"]
+        srv.stop()
+        killed = srv.kill_leftover_qemu()
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        failed = getattr(request.session, "e2e_failed", False) or problems or killed
+        if failed or os.environ.get("RUNTIME_E2E_KEEP"):
+            print(f"\n[e2e] kept {root} (server.log, data/)", file=sys.stderr)
+            for p in problems:
+                print(f"[e2e] teardown: {p}", file=sys.stderr)
+            if killed:
+                print(f"[e2e] teardown: killed leftover QEMU {killed}", file=sys.stderr)
+            print(f"[e2e] server log tail:\n{tail(srv.log_path)}", file=sys.stderr)
+        else:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def runtime(server):
+    """A client with the admin key (the same one `Sandbox.create()` uses)."""
+    from withruntime import Runtime
+    with Runtime(api_key=server.admin_key(), base_url=server.url) as rt:
+        yield rt
+
+
+@pytest.fixture(scope="module")
+def sbx(server):
+    """One sandbox shared by a module's tests where state does not matter."""
+    from withruntime import Sandbox
+    sandbox = Sandbox.create()
+    try:
+        yield sandbox
+    finally:
+        try:
+            sandbox.delete()
+        except Exception:  # noqa: BLE001 - the session teardown sweeps what is left
+            pass
+
+
+def client_for(server: Server, key: str):
+    from withruntime import Runtime
+    return Runtime(api_key=key, base_url=server.url, max_retries=0)
+
+
+class Answer:
+    def __init__(self, status: int, headers: dict[str, str], body: bytes) -> None:
+        self.status, self.headers, self.body = status, headers, body
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+    def __repr__(self) -> str:
+        return f"Answer({self.status}, {self.body[:500]!r})"
+
+
+def http(server: Server, method: str, path: str, body: Any = None, *, key: Optional[str] = "admin",
+         headers: Optional[dict[str, str]] = None, raw: Optional[bytes] = None, timeout: float = 180) -> Answer:
+    """One raw request; non-2xx answers are returned, not raised."""
+    data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+    hdrs = {"Accept": "application/json"}
+    if data is not None:
+        hdrs["Content-Type"] = "application/json"
+    if key == "admin":
+        key = server.admin_key()
+    if key is not None:
+        hdrs["Authorization"] = f"Bearer {key}"
+    if method != "GET" and not any(h.lower() == "idempotency-key" for h in (headers or {})):
+        hdrs["Idempotency-Key"] = str(uuid.uuid4())
+    hdrs.update(headers or {})
+    request = urllib.request.Request(server.url + path, data=data, method=method, headers=hdrs)
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with opener.open(request, timeout=timeout) as answer:
+            return Answer(answer.status, {k.lower(): v for k, v in answer.headers.items()}, answer.read())
+    except urllib.error.HTTPError as error:
+        with error:
+            return Answer(error.code, {k.lower(): v for k, v in error.headers.items()}, error.read())
+
+
+def assert_error_body(answer: Answer, status: int, code: Optional[str] = None) -> dict[str, Any]:
+    """The contract's one error shape: {"error": {code, status, message, requestId, ...}}."""
+    assert answer.status == status, answer
+    assert answer.headers.get("content-type", "").startswith("application/json"), answer.headers
+    error = answer.json()["error"]
+    assert isinstance(error["code"], str) and error["code"], error
+    if code is not None:
+        assert error["code"] == code, error
+    assert error["status"] == status, error
+    assert isinstance(error["message"], str) and error["message"], error
+    assert isinstance(error["requestId"], str) and error["requestId"], error
+    return error
