@@ -178,6 +178,9 @@ def pytest_runtest_makereport(item, call):
 @pytest.fixture(scope="session")
 def server(request):
     root = Path(tempfile.mkdtemp(prefix="runtime-e2e-"))
+    # As root, each VM's QEMU runs as a uid of its own that must reach the
+    # data dir (serve refuses a data dir others cannot traverse).
+    os.chmod(root, 0o711)
     srv = Server(root)
     saved = {k: os.environ.get(k) for k in ("RUNTIME_API_URL", "RUNTIME_API_KEY", "NO_PROXY", "no_proxy")}
     try:

@@ -27,12 +27,24 @@ pub struct Agent {
     pub out: Arc<Outbox>,
     pub reaper: Arc<Reaper>,
     streams: Mutex<HashMap<u32, StreamState>>,
+    /// How recent execs ended, for a host that reattaches after a restart.
+    finished: Mutex<HashMap<u32, (Reply, std::time::Instant)>>,
 }
+
+/// How long an ended exec's status is kept for [`Request::Attach`].
+const FINISHED_KEPT: Duration = Duration::from_secs(3600);
 
 impl Agent {
     /// Drops the state of a stream whose request has finished.
     pub fn forget(&self, stream: u32) {
         lock(&self.streams).remove(&stream);
+    }
+
+    /// Remembers how the exec on `stream` ended.
+    pub fn finished(&self, stream: u32, exited: Reply) {
+        let mut f = lock(&self.finished);
+        f.retain(|_, (_, at)| at.elapsed() < FINISHED_KEPT);
+        f.insert(stream, (exited, std::time::Instant::now()));
     }
 
     /// Kills every running command (test mode, before exiting).
@@ -173,6 +185,24 @@ impl Agent {
                 if !self.spawn(stream, move || exec::run(agent, stream, req, ctl, input)) {
                     self.forget(stream);
                 }
+            }
+            Request::Attach => {
+                let running = match lock(&self.streams).get(&stream) {
+                    Some(StreamState::Exec(ctl)) => Some(ctl.pgid()),
+                    _ => None,
+                };
+                let reply = match running {
+                    Some(pid) if pid > 0 => Reply::Started { pid: pid as u32 },
+                    _ => match lock(&self.finished).get(&stream) {
+                        Some((exited, _)) => exited.clone(),
+                        None => Fail::new(
+                            FailCode::BadRequest,
+                            format!("no process on stream {stream}"),
+                        )
+                        .reply(),
+                    },
+                };
+                self.out.reply_now(stream, &reply);
             }
             Request::CloseStdin => {
                 if let Some(StreamState::Exec(ctl)) = lock(&self.streams).get(&stream) {
@@ -372,6 +402,7 @@ pub fn serve(socket: Option<&Path>, reaper: &Arc<Reaper>) {
         out,
         reaper: Arc::clone(reaper),
         streams: Mutex::new(HashMap::new()),
+        finished: Mutex::new(HashMap::new()),
     });
     read_loop(&agent, &link);
     agent.kill_all();

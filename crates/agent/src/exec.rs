@@ -625,17 +625,16 @@ pub fn run(
     if timed_out {
         exit_code = None;
     }
+    let exited = Reply::Exited {
+        exit_code,
+        signal,
+        timed_out,
+        duration_ms,
+        out_of_memory: false,
+    };
+    agent.finished(stream, exited.clone());
     agent.forget(stream);
     *lock(&ctl.master) = None;
     drop(ctl);
-    out.reply(
-        stream,
-        &Reply::Exited {
-            exit_code,
-            signal,
-            timed_out,
-            duration_ms,
-            out_of_memory: false,
-        },
-    );
+    out.reply(stream, &exited);
 }

@@ -449,3 +449,28 @@ fn concurrent_execs_do_not_mix() {
         assert_eq!(out.stdout(), format!("{i}-1\n{i}-2\n{i}-3\n"));
     }
 }
+
+#[test]
+fn a_reconnected_host_attaches_to_running_and_ended_execs() {
+    let mut a = Agent::start();
+    a.hello();
+    let (running, pid) = a.spawn(exec_req(&["bash", "-c", "sleep 1.5; echo late"]));
+    let (ended, _) = a.spawn(exec_req(&["bash", "-c", "exit 7"]));
+    // Give the short one time to end while the host is away.
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    a.reconnect();
+    a.hello();
+    a.send(ended, &Request::Attach);
+    match a.reply(ended) {
+        Reply::Exited { exit_code, .. } => assert_eq!(exit_code, Some(7)),
+        other => panic!("{other:?}"),
+    }
+    a.send(running, &Request::Attach);
+    let out = a.collect(running, None);
+    assert_eq!(out.pid, Some(pid), "Started names the same process");
+    assert_eq!(out.stdout(), "late\n");
+    assert_eq!(out.exit_code(), Some(0));
+    let unknown = a.new_stream();
+    a.send(unknown, &Request::Attach);
+    assert!(matches!(a.reply(unknown), Reply::Failed { code: FailCode::BadRequest, .. }));
+}

@@ -3,7 +3,8 @@
 //! directory; `image build` builds (or verifies) the guest kernel and image.
 //!
 //! Environment is read here and nowhere else: `RUNTIME_CACHE_DIR`,
-//! `RUNTIME_AGENT_BIN`, `XDG_DATA_HOME`, `XDG_CACHE_HOME`, `HOME`.
+//! `RUNTIME_AGENT_BIN`, `XDG_DATA_HOME`, `XDG_CACHE_HOME`, `HOME`. Root's
+//! defaults are `/var/lib/runtime` and `/var/cache/runtime`.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -15,7 +16,11 @@ use clap::{Parser, Subcommand};
 use runtime_host::{artifacts, choose_accel, probe_boot, Accel, QemuConfig, QemuHost};
 
 #[derive(Parser)]
-#[command(name = "runtime", version, about = "Self-hosted sandboxes for AI agents, as QEMU microVMs")]
+#[command(
+    name = "runtime",
+    version,
+    about = "Self-hosted sandboxes for AI agents, as QEMU microVMs"
+)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -67,11 +72,23 @@ enum ImageCmd {
 }
 
 fn home() -> PathBuf {
-    std::env::var_os("HOME").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("/"))
+    std::env::var_os("HOME")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("/"))
 }
 
+fn is_root() -> bool {
+    // SAFETY: geteuid has no preconditions.
+    unsafe { libc::geteuid() == 0 }
+}
+
+/// Root's VMs run as other uids that must reach the data and cache
+/// directories, so root gets system directories instead of its private home.
 fn data_dir(arg: Option<PathBuf>) -> PathBuf {
     arg.unwrap_or_else(|| {
+        if is_root() {
+            return PathBuf::from("/var/lib/runtime");
+        }
         std::env::var_os("XDG_DATA_HOME")
             .map(PathBuf::from)
             .unwrap_or_else(|| home().join(".local/share"))
@@ -83,7 +100,13 @@ fn cache_dir() -> PathBuf {
     if let Some(d) = std::env::var_os("RUNTIME_CACHE_DIR") {
         return PathBuf::from(d);
     }
-    std::env::var_os("XDG_CACHE_HOME").map(PathBuf::from).unwrap_or_else(|| home().join(".cache")).join("runtime")
+    if is_root() {
+        return PathBuf::from("/var/cache/runtime");
+    }
+    std::env::var_os("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| home().join(".cache"))
+        .join("runtime")
 }
 
 /// The static guest agent: `RUNTIME_AGENT_BIN`, or where the README's build
@@ -94,9 +117,14 @@ fn agent_bin() -> anyhow::Result<PathBuf> {
     }
     let exe = std::env::current_exe().context("locating this binary")?;
     let dir = exe.parent().unwrap_or(Path::new("."));
-    let profile = dir.file_name().and_then(|s| s.to_str()).unwrap_or("release");
+    let profile = dir
+        .file_name()
+        .and_then(|s| s.to_str())
+        .unwrap_or("release");
     let candidates = [
-        dir.join("../x86_64-unknown-linux-gnu").join(profile).join("runtime-agent"),
+        dir.join("../x86_64-unknown-linux-gnu")
+            .join(profile)
+            .join("runtime-agent"),
         dir.join("runtime-agent-static"),
     ];
     for c in &candidates {
@@ -125,7 +153,10 @@ fn check_static(path: &Path) -> anyhow::Result<()> {
             break;
         }
         if u32::from_le_bytes(data[o..o + 4].try_into()?) == 3 {
-            bail!("{} is dynamically linked; the guest agent must be static (see scripts/build.sh)", path.display());
+            bail!(
+                "{} is dynamically linked; the guest agent must be static (see scripts/build.sh)",
+                path.display()
+            );
         }
     }
     Ok(())
@@ -141,13 +172,14 @@ async fn shutdown_signal() {
     let ctrl_c = tokio::signal::ctrl_c();
     #[cfg(unix)]
     {
-        let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(t) => t,
-            Err(_) => {
-                let _ = ctrl_c.await;
-                return;
-            }
-        };
+        let mut term =
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(t) => t,
+                Err(_) => {
+                    let _ = ctrl_c.await;
+                    return;
+                }
+            };
         tokio::select! {
             _ = ctrl_c => {},
             _ = term.recv() => {},
@@ -156,7 +188,8 @@ async fn shutdown_signal() {
 }
 
 async fn serve(listen: SocketAddr, data_dir: PathBuf, boot_timeout: u64) -> anyhow::Result<()> {
-    std::fs::create_dir_all(&data_dir).with_context(|| format!("creating {}", data_dir.display()))?;
+    std::fs::create_dir_all(&data_dir)
+        .with_context(|| format!("creating {}", data_dir.display()))?;
     let arts = tokio::task::spawn_blocking(build_artifacts).await??;
     let (mut accel, mut why) = choose_accel();
     let mut qemu_cfg = QemuConfig {
@@ -179,14 +212,22 @@ async fn serve(listen: SocketAddr, data_dir: PathBuf, boot_timeout: u64) -> anyh
     eprintln!("runtime: accelerator {accel} ({why})");
     let host = QemuHost::new(qemu_cfg).context("preparing the VM directory")?;
     if let Some(key) = runtime_server::ensure_admin_key(&data_dir)? {
-        eprintln!("runtime: created the admin key (saved to {}):", data_dir.join("admin.key").display());
+        eprintln!(
+            "runtime: created the admin key (saved to {}):",
+            data_dir.join("admin.key").display()
+        );
         println!("{key}");
     }
-    let listener = tokio::net::TcpListener::bind(listen).await.with_context(|| format!("binding {listen}"))?;
+    let listener = tokio::net::TcpListener::bind(listen)
+        .await
+        .with_context(|| format!("binding {listen}"))?;
     let addr = listener.local_addr()?;
     let config = runtime_server::Config::new(data_dir.clone());
     let server = runtime_server::run(listener, config, Arc::new(host), shutdown_signal());
-    println!("runtime: listening on http://{addr} (data dir {})", data_dir.display());
+    println!(
+        "runtime: listening on http://{addr} (data dir {})",
+        data_dir.display()
+    );
     server.await?;
     Ok(())
 }
@@ -195,23 +236,46 @@ fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     tracing_subscriber::fmt()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("RUNTIME_LOG").unwrap_or_else(|_| "info".into()),
+            tracing_subscriber::EnvFilter::try_from_env("RUNTIME_LOG")
+                .unwrap_or_else(|_| "info".into()),
         )
         .with_writer(std::io::stderr)
         .init();
     match cli.cmd {
-        Cmd::Serve { listen, data_dir: d, boot_timeout } => {
-            let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+        Cmd::Serve {
+            listen,
+            data_dir: d,
+            boot_timeout,
+        } => {
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .enable_all()
+                .build()?;
             rt.block_on(serve(listen, data_dir(d), boot_timeout))
         }
-        Cmd::Keys { cmd: KeysCmd::Create { data_dir: d, read_only, account_wide, name } } => {
-            let key = runtime_server::create_key(&data_dir(d), name.as_deref(), read_only, account_wide)?;
+        Cmd::Keys {
+            cmd:
+                KeysCmd::Create {
+                    data_dir: d,
+                    read_only,
+                    account_wide,
+                    name,
+                },
+        } => {
+            let key =
+                runtime_server::create_key(&data_dir(d), name.as_deref(), read_only, account_wide)?;
             println!("{key}");
             Ok(())
         }
-        Cmd::Image { cmd: ImageCmd::Build } => {
+        Cmd::Image {
+            cmd: ImageCmd::Build,
+        } => {
             let arts = build_artifacts()?;
-            println!("kernel {}\nimage {}\nagent {}", arts.kernel.display(), arts.base.display(), arts.initrd.display());
+            println!(
+                "kernel {}\nimage {}\nagent {}",
+                arts.kernel.display(),
+                arts.base.display(),
+                arts.initrd.display()
+            );
             Ok(())
         }
     }

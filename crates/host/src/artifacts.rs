@@ -82,11 +82,17 @@ impl CacheLock {
             .truncate(false)
             .write(true)
             .open(&path)
-            .map_err(|source| ArtifactError::Cache { path: path.clone(), source })?;
+            .map_err(|source| ArtifactError::Cache {
+                path: path.clone(),
+                source,
+            })?;
         // SAFETY: flock on an fd we own; no memory is involved.
         let rc = unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) };
         if rc != 0 {
-            return Err(ArtifactError::Cache { path, source: std::io::Error::last_os_error() });
+            return Err(ArtifactError::Cache {
+                path,
+                source: std::io::Error::last_os_error(),
+            });
         }
         Ok(CacheLock(f))
     }
@@ -101,7 +107,10 @@ fn recipes(cache: &Path) -> Result<PathBuf, ArtifactError> {
         BUILD_ROOTFS.as_bytes(),
     ]);
     let dir = cache.join(format!("recipes-{key}"));
-    let io = |source| ArtifactError::Cache { path: dir.clone(), source };
+    let io = |source| ArtifactError::Cache {
+        path: dir.clone(),
+        source,
+    };
     std::fs::create_dir_all(&dir).map_err(io)?;
     for (name, text) in [
         ("build-kernel.sh", BUILD_KERNEL),
@@ -123,7 +132,10 @@ fn run(what: &'static str, script: &Path, args: &[&Path]) -> Result<(), Artifact
     if status.success() {
         Ok(())
     } else {
-        Err(ArtifactError::Build { what, status: status.to_string() })
+        Err(ArtifactError::Build {
+            what,
+            status: status.to_string(),
+        })
     }
 }
 
@@ -134,11 +146,17 @@ fn log(msg: &str) {
 /// Builds whatever is missing and returns the kernel and base image paths.
 /// Blocking; long the first time (kernel ~5 min, root filesystem a few).
 pub fn ensure(cache: &Path, agent_bin: &Path) -> Result<Artifacts, ArtifactError> {
-    std::fs::create_dir_all(cache).map_err(|source| ArtifactError::Cache { path: cache.to_owned(), source })?;
+    std::fs::create_dir_all(cache).map_err(|source| ArtifactError::Cache {
+        path: cache.to_owned(),
+        source,
+    })?;
     let mut agent = Vec::new();
     std::fs::File::open(agent_bin)
         .and_then(|mut f| f.read_to_end(&mut agent))
-        .map_err(|source| ArtifactError::AgentMissing { path: agent_bin.to_owned(), source })?;
+        .map_err(|source| ArtifactError::AgentMissing {
+            path: agent_bin.to_owned(),
+            source,
+        })?;
 
     let kkey = kernel_key();
     let rkey = rootfs_key();
@@ -154,7 +172,10 @@ pub fn ensure(cache: &Path, agent_bin: &Path) -> Result<Artifacts, ArtifactError
         key: hash(&[kkey.as_bytes(), rkey.as_bytes(), akey.as_bytes()]),
     };
     if !initrd.exists() {
-        write_initrd(&initrd, &agent).map_err(|source| ArtifactError::Cache { path: initrd.clone(), source })?;
+        write_initrd(&initrd, &agent).map_err(|source| ArtifactError::Cache {
+            path: initrd.clone(),
+            source,
+        })?;
     }
     if kernel.exists() && base.exists() {
         return Ok(out);
@@ -162,7 +183,9 @@ pub fn ensure(cache: &Path, agent_bin: &Path) -> Result<Artifacts, ArtifactError
     let _lock = CacheLock::take(cache)?;
     let dir = recipes(cache)?;
     if !kernel.exists() {
-        log(&format!("building the guest kernel (cache key {kkey}); about 5 minutes on 2 cores"));
+        log(&format!(
+            "building the guest kernel (cache key {kkey}); about 5 minutes on 2 cores"
+        ));
         let kdir = cache.join(format!("kernel-{kkey}"));
         run("guest kernel", &dir.join("build-kernel.sh"), &[&kdir])?;
     } else {
@@ -170,7 +193,9 @@ pub fn ensure(cache: &Path, agent_bin: &Path) -> Result<Artifacts, ArtifactError
     }
     if !base.exists() {
         if !rootfs.exists() {
-            log(&format!("building the root filesystem (cache key {rkey}); a few minutes"));
+            log(&format!(
+                "building the root filesystem (cache key {rkey}); a few minutes"
+            ));
             let rdir = cache.join(format!("rootfs-{rkey}"));
             run("root filesystem", &dir.join("build-rootfs.sh"), &[&rdir])?;
         } else {
@@ -183,15 +208,29 @@ pub fn ensure(cache: &Path, agent_bin: &Path) -> Result<Artifacts, ArtifactError
             .arg(&rootfs)
             .arg(&tmp)
             .status()
-            .map_err(|source| ArtifactError::Spawn { what: "base image", source })?;
+            .map_err(|source| ArtifactError::Spawn {
+                what: "base image",
+                source,
+            })?;
         if !status.success() {
-            return Err(ArtifactError::Build { what: "base image", status: status.to_string() });
+            return Err(ArtifactError::Build {
+                what: "base image",
+                status: status.to_string(),
+            });
         }
-        let io = |source| ArtifactError::Cache { path: base.clone(), source };
-        std::fs::set_permissions(&tmp, std::os::unix::fs::PermissionsExt::from_mode(0o444)).map_err(io)?;
+        let io = |source| ArtifactError::Cache {
+            path: base.clone(),
+            source,
+        };
+        std::fs::set_permissions(&tmp, std::os::unix::fs::PermissionsExt::from_mode(0o444))
+            .map_err(io)?;
         std::fs::rename(&tmp, &base).map_err(io)?;
     }
-    log(&format!("kernel {} and image {} ready", kernel.display(), base.display()));
+    log(&format!(
+        "kernel {} and image {} ready",
+        kernel.display(),
+        base.display()
+    ));
     Ok(out)
 }
 
@@ -247,4 +286,3 @@ mod tests {
         std::fs::remove_dir_all(dir).unwrap();
     }
 }
-

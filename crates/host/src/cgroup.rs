@@ -40,7 +40,10 @@ pub(crate) fn dirs(layout: Layout, id: &str) -> Vec<PathBuf> {
     let root = Path::new(ROOT);
     match layout {
         Layout::V2 => vec![root.join(GROUP).join(id)],
-        Layout::V1 => ["memory", "cpu", "pids"].iter().map(|c| root.join(c).join(GROUP).join(id)).collect(),
+        Layout::V1 => ["memory", "cpu", "pids"]
+            .iter()
+            .map(|c| root.join(c).join(GROUP).join(id))
+            .collect(),
         Layout::None => vec![],
     }
 }

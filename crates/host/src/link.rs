@@ -60,12 +60,14 @@ impl Drop for Stream {
 
 impl Stream {
     pub fn send(&self, req: &Request) -> Result<(), LinkError> {
-        self.link.send_frame(Frame::control(self.id, req).map_err(LinkError::Encode)?)
+        self.link
+            .send_frame(Frame::control(self.id, req).map_err(LinkError::Encode)?)
     }
 
     pub fn send_data(&self, bytes: &[u8]) -> Result<(), LinkError> {
         for piece in bytes.chunks(MAX_PAYLOAD) {
-            let frame = Frame::data(self.id, channel::INPUT, piece.to_vec()).map_err(LinkError::Encode)?;
+            let frame =
+                Frame::data(self.id, channel::INPUT, piece.to_vec()).map_err(LinkError::Encode)?;
             self.link.send_frame(frame)?;
         }
         Ok(())
@@ -89,7 +91,10 @@ impl Stream {
 
     /// A handle that can send on this stream from another task.
     pub fn sender(&self) -> StreamSender {
-        StreamSender { id: self.id, link: self.link.clone() }
+        StreamSender {
+            id: self.id,
+            link: self.link.clone(),
+        }
     }
 }
 
@@ -101,11 +106,13 @@ pub(crate) struct StreamSender {
 
 impl StreamSender {
     pub fn send(&self, req: &Request) -> Result<(), LinkError> {
-        self.link.send_frame(Frame::control(self.id, req).map_err(LinkError::Encode)?)
+        self.link
+            .send_frame(Frame::control(self.id, req).map_err(LinkError::Encode)?)
     }
     pub fn send_data(&self, bytes: &[u8]) -> Result<(), LinkError> {
         for piece in bytes.chunks(MAX_PAYLOAD) {
-            let frame = Frame::data(self.id, channel::INPUT, piece.to_vec()).map_err(LinkError::Encode)?;
+            let frame =
+                Frame::data(self.id, channel::INPUT, piece.to_vec()).map_err(LinkError::Encode)?;
             self.link.send_frame(frame)?;
         }
         Ok(())
@@ -117,7 +124,9 @@ impl Link {
     /// Hello until it is answered: the first frames after a (re)connect can be
     /// lost on virtio-serial.
     pub async fn connect(sock: &Path, timeout: Duration) -> Result<(Link, Reply), LinkError> {
-        let stream = UnixStream::connect(sock).await.map_err(LinkError::Connect)?;
+        let stream = UnixStream::connect(sock)
+            .await
+            .map_err(LinkError::Connect)?;
         let (mut rd, mut wr) = stream.into_split();
         let routes: Routes = Arc::new(Mutex::new(HashMap::new()));
         let closed = tokio_util::sync::CancellationToken::new();
@@ -167,9 +176,15 @@ impl Link {
                                 continue;
                             }
                         },
-                        Kind::Data => Incoming::Data { channel: frame.channel, bytes: frame.payload },
+                        Kind::Data => Incoming::Data {
+                            channel: frame.channel,
+                            bytes: frame.payload,
+                        },
                     };
-                    let target = routes_r.lock().ok().and_then(|r| r.get(&frame.stream).cloned());
+                    let target = routes_r
+                        .lock()
+                        .ok()
+                        .and_then(|r| r.get(&frame.stream).cloned());
                     if let Some(tx) = target {
                         let _ = tx.send(incoming);
                     }
@@ -188,9 +203,15 @@ impl Link {
             .map(|d| (d.as_nanos() as u32) ^ std::process::id().rotate_left(16))
             .unwrap_or(1)
             | 1;
-        let link = Link { writer, routes, next: Arc::new(AtomicU32::new(first)), closed };
+        let link = Link {
+            writer,
+            routes,
+            next: Arc::new(AtomicU32::new(first)),
+            closed,
+        };
         let deadline = tokio::time::Instant::now() + timeout;
-        let hello = Frame::control(0, &Request::Hello { version: VERSION }).map_err(LinkError::Encode)?;
+        let hello =
+            Frame::control(0, &Request::Hello { version: VERSION }).map_err(LinkError::Encode)?;
         let mut resend = Duration::from_millis(100);
         loop {
             link.send_frame(hello.clone())?;
@@ -235,8 +256,33 @@ impl Link {
                 break id;
             }
         };
-        self.routes.lock().map_err(|_| LinkError::Closed)?.insert(id, tx);
-        Ok(Stream { id, link: self.clone(), rx })
+        self.routes
+            .lock()
+            .map_err(|_| LinkError::Closed)?
+            .insert(id, tx);
+        Ok(Stream {
+            id,
+            link: self.clone(),
+            rx,
+        })
+    }
+
+    /// A stream with a given id: one opened by an earlier connection whose
+    /// process still runs in the guest.
+    pub fn open_at(&self, id: u32) -> Result<Stream, LinkError> {
+        if self.closed.is_cancelled() || id == 0 {
+            return Err(LinkError::Closed);
+        }
+        let (tx, rx) = mpsc::unbounded_channel();
+        self.routes
+            .lock()
+            .map_err(|_| LinkError::Closed)?
+            .insert(id, tx);
+        Ok(Stream {
+            id,
+            link: self.clone(),
+            rx,
+        })
     }
 
     /// One request, one reply.

@@ -1,12 +1,15 @@
 //! [`QemuHost`]: the [`Host`] trait on QEMU microVMs.
 
 use std::collections::HashMap;
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
-use runtime_proto::{channel, Entry, EntryType, ExecRequest, FailCode, PtySize, Reply, Request, User};
+use runtime_proto::{
+    channel, Entry, EntryType, ExecRequest, FailCode, PtySize, Reply, Request, User,
+};
 use tokio::sync::mpsc;
 
 use crate::artifacts::Artifacts;
@@ -14,8 +17,8 @@ use crate::cgroup::{self, Layout};
 use crate::link::{Incoming, Link, LinkError};
 use crate::qemu::{self, Accel, VmConfig, VmPaths};
 use crate::qmp::{Qmp, QmpError};
-use serde_json::json;
 use crate::types::*;
+use serde_json::json;
 
 /// How a [`QemuHost`] runs its machines.
 #[derive(Debug, Clone)]
@@ -63,7 +66,11 @@ pub fn choose_accel() -> (Accel, String) {
     if Path::new("/sys/module/kvm_pvm").exists() {
         return (Accel::Tcg, "/dev/kvm is the PVM software hypervisor".into());
     }
-    match std::fs::OpenOptions::new().read(true).write(true).open("/dev/kvm") {
+    match std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/kvm")
+    {
         Ok(_) => (Accel::Kvm, "/dev/kvm usable".into()),
         Err(e) => (Accel::Tcg, format!("/dev/kvm not usable: {e}")),
     }
@@ -74,14 +81,43 @@ pub fn choose_accel() -> (Accel, String) {
 /// only where a guest really boots under it.
 pub async fn probe_boot(cfg: QemuConfig) -> Result<Duration, HostError> {
     let state = cfg.state_dir.join("probe");
-    let host = QemuHost::new(QemuConfig { state_dir: state.clone(), boot_timeout: Duration::from_secs(30), ..cfg })
-        .map_err(|source| HostError::Io { id: "probe".into(), op: "probe dir", source })?;
-    let spec = MachineSpec { id: "probe".into(), vcpu: 1, memory_mib: 256, disk_mib: 3072, hostname: "probe".into() };
+    let host = QemuHost::new(QemuConfig {
+        state_dir: state.clone(),
+        boot_timeout: Duration::from_secs(30),
+        ..cfg
+    })
+    .map_err(|source| HostError::Io {
+        id: "probe".into(),
+        op: "probe dir",
+        source,
+    })?;
+    let spec = MachineSpec {
+        id: "probe".into(),
+        vcpu: 1,
+        memory_mib: 256,
+        disk_mib: 3072,
+        hostname: "probe".into(),
+    };
     let started = Instant::now();
     let r = host.start(&spec).await;
     let _ = host.destroy("probe").await;
     let _ = std::fs::remove_dir_all(state);
     r.map(|_| started.elapsed())
+}
+
+/// The first ancestor directory of `p` that others cannot traverse.
+fn unreachable_ancestor(p: &Path) -> Option<PathBuf> {
+    use std::os::unix::fs::PermissionsExt;
+    let mut dir = p.parent();
+    while let Some(d) = dir {
+        if let Ok(m) = std::fs::metadata(d) {
+            if m.permissions().mode() & 0o001 == 0 {
+                return Some(d.to_owned());
+            }
+        }
+        dir = d.parent();
+    }
+    None
 }
 
 /// A uid/gid of its own for each VM's QEMU, when the server runs as root.
@@ -139,9 +175,32 @@ fn entry(e: Entry) -> FileEntry {
 impl QemuHost {
     pub fn new(cfg: QemuConfig) -> std::io::Result<QemuHost> {
         std::fs::create_dir_all(&cfg.state_dir)?;
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } == 0 {
+            // QEMU drops to a uid of its own and reopens its disks by path
+            // after a migration (pause, fork): it must reach them.
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(&cfg.state_dir, std::fs::Permissions::from_mode(0o711))?;
+            for p in [&cfg.state_dir, &cfg.artifacts.base] {
+                if let Some(dir) = unreachable_ancestor(p) {
+                    return Err(std::io::Error::other(format!(
+                        "{} is not reachable by other users (no o+x), but QEMU runs as an unprivileged \
+                         user and must reach {}: choose a data or cache directory outside a private home \
+                         (the defaults for root are /var/lib/runtime and /var/cache/runtime), or chmod o+x {}",
+                        dir.display(),
+                        p.display(),
+                        dir.display()
+                    )));
+                }
+            }
+        }
         let cgroups = cgroup::detect();
         tracing::info!(accel = %cfg.accel, cgroups = ?cgroups, "qemu host ready");
-        Ok(QemuHost { cfg, cgroups, vms: Mutex::new(HashMap::new()) })
+        Ok(QemuHost {
+            cfg,
+            cgroups,
+            vms: Mutex::new(HashMap::new()),
+        })
     }
 
     fn paths(&self, id: &str) -> VmPaths {
@@ -176,7 +235,11 @@ impl QemuHost {
     }
 
     fn io<'a>(id: &'a str, op: &'static str) -> impl FnOnce(std::io::Error) -> HostError + 'a {
-        move |source| HostError::Io { id: id.to_owned(), op, source }
+        move |source| HostError::Io {
+            id: id.to_owned(),
+            op,
+            source,
+        }
     }
 
     fn start_failed(&self, id: &str, stage: BootStage, reason: String) -> HostError {
@@ -188,7 +251,12 @@ impl QemuHost {
                 tail.push_str(q.trim());
             }
         }
-        HostError::StartFailed { id: id.to_owned(), stage, reason, console_tail: tail }
+        HostError::StartFailed {
+            id: id.to_owned(),
+            stage,
+            reason,
+            console_tail: tail,
+        }
     }
 
     /// A fresh VM directory (owned by the VM's uid, so QEMU can write its
@@ -199,7 +267,8 @@ impl QemuHost {
         let _ = std::fs::remove_dir_all(&paths.dir);
         std::fs::create_dir_all(&paths.dir).map_err(Self::io(id, "create vm dir"))?;
         if let Some((uid, gid)) = vm_uid(id) {
-            std::os::unix::fs::chown(&paths.dir, Some(uid), Some(gid)).map_err(Self::io(id, "chown vm dir"))?;
+            std::os::unix::fs::chown(&paths.dir, Some(uid), Some(gid))
+                .map_err(Self::io(id, "chown vm dir"))?;
         }
         Ok(paths)
     }
@@ -232,12 +301,18 @@ impl QemuHost {
 
     /// Starts QEMU in `paths` (its disk already there), either booting or
     /// loading the state in `incoming`, and returns once the agent answered.
-    async fn launch(&self, spec: &MachineSpec, paths: VmPaths, incoming: Option<std::fs::File>) -> Result<Arc<Vm>, HostError> {
+    async fn launch(
+        &self,
+        spec: &MachineSpec,
+        paths: VmPaths,
+        incoming: Option<std::fs::File>,
+    ) -> Result<Arc<Vm>, HostError> {
         use std::os::fd::AsRawFd;
         let id = spec.id.as_str();
         if let Some((uid, gid)) = vm_uid(id) {
             // QEMU reopens its disk as its own uid after a migration.
-            std::os::unix::fs::chown(paths.overlay(), Some(uid), Some(gid)).map_err(Self::io(id, "chown disk"))?;
+            std::os::unix::fs::chown(paths.overlay(), Some(uid), Some(gid))
+                .map_err(Self::io(id, "chown disk"))?;
         }
         let cfg = VmConfig {
             qemu: &self.cfg.qemu_binary,
@@ -251,22 +326,39 @@ impl QemuHost {
             incoming: incoming.as_ref().map(|f| f.as_raw_fd()),
         };
         let started = Instant::now();
-        let pid = qemu::spawn(&cfg).map_err(|e| self.start_failed(id, BootStage::Spawn, e.to_string()))?;
+        let pid = qemu::spawn(&cfg)
+            .map_err(|e| self.start_failed(id, BootStage::Spawn, e.to_string()))?;
         drop(incoming);
-        let limits = cgroup::Limits { memory_mib: spec.memory_mib, vcpu: spec.vcpu };
+        let limits = cgroup::Limits {
+            memory_mib: spec.memory_mib,
+            vcpu: spec.vcpu,
+        };
         if let Err(error) = cgroup::place(self.cgroups, id, pid, &limits) {
             tracing::warn!(sandbox_id = id, %error, "could not place QEMU in a cgroup");
         }
-        tracing::info!(sandbox_id = id, pid, restore = cfg.incoming.is_some(), "launching");
+        tracing::info!(
+            sandbox_id = id,
+            pid,
+            restore = cfg.incoming.is_some(),
+            "launching"
+        );
         // The sockets appear once QEMU has parsed its options.
         let sock = paths.agent_sock();
         while !sock.exists() || !paths.qmp_sock().exists() {
             if !qemu::is_our_qemu(pid, &paths.dir) {
-                return Err(self.start_failed(id, BootStage::Spawn, "QEMU exited during start-up".into()));
+                return Err(self.start_failed(
+                    id,
+                    BootStage::Spawn,
+                    "QEMU exited during start-up".into(),
+                ));
             }
             if started.elapsed() > Duration::from_secs(10) {
                 qemu::kill(pid).await;
-                return Err(self.start_failed(id, BootStage::Spawn, "QEMU did not open its sockets".into()));
+                return Err(self.start_failed(
+                    id,
+                    BootStage::Spawn,
+                    "QEMU did not open its sockets".into(),
+                ));
             }
             tokio::time::sleep(Duration::from_millis(2)).await;
         }
@@ -275,7 +367,11 @@ impl QemuHost {
                 qemu::kill(pid).await;
                 return Err(self.start_failed(id, BootStage::Restore, e.to_string()));
             }
-            tracing::info!(sandbox_id = id, ms = started.elapsed().as_millis() as u64, "state loaded");
+            tracing::info!(
+                sandbox_id = id,
+                ms = started.elapsed().as_millis() as u64,
+                "state loaded"
+            );
         }
         let remaining = self.cfg.boot_timeout.saturating_sub(started.elapsed());
         let connect = Link::connect(&sock, remaining);
@@ -301,30 +397,79 @@ impl QemuHost {
                 }
             }
         };
-        tracing::info!(sandbox_id = id, ms = started.elapsed().as_millis() as u64, "agent ready");
-        let vm = Arc::new(Vm { paths, pid, link: tokio::sync::Mutex::new(Some(link.clone())) });
-        setup(&link, &spec.hostname).await.map_err(|e| self.start_failed(id, BootStage::Agent, e.to_string()))?;
+        tracing::info!(
+            sandbox_id = id,
+            ms = started.elapsed().as_millis() as u64,
+            "agent ready"
+        );
+        let vm = Arc::new(Vm {
+            paths,
+            pid,
+            link: tokio::sync::Mutex::new(Some(link.clone())),
+        });
+        setup(&link, &spec.hostname)
+            .await
+            .map_err(|e| self.start_failed(id, BootStage::Agent, e.to_string()))?;
         Ok(vm)
     }
 
     /// Stops the VM's vCPUs and writes its memory and device state to
     /// `<vm dir>/capture.state`; the VM stays stopped (QEMU alive).
     async fn capture_stopped(&self, id: &str, vm: &Vm) -> Result<PathBuf, HostError> {
-        let qerr = |e: QmpError| HostError::Capture { id: id.to_owned(), reason: e.to_string() };
+        let qerr = |e: QmpError| HostError::Capture {
+            id: id.to_owned(),
+            reason: e.to_string(),
+        };
         let started = Instant::now();
-        let mut q = Qmp::connect(&vm.paths.qmp_sock(), Duration::from_secs(10)).await.map_err(qerr)?;
+        let mut q = Qmp::connect(&vm.paths.qmp_sock(), Duration::from_secs(10))
+            .await
+            .map_err(qerr)?;
         q.execute("stop", json!({})).await.map_err(qerr)?;
         let file = vm.paths.capture_state();
-        let _ = std::fs::remove_file(&file);
-        q.execute("migrate", json!({"uri": format!("file:{}", file.display())})).await.map_err(qerr)?;
-        q.wait_migration(Duration::from_secs(300)).await.map_err(qerr)?;
-        tracing::info!(sandbox_id = id, ms = started.elapsed().as_millis() as u64, "captured");
+        let written = async {
+            let _ = std::fs::remove_file(&file);
+            // Opened here and handed over: QEMU's own uid may not reach the
+            // data directory.
+            let out = std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .open(&file)
+                .map_err(Self::io(id, "create capture file"))?;
+            q.send_fd("capture", std::os::fd::AsRawFd::as_raw_fd(&out))
+                .await
+                .map_err(qerr)?;
+            q.execute("migrate", json!({"uri": "fd:capture"}))
+                .await
+                .map_err(qerr)?;
+            q.wait_migration(Duration::from_secs(300))
+                .await
+                .map_err(qerr)?;
+            Ok::<(), HostError>(())
+        }
+        .await;
+        if let Err(e) = written {
+            // Nothing is lost: the machine runs on.
+            let _ = q.execute("cont", json!({})).await;
+            let _ = std::fs::remove_file(&file);
+            return Err(e);
+        }
+        tracing::info!(
+            sandbox_id = id,
+            ms = started.elapsed().as_millis() as u64,
+            "captured"
+        );
         Ok(file)
     }
 
     async fn resume(&self, id: &str, vm: &Vm) -> Result<(), HostError> {
-        let qerr = |e: QmpError| HostError::Capture { id: id.to_owned(), reason: e.to_string() };
-        let mut q = Qmp::connect(&vm.paths.qmp_sock(), Duration::from_secs(10)).await.map_err(qerr)?;
+        let qerr = |e: QmpError| HostError::Capture {
+            id: id.to_owned(),
+            reason: e.to_string(),
+        };
+        let mut q = Qmp::connect(&vm.paths.qmp_sock(), Duration::from_secs(10))
+            .await
+            .map_err(qerr)?;
         q.execute("cont", json!({})).await.map_err(qerr)?;
         Ok(())
     }
@@ -364,9 +509,61 @@ async fn resume_loaded(paths: &VmPaths) -> Result<(), QmpError> {
             None => {}
         }
         if tokio::time::Instant::now() >= deadline {
-            return Err(QmpError::Timeout { command: "incoming migration".into() });
+            return Err(QmpError::Timeout {
+                command: "incoming migration".into(),
+            });
         }
         tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// Turns an exec stream into an [`ExecHandle`]: guest frames become events,
+/// controls become frames.
+fn pump(mut stream: crate::link::Stream, pid: u32) -> ExecHandle {
+    let token = u64::from(stream.id);
+    let (ev_tx, ev_rx) = mpsc::channel(64);
+    let (ctl_tx, mut ctl_rx) = mpsc::channel::<ExecControl>(64);
+    let sender = stream.sender();
+    tokio::spawn(async move {
+        let mut ctl_open = true;
+        loop {
+            tokio::select! {
+                inc = stream.recv() => {
+                    let ev = match inc {
+                        Some(Incoming::Data { channel: channel::STDOUT, bytes }) => ExecEvent::Stdout(bytes),
+                        Some(Incoming::Data { channel: channel::STDERR, bytes }) => ExecEvent::Stderr(bytes),
+                        Some(Incoming::Data { .. }) => continue,
+                        Some(Incoming::Reply(Reply::Exited { exit_code, signal, timed_out, duration_ms, out_of_memory })) => {
+                            let _ = ev_tx.send(ExecEvent::Exited(ExitStatus { code: exit_code, signal, timed_out, duration_ms, out_of_memory })).await;
+                            break;
+                        }
+                        Some(Incoming::Reply(_)) => continue,
+                        None => break,
+                    };
+                    if ev_tx.send(ev).await.is_err() {
+                        // Nobody listens any more; keep draining so the
+                        // stream's route does not pile up.
+                        continue;
+                    }
+                }
+                ctl = ctl_rx.recv(), if ctl_open => {
+                    let r = match ctl {
+                        Some(ExecControl::Stdin(b)) => sender.send_data(&b),
+                        Some(ExecControl::CloseStdin) => sender.send(&Request::CloseStdin),
+                        Some(ExecControl::Signal(s)) => sender.send(&Request::Signal { signal: s }),
+                        Some(ExecControl::Resize(t)) => sender.send(&Request::Resize { size: PtySize { cols: t.cols, rows: t.rows } }),
+                        None => { ctl_open = false; Ok(()) }
+                    };
+                    if r.is_err() { break; }
+                }
+            }
+        }
+    });
+    ExecHandle {
+        pid,
+        token,
+        events: ev_rx,
+        control: ctl_tx,
     }
 }
 
@@ -382,7 +579,10 @@ async fn copy_sparse(from: &Path, to: &Path) -> std::io::Result<()> {
     if st.success() {
         Ok(())
     } else {
-        Err(std::io::Error::other(format!("cp {} failed: {st}", from.display())))
+        Err(std::io::Error::other(format!(
+            "cp {} failed: {st}",
+            from.display()
+        )))
     }
 }
 
@@ -396,13 +596,22 @@ async fn setup(link: &Link, hostname: &str) -> Result<(), LinkError> {
         use std::io::Read;
         let _ = f.read_exact(&mut entropy);
     }
-    link.call(&Request::Setup { hostname: hostname.to_owned(), unix_time_ms: now, entropy }).await?;
+    link.call(&Request::Setup {
+        hostname: hostname.to_owned(),
+        unix_time_ms: now,
+        entropy,
+    })
+    .await?;
     Ok(())
 }
 
 fn guest_err(id: &str, r: Reply) -> HostError {
     match r {
-        Reply::Failed { code, message } => HostError::Guest { id: id.to_owned(), failure: failure(code), message },
+        Reply::Failed { code, message } => HostError::Guest {
+            id: id.to_owned(),
+            failure: failure(code),
+            message,
+        },
         other => HostError::Guest {
             id: id.to_owned(),
             failure: GuestFailure::Io,
@@ -423,13 +632,19 @@ impl Host for QemuHost {
 
     async fn recover(&self, spec: &MachineSpec) -> Result<bool, HostError> {
         let paths = self.paths(&spec.id);
-        let Some(pid) = qemu::read_pid(&paths) else { return Ok(false) };
+        let Some(pid) = qemu::read_pid(&paths) else {
+            return Ok(false);
+        };
         if !qemu::is_our_qemu(pid, &paths.dir) {
             return Ok(false);
         }
         match Link::connect(&paths.agent_sock(), Duration::from_secs(10)).await {
             Ok((link, _)) => {
-                let vm = Arc::new(Vm { paths, pid, link: tokio::sync::Mutex::new(Some(link)) });
+                let vm = Arc::new(Vm {
+                    paths,
+                    pid,
+                    link: tokio::sync::Mutex::new(Some(link)),
+                });
                 if let Ok(mut m) = self.vms.lock() {
                     m.insert(spec.id.clone(), vm);
                 }
@@ -449,7 +664,8 @@ impl Host for QemuHost {
         if let Some(vm) = vm {
             if keep_disk {
                 if let Some(l) = vm.link.lock().await.as_ref() {
-                    let _ = tokio::time::timeout(Duration::from_secs(10), l.call(&Request::Sync)).await;
+                    let _ =
+                        tokio::time::timeout(Duration::from_secs(10), l.call(&Request::Sync)).await;
                 }
             }
             if let Some(l) = vm.link.lock().await.take() {
@@ -476,10 +692,13 @@ impl Host for QemuHost {
     }
 
     async fn pause(&self, id: &str) -> Result<(), HostError> {
-        let vm = self.take_vm(id).ok_or_else(|| HostError::NoSuchMachine { id: id.to_owned() })?;
+        let vm = self
+            .take_vm(id)
+            .ok_or_else(|| HostError::NoSuchMachine { id: id.to_owned() })?;
         match self.capture_stopped(id, &vm).await {
             Ok(file) => {
-                std::fs::rename(&file, vm.paths.paused_state()).map_err(Self::io(id, "keep paused state"))?;
+                std::fs::rename(&file, vm.paths.paused_state())
+                    .map_err(Self::io(id, "keep paused state"))?;
                 self.end_vm(id, &vm).await;
                 tracing::info!(sandbox_id = id, "paused");
                 Ok(())
@@ -497,7 +716,8 @@ impl Host for QemuHost {
         let id = spec.id.as_str();
         let paths = self.paths(id);
         let state = paths.paused_state();
-        let file = std::fs::File::open(&state).map_err(|_| HostError::NotPaused { id: id.to_owned() })?;
+        let file =
+            std::fs::File::open(&state).map_err(|_| HostError::NotPaused { id: id.to_owned() })?;
         let vm = self.launch(spec, paths, Some(file)).await?;
         // The machine has moved on from that state; keep only the newest.
         let _ = std::fs::remove_file(&state);
@@ -515,17 +735,24 @@ impl Host for QemuHost {
                     if !memory {
                         // Only the disk is kept: flush the guest's page cache first.
                         if let Ok(link) = self.link(id).await {
-                            let _ = tokio::time::timeout(Duration::from_secs(30), link.call(&Request::Sync)).await;
+                            let _ = tokio::time::timeout(
+                                Duration::from_secs(30),
+                                link.call(&Request::Sync),
+                            )
+                            .await;
                         }
                     }
                     let file = self.capture_stopped(id, vm).await?;
                     let r = async {
                         if memory {
-                            std::fs::rename(&file, dest.join("memory.state")).map_err(Self::io(id, "move capture"))?;
+                            std::fs::rename(&file, dest.join("memory.state"))
+                                .map_err(Self::io(id, "move capture"))?;
                         } else {
                             let _ = std::fs::remove_file(&file);
                         }
-                        copy_sparse(&paths.overlay(), &dest.join("disk.qcow2")).await.map_err(Self::io(id, "copy disk"))
+                        copy_sparse(&paths.overlay(), &dest.join("disk.qcow2"))
+                            .await
+                            .map_err(Self::io(id, "copy disk"))
                     }
                     .await;
                     self.resume(id, vm).await?;
@@ -537,9 +764,12 @@ impl Host for QemuHost {
                         return Err(HostError::NotPaused { id: id.to_owned() });
                     }
                     if memory {
-                        std::fs::hard_link(&state, dest.join("memory.state")).map_err(Self::io(id, "link paused state"))?;
+                        std::fs::hard_link(&state, dest.join("memory.state"))
+                            .map_err(Self::io(id, "link paused state"))?;
                     }
-                    copy_sparse(&paths.overlay(), &dest.join("disk.qcow2")).await.map_err(Self::io(id, "copy disk"))
+                    copy_sparse(&paths.overlay(), &dest.join("disk.qcow2"))
+                        .await
+                        .map_err(Self::io(id, "copy disk"))
                 }
             }
         }
@@ -554,10 +784,15 @@ impl Host for QemuHost {
         let id = spec.id.as_str();
         let disk = from.join("disk.qcow2");
         if !disk.exists() {
-            return Err(HostError::BadCapture { path: from.to_owned(), reason: "no disk.qcow2".into() });
+            return Err(HostError::BadCapture {
+                path: from.to_owned(),
+                reason: "no disk.qcow2".into(),
+            });
         }
         let paths = self.fresh_dir(spec).await?;
-        copy_sparse(&disk, &paths.overlay()).await.map_err(Self::io(id, "copy disk"))?;
+        copy_sparse(&disk, &paths.overlay())
+            .await
+            .map_err(Self::io(id, "copy disk"))?;
         let memory = from.join("memory.state");
         let incoming = if memory.exists() {
             Some(std::fs::File::open(&memory).map_err(Self::io(id, "open capture"))?)
@@ -580,7 +815,10 @@ impl Host for QemuHost {
             user: user(spec.user),
             timeout_ms: spec.timeout.map(|t| t.as_millis() as u64),
             stdin: spec.stdin,
-            pty: spec.pty.map(|t| PtySize { cols: t.cols, rows: t.rows }),
+            pty: spec.pty.map(|t| PtySize {
+                cols: t.cols,
+                rows: t.rows,
+            }),
             kill_group_on_exit: spec.kill_group_on_exit,
         };
         stream.send(&Request::Exec(req)).map_err(|_| lost())?;
@@ -588,55 +826,63 @@ impl Host for QemuHost {
             Reply::Started { pid } => pid,
             other => return Err(guest_err(id, other)),
         };
-        let (ev_tx, ev_rx) = mpsc::channel(64);
-        let (ctl_tx, mut ctl_rx) = mpsc::channel::<ExecControl>(64);
-        let sender = stream.sender();
-        tokio::spawn(async move {
-            loop {
-                tokio::select! {
-                    inc = stream.recv() => {
-                        let ev = match inc {
-                            Some(Incoming::Data { channel: channel::STDOUT, bytes }) => ExecEvent::Stdout(bytes),
-                            Some(Incoming::Data { channel: channel::STDERR, bytes }) => ExecEvent::Stderr(bytes),
-                            Some(Incoming::Data { .. }) => continue,
-                            Some(Incoming::Reply(Reply::Exited { exit_code, signal, timed_out, duration_ms, out_of_memory })) => {
-                                let _ = ev_tx.send(ExecEvent::Exited(ExitStatus { code: exit_code, signal, timed_out, duration_ms, out_of_memory })).await;
-                                break;
-                            }
-                            Some(Incoming::Reply(_)) => continue,
-                            None => break,
-                        };
-                        if ev_tx.send(ev).await.is_err() {
-                            // Nobody listens any more; keep draining so the
-                            // stream's route does not pile up.
-                            continue;
-                        }
-                    }
-                    ctl = ctl_rx.recv() => {
-                        let r = match ctl {
-                            Some(ExecControl::Stdin(b)) => sender.send_data(&b),
-                            Some(ExecControl::CloseStdin) => sender.send(&Request::CloseStdin),
-                            Some(ExecControl::Signal(s)) => sender.send(&Request::Signal { signal: s }),
-                            Some(ExecControl::Resize(t)) => sender.send(&Request::Resize { size: PtySize { cols: t.cols, rows: t.rows } }),
-                            None => { ctl_rx.close(); Ok(()) }
-                        };
-                        if r.is_err() { break; }
-                    }
-                }
+        Ok(pump(stream, pid))
+    }
+
+    async fn attach(&self, id: &str, token: u64) -> Result<ExecHandle, HostError> {
+        let link = self.link(id).await?;
+        let lost = || HostError::LinkLost { id: id.to_owned() };
+        let sid = u32::try_from(token).map_err(|_| HostError::Guest {
+            id: id.to_owned(),
+            failure: GuestFailure::BadRequest,
+            message: format!("no process {token}"),
+        })?;
+        let mut stream = link.open_at(sid).map_err(|_| lost())?;
+        stream.send(&Request::Attach).map_err(|_| lost())?;
+        match stream.reply().await.map_err(|_| lost())? {
+            Reply::Started { pid } => Ok(pump(stream, pid)),
+            Reply::Exited {
+                exit_code,
+                signal,
+                timed_out,
+                duration_ms,
+                out_of_memory,
+            } => {
+                let (ev_tx, ev_rx) = mpsc::channel(1);
+                let (ctl_tx, _) = mpsc::channel(1);
+                let _ = ev_tx.try_send(ExecEvent::Exited(ExitStatus {
+                    code: exit_code,
+                    signal,
+                    timed_out,
+                    duration_ms,
+                    out_of_memory,
+                }));
+                Ok(ExecHandle {
+                    pid: 0,
+                    token,
+                    events: ev_rx,
+                    control: ctl_tx,
+                })
             }
-        });
-        Ok(ExecHandle { pid, events: ev_rx, control: ctl_tx })
+            other => Err(guest_err(id, other)),
+        }
     }
 
     async fn read_file(&self, id: &str, path: &str, u: RunAs) -> Result<Vec<u8>, HostError> {
         let link = self.link(id).await?;
         let lost = || HostError::LinkLost { id: id.to_owned() };
         let mut s = link.open().map_err(|_| lost())?;
-        s.send(&Request::ReadFile { path: path.to_owned(), user: user(u) }).map_err(|_| lost())?;
+        s.send(&Request::ReadFile {
+            path: path.to_owned(),
+            user: user(u),
+        })
+        .map_err(|_| lost())?;
         let mut data = Vec::new();
         loop {
             match s.recv().await.ok_or_else(lost)? {
-                Incoming::Reply(Reply::FileStart { size }) => data.reserve(size.min(1 << 30) as usize),
+                Incoming::Reply(Reply::FileStart { size }) => {
+                    data.reserve(size.min(1 << 30) as usize)
+                }
                 Incoming::Data { bytes, .. } => data.extend_from_slice(&bytes),
                 Incoming::Reply(Reply::Done) => return Ok(data),
                 Incoming::Reply(other) => return Err(guest_err(id, other)),
@@ -644,11 +890,23 @@ impl Host for QemuHost {
         }
     }
 
-    async fn write_file(&self, id: &str, path: &str, mode: Option<u32>, u: RunAs, data: Vec<u8>) -> Result<(), HostError> {
+    async fn write_file(
+        &self,
+        id: &str,
+        path: &str,
+        mode: Option<u32>,
+        u: RunAs,
+        data: Vec<u8>,
+    ) -> Result<(), HostError> {
         let link = self.link(id).await?;
         let lost = || HostError::LinkLost { id: id.to_owned() };
         let mut s = link.open().map_err(|_| lost())?;
-        s.send(&Request::WriteFile { path: path.to_owned(), mode, user: user(u) }).map_err(|_| lost())?;
+        s.send(&Request::WriteFile {
+            path: path.to_owned(),
+            mode,
+            user: user(u),
+        })
+        .map_err(|_| lost())?;
         s.send_data(&data).map_err(|_| lost())?;
         s.send(&Request::EndWrite).map_err(|_| lost())?;
         match s.reply().await.map_err(|_| lost())? {
@@ -662,17 +920,50 @@ impl Host for QemuHost {
         let user = user(u);
         let req = match op {
             FileOp::Stat { path } => Request::Stat { path, user },
-            FileOp::List { path, depth, hidden, limit } => Request::List { path, depth, hidden, limit, user },
-            FileOp::Mkdir { path, parents } => Request::Mkdir { path, parents, user },
-            FileOp::Remove { path, recursive } => Request::Remove { path, recursive, user },
-            FileOp::Rename { from, to, overwrite } => Request::Rename { from, to, overwrite, user },
+            FileOp::List {
+                path,
+                depth,
+                hidden,
+                limit,
+            } => Request::List {
+                path,
+                depth,
+                hidden,
+                limit,
+                user,
+            },
+            FileOp::Mkdir { path, parents } => Request::Mkdir {
+                path,
+                parents,
+                user,
+            },
+            FileOp::Remove { path, recursive } => Request::Remove {
+                path,
+                recursive,
+                user,
+            },
+            FileOp::Rename {
+                from,
+                to,
+                overwrite,
+            } => Request::Rename {
+                from,
+                to,
+                overwrite,
+                user,
+            },
             FileOp::Chmod { path, mode } => Request::Chmod { path, mode, user },
         };
-        match link.call(&req).await.map_err(|_| HostError::LinkLost { id: id.to_owned() })? {
+        match link
+            .call(&req)
+            .await
+            .map_err(|_| HostError::LinkLost { id: id.to_owned() })?
+        {
             Reply::Stat { entry: e } => Ok(FileOpResult::Stat(e.map(entry))),
-            Reply::Listing { entries, truncated } => {
-                Ok(FileOpResult::Listing { entries: entries.into_iter().map(entry).collect(), truncated })
-            }
+            Reply::Listing { entries, truncated } => Ok(FileOpResult::Listing {
+                entries: entries.into_iter().map(entry).collect(),
+                truncated,
+            }),
             Reply::Removed { removed } => Ok(FileOpResult::Removed(removed)),
             Reply::Done => Ok(FileOpResult::Done),
             other => Err(guest_err(id, other)),

@@ -80,7 +80,8 @@ const INCOMING_FD: i32 = 3;
 
 /// The kernel command line. The agent is `/init` of the initramfs; it mounts
 /// `/dev/vda` and switches root itself. A panic or reboot ends QEMU.
-pub(crate) const KERNEL_CMDLINE: &str = "console=ttyS0 reboot=t panic=-1 quiet loglevel=4 random.trust_cpu=on";
+pub(crate) const KERNEL_CMDLINE: &str =
+    "console=ttyS0 reboot=t panic=-1 quiet loglevel=4 random.trust_cpu=on";
 
 pub(crate) fn command_line(cfg: &VmConfig<'_>) -> Vec<OsString> {
     let p = cfg.paths;
@@ -104,7 +105,13 @@ pub(crate) fn command_line(cfg: &VmConfig<'_>) -> Vec<OsString> {
     push(&format!("{}M", cfg.memory_mib));
     push("-smp");
     push(&cfg.vcpu.to_string());
-    for s in ["-nodefaults", "-no-user-config", "-display", "none", "-no-reboot"] {
+    for s in [
+        "-nodefaults",
+        "-no-user-config",
+        "-display",
+        "none",
+        "-no-reboot",
+    ] {
         push(s);
     }
     // QEMU's own seccomp filter: no spawning, no obsolete or resource calls.
@@ -139,11 +146,20 @@ pub(crate) fn command_line(cfg: &VmConfig<'_>) -> Vec<OsString> {
     push("-device");
     push("virtio-serial-device,max_ports=2");
     push("-chardev");
-    push(&format!("socket,id=agent,path={},server=on,wait=off", p.agent_sock().display()));
+    push(&format!(
+        "socket,id=agent,path={},server=on,wait=off",
+        p.agent_sock().display()
+    ));
     push("-device");
-    push(&format!("virtserialport,chardev=agent,name={}", runtime_proto::PORT_NAME));
+    push(&format!(
+        "virtserialport,chardev=agent,name={}",
+        runtime_proto::PORT_NAME
+    ));
     push("-qmp");
-    push(&format!("unix:{},server=on,wait=off", p.qmp_sock().display()));
+    push(&format!(
+        "unix:{},server=on,wait=off",
+        p.qmp_sock().display()
+    ));
     push("-pidfile");
     push(&p.pidfile().display().to_string());
     if cfg.incoming.is_some() {
@@ -204,7 +220,11 @@ pub(crate) fn is_our_qemu(pid: u32, dir: &Path) -> bool {
 }
 
 pub(crate) fn read_pid(paths: &VmPaths) -> Option<u32> {
-    std::fs::read_to_string(paths.pidfile()).ok()?.trim().parse().ok()
+    std::fs::read_to_string(paths.pidfile())
+        .ok()?
+        .trim()
+        .parse()
+        .ok()
 }
 
 /// SIGKILL, then wait (bounded) for the process to disappear.
@@ -219,7 +239,12 @@ pub(crate) async fn kill(pid: u32) {
         }
         // A zombie still has /proc/<pid>; its state tells.
         if let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-            if stat.rsplit(')').next().map(|s| s.trim_start().starts_with('Z')).unwrap_or(false) {
+            if stat
+                .rsplit(')')
+                .next()
+                .map(|s| s.trim_start().starts_with('Z'))
+                .unwrap_or(false)
+            {
                 return;
             }
         }

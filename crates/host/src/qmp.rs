@@ -38,7 +38,10 @@ impl Qmp {
             }
         };
         let (rd, wr) = stream.into_split();
-        let mut q = Qmp { rd: BufReader::new(rd), wr };
+        let mut q = Qmp {
+            rd: BufReader::new(rd),
+            wr,
+        };
         let _greeting = q.read_line(timeout).await?;
         q.execute("qmp_capabilities", json!({})).await?;
         Ok(q)
@@ -48,7 +51,9 @@ impl Qmp {
         let mut line = String::new();
         let n = tokio::time::timeout(timeout, self.rd.read_line(&mut line))
             .await
-            .map_err(|_| QmpError::Timeout { command: "greeting".into() })??;
+            .map_err(|_| QmpError::Timeout {
+                command: "greeting".into(),
+            })??;
         if n == 0 {
             return Err(QmpError::Closed);
         }
@@ -66,7 +71,9 @@ impl Qmp {
                 .read_line(Duration::from_secs(60))
                 .await
                 .map_err(|e| match e {
-                    QmpError::Timeout { .. } => QmpError::Timeout { command: command.into() },
+                    QmpError::Timeout { .. } => QmpError::Timeout {
+                        command: command.into(),
+                    },
                     e => e,
                 })?;
             if let Some(r) = v.get("return") {
@@ -75,10 +82,65 @@ impl Qmp {
             if let Some(e) = v.get("error") {
                 return Err(QmpError::Command {
                     command: command.into(),
-                    desc: e.get("desc").and_then(Value::as_str).unwrap_or("unknown").to_owned(),
+                    desc: e
+                        .get("desc")
+                        .and_then(Value::as_str)
+                        .unwrap_or("unknown")
+                        .to_owned(),
                 });
             }
             // An asynchronous event: not ours.
+        }
+    }
+
+    /// Hands QEMU an open file under `name` (QMP `getfd`, the descriptor
+    /// passed with SCM_RIGHTS), so an unprivileged QEMU can write a file the
+    /// server opened.
+    pub async fn send_fd(&mut self, name: &str, fd: std::os::fd::RawFd) -> Result<(), QmpError> {
+        use std::os::fd::AsRawFd;
+        let msg = json!({"execute": "getfd", "arguments": {"fdname": name}});
+        let mut buf = serde_json::to_vec(&msg)?;
+        buf.push(b'\n');
+        let sock = self.wr.as_ref().as_raw_fd();
+        // SAFETY: the iovec and control buffer live across the call; the
+        // cmsg macros only address inside `cmsg_buf`.
+        let rc = unsafe {
+            let mut iov = libc::iovec {
+                iov_base: buf.as_mut_ptr().cast(),
+                iov_len: buf.len(),
+            };
+            let space = libc::CMSG_SPACE(std::mem::size_of::<libc::c_int>() as u32) as usize;
+            let mut cmsg_buf = vec![0u8; space];
+            let mut hdr: libc::msghdr = std::mem::zeroed();
+            hdr.msg_iov = &mut iov;
+            hdr.msg_iovlen = 1;
+            hdr.msg_control = cmsg_buf.as_mut_ptr().cast();
+            hdr.msg_controllen = space as _;
+            let cmsg = libc::CMSG_FIRSTHDR(&hdr);
+            (*cmsg).cmsg_level = libc::SOL_SOCKET;
+            (*cmsg).cmsg_type = libc::SCM_RIGHTS;
+            (*cmsg).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<libc::c_int>() as u32) as _;
+            std::ptr::write_unaligned(libc::CMSG_DATA(cmsg).cast::<libc::c_int>(), fd);
+            libc::sendmsg(sock, &hdr, 0)
+        };
+        if rc < 0 || rc as usize != buf.len() {
+            return Err(QmpError::Io(std::io::Error::last_os_error()));
+        }
+        loop {
+            let v = self.read_line(Duration::from_secs(10)).await?;
+            if v.get("return").is_some() {
+                return Ok(());
+            }
+            if let Some(e) = v.get("error") {
+                return Err(QmpError::Command {
+                    command: "getfd".into(),
+                    desc: e
+                        .get("desc")
+                        .and_then(Value::as_str)
+                        .unwrap_or("unknown")
+                        .to_owned(),
+                });
+            }
         }
     }
 
@@ -92,13 +154,19 @@ impl Qmp {
                 Some("failed") | Some("cancelled") => {
                     return Err(QmpError::Command {
                         command: "migrate".into(),
-                        desc: r.get("error-desc").and_then(Value::as_str).unwrap_or("failed").to_owned(),
+                        desc: r
+                            .get("error-desc")
+                            .and_then(Value::as_str)
+                            .unwrap_or("failed")
+                            .to_owned(),
                     })
                 }
                 _ => {}
             }
             if tokio::time::Instant::now() >= deadline {
-                return Err(QmpError::Timeout { command: "migrate".into() });
+                return Err(QmpError::Timeout {
+                    command: "migrate".into(),
+                });
             }
             tokio::time::sleep(Duration::from_millis(10)).await;
         }

@@ -79,6 +79,8 @@ pub enum ExecEvent {
 #[derive(Debug)]
 pub struct ExecHandle {
     pub pid: u32,
+    /// Names the process to [`Host::attach`] after a restart of the server.
+    pub token: u64,
     pub events: mpsc::Receiver<ExecEvent>,
     pub control: mpsc::Sender<ExecControl>,
 }
@@ -104,18 +106,41 @@ pub struct FileEntry {
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum FileOp {
-    Stat { path: String },
-    List { path: String, depth: u32, hidden: bool, limit: u32 },
-    Mkdir { path: String, parents: bool },
-    Remove { path: String, recursive: bool },
-    Rename { from: String, to: String, overwrite: bool },
-    Chmod { path: String, mode: u32 },
+    Stat {
+        path: String,
+    },
+    List {
+        path: String,
+        depth: u32,
+        hidden: bool,
+        limit: u32,
+    },
+    Mkdir {
+        path: String,
+        parents: bool,
+    },
+    Remove {
+        path: String,
+        recursive: bool,
+    },
+    Rename {
+        from: String,
+        to: String,
+        overwrite: bool,
+    },
+    Chmod {
+        path: String,
+        mode: u32,
+    },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum FileOpResult {
     Stat(Option<FileEntry>),
-    Listing { entries: Vec<FileEntry>, truncated: bool },
+    Listing {
+        entries: Vec<FileEntry>,
+        truncated: bool,
+    },
     Removed(bool),
     Done,
 }
@@ -182,7 +207,10 @@ pub enum HostError {
     #[error("sandbox {id} has no paused state on this host")]
     NotPaused { id: String },
     #[error("capture {path} cannot be used: {reason}")]
-    BadCapture { path: std::path::PathBuf, reason: String },
+    BadCapture {
+        path: std::path::PathBuf,
+        reason: String,
+    },
     #[error("lost the link to the agent of sandbox {id}")]
     LinkLost { id: String },
     #[error("timed out waiting for {what} of sandbox {id}")]
@@ -217,11 +245,21 @@ pub trait Host: Send + Sync + 'static {
     /// Writes the machine's disk, and its memory when `memory`, into the new
     /// directory `dest`. A running machine stops for the copy and goes on; a
     /// paused one stays paused.
-    async fn capture(&self, id: &str, dest: &std::path::Path, memory: bool) -> Result<(), HostError>;
+    async fn capture(
+        &self,
+        id: &str,
+        dest: &std::path::Path,
+        memory: bool,
+    ) -> Result<(), HostError>;
     /// Starts a new machine from a capture: from its memory when it has one
     /// (processes and all), otherwise by booting its disk.
     async fn restore(&self, spec: &MachineSpec, from: &std::path::Path) -> Result<(), HostError>;
     async fn exec(&self, id: &str, spec: ExecSpec) -> Result<ExecHandle, HostError>;
+    /// Takes up a process started by an earlier server process (after a
+    /// restart) by its `token`: a handle whose events continue from now on
+    /// (output written while no server listened is lost), or only its
+    /// `Exited` if it ended meanwhile.
+    async fn attach(&self, id: &str, token: u64) -> Result<ExecHandle, HostError>;
     async fn read_file(&self, id: &str, path: &str, user: RunAs) -> Result<Vec<u8>, HostError>;
     async fn write_file(
         &self,

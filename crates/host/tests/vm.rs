@@ -14,9 +14,16 @@ fn workspace() -> PathBuf {
 }
 
 fn cache() -> PathBuf {
-    std::env::var_os("RUNTIME_CACHE_DIR").map(PathBuf::from).unwrap_or_else(|| {
-        PathBuf::from(std::env::var_os("HOME").expect("HOME")).join(".cache/runtime")
-    })
+    std::env::var_os("RUNTIME_CACHE_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            // The same default as `runtime` itself.
+            if unsafe { libc::geteuid() } == 0 {
+                PathBuf::from("/var/cache/runtime")
+            } else {
+                PathBuf::from(std::env::var_os("HOME").expect("HOME")).join(".cache/runtime")
+            }
+        })
 }
 
 struct TestHost {
@@ -50,12 +57,19 @@ fn kill_all(state: &std::path::Path) {
 fn agent_path() -> PathBuf {
     std::env::var_os("RUNTIME_AGENT_BIN")
         .map(PathBuf::from)
-        .unwrap_or_else(|| workspace().join("target/x86_64-unknown-linux-gnu/release/runtime-agent"))
+        .unwrap_or_else(|| {
+            workspace().join("target/x86_64-unknown-linux-gnu/release/runtime-agent")
+        })
 }
 
 fn host() -> TestHost {
-    let arts = artifacts::ensure(&cache(), &agent_path()).expect("artifacts (run scripts/build.sh first)");
-    let state = std::env::temp_dir().join(format!("rt-host-test-{}-{}", std::process::id(), rand_suffix()));
+    let arts =
+        artifacts::ensure(&cache(), &agent_path()).expect("artifacts (run scripts/build.sh first)");
+    let state = std::env::temp_dir().join(format!(
+        "rt-host-test-{}-{}",
+        std::process::id(),
+        rand_suffix()
+    ));
     let (accel, _) = choose_accel();
     let host = QemuHost::new(QemuConfig {
         state_dir: state.clone(),
@@ -65,18 +79,37 @@ fn host() -> TestHost {
         boot_timeout: Duration::from_secs(120),
     })
     .unwrap();
-    TestHost { host, _cleanup: Cleanup(state.clone()), state }
+    TestHost {
+        host,
+        _cleanup: Cleanup(state.clone()),
+        state,
+    }
 }
 
 fn rand_suffix() -> u64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos() as u64
 }
 
 fn spec(id: &str) -> MachineSpec {
-    MachineSpec { id: id.into(), vcpu: 2, memory_mib: 1024, disk_mib: 4096, hostname: "sbx-test".into() }
+    MachineSpec {
+        id: id.into(),
+        vcpu: 2,
+        memory_mib: 1024,
+        disk_mib: 4096,
+        hostname: "sbx-test".into(),
+    }
 }
 
-async fn run(h: &QemuHost, id: &str, argv: &[&str], user: RunAs, timeout: Option<Duration>) -> (String, String, ExitStatus) {
+async fn run(
+    h: &QemuHost,
+    id: &str,
+    argv: &[&str],
+    user: RunAs,
+    timeout: Option<Duration>,
+) -> (String, String, ExitStatus) {
     let mut handle = h
         .exec(
             id,
@@ -95,11 +128,18 @@ async fn run(h: &QemuHost, id: &str, argv: &[&str], user: RunAs, timeout: Option
         .unwrap();
     let (mut out, mut err) = (Vec::new(), Vec::new());
     loop {
-        match tokio::time::timeout(Duration::from_secs(60), handle.events.recv()).await.expect("exec stalled") {
+        match tokio::time::timeout(Duration::from_secs(60), handle.events.recv())
+            .await
+            .expect("exec stalled")
+        {
             Some(ExecEvent::Stdout(b)) => out.extend(b),
             Some(ExecEvent::Stderr(b)) => err.extend(b),
             Some(ExecEvent::Exited(s)) => {
-                return (String::from_utf8_lossy(&out).into(), String::from_utf8_lossy(&err).into(), s)
+                return (
+                    String::from_utf8_lossy(&out).into(),
+                    String::from_utf8_lossy(&err).into(),
+                    s,
+                )
             }
             None => panic!("link lost during exec"),
         }
@@ -111,44 +151,152 @@ async fn boots_runs_commands_moves_files_and_cleans_up() {
     let t = host();
     let h = &t.host;
     let id = "00000000-0000-4000-8000-00000000a001";
-    h.start(&spec(id)).await.unwrap_or_else(|e| panic!("start: {e:?}"));
+    h.start(&spec(id))
+        .await
+        .unwrap_or_else(|e| panic!("start: {e:?}"));
 
-    let (out, _, st) = run(h, id, &["bash", "-c", "echo $GREETING; id -u; echo $HOME; pwd; nproc; hostname"], RunAs::Sandbox, None).await;
+    let (out, _, st) = run(
+        h,
+        id,
+        &[
+            "bash",
+            "-c",
+            "echo $GREETING; id -u; echo $HOME; pwd; nproc; hostname",
+        ],
+        RunAs::Sandbox,
+        None,
+    )
+    .await;
     assert_eq!(st.code, Some(0));
     assert_eq!(out, "hi there\n1000\n/workspace\n/workspace\n2\nsbx-test\n");
 
     let (out, _, _) = run(h, id, &["id", "-u"], RunAs::Root, None).await;
     assert_eq!(out.trim(), "0");
 
-    let (out, _, _) = run(h, id, &["bash", "-c", "grep MemTotal /proc/meminfo | awk '{print $2}'; df -m / | tail -1 | awk '{print $2}'"], RunAs::Sandbox, None).await;
+    let (out, _, _) = run(
+        h,
+        id,
+        &[
+            "bash",
+            "-c",
+            "grep MemTotal /proc/meminfo | awk '{print $2}'; df -m / | tail -1 | awk '{print $2}'",
+        ],
+        RunAs::Sandbox,
+        None,
+    )
+    .await;
     let mut lines = out.lines();
     let mem_kib: u64 = lines.next().unwrap().parse().unwrap();
     let disk_mib: u64 = lines.next().unwrap().parse().unwrap();
-    assert!((900_000..=1_048_576).contains(&mem_kib), "MemTotal {mem_kib} KiB for 1024 MiB");
-    assert!((3800..=4096).contains(&disk_mib), "root is {disk_mib} MiB for a 4096 MiB disk");
+    assert!(
+        (900_000..=1_048_576).contains(&mem_kib),
+        "MemTotal {mem_kib} KiB for 1024 MiB"
+    );
+    assert!(
+        (3800..=4096).contains(&disk_mib),
+        "root is {disk_mib} MiB for a 4096 MiB disk"
+    );
 
-    let (_, err, st) = run(h, id, &["bash", "-c", "echo oops >&2; exit 3"], RunAs::Sandbox, None).await;
+    let (_, err, st) = run(
+        h,
+        id,
+        &["bash", "-c", "echo oops >&2; exit 3"],
+        RunAs::Sandbox,
+        None,
+    )
+    .await;
     assert_eq!((st.code, err.as_str()), (Some(3), "oops\n"));
 
-    let (_, _, st) = run(h, id, &["sleep", "30"], RunAs::Sandbox, Some(Duration::from_millis(500))).await;
+    let (_, _, st) = run(
+        h,
+        id,
+        &["sleep", "30"],
+        RunAs::Sandbox,
+        Some(Duration::from_millis(500)),
+    )
+    .await;
     assert!(st.timed_out && st.code.is_none(), "{st:?}");
     // A timeout ends the whole process group, not only the shell.
-    let (out, _, st) = run(h, id, &["bash", "-c", "echo before; sleep 31; echo after"], RunAs::Sandbox, Some(Duration::from_millis(1500))).await;
+    let (out, _, st) = run(
+        h,
+        id,
+        &["bash", "-c", "echo before; sleep 31; echo after"],
+        RunAs::Sandbox,
+        Some(Duration::from_millis(1500)),
+    )
+    .await;
     assert!(st.timed_out && out == "before\n", "{st:?} {out:?}");
-    let (out, _, _) = run(h, id, &["bash", "-c", "pgrep -fx 'sleep 31' || echo none"], RunAs::Root, None).await;
+    let (out, _, _) = run(
+        h,
+        id,
+        &["bash", "-c", "pgrep -fx 'sleep 31' || echo none"],
+        RunAs::Root,
+        None,
+    )
+    .await;
     assert_eq!(out, "none\n");
 
     let big: Vec<u8> = (0..3 * 1024 * 1024u32).map(|i| (i % 251) as u8).collect();
-    h.write_file(id, "/workspace/d/big.bin", Some(0o600), RunAs::Sandbox, big.clone()).await.unwrap();
-    assert_eq!(h.read_file(id, "/workspace/d/big.bin", RunAs::Sandbox).await.unwrap(), big);
-    match h.file_op(id, FileOp::Stat { path: "/workspace/d/big.bin".into() }, RunAs::Sandbox).await.unwrap() {
-        FileOpResult::Stat(Some(e)) => assert_eq!((e.size, e.mode & 0o777, e.kind), (big.len() as u64, 0o600, EntryKind::File)),
+    h.write_file(
+        id,
+        "/workspace/d/big.bin",
+        Some(0o600),
+        RunAs::Sandbox,
+        big.clone(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        h.read_file(id, "/workspace/d/big.bin", RunAs::Sandbox)
+            .await
+            .unwrap(),
+        big
+    );
+    match h
+        .file_op(
+            id,
+            FileOp::Stat {
+                path: "/workspace/d/big.bin".into(),
+            },
+            RunAs::Sandbox,
+        )
+        .await
+        .unwrap()
+    {
+        FileOpResult::Stat(Some(e)) => assert_eq!(
+            (e.size, e.mode & 0o777, e.kind),
+            (big.len() as u64, 0o600, EntryKind::File)
+        ),
         other => panic!("{other:?}"),
     }
-    let err = h.read_file(id, "/etc/shadow", RunAs::Sandbox).await.unwrap_err();
-    assert!(matches!(err, HostError::Guest { failure: GuestFailure::PermissionDenied, .. }), "{err:?}");
-    let err = h.read_file(id, "/workspace/missing", RunAs::Sandbox).await.unwrap_err();
-    assert!(matches!(err, HostError::Guest { failure: GuestFailure::FileNotFound, .. }), "{err:?}");
+    let err = h
+        .read_file(id, "/etc/shadow", RunAs::Sandbox)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            HostError::Guest {
+                failure: GuestFailure::PermissionDenied,
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    let err = h
+        .read_file(id, "/workspace/missing", RunAs::Sandbox)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            HostError::Guest {
+                failure: GuestFailure::FileNotFound,
+                ..
+            }
+        ),
+        "{err:?}"
+    );
 
     // QEMU runs unprivileged, under its seccomp filter, inside a memory limit.
     let pid = h.qemu_pid(id).unwrap();
@@ -156,18 +304,48 @@ async fn boots_runs_commands_moves_files_and_cleans_up() {
     let uid_line = status.lines().find(|l| l.starts_with("Uid:")).unwrap();
     let is_root = unsafe { libc::geteuid() } == 0;
     if is_root {
-        assert!(!uid_line.split_whitespace().skip(1).any(|u| u == "0"), "QEMU runs as root: {uid_line}");
-        assert!(status.lines().any(|l| l == "Seccomp:\t2"), "no seccomp filter");
+        assert!(
+            !uid_line.split_whitespace().skip(1).any(|u| u == "0"),
+            "QEMU runs as root: {uid_line}"
+        );
+        assert!(
+            status.lines().any(|l| l == "Seccomp:\t2"),
+            "no seccomp filter"
+        );
         if let Some(limit) = h.memory_limit(id) {
             assert_eq!(limit, (1024 + 512) * 1024 * 1024);
         }
     }
-    assert!(h.console(id).contains("agent: channel open"), "the serial console is kept: {}", h.console(id));
+    assert!(
+        h.console(id).contains("agent: channel open"),
+        "the serial console is kept: {}",
+        h.console(id)
+    );
 
     h.destroy(id).await.unwrap();
-    assert!(!std::path::Path::new(&format!("/proc/{pid}")).exists() || std::fs::read_to_string(format!("/proc/{pid}/stat")).map(|s| s.contains(") Z")).unwrap_or(true));
+    assert!(
+        !std::path::Path::new(&format!("/proc/{pid}")).exists()
+            || std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                .map(|s| s.contains(") Z"))
+                .unwrap_or(true)
+    );
     assert!(!t.state.join(id).exists(), "the VM directory is removed");
-    let err = h.exec(id, ExecSpec { argv: vec!["true".into()], cwd: None, env: vec![], user: RunAs::Sandbox, timeout: None, stdin: false, pty: None, kill_group_on_exit: true }).await.unwrap_err();
+    let err = h
+        .exec(
+            id,
+            ExecSpec {
+                argv: vec!["true".into()],
+                cwd: None,
+                env: vec![],
+                user: RunAs::Sandbox,
+                timeout: None,
+                stdin: false,
+                pty: None,
+                kill_group_on_exit: true,
+            },
+        )
+        .await
+        .unwrap_err();
     assert!(matches!(err, HostError::NoSuchMachine { .. }));
 }
 
@@ -175,22 +353,81 @@ async fn boots_runs_commands_moves_files_and_cleans_up() {
 async fn a_new_host_process_recovers_a_running_machine() {
     let t = host();
     let id = "00000000-0000-4000-8000-00000000a002";
-    t.host.start(&spec(id)).await.unwrap_or_else(|e| panic!("start: {e:?}"));
-    let (_, _, st) = run(&t.host, id, &["bash", "-c", "echo kept > /tmp/mem-only; sleep 600 >/dev/null 2>&1 &"], RunAs::Sandbox, None).await;
+    t.host
+        .start(&spec(id))
+        .await
+        .unwrap_or_else(|e| panic!("start: {e:?}"));
+    let (_, _, st) = run(
+        &t.host,
+        id,
+        &[
+            "bash",
+            "-c",
+            "echo kept > /tmp/mem-only; sleep 600 >/dev/null 2>&1 &",
+        ],
+        RunAs::Sandbox,
+        None,
+    )
+    .await;
     assert_eq!(st.code, Some(0));
     let pid = t.host.qemu_pid(id).unwrap();
-    let TestHost { host, state, _cleanup } = t;
+    // A process still running when the server goes away.
+    let spec_exec = ExecSpec {
+        argv: vec!["bash".into(), "-c".into(), "sleep 3; echo late".into()],
+        cwd: None,
+        env: vec![],
+        user: RunAs::Sandbox,
+        timeout: None,
+        stdin: false,
+        pty: None,
+        kill_group_on_exit: true,
+    };
+    let handle = t.host.exec(id, spec_exec).await.unwrap();
+    let (token, guest_pid) = (handle.token, handle.pid);
+    drop(handle);
+    let TestHost {
+        host,
+        state,
+        _cleanup,
+    } = t;
     drop(host);
 
     // As after a restart of the server: a fresh host on the same state dir.
     let (accel, _) = choose_accel();
     let arts = artifacts::ensure(&cache(), &agent_path()).unwrap();
-    let h2 = QemuHost::new(QemuConfig { state_dir: state.clone(), qemu_binary: "qemu-system-x86_64".into(), artifacts: arts, accel, boot_timeout: Duration::from_secs(60) }).unwrap();
+    let h2 = QemuHost::new(QemuConfig {
+        state_dir: state.clone(),
+        qemu_binary: "qemu-system-x86_64".into(),
+        artifacts: arts,
+        accel,
+        boot_timeout: Duration::from_secs(60),
+    })
+    .unwrap();
     assert!(h2.recover(&spec(id)).await.unwrap());
     assert_eq!(h2.qemu_pid(id), Some(pid));
     let (out, _, _) = run(&h2, id, &["cat", "/tmp/mem-only"], RunAs::Sandbox, None).await;
     assert_eq!(out, "kept\n");
-    assert!(!h2.recover(&spec("00000000-0000-4000-8000-00000000a0ff")).await.unwrap());
+    let mut again = h2.attach(id, token).await.unwrap();
+    assert_eq!(again.pid, guest_pid);
+    let mut out = Vec::new();
+    loop {
+        match tokio::time::timeout(Duration::from_secs(30), again.events.recv())
+            .await
+            .unwrap()
+        {
+            Some(ExecEvent::Stdout(b)) => out.extend(b),
+            Some(ExecEvent::Exited(st)) => {
+                assert_eq!(st.code, Some(0));
+                break;
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    assert_eq!(out, b"late\n");
+    assert!(!h2
+        .recover(&spec("00000000-0000-4000-8000-00000000a0ff"))
+        .await
+        .unwrap());
     h2.destroy(id).await.unwrap();
 }
 
@@ -198,7 +435,9 @@ const COUNTER: &str = "setsid bash -c 'x=0; while true; do x=$((x+1)); echo $x >
 
 async fn counter(h: &QemuHost, id: &str) -> u64 {
     let (out, err, _) = run(h, id, &["cat", "/tmp/counter"], RunAs::Sandbox, None).await;
-    out.trim().parse().unwrap_or_else(|_| panic!("counter: {out:?} {err:?}"))
+    out.trim()
+        .parse()
+        .unwrap_or_else(|_| panic!("counter: {out:?} {err:?}"))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -206,22 +445,54 @@ async fn pause_and_wake_keep_memory_processes_and_files() {
     let t = host();
     let h = &t.host;
     let id = "00000000-0000-4000-8000-00000000a003";
-    h.start(&spec(id)).await.unwrap_or_else(|e| panic!("start: {e:?}"));
+    h.start(&spec(id))
+        .await
+        .unwrap_or_else(|e| panic!("start: {e:?}"));
     run(h, id, &["bash", "-c", COUNTER], RunAs::Sandbox, None).await;
     tokio::time::sleep(Duration::from_millis(800)).await;
     for round in 0..3 {
         let before = counter(h, id).await;
-        h.write_file(id, &format!("/workspace/f{round}"), None, RunAs::Sandbox, vec![b'x'; 10]).await.unwrap();
+        h.write_file(
+            id,
+            &format!("/workspace/f{round}"),
+            None,
+            RunAs::Sandbox,
+            vec![b'x'; 10],
+        )
+        .await
+        .unwrap();
         let pid = h.qemu_pid(id).unwrap();
         h.pause(id).await.unwrap();
         assert!(h.qemu_pid(id).is_none(), "no machine while paused");
-        assert!(!std::path::Path::new(&format!("/proc/{pid}/cmdline")).exists() || std::fs::read(format!("/proc/{pid}/cmdline")).map(|c| c.is_empty()).unwrap_or(true), "QEMU ended");
-        h.wake(&spec(id)).await.unwrap_or_else(|e| panic!("wake: {e:?}"));
+        assert!(
+            !std::path::Path::new(&format!("/proc/{pid}/cmdline")).exists()
+                || std::fs::read(format!("/proc/{pid}/cmdline"))
+                    .map(|c| c.is_empty())
+                    .unwrap_or(true),
+            "QEMU ended"
+        );
+        h.wake(&spec(id))
+            .await
+            .unwrap_or_else(|e| panic!("wake: {e:?}"));
         let after = counter(h, id).await;
         // The loop's variable lives only in memory: it goes on from where it was.
-        assert!(after >= before && after < before + 50, "round {round}: {before} -> {after}");
+        assert!(
+            after >= before && after < before + 50,
+            "round {round}: {before} -> {after}"
+        );
     }
-    let (out, _, _) = run(h, id, &["bash", "-c", "ls /workspace | grep -c '^f'; pgrep -c -f 'x=\\$'"], RunAs::Sandbox, None).await;
+    let (out, _, _) = run(
+        h,
+        id,
+        &[
+            "bash",
+            "-c",
+            "ls /workspace | grep -c '^f'; pgrep -c -f 'x=\\$'",
+        ],
+        RunAs::Sandbox,
+        None,
+    )
+    .await;
     assert_eq!(out.lines().next(), Some("3"), "{out}");
     h.destroy(id).await.unwrap();
 }
@@ -231,26 +502,75 @@ async fn captures_restore_into_copies_that_diverge() {
     let t = host();
     let h = &t.host;
     let src = "00000000-0000-4000-8000-00000000a004";
-    h.start(&spec(src)).await.unwrap_or_else(|e| panic!("start: {e:?}"));
+    h.start(&spec(src))
+        .await
+        .unwrap_or_else(|e| panic!("start: {e:?}"));
     run(h, src, &["bash", "-c", COUNTER], RunAs::Sandbox, None).await;
-    h.write_file(src, "/workspace/shared", None, RunAs::Sandbox, b"from source".to_vec()).await.unwrap();
+    h.write_file(
+        src,
+        "/workspace/shared",
+        None,
+        RunAs::Sandbox,
+        b"from source".to_vec(),
+    )
+    .await
+    .unwrap();
     tokio::time::sleep(Duration::from_millis(600)).await;
     let cap = t.state.join("capture-1");
     h.capture(src, &cap, true).await.unwrap();
-    let copies = ["00000000-0000-4000-8000-00000000a005", "00000000-0000-4000-8000-00000000a006"];
+    let copies = [
+        "00000000-0000-4000-8000-00000000a005",
+        "00000000-0000-4000-8000-00000000a006",
+    ];
     for c in copies {
-        h.restore(&MachineSpec { hostname: format!("copy-{}", &c[c.len() - 1..]), ..spec(c) }, &cap).await.unwrap_or_else(|e| panic!("restore: {e:?}"));
+        h.restore(
+            &MachineSpec {
+                hostname: format!("copy-{}", &c[c.len() - 1..]),
+                ..spec(c)
+            },
+            &cap,
+        )
+        .await
+        .unwrap_or_else(|e| panic!("restore: {e:?}"));
     }
     let base = counter(h, src).await;
     for (i, c) in copies.iter().enumerate() {
         assert!(counter(h, c).await >= 1, "the copy's memory-only loop runs");
-        assert_eq!(h.read_file(c, "/workspace/shared", RunAs::Sandbox).await.unwrap(), b"from source");
-        h.write_file(c, "/workspace/mine", None, RunAs::Sandbox, format!("copy {i}").into_bytes()).await.unwrap();
+        assert_eq!(
+            h.read_file(c, "/workspace/shared", RunAs::Sandbox)
+                .await
+                .unwrap(),
+            b"from source"
+        );
+        h.write_file(
+            c,
+            "/workspace/mine",
+            None,
+            RunAs::Sandbox,
+            format!("copy {i}").into_bytes(),
+        )
+        .await
+        .unwrap();
     }
     assert!(counter(h, src).await >= base, "the source runs on");
-    assert_eq!(h.read_file(copies[0], "/workspace/mine", RunAs::Sandbox).await.unwrap(), b"copy 0");
-    assert_eq!(h.read_file(copies[1], "/workspace/mine", RunAs::Sandbox).await.unwrap(), b"copy 1");
-    assert!(h.read_file(src, "/workspace/mine", RunAs::Sandbox).await.is_err(), "the source does not see the copies' files");
+    assert_eq!(
+        h.read_file(copies[0], "/workspace/mine", RunAs::Sandbox)
+            .await
+            .unwrap(),
+        b"copy 0"
+    );
+    assert_eq!(
+        h.read_file(copies[1], "/workspace/mine", RunAs::Sandbox)
+            .await
+            .unwrap(),
+        b"copy 1"
+    );
+    assert!(
+        h.read_file(src, "/workspace/mine", RunAs::Sandbox)
+            .await
+            .is_err(),
+        "the source does not see the copies' files"
+    );
     let (out, _, _) = run(h, copies[1], &["hostname"], RunAs::Sandbox, None).await;
     assert_eq!(out.trim(), "copy-6");
 
@@ -258,10 +578,29 @@ async fn captures_restore_into_copies_that_diverge() {
     let disk = t.state.join("capture-disk");
     h.capture(src, &disk, false).await.unwrap();
     let d = "00000000-0000-4000-8000-00000000a007";
-    h.restore(&spec(d), &disk).await.unwrap_or_else(|e| panic!("restore disk: {e:?}"));
-    assert_eq!(h.read_file(d, "/workspace/shared", RunAs::Sandbox).await.unwrap(), b"from source");
-    let err = h.read_file(d, "/tmp/counter", RunAs::Sandbox).await.unwrap_err();
-    assert!(matches!(err, HostError::Guest { failure: GuestFailure::FileNotFound, .. }), "{err:?}");
+    h.restore(&spec(d), &disk)
+        .await
+        .unwrap_or_else(|e| panic!("restore disk: {e:?}"));
+    assert_eq!(
+        h.read_file(d, "/workspace/shared", RunAs::Sandbox)
+            .await
+            .unwrap(),
+        b"from source"
+    );
+    let err = h
+        .read_file(d, "/tmp/counter", RunAs::Sandbox)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            HostError::Guest {
+                failure: GuestFailure::FileNotFound,
+                ..
+            }
+        ),
+        "{err:?}"
+    );
     for id in [src, copies[0], copies[1], d] {
         h.destroy(id).await.unwrap();
     }

@@ -48,7 +48,12 @@ impl Frame {
         if payload.len() > MAX_PAYLOAD {
             return Err(ProtoError::PayloadTooLarge { len: payload.len() });
         }
-        Ok(Frame { kind: Kind::Control, channel: 0, stream, payload })
+        Ok(Frame {
+            kind: Kind::Control,
+            channel: 0,
+            stream,
+            payload,
+        })
     }
 
     /// A data frame; callers split larger buffers into [`MAX_PAYLOAD`] pieces.
@@ -56,13 +61,20 @@ impl Frame {
         if payload.len() > MAX_PAYLOAD {
             return Err(ProtoError::PayloadTooLarge { len: payload.len() });
         }
-        Ok(Frame { kind: Kind::Data, channel, stream, payload })
+        Ok(Frame {
+            kind: Kind::Data,
+            channel,
+            stream,
+            payload,
+        })
     }
 
     /// Decodes the JSON payload of a control frame.
     pub fn parse<T: DeserializeOwned>(&self) -> Result<T, ProtoError> {
-        serde_json::from_slice(&self.payload)
-            .map_err(|source| ProtoError::BadControl { stream: self.stream, source })
+        serde_json::from_slice(&self.payload).map_err(|source| ProtoError::BadControl {
+            stream: self.stream,
+            source,
+        })
     }
 }
 
@@ -121,7 +133,12 @@ impl Decoder {
         let stream = u32::from_be_bytes([self.buf[6], self.buf[7], self.buf[8], self.buf[9]]);
         let payload = self.buf[4 + HEADER_LEN..4 + len].to_vec();
         self.buf.drain(..4 + len);
-        Ok(Some(Frame { kind, channel, stream, payload }))
+        Ok(Some(Frame {
+            kind,
+            channel,
+            stream,
+            payload,
+        }))
     }
 }
 
@@ -162,13 +179,22 @@ mod tests {
     fn oversized_and_short_frames_are_refused() {
         let mut dec = Decoder::new();
         dec.feed(&((MAX_FRAME + 1) as u32).to_be_bytes());
-        assert!(matches!(dec.next_frame(), Err(ProtoError::FrameTooLarge { .. })));
+        assert!(matches!(
+            dec.next_frame(),
+            Err(ProtoError::FrameTooLarge { .. })
+        ));
         let mut dec = Decoder::new();
         dec.feed(&[0, 0, 0, 2, 1, 0]);
-        assert!(matches!(dec.next_frame(), Err(ProtoError::FrameTooShort { len: 2 })));
+        assert!(matches!(
+            dec.next_frame(),
+            Err(ProtoError::FrameTooShort { len: 2 })
+        ));
         let mut dec = Decoder::new();
         dec.feed(&[0, 0, 0, 6, 9, 0, 0, 0, 0, 0]);
-        assert!(matches!(dec.next_frame(), Err(ProtoError::UnknownKind { kind: 9 })));
+        assert!(matches!(
+            dec.next_frame(),
+            Err(ProtoError::UnknownKind { kind: 9 })
+        ));
         assert!(Frame::data(1, 1, vec![0; MAX_PAYLOAD + 1]).is_err());
     }
 

@@ -59,7 +59,9 @@ pub struct ExecRequest {
 #[serde(tag = "op", rename_all = "snake_case")]
 pub enum Request {
     /// First message on stream 0; the guest answers [`Reply::Hello`].
-    Hello { version: u32 },
+    Hello {
+        version: u32,
+    },
     /// Liveness, stream 0 or any stream; answered by [`Reply::Pong`].
     Ping,
     /// Sets the clock, hostname and entropy: after boot and after every restore.
@@ -75,11 +77,18 @@ pub enum Request {
     /// Ends the stdin of the process on this stream.
     CloseStdin,
     /// Sends a signal (a number) to the process group on this stream.
-    Signal { signal: i32 },
-    Resize { size: PtySize },
+    Signal {
+        signal: i32,
+    },
+    Resize {
+        size: PtySize,
+    },
     /// The file's bytes come back as INPUT data after [`Reply::FileStart`],
     /// then [`Reply::Done`].
-    ReadFile { path: String, user: User },
+    ReadFile {
+        path: String,
+        user: User,
+    },
     /// INPUT data frames follow, then [`Request::EndWrite`]; the file is
     /// placed atomically (temp file + rename), parents created.
     WriteFile {
@@ -88,7 +97,10 @@ pub enum Request {
         user: User,
     },
     EndWrite,
-    Stat { path: String, user: User },
+    Stat {
+        path: String,
+        user: User,
+    },
     List {
         path: String,
         depth: u32,
@@ -96,17 +108,36 @@ pub enum Request {
         limit: u32,
         user: User,
     },
-    Mkdir { path: String, parents: bool, user: User },
-    Remove { path: String, recursive: bool, user: User },
+    Mkdir {
+        path: String,
+        parents: bool,
+        user: User,
+    },
+    Remove {
+        path: String,
+        recursive: bool,
+        user: User,
+    },
     Rename {
         from: String,
         to: String,
         overwrite: bool,
         user: User,
     },
-    Chmod { path: String, mode: u32, user: User },
+    Chmod {
+        path: String,
+        mode: u32,
+        user: User,
+    },
     /// Flushes file systems (before a snapshot or a stop).
     Sync,
+    /// Takes up an exec stream again after the host reconnected (a restart
+    /// of the server): answered by [`Reply::Started`] if the process still
+    /// runs (its output and `Exited` then follow on this stream as before),
+    /// by its [`Reply::Exited`] if it ended meanwhile (kept for an hour), or
+    /// `Failed` if the agent knows no process on this stream. Output the
+    /// process wrote while no host listened is lost.
+    Attach,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -150,9 +181,14 @@ pub enum FailCode {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "ev", rename_all = "snake_case")]
 pub enum Reply {
-    Hello { version: u32, agent: String },
+    Hello {
+        version: u32,
+        agent: String,
+    },
     Pong,
-    Started { pid: u32 },
+    Started {
+        pid: u32,
+    },
     Exited {
         /// `None` when killed by a signal or timed out.
         exit_code: Option<i32>,
@@ -163,13 +199,25 @@ pub enum Reply {
         out_of_memory: bool,
     },
     /// Before the bytes of a read file.
-    FileStart { size: u64 },
-    Stat { entry: Option<Entry> },
-    Listing { entries: Vec<Entry>, truncated: bool },
-    Removed { removed: bool },
+    FileStart {
+        size: u64,
+    },
+    Stat {
+        entry: Option<Entry>,
+    },
+    Listing {
+        entries: Vec<Entry>,
+        truncated: bool,
+    },
+    Removed {
+        removed: bool,
+    },
     /// A request finished with nothing more to say.
     Done,
-    Failed { code: FailCode, message: String },
+    Failed {
+        code: FailCode,
+        message: String,
+    },
 }
 
 #[cfg(test)]
@@ -200,12 +248,31 @@ mod tests {
             Request::CloseStdin,
             Request::EndWrite,
             Request::Sync,
+            Request::Attach,
         ]
         .iter()
-        .map(|r| serde_json::to_value(r).unwrap()["op"].as_str().unwrap().to_string())
+        .map(|r| {
+            serde_json::to_value(r).unwrap()["op"]
+                .as_str()
+                .unwrap()
+                .to_string()
+        })
         .collect();
-        assert_eq!(names, ["hello", "ping", "close_stdin", "end_write", "sync"]);
-        let reply = Reply::Failed { code: FailCode::IsADirectory, message: "x".into() };
+        assert_eq!(
+            names,
+            [
+                "hello",
+                "ping",
+                "close_stdin",
+                "end_write",
+                "sync",
+                "attach"
+            ]
+        );
+        let reply = Reply::Failed {
+            code: FailCode::IsADirectory,
+            message: "x".into(),
+        };
         assert_eq!(
             serde_json::to_string(&reply).unwrap(),
             r#"{"ev":"failed","code":"is_a_directory","message":"x"}"#

@@ -15,7 +15,7 @@ use tracing::Instrument;
 use crate::error::{ApiError, ApiResult};
 use crate::store::KeyInfo;
 use crate::util::{parse_query, percent_decode, sha256_hex};
-use crate::{files, idempotency, procs, sandboxes, AppState};
+use crate::{files, idempotency, procs, sandboxes, snapshots, AppState};
 
 /// What a handler answers.
 pub enum Reply {
@@ -69,6 +69,10 @@ pub enum Route {
     ProcGet(String, String),
     ProcOutput(String, String),
     ProcAction(String, String, String),
+    ListSnapshots,
+    GetSnapshot(String),
+    DeleteSnapshot(String),
+    SnapshotAction(String, String),
 }
 
 pub fn router(state: AppState) -> axum::Router {
@@ -197,6 +201,16 @@ pub fn route(method: &Method, raw_path: &str) -> ApiResult<Route> {
             Method::GET => Route::ProcOutput(id.to_string(), pid.to_string()),
             _ => return Err(not_allowed()),
         },
+        ["v1", "snapshots"] if verb_or_none(false) => match m {
+            Method::GET => Route::ListSnapshots,
+            _ => return Err(not_allowed()),
+        },
+        ["v1", "snapshots", id] => match (&m, &verb) {
+            (&Method::GET, None) => Route::GetSnapshot(id.to_string()),
+            (&Method::DELETE, None) => Route::DeleteSnapshot(id.to_string()),
+            (&Method::POST, Some(v)) => Route::SnapshotAction(id.to_string(), v.clone()),
+            _ => return Err(not_allowed()),
+        },
         _ => return Err(not_found()),
     };
     Ok(r)
@@ -321,6 +335,10 @@ async fn dispatch(st: AppState, ctx: Ctx, r: Route, body: Bytes) -> ApiResult<Re
         Route::ProcGet(id, pid) => procs::get(st, ctx, id, pid).await,
         Route::ProcOutput(id, pid) => procs::output(st, ctx, id, pid).await,
         Route::ProcAction(id, pid, verb) => procs::action(st, ctx, id, pid, verb, body).await,
+        Route::ListSnapshots => snapshots::list(st, ctx).await,
+        Route::GetSnapshot(id) => snapshots::get(st, ctx, id).await,
+        Route::DeleteSnapshot(id) => snapshots::delete(st, ctx, id).await,
+        Route::SnapshotAction(id, verb) => snapshots::action(st, ctx, id, verb, body).await,
     }
 }
 

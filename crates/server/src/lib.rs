@@ -10,6 +10,7 @@ mod http;
 mod idempotency;
 mod procs;
 mod sandboxes;
+mod snapshots;
 mod store;
 mod util;
 

@@ -493,6 +493,7 @@ async fn start(
         pid,
         mut events,
         control,
+        ..
     } = st.host().exec(&row.record.id, req.spec).await?;
     let stdin_closed = !stdin_pipe;
     if let Some(data) = req.stdin_data {

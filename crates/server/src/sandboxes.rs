@@ -122,7 +122,12 @@ pub(crate) async fn ensure_awake(st: &AppState, id: &str, timeout: Duration) -> 
                 continue;
             }
             "pausing" | "resuming" | "starting" => {}
-            _ => return Err(ApiError::NotRunning { id: id.into(), state }),
+            _ => {
+                return Err(ApiError::NotRunning {
+                    id: id.into(),
+                    state,
+                })
+            }
         }
         if state == "resuming" {
             asked = true;
@@ -401,9 +406,7 @@ pub async fn create(st: AppState, ctx: Ctx, body: Bytes) -> ApiResult<Reply> {
                     let (_, w) = want.iter().find(|(n, _)| n == k)?;
                     (v != w).then(|| runtime_api::Issue {
                         field: (*k).to_string(),
-                        message: format!(
-                            "must be {w}, the value of snapshot {sid} (or left out)"
-                        ),
+                        message: format!("must be {w}, the value of snapshot {sid} (or left out)"),
                     })
                 })
                 .collect();
@@ -679,8 +682,12 @@ pub(crate) fn request_pause(st: &AppState, id: &str, reason: &'static str) -> Ap
         });
         match (&result, updated) {
             (Ok(()), Ok(_)) => tracing::info!(sandbox_id = %id, reason, "sandbox paused"),
-            (Err(e), Ok(_)) => tracing::warn!(sandbox_id = %id, reason, error = %e, "pausing the sandbox failed"),
-            (_, Err(e)) => tracing::error!(sandbox_id = %id, error = %e, "recording the pause failed"),
+            (Err(e), Ok(_)) => {
+                tracing::warn!(sandbox_id = %id, reason, error = %e, "pausing the sandbox failed")
+            }
+            (_, Err(e)) => {
+                tracing::error!(sandbox_id = %id, error = %e, "recording the pause failed")
+            }
         }
         if matches!(result, Err(HostError::NoSuchMachine { .. })) {
             st2.inner.procs.sandbox_gone(&id);
@@ -750,8 +757,12 @@ pub(crate) fn request_wake(st: &AppState, id: &str, lease: Option<u32>) -> ApiRe
         });
         match (&result, updated) {
             (Ok(()), Ok(_)) => tracing::info!(sandbox_id = %id, "sandbox woken"),
-            (Err(e), Ok(_)) => tracing::warn!(sandbox_id = %id, error = %e, "waking the sandbox failed"),
-            (_, Err(e)) => tracing::error!(sandbox_id = %id, error = %e, "recording the wake failed"),
+            (Err(e), Ok(_)) => {
+                tracing::warn!(sandbox_id = %id, error = %e, "waking the sandbox failed")
+            }
+            (_, Err(e)) => {
+                tracing::error!(sandbox_id = %id, error = %e, "recording the wake failed")
+            }
         }
         st2.notify_change();
     });
@@ -775,7 +786,11 @@ async fn settle(
 
 /// The source of a fork or snapshot: running or paused, after any start,
 /// pause or wake under way ended.
-pub(crate) async fn settled_source(st: &AppState, key: &KeyInfo, id: &str) -> ApiResult<SandboxRow> {
+pub(crate) async fn settled_source(
+    st: &AppState,
+    key: &KeyInfo,
+    id: &str,
+) -> ApiResult<SandboxRow> {
     let row = settle(st, key, id, &["starting", "pausing", "resuming"]).await?;
     match row.record.state.as_str() {
         "running" | "paused" => Ok(row),

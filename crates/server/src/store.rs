@@ -313,8 +313,7 @@ impl Store {
             return Ok(None);
         };
         if f(&mut row) {
-            let record =
-                serde_json::to_string(&row.record).map_err(|e| corrupt(e.to_string()))?;
+            let record = serde_json::to_string(&row.record).map_err(|e| corrupt(e.to_string()))?;
             tx.execute(
                 "UPDATE snapshots SET state = ?2, record = ?3, deleted = ?4 WHERE id = ?1",
                 params![id, row.record.state, record, row.deleted],

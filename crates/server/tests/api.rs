@@ -1109,3 +1109,546 @@ async fn restart_recovers_found_sandboxes_and_stops_lost_ones() {
         .await;
     assert_eq!(v["stopReason"], "requested");
 }
+
+// ---- memory: pause, wake, auto-wake, leases, idle, fork, snapshots ----
+
+impl T {
+    async fn act(&self, id: &str, verb: &str, body: Value) -> (StatusCode, Value) {
+        self.json_as(
+            &self.admin.clone(),
+            "POST",
+            &format!("/v1/sandboxes/{id}:{verb}"),
+            Some(body),
+            &[("prefer", "wait=10")],
+        )
+        .await
+    }
+
+    async fn sandbox(&self, id: &str) -> Value {
+        self.json("GET", &format!("/v1/sandboxes/{id}"), None)
+            .await
+            .1
+    }
+
+    /// Edits a stored record field, as time passing would.
+    fn set_field(&self, id: &str, field: &str, value: &str) {
+        let conn = rusqlite::Connection::open(self.dir.join("runtime.db")).unwrap();
+        conn.busy_timeout(Duration::from_secs(5)).unwrap();
+        let n = conn
+            .execute(
+                &format!(
+                    "UPDATE sandboxes SET record = json_set(record, '$.{field}', ?1) WHERE id = ?2"
+                ),
+                rusqlite::params![value, id],
+            )
+            .unwrap();
+        assert_eq!(n, 1);
+    }
+
+    async fn wait_state(&self, id: &str, want: &str) -> Value {
+        for _ in 0..100 {
+            let (s, v) = self.json("GET", &format!("/v1/sandboxes/{id}"), None).await;
+            if (want == "gone" && s == StatusCode::NOT_FOUND) || v["state"] == want {
+                return v;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        panic!("{id} never reached {want}: {}", self.sandbox(id).await);
+    }
+}
+
+#[tokio::test]
+async fn pause_then_wake_and_the_idempotent_repeats() {
+    let t = T::new();
+    let id = t.running(json!({"timeoutSeconds": 600})).await;
+    let (s, v) = t.act(&id, "pause", json!({})).await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert_eq!(v["state"], "paused");
+    assert_eq!(v["status"], "paused");
+    assert!(
+        v["pausedAt"].as_str().is_some_and(|p| p.ends_with('Z')),
+        "{v}"
+    );
+    assert_eq!(t.host.paused.lock().unwrap().as_slice(), [id.as_str()]);
+    // Pausing a paused sandbox is fine and does not reach the host again.
+    let (s, v) = t.act(&id, "pause", json!({})).await;
+    assert_eq!((s, v["state"].as_str()), (StatusCode::OK, Some("paused")));
+    assert_eq!(t.host.paused.lock().unwrap().len(), 1);
+
+    let (s, v) = t.act(&id, "wake", json!({"timeoutSeconds": 120})).await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert_eq!(v["state"], "running");
+    assert_eq!(v["status"], "active");
+    assert_eq!(v["pausedAt"], Value::Null);
+    assert_eq!(v["timeoutSeconds"], 120);
+    assert_eq!(t.host.woken.lock().unwrap().as_slice(), [id.as_str()]);
+    // Waking a running sandbox answers the record.
+    let (s, v) = t.act(&id, "wake", json!({})).await;
+    assert_eq!((s, v["state"].as_str()), (StatusCode::OK, Some("running")));
+    assert_eq!(t.host.woken.lock().unwrap().len(), 1);
+
+    let (s, v) = t
+        .act(&id, "wake", json!({"timeoutSeconds": 5, "x": 1}))
+        .await;
+    assert_eq!(s, StatusCode::BAD_REQUEST);
+    let fields: Vec<&str> = v["error"]["details"]["issues"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|i| i["field"].as_str().unwrap())
+        .collect();
+    assert_eq!(fields, ["timeoutSeconds", "x"]);
+
+    // Without Prefer the answer is the transitional state.
+    let (s, v) = t
+        .json(
+            "POST",
+            &format!("/v1/sandboxes/{id}:pause"),
+            Some(json!({})),
+        )
+        .await;
+    assert_eq!(s, StatusCode::OK);
+    assert!(v["state"] == "pausing" || v["state"] == "paused", "{v}");
+    t.wait_state(&id, "paused").await;
+
+    // Stop of a paused sandbox works.
+    let (s, v) = t.act(&id, "stop", json!({})).await;
+    assert_eq!(
+        (s, v["state"].as_str()),
+        (StatusCode::OK, Some("stopped")),
+        "{v}"
+    );
+    let (s, v) = t.act(&id, "pause", json!({})).await;
+    assert_eq!(s, StatusCode::CONFLICT);
+    assert_error(&v, 409, "sandbox_not_running");
+}
+
+#[tokio::test]
+async fn a_call_on_a_paused_sandbox_wakes_it_once() {
+    let t = T::new();
+    let id = t.running(json!({})).await;
+    t.host
+        .script("hello", vec![Step::Out(b"hi\n".to_vec()), Step::Exit(0)]);
+    t.act(&id, "pause", json!({})).await;
+    *t.host.wake_delay_ms.lock().unwrap() = 300;
+    let call = |path: String, body: Value| {
+        let st = t.state.clone();
+        let admin = t.admin.clone();
+        tokio::spawn(async move {
+            let req = Request::builder()
+                .method("POST")
+                .uri(path)
+                .header("authorization", format!("Bearer {admin}"))
+                .header("idempotency-key", uuid::Uuid::new_v4().to_string())
+                .body(Body::from(body.to_string()))
+                .unwrap();
+            let resp = router(st).oneshot(req).await.unwrap();
+            let status = resp.status();
+            let b = resp.into_body().collect().await.unwrap().to_bytes();
+            (status, serde_json::from_slice::<Value>(&b).unwrap())
+        })
+    };
+    let a = call(
+        format!("/v1/sandboxes/{id}:exec"),
+        json!({"command": "hello"}),
+    );
+    let b = call(
+        format!("/v1/sandboxes/{id}:exec"),
+        json!({"command": "hello"}),
+    );
+    // A wake asked for while the auto-wake runs joins it.
+    let c = call(format!("/v1/sandboxes/{id}:wake"), json!({}));
+    for h in [a, b] {
+        let (s, v) = h.await.unwrap();
+        assert_eq!(s, StatusCode::OK, "{v}");
+        assert_eq!(v["stdout"], "hi\n");
+    }
+    let (s, v) = c.await.unwrap();
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert_eq!(t.host.woken.lock().unwrap().as_slice(), [id.as_str()]);
+    let v = t.sandbox(&id).await;
+    assert_eq!(v["state"], "running");
+    assert!(v["lastActiveAt"].as_str().is_some());
+
+    // Files wake it too.
+    t.act(&id, "pause", json!({})).await;
+    let (s, _, _) = t
+        .call(
+            "PUT",
+            &format!("/v1/sandboxes/{id}/files/content?path=/workspace/a"),
+            Some(&t.admin),
+            &[("idempotency-key", "w1")],
+            Body::from("x"),
+        )
+        .await;
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(t.host.woken.lock().unwrap().len(), 2);
+}
+
+#[tokio::test]
+async fn without_auto_wake_a_paused_sandbox_answers_409() {
+    let t = T::new();
+    let id = t.running(json!({"autoWake": false})).await;
+    t.act(&id, "pause", json!({})).await;
+    let (s, v) = t
+        .json(
+            "POST",
+            &format!("/v1/sandboxes/{id}:exec"),
+            Some(json!({"command": "x"})),
+        )
+        .await;
+    assert_eq!(s, StatusCode::CONFLICT);
+    assert_error(&v, 409, "sandbox_paused");
+    let (s, v) = t
+        .json(
+            "GET",
+            &format!("/v1/sandboxes/{id}/files/content?path=/a"),
+            None,
+        )
+        .await;
+    assert_eq!(s, StatusCode::CONFLICT);
+    assert_error(&v, 409, "sandbox_paused");
+    assert!(t.host.woken.lock().unwrap().is_empty());
+    // A sandbox created with pausable: false refuses to pause.
+    let other = t.running(json!({"pausable": false})).await;
+    let (s, v) = t.act(&other, "pause", json!({})).await;
+    assert_eq!(s, StatusCode::CONFLICT);
+    assert_error(&v, 409, "not_pausable");
+}
+
+#[tokio::test]
+async fn delete_while_paused_destroys_the_saved_state() {
+    let t = T::new();
+    let id = t.running(json!({})).await;
+    t.act(&id, "pause", json!({})).await;
+    let (s, v) = t.json("DELETE", &format!("/v1/sandboxes/{id}"), None).await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert_eq!(v["status"], "deleted");
+    t.wait_state(&id, "gone").await;
+    for _ in 0..50 {
+        if t.host.destroyed.lock().unwrap().contains(&id) {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("never destroyed");
+}
+
+#[tokio::test]
+async fn a_pause_ends_a_streamed_exec_with_a_lost_exit() {
+    let t = T::new();
+    let id = t.running(json!({})).await;
+    t.host.script(
+        "long",
+        vec![
+            Step::Out(b"a\n".to_vec()),
+            Step::Sleep(60_000),
+            Step::Exit(0),
+        ],
+    );
+    let st = t.state.clone();
+    let admin = t.admin.clone();
+    let path = format!("/v1/sandboxes/{id}:exec");
+    let stream = tokio::spawn(async move {
+        let req = Request::builder()
+            .method("POST")
+            .uri(path)
+            .header("authorization", format!("Bearer {admin}"))
+            .header("idempotency-key", "long-1")
+            .body(Body::from(
+                json!({"command": "long", "stream": true}).to_string(),
+            ))
+            .unwrap();
+        let resp = router(st).oneshot(req).await.unwrap();
+        resp.into_body().collect().await.unwrap().to_bytes()
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let (s, v) = t.act(&id, "pause", json!({})).await;
+    assert_eq!((s, v["state"].as_str()), (StatusCode::OK, Some("paused")));
+    let b = tokio::time::timeout(Duration::from_secs(5), stream)
+        .await
+        .unwrap()
+        .unwrap();
+    let ev = ndjson(&b);
+    let last = ev.last().unwrap();
+    assert_eq!(last["type"], "exit", "{ev:?}");
+    assert_eq!(last["state"], "lost");
+    assert_eq!(ev[1]["data"], "a\n");
+}
+
+#[tokio::test]
+async fn fork_makes_running_copies_and_leaves_the_source_as_it_was() {
+    let t = T::new();
+    let id = t
+        .running(json!({"vcpu": 1, "memoryMiB": 512, "labels": {"a": "b"}, "env": {"K": "v"}}))
+        .await;
+    t.host.files.lock().unwrap().insert(
+        (id.clone(), "/workspace/f".into()),
+        (b"src".to_vec(), 0o644),
+    );
+    let (s, v) = t
+        .json_as(
+            &t.admin.clone(),
+            "POST",
+            &format!("/v1/sandboxes/{id}:fork"),
+            Some(json!({"count": 2})),
+            &[("prefer", "wait=10")],
+        )
+        .await;
+    assert_eq!(s, StatusCode::CREATED, "{v}");
+    let copies = v["sandboxes"].as_array().unwrap();
+    assert_eq!(copies.len(), 2);
+    let mut ids = vec![id.clone()];
+    for c in copies {
+        assert_eq!(c["state"], "running", "{c}");
+        assert_eq!(
+            (c["vcpu"].as_u64(), c["memoryMiB"].as_u64()),
+            (Some(1), Some(512))
+        );
+        assert_eq!(c["labels"], json!({"a": "b"}));
+        assert_eq!(c["envNames"], json!(["K"]));
+        let cid = c["id"].as_str().unwrap().to_string();
+        assert!(!ids.contains(&cid));
+        let (s, _, b) = t
+            .call(
+                "GET",
+                &format!("/v1/sandboxes/{cid}/files/content?path=/workspace/f"),
+                Some(&t.admin),
+                &[],
+                Body::empty(),
+            )
+            .await;
+        assert_eq!((s, &b[..]), (StatusCode::OK, &b"src"[..]));
+        ids.push(cid);
+    }
+    assert_eq!(t.sandbox(&id).await["state"], "running");
+    let caps = t.host.captures.lock().unwrap().clone();
+    assert_eq!(caps.len(), 1);
+    assert!(caps[0].2, "a fork captures memory");
+    // The temporary capture is gone once the copies run.
+    assert!(!caps[0].1.exists());
+    assert_eq!(t.host.restored.lock().unwrap().len(), 2);
+    let (_, list) = t.json("GET", "/v1/sandboxes", None).await;
+    assert_eq!(list["data"].as_array().unwrap().len(), 3);
+
+    // Without count: one copy, and a paused source stays paused.
+    t.act(&id, "pause", json!({})).await;
+    let (s, v) = t
+        .act(&id, "fork", json!({"name": "copy", "labels": {}}))
+        .await;
+    assert_eq!(s, StatusCode::CREATED, "{v}");
+    let one = &v["sandboxes"].as_array().unwrap()[0];
+    assert_eq!(one["state"], "running");
+    assert_eq!(one["name"], "copy");
+    assert_eq!(one["labels"], json!({}));
+    assert_eq!(t.sandbox(&id).await["state"], "paused");
+
+    let (s, v) = t
+        .act(&id, "fork", json!({"count": 9, "name": "x", "bad": 1}))
+        .await;
+    assert_eq!(s, StatusCode::BAD_REQUEST);
+    let fields: Vec<&str> = v["error"]["details"]["issues"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|i| i["field"].as_str().unwrap())
+        .collect();
+    assert_eq!(fields, ["count", "bad"]);
+    let (s, v) = t.act(&id, "fork", json!({"count": 2, "name": "x"})).await;
+    assert_eq!(s, StatusCode::BAD_REQUEST);
+    assert_eq!(v["error"]["details"]["issues"][0]["field"], "name");
+}
+
+#[tokio::test]
+async fn snapshot_then_get_list_create_from_it_and_delete() {
+    let t = T::new();
+    let id = t.running(json!({"vcpu": 1, "memoryMiB": 1024})).await;
+    let (s, snap) = t
+        .json_as(
+            &t.admin.clone(),
+            "POST",
+            &format!("/v1/sandboxes/{id}:snapshot"),
+            Some(json!({"name": "s1", "labels": {"k": "v"}, "retentionDays": 2})),
+            &[("prefer", "wait=10")],
+        )
+        .await;
+    assert_eq!(s, StatusCode::CREATED, "{snap}");
+    assert_eq!(snap["state"], "ready");
+    assert_eq!(snap["mode"], "memory");
+    assert_eq!(snap["sandboxId"], id.as_str());
+    assert!(snap["sizeBytes"].as_u64().unwrap() > 0);
+    let sid = snap["id"].as_str().unwrap().to_string();
+    assert!(t
+        .dir
+        .join("snapshots")
+        .join(&sid)
+        .join("memory.state")
+        .exists());
+    let (s, v) = t.json("GET", &format!("/v1/snapshots/{sid}"), None).await;
+    assert_eq!((s, v["state"].as_str()), (StatusCode::OK, Some("ready")));
+    let (_, v) = t.json("GET", "/v1/snapshots", None).await;
+    assert_eq!(v["data"].as_array().unwrap().len(), 1);
+    assert_eq!(t.sandbox(&id).await["state"], "running");
+
+    // Another key sees none of it.
+    let other = create_key(&t.dir, None, false, false).unwrap();
+    let (s, _) = t
+        .json_as(&other, "GET", &format!("/v1/snapshots/{sid}"), None, &[])
+        .await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+    let (_, v) = t.json_as(&other, "GET", "/v1/snapshots", None, &[]).await;
+    assert_eq!(v["data"], json!([]));
+
+    // Create from it: the snapshot's shape; another shape is refused by name.
+    let (s, v) = t
+        .json_as(
+            &t.admin.clone(),
+            "POST",
+            "/v1/sandboxes",
+            Some(json!({"snapshot": sid})),
+            &[("prefer", "wait=10")],
+        )
+        .await;
+    assert_eq!(s, StatusCode::CREATED, "{v}");
+    assert_eq!(v["state"], "running");
+    assert_eq!(v["start"]["mode"], "snapshot");
+    assert_eq!(
+        (v["vcpu"].as_u64(), v["memoryMiB"].as_u64()),
+        (Some(1), Some(1024))
+    );
+    assert_eq!(t.host.restored.lock().unwrap().len(), 1);
+    let (s, v) = t
+        .json(
+            "POST",
+            "/v1/sandboxes",
+            Some(json!({"snapshot": sid, "vcpu": 2, "memoryMiB": 1024})),
+        )
+        .await;
+    assert_eq!(s, StatusCode::BAD_REQUEST);
+    assert_eq!(v["error"]["details"]["issues"].as_array().unwrap().len(), 1);
+    assert_eq!(v["error"]["details"]["issues"][0]["field"], "vcpu");
+    let (s, v) = t
+        .json(
+            "POST",
+            "/v1/sandboxes",
+            Some(json!({"snapshot": sid, "image": "default"})),
+        )
+        .await;
+    assert_eq!(s, StatusCode::BAD_REQUEST);
+    assert_eq!(v["error"]["details"]["issues"][0]["field"], "snapshot");
+    let (s, _) = t
+        .json("POST", "/v1/sandboxes", Some(json!({"snapshot": "nope"})))
+        .await;
+    assert_eq!(s, StatusCode::BAD_REQUEST);
+
+    // A disk snapshot of a paused sandbox leaves it paused.
+    t.act(&id, "pause", json!({})).await;
+    let (s, v) = t.act(&id, "snapshot", json!({"mode": "disk"})).await;
+    assert_eq!(
+        (s, v["state"].as_str(), v["mode"].as_str()),
+        (StatusCode::CREATED, Some("ready"), Some("disk"))
+    );
+    assert!(!t
+        .dir
+        .join("snapshots")
+        .join(v["id"].as_str().unwrap())
+        .join("memory.state")
+        .exists());
+    assert_eq!(t.sandbox(&id).await["state"], "paused");
+
+    // Delete (the client's POST :delete, and DELETE), then it is gone.
+    let (s, v) = t
+        .json(
+            "POST",
+            &format!("/v1/snapshots/{sid}:delete"),
+            Some(json!({})),
+        )
+        .await;
+    assert_eq!((s, v["status"].as_str()), (StatusCode::OK, Some("deleted")));
+    let (s, _) = t
+        .json("DELETE", &format!("/v1/snapshots/{sid}"), None)
+        .await;
+    assert_eq!(s, StatusCode::OK);
+    let (s, v) = t.json("GET", &format!("/v1/snapshots/{sid}"), None).await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+    assert_error(&v, 404, "snapshot_not_found");
+    assert!(!t.dir.join("snapshots").join(&sid).exists());
+}
+
+#[tokio::test]
+async fn lease_end_pauses_stops_or_deletes_as_asked() {
+    let t = T::new();
+    let paused = t.running(json!({"timeoutSeconds": 60})).await;
+    let stopped = t
+        .running(json!({"timeoutSeconds": 60, "onLeaseEnd": "stop"}))
+        .await;
+    let deleted = t
+        .running(json!({"timeoutSeconds": 60, "onLeaseEnd": "delete"}))
+        .await;
+    let kept = t.running(json!({"timeoutSeconds": 60})).await;
+    for id in [&paused, &stopped, &deleted] {
+        t.set_field(id, "endsAt", "2001-01-01T00:00:00Z");
+    }
+    t.state.start_background();
+    let v = t.wait_state(&paused, "paused").await;
+    assert!(v["pausedAt"].is_string());
+    let v = t.wait_state(&stopped, "stopped").await;
+    assert_eq!(v["stopReason"], "timeout");
+    t.wait_state(&deleted, "gone").await;
+    assert_eq!(t.sandbox(&kept).await["state"], "running");
+    // The wake gives it a new lease, so it is not paused again at once.
+    let (s, v) = t.act(&paused, "wake", json!({})).await;
+    assert_eq!((s, v["state"].as_str()), (StatusCode::OK, Some("running")));
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(t.sandbox(&paused).await["state"], "running");
+    t.state.shutdown().await;
+}
+
+#[tokio::test]
+async fn an_idle_sandbox_pauses_itself() {
+    let t = T::new();
+    let idle = t.running(json!({"idlePauseSeconds": 60})).await;
+    let busy = t.running(json!({"idlePauseSeconds": 60})).await;
+    let never = t.running(json!({})).await;
+    t.set_field(&idle, "lastActiveAt", "2001-01-01T00:00:00Z");
+    t.set_field(&never, "lastActiveAt", "2001-01-01T00:00:00Z");
+    t.state.start_background();
+    t.wait_state(&idle, "paused").await;
+    assert_eq!(t.sandbox(&busy).await["state"], "running");
+    assert_eq!(t.sandbox(&never).await["state"], "running");
+    // A call wakes it and counts as activity.
+    t.host.script("hello", vec![Step::Exit(0)]);
+    let (s, _) = t
+        .json(
+            "POST",
+            &format!("/v1/sandboxes/{idle}:exec"),
+            Some(json!({"command": "hello"})),
+        )
+        .await;
+    assert_eq!(s, StatusCode::OK);
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(t.sandbox(&idle).await["state"], "running");
+    t.state.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_restart_keeps_paused_sandboxes_paused_and_applies_ended_leases() {
+    let t = T::new();
+    let paused = t.running(json!({})).await;
+    let ended = t.running(json!({"timeoutSeconds": 60})).await;
+    t.act(&paused, "pause", json!({})).await;
+    t.state.shutdown().await;
+    // The lease ends while the server is down.
+    t.set_field(&ended, "endsAt", "2001-01-01T00:00:00Z");
+
+    let host = Arc::new(FakeHost::default());
+    host.recoverable.lock().unwrap().insert(ended.clone());
+    let t2 = T::open(t.dir.clone(), t.admin.clone(), host, |_| {});
+    runtime_server::recover(&t2.state).await.unwrap();
+    assert_eq!(t2.sandbox(&paused).await["state"], "paused");
+    t2.state.start_background();
+    t2.wait_state(&ended, "paused").await;
+    let (s, v) = t2.act(&paused, "wake", json!({})).await;
+    assert_eq!((s, v["state"].as_str()), (StatusCode::OK, Some("running")));
+    t2.state.shutdown().await;
+}

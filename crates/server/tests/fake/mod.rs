@@ -34,6 +34,13 @@ pub struct FakeHost {
     /// Everything `cat` received on stdin, per process.
     pub stdin_seen: Arc<Mutex<Vec<u8>>>,
     pub last_exec: Mutex<Option<ExecSpec>>,
+    pub paused: Mutex<Vec<String>>,
+    pub woken: Mutex<Vec<String>>,
+    pub wake_delay_ms: Mutex<u64>,
+    /// (source, dest, memory) per capture.
+    pub captures: Mutex<Vec<(String, std::path::PathBuf, bool)>>,
+    /// (new sandbox, capture dir) per restore.
+    pub restored: Mutex<Vec<(String, std::path::PathBuf)>>,
 }
 
 fn guest(id: &str, failure: GuestFailure, message: &str) -> HostError {
@@ -125,20 +132,56 @@ impl Host for FakeHost {
         Ok(())
     }
 
-    async fn pause(&self, _id: &str) -> Result<(), HostError> {
+    async fn pause(&self, id: &str) -> Result<(), HostError> {
+        self.paused.lock().unwrap().push(id.into());
         Ok(())
     }
 
-    async fn wake(&self, _spec: &MachineSpec) -> Result<(), HostError> {
+    async fn wake(&self, spec: &MachineSpec) -> Result<(), HostError> {
+        let delay = *self.wake_delay_ms.lock().unwrap();
+        tokio::time::sleep(Duration::from_millis(delay)).await;
+        self.woken.lock().unwrap().push(spec.id.clone());
         Ok(())
     }
 
-    async fn capture(&self, _id: &str, dest: &std::path::Path, _memory: bool) -> Result<(), HostError> {
-        let _ = std::fs::create_dir_all(dest);
+    /// Writes the capture files, plus `source` naming the sandbox whose
+    /// files a restore copies.
+    async fn capture(
+        &self,
+        id: &str,
+        dest: &std::path::Path,
+        memory: bool,
+    ) -> Result<(), HostError> {
+        std::fs::create_dir_all(dest).unwrap();
+        std::fs::write(dest.join("disk.qcow2"), b"disk").unwrap();
+        if memory {
+            std::fs::write(dest.join("memory.state"), b"memory").unwrap();
+        }
+        std::fs::write(dest.join("source"), id).unwrap();
+        self.captures
+            .lock()
+            .unwrap()
+            .push((id.into(), dest.to_path_buf(), memory));
         Ok(())
     }
 
-    async fn restore(&self, _spec: &MachineSpec, _from: &std::path::Path) -> Result<(), HostError> {
+    async fn restore(&self, spec: &MachineSpec, from: &std::path::Path) -> Result<(), HostError> {
+        let source =
+            std::fs::read_to_string(from.join("source")).map_err(|_| HostError::BadCapture {
+                path: from.to_path_buf(),
+                reason: "no capture".into(),
+            })?;
+        let mut files = self.files.lock().unwrap();
+        let copied: Vec<_> = files
+            .iter()
+            .filter(|((sid, _), _)| *sid == source)
+            .map(|((_, p), v)| ((spec.id.clone(), p.clone()), v.clone()))
+            .collect();
+        files.extend(copied);
+        self.restored
+            .lock()
+            .unwrap()
+            .push((spec.id.clone(), from.to_path_buf()));
         Ok(())
     }
 
@@ -201,9 +244,14 @@ impl Host for FakeHost {
         }
         Ok(ExecHandle {
             pid: 42,
+            token: 1,
             events: erx,
             control: ctx,
         })
+    }
+
+    async fn attach(&self, id: &str, _token: u64) -> Result<ExecHandle, HostError> {
+        Err(HostError::LinkLost { id: id.into() })
     }
 
     async fn read_file(&self, id: &str, path: &str, _user: RunAs) -> Result<Vec<u8>, HostError> {

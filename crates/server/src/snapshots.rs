@@ -1,0 +1,510 @@
+//! Memory copies of a sandbox (contract §5): `:fork` and `:snapshot`,
+//! `GET|DELETE /v1/snapshots/{id}`, `GET /v1/snapshots`.
+//!
+//! Both capture the source through [`runtime_host::Host::capture`] under its
+//! lifecycle lock (a running source stops for the copy and goes on, a
+//! paused one stays paused). A fork captures memory into a temporary
+//! directory under `data_dir/forks/` and restores each copy from it as a new
+//! sandbox; the directory goes once the last copy started. A snapshot keeps
+//! its capture in `data_dir/snapshots/<id>/` until deleted or expired; a
+//! create with `snapshot` restores from it with the snapshot's shape.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::Bytes;
+use axum::http::StatusCode;
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+use tokio::time::Instant;
+
+use crate::error::{ApiError, ApiResult};
+use crate::http::{Ctx, Reply};
+use crate::sandboxes::{
+    check_labels, name_holder, record_json, settled_source, spawn_start, valid_name, wait_until,
+    CaptureDir,
+};
+use crate::store::{KeyInfo, SandboxRow, SnapshotRow};
+use crate::util::{iso, json_object, now_ms, parse_iso_ms, prefer_wait, query_object, Fields};
+use crate::AppState;
+
+/// Most copies one fork makes.
+pub const MAX_FORK: i64 = 8;
+const DEFAULT_RETENTION_DAYS: i64 = 30;
+
+/// The snapshot record (create, get, list items).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct Snapshot {
+    pub id: String,
+    pub kind: String,
+    pub sandbox_id: String,
+    pub name: Option<String>,
+    pub labels: BTreeMap<String, String>,
+    /// `memory` or `disk`.
+    pub mode: String,
+    /// `capturing|ready|failed`.
+    pub state: String,
+    pub size_bytes: u64,
+    pub vcpu: u32,
+    #[serde(rename = "memoryMiB")]
+    pub memory_mib: u32,
+    #[serde(rename = "diskMiB")]
+    pub disk_mib: u32,
+    pub retention_days: u32,
+    pub created_at: String,
+    pub ready_at: Option<String>,
+    pub expires_at: Option<String>,
+    pub error: Option<String>,
+}
+
+fn visible(key: &KeyInfo, row: &SnapshotRow) -> bool {
+    key.account_wide || row.key_id == key.id
+}
+
+fn not_found(id: &str) -> ApiError {
+    ApiError::NotFound {
+        code: "snapshot_not_found",
+        what: "snapshot",
+        id: id.to_string(),
+    }
+}
+
+pub fn dir(st: &AppState, id: &str) -> PathBuf {
+    st.config().data_dir.join("snapshots").join(id)
+}
+
+fn find(st: &AppState, key: &KeyInfo, id: &str) -> ApiResult<SnapshotRow> {
+    match st.store().get_snapshot(id)? {
+        Some(r) if r.deleted.is_none() && visible(key, &r) => Ok(r),
+        _ => Err(not_found(id)),
+    }
+}
+
+/// A snapshot this key may start a sandbox from.
+pub fn find_ready(st: &AppState, key: &KeyInfo, id: &str) -> ApiResult<SnapshotRow> {
+    let row = find(st, key, id)
+        .map_err(|_| ApiError::invalid("snapshot", format!("there is no snapshot {id}")))?;
+    if row.record.state != "ready" {
+        return Err(ApiError::Conflict {
+            code: "snapshot_not_ready",
+            message: format!("Snapshot {id} is {}, not ready.", row.record.state),
+            details: Some(json!({ "snapshotId": id, "state": row.record.state })),
+        });
+    }
+    Ok(row)
+}
+
+fn size_of(p: &Path) -> u64 {
+    let Ok(rd) = std::fs::read_dir(p) else {
+        return 0;
+    };
+    rd.filter_map(Result::ok)
+        .map(|e| match e.metadata() {
+            Ok(m) if m.is_dir() => size_of(&e.path()),
+            Ok(m) => {
+                use std::os::unix::fs::MetadataExt;
+                // Allocated bytes: captures are sparse.
+                m.blocks() * 512
+            }
+            Err(_) => 0,
+        })
+        .sum()
+}
+
+fn remove_dir(p: &Path) {
+    if let Err(e) = std::fs::remove_dir_all(p) {
+        if e.kind() != std::io::ErrorKind::NotFound {
+            tracing::warn!(path = %p.display(), error = %e, "removing a capture failed");
+        }
+    }
+}
+
+pub async fn fork(st: AppState, ctx: Ctx, id: String, body: Bytes) -> ApiResult<Reply> {
+    let obj = json_object(&body)?;
+    let mut f = Fields::new(&obj);
+    let count = f.int("count", 1, MAX_FORK).unwrap_or(1) as usize;
+    let name = f.string("name");
+    if let Some(n) = &name {
+        if !valid_name(n) {
+            f.issue(
+                "name",
+                "must be 1-128 characters without control characters",
+            );
+        } else if count > 1 {
+            f.issue("name", "names one copy: leave it out when count is above 1");
+        }
+    }
+    let labels = f.string_map("labels", 32);
+    let labels = check_labels(&mut f, labels);
+    // Accepted and without effect: no snapshot is kept after a fork here.
+    let _ = f.bool("keepSnapshot");
+    let _ = f.one_of("funding", &["trial", "paid"]);
+    match f.raw("secrets") {
+        None => {}
+        Some(Value::Array(a)) if a.is_empty() => {}
+        Some(_) => f.issue("secrets", "secrets are not supported by this server yet"),
+    }
+    f.finish()?;
+    let src = settled_source(&st, &ctx.key, &id).await?;
+
+    let now = now_ms();
+    let copies: Vec<SandboxRow> = {
+        let _g = st.inner.create_lock.lock().await;
+        if let Some(n) = &name {
+            if let Some(h) = name_holder(&st, n, None)? {
+                let sandbox_id =
+                    crate::sandboxes::visible(&ctx.key, &h).then(|| h.record.id.clone());
+                return Err(ApiError::NameTaken {
+                    name: n.clone(),
+                    sandbox_id,
+                });
+            }
+        }
+        let mut out = Vec::with_capacity(count);
+        for _ in 0..count {
+            let mut r = src.record.clone();
+            r.id = uuid::Uuid::new_v4().to_string();
+            r.name = name.clone();
+            if let Some(l) = &labels {
+                r.labels = l.clone();
+            }
+            r.status = "pending".into();
+            r.state = "starting".into();
+            r.created_at = iso(now);
+            r.ready_at = None;
+            r.ends_at = r.timeout_seconds.map(|t| iso(now + i64::from(t) * 1000));
+            r.expires_at = r.ends_at.clone();
+            r.ended_at = None;
+            r.stop_reason = None;
+            r.paused_at = None;
+            r.paused_expires_at = None;
+            r.last_active_at = Some(iso(now));
+            r.charged_micros = 0;
+            r.held_micros = 0;
+            let row = SandboxRow {
+                seq: 0,
+                key_id: ctx.key.id.clone(),
+                record: r,
+                env: src.env.clone(),
+                deleted: None,
+            };
+            st.store().insert_sandbox(&row)?;
+            out.push(row);
+        }
+        out
+    };
+    st.notify_change();
+    tracing::info!(sandbox_id = %id, count, "fork requested");
+
+    let ids: Vec<String> = copies.iter().map(|c| c.record.id.clone()).collect();
+    let st2 = st.clone();
+    let src_id = id.clone();
+    let task_ids = ids.clone();
+    st.spawn(async move {
+        let capture = Arc::new(CaptureDir {
+            path: st2
+                .config()
+                .data_dir
+                .join("forks")
+                .join(uuid::Uuid::new_v4().to_string()),
+            temporary: true,
+        });
+        let result = {
+            let lock = st2.lifecycle_lock(&src_id);
+            let _g = lock.lock().await;
+            st2.host().capture(&src_id, &capture.path, true).await
+        };
+        match result {
+            Ok(()) => {
+                for cid in task_ids {
+                    spawn_start(&st2, cid, Some(capture.clone()));
+                }
+            }
+            Err(e) => {
+                tracing::warn!(sandbox_id = %src_id, error = %e, "capturing the source of a fork failed");
+                let at = iso(now_ms());
+                for cid in &task_ids {
+                    let r = st2.store().update_sandbox(cid, |r| {
+                        if r.record.state != "starting" || r.deleted.is_some() {
+                            return false;
+                        }
+                        r.record.state = "stopped".into();
+                        r.record.stop_reason = Some("start_failed".into());
+                        r.record.ended_at = Some(at.clone());
+                        true
+                    });
+                    if let Err(e) = r {
+                        tracing::error!(sandbox_id = %cid, error = %e, "recording a failed fork failed");
+                    }
+                }
+                st2.notify_change();
+            }
+        }
+    });
+
+    if let Some(secs) = prefer_wait(&ctx.headers) {
+        let deadline = Instant::now() + Duration::from_secs(secs);
+        for cid in &ids {
+            let left = deadline.saturating_duration_since(Instant::now());
+            wait_until(&st, cid, left, |s| s != "starting").await?;
+        }
+    }
+    let mut out = Vec::with_capacity(ids.len());
+    for cid in &ids {
+        if let Some(r) = st.store().get_sandbox(cid)? {
+            out.push(record_json(&r.record, &[]));
+        }
+    }
+    Ok(Reply::Json(
+        StatusCode::CREATED,
+        json!({ "sandboxes": out }),
+    ))
+}
+
+pub async fn snapshot(st: AppState, ctx: Ctx, id: String, body: Bytes) -> ApiResult<Reply> {
+    let obj = json_object(&body)?;
+    let mut f = Fields::new(&obj);
+    let name = f.string("name");
+    if let Some(n) = &name {
+        if !valid_name(n) {
+            f.issue(
+                "name",
+                "must be 1-128 characters without control characters",
+            );
+        }
+    }
+    let labels = f.string_map("labels", 32);
+    let labels = check_labels(&mut f, labels).unwrap_or_default();
+    let retention = f
+        .int("retentionDays", 1, 365)
+        .unwrap_or(DEFAULT_RETENTION_DAYS);
+    let mode = f
+        .one_of("mode", &["memory", "disk"])
+        .unwrap_or_else(|| "memory".into());
+    f.finish()?;
+    let src = settled_source(&st, &ctx.key, &id).await?;
+    let now = now_ms();
+    let snap = Snapshot {
+        id: uuid::Uuid::new_v4().to_string(),
+        kind: "snapshot".into(),
+        sandbox_id: id.clone(),
+        name,
+        labels,
+        mode,
+        state: "capturing".into(),
+        size_bytes: 0,
+        vcpu: src.record.vcpu,
+        memory_mib: src.record.memory_mib,
+        disk_mib: src.record.disk_mib,
+        retention_days: retention as u32,
+        created_at: iso(now),
+        ready_at: None,
+        expires_at: Some(iso(now + retention * 86_400_000)),
+        error: None,
+    };
+    st.store().insert_snapshot(&ctx.key.id, &snap)?;
+    tracing::info!(sandbox_id = %id, snapshot_id = %snap.id, mode = %snap.mode, "snapshot requested");
+    let sid = snap.id.clone();
+    let st2 = st.clone();
+    let memory = snap.mode == "memory";
+    st.spawn(async move {
+        let path = dir(&st2, &sid);
+        let result = {
+            let lock = st2.lifecycle_lock(&id);
+            let _g = lock.lock().await;
+            st2.host().capture(&id, &path, memory).await
+        };
+        let size = size_of(&path);
+        let at = iso(now_ms());
+        let mut gone = false;
+        let updated = st2.store().update_snapshot(&sid, |r| {
+            if r.deleted.is_some() {
+                gone = true;
+                return false;
+            }
+            match &result {
+                Ok(()) => {
+                    r.record.state = "ready".into();
+                    r.record.size_bytes = size;
+                    r.record.ready_at = Some(at.clone());
+                }
+                Err(e) => {
+                    r.record.state = "failed".into();
+                    r.record.error = Some(format!("The capture failed: {e}."));
+                }
+            }
+            true
+        });
+        if gone || result.is_err() {
+            remove_dir(&path);
+        }
+        match (&result, updated) {
+            (Ok(()), Ok(_)) => tracing::info!(snapshot_id = %sid, size, "snapshot ready"),
+            (Err(e), Ok(_)) => tracing::warn!(snapshot_id = %sid, error = %e, "snapshot failed"),
+            (_, Err(e)) => {
+                tracing::error!(snapshot_id = %sid, error = %e, "recording the snapshot failed")
+            }
+        }
+        st2.notify_change();
+    });
+    if let Some(secs) = prefer_wait(&ctx.headers) {
+        let deadline = Instant::now() + Duration::from_secs(secs);
+        let mut rx = st.inner.changes.subscribe();
+        while find(&st, &ctx.key, &snap.id)?.record.state == "capturing" {
+            if tokio::time::timeout_at(deadline, rx.changed())
+                .await
+                .is_err()
+            {
+                break;
+            }
+        }
+    }
+    let row = find(&st, &ctx.key, &snap.id)?;
+    Ok(Reply::Json(
+        StatusCode::CREATED,
+        serde_json::to_value(&row.record).unwrap_or(Value::Null),
+    ))
+}
+
+pub async fn get(st: AppState, ctx: Ctx, id: String) -> ApiResult<Reply> {
+    Reply::ok(serde_json::to_value(find(&st, &ctx.key, &id)?.record).unwrap_or(Value::Null))
+}
+
+pub async fn list(st: AppState, ctx: Ctx) -> ApiResult<Reply> {
+    let q = query_object(&ctx.query, &[]);
+    let mut f = Fields::new(&q);
+    let sandbox_id = f.string("sandboxId");
+    let name = f.string("name");
+    let state = f.one_of("state", &["capturing", "ready", "failed"]);
+    let limit = f.q_int("limit", 1, 100).unwrap_or(50) as usize;
+    let cursor = match f.string("cursor") {
+        Some(c) if !c.is_empty() => match c.parse::<i64>() {
+            Ok(seq) => Some(seq),
+            Err(_) => {
+                f.issue("cursor", "is not a cursor this server gave");
+                None
+            }
+        },
+        _ => None,
+    };
+    f.finish()?;
+    let mut rows: Vec<SnapshotRow> = st
+        .store()
+        .live_snapshots()?
+        .into_iter()
+        .filter(|r| visible(&ctx.key, r))
+        .filter(|r| cursor.is_none_or(|c| r.seq < c))
+        .filter(|r| {
+            sandbox_id
+                .as_ref()
+                .is_none_or(|s| &r.record.sandbox_id == s)
+        })
+        .filter(|r| {
+            name.as_ref()
+                .is_none_or(|n| r.record.name.as_ref() == Some(n))
+        })
+        .filter(|r| state.as_ref().is_none_or(|s| &r.record.state == s))
+        .take(limit + 1)
+        .collect();
+    let next = if rows.len() > limit {
+        rows.truncate(limit);
+        rows.last().map(|r| r.seq.to_string())
+    } else {
+        None
+    };
+    let data: Vec<Value> = rows
+        .iter()
+        .map(|r| serde_json::to_value(&r.record).unwrap_or(Value::Null))
+        .collect();
+    Reply::ok(json!({ "data": data, "nextCursor": next }))
+}
+
+/// `DELETE /v1/snapshots/{id}` and `POST /v1/snapshots/{id}:delete` (the
+/// client's). Deleting again answers the same; sandboxes started from it
+/// are not affected.
+pub async fn delete(st: AppState, ctx: Ctx, id: String) -> ApiResult<Reply> {
+    let row = match st.store().get_snapshot(&id)? {
+        Some(r) if visible(&ctx.key, &r) => r,
+        _ => return Err(not_found(&id)),
+    };
+    let answer =
+        |at: &str| json!({"id": id, "kind": "snapshot", "status": "deleted", "deletedAt": at});
+    if let Some(at) = &row.deleted {
+        return Reply::ok(answer(at));
+    }
+    let at = iso(now_ms());
+    st.store().update_snapshot(&id, |r| {
+        if r.deleted.is_some() {
+            return false;
+        }
+        r.deleted = Some(at.clone());
+        true
+    })?;
+    // A capture under way removes its directory when it ends.
+    if row.record.state != "capturing" {
+        remove_dir(&dir(&st, &id));
+    }
+    tracing::info!(snapshot_id = %id, "snapshot deleted");
+    Reply::ok(answer(&at))
+}
+
+pub async fn action(
+    st: AppState,
+    ctx: Ctx,
+    id: String,
+    verb: String,
+    body: Bytes,
+) -> ApiResult<Reply> {
+    match verb.as_str() {
+        "delete" => {
+            let obj = json_object(&body)?;
+            Fields::new(&obj).finish()?;
+            delete(st, ctx, id).await
+        }
+        "update" | "extend" => {
+            find(&st, &ctx.key, &id)?;
+            Err(ApiError::Unsupported {
+                feature: "this snapshot action",
+            })
+        }
+        _ => Err(ApiError::RouteNotFound {
+            method: "POST".into(),
+            path: format!("/v1/snapshots/{id}:{verb}"),
+        }),
+    }
+}
+
+/// Deletes snapshots past their `expiresAt`.
+pub fn expire(st: &AppState, now: i64) {
+    let rows = match st.store().live_snapshots() {
+        Ok(r) => r,
+        Err(e) => {
+            tracing::error!(error = %e, "reading snapshots to expire failed");
+            return;
+        }
+    };
+    for r in rows {
+        let due = r
+            .record
+            .expires_at
+            .as_deref()
+            .and_then(parse_iso_ms)
+            .is_some_and(|t| t <= now);
+        if !due || r.record.state == "capturing" {
+            continue;
+        }
+        let at = iso(now);
+        if let Err(e) = st.store().update_snapshot(&r.record.id, |x| {
+            x.deleted = Some(at.clone());
+            true
+        }) {
+            tracing::error!(snapshot_id = %r.record.id, error = %e, "expiring the snapshot failed");
+            continue;
+        }
+        remove_dir(&dir(st, &r.record.id));
+        tracing::info!(snapshot_id = %r.record.id, "snapshot expired");
+    }
+}

@@ -1,0 +1,184 @@
+"""Memory as a first-class thing, through the official client: pause and
+wake keep a process whose state lives only in memory, auto-wake, repeated
+pause/wake cycles, fork with memory, snapshot and a create from it."""
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+import pytest
+from withruntime import AsyncRuntime, ConflictError, Sandbox
+
+SHAPE = {"vcpu": 1, "memory_mib": 1024}
+
+# A counter whose value lives in a shell variable: only memory keeps it.
+COUNTER = ("setsid bash -c 'x=0; while true; do x=$((x+1)); echo $x > /tmp/c.new; "
+           "mv -f /tmp/c.new /tmp/c; sleep 0.2; done' >/dev/null 2>&1 </dev/null & sleep 0.5")
+
+
+def counter(sbx) -> int:
+    result = sbx.exec("cat /tmp/c")
+    assert result.exit_code == 0, result
+    return int(result.stdout)
+
+
+def wait_counter_above(sbx, floor: int, timeout: float = 20) -> int:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = counter(sbx)
+        if value > floor or time.monotonic() > deadline:
+            return value
+        time.sleep(0.3)
+
+
+@pytest.fixture
+def mem_sbx(server):
+    sbx = Sandbox.create(**SHAPE)
+    try:
+        yield sbx
+    finally:
+        try:
+            sbx.delete()
+        except Exception:  # noqa: BLE001 - the session teardown sweeps what is left
+            pass
+
+
+def test_pause_and_wake_keep_a_process_and_its_memory(server, runtime, mem_sbx):
+    sbx = mem_sbx
+    assert sbx.exec(COUNTER).exit_code == 0
+    sbx.files.write("/tmp/tmpfs.txt", "kept in /tmp")
+    before = wait_counter_above(sbx, 2)
+    sbx.pause()
+    assert sbx.state == "paused"
+    assert sbx.info["status"] == "paused"
+    assert sbx.info["pausedAt"]
+    assert runtime.sandboxes.get(sbx.id).state == "paused"
+    time.sleep(1)
+    sbx.wake()
+    assert sbx.state == "running"
+    after = counter(sbx)
+    # It went on from where it was, not from 0, and it still counts.
+    assert after >= before, (before, after)
+    assert wait_counter_above(sbx, after) > after
+    assert sbx.files.read("/tmp/tmpfs.txt") == b"kept in /tmp"
+    # Waking an awake sandbox is fine.
+    sbx.wake()
+    assert sbx.state == "running"
+
+
+def test_a_call_wakes_a_paused_sandbox(server, runtime, mem_sbx):
+    sbx = mem_sbx
+    sbx.exec(COUNTER)
+    before = wait_counter_above(sbx, 1)
+    sbx.pause()
+    # No explicit wake: the exec wakes it, then runs.
+    after = counter(sbx)
+    assert after >= before
+    assert runtime.sandboxes.get(sbx.id).state == "running"
+
+
+def test_without_auto_wake_a_paused_sandbox_refuses(server):
+    with Sandbox.create(auto_wake=False, **SHAPE) as sbx:
+        sbx.pause()
+        with pytest.raises(ConflictError) as caught:
+            sbx.exec("true")
+        assert caught.value.code == "sandbox_paused"
+        sbx.wake()
+        assert sbx.exec("echo ok").stdout == "ok\n"
+
+
+def test_five_pause_wake_cycles_each_adding_a_file(server, mem_sbx):
+    sbx = mem_sbx
+    sandbox_id = sbx.id
+    for i in range(5):
+        sbx.files.write(f"/workspace/cycle-{i}.txt", f"cycle {i}")
+        sbx.pause()
+        assert sbx.state == "paused"
+        sbx.wake()
+        assert sbx.state == "running" and sbx.id == sandbox_id
+    listing = sbx.exec("ls /workspace | grep -c '^cycle-'")
+    assert listing.stdout == "5\n", listing
+    for i in range(5):
+        assert sbx.files.read(f"/workspace/cycle-{i}.txt") == f"cycle {i}".encode()
+
+
+def test_fork_copies_memory_and_files_that_then_diverge(server, runtime, mem_sbx):
+    sbx = mem_sbx
+    sbx.exec(COUNTER)
+    sbx.files.write("/workspace/shared.txt", "before the fork")
+    at_fork = wait_counter_above(sbx, 2)
+    copies = sbx.fork(count=2)
+    try:
+        assert len(copies) == 2
+        ids = {c.id for c in copies}
+        assert sbx.id not in ids and len(ids) == 2
+        assert runtime.sandboxes.get(sbx.id).state == "running"
+        for i, copy in enumerate(copies):
+            assert copy.state == "running"
+            assert copy.files.read("/workspace/shared.txt") == b"before the fork"
+            # The counter process came along with its memory and goes on.
+            value = counter(copy)
+            assert value >= at_fork, (at_fork, value)
+            assert wait_counter_above(copy, value) > value
+            copy.files.write("/workspace/mine.txt", f"copy {i}")
+        sbx.files.write("/workspace/mine.txt", "source")
+        assert copies[0].files.read("/workspace/mine.txt") == b"copy 0"
+        assert copies[1].files.read("/workspace/mine.txt") == b"copy 1"
+        assert sbx.files.read("/workspace/mine.txt") == b"source"
+        # Processes diverge too: ending the counter in one copy leaves the others counting.
+        copies[0].exec("pkill -f c.new; sleep 0.5")
+        stopped = counter(copies[0])
+        time.sleep(1)
+        assert counter(copies[0]) == stopped
+        for other in (copies[1], sbx):
+            value = counter(other)
+            assert wait_counter_above(other, value) > value
+    finally:
+        for copy in copies:
+            try:
+                copy.delete()
+            except Exception:  # noqa: BLE001
+                pass
+
+
+def test_snapshot_then_create_from_it(server, runtime, mem_sbx):
+    sbx = mem_sbx
+    sbx.exec(COUNTER)
+    sbx.files.write("/workspace/snap.txt", "in the snapshot")
+    at_snapshot = wait_counter_above(sbx, 2)
+    snap = sbx.snapshot(name="e2e-memory")
+    assert snap["state"] == "ready" and snap["mode"] == "memory", snap
+    assert runtime.snapshots.get(snap["id"])["state"] == "ready"
+    assert any(s["id"] == snap["id"] for s in runtime.snapshots.list(sandbox_id=sbx.id))
+    assert runtime.sandboxes.get(sbx.id).state == "running"
+    with Sandbox.create(snapshot=snap["id"]) as restored:
+        assert restored.state == "running"
+        assert (restored.info["vcpu"], restored.info["memoryMiB"]) == (1, 1024)
+        assert restored.files.read("/workspace/snap.txt") == b"in the snapshot"
+        value = counter(restored)
+        assert value >= at_snapshot
+        assert wait_counter_above(restored, value) > value
+    runtime.snapshots.delete(snap["id"])
+
+
+def test_async_pause_wake_and_fork(server):
+    async def scenario():
+        async with AsyncRuntime() as rt:
+            sbx = await rt.sandboxes.create(**SHAPE)
+            async with sbx:
+                await sbx.exec(COUNTER)
+                await asyncio.sleep(1)
+                before = int((await sbx.exec("cat /tmp/c")).stdout)
+                await sbx.pause()
+                assert sbx.state == "paused"
+                await sbx.wake()
+                assert sbx.state == "running"
+                after = int((await sbx.exec("cat /tmp/c")).stdout)
+                assert after >= before
+                copy = await sbx.fork()
+                async with copy:
+                    assert copy.state == "running" and copy.id != sbx.id
+                    assert int((await copy.exec("cat /tmp/c")).stdout) >= after
+
+    asyncio.run(scenario())
