@@ -49,6 +49,8 @@ class OwnServer:
 
     def __init__(self, binary: Path, timeout: float) -> None:
         self.root = Path(tempfile.mkdtemp(prefix="runtime-bench-"))
+        # As root each VM's QEMU runs as its own uid and must reach the data dir.
+        os.chmod(self.root, 0o711)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = self.root / "server.log"

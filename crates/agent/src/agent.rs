@@ -357,6 +357,11 @@ fn add_entropy(bytes: &[u8]) -> std::io::Result<()> {
     const RNDADDENTROPY: libc::c_ulong = 0x4008_5203;
     // SAFETY: `info` is laid out as rand_pool_info and outlives the call.
     unsafe { libc::ioctl(f.as_raw_fd(), RNDADDENTROPY as _, info.as_ptr()) };
+    // Reseed the kernel's CRNG now, not at its next periodic reseed: a copy
+    // of a template or a fork must not hand out its siblings' numbers.
+    const RNDRESEEDCRNG: libc::c_ulong = 0x5207;
+    // SAFETY: an ioctl without argument on an fd we own.
+    unsafe { libc::ioctl(f.as_raw_fd(), RNDRESEEDCRNG as _) };
     Ok(())
 }
 

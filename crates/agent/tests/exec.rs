@@ -472,5 +472,11 @@ fn a_reconnected_host_attaches_to_running_and_ended_execs() {
     assert_eq!(out.exit_code(), Some(0));
     let unknown = a.new_stream();
     a.send(unknown, &Request::Attach);
-    assert!(matches!(a.reply(unknown), Reply::Failed { code: FailCode::BadRequest, .. }));
+    assert!(matches!(
+        a.reply(unknown),
+        Reply::Failed {
+            code: FailCode::BadRequest,
+            ..
+        }
+    ));
 }

@@ -37,6 +37,10 @@ enum Cmd {
         /// Seconds a VM may take from QEMU's start until its agent answers.
         #[arg(long, default_value_t = 120)]
         boot_timeout: u64,
+        /// Boot every sandbox instead of restoring a pre-booted template of
+        /// its shape.
+        #[arg(long)]
+        no_templates: bool,
     },
     /// API keys of a data directory.
     Keys {
@@ -187,7 +191,12 @@ async fn shutdown_signal() {
     }
 }
 
-async fn serve(listen: SocketAddr, data_dir: PathBuf, boot_timeout: u64) -> anyhow::Result<()> {
+async fn serve(
+    listen: SocketAddr,
+    data_dir: PathBuf,
+    boot_timeout: u64,
+    templates: bool,
+) -> anyhow::Result<()> {
     std::fs::create_dir_all(&data_dir)
         .with_context(|| format!("creating {}", data_dir.display()))?;
     let arts = tokio::task::spawn_blocking(build_artifacts).await??;
@@ -198,6 +207,7 @@ async fn serve(listen: SocketAddr, data_dir: PathBuf, boot_timeout: u64) -> anyh
         artifacts: arts,
         accel,
         boot_timeout: Duration::from_secs(boot_timeout),
+        templates,
     };
     if accel == Accel::Kvm {
         match probe_boot(qemu_cfg.clone()).await {
@@ -246,11 +256,12 @@ fn main() -> anyhow::Result<()> {
             listen,
             data_dir: d,
             boot_timeout,
+            no_templates,
         } => {
             let rt = tokio::runtime::Builder::new_multi_thread()
                 .enable_all()
                 .build()?;
-            rt.block_on(serve(listen, data_dir(d), boot_timeout))
+            rt.block_on(serve(listen, data_dir(d), boot_timeout, !no_templates))
         }
         Cmd::Keys {
             cmd:

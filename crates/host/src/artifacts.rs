@@ -245,11 +245,11 @@ fn write_initrd(path: &Path, agent: &[u8]) -> std::io::Result<()> {
         out.extend_from_slice(header.as_bytes());
         out.extend_from_slice(name.as_bytes());
         out.push(0);
-        while out.len() % 4 != 0 {
+        while !out.len().is_multiple_of(4) {
             out.push(0);
         }
         out.extend_from_slice(data);
-        while out.len() % 4 != 0 {
+        while !out.len().is_multiple_of(4) {
             out.push(0);
         }
     }

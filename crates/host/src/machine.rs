@@ -30,6 +30,9 @@ pub struct QemuConfig {
     pub accel: Accel,
     /// From QEMU's start until the agent must have answered.
     pub boot_timeout: Duration,
+    /// Start sandboxes by restoring a pre-booted template of their shape
+    /// (built in the background after the first boot of that shape).
+    pub templates: bool,
 }
 
 struct Vm {
@@ -50,10 +53,14 @@ impl Drop for Vm {
     }
 }
 
+/// Cheap to clone: clones share their machines.
+#[derive(Clone)]
 pub struct QemuHost {
-    cfg: QemuConfig,
+    cfg: Arc<QemuConfig>,
     cgroups: Layout,
-    vms: Mutex<HashMap<String, Arc<Vm>>>,
+    vms: Arc<Mutex<HashMap<String, Arc<Vm>>>>,
+    /// Template keys being built now.
+    building: Arc<Mutex<std::collections::HashSet<String>>>,
 }
 
 /// Picks KVM where it is real hardware virtualisation, TCG otherwise. A
@@ -195,12 +202,76 @@ impl QemuHost {
             }
         }
         let cgroups = cgroup::detect();
-        tracing::info!(accel = %cfg.accel, cgroups = ?cgroups, "qemu host ready");
-        Ok(QemuHost {
-            cfg,
+        tracing::info!(accel = %cfg.accel, cgroups = ?cgroups, templates = cfg.templates, "qemu host ready");
+        let host = QemuHost {
+            cfg: Arc::new(cfg),
             cgroups,
-            vms: Mutex::new(HashMap::new()),
-        })
+            vms: Arc::new(Mutex::new(HashMap::new())),
+            building: Arc::new(Mutex::new(std::collections::HashSet::new())),
+        };
+        host.drop_stale_templates();
+        Ok(host)
+    }
+
+    fn templates_dir(&self) -> PathBuf {
+        self.cfg.state_dir.join(".templates")
+    }
+
+    /// Templates are keyed by the artifacts (kernel, image, agent) and the
+    /// machine's shape: a restore needs exactly the machine it was taken on.
+    fn template_key(&self, spec: &MachineSpec) -> String {
+        format!(
+            "{}-{}c-{}m-{}d",
+            self.cfg.artifacts.key, spec.vcpu, spec.memory_mib, spec.disk_mib
+        )
+    }
+
+    fn drop_stale_templates(&self) {
+        let Ok(entries) = std::fs::read_dir(self.templates_dir()) else {
+            return;
+        };
+        let prefix = format!("{}-", self.cfg.artifacts.key);
+        for e in entries.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            if !name.starts_with(&prefix) || name.ends_with(".partial") {
+                let _ = std::fs::remove_dir_all(e.path());
+            }
+        }
+    }
+
+    /// Boots a machine of this shape, captures it (memory and disk) once its
+    /// agent answers, and keeps that as the shape's template.
+    async fn build_template(&self, key: String, shape: MachineSpec) -> Result<(), HostError> {
+        let dir = self.templates_dir().join(&key);
+        let partial = self.templates_dir().join(format!("{key}.partial"));
+        let id = format!("template-{}", &key[key.len().saturating_sub(24)..]);
+        let spec = MachineSpec {
+            id: id.clone(),
+            hostname: "sandbox".into(),
+            ..shape
+        };
+        let started = Instant::now();
+        let vm = self.boot(&spec).await?;
+        let result = async {
+            let _ = std::fs::remove_dir_all(&partial);
+            std::fs::create_dir_all(&partial).map_err(Self::io(&id, "create template dir"))?;
+            let file = self.capture_stopped(&id, &vm).await?;
+            std::fs::rename(&file, partial.join("memory.state"))
+                .map_err(Self::io(&id, "keep template"))?;
+            copy_sparse(&vm.paths.overlay(), &partial.join("disk.qcow2"))
+                .await
+                .map_err(Self::io(&id, "copy template disk"))?;
+            std::fs::rename(&partial, &dir).map_err(Self::io(&id, "keep template"))
+        }
+        .await;
+        self.end_vm(&id, &vm).await;
+        let _ = std::fs::remove_dir_all(&vm.paths.dir);
+        if result.is_err() {
+            let _ = std::fs::remove_dir_all(&partial);
+        } else {
+            tracing::info!(template = %key, ms = started.elapsed().as_millis() as u64, "template ready");
+        }
+        result
     }
 
     fn paths(&self, id: &str) -> VmPaths {
@@ -623,6 +694,35 @@ fn guest_err(id: &str, r: Reply) -> HostError {
 #[async_trait]
 impl Host for QemuHost {
     async fn start(&self, spec: &MachineSpec) -> Result<(), HostError> {
+        if self.cfg.templates {
+            let key = self.template_key(spec);
+            let dir = self.templates_dir().join(&key);
+            if dir.join("memory.state").exists() {
+                match self.restore(spec, &dir).await {
+                    Ok(()) => return Ok(()),
+                    Err(error) => {
+                        tracing::warn!(sandbox_id = %spec.id, %error, "restoring the template failed; booting");
+                        let _ = std::fs::remove_dir_all(&dir);
+                    }
+                }
+            } else if self
+                .building
+                .lock()
+                .map(|mut b| b.insert(key.clone()))
+                .unwrap_or(false)
+            {
+                let me = self.clone();
+                let shape = spec.clone();
+                tokio::spawn(async move {
+                    if let Err(error) = me.build_template(key.clone(), shape).await {
+                        tracing::warn!(template = %key, %error, "building the template failed");
+                    }
+                    if let Ok(mut b) = me.building.lock() {
+                        b.remove(&key);
+                    }
+                });
+            }
+        }
         let vm = self.boot(spec).await?;
         if let Ok(mut m) = self.vms.lock() {
             m.insert(spec.id.clone(), vm);

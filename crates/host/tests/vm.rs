@@ -1,3 +1,4 @@
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test helpers outside #[test] fns panic on purpose
 //! The host against real QEMU: a real kernel, the real root filesystem and
 //! the real agent (TCG where KVM does not work; never skipped).
 //!
@@ -77,6 +78,7 @@ fn host() -> TestHost {
         artifacts: arts,
         accel,
         boot_timeout: Duration::from_secs(120),
+        templates: false,
     })
     .unwrap();
     TestHost {
@@ -401,6 +403,7 @@ async fn a_new_host_process_recovers_a_running_machine() {
         artifacts: arts,
         accel,
         boot_timeout: Duration::from_secs(60),
+        templates: false,
     })
     .unwrap();
     assert!(h2.recover(&spec(id)).await.unwrap());
@@ -602,6 +605,76 @@ async fn captures_restore_into_copies_that_diverge() {
         "{err:?}"
     );
     for id in [src, copies[0], copies[1], d] {
+        h.destroy(id).await.unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn starts_restore_a_template_with_fresh_entropy() {
+    let arts = artifacts::ensure(&cache(), &agent_path()).unwrap();
+    let state = std::env::temp_dir().join(format!(
+        "rt-host-tpl-{}-{}",
+        std::process::id(),
+        rand_suffix()
+    ));
+    let _cleanup = Cleanup(state.clone());
+    let (accel, _) = choose_accel();
+    let h = QemuHost::new(QemuConfig {
+        state_dir: state.clone(),
+        qemu_binary: "qemu-system-x86_64".into(),
+        artifacts: arts,
+        accel,
+        boot_timeout: Duration::from_secs(120),
+        templates: true,
+    })
+    .unwrap();
+    let first = "00000000-0000-4000-8000-00000000b001";
+    h.start(&spec(first))
+        .await
+        .unwrap_or_else(|e| panic!("start: {e:?}"));
+    // The first start of a shape boots and builds its template beside.
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
+    while !std::fs::read_dir(state.join(".templates"))
+        .map(|d| d.flatten().any(|e| e.path().join("memory.state").exists()))
+        .unwrap_or(false)
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no template was built"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let copies = [
+        "00000000-0000-4000-8000-00000000b002",
+        "00000000-0000-4000-8000-00000000b003",
+    ];
+    let mut randoms = Vec::new();
+    for c in copies {
+        h.start(&MachineSpec {
+            hostname: format!("h{}", &c[c.len() - 1..]),
+            ..spec(c)
+        })
+        .await
+        .unwrap_or_else(|e| panic!("start: {e:?}"));
+        let (out, _, st) = run(&h, c, &["bash", "-c", "cat /proc/sys/kernel/random/boot_id; head -c 16 /dev/urandom | od -An -tx1; hostname; echo hi > /workspace/own"], RunAs::Sandbox, None).await;
+        assert_eq!(st.code, Some(0));
+        let lines: Vec<&str> = out.lines().collect();
+        randoms.push(lines[1].to_string());
+        assert_eq!(lines[2], format!("h{}", &c[c.len() - 1..]));
+    }
+    // Both copies come from the pre-booted memory: their consoles show no
+    // boot (the agent logs "channel open" once, when it starts as PID 1).
+    assert!(h.console(first).contains("agent: channel open"));
+    for c in copies {
+        assert!(
+            !h.console(c).contains("agent: channel open"),
+            "{c} booted: {}",
+            h.console(c)
+        );
+    }
+    // ...yet do not share their random numbers.
+    assert_ne!(randoms[0], randoms[1]);
+    for id in [first, copies[0], copies[1]] {
         h.destroy(id).await.unwrap();
     }
 }

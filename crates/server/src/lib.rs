@@ -226,8 +226,11 @@ pub fn router(state: AppState) -> axum::Router {
 
 /// Reattaches to the sandboxes an earlier server left starting or running:
 /// found ones are `running`, the rest `stopped` with `stopReason: host_lost`.
+/// Then takes up the processes of the running ones (`lost` when the host no
+/// longer knows them) and reloads the records of those that ended.
 pub async fn recover(state: &AppState) -> Result<(), ServerError> {
-    sandboxes::recover(state).await
+    sandboxes::recover(state).await?;
+    procs::recover(state).await
 }
 
 /// Recovers sandboxes, serves until `shutdown` resolves, then drains.

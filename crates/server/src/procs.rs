@@ -6,8 +6,15 @@
 //! and into the first 64 KiB per stream for the JSON answer. Offsets are
 //! assigned when bytes enter the buffer, after an incomplete UTF-8 tail was
 //! held back, so every chunk is whole characters unless the bytes are not
-//! UTF-8 at all (then events also carry `base64`). The table is lost on a
-//! restart of the server.
+//! UTF-8 at all (then events also carry `base64`).
+//!
+//! Each process is also a row in the store (its record, the host's token,
+//! and how many output bytes it produced, written at most every second and
+//! at its end), so a restart of the server takes the processes of recovered
+//! sandboxes up again through [`Host::attach`](runtime_host::Host::attach):
+//! their offsets go on from the stored count, the bytes produced while no
+//! server listened are reported as `truncated`, and what ended stays
+//! queryable (without its output).
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -26,7 +33,7 @@ use tokio_util::sync::CancellationToken;
 use crate::error::{ApiError, ApiResult};
 use crate::http::{Ctx, Reply};
 use crate::sandboxes::{find, find_running};
-use crate::store::SandboxRow;
+use crate::store::{ProcEnd, ProcRow, SandboxRow, Store};
 use crate::util::{iso, json_object, now_ms, query_object, Fields};
 use crate::AppState;
 
@@ -56,9 +63,12 @@ impl Table {
         }
     }
 
-    /// The sandbox stopped or was deleted: its processes' output goes too.
-    pub fn sandbox_gone(&self, sandbox_id: &str) {
+    /// The sandbox stopped or was deleted: its processes go, records too.
+    pub fn sandbox_gone(&self, store: &Store, sandbox_id: &str) {
         self.lock().retain(|_, p| p.sandbox_id != sandbox_id);
+        if let Err(e) = store.delete_processes_of(sandbox_id) {
+            tracing::error!(sandbox_id, error = %e, "deleting the process records failed");
+        }
     }
 
     /// Whether a process of the sandbox still runs (it is then not idle).
@@ -72,7 +82,7 @@ impl Table {
     /// each one still running ends as `lost` (its stream's last event is an
     /// `exit` with `state: "lost"`). The processes themselves go on in the
     /// guest after the wake; their output from then on is not collected.
-    pub fn sandbox_paused(&self, sandbox_id: &str) {
+    pub fn sandbox_paused(&self, store: &Store, sandbox_id: &str) {
         let procs: Vec<Arc<Proc>> = self
             .lock()
             .values()
@@ -88,16 +98,28 @@ impl Table {
                     duration_ms: (now_ms() - p.started_ms).max(0) as u64,
                     out_of_memory: false,
                 };
-                p.finish(status, true);
+                p.finish(store, status, true);
                 p.bump();
             }
         }
     }
 
-    pub fn forget_old(&self, keep: Duration) {
+    /// Forgets processes that ended longer than `keep` ago, records too.
+    pub fn forget_old(&self, store: &Store, keep: Duration) {
         let cutoff = now_ms() - keep.as_millis() as i64;
-        self.lock()
-            .retain(|_, p| p.state().ended_ms.is_none_or(|t| t > cutoff));
+        let mut gone = Vec::new();
+        self.lock().retain(|id, p| {
+            let keep = p.state().ended_ms.is_none_or(|t| t > cutoff);
+            if !keep {
+                gone.push(id.clone());
+            }
+            keep
+        });
+        for id in gone {
+            if let Err(e) = store.delete_process(&id) {
+                tracing::error!(process_id = %id, error = %e, "deleting the process record failed");
+            }
+        }
     }
 }
 
@@ -185,6 +207,8 @@ struct ProcState {
     ended_ms: Option<i64>,
     stdin_offset: u64,
     stdin_closed: bool,
+    /// The output count last written to the store.
+    persisted: u64,
 }
 
 pub struct Proc {
@@ -245,19 +269,63 @@ impl Proc {
         }
     }
 
-    fn finish(&self, status: ExitStatus, lost: bool) {
-        let mut s = self.state();
-        if s.exit.is_some() {
-            return;
-        }
-        for i in 0..2 {
-            let rest = std::mem::take(&mut s.carry[i]);
-            if !rest.is_empty() {
-                s.buf.push(i == 1, rest);
+    /// Records the end, in memory and in the store.
+    fn finish(&self, store: &Store, status: ExitStatus, lost: bool) {
+        let end = {
+            let mut s = self.state();
+            if s.exit.is_some() {
+                return;
             }
+            for i in 0..2 {
+                let rest = std::mem::take(&mut s.carry[i]);
+                if !rest.is_empty() {
+                    s.buf.push(i == 1, rest);
+                }
+            }
+            let ended_ms = now_ms();
+            let end = ProcEnd {
+                state: if lost { "lost" } else { "exited" },
+                exit_code: status.code,
+                signal: status.signal,
+                timed_out: status.timed_out,
+                out_of_memory: status.out_of_memory,
+                duration_ms: status.duration_ms,
+                ended_ms,
+                output_bytes: s.buf.end,
+            };
+            s.exit = Some(Exit { status, lost });
+            s.ended_ms = Some(ended_ms);
+            s.persisted = s.buf.end;
+            end
+        };
+        if let Err(e) = store.process_ended(&self.id, &end) {
+            tracing::error!(process_id = %self.id, error = %e, "recording the process's end failed");
         }
-        s.exit = Some(Exit { status, lost });
-        s.ended_ms = Some(now_ms());
+    }
+
+    /// Writes the output count to the store if it changed since last time.
+    fn flush_output(&self, store: &Store) {
+        let end = {
+            let mut s = self.state();
+            if s.exit.is_some() || s.persisted == s.buf.end {
+                return;
+            }
+            s.persisted = s.buf.end;
+            s.buf.end
+        };
+        if let Err(e) = store.process_output(&self.id, end) {
+            tracing::error!(process_id = %self.id, error = %e, "recording the process's output count failed");
+        }
+    }
+
+    fn lost_status(&self) -> ExitStatus {
+        ExitStatus {
+            code: None,
+            signal: None,
+            timed_out: false,
+            duration_ms: (now_ms() - self.started_ms).max(0) as u64,
+            out_of_memory: false,
+        }
     }
 
     /// Events from `cursor` on, the new cursor, and the exit once all output is read.
@@ -364,6 +432,8 @@ struct CommandReq {
     stdin_data: Option<Vec<u8>>,
     stream: bool,
     base64_always: bool,
+    /// `exec` or `spawn`.
+    kind: &'static str,
 }
 
 fn parse_command(row: &SandboxRow, body: &[u8], spawn: bool) -> ApiResult<CommandReq> {
@@ -477,7 +547,27 @@ fn parse_command(row: &SandboxRow, body: &[u8], spawn: bool) -> ApiResult<Comman
         stdin_data,
         stream,
         base64_always,
+        kind: if spawn { "spawn" } else { "exec" },
     })
+}
+
+fn new_state(st: &AppState, output_bytes: u64, stdin_offset: u64, stdin_closed: bool) -> ProcState {
+    ProcState {
+        buf: OutBuf {
+            chunks: VecDeque::new(),
+            start: output_bytes,
+            end: output_bytes,
+            size: 0,
+            cap: st.config().output_buffer_bytes,
+        },
+        carry: [Vec::new(), Vec::new()],
+        kept: [Kept::default(), Kept::default()],
+        exit: None,
+        ended_ms: None,
+        stdin_offset,
+        stdin_closed,
+        persisted: output_bytes,
+    }
 }
 
 async fn start(
@@ -491,9 +581,9 @@ async fn start(
     let pty = req.spec.pty.is_some();
     let ExecHandle {
         pid,
-        mut events,
+        token,
+        events,
         control,
-        ..
     } = st.host().exec(&row.record.id, req.spec).await?;
     let stdin_closed = !stdin_pipe;
     if let Some(data) = req.stdin_data {
@@ -514,54 +604,83 @@ async fn start(
         stdin_pipe,
         base64_always: req.base64_always,
         started_ms: now_ms(),
-        state: Mutex::new(ProcState {
-            buf: OutBuf {
-                chunks: VecDeque::new(),
-                start: 0,
-                end: 0,
-                size: 0,
-                cap: st.config().output_buffer_bytes,
-            },
-            carry: [Vec::new(), Vec::new()],
-            kept: [Kept::default(), Kept::default()],
-            exit: None,
-            ended_ms: None,
-            stdin_offset: 0,
-            stdin_closed,
-        }),
+        state: Mutex::new(new_state(st, 0, 0, stdin_closed)),
         changed: watch::channel(0).0,
         control,
         writes: tokio::sync::Mutex::new(()),
     });
+    let record = ProcRow {
+        id: proc.id.clone(),
+        sandbox_id: proc.sandbox_id.clone(),
+        token,
+        guest_pid: pid,
+        kind: req.kind.into(),
+        command: proc.command.clone(),
+        argv: proc.argv.clone(),
+        user: if user == RunAs::Root {
+            "root"
+        } else {
+            "sandbox"
+        }
+        .into(),
+        pty,
+        stdin_pipe,
+        output_encoding: if proc.base64_always { "base64" } else { "utf8" }.into(),
+        state: "running".into(),
+        exit_code: None,
+        signal: None,
+        timed_out: false,
+        out_of_memory: false,
+        duration_ms: None,
+        started_ms: proc.started_ms,
+        ended_ms: None,
+        output_bytes: 0,
+        stdin_offset: 0,
+        stdin_closed,
+    };
+    if let Err(e) = st.store().insert_process(&record) {
+        // The process runs all the same; only a restart would lose it.
+        tracing::error!(process_id = %proc.id, error = %e, "recording the process failed");
+    }
     st.inner.procs.lock().insert(proc.id.clone(), proc.clone());
     tracing::debug!(sandbox_id = %proc.sandbox_id, process_id = %proc.id, "process started");
-    let p = proc.clone();
+    pump(st, proc.clone(), events);
+    Ok(proc)
+}
+
+/// Moves the host's events into the process until it ends; writes the
+/// output count to the store at most every second and when the server
+/// shuts down, so a restart continues the offsets.
+fn pump(st: &AppState, p: Arc<Proc>, mut events: mpsc::Receiver<ExecEvent>) {
+    let st2 = st.clone();
     let cancel = st.inner.cancel.clone();
     st.spawn(async move {
-        let started = now_ms();
+        let store = st2.store();
+        let mut tick = tokio::time::interval(Duration::from_secs(1));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             let ev = tokio::select! {
                 ev = events.recv() => ev,
-                _ = cancel.cancelled() => return,
+                _ = tick.tick() => {
+                    p.flush_output(store);
+                    continue;
+                }
+                _ = cancel.cancelled() => {
+                    p.flush_output(store);
+                    return;
+                }
             };
             match ev {
                 Some(ExecEvent::Stdout(b)) => p.ingest(false, b),
                 Some(ExecEvent::Stderr(b)) => p.ingest(true, b),
                 Some(ExecEvent::Exited(status)) => {
-                    p.finish(status, false);
+                    p.finish(store, status, false);
                     p.bump();
                     return;
                 }
                 None => {
-                    let status = ExitStatus {
-                        code: None,
-                        signal: None,
-                        timed_out: false,
-                        duration_ms: (now_ms() - started).max(0) as u64,
-                        out_of_memory: false,
-                    };
                     tracing::warn!(process_id = %p.id, "lost the process's event stream");
-                    p.finish(status, true);
+                    p.finish(store, p.lost_status(), true);
                     p.bump();
                     return;
                 }
@@ -569,7 +688,95 @@ async fn start(
             p.bump();
         }
     });
-    Ok(proc)
+}
+
+/// Takes up the processes an earlier server left, after the sandboxes were
+/// recovered: those still running in a running sandbox are attached again
+/// (`lost` when the host no longer knows them), ended ones stay queryable
+/// without their output, and the records of sandboxes that are gone go.
+pub async fn recover(st: &AppState) -> Result<(), crate::ServerError> {
+    let mut sandboxes: HashMap<String, Option<String>> = HashMap::new();
+    for row in st.store().all_processes()? {
+        let state = match sandboxes.get(&row.sandbox_id) {
+            Some(s) => s.clone(),
+            None => {
+                let s = st
+                    .store()
+                    .get_sandbox(&row.sandbox_id)?
+                    .filter(|r| r.deleted.is_none() && r.record.state != "stopped")
+                    .map(|r| r.record.state);
+                if s.is_none() {
+                    st.store().delete_processes_of(&row.sandbox_id)?;
+                }
+                sandboxes.insert(row.sandbox_id.clone(), s.clone());
+                s
+            }
+        };
+        let Some(sandbox_state) = state else {
+            continue;
+        };
+        let mut handle = None;
+        if row.state == "running" && sandbox_state == "running" {
+            match st.host().attach(&row.sandbox_id, row.token).await {
+                Ok(h) => handle = Some(h),
+                Err(e) => {
+                    tracing::warn!(sandbox_id = %row.sandbox_id, process_id = %row.id, error = %e, "taking up the process failed");
+                }
+            }
+        }
+        let (guest_pid, control, events) = match handle {
+            Some(h) => (
+                if h.pid != 0 { h.pid } else { row.guest_pid },
+                h.control,
+                Some(h.events),
+            ),
+            None => (row.guest_pid, mpsc::channel(1).0, None),
+        };
+        let mut state = new_state(st, row.output_bytes, row.stdin_offset, row.stdin_closed);
+        if row.state != "running" {
+            state.exit = Some(Exit {
+                status: ExitStatus {
+                    code: row.exit_code,
+                    signal: row.signal,
+                    timed_out: row.timed_out,
+                    duration_ms: row.duration_ms.unwrap_or(0),
+                    out_of_memory: row.out_of_memory,
+                },
+                lost: row.state == "lost",
+            });
+            state.ended_ms = Some(row.ended_ms.unwrap_or(row.started_ms));
+        }
+        let proc = Arc::new(Proc {
+            id: row.id.clone(),
+            sandbox_id: row.sandbox_id.clone(),
+            command: row.command,
+            argv: row.argv,
+            user: if row.user == "root" {
+                RunAs::Root
+            } else {
+                RunAs::Sandbox
+            },
+            guest_pid,
+            pty: row.pty,
+            stdin_pipe: row.stdin_pipe,
+            base64_always: row.output_encoding == "base64",
+            started_ms: row.started_ms,
+            state: Mutex::new(state),
+            changed: watch::channel(0).0,
+            control,
+            writes: tokio::sync::Mutex::new(()),
+        });
+        st.inner.procs.lock().insert(proc.id.clone(), proc.clone());
+        match events {
+            Some(events) => {
+                tracing::info!(sandbox_id = %proc.sandbox_id, process_id = %proc.id, "process taken up");
+                pump(st, proc, events);
+            }
+            None if row.state == "running" => proc.finish(st.store(), proc.lost_status(), true),
+            None => {}
+        }
+    }
+    Ok(())
 }
 
 pub async fn exec(st: AppState, ctx: Ctx, id: String, body: Bytes) -> ApiResult<Reply> {
@@ -863,12 +1070,18 @@ pub async fn action(
             }
             let new_offset = current + fresh.len() as u64;
             let mut close = false;
-            {
+            let closed = {
                 let mut s = proc.state();
                 s.stdin_offset = new_offset;
                 if eof && !s.stdin_closed {
                     s.stdin_closed = true;
                     close = true;
+                }
+                s.stdin_closed
+            };
+            if new_offset != current || close {
+                if let Err(e) = st.store().process_stdin(&pid, new_offset, closed) {
+                    tracing::error!(process_id = %pid, error = %e, "recording the process's input failed");
                 }
             }
             if close {

@@ -599,7 +599,7 @@ fn request_stop(st: &AppState, id: &str, reason: &'static str) -> ApiResult<()> 
         return Ok(());
     }
     st.notify_change();
-    st.inner.procs.sandbox_gone(id);
+    st.inner.procs.sandbox_gone(st.store(), id);
     let st2 = st.clone();
     let id = id.to_string();
     st.spawn(async move {
@@ -659,7 +659,7 @@ pub(crate) fn request_pause(st: &AppState, id: &str, reason: &'static str) -> Ap
         }
         let result = st2.host().pause(&id).await;
         if result.is_ok() {
-            st2.inner.procs.sandbox_paused(&id);
+            st2.inner.procs.sandbox_paused(st2.store(), &id);
         }
         let now = iso(now_ms());
         let updated = st2.store().update_sandbox(&id, |r| {
@@ -690,7 +690,7 @@ pub(crate) fn request_pause(st: &AppState, id: &str, reason: &'static str) -> Ap
             }
         }
         if matches!(result, Err(HostError::NoSuchMachine { .. })) {
-            st2.inner.procs.sandbox_gone(&id);
+            st2.inner.procs.sandbox_gone(st2.store(), &id);
         }
         st2.notify_change();
     });
@@ -1043,7 +1043,7 @@ pub(crate) fn delete_sandbox(st: &AppState, id: &str, reason: &str) -> ApiResult
         })?
         .ok_or_else(|| ApiError::sandbox_not_found(id))?;
     st.notify_change();
-    st.inner.procs.sandbox_gone(id);
+    st.inner.procs.sandbox_gone(st.store(), id);
     st.inner.uploads.sandbox_gone(id);
     let st2 = st.clone();
     let id2 = id.to_string();
@@ -1253,7 +1253,9 @@ pub async fn reaper(st: AppState) {
             if let Err(e) = st.store().idem_purge(now - ttl) {
                 tracing::error!(error = %e, "purging idempotency records failed");
             }
-            st.inner.procs.forget_old(st.config().output_keep);
+            st.inner
+                .procs
+                .forget_old(st.store(), st.config().output_keep);
             crate::snapshots::expire(&st, now);
         }
     }

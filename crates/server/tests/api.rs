@@ -1652,3 +1652,237 @@ async fn a_restart_keeps_paused_sandboxes_paused_and_applies_ended_leases() {
     assert_eq!((s, v["state"].as_str()), (StatusCode::OK, Some("running")));
     t2.state.shutdown().await;
 }
+
+// ---- processes across a restart of the server ----
+
+impl T {
+    async fn process(&self, id: &str, pid: &str) -> (StatusCode, Value) {
+        self.json("GET", &format!("/v1/sandboxes/{id}/processes/{pid}"), None)
+            .await
+    }
+
+    fn process_rows(&self, sandbox_id: &str) -> i64 {
+        let conn = rusqlite::Connection::open(self.dir.join("runtime.db")).unwrap();
+        conn.query_row(
+            "SELECT COUNT(*) FROM processes WHERE sandbox_id = ?1",
+            rusqlite::params![sandbox_id],
+            |r| r.get(0),
+        )
+        .unwrap()
+    }
+}
+
+#[tokio::test]
+async fn a_restart_takes_up_running_processes() {
+    let t = T::new();
+    let id = t.running(json!({})).await;
+    t.host.script(
+        "ticker",
+        vec![
+            Step::Out(b"one\n".to_vec()),
+            Step::Sleep(700),
+            // Written while no server listens: lost.
+            Step::Out(b"two\n".to_vec()),
+            Step::Sleep(1200),
+            Step::Out(b"three\n".to_vec()),
+            Step::Sleep(300),
+            Step::Exit(3),
+        ],
+    );
+    t.host
+        .script("forgotten", vec![Step::Sleep(60_000), Step::Exit(0)]);
+    t.host
+        .script("quick", vec![Step::Out(b"done\n".to_vec()), Step::Exit(0)]);
+    let spawn = |cmd: &'static str| {
+        let t = &t;
+        let id = id.clone();
+        async move {
+            let (s, v) = t
+                .json(
+                    "POST",
+                    &format!("/v1/sandboxes/{id}/processes"),
+                    Some(json!({"command": cmd})),
+                )
+                .await;
+            assert_eq!(s, StatusCode::CREATED, "{v}");
+            v["id"].as_str().unwrap().to_string()
+        }
+    };
+    let ticker = spawn("ticker").await;
+    let forgotten = spawn("forgotten").await;
+    let (s, v) = t
+        .json(
+            "POST",
+            &format!("/v1/sandboxes/{id}:exec"),
+            Some(json!({"command": "quick"})),
+        )
+        .await;
+    assert_eq!(
+        (s, v["exitCode"].as_i64()),
+        (StatusCode::OK, Some(0)),
+        "{v}"
+    );
+    let quick = v["processId"].as_str().unwrap().to_string();
+    for _ in 0..50 {
+        if t.process(&id, &ticker).await.1["outputBytes"] == 4 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(t.process(&id, &ticker).await.1["outputBytes"], 4);
+    let before = t.process(&id, &ticker).await.1;
+    t.state.shutdown().await;
+    assert_eq!(t.process_rows(&id), 3);
+
+    // The guest forgets one process; "two" is written meanwhile.
+    let forgotten_token = {
+        let procs = t.host.procs.lock().unwrap();
+        let mut tokens: Vec<u64> = procs.keys().copied().collect();
+        tokens.sort();
+        tokens[1]
+    };
+    t.host.procs.lock().unwrap().remove(&forgotten_token);
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    t.host.recoverable.lock().unwrap().insert(id.clone());
+    let t2 = T::open(t.dir.clone(), t.admin.clone(), t.host.clone(), |_| {});
+    runtime_server::recover(&t2.state).await.unwrap();
+
+    let (s, v) = t2.process(&id, &ticker).await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert_eq!(v["state"], "running", "{v}");
+    assert_eq!(v["outputBytes"], 4);
+    for k in [
+        "command",
+        "argv",
+        "user",
+        "pid",
+        "startedAt",
+        "pty",
+        "outputEncoding",
+    ] {
+        assert_eq!(v[k], before[k], "{k}");
+    }
+    let (_, v) = t2.process(&id, &forgotten).await;
+    assert_eq!(v["state"], "lost", "{v}");
+    assert_eq!(v["exitCode"], Value::Null);
+    assert!(v["endedAt"].is_string());
+    let (_, v) = t2.process(&id, &quick).await;
+    assert_eq!(
+        (
+            v["state"].as_str(),
+            v["exitCode"].as_i64(),
+            v["outputBytes"].as_u64()
+        ),
+        (Some("exited"), Some(0), Some(5)),
+        "{v}"
+    );
+    let (_, v) = t2
+        .json("GET", &format!("/v1/sandboxes/{id}/processes"), None)
+        .await;
+    assert_eq!(v["data"].as_array().unwrap().len(), 3, "{v}");
+
+    // A reader from an older cursor learns what was dropped, then follows
+    // the later output at offsets continuing from the stored count.
+    let (_, _, b) = t2
+        .call(
+            "GET",
+            &format!("/v1/sandboxes/{id}/processes/{ticker}/output?cursor=0&follow=true"),
+            Some(&t2.admin),
+            &[],
+            Body::empty(),
+        )
+        .await;
+    let ev = ndjson(&b);
+    let types: Vec<&str> = ev.iter().map(|e| e["type"].as_str().unwrap()).collect();
+    assert_eq!(types, ["truncated", "stdout", "exit"], "{ev:?}");
+    assert_eq!(
+        (ev[0]["droppedBytes"].as_u64(), ev[0]["resumeAt"].as_u64()),
+        (Some(4), Some(4))
+    );
+    assert_eq!(
+        (ev[1]["data"].as_str(), ev[1]["offset"].as_u64()),
+        (Some("three\n"), Some(4))
+    );
+    assert_eq!(
+        (ev[2]["exitCode"].as_i64(), ev[2]["state"].as_str()),
+        (Some(3), Some("exited"))
+    );
+    let (_, v) = t2.process(&id, &ticker).await;
+    assert_eq!(
+        (
+            v["state"].as_str(),
+            v["exitCode"].as_i64(),
+            v["outputBytes"].as_u64()
+        ),
+        (Some("exited"), Some(3), Some(10)),
+        "{v}"
+    );
+    t2.state.shutdown().await;
+
+    // Another restart: what ended stays as it was, its output gone.
+    let t3 = T::open(t.dir.clone(), t.admin.clone(), t.host.clone(), |_| {});
+    runtime_server::recover(&t3.state).await.unwrap();
+    let (_, v) = t3.process(&id, &ticker).await;
+    assert_eq!(
+        (v["state"].as_str(), v["exitCode"].as_i64()),
+        (Some("exited"), Some(3))
+    );
+    let (_, _, b) = t3
+        .call(
+            "GET",
+            &format!("/v1/sandboxes/{id}/processes/{ticker}/output?cursor=4"),
+            Some(&t3.admin),
+            &[],
+            Body::empty(),
+        )
+        .await;
+    let ev = ndjson(&b);
+    assert_eq!(ev[0]["type"], "truncated", "{ev:?}");
+    assert_eq!(ev[0]["resumeAt"], 10);
+    assert_eq!(ev.last().unwrap()["type"], "exit");
+    assert_eq!(t3.process(&id, &forgotten).await.1["state"], "lost");
+
+    // Deleting the sandbox removes its process records.
+    let (s, _) = t3
+        .json("DELETE", &format!("/v1/sandboxes/{id}"), None)
+        .await;
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(t3.process_rows(&id), 0);
+    t3.state.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_process_that_ended_while_the_server_was_down_is_exited() {
+    let t = T::new();
+    let id = t.running(json!({})).await;
+    t.host
+        .script("brief", vec![Step::Sleep(300), Step::Exit(7)]);
+    let (s, v) = t
+        .json(
+            "POST",
+            &format!("/v1/sandboxes/{id}/processes"),
+            Some(json!({"command": "brief"})),
+        )
+        .await;
+    assert_eq!(s, StatusCode::CREATED, "{v}");
+    let pid = v["id"].as_str().unwrap().to_string();
+    t.state.shutdown().await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    t.host.recoverable.lock().unwrap().insert(id.clone());
+    let t2 = T::open(t.dir.clone(), t.admin.clone(), t.host.clone(), |_| {});
+    runtime_server::recover(&t2.state).await.unwrap();
+    let mut v = Value::Null;
+    for _ in 0..50 {
+        v = t2.process(&id, &pid).await.1;
+        if v["state"] != "running" {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(
+        (v["state"].as_str(), v["exitCode"].as_i64()),
+        (Some("exited"), Some(7)),
+        "{v}"
+    );
+    t2.state.shutdown().await;
+}

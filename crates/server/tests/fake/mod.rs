@@ -19,6 +19,26 @@ pub enum Step {
     Exit(i32),
 }
 
+/// A process the fake runs, by token: where its events go now (a later
+/// server takes it up with `attach`), and how it ended.
+#[derive(Clone)]
+pub struct FakeProc {
+    pub events: Arc<Mutex<Option<mpsc::Sender<ExecEvent>>>>,
+    pub control: mpsc::Sender<ExecControl>,
+    pub exited: Arc<Mutex<Option<ExitStatus>>>,
+}
+
+/// Sends an event to whoever listens now; without a listener it is lost,
+/// as a real guest's output is while no server listens.
+async fn emit(to: &Arc<Mutex<Option<mpsc::Sender<ExecEvent>>>>, ev: ExecEvent) {
+    let tx = to.lock().unwrap().clone();
+    if let Some(tx) = tx {
+        if tx.send(ev).await.is_err() {
+            to.lock().unwrap().take();
+        }
+    }
+}
+
 #[derive(Default)]
 pub struct FakeHost {
     /// (sandbox, path) -> (bytes, mode); directories are in `dirs`.
@@ -41,6 +61,9 @@ pub struct FakeHost {
     pub captures: Mutex<Vec<(String, std::path::PathBuf, bool)>>,
     /// (new sandbox, capture dir) per restore.
     pub restored: Mutex<Vec<(String, std::path::PathBuf)>>,
+    /// Every process started, by token; remove one to make `attach` fail.
+    pub procs: Mutex<HashMap<u64, FakeProc>>,
+    pub next_token: Mutex<u64>,
 }
 
 fn guest(id: &str, failure: GuestFailure, message: &str) -> HostError {
@@ -190,6 +213,21 @@ impl Host for FakeHost {
         let (etx, erx) = mpsc::channel(16);
         let (ctx, mut crx) = mpsc::channel::<ExecControl>(16);
         let cmd = spec.argv.last().cloned().unwrap_or_default();
+        let token = {
+            let mut n = self.next_token.lock().unwrap();
+            *n += 1;
+            *n
+        };
+        let sink = Arc::new(Mutex::new(Some(etx)));
+        let exited = Arc::new(Mutex::new(None));
+        self.procs.lock().unwrap().insert(
+            token,
+            FakeProc {
+                events: sink.clone(),
+                control: ctx.clone(),
+                exited: exited.clone(),
+            },
+        );
         if cmd == "slowfail" {
             tokio::time::sleep(Duration::from_millis(300)).await;
             return Err(guest(
@@ -205,13 +243,14 @@ impl Host for FakeHost {
                     match c {
                         ExecControl::Stdin(b) => {
                             seen.lock().unwrap().extend_from_slice(&b);
-                            let _ = etx.send(ExecEvent::Stdout(b)).await;
+                            emit(&sink, ExecEvent::Stdout(b)).await;
                         }
                         ExecControl::CloseStdin | ExecControl::Signal(_) => break,
                         ExecControl::Resize(_) => {}
                     }
                 }
-                let _ = etx.send(ExecEvent::Exited(exit(Some(0)))).await;
+                *exited.lock().unwrap() = Some(exit(Some(0)));
+                emit(&sink, ExecEvent::Exited(exit(Some(0)))).await;
             });
         } else {
             let steps = self
@@ -234,24 +273,45 @@ impl Host for FakeHost {
                             tokio::time::sleep(Duration::from_millis(ms)).await;
                             continue;
                         }
-                        Step::Exit(c) => ExecEvent::Exited(exit(Some(c))),
+                        Step::Exit(c) => {
+                            *exited.lock().unwrap() = Some(exit(Some(c)));
+                            ExecEvent::Exited(exit(Some(c)))
+                        }
                     };
-                    if etx.send(ev).await.is_err() {
-                        return;
-                    }
+                    emit(&sink, ev).await;
                 }
             });
         }
         Ok(ExecHandle {
             pid: 42,
-            token: 1,
+            token,
             events: erx,
             control: ctx,
         })
     }
 
-    async fn attach(&self, id: &str, _token: u64) -> Result<ExecHandle, HostError> {
-        Err(HostError::LinkLost { id: id.into() })
+    async fn attach(&self, id: &str, token: u64) -> Result<ExecHandle, HostError> {
+        let p = self
+            .procs
+            .lock()
+            .unwrap()
+            .get(&token)
+            .cloned()
+            .ok_or_else(|| guest(id, GuestFailure::BadRequest, "no such process"))?;
+        let (etx, erx) = mpsc::channel(16);
+        let ended = p.exited.lock().unwrap().clone();
+        match ended {
+            Some(status) => {
+                let _ = etx.try_send(ExecEvent::Exited(status));
+            }
+            None => *p.events.lock().unwrap() = Some(etx),
+        }
+        Ok(ExecHandle {
+            pid: 42,
+            token,
+            events: erx,
+            control: p.control,
+        })
     }
 
     async fn read_file(&self, id: &str, path: &str, _user: RunAs) -> Result<Vec<u8>, HostError> {

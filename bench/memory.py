@@ -1,0 +1,167 @@
+"""Memory benchmarks: pause, wake, fork and snapshots beside a cold boot.
+
+    .venv/bin/python bench/memory.py            # starts its own server
+    .venv/bin/python bench/memory.py -n 20
+
+Over N runs (default 20), in one server and one run, through the official
+client: a cold create (boot) until running; pause until paused; wake until
+running; wake through the next command (auto-wake by an exec); fork of one
+until the copy runs; fork of four until all run; snapshot (memory) until
+ready; create from that snapshot until running. Then host memory (PSS and
+RSS of the QEMU processes): one idle 1 GiB sandbox, four idle forks of it,
+and the peak of ten idle sandboxes. Prints Markdown and writes
+bench/results/memory-<timestamp>.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from run import REPO, OwnServer, percentile  # noqa: E402
+
+SHAPE = {"vcpu": 1, "memory_mib": 1024}
+METRICS = [
+    ("cold_create", "create (cold boot) until running"),
+    ("pause", "pause until paused"),
+    ("wake", "wake until running"),
+    ("wake_through_exec", "wake through the next command (auto-wake)"),
+    ("fork_one", "fork of one until the copy runs"),
+    ("fork_four", "fork of four until all run"),
+    ("snapshot", "snapshot (memory) until ready"),
+    ("create_from_snapshot", "create from a snapshot until running"),
+]
+
+
+def qemu_memory(server_root: Path, ids: list[str]) -> dict[str, float]:
+    """Summed PSS and RSS (MiB) of the QEMU processes of these sandboxes."""
+    pss = rss = 0
+    found = 0
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmd = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"qemu-system" not in cmd.split(b"\0", 1)[0] or str(server_root).encode() not in cmd:
+            continue
+        if not any(i.encode() in cmd for i in ids):
+            continue
+        found += 1
+        for line in (entry / "smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                pss += int(line.split()[1])
+            elif line.startswith("Rss:"):
+                rss += int(line.split()[1])
+    assert found == len(ids), f"found {found} QEMU processes for {len(ids)} sandboxes"
+    return {"pss_mib": pss / 1024, "rss_mib": rss / 1024, "processes": found}
+
+
+def timed(f):
+    t = time.perf_counter()
+    out = f()
+    return (time.perf_counter() - t) * 1000, out
+
+
+def measure(rt, runs: int) -> dict[str, list[float]]:
+    s: dict[str, list[float]] = {name: [] for name, _ in METRICS}
+    for i in range(runs):
+        ms, sbx = timed(lambda: rt.sandboxes.create(labels={"bench": "memory"}, **SHAPE))
+        s["cold_create"].append(ms)
+        assert sbx.exec("echo $((6*7)) > /tmp/x").exit_code == 0
+        ms, _ = timed(sbx.pause)
+        s["pause"].append(ms)
+        assert sbx.state == "paused", sbx.info
+        ms, _ = timed(sbx.wake)
+        s["wake"].append(ms)
+        assert sbx.state == "running", sbx.info
+        sbx.pause()
+        ms, r = timed(lambda: sbx.exec("cat /tmp/x"))
+        s["wake_through_exec"].append(ms)
+        assert r.stdout == "42\n", r
+        ms, copy = timed(sbx.fork)
+        s["fork_one"].append(ms)
+        assert copy.exec("cat /tmp/x").stdout == "42\n"
+        ms, copies = timed(lambda: sbx.fork(count=4))
+        s["fork_four"].append(ms)
+        assert len(copies) == 4
+        ms, snap = timed(lambda: sbx.snapshot(name=f"bench-{i}"))
+        s["snapshot"].append(ms)
+        ms, from_snap = timed(lambda: rt.sandboxes.create(snapshot=snap["id"], labels={"bench": "memory"}))
+        s["create_from_snapshot"].append(ms)
+        assert from_snap.exec("cat /tmp/x").stdout == "42\n"
+        for x in [sbx, copy, *copies, from_snap]:
+            x.delete()
+        rt.snapshots.delete(snap["id"])
+        print(f"run {i + 1}/{runs}: " + ", ".join(f"{k} {v[-1]:.0f}" for k, v in s.items()), file=sys.stderr)
+    return s
+
+
+def memory(rt, root: Path) -> dict[str, dict]:
+    out = {}
+    one = rt.sandboxes.create(labels={"bench": "memory"}, **SHAPE)
+    one.exec("true")
+    time.sleep(3)
+    out["one_idle_1gib"] = qemu_memory(root, [one.id])
+    forks = one.fork(count=4)
+    time.sleep(3)
+    out["four_idle_forks_of_it"] = qemu_memory(root, [f.id for f in forks])
+    for f in [one, *forks]:
+        f.delete()
+    ten = [rt.sandboxes.create(labels={"bench": "memory"}, **SHAPE) for _ in range(10)]
+    peak = {"pss_mib": 0.0, "rss_mib": 0.0, "processes": 10}
+    for _ in range(5):
+        time.sleep(1)
+        m = qemu_memory(root, [t.id for t in ten])
+        peak = {k: max(peak[k], m[k]) for k in peak}
+    out["peak_ten_idle"] = peak
+    for t in ten:
+        t.delete()
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("-n", "--runs", type=int, default=20)
+    parser.add_argument("--binary", type=Path, default=REPO / "target" / "release" / "runtime")
+    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
+    args = parser.parse_args()
+    from withruntime import Runtime
+
+    own = OwnServer(args.binary, 1200)
+    try:
+        with Runtime(api_key=own.key, base_url=own.url) as rt:
+            measure(rt, 1)  # warm-up
+            samples = measure(rt, args.runs)
+            mem = memory(rt, own.root)
+        accel = own.accelerator()
+    finally:
+        own.close()
+    summary = {k: {"median_ms": statistics.median(v), "p95_ms": percentile(v, 95), "samples_ms": v}
+               for k, v in samples.items()}
+    now = datetime.now(timezone.utc)
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"memory-{now.strftime('%Y%m%dT%H%M%SZ')}.json"
+    path.write_text(json.dumps({"date": now.isoformat(timespec="seconds"), "accelerator": accel,
+                                "command": "python bench/memory.py " + " ".join(sys.argv[1:]),
+                                "shape": SHAPE, "metrics": summary, "memory": mem}, indent=2) + "\n")
+    print(f"| operation (n={args.runs}, 1 vCPU, 1 GiB) | median ms | p95 ms |\n|---|---:|---:|")
+    for k, label in METRICS:
+        print(f"| {label} | {summary[k]['median_ms']:.0f} | {summary[k]['p95_ms']:.0f} |")
+    print("\n| host memory of QEMU | PSS MiB | RSS MiB |\n|---|---:|---:|")
+    for k, label in [("one_idle_1gib", "one idle 1 GiB sandbox"), ("four_idle_forks_of_it", "four idle forks of it"),
+                     ("peak_ten_idle", "peak of ten idle 1 GiB sandboxes")]:
+        print(f"| {label} | {mem[k]['pss_mib']:.0f} | {mem[k]['rss_mib']:.0f} |")
+    print(f"\naccelerator: {accel}; samples in {path.relative_to(REPO)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
