@@ -22,6 +22,56 @@ pub(crate) enum Incoming {
 
 type Routes = Arc<Mutex<HashMap<u32, mpsc::UnboundedSender<Incoming>>>>;
 
+/// Frames for streams nobody has opened on this connection yet: after a
+/// restore or a restart the agent goes on sending on streams of the earlier
+/// connection before the host takes them up again ([`Link::open_at`]).
+#[derive(Default)]
+struct Orphans {
+    frames: HashMap<u32, Vec<Incoming>>,
+    bytes: usize,
+}
+
+/// What is kept for streams not taken up (the oldest beyond it is dropped).
+const ORPHAN_BYTES: usize = 4 << 20;
+
+impl Orphans {
+    fn push(&mut self, stream: u32, inc: Incoming) {
+        let size = match &inc {
+            Incoming::Data { bytes, .. } => bytes.len(),
+            Incoming::Reply(_) => 64,
+        };
+        if size > ORPHAN_BYTES {
+            return;
+        }
+        while self.bytes + size > ORPHAN_BYTES {
+            let Some(&victim) = self.frames.keys().next() else {
+                break;
+            };
+            if let Some(list) = self.frames.remove(&victim) {
+                for i in list {
+                    self.bytes -= match i {
+                        Incoming::Data { bytes, .. } => bytes.len(),
+                        Incoming::Reply(_) => 64,
+                    };
+                }
+            }
+        }
+        self.bytes += size;
+        self.frames.entry(stream).or_default().push(inc);
+    }
+
+    fn take(&mut self, stream: u32) -> Vec<Incoming> {
+        let list = self.frames.remove(&stream).unwrap_or_default();
+        for i in &list {
+            self.bytes -= match i {
+                Incoming::Data { bytes, .. } => bytes.len(),
+                Incoming::Reply(_) => 64,
+            };
+        }
+        list
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 pub(crate) enum LinkError {
     #[error("the link is closed")]
@@ -39,6 +89,7 @@ pub(crate) enum LinkError {
 pub(crate) struct Link {
     writer: mpsc::UnboundedSender<Vec<u8>>,
     routes: Routes,
+    orphans: Arc<Mutex<Orphans>>,
     next: Arc<AtomicU32>,
     closed: tokio_util::sync::CancellationToken,
 }
@@ -127,6 +178,12 @@ impl Link {
         let stream = UnixStream::connect(sock)
             .await
             .map_err(LinkError::Connect)?;
+        Link::over(stream, timeout).await
+    }
+
+    /// The handshake on a socket already connected (a restore connects
+    /// before the vCPUs run, so the agent never writes to nobody).
+    pub async fn over(stream: UnixStream, timeout: Duration) -> Result<(Link, Reply), LinkError> {
         let (mut rd, mut wr) = stream.into_split();
         let routes: Routes = Arc::new(Mutex::new(HashMap::new()));
         let closed = tokio_util::sync::CancellationToken::new();
@@ -148,6 +205,8 @@ impl Link {
             r.insert(0, hello_tx);
         }
         let routes_r = routes.clone();
+        let orphans: Arc<Mutex<Orphans>> = Arc::default();
+        let orphans_r = orphans.clone();
         let closed_r = closed.clone();
         tokio::spawn(async move {
             let mut dec = Decoder::new();
@@ -181,12 +240,20 @@ impl Link {
                             bytes: frame.payload,
                         },
                     };
-                    let target = routes_r
+                    // Orphans first, then routes (as in `open_at`), so a
+                    // stream taken up meanwhile never loses a frame.
+                    let Ok(mut o) = orphans_r.lock() else { break };
+                    match routes_r
                         .lock()
                         .ok()
-                        .and_then(|r| r.get(&frame.stream).cloned());
-                    if let Some(tx) = target {
-                        let _ = tx.send(incoming);
+                        .and_then(|r| r.get(&frame.stream).cloned())
+                    {
+                        Some(tx) => {
+                            drop(o);
+                            let _ = tx.send(incoming);
+                        }
+                        None if frame.stream != 0 => o.push(frame.stream, incoming),
+                        None => {}
                     }
                 }
             }
@@ -206,6 +273,7 @@ impl Link {
         let link = Link {
             writer,
             routes,
+            orphans,
             next: Arc::new(AtomicU32::new(first)),
             closed,
         };
@@ -274,10 +342,17 @@ impl Link {
             return Err(LinkError::Closed);
         }
         let (tx, rx) = mpsc::unbounded_channel();
+        // Route first, then hand over what came before: the reader takes the
+        // orphans lock before it looks up a route, so the order is kept.
+        let mut orphans = self.orphans.lock().map_err(|_| LinkError::Closed)?;
         self.routes
             .lock()
             .map_err(|_| LinkError::Closed)?
-            .insert(id, tx);
+            .insert(id, tx.clone());
+        for inc in orphans.take(id) {
+            let _ = tx.send(inc);
+        }
+        drop(orphans);
         Ok(Stream {
             id,
             link: self.clone(),

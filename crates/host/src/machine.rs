@@ -396,6 +396,9 @@ impl QemuHost {
             run_as: vm_uid(id),
             incoming: incoming.as_ref().map(|f| f.as_raw_fd()),
         };
+        // Sockets of an earlier QEMU (before a pause) must not pass for ours.
+        let _ = std::fs::remove_file(paths.agent_sock());
+        let _ = std::fs::remove_file(paths.qmp_sock());
         let started = Instant::now();
         let pid = qemu::spawn(&cfg)
             .map_err(|e| self.start_failed(id, BootStage::Spawn, e.to_string()))?;
@@ -433,7 +436,15 @@ impl QemuHost {
             }
             tokio::time::sleep(Duration::from_millis(2)).await;
         }
+        let mut early = None;
         if cfg.incoming.is_some() {
+            // Connected while the vCPUs are stopped: whatever the agent
+            // sends right after the restore has somewhere to go.
+            early = Some(
+                tokio::net::UnixStream::connect(&sock)
+                    .await
+                    .map_err(|e| self.start_failed(id, BootStage::Restore, e.to_string()))?,
+            );
             if let Err(e) = resume_loaded(&paths).await {
                 qemu::kill(pid).await;
                 return Err(self.start_failed(id, BootStage::Restore, e.to_string()));
@@ -445,7 +456,12 @@ impl QemuHost {
             );
         }
         let remaining = self.cfg.boot_timeout.saturating_sub(started.elapsed());
-        let connect = Link::connect(&sock, remaining);
+        let connect = async {
+            match early {
+                Some(stream) => Link::over(stream, remaining).await,
+                None => Link::connect(&sock, remaining).await,
+            }
+        };
         tokio::pin!(connect);
         let link = loop {
             tokio::select! {

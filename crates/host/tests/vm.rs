@@ -678,3 +678,69 @@ async fn starts_restore_a_template_with_fresh_entropy() {
         h.destroy(id).await.unwrap();
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_exec_streaming_across_a_pause_loses_nothing() {
+    let t = host();
+    let h = &t.host;
+    let id = "00000000-0000-4000-8000-00000000c001";
+    h.start(&spec(id))
+        .await
+        .unwrap_or_else(|e| panic!("start: {e:?}"));
+    let mut handle = h
+        .exec(
+            id,
+            ExecSpec {
+                argv: vec![
+                    "bash".into(),
+                    "-c".into(),
+                    "for i in $(seq 1 40); do echo $i; sleep 0.05; done".into(),
+                ],
+                cwd: None,
+                env: vec![],
+                user: RunAs::Sandbox,
+                timeout: None,
+                stdin: false,
+                pty: None,
+                kill_group_on_exit: true,
+            },
+        )
+        .await
+        .unwrap();
+    let token = handle.token;
+    let mut out = Vec::new();
+    while out.len() < 6 {
+        match handle.events.recv().await {
+            Some(ExecEvent::Stdout(b)) => out.extend(b),
+            other => panic!("{other:?}"),
+        }
+    }
+    h.pause(id).await.unwrap();
+    // Whatever reached the host before the pause is still delivered.
+    while let Some(ev) = handle.events.recv().await {
+        match ev {
+            ExecEvent::Stdout(b) => out.extend(b),
+            other => panic!("{other:?}"),
+        }
+    }
+    h.wake(&spec(id))
+        .await
+        .unwrap_or_else(|e| panic!("wake: {e:?}"));
+    let mut again = h.attach(id, token).await.unwrap();
+    loop {
+        match tokio::time::timeout(Duration::from_secs(30), again.events.recv())
+            .await
+            .unwrap()
+        {
+            Some(ExecEvent::Stdout(b)) => out.extend(b),
+            Some(ExecEvent::Exited(st)) => {
+                assert_eq!(st.code, Some(0));
+                break;
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    let expected: String = (1..=40).map(|i| format!("{i}\n")).collect();
+    assert_eq!(String::from_utf8_lossy(&out), expected);
+    h.destroy(id).await.unwrap();
+}
