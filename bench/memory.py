@@ -28,7 +28,8 @@ from run import REPO, OwnServer, percentile  # noqa: E402
 
 SHAPE = {"vcpu": 1, "memory_mib": 1024}
 METRICS = [
-    ("cold_create", "create (cold boot) until running"),
+    ("cold_create", "create (cold boot, `--no-templates`) until running"),
+    ("template_create", "create (from the pre-booted template) until running"),
     ("pause", "pause until paused"),
     ("wake", "wake until running"),
     ("wake_through_exec", "wake through the next command (auto-wake)"),
@@ -70,11 +71,21 @@ def timed(f):
     return (time.perf_counter() - t) * 1000, out
 
 
+def cold(rt, runs: int) -> list[float]:
+    out = []
+    for _ in range(runs):
+        ms, sbx = timed(lambda: rt.sandboxes.create(labels={"bench": "memory"}, **SHAPE))
+        assert sbx.exec("true").exit_code == 0
+        sbx.delete()
+        out.append(ms)
+    return out
+
+
 def measure(rt, runs: int) -> dict[str, list[float]]:
-    s: dict[str, list[float]] = {name: [] for name, _ in METRICS}
+    s: dict[str, list[float]] = {name: [] for name, _ in METRICS if name != "cold_create"}
     for i in range(runs):
         ms, sbx = timed(lambda: rt.sandboxes.create(labels={"bench": "memory"}, **SHAPE))
-        s["cold_create"].append(ms)
+        s["template_create"].append(ms)
         assert sbx.exec("echo $((6*7)) > /tmp/x").exit_code == 0
         ms, _ = timed(sbx.pause)
         s["pause"].append(ms)
@@ -135,11 +146,24 @@ def main() -> int:
     args = parser.parse_args()
     from withruntime import Runtime
 
+    # Cold boots first, on a server that never restores templates.
+    booting = OwnServer(args.binary, 1200, ("--no-templates",))
+    try:
+        with Runtime(api_key=booting.key, base_url=booting.url) as rt:
+            cold(rt, 1)
+            cold_samples = cold(rt, args.runs)
+    finally:
+        booting.close()
     own = OwnServer(args.binary, 1200)
     try:
         with Runtime(api_key=own.key, base_url=own.url) as rt:
+            # The first create of the shape boots and builds its template.
+            first = rt.sandboxes.create(labels={"bench": "memory"}, **SHAPE)
+            time.sleep(15)
+            first.delete()
             measure(rt, 1)  # warm-up
             samples = measure(rt, args.runs)
+            samples["cold_create"] = cold_samples
             mem = memory(rt, own.root)
         accel = own.accelerator()
     finally:

@@ -47,7 +47,7 @@ def free_port() -> int:
 class OwnServer:
     """`runtime serve` on a free port and a temporary data directory."""
 
-    def __init__(self, binary: Path, timeout: float) -> None:
+    def __init__(self, binary: Path, timeout: float, extra: tuple[str, ...] = ()) -> None:
         self.root = Path(tempfile.mkdtemp(prefix="runtime-bench-"))
         # As root each VM's QEMU runs as its own uid and must reach the data dir.
         os.chmod(self.root, 0o711)
@@ -56,7 +56,8 @@ class OwnServer:
         self.log = self.root / "server.log"
         with self.log.open("w") as log:
             self.proc = subprocess.Popen(
-                [str(binary), "serve", "--listen", f"127.0.0.1:{self.port}", "--data-dir", str(self.root / "data")],
+                [str(binary), "serve", "--listen", f"127.0.0.1:{self.port}", "--data-dir", str(self.root / "data"),
+                 *extra],
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + timeout
         while f"listening on {self.url}" not in self.log.read_text(errors="replace"):
