@@ -221,8 +221,12 @@ impl QemuHost {
     /// machine's shape: a restore needs exactly the machine it was taken on.
     fn template_key(&self, spec: &MachineSpec) -> String {
         format!(
-            "{}-{}c-{}m-{}d",
-            self.cfg.artifacts.key, spec.vcpu, spec.memory_mib, spec.disk_mib
+            "{}-{}-{}c-{}m-{}d",
+            self.cfg.artifacts.key,
+            qemu::cpu_model(self.cfg.accel),
+            spec.vcpu,
+            spec.memory_mib,
+            spec.disk_mib
         )
     }
 

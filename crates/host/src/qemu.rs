@@ -22,6 +22,15 @@ impl std::fmt::Display for Accel {
     }
 }
 
+/// The CPU model for an accelerator. Part of what a capture must be restored
+/// with, so template keys include it.
+pub(crate) fn cpu_model(accel: Accel) -> &'static str {
+    match accel {
+        Accel::Kvm => "host",
+        Accel::Tcg => "max",
+    }
+}
+
 /// Files of one VM, all inside its directory.
 #[derive(Debug, Clone)]
 pub(crate) struct VmPaths {
@@ -97,10 +106,11 @@ pub(crate) fn command_line(cfg: &VmConfig<'_>) -> Vec<OsString> {
         Accel::Kvm => push("kvm"),
         Accel::Tcg => push("tcg,thread=multi,tb-size=256"),
     }
-    if cfg.accel == Accel::Kvm {
-        push("-cpu");
-        push("host");
-    }
+    // Under TCG the default model (qemu64) misleads OpenBLAS into kernels
+    // that die with SIGILL (numpy.dot, every matplotlib draw); `max` offers
+    // what TCG really emulates.
+    push("-cpu");
+    push(cpu_model(cfg.accel));
     push("-m");
     push(&format!("{}M", cfg.memory_mib));
     push("-smp");

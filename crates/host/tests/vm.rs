@@ -175,6 +175,22 @@ async fn boots_runs_commands_moves_files_and_cleans_up() {
     let (out, _, _) = run(h, id, &["id", "-u"], RunAs::Root, None).await;
     assert_eq!(out.trim(), "0");
 
+    // numpy's BLAS picks its kernels from the CPU the guest is offered: they
+    // must run (the default TCG model made numpy.dot die with SIGILL).
+    let (out, err, st) = run(
+        h,
+        id,
+        &[
+            "python3",
+            "-c",
+            "import numpy as n; print(int(n.dot(n.ones((64, 64)), n.ones((64, 64)))[0][0]))",
+        ],
+        RunAs::Sandbox,
+        None,
+    )
+    .await;
+    assert_eq!((st.code, out.as_str()), (Some(0), "64\n"), "{err}");
+
     let (out, _, _) = run(
         h,
         id,
