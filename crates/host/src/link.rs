@@ -111,17 +111,11 @@ impl Drop for Stream {
 
 impl Stream {
     pub fn send(&self, req: &Request) -> Result<(), LinkError> {
-        self.link
-            .send_frame(Frame::control(self.id, req).map_err(LinkError::Encode)?)
+        self.sender().send(req)
     }
 
     pub fn send_data(&self, bytes: &[u8]) -> Result<(), LinkError> {
-        for piece in bytes.chunks(MAX_PAYLOAD) {
-            let frame =
-                Frame::data(self.id, channel::INPUT, piece.to_vec()).map_err(LinkError::Encode)?;
-            self.link.send_frame(frame)?;
-        }
-        Ok(())
+        self.sender().send_data(bytes)
     }
 
     /// The next reply, skipping nothing; `None` if the link closed.

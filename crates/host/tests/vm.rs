@@ -105,6 +105,20 @@ fn spec(id: &str) -> MachineSpec {
     }
 }
 
+/// A foreground command as the sandbox user, without stdin or limit.
+fn cmd(argv: &[&str]) -> ExecSpec {
+    ExecSpec {
+        argv: argv.iter().map(|s| s.to_string()).collect(),
+        cwd: None,
+        env: vec![],
+        user: RunAs::Sandbox,
+        timeout: None,
+        stdin: false,
+        pty: None,
+        kill_group_on_exit: true,
+    }
+}
+
 async fn run(
     h: &QemuHost,
     id: &str,
@@ -116,14 +130,10 @@ async fn run(
         .exec(
             id,
             ExecSpec {
-                argv: argv.iter().map(|s| s.to_string()).collect(),
-                cwd: None,
                 env: vec![("GREETING".into(), "hi there".into())],
                 user,
                 timeout,
-                stdin: false,
-                pty: None,
-                kill_group_on_exit: true,
+                ..cmd(argv)
             },
         )
         .await
@@ -348,22 +358,7 @@ async fn boots_runs_commands_moves_files_and_cleans_up() {
                 .unwrap_or(true)
     );
     assert!(!t.state.join(id).exists(), "the VM directory is removed");
-    let err = h
-        .exec(
-            id,
-            ExecSpec {
-                argv: vec!["true".into()],
-                cwd: None,
-                env: vec![],
-                user: RunAs::Sandbox,
-                timeout: None,
-                stdin: false,
-                pty: None,
-                kill_group_on_exit: true,
-            },
-        )
-        .await
-        .unwrap_err();
+    let err = h.exec(id, cmd(&["true"])).await.unwrap_err();
     assert!(matches!(err, HostError::NoSuchMachine { .. }));
 }
 
@@ -390,16 +385,7 @@ async fn a_new_host_process_recovers_a_running_machine() {
     assert_eq!(st.code, Some(0));
     let pid = t.host.qemu_pid(id).unwrap();
     // A process still running when the server goes away.
-    let spec_exec = ExecSpec {
-        argv: vec!["bash".into(), "-c".into(), "sleep 3; echo late".into()],
-        cwd: None,
-        env: vec![],
-        user: RunAs::Sandbox,
-        timeout: None,
-        stdin: false,
-        pty: None,
-        kill_group_on_exit: true,
-    };
+    let spec_exec = cmd(&["bash", "-c", "sleep 3; echo late"]);
     let handle = t.host.exec(id, spec_exec).await.unwrap();
     let (token, guest_pid) = (handle.token, handle.pid);
     drop(handle);
@@ -706,20 +692,11 @@ async fn an_exec_streaming_across_a_pause_loses_nothing() {
     let mut handle = h
         .exec(
             id,
-            ExecSpec {
-                argv: vec![
-                    "bash".into(),
-                    "-c".into(),
-                    "for i in $(seq 1 40); do echo $i; sleep 0.05; done".into(),
-                ],
-                cwd: None,
-                env: vec![],
-                user: RunAs::Sandbox,
-                timeout: None,
-                stdin: false,
-                pty: None,
-                kill_group_on_exit: true,
-            },
+            cmd(&[
+                "bash",
+                "-c",
+                "for i in $(seq 1 40); do echo $i; sleep 0.05; done",
+            ]),
         )
         .await
         .unwrap();
