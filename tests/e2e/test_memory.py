@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 import time
 
 import pytest
@@ -88,19 +89,125 @@ def test_without_auto_wake_a_paused_sandbox_refuses(server):
         assert sbx.exec("echo ok").stdout == "ok\n"
 
 
-def test_five_pause_wake_cycles_each_adding_a_file(server, mem_sbx):
+def test_twenty_pause_wake_cycles_each_adding_a_file(server, mem_sbx):
     sbx = mem_sbx
     sandbox_id = sbx.id
-    for i in range(5):
+    for i in range(20):
         sbx.files.write(f"/workspace/cycle-{i}.txt", f"cycle {i}")
         sbx.pause()
         assert sbx.state == "paused"
         sbx.wake()
         assert sbx.state == "running" and sbx.id == sandbox_id
     listing = sbx.exec("ls /workspace | grep -c '^cycle-'")
-    assert listing.stdout == "5\n", listing
-    for i in range(5):
+    assert listing.stdout == "20\n", listing
+    for i in range(20):
         assert sbx.files.read(f"/workspace/cycle-{i}.txt") == f"cycle {i}".encode()
+
+
+def test_a_pause_during_a_streamed_exec_loses_nothing(server, runtime, mem_sbx):
+    sbx = mem_sbx
+    seen: list[str] = []
+    pauser_error: list[BaseException] = []
+    paused: list[tuple[str, int]] = []
+
+    def pause_midway():
+        try:
+            deadline = time.monotonic() + 30
+            while "".join(seen).count("\n") < 10 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            lines_before = "".join(seen).count("\n")
+            paused.append((runtime.sandboxes.get(sbx.id).pause().state, lines_before))
+        except BaseException as error:  # noqa: BLE001 - reported by the test
+            pauser_error.append(error)
+
+    pauser = threading.Thread(target=pause_midway)
+    pauser.start()
+    # The stream ends with `continue` at the pause; the client resumes from
+    # its cursor, which wakes the sandbox, and gets the rest.
+    result = sbx.exec("for i in $(seq 1 60); do echo $i; sleep 0.1; done", on_stdout=seen.append)
+    pauser.join(60)
+    assert not pauser_error, pauser_error
+    # The pause really cut the stream: it came while the command ran (the
+    # resuming client may have woken the sandbox before the pause answered).
+    assert len(paused) == 1 and paused[0][1] < 60, paused
+    assert paused[0][0] in ("paused", "resuming", "running"), paused
+    assert result.exit_code == 0, result
+    assert result.stdout == "".join(f"{i}\n" for i in range(1, 61)), result.stdout
+    assert "".join(seen) == result.stdout
+    assert runtime.sandboxes.get(sbx.id).state == "running"
+
+
+def test_a_spawned_process_runs_on_across_pause_and_wake(server, mem_sbx):
+    sbx = mem_sbx
+    proc = sbx.spawn("for i in $(seq 1 30); do echo $i; sleep 0.1; done; exit 3")
+    time.sleep(1)
+    sbx.pause()
+    assert sbx.process(proc.id).state == "running"
+    sbx.wake()
+    result = proc.wait()
+    assert result.exit_code == 3, result
+    assert result.stdout == "".join(f"{i}\n" for i in range(1, 31)), result.stdout
+    assert proc.refresh()["state"] == "exited"
+
+
+def test_fork_of_a_paused_sandbox(server, runtime, mem_sbx):
+    sbx = mem_sbx
+    sbx.exec(COUNTER)
+    sbx.files.write("/workspace/paused.txt", "forked while paused")
+    at_pause = wait_counter_above(sbx, 2)
+    sbx.pause()
+    copy = sbx.fork()
+    try:
+        assert copy.state == "running" and copy.id != sbx.id
+        assert runtime.sandboxes.get(sbx.id).state == "paused"
+        assert copy.files.read("/workspace/paused.txt") == b"forked while paused"
+        value = counter(copy)
+        assert value >= at_pause, (at_pause, value)
+        assert wait_counter_above(copy, value) > value
+    finally:
+        copy.delete()
+    # The source wakes as it was.
+    assert counter(sbx) >= at_pause
+
+
+def test_a_server_restart_while_paused(server, runtime, mem_sbx):
+    sbx = mem_sbx
+    sbx.exec(COUNTER)
+    sbx.files.write("/workspace/restart.txt", "kept")
+    before = wait_counter_above(sbx, 2)
+    sbx.pause()
+    server.restart()
+    assert runtime.sandboxes.get(sbx.id).state == "paused"
+    again = runtime.sandboxes.get(sbx.id)
+    again.wake()
+    assert again.state == "running" and again.id == sbx.id
+    after = counter(again)
+    # The memory-only counter went on from where it was.
+    assert after >= before, (before, after)
+    assert wait_counter_above(again, after) > after
+    assert again.files.read("/workspace/restart.txt") == b"kept"
+
+
+def test_a_persistent_sandbox_restarts_with_its_files(server, runtime):
+    sbx = Sandbox.create(persistent=True, **SHAPE)
+    try:
+        sbx.files.write("/workspace/persist.txt", "on the disk")
+        boot_id = sbx.exec("cat /proc/sys/kernel/random/boot_id").stdout
+        sbx.stop()
+        assert sbx.state == "stopped"
+        sbx.restart()
+        assert sbx.state == "running"
+        assert runtime.sandboxes.get(sbx.id).state == "running"
+        assert sbx.files.read("/workspace/persist.txt") == b"on the disk"
+        # A fresh boot of the same files.
+        assert sbx.exec("cat /proc/sys/kernel/random/boot_id").stdout != boot_id
+    finally:
+        sbx.delete()
+    with Sandbox.create(**SHAPE) as plain:
+        plain.stop()
+        with pytest.raises(ConflictError) as caught:
+            plain.restart()
+        assert caught.value.code == "not_persistent"
 
 
 def test_fork_copies_memory_and_files_that_then_diverge(server, runtime, mem_sbx):

@@ -75,6 +75,13 @@ pub enum ApiError {
     Failed { code: &'static str, message: String },
     #[error("{feature} is not supported by this server")]
     Unsupported { feature: &'static str },
+    /// A 400 with its own code, naming the one field at fault.
+    #[error("{message}")]
+    BadField {
+        code: &'static str,
+        field: &'static str,
+        message: String,
+    },
     #[error("host failed")]
     Host(#[from] HostError),
     #[error("server failed")]
@@ -222,6 +229,15 @@ impl ApiError {
                     codes::UNSUPPORTED,
                     format!("{feature} is not supported by this server yet."),
                 )
+            },
+            ApiError::BadField {
+                code,
+                field,
+                message,
+            } => Parts {
+                details: Some(json!({"issues": [{"field": field, "message": message}]})),
+                retryable: Some(false),
+                ..p(StatusCode::BAD_REQUEST, code, message.clone())
             },
             ApiError::Failed { code, message } => {
                 p(StatusCode::INTERNAL_SERVER_ERROR, code, message.clone())

@@ -15,7 +15,7 @@ use tracing::Instrument;
 use crate::error::{ApiError, ApiResult};
 use crate::store::KeyInfo;
 use crate::util::{parse_query, percent_decode, sha256_hex};
-use crate::{files, idempotency, procs, sandboxes, snapshots, AppState};
+use crate::{files, idempotency, interpreter, procs, sandboxes, snapshots, AppState};
 
 /// What a handler answers.
 pub enum Reply {
@@ -73,6 +73,9 @@ pub enum Route {
     GetSnapshot(String),
     DeleteSnapshot(String),
     SnapshotAction(String, String),
+    /// `/v1/sandboxes/{id}/interpreter[/…]`: the method, the segments after
+    /// `interpreter`, and the verb.
+    Interpreter(Method, String, Vec<String>, Option<String>),
 }
 
 pub fn router(state: AppState) -> axum::Router {
@@ -201,6 +204,12 @@ pub fn route(method: &Method, raw_path: &str) -> ApiResult<Route> {
             Method::GET => Route::ProcOutput(id.to_string(), pid.to_string()),
             _ => return Err(not_allowed()),
         },
+        ["v1", "sandboxes", id, "interpreter", rest @ ..] => Route::Interpreter(
+            m.clone(),
+            id.to_string(),
+            rest.iter().map(|s| s.to_string()).collect(),
+            verb.clone(),
+        ),
         ["v1", "snapshots"] if verb_or_none(false) => match m {
             Method::GET => Route::ListSnapshots,
             _ => return Err(not_allowed()),
@@ -339,6 +348,9 @@ async fn dispatch(st: AppState, ctx: Ctx, r: Route, body: Bytes) -> ApiResult<Re
         Route::GetSnapshot(id) => snapshots::get(st, ctx, id).await,
         Route::DeleteSnapshot(id) => snapshots::delete(st, ctx, id).await,
         Route::SnapshotAction(id, verb) => snapshots::action(st, ctx, id, verb, body).await,
+        Route::Interpreter(m, id, rest, verb) => {
+            interpreter::handle(st, ctx, m, id, rest, verb, body).await
+        }
     }
 }
 

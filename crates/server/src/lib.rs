@@ -8,13 +8,14 @@ mod error;
 mod files;
 mod http;
 mod idempotency;
+mod interpreter;
 mod procs;
 mod sandboxes;
 mod snapshots;
 mod store;
 mod util;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::future::Future;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -82,6 +83,9 @@ struct Inner {
     create_lock: tokio::sync::Mutex<()>,
     inflight: idempotency::Inflight,
     procs: procs::Table,
+    /// Sandboxes whose last pause failed (they ran on), for the `:pause`
+    /// answer: a sandbox running again may also have paused and been woken.
+    pause_failed: Mutex<HashSet<String>>,
     uploads: files::Uploads,
     tasks: TaskTracker,
     cancel: CancellationToken,
@@ -99,6 +103,7 @@ impl AppState {
                 create_lock: tokio::sync::Mutex::new(()),
                 inflight: idempotency::Inflight::default(),
                 procs: procs::Table::default(),
+                pause_failed: Mutex::new(HashSet::new()),
                 uploads: files::Uploads::new(uploads_dir),
                 tasks: TaskTracker::new(),
                 cancel: CancellationToken::new(),

@@ -15,6 +15,17 @@
 //! their offsets go on from the stored count, the bytes produced while no
 //! server listened are reported as `truncated`, and what ended stays
 //! queryable (without its output).
+//!
+//! A pause keeps processes: before the host pauses, each running process is
+//! marked `Detaching`; its pump moves what the old handle still delivers and,
+//! when that handle closes, the process becomes `Detached` (still `running`).
+//! Followers then end their stream with `continue {processId, cursor}`; the
+//! client resumes through the output endpoint, which auto-wakes the sandbox.
+//! Every wake (and a failed pause) takes the detached processes up again
+//! through [`Host::attach`](runtime_host::Host::attach), whose events go on
+//! exactly where the old handle's ended, so offsets continue with no gap;
+//! an attach that fails ends the process as `lost`. An unstreamed exec in
+//! flight keeps waiting across the pause and answers after the wake.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -65,6 +76,17 @@ impl Table {
 
     /// The sandbox stopped or was deleted: its processes go, records too.
     pub fn sandbox_gone(&self, store: &Store, sandbox_id: &str) {
+        for p in self.of(sandbox_id) {
+            // Nothing pumps a detached process: end it for its followers.
+            let detached = {
+                let s = p.state();
+                s.exit.is_none() && s.link != Link::Attached
+            };
+            if detached {
+                p.finish(store, p.lost_status(), true);
+                p.bump();
+            }
+        }
         self.lock().retain(|_, p| p.sandbox_id != sandbox_id);
         if let Err(e) = store.delete_processes_of(sandbox_id) {
             tracing::error!(sandbox_id, error = %e, "deleting the process records failed");
@@ -78,28 +100,32 @@ impl Table {
             .any(|p| p.sandbox_id == sandbox_id && p.state().exit.is_none())
     }
 
-    /// The sandbox paused: the host's links to its processes are gone, so
-    /// each one still running ends as `lost` (its stream's last event is an
-    /// `exit` with `state: "lost"`). The processes themselves go on in the
-    /// guest after the wake; their output from then on is not collected.
-    pub fn sandbox_paused(&self, store: &Store, sandbox_id: &str) {
-        let procs: Vec<Arc<Proc>> = self
-            .lock()
+    fn of(&self, sandbox_id: &str) -> Vec<Arc<Proc>> {
+        self.lock()
             .values()
             .filter(|p| p.sandbox_id == sandbox_id)
             .cloned()
-            .collect();
-        for p in procs {
-            if p.state().exit.is_none() {
-                let status = ExitStatus {
-                    code: None,
-                    signal: None,
-                    timed_out: false,
-                    duration_ms: (now_ms() - p.started_ms).max(0) as u64,
-                    out_of_memory: false,
-                };
-                p.finish(store, status, true);
-                p.bump();
+            .collect()
+    }
+
+    /// The sandbox is about to pause: its running processes detach when
+    /// their handles close, instead of ending as `lost`.
+    pub fn sandbox_pausing(&self, sandbox_id: &str) {
+        for p in self.of(sandbox_id) {
+            let mut s = p.state();
+            if s.exit.is_none() && s.link == Link::Attached {
+                s.link = Link::Detaching;
+            }
+        }
+    }
+
+    /// The pause failed and the machine runs on: handles still open stay
+    /// in use; the caller takes up those that closed with [`reattach`].
+    pub fn pause_failed(&self, sandbox_id: &str) {
+        for p in self.of(sandbox_id) {
+            let mut s = p.state();
+            if s.link == Link::Detaching {
+                s.link = Link::Attached;
             }
         }
     }
@@ -193,6 +219,17 @@ impl Kept {
     }
 }
 
+/// How the server is linked to a running process.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Link {
+    /// A pump moves its events.
+    Attached,
+    /// A pause is under way: when its handle closes it detaches.
+    Detaching,
+    /// Paused: no handle until a wake takes it up again.
+    Detached,
+}
+
 #[derive(Clone)]
 struct Exit {
     status: ExitStatus,
@@ -209,6 +246,9 @@ struct ProcState {
     stdin_closed: bool,
     /// The output count last written to the store.
     persisted: u64,
+    link: Link,
+    /// Bumped at every attach: a pump of an older handle stops.
+    generation: u64,
 }
 
 pub struct Proc {
@@ -222,9 +262,12 @@ pub struct Proc {
     stdin_pipe: bool,
     base64_always: bool,
     started_ms: i64,
+    /// Names the process to the host for [`Host::attach`](runtime_host::Host::attach).
+    token: u64,
     state: Mutex<ProcState>,
     changed: watch::Sender<u64>,
-    control: mpsc::Sender<ExecControl>,
+    /// Replaced when the process is taken up again after a pause.
+    control: Mutex<mpsc::Sender<ExecControl>>,
     /// Serializes `:write` calls so offsets stay exact.
     writes: tokio::sync::Mutex<()>,
 }
@@ -252,12 +295,29 @@ impl Proc {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    fn control(&self) -> mpsc::Sender<ExecControl> {
+        self.control
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// Detached by a pause (or about to be): no handle delivers its events.
+    fn detached(&self) -> bool {
+        let s = self.state();
+        s.exit.is_none() && s.link != Link::Attached
+    }
+
     fn bump(&self) {
         self.changed.send_modify(|v| *v = v.wrapping_add(1));
     }
 
-    fn ingest(&self, stderr: bool, bytes: Vec<u8>) {
+    /// `false` when a newer handle took over (the caller stops).
+    fn ingest(&self, generation: u64, stderr: bool, bytes: Vec<u8>) -> bool {
         let mut s = self.state();
+        if s.generation != generation {
+            return false;
+        }
         let i = usize::from(stderr);
         s.kept[i].add(&bytes);
         let mut data = std::mem::take(&mut s.carry[i]);
@@ -267,6 +327,7 @@ impl Proc {
         if !data.is_empty() {
             s.buf.push(stderr, data);
         }
+        true
     }
 
     /// Records the end, in memory and in the store.
@@ -567,6 +628,8 @@ fn new_state(st: &AppState, output_bytes: u64, stdin_offset: u64, stdin_closed: 
         stdin_offset,
         stdin_closed,
         persisted: output_bytes,
+        link: Link::Attached,
+        generation: 0,
     }
 }
 
@@ -604,9 +667,10 @@ async fn start(
         stdin_pipe,
         base64_always: req.base64_always,
         started_ms: now_ms(),
+        token,
         state: Mutex::new(new_state(st, 0, 0, stdin_closed)),
         changed: watch::channel(0).0,
-        control,
+        control: Mutex::new(control),
         writes: tokio::sync::Mutex::new(()),
     });
     let record = ProcRow {
@@ -644,14 +708,16 @@ async fn start(
     }
     st.inner.procs.lock().insert(proc.id.clone(), proc.clone());
     tracing::debug!(sandbox_id = %proc.sandbox_id, process_id = %proc.id, "process started");
-    pump(st, proc.clone(), events);
+    pump(st, proc.clone(), 0, events);
     Ok(proc)
 }
 
-/// Moves the host's events into the process until it ends; writes the
-/// output count to the store at most every second and when the server
-/// shuts down, so a restart continues the offsets.
-fn pump(st: &AppState, p: Arc<Proc>, mut events: mpsc::Receiver<ExecEvent>) {
+/// Moves the host's events into the process until it ends, or until its
+/// handle closes during a pause (it is then `Detached`); writes the output
+/// count to the store at most every second, when it detaches and when the
+/// server shuts down, so a restart continues the offsets. `generation` is
+/// the process's attach count when this handle was taken.
+fn pump(st: &AppState, p: Arc<Proc>, generation: u64, mut events: mpsc::Receiver<ExecEvent>) {
     let st2 = st.clone();
     let cancel = st.inner.cancel.clone();
     st.spawn(async move {
@@ -670,24 +736,95 @@ fn pump(st: &AppState, p: Arc<Proc>, mut events: mpsc::Receiver<ExecEvent>) {
                     return;
                 }
             };
-            match ev {
-                Some(ExecEvent::Stdout(b)) => p.ingest(false, b),
-                Some(ExecEvent::Stderr(b)) => p.ingest(true, b),
+            let current = match ev {
+                Some(ExecEvent::Stdout(b)) => p.ingest(generation, false, b),
+                Some(ExecEvent::Stderr(b)) => p.ingest(generation, true, b),
                 Some(ExecEvent::Exited(status)) => {
-                    p.finish(store, status, false);
-                    p.bump();
+                    if p.state().generation == generation {
+                        p.finish(store, status, false);
+                        p.bump();
+                    }
                     return;
                 }
                 None => {
-                    tracing::warn!(process_id = %p.id, "lost the process's event stream");
-                    p.finish(store, p.lost_status(), true);
+                    let detached = {
+                        let mut s = p.state();
+                        if s.generation != generation {
+                            return;
+                        }
+                        if s.link == Link::Detaching {
+                            s.link = Link::Detached;
+                        }
+                        s.link == Link::Detached
+                    };
+                    if detached {
+                        tracing::debug!(process_id = %p.id, "process detached for a pause");
+                        p.flush_output(store);
+                    } else {
+                        tracing::warn!(process_id = %p.id, "lost the process's event stream");
+                        p.finish(store, p.lost_status(), true);
+                    }
                     p.bump();
                     return;
                 }
+            };
+            if !current {
+                return;
             }
             p.bump();
         }
     });
+}
+
+/// Takes up the processes of a sandbox that just woke (or whose pause
+/// failed) through [`Host::attach`](runtime_host::Host::attach): each one
+/// detached (after its old handle was drained, waited for a few seconds)
+/// gets a new handle whose events continue its offsets; `lost` when the
+/// host no longer knows it. Called under the sandbox's lifecycle lock,
+/// before the sandbox is recorded `running`.
+pub(crate) async fn reattach(st: &AppState, sandbox_id: &str) {
+    for p in st.inner.procs.of(sandbox_id) {
+        if !p.detached() {
+            continue;
+        }
+        // Let the old handle deliver what it still has.
+        let mut rx = p.changed.subscribe();
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+        loop {
+            let link = p.state().link;
+            if link != Link::Detaching {
+                break;
+            }
+            if tokio::time::timeout_at(deadline, rx.changed())
+                .await
+                .is_err()
+            {
+                tracing::warn!(process_id = %p.id, "the old handle never closed; taking the process up anyway");
+                break;
+            }
+        }
+        let generation = {
+            let mut s = p.state();
+            if s.exit.is_some() || s.link == Link::Attached {
+                continue;
+            }
+            s.generation += 1;
+            s.link = Link::Attached;
+            s.generation
+        };
+        match st.host().attach(sandbox_id, p.token).await {
+            Ok(h) => {
+                *p.control.lock().unwrap_or_else(|e| e.into_inner()) = h.control;
+                tracing::debug!(sandbox_id, process_id = %p.id, "process taken up after a pause");
+                pump(st, p.clone(), generation, h.events);
+            }
+            Err(e) => {
+                tracing::warn!(sandbox_id, process_id = %p.id, error = %e, "taking up the process after a pause failed");
+                p.finish(st.store(), p.lost_status(), true);
+            }
+        }
+        p.bump();
+    }
 }
 
 /// Takes up the processes an earlier server left, after the sandboxes were
@@ -724,6 +861,9 @@ pub async fn recover(st: &AppState) -> Result<(), crate::ServerError> {
                 }
             }
         }
+        let detached = handle.is_none()
+            && row.state == "running"
+            && matches!(sandbox_state.as_str(), "paused" | "pausing");
         let (guest_pid, control, events) = match handle {
             Some(h) => (
                 if h.pid != 0 { h.pid } else { row.guest_pid },
@@ -733,6 +873,10 @@ pub async fn recover(st: &AppState) -> Result<(), crate::ServerError> {
             None => (row.guest_pid, mpsc::channel(1).0, None),
         };
         let mut state = new_state(st, row.output_bytes, row.stdin_offset, row.stdin_closed);
+        if detached {
+            // Taken up by the next wake.
+            state.link = Link::Detached;
+        }
         if row.state != "running" {
             state.exit = Some(Exit {
                 status: ExitStatus {
@@ -761,17 +905,19 @@ pub async fn recover(st: &AppState) -> Result<(), crate::ServerError> {
             stdin_pipe: row.stdin_pipe,
             base64_always: row.output_encoding == "base64",
             started_ms: row.started_ms,
+            token: row.token,
             state: Mutex::new(state),
             changed: watch::channel(0).0,
-            control,
+            control: Mutex::new(control),
             writes: tokio::sync::Mutex::new(()),
         });
         st.inner.procs.lock().insert(proc.id.clone(), proc.clone());
         match events {
             Some(events) => {
                 tracing::info!(sandbox_id = %proc.sandbox_id, process_id = %proc.id, "process taken up");
-                pump(st, proc, events);
+                pump(st, proc, 0, events);
             }
+            None if detached => {}
             None if row.state == "running" => proc.finish(st.store(), proc.lost_status(), true),
             None => {}
         }
@@ -797,7 +943,7 @@ pub async fn exec(st: AppState, ctx: Ctx, id: String, body: Bytes) -> ApiResult<
         });
     }
     let mut rx = proc.changed.subscribe();
-    let deadline = tokio::time::Instant::now() + Duration::from_millis(guard_ms);
+    let mut deadline = tokio::time::Instant::now() + Duration::from_millis(guard_ms);
     let mut killed = false;
     loop {
         if proc.state().exit.is_some() {
@@ -807,11 +953,19 @@ pub async fn exec(st: AppState, ctx: Ctx, id: String, body: Bytes) -> ApiResult<
             .await
             .is_err()
         {
+            if proc.detached() {
+                // Paused: the process goes on after the wake; wait for it.
+                deadline = tokio::time::Instant::now() + Duration::from_millis(guard_ms);
+                continue;
+            }
             if killed {
                 break;
             }
             // The host missed its own timeout; end the group ourselves.
-            let _ = proc.control.send(ExecControl::Signal(libc_sigkill())).await;
+            let _ = proc
+                .control()
+                .send(ExecControl::Signal(libc_sigkill()))
+                .await;
             killed = true;
         }
     }
@@ -893,6 +1047,16 @@ fn follow_response(st: &AppState, proc: Arc<Proc>, cursor: u64, send_start: bool
             if !events.is_empty() {
                 return Some((Ok(lines(&events)), f));
             }
+            let detached = {
+                let s = f.proc.state();
+                s.link == Link::Detached && s.exit.is_none()
+            };
+            if detached {
+                // Paused: all it delivered was sent; resume from here after the wake.
+                f.done = true;
+                let c = json!({"type": "continue", "processId": f.proc.id, "cursor": f.cursor});
+                return Some((Ok(lines(&[c])), f));
+            }
             tokio::select! {
                 r = tokio::time::timeout(f.heartbeat, f.rx.changed()) => match r {
                     Ok(_) => continue,
@@ -964,7 +1128,13 @@ pub async fn output(st: AppState, ctx: Ctx, id: String, pid: String) -> ApiResul
     let follow = f.q_bool("follow").unwrap_or(false);
     f.finish()?;
     find(&st, &ctx.key, &id)?;
-    let proc = st.inner.procs.get(&id, &pid)?;
+    let mut proc = st.inner.procs.get(&id, &pid)?;
+    if follow && proc.detached() {
+        // A process call on a paused sandbox: wake it (auto-wake), which
+        // takes the process up again.
+        find_running(&st, &ctx.key, &id).await?;
+        proc = st.inner.procs.get(&id, &pid)?;
+    }
     if follow {
         return Ok(Reply::Raw(follow_response(&st, proc, cursor, false)));
     }
@@ -1059,7 +1229,7 @@ pub async fn action(
                         details: Some(json!({"offset": current})),
                     });
                 }
-                proc.control
+                proc.control()
                     .send(ExecControl::Stdin(fresh.to_vec()))
                     .await
                     .map_err(|_| ApiError::Conflict {
@@ -1085,7 +1255,7 @@ pub async fn action(
                 }
             }
             if close {
-                let _ = proc.control.send(ExecControl::CloseStdin).await;
+                let _ = proc.control().send(ExecControl::CloseStdin).await;
             }
             Reply::ok(json!({ "offset": new_offset }))
         }
@@ -1105,10 +1275,14 @@ pub async fn action(
             };
             f.finish()?;
             find(&st, &ctx.key, &id)?;
-            let proc = st.inner.procs.get(&id, &pid)?;
+            let mut proc = st.inner.procs.get(&id, &pid)?;
+            if proc.detached() {
+                find_running(&st, &ctx.key, &id).await?;
+                proc = st.inner.procs.get(&id, &pid)?;
+            }
             let delivered = proc.state().exit.is_none()
                 && proc
-                    .control
+                    .control()
                     .send(ExecControl::Signal(sig.unwrap_or(15)))
                     .await
                     .is_ok();
@@ -1125,12 +1299,16 @@ pub async fn action(
             }
             f.finish()?;
             find(&st, &ctx.key, &id)?;
-            let proc = st.inner.procs.get(&id, &pid)?;
+            let mut proc = st.inner.procs.get(&id, &pid)?;
+            if proc.detached() {
+                find_running(&st, &ctx.key, &id).await?;
+                proc = st.inner.procs.get(&id, &pid)?;
+            }
             let size = TermSize {
                 cols: cols.unwrap_or(80) as u16,
                 rows: rows.unwrap_or(24) as u16,
             };
-            let _ = proc.control.send(ExecControl::Resize(size)).await;
+            let _ = proc.control().send(ExecControl::Resize(size)).await;
             Reply::ok(json!({ "id": pid, "cols": size.cols, "rows": size.rows }))
         }
         _ => Err(ApiError::RouteNotFound {

@@ -496,9 +496,16 @@ pub async fn create(st: AppState, ctx: Ctx, body: Bytes) -> ApiResult<Reply> {
     ))
 }
 
-/// Moves a stopped persistent sandbox back to `starting` and boots it.
+/// Moves a stopped persistent sandbox back to `starting` and starts it
+/// from its kept disk (a fresh boot of the same files), or boots it when
+/// no disk was kept.
 fn restart(st: &AppState, id: &str) -> ApiResult<()> {
+    let mut changed = false;
     st.store().update_sandbox(id, |r| {
+        if r.deleted.is_some() || r.record.state != "stopped" {
+            return false;
+        }
+        changed = true;
         r.record.state = "starting".into();
         r.record.ended_at = None;
         r.record.stop_reason = None;
@@ -511,9 +518,54 @@ fn restart(st: &AppState, id: &str) -> ApiResult<()> {
         r.record.expires_at = r.record.ends_at.clone();
         true
     })?;
+    if !changed {
+        return Ok(());
+    }
     st.notify_change();
-    spawn_start(st, id.to_string(), None);
+    let disk = disk_dir(st, id);
+    let from = disk.join("disk.qcow2").exists().then(|| {
+        Arc::new(CaptureDir {
+            path: disk,
+            temporary: false,
+        })
+    });
+    spawn_start(st, id.to_string(), from);
     Ok(())
+}
+
+/// `:restart`: a stopped persistent sandbox starts again from its disk; a
+/// live one answers as it is; a stopped one that is not persistent is 409
+/// `not_persistent`.
+async fn restart_action(st: AppState, ctx: Ctx, id: String, body: Bytes) -> ApiResult<Reply> {
+    let obj = json_object(&body)?;
+    Fields::new(&obj).finish()?;
+    let row = settle(&st, &ctx.key, &id, &["stopping"]).await?;
+    if row.record.state == "stopped" {
+        if !row.record.persistent {
+            return Err(ApiError::Conflict {
+                code: "not_persistent",
+                message: format!(
+                    "Sandbox {id} is stopped and not persistent, so it has no disk to restart from."
+                ),
+                details: Some(json!({ "sandboxId": id })),
+            });
+        }
+        let _g = st.inner.create_lock.lock().await;
+        if let Some(n) = &row.record.name {
+            if let Some(h) = name_holder(&st, n, Some(&id))? {
+                let sandbox_id = visible(&ctx.key, &h).then(|| h.record.id.clone());
+                return Err(ApiError::NameTaken {
+                    name: n.clone(),
+                    sandbox_id,
+                });
+            }
+        }
+        restart(&st, &id)?;
+    }
+    if let Some(secs) = prefer_wait(&ctx.headers) {
+        wait_until(&st, &id, Duration::from_secs(secs), |s| s != "starting").await?;
+    }
+    Reply::ok(record_json(&find(&st, &ctx.key, &id)?.record, &[]))
 }
 
 /// A capture a machine starts from: a snapshot's directory, or a fork's
@@ -605,11 +657,14 @@ fn request_stop(st: &AppState, id: &str, reason: &'static str) -> ApiResult<()> 
     st.spawn(async move {
         let lock = st2.lifecycle_lock(&id);
         let _g = lock.lock().await;
-        let keep_disk = match st2.store().get_sandbox(&id) {
+        let persistent = match st2.store().get_sandbox(&id) {
             Ok(Some(r)) if r.record.state == "stopping" && r.deleted.is_none() => r.record.persistent,
             _ => return,
         };
-        if let Err(e) = st2.host().stop(&id, keep_disk).await {
+        if persistent {
+            keep_disk(&st2, &id).await;
+        }
+        if let Err(e) = st2.host().stop(&id, false).await {
             tracing::warn!(sandbox_id = %id, error = %e, "host stop failed; recording the sandbox as stopped");
         }
         let now = iso(now_ms());
@@ -628,6 +683,41 @@ fn request_stop(st: &AppState, id: &str, reason: &'static str) -> ApiResult<()> 
         st2.notify_change();
     });
     Ok(())
+}
+
+/// Where a persistent sandbox's disk is kept while it is stopped.
+pub(crate) fn disk_dir(st: &AppState, id: &str) -> PathBuf {
+    st.config().data_dir.join("disks").join(id)
+}
+
+/// Captures the disk of a persistent sandbox (running or paused) into
+/// [`disk_dir`], replacing the previous capture only once the new one is
+/// whole. A failure keeps the previous one, if any.
+async fn keep_disk(st: &AppState, id: &str) {
+    let dest = disk_dir(st, id);
+    let fresh = dest.with_extension("new");
+    let _ = std::fs::remove_dir_all(&fresh);
+    if let Some(parent) = dest.parent() {
+        if let Err(e) = std::fs::create_dir_all(parent) {
+            tracing::error!(sandbox_id = %id, error = %e, "creating the disks directory failed");
+            return;
+        }
+    }
+    match st.host().capture(id, &fresh, false).await {
+        Ok(()) => {
+            let _ = std::fs::remove_dir_all(&dest);
+            match std::fs::rename(&fresh, &dest) {
+                Ok(()) => tracing::info!(sandbox_id = %id, "disk kept for a restart"),
+                Err(e) => {
+                    tracing::error!(sandbox_id = %id, error = %e, "keeping the disk capture failed")
+                }
+            }
+        }
+        Err(e) => {
+            let _ = std::fs::remove_dir_all(&fresh);
+            tracing::warn!(sandbox_id = %id, error = %e, "capturing the disk of a persistent sandbox failed");
+        }
+    }
 }
 
 /// Moves a running sandbox to `pausing` and pauses it in an owned task:
@@ -657,9 +747,15 @@ pub(crate) fn request_pause(st: &AppState, id: &str, reason: &'static str) -> Ap
             Ok(Some(r)) if r.record.state == "pausing" && r.deleted.is_none() => {}
             _ => return,
         }
+        // Its processes detach rather than end: a wake takes them up again.
+        st2.inner.procs.sandbox_pausing(&id);
         let result = st2.host().pause(&id).await;
-        if result.is_ok() {
-            st2.inner.procs.sandbox_paused(st2.store(), &id);
+        if let Err(e) = &result {
+            if !matches!(e, HostError::NoSuchMachine { .. }) {
+                // It runs on: take up any process whose handle closed.
+                st2.inner.procs.pause_failed(&id);
+                crate::procs::reattach(&st2, &id).await;
+            }
         }
         let now = iso(now_ms());
         let updated = st2.store().update_sandbox(&id, |r| {
@@ -680,6 +776,18 @@ pub(crate) fn request_pause(st: &AppState, id: &str, reason: &'static str) -> Ap
             }
             true
         });
+        {
+            let mut failed = st2
+                .inner
+                .pause_failed
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
+            if result.is_err() {
+                failed.insert(id.clone());
+            } else {
+                failed.remove(&id);
+            }
+        }
         match (&result, updated) {
             (Ok(()), Ok(_)) => tracing::info!(sandbox_id = %id, reason, "sandbox paused"),
             (Err(e), Ok(_)) => {
@@ -729,6 +837,10 @@ pub(crate) fn request_wake(st: &AppState, id: &str, lease: Option<u32>) -> ApiRe
             _ => return,
         };
         let result = st2.host().wake(&machine_spec(&row.record)).await;
+        if result.is_ok() {
+            // Before it is `running`, so a call that woke it finds them attached.
+            crate::procs::reattach(&st2, &id).await;
+        }
         let now = now_ms();
         let updated = st2.store().update_sandbox(&id, |r| {
             if r.record.state != "resuming" || r.deleted.is_some() {
@@ -763,6 +875,9 @@ pub(crate) fn request_wake(st: &AppState, id: &str, lease: Option<u32>) -> ApiRe
             (_, Err(e)) => {
                 tracing::error!(sandbox_id = %id, error = %e, "recording the wake failed")
             }
+        }
+        if matches!(result, Err(HostError::NotPaused { .. })) {
+            st2.inner.procs.sandbox_gone(st2.store(), &id);
         }
         st2.notify_change();
     });
@@ -827,7 +942,17 @@ async fn pause(st: AppState, ctx: Ctx, id: String, body: Bytes) -> ApiResult<Rep
         wait_until(&st, &id, Duration::from_secs(secs), |s| s != "pausing").await?;
     }
     let row = find(&st, &ctx.key, &id)?;
-    if asked && row.record.state == "running" {
+    // Running again: the pause failed, or it paused and a call (a resuming
+    // stream) woke it at once.
+    let failed = asked
+        && row.record.state == "running"
+        && st
+            .inner
+            .pause_failed
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .contains(&id);
+    if failed {
         return Err(ApiError::Failed {
             code: "pause_failed",
             message: format!("Sandbox {id} could not be paused; it runs on."),
@@ -1050,6 +1175,12 @@ pub(crate) fn delete_sandbox(st: &AppState, id: &str, reason: &str) -> ApiResult
     st.spawn(async move {
         let lock = st2.lifecycle_lock(&id2);
         let _g = lock.lock().await;
+        let disk = disk_dir(&st2, &id2);
+        if let Err(e) = std::fs::remove_dir_all(&disk) {
+            if e.kind() != std::io::ErrorKind::NotFound {
+                tracing::warn!(sandbox_id = %id2, error = %e, "removing the kept disk failed");
+            }
+        }
         match st2.host().destroy(&id2).await {
             Ok(()) | Err(runtime_host::HostError::NoSuchMachine { .. }) => {
                 tracing::info!(sandbox_id = %id2, "sandbox destroyed")
@@ -1086,7 +1217,8 @@ pub async fn action(
         "wake" => wake(st, ctx, id, body).await,
         "fork" => crate::snapshots::fork(st, ctx, id, body).await,
         "snapshot" => crate::snapshots::snapshot(st, ctx, id, body).await,
-        "restart" | "resize" | "switch-image" => {
+        "restart" => restart_action(st, ctx, id, body).await,
+        "resize" | "switch-image" => {
             find(&st, &ctx.key, &id)?;
             Err(ApiError::Unsupported {
                 feature: "this sandbox action",

@@ -1334,35 +1334,99 @@ async fn delete_while_paused_destroys_the_saved_state() {
     panic!("never destroyed");
 }
 
+impl T {
+    /// A raw streamed call, collected whole.
+    fn stream(
+        &self,
+        method: &str,
+        path: String,
+        body: Option<Value>,
+    ) -> tokio::task::JoinHandle<Bytes> {
+        let st = self.state.clone();
+        let admin = self.admin.clone();
+        let method = method.to_string();
+        tokio::spawn(async move {
+            let req = Request::builder()
+                .method(method.as_str())
+                .uri(path)
+                .header("authorization", format!("Bearer {admin}"))
+                .header("idempotency-key", uuid::Uuid::new_v4().to_string())
+                .body(match body {
+                    Some(b) => Body::from(b.to_string()),
+                    None => Body::empty(),
+                })
+                .unwrap();
+            let resp = router(st).oneshot(req).await.unwrap();
+            resp.into_body().collect().await.unwrap().to_bytes()
+        })
+    }
+
+    async fn spawn_proc(&self, id: &str, cmd: &str) -> String {
+        let (s, v) = self
+            .json(
+                "POST",
+                &format!("/v1/sandboxes/{id}/processes"),
+                Some(json!({ "command": cmd })),
+            )
+            .await;
+        assert_eq!(s, StatusCode::CREATED, "{v}");
+        v["id"].as_str().unwrap().to_string()
+    }
+
+    async fn wait_proc_exited(&self, id: &str, pid: &str) -> Value {
+        for _ in 0..100 {
+            let (_, v) = self
+                .json("GET", &format!("/v1/sandboxes/{id}/processes/{pid}"), None)
+                .await;
+            if v["state"] != "running" {
+                return v;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        panic!("process {pid} never ended");
+    }
+}
+
+/// Output events joined, checking that offsets follow each other.
+fn joined_output(events: &[Value], mut at: u64) -> (String, u64) {
+    let mut out = String::new();
+    for e in events {
+        if e["type"] == "stdout" || e["type"] == "stderr" {
+            assert_eq!(
+                e["offset"].as_u64(),
+                Some(at),
+                "gap or duplicate: {events:?}"
+            );
+            let d = e["data"].as_str().unwrap();
+            at += d.len() as u64;
+            out.push_str(d);
+        }
+    }
+    (out, at)
+}
+
+fn pausable_script() -> Vec<Step> {
+    vec![
+        Step::Out(b"a\n".to_vec()),
+        Step::Sleep(300),
+        Step::Out(b"b\n".to_vec()),
+        Step::Sleep(100),
+        Step::Out(b"c\n".to_vec()),
+        Step::Exit(0),
+    ]
+}
+
 #[tokio::test]
-async fn a_pause_ends_a_streamed_exec_with_a_lost_exit() {
+async fn a_pause_ends_a_streamed_exec_with_continue_and_following_resumes_it() {
     let t = T::new();
     let id = t.running(json!({})).await;
-    t.host.script(
-        "long",
-        vec![
-            Step::Out(b"a\n".to_vec()),
-            Step::Sleep(60_000),
-            Step::Exit(0),
-        ],
+    t.host.script("long", pausable_script());
+    let stream = t.stream(
+        "POST",
+        format!("/v1/sandboxes/{id}:exec"),
+        Some(json!({"command": "long", "stream": true})),
     );
-    let st = t.state.clone();
-    let admin = t.admin.clone();
-    let path = format!("/v1/sandboxes/{id}:exec");
-    let stream = tokio::spawn(async move {
-        let req = Request::builder()
-            .method("POST")
-            .uri(path)
-            .header("authorization", format!("Bearer {admin}"))
-            .header("idempotency-key", "long-1")
-            .body(Body::from(
-                json!({"command": "long", "stream": true}).to_string(),
-            ))
-            .unwrap();
-        let resp = router(st).oneshot(req).await.unwrap();
-        resp.into_body().collect().await.unwrap().to_bytes()
-    });
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    tokio::time::sleep(Duration::from_millis(150)).await;
     let (s, v) = t.act(&id, "pause", json!({})).await;
     assert_eq!((s, v["state"].as_str()), (StatusCode::OK, Some("paused")));
     let b = tokio::time::timeout(Duration::from_secs(5), stream)
@@ -1370,10 +1434,247 @@ async fn a_pause_ends_a_streamed_exec_with_a_lost_exit() {
         .unwrap()
         .unwrap();
     let ev = ndjson(&b);
+    assert_eq!(ev[0]["type"], "start", "{ev:?}");
+    let pid = ev[0]["processId"].as_str().unwrap().to_string();
+    let last = ev.last().unwrap();
+    assert_eq!(last["type"], "continue", "{ev:?}");
+    assert_eq!(last["processId"], pid.as_str());
+    let (first, at) = joined_output(&ev, 0);
+    assert_eq!(first, "a\n");
+    assert_eq!(last["cursor"].as_u64(), Some(at));
+    // Still running while paused.
+    let (_, p) = t.process(&id, &pid).await;
+    assert_eq!(p["state"], "running", "{p}");
+    assert_eq!(t.sandbox(&id).await["state"], "paused");
+
+    // Following from the cursor wakes the sandbox and yields the rest.
+    let (s, _, b) = t
+        .call(
+            "GET",
+            &format!("/v1/sandboxes/{id}/processes/{pid}/output?cursor={at}&follow=true"),
+            Some(&t.admin.clone()),
+            &[],
+            Body::empty(),
+        )
+        .await;
+    assert_eq!(s, StatusCode::OK);
+    let ev = ndjson(&b);
+    let (rest, _) = joined_output(&ev, at);
+    assert_eq!(format!("{first}{rest}"), "a\nb\nc\n", "{ev:?}");
     let last = ev.last().unwrap();
     assert_eq!(last["type"], "exit", "{ev:?}");
-    assert_eq!(last["state"], "lost");
-    assert_eq!(ev[1]["data"], "a\n");
+    assert_eq!(
+        (last["exitCode"].as_i64(), last["state"].as_str()),
+        (Some(0), Some("exited"))
+    );
+    assert_eq!(t.sandbox(&id).await["state"], "running");
+    assert_eq!(t.host.woken.lock().unwrap().len(), 1);
+}
+
+#[tokio::test]
+async fn an_unstreamed_exec_answers_after_the_wake() {
+    let t = T::new();
+    let id = t.running(json!({})).await;
+    t.host.script("long", pausable_script());
+    let exec = t.stream(
+        "POST",
+        format!("/v1/sandboxes/{id}:exec"),
+        Some(json!({"command": "long"})),
+    );
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    t.act(&id, "pause", json!({})).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(!exec.is_finished());
+    t.act(&id, "wake", json!({})).await;
+    let b = tokio::time::timeout(Duration::from_secs(5), exec)
+        .await
+        .unwrap()
+        .unwrap();
+    let v: Value = serde_json::from_slice(&b).unwrap();
+    assert_eq!(
+        (v["exitCode"].as_i64(), v["stdout"].as_str()),
+        (Some(0), Some("a\nb\nc\n")),
+        "{v}"
+    );
+}
+
+#[tokio::test]
+async fn a_spawned_process_runs_on_across_a_pause_and_its_exit_is_recorded() {
+    let t = T::new();
+    let id = t.running(json!({})).await;
+    t.host.script(
+        "bg",
+        vec![
+            Step::Out(b"x\n".to_vec()),
+            Step::Sleep(300),
+            Step::Out(b"y\n".to_vec()),
+            Step::Sleep(300),
+            Step::Exit(7),
+        ],
+    );
+    let pid = t.spawn_proc(&id, "bg").await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    t.act(&id, "pause", json!({})).await;
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    assert_eq!(t.process(&id, &pid).await.1["state"], "running");
+    let (s, v) = t.act(&id, "wake", json!({})).await;
+    assert_eq!((s, v["state"].as_str()), (StatusCode::OK, Some("running")));
+    assert_eq!(t.process(&id, &pid).await.1["state"], "running");
+    let v = t.wait_proc_exited(&id, &pid).await;
+    assert_eq!(
+        (v["state"].as_str(), v["exitCode"].as_i64()),
+        (Some("exited"), Some(7)),
+        "{v}"
+    );
+    assert_eq!(v["outputBytes"], 4);
+    let (_, _, b) = t
+        .call(
+            "GET",
+            &format!("/v1/sandboxes/{id}/processes/{pid}/output?cursor=0"),
+            Some(&t.admin.clone()),
+            &[],
+            Body::empty(),
+        )
+        .await;
+    let ev = ndjson(&b);
+    assert_eq!(joined_output(&ev, 0).0, "x\ny\n");
+    assert_eq!(ev.last().unwrap()["type"], "exit");
+}
+
+#[tokio::test]
+async fn a_process_whose_attach_fails_after_the_wake_is_lost() {
+    let t = T::new();
+    let id = t.running(json!({})).await;
+    t.host
+        .script("forever", vec![Step::Sleep(60_000), Step::Exit(0)]);
+    let pid = t.spawn_proc(&id, "forever").await;
+    t.act(&id, "pause", json!({})).await;
+    t.host.procs.lock().unwrap().clear();
+    t.act(&id, "wake", json!({})).await;
+    assert_eq!(t.process(&id, &pid).await.1["state"], "lost");
+}
+
+#[tokio::test]
+async fn a_restart_while_paused_keeps_the_process_for_the_wake() {
+    let t = T::new();
+    let id = t.running(json!({})).await;
+    t.host.script(
+        "bg",
+        vec![
+            Step::Out(b"x\n".to_vec()),
+            Step::Sleep(300),
+            Step::Out(b"y\n".to_vec()),
+            Step::Exit(5),
+        ],
+    );
+    let pid = t.spawn_proc(&id, "bg").await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    t.act(&id, "pause", json!({})).await;
+    t.state.shutdown().await;
+
+    let t2 = T::open(t.dir.clone(), t.admin.clone(), t.host.clone(), |_| {});
+    runtime_server::recover(&t2.state).await.unwrap();
+    assert_eq!(t2.sandbox(&id).await["state"], "paused");
+    let (s, v) = t2.process(&id, &pid).await;
+    assert_eq!(
+        (s, v["state"].as_str()),
+        (StatusCode::OK, Some("running")),
+        "{v}"
+    );
+    assert_eq!(v["outputBytes"], 2);
+    t2.act(&id, "wake", json!({})).await;
+    let v = t2.wait_proc_exited(&id, &pid).await;
+    assert_eq!(
+        (v["state"].as_str(), v["exitCode"].as_i64()),
+        (Some("exited"), Some(5)),
+        "{v}"
+    );
+    assert_eq!(v["outputBytes"], 4);
+    t2.state.shutdown().await;
+}
+
+// ---- persistent sandboxes and :restart ----
+
+#[tokio::test]
+async fn a_persistent_sandbox_keeps_its_disk_across_stop_and_restart() {
+    let t = T::new();
+    let id = t
+        .running(json!({"persistent": true, "name": "keeper"}))
+        .await;
+    let disk = t.dir.join("disks").join(&id);
+    let (s, v) = t.act(&id, "stop", json!({})).await;
+    assert_eq!((s, v["state"].as_str()), (StatusCode::OK, Some("stopped")));
+    {
+        let caps = t.host.captures.lock().unwrap();
+        assert_eq!(caps.len(), 1);
+        assert_eq!((caps[0].0.as_str(), caps[0].2), (id.as_str(), false));
+    }
+    assert!(t
+        .host
+        .stopped
+        .lock()
+        .unwrap()
+        .contains(&(id.clone(), false)));
+    assert!(disk.join("disk.qcow2").exists());
+
+    let (s, v) = t.act(&id, "restart", json!({})).await;
+    assert_eq!(
+        (s, v["state"].as_str()),
+        (StatusCode::OK, Some("running")),
+        "{v}"
+    );
+    assert_eq!(v["id"], id.as_str());
+    assert_eq!(
+        t.host.restored.lock().unwrap().last(),
+        Some(&(id.clone(), disk.clone()))
+    );
+    // Restarting a running one answers it as it is.
+    let (s, v) = t.act(&id, "restart", json!({})).await;
+    assert_eq!((s, v["state"].as_str()), (StatusCode::OK, Some("running")));
+    assert_eq!(t.host.restored.lock().unwrap().len(), 1);
+
+    // getOrCreate of the stopped holder restarts it from its disk too.
+    t.act(&id, "stop", json!({})).await;
+    let (s, v) = t
+        .json_as(
+            &t.admin.clone(),
+            "POST",
+            "/v1/sandboxes",
+            Some(json!({"name": "keeper", "getOrCreate": true})),
+            &[("prefer", "wait=10")],
+        )
+        .await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert_eq!(
+        (v["id"].as_str(), v["reused"].as_bool()),
+        (Some(id.as_str()), Some(true))
+    );
+    assert_eq!(v["state"], "running");
+    assert_eq!(t.host.restored.lock().unwrap().len(), 2);
+    assert_eq!(t.host.captures.lock().unwrap().len(), 2);
+
+    // A delete removes the kept disk.
+    t.act(&id, "stop", json!({})).await;
+    assert!(disk.exists());
+    t.json("DELETE", &format!("/v1/sandboxes/{id}"), None).await;
+    for _ in 0..50 {
+        if !disk.exists() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("the kept disk was not removed");
+}
+
+#[tokio::test]
+async fn restart_of_a_stopped_sandbox_that_is_not_persistent_is_409() {
+    let t = T::new();
+    let id = t.running(json!({})).await;
+    t.act(&id, "stop", json!({})).await;
+    assert!(t.host.captures.lock().unwrap().is_empty());
+    let (s, v) = t.act(&id, "restart", json!({})).await;
+    assert_eq!(s, StatusCode::CONFLICT, "{v}");
+    assert_error(&v, 409, "not_persistent");
 }
 
 #[tokio::test]

@@ -9,7 +9,7 @@ use runtime_host::{
     EntryKind, ExecControl, ExecEvent, ExecHandle, ExecSpec, ExitStatus, FileEntry, FileOp,
     FileOpResult, GuestFailure, Host, HostError, MachineSpec, RunAs,
 };
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 
 #[derive(Debug, Clone)]
 pub enum Step {
@@ -19,22 +19,40 @@ pub enum Step {
     Exit(i32),
 }
 
-/// A process the fake runs, by token: where its events go now (a later
-/// server takes it up with `attach`), and how it ended.
+/// Where a process's events go: the handle listening now, or, after a
+/// pause closed its handle, a backlog the next `attach` delivers first (the
+/// real host keeps streams across a pause).
+#[derive(Default)]
+pub struct Sink {
+    pub tx: Option<mpsc::Sender<ExecEvent>>,
+    pub held: Option<Vec<ExecEvent>>,
+}
+
+/// A process the fake runs, by token: its sandbox, where its events go now
+/// (a later server takes it up with `attach`), and how it ended.
 #[derive(Clone)]
 pub struct FakeProc {
-    pub events: Arc<Mutex<Option<mpsc::Sender<ExecEvent>>>>,
+    pub sandbox: String,
+    pub events: Arc<Mutex<Sink>>,
     pub control: mpsc::Sender<ExecControl>,
     pub exited: Arc<Mutex<Option<ExitStatus>>>,
 }
 
-/// Sends an event to whoever listens now; without a listener it is lost,
-/// as a real guest's output is while no server listens.
-async fn emit(to: &Arc<Mutex<Option<mpsc::Sender<ExecEvent>>>>, ev: ExecEvent) {
-    let tx = to.lock().unwrap().clone();
+/// Sends an event to whoever listens now; held when a pause detached the
+/// process; without a listener otherwise it is lost, as a real guest's
+/// output is while no server listens.
+async fn emit(to: &Arc<Mutex<Sink>>, ev: ExecEvent) {
+    let tx = {
+        let mut s = to.lock().unwrap();
+        if let Some(held) = &mut s.held {
+            held.push(ev);
+            return;
+        }
+        s.tx.clone()
+    };
     if let Some(tx) = tx {
         if tx.send(ev).await.is_err() {
-            to.lock().unwrap().take();
+            to.lock().unwrap().tx.take();
         }
     }
 }
@@ -64,6 +82,8 @@ pub struct FakeHost {
     /// Every process started, by token; remove one to make `attach` fail.
     pub procs: Mutex<HashMap<u64, FakeProc>>,
     pub next_token: Mutex<u64>,
+    /// Per sandbox: `true` while paused (scripts wait between steps).
+    pub gates: Mutex<HashMap<String, watch::Sender<bool>>>,
 }
 
 fn guest(id: &str, failure: GuestFailure, message: &str) -> HostError {
@@ -82,6 +102,22 @@ fn parent(p: &str) -> String {
 }
 
 impl FakeHost {
+    fn gate(&self, id: &str) -> watch::Receiver<bool> {
+        self.gates
+            .lock()
+            .unwrap()
+            .entry(id.to_string())
+            .or_insert_with(|| watch::channel(false).0)
+            .subscribe()
+    }
+
+    fn set_paused(&self, id: &str, paused: bool) {
+        let _ = self.gate(id);
+        if let Some(g) = self.gates.lock().unwrap().get(id) {
+            g.send_replace(paused);
+        }
+    }
+
     pub fn script(&self, command: &str, steps: Vec<Step>) {
         self.scripts.lock().unwrap().insert(command.into(), steps);
     }
@@ -155,7 +191,17 @@ impl Host for FakeHost {
         Ok(())
     }
 
+    /// Scripts stop between steps; every handle closes after what it
+    /// still carries, and later events are held for the next `attach`.
     async fn pause(&self, id: &str) -> Result<(), HostError> {
+        self.set_paused(id, true);
+        for p in self.procs.lock().unwrap().values() {
+            if p.sandbox == id {
+                let mut s = p.events.lock().unwrap();
+                s.tx = None;
+                s.held.get_or_insert_with(Vec::new);
+            }
+        }
         self.paused.lock().unwrap().push(id.into());
         Ok(())
     }
@@ -164,6 +210,7 @@ impl Host for FakeHost {
         let delay = *self.wake_delay_ms.lock().unwrap();
         tokio::time::sleep(Duration::from_millis(delay)).await;
         self.woken.lock().unwrap().push(spec.id.clone());
+        self.set_paused(&spec.id, false);
         Ok(())
     }
 
@@ -218,11 +265,16 @@ impl Host for FakeHost {
             *n += 1;
             *n
         };
-        let sink = Arc::new(Mutex::new(Some(etx)));
+        let sink = Arc::new(Mutex::new(Sink {
+            tx: Some(etx),
+            held: None,
+        }));
         let exited = Arc::new(Mutex::new(None));
+        let mut gate = self.gate(_id);
         self.procs.lock().unwrap().insert(
             token,
             FakeProc {
+                sandbox: _id.to_string(),
                 events: sink.clone(),
                 control: ctx.clone(),
                 exited: exited.clone(),
@@ -266,6 +318,7 @@ impl Host for FakeHost {
             tokio::spawn(async move {
                 let _keep = &mut crx;
                 for s in steps {
+                    let _ = gate.wait_for(|paused| !*paused).await;
                     let ev = match s {
                         Step::Out(b) => ExecEvent::Stdout(b),
                         Step::Err(b) => ExecEvent::Stderr(b),
@@ -298,14 +351,26 @@ impl Host for FakeHost {
             .get(&token)
             .cloned()
             .ok_or_else(|| guest(id, GuestFailure::BadRequest, "no such process"))?;
-        let (etx, erx) = mpsc::channel(16);
-        let ended = p.exited.lock().unwrap().clone();
-        match ended {
-            Some(status) => {
-                let _ = etx.try_send(ExecEvent::Exited(status));
+        let (etx, erx) = mpsc::channel(1024);
+        let mut sink = p.events.lock().unwrap();
+        if let Some(held) = sink.held.take() {
+            // After a pause: what came meanwhile, then on as before.
+            for ev in held {
+                let _ = etx.try_send(ev);
             }
-            None => *p.events.lock().unwrap() = Some(etx),
+            if p.exited.lock().unwrap().is_none() {
+                sink.tx = Some(etx);
+            }
+        } else {
+            let ended = p.exited.lock().unwrap().clone();
+            match ended {
+                Some(status) => {
+                    let _ = etx.try_send(ExecEvent::Exited(status));
+                }
+                None => sink.tx = Some(etx),
+            }
         }
+        drop(sink);
         Ok(ExecHandle {
             pid: 42,
             token,
