@@ -139,6 +139,7 @@ impl Agent {
         match req {
             Request::Hello { version } => {
                 log!("hello from host (protocol {version})");
+                self.out.release();
                 let agent = env!("CARGO_PKG_VERSION").to_string();
                 self.out.reply_now(
                     stream,
@@ -149,6 +150,7 @@ impl Agent {
                 );
             }
             Request::Ping => self.out.reply_now(stream, &Reply::Pong),
+            Request::Quiesce => self.out.hold_after(stream, &Reply::Done),
             Request::Setup {
                 hostname,
                 unix_time_ms,

@@ -23,7 +23,7 @@ const ORDERED_CAP: usize = 1 << 20;
 /// A write batch stops growing past this.
 const BATCH: usize = 256 * 1024;
 /// A frame is dropped when the host has been gone this long while writing it.
-const HANGUP_DROP: Duration = Duration::from_millis(500);
+const HANGUP_DROP: Duration = Duration::from_secs(5);
 /// A frame is dropped when the host takes nothing for this long.
 const STALL_DROP: Duration = Duration::from_secs(30);
 
@@ -162,14 +162,23 @@ fn find_port() -> io::Result<PathBuf> {
     ))
 }
 
+/// An entry of the ordered queue.
+enum Item {
+    Frame(Vec<u8>),
+    /// A reply after which ordered output is held until the next `Hello`
+    /// (the host is about to stop the machine: nothing may be in flight).
+    Hold(Vec<u8>),
+}
+
 #[derive(Default)]
 struct Queues {
     /// Replies with no ordering constraint (pong, hello, file metadata):
     /// they overtake output so a busy stream does not stall them.
     urgent: VecDeque<Vec<u8>>,
     /// Frames whose order matters within a stream (started, output, exited).
-    ordered: VecDeque<Vec<u8>>,
+    ordered: VecDeque<Item>,
     ordered_bytes: usize,
+    held: bool,
 }
 
 /// Outgoing frames, drained by the one writer thread.
@@ -216,30 +225,47 @@ impl Outbox {
             q = self.space.wait(q).unwrap_or_else(|e| e.into_inner());
         }
         q.ordered_bytes += bytes.len();
-        q.ordered.push_back(bytes);
+        q.ordered.push_back(Item::Frame(bytes));
         drop(q);
+        self.ready.notify_one();
+    }
+
+    /// `reply` once everything queued before it is written, then hold
+    /// ordered output until [`Outbox::release`].
+    pub fn hold_after(&self, stream: u32, reply: &Reply) {
+        if let Some(bytes) = encode_reply(stream, reply) {
+            lock(&self.queues).ordered.push_back(Item::Hold(bytes));
+            self.ready.notify_one();
+        }
+    }
+
+    /// Lets held output flow again (a host said `Hello`).
+    pub fn release(&self) {
+        lock(&self.queues).held = false;
         self.ready.notify_one();
     }
 
     /// Waits for frames and takes a batch: urgent ones first.
     fn next_batch(&self) -> Vec<u8> {
         let mut q = lock(&self.queues);
-        while q.urgent.is_empty() && q.ordered.is_empty() {
+        while q.urgent.is_empty() && (q.ordered.is_empty() || q.held) {
             q = self.ready.wait(q).unwrap_or_else(|e| e.into_inner());
         }
         let mut batch = Vec::new();
         while let Some(f) = q.urgent.pop_front() {
             batch.extend_from_slice(&f);
         }
-        while batch.len() < BATCH {
-            let Some(f) = q.ordered.pop_front() else {
-                break;
-            };
-            q.ordered_bytes -= f.len();
-            if batch.is_empty() {
-                batch = f;
-            } else {
-                batch.extend_from_slice(&f);
+        while batch.len() < BATCH && !q.held {
+            match q.ordered.pop_front() {
+                None => break,
+                Some(Item::Frame(f)) => {
+                    q.ordered_bytes -= f.len();
+                    batch.extend_from_slice(&f);
+                }
+                Some(Item::Hold(f)) => {
+                    batch.extend_from_slice(&f);
+                    q.held = true;
+                }
             }
         }
         drop(q);

@@ -368,4 +368,18 @@ impl Link {
     pub fn close(&self) {
         self.closed.cancel();
     }
+
+    /// Lets the agent's held output flow again after a quiesce (a `Hello`;
+    /// its answer goes nowhere).
+    pub fn release(&self) {
+        if let Ok(hello) = Frame::control(0, &Request::Hello { version: VERSION }) {
+            let _ = self.send_frame(hello);
+        }
+    }
+
+    /// Waits (bounded) until the reader has seen the end of the socket, so
+    /// every frame the peer wrote before it went away has been delivered.
+    pub async fn drained(&self, timeout: Duration) {
+        let _ = tokio::time::timeout(timeout, self.closed.cancelled()).await;
+    }
 }

@@ -512,6 +512,12 @@ impl QemuHost {
             reason: e.to_string(),
         };
         let started = Instant::now();
+        // The agent finishes writing what it queued and holds the rest, so
+        // no frame is half-way through the port when the vCPUs stop.
+        let link = vm.link.lock().await.clone();
+        if let Some(l) = &link {
+            let _ = tokio::time::timeout(Duration::from_secs(5), l.call(&Request::Quiesce)).await;
+        }
         let mut q = Qmp::connect(&vm.paths.qmp_sock(), Duration::from_secs(10))
             .await
             .map_err(qerr)?;
@@ -542,6 +548,9 @@ impl QemuHost {
         if let Err(e) = written {
             // Nothing is lost: the machine runs on.
             let _ = q.execute("cont", json!({})).await;
+            if let Some(l) = &link {
+                l.release();
+            }
             let _ = std::fs::remove_file(&file);
             return Err(e);
         }
@@ -562,14 +571,21 @@ impl QemuHost {
             .await
             .map_err(qerr)?;
         q.execute("cont", json!({})).await.map_err(qerr)?;
+        if let Some(l) = vm.link.lock().await.as_ref() {
+            l.release();
+        }
         Ok(())
     }
 
     async fn end_vm(&self, id: &str, vm: &Vm) {
-        if let Some(l) = vm.link.lock().await.take() {
+        let link = vm.link.lock().await.take();
+        qemu::kill(vm.pid).await;
+        if let Some(l) = link {
+            // QEMU is gone: read what it had passed on before closing, so
+            // output written just before a pause is not lost.
+            l.drained(Duration::from_secs(2)).await;
             l.close();
         }
-        qemu::kill(vm.pid).await;
         cgroup::remove(self.cgroups, id);
     }
 
@@ -809,6 +825,11 @@ impl Host for QemuHost {
 
     async fn destroy(&self, id: &str) -> Result<(), HostError> {
         self.stop(id, false).await
+    }
+
+    async fn cpu_time(&self, id: &str) -> Option<Duration> {
+        let vm = self.vm(id).ok()?;
+        vcpu_time(vm.pid)
     }
 
     async fn pause(&self, id: &str) -> Result<(), HostError> {
@@ -1089,6 +1110,36 @@ impl Host for QemuHost {
             other => Err(guest_err(id, other)),
         }
     }
+}
+
+/// CPU time of the vCPU threads of a QEMU process (threads named
+/// `CPU n/TCG` or `CPU n/KVM`): what the guest used, not QEMU's own work.
+fn vcpu_time(pid: u32) -> Option<Duration> {
+    // SAFETY: sysconf has no preconditions.
+    let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    let ticks = if ticks > 0 { ticks as u64 } else { 100 };
+    let mut total: u64 = 0;
+    for t in std::fs::read_dir(format!("/proc/{pid}/task"))
+        .ok()?
+        .flatten()
+    {
+        let comm = std::fs::read_to_string(t.path().join("comm")).unwrap_or_default();
+        if !comm.starts_with("CPU ") {
+            continue;
+        }
+        let stat = std::fs::read_to_string(t.path().join("stat")).unwrap_or_default();
+        // Fields after the ")" that ends the name: utime is the 12th, stime the 13th.
+        let rest = stat.rsplit(')').next().unwrap_or("");
+        let f: Vec<&str> = rest.split_whitespace().collect();
+        let (u, s) = (
+            f.get(11).and_then(|v| v.parse::<u64>().ok()),
+            f.get(12).and_then(|v| v.parse::<u64>().ok()),
+        );
+        total += u.unwrap_or(0) + s.unwrap_or(0);
+    }
+    Some(Duration::from_nanos(
+        total.saturating_mul(1_000_000_000 / ticks),
+    ))
 }
 
 impl QemuHost {

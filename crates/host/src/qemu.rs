@@ -111,6 +111,9 @@ pub(crate) fn command_line(cfg: &VmConfig<'_>) -> Vec<OsString> {
     // what TCG really emulates.
     push("-cpu");
     push(cpu_model(cfg.accel));
+    // Named threads ("CPU 0/TCG"): metering reads the vCPU threads' time.
+    push("-name");
+    push("runtime,debug-threads=on");
     push("-m");
     push(&format!("{}M", cfg.memory_mib));
     push("-smp");

@@ -270,4 +270,7 @@ pub trait Host: Send + Sync + 'static {
         data: Vec<u8>,
     ) -> Result<(), HostError>;
     async fn file_op(&self, id: &str, op: FileOp, user: RunAs) -> Result<FileOpResult, HostError>;
+    /// CPU time the machine's vCPUs have used since it started (or was last
+    /// restored), for metering; `None` when it has no running machine.
+    async fn cpu_time(&self, id: &str) -> Option<Duration>;
 }

@@ -142,7 +142,7 @@ async fn run(
     loop {
         match tokio::time::timeout(Duration::from_secs(60), handle.events.recv())
             .await
-            .expect("exec stalled")
+            .unwrap_or_else(|_| panic!("exec stalled: {argv:?}"))
         {
             Some(ExecEvent::Stdout(b)) => out.extend(b),
             Some(ExecEvent::Stderr(b)) => err.extend(b),
@@ -324,6 +324,34 @@ async fn boots_runs_commands_moves_files_and_cleans_up() {
             }
         ),
         "{err:?}"
+    );
+
+    // Metering: the vCPU time the host measures matches what the guest
+    // itself counted for a busy loop (ticks of 1/100 s). The guest counts
+    // time its vCPU thread waited for a host core too, so under load the
+    // host's figure is lower; it is never much higher.
+    let before = h.cpu_time(id).await.unwrap();
+    let (out, _, _) = run(
+        h,
+        id,
+        &[
+            "bash",
+            "-c",
+            "i=0; while [ $i -lt 100000 ]; do i=$((i+1)); done; awk '{print $14+$15}' /proc/$$/stat",
+        ],
+        RunAs::Sandbox,
+        None,
+    )
+    .await;
+    let used = h.cpu_time(id).await.unwrap() - before;
+    let guest = Duration::from_millis(out.trim().parse::<u64>().unwrap() * 10);
+    assert!(
+        guest >= Duration::from_millis(100),
+        "the loop ran: {guest:?}"
+    );
+    assert!(
+        used * 2 >= guest && used <= guest + Duration::from_secs(2),
+        "host metered {used:?} for {guest:?} the guest counted"
     );
 
     // QEMU runs unprivileged, under its seccomp filter, inside a memory limit.
@@ -708,6 +736,7 @@ async fn an_exec_streaming_across_a_pause_loses_nothing() {
             other => panic!("{other:?}"),
         }
     }
+    let phase1 = out.len();
     h.pause(id).await.unwrap();
     // Whatever reached the host before the pause is still delivered.
     while let Some(ev) = handle.events.recv().await {
@@ -719,6 +748,7 @@ async fn an_exec_streaming_across_a_pause_loses_nothing() {
     h.wake(&spec(id))
         .await
         .unwrap_or_else(|e| panic!("wake: {e:?}"));
+    let phase2 = out.len();
     let mut again = h.attach(id, token).await.unwrap();
     loop {
         match tokio::time::timeout(Duration::from_secs(30), again.events.recv())
@@ -734,6 +764,11 @@ async fn an_exec_streaming_across_a_pause_loses_nothing() {
         }
     }
     let expected: String = (1..=40).map(|i| format!("{i}\n")).collect();
-    assert_eq!(String::from_utf8_lossy(&out), expected);
+    assert_eq!(
+        String::from_utf8_lossy(&out),
+        expected,
+        "split at bytes {phase1} (pause) and {phase2} (wake); console: {}",
+        h.console(id)
+    );
     h.destroy(id).await.unwrap();
 }

@@ -131,6 +131,11 @@ pub enum Request {
     },
     /// Flushes file systems (before a snapshot or a stop).
     Sync,
+    /// Before the host stops the machine (pause, capture): answered `Done`
+    /// once every frame queued before it is written; the agent then holds
+    /// further output (it queues, nothing is lost) until the next `Hello`,
+    /// so no frame is in flight when the machine stops.
+    Quiesce,
     /// Takes up an exec stream again after the host reconnected (a restart
     /// of the server): answered by [`Reply::Started`] if the process still
     /// runs (its output and `Exited` then follow on this stream as before),
@@ -249,6 +254,7 @@ mod tests {
             Request::EndWrite,
             Request::Sync,
             Request::Attach,
+            Request::Quiesce,
         ]
         .iter()
         .map(|r| {
@@ -266,7 +272,8 @@ mod tests {
                 "close_stdin",
                 "end_write",
                 "sync",
-                "attach"
+                "attach",
+                "quiesce"
             ]
         );
         let reply = Reply::Failed {

@@ -193,6 +193,10 @@ impl Host for FakeHost {
 
     /// Scripts stop between steps; every handle closes after what it
     /// still carries, and later events are held for the next `attach`.
+    async fn cpu_time(&self, _id: &str) -> Option<Duration> {
+        None
+    }
+
     async fn pause(&self, id: &str) -> Result<(), HostError> {
         self.set_paused(id, true);
         for p in self.procs.lock().unwrap().values() {
