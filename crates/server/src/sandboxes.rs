@@ -173,7 +173,27 @@ pub(crate) fn valid_name(n: &str) -> bool {
     (1..=128).contains(&n.chars().count()) && !n.chars().any(|c| c.is_control())
 }
 
-pub(crate) fn check_labels(
+/// The optional `name` of a body, checked.
+pub(crate) fn checked_name(f: &mut Fields<'_>) -> Option<String> {
+    let name = f.string("name");
+    if let Some(n) = &name {
+        if !valid_name(n) {
+            f.issue(
+                "name",
+                "must be 1-128 characters without control characters",
+            );
+        }
+    }
+    name
+}
+
+/// The optional `labels` of a body (at most 32), checked.
+pub(crate) fn checked_labels(f: &mut Fields<'_>) -> Option<BTreeMap<String, String>> {
+    let labels = f.string_map("labels", 32);
+    check_labels(f, labels)
+}
+
+fn check_labels(
     f: &mut Fields<'_>,
     labels: Option<Vec<(String, String)>>,
 ) -> Option<BTreeMap<String, String>> {
@@ -227,17 +247,8 @@ struct CreateReq {
 fn parse_create(body: &[u8]) -> ApiResult<CreateReq> {
     let obj = json_object(body)?;
     let mut f = Fields::new(&obj);
-    let name = f.string("name");
-    if let Some(n) = &name {
-        if !valid_name(n) {
-            f.issue(
-                "name",
-                "must be 1-128 characters without control characters",
-            );
-        }
-    }
-    let labels = f.string_map("labels", 32);
-    let labels = check_labels(&mut f, labels).unwrap_or_default();
+    let name = checked_name(&mut f);
+    let labels = checked_labels(&mut f).unwrap_or_default();
     let funding = f
         .one_of("funding", &["trial", "paid"])
         .unwrap_or_else(|| "paid".into());
@@ -1267,17 +1278,8 @@ async fn update(st: AppState, ctx: Ctx, id: String, body: Bytes) -> ApiResult<Re
     let obj = json_object(&body)?;
     let mut f = Fields::new(&obj);
     let name_given = f.present("name");
-    let name = f.string("name");
-    if let Some(n) = &name {
-        if !valid_name(n) {
-            f.issue(
-                "name",
-                "must be 1-128 characters without control characters",
-            );
-        }
-    }
-    let labels = f.string_map("labels", 32);
-    let labels = check_labels(&mut f, labels);
+    let name = checked_name(&mut f);
+    let labels = checked_labels(&mut f);
     let mut env_changes: Vec<(String, Option<String>)> = Vec::new();
     match f.raw("env") {
         None => {}

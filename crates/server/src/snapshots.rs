@@ -23,8 +23,8 @@ use tokio::time::Instant;
 use crate::error::{ApiError, ApiResult};
 use crate::http::{Ctx, Reply};
 use crate::sandboxes::{
-    check_labels, name_holder, record_json, settled_source, spawn_start, valid_name, wait_until,
-    CaptureDir,
+    checked_labels, checked_name, name_holder, record_json, settled_source, spawn_start,
+    valid_name, wait_until, CaptureDir,
 };
 use crate::store::{KeyInfo, SandboxRow, SnapshotRow};
 use crate::util::{iso, json_object, now_ms, parse_iso_ms, prefer_wait, query_object, Fields};
@@ -126,19 +126,11 @@ pub async fn fork(st: AppState, ctx: Ctx, id: String, body: Bytes) -> ApiResult<
     let obj = json_object(&body)?;
     let mut f = Fields::new(&obj);
     let count = f.int("count", 1, MAX_FORK).unwrap_or(1) as usize;
-    let name = f.string("name");
-    if let Some(n) = &name {
-        if !valid_name(n) {
-            f.issue(
-                "name",
-                "must be 1-128 characters without control characters",
-            );
-        } else if count > 1 {
-            f.issue("name", "names one copy: leave it out when count is above 1");
-        }
+    let name = checked_name(&mut f);
+    if name.as_deref().is_some_and(valid_name) && count > 1 {
+        f.issue("name", "names one copy: leave it out when count is above 1");
     }
-    let labels = f.string_map("labels", 32);
-    let labels = check_labels(&mut f, labels);
+    let labels = checked_labels(&mut f);
     // Accepted and without effect: no snapshot is kept after a fork here.
     let _ = f.bool("keepSnapshot");
     let _ = f.one_of("funding", &["trial", "paid"]);
@@ -267,17 +259,8 @@ pub async fn fork(st: AppState, ctx: Ctx, id: String, body: Bytes) -> ApiResult<
 pub async fn snapshot(st: AppState, ctx: Ctx, id: String, body: Bytes) -> ApiResult<Reply> {
     let obj = json_object(&body)?;
     let mut f = Fields::new(&obj);
-    let name = f.string("name");
-    if let Some(n) = &name {
-        if !valid_name(n) {
-            f.issue(
-                "name",
-                "must be 1-128 characters without control characters",
-            );
-        }
-    }
-    let labels = f.string_map("labels", 32);
-    let labels = check_labels(&mut f, labels).unwrap_or_default();
+    let name = checked_name(&mut f);
+    let labels = checked_labels(&mut f).unwrap_or_default();
     let retention = f
         .int("retentionDays", 1, 365)
         .unwrap_or(DEFAULT_RETENTION_DAYS);
