@@ -147,3 +147,15 @@ def test_concurrent_commands(sbx):
     with ThreadPoolExecutor(4) as pool:
         results = list(pool.map(lambda i: sbx.exec(f"sleep 1; echo {i}"), range(4)))
     assert [r.stdout for r in results] == [f"{i}\n" for i in range(4)]
+
+
+def test_guest_timers_work(sbx):
+    # coreutils timeout and Python's signal.alarm need the kernel's POSIX timers.
+    assert sbx.exec("timeout 1 sleep 20; echo $?", timeout_ms=30000).stdout == "124\n"
+    code = ("import signal, sys, time\n"
+            "signal.signal(signal.SIGALRM, lambda *a: (print('alarm'), sys.exit(0)))\n"
+            "signal.alarm(1)\n"
+            "time.sleep(20)\n")
+    sbx.files.write("/workspace/alarm.py", code)
+    result = sbx.exec("python3 /workspace/alarm.py", timeout_ms=30000)
+    assert (result.exit_code, result.stdout) == (0, "alarm\n"), result

@@ -244,6 +244,17 @@ async fn boots_runs_commands_moves_files_and_cleans_up() {
     )
     .await;
     assert!(st.timed_out && st.code.is_none(), "{st:?}");
+    // Timers work in the guest: coreutils `timeout` (alarm/timer_create).
+    let (out, _, _) = run(
+        h,
+        id,
+        &["bash", "-c", "timeout 1 sleep 20; echo $?"],
+        RunAs::Sandbox,
+        Some(Duration::from_secs(15)),
+    )
+    .await;
+    assert_eq!(out, "124\n");
+
     // A timeout ends the whole process group, not only the shell.
     let (out, _, st) = run(
         h,
