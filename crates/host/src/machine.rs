@@ -61,6 +61,8 @@ pub struct QemuHost {
     vms: Arc<Mutex<HashMap<String, Arc<Vm>>>>,
     /// Template keys being built now.
     building: Arc<Mutex<std::collections::HashSet<String>>>,
+    /// Receives the guests' outbound connections ([`Host::set_outbound`]).
+    outbound: Arc<Mutex<Option<Arc<dyn Outbound>>>>,
 }
 
 /// Picks KVM where it is real hardware virtualisation, TCG otherwise. A
@@ -104,6 +106,7 @@ pub async fn probe_boot(cfg: QemuConfig) -> Result<Duration, HostError> {
         memory_mib: 256,
         disk_mib: 3072,
         hostname: "probe".into(),
+        guest_ca_pem: None,
     };
     let started = Instant::now();
     let r = host.start(&spec).await;
@@ -208,6 +211,7 @@ impl QemuHost {
             cgroups,
             vms: Arc::new(Mutex::new(HashMap::new())),
             building: Arc::new(Mutex::new(std::collections::HashSet::new())),
+            outbound: Arc::new(Mutex::new(None)),
         };
         host.drop_stale_templates();
         Ok(host)
@@ -830,6 +834,19 @@ impl Host for QemuHost {
     async fn cpu_time(&self, id: &str) -> Option<Duration> {
         let vm = self.vm(id).ok()?;
         vcpu_time(vm.pid)
+    }
+
+    async fn connect(&self, id: &str, _port: u16) -> Result<DuplexStream, HostError> {
+        // The channel's TCP streams are not wired yet.
+        Err(HostError::Guest {
+            id: id.to_owned(),
+            failure: GuestFailure::ConnectionRefused,
+            message: "connections into the guest are not supported by this build".into(),
+        })
+    }
+
+    fn set_outbound(&self, handler: Arc<dyn Outbound>) {
+        *self.outbound.lock().unwrap_or_else(|e| e.into_inner()) = Some(handler);
     }
 
     async fn pause(&self, id: &str) -> Result<(), HostError> {

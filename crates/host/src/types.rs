@@ -1,12 +1,14 @@
 //! The seam between the control plane and a host.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
+pub use tokio::io::DuplexStream;
 use tokio::sync::mpsc;
 
 /// The shape of a sandbox's machine, validated by the control plane.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct MachineSpec {
     /// The sandbox id (a UUID); names the VM's directory and logs.
     pub id: String,
@@ -14,6 +16,10 @@ pub struct MachineSpec {
     pub memory_mib: u32,
     pub disk_mib: u32,
     pub hostname: String,
+    /// The sandbox's own certificate authority (PEM, public part only): the
+    /// guest trusts it for the TLS the egress proxy terminates to swap
+    /// secrets. Installed at every start, wake and restore.
+    pub guest_ca_pem: Option<String>,
 }
 
 /// Who a command or file operation runs as.
@@ -158,6 +164,8 @@ pub enum GuestFailure {
     CommandNotFound,
     BadRequest,
     Io,
+    /// Nothing listens on the guest port a connection asked for.
+    ConnectionRefused,
 }
 
 /// Where a VM failed to come up.
@@ -273,4 +281,20 @@ pub trait Host: Send + Sync + 'static {
     /// CPU time the machine's vCPUs have used since it started (or was last
     /// restored), for metering; `None` when it has no running machine.
     async fn cpu_time(&self, id: &str) -> Option<Duration>;
+    /// Opens a TCP connection to `127.0.0.1:port` inside the guest (previews,
+    /// port forwarding), carried over the agent channel with flow control.
+    /// The stream ends when either side closes or the machine stops.
+    async fn connect(&self, id: &str, port: u16) -> Result<DuplexStream, HostError>;
+    /// Who receives the connections guest processes open through the agent's
+    /// proxy (`127.0.0.1:10800` in the guest): the raw bytes the guest
+    /// process sent to the proxy (HTTP proxy or SOCKS5 requests), for the
+    /// egress proxy to judge. Without a handler they are closed at once.
+    fn set_outbound(&self, handler: Arc<dyn Outbound>);
+}
+
+/// Receives each outbound connection of a guest ([`Host::set_outbound`]).
+pub trait Outbound: Send + Sync + 'static {
+    /// Called once per connection, for the sandbox `sandbox_id`; must not
+    /// block (spawn the work).
+    fn accept(&self, sandbox_id: &str, conn: DuplexStream);
 }

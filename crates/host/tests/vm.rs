@@ -102,6 +102,7 @@ fn spec(id: &str) -> MachineSpec {
         memory_mib: 1024,
         disk_mib: 4096,
         hostname: "sbx-test".into(),
+        guest_ca_pem: None,
     }
 }
 

@@ -334,6 +334,7 @@ fn host_parts(e: &HostError) -> Parts {
                     (StatusCode::BAD_REQUEST, codes::COMMAND_NOT_FOUND)
                 }
                 GuestFailure::Io => (StatusCode::INTERNAL_SERVER_ERROR, codes::GUEST_ERROR),
+                GuestFailure::ConnectionRefused => (StatusCode::BAD_GATEWAY, "connection_refused"),
             };
             if status.is_server_error() {
                 return p(status, code, "Internal server error.".into());

@@ -160,6 +160,7 @@ pub fn machine_spec(s: &Sandbox) -> MachineSpec {
         memory_mib: s.memory_mib,
         disk_mib: s.disk_mib,
         hostname: format!("sbx-{}", s.id.chars().take(8).collect::<String>()),
+        guest_ca_pem: None,
     }
 }
 

@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use runtime_host::{
-    EntryKind, ExecControl, ExecEvent, ExecHandle, ExecSpec, ExitStatus, FileEntry, FileOp,
-    FileOpResult, GuestFailure, Host, HostError, MachineSpec, RunAs,
+    DuplexStream, EntryKind, ExecControl, ExecEvent, ExecHandle, ExecSpec, ExitStatus, FileEntry,
+    FileOp, FileOpResult, GuestFailure, Host, HostError, MachineSpec, Outbound, RunAs,
 };
 use tokio::sync::{mpsc, watch};
 
@@ -84,6 +84,24 @@ pub struct FakeHost {
     pub next_token: Mutex<u64>,
     /// Per sandbox: `true` while paused (scripts wait between steps).
     pub gates: Mutex<HashMap<String, watch::Sender<bool>>>,
+    /// The guest's loopback: guest port -> a TCP address on the host that
+    /// stands for it ([`Host::connect`]).
+    pub guest_ports: Mutex<HashMap<u16, std::net::SocketAddr>>,
+    pub outbound: Mutex<Option<Arc<dyn Outbound>>>,
+}
+
+impl FakeHost {
+    /// What a guest process connecting to the agent's proxy would get: the
+    /// other end of the connection handed to the outbound handler.
+    #[allow(dead_code)]
+    pub fn open_outbound(&self, id: &str) -> DuplexStream {
+        let (ours, theirs) = tokio::io::duplex(64 << 10);
+        let handler = self.outbound.lock().unwrap().clone();
+        if let Some(h) = handler {
+            h.accept(id, theirs);
+        }
+        ours
+    }
 }
 
 fn guest(id: &str, failure: GuestFailure, message: &str) -> HostError {
@@ -195,6 +213,29 @@ impl Host for FakeHost {
     /// still carries, and later events are held for the next `attach`.
     async fn cpu_time(&self, _id: &str) -> Option<Duration> {
         None
+    }
+
+    async fn connect(&self, id: &str, port: u16) -> Result<DuplexStream, HostError> {
+        let addr = self.guest_ports.lock().unwrap().get(&port).copied();
+        let Some(addr) = addr else {
+            return Err(guest(
+                id,
+                GuestFailure::ConnectionRefused,
+                "connection refused",
+            ));
+        };
+        let mut tcp = tokio::net::TcpStream::connect(addr)
+            .await
+            .map_err(|_| guest(id, GuestFailure::ConnectionRefused, "connection refused"))?;
+        let (ours, mut theirs) = tokio::io::duplex(64 << 10);
+        tokio::spawn(async move {
+            let _ = tokio::io::copy_bidirectional(&mut tcp, &mut theirs).await;
+        });
+        Ok(ours)
+    }
+
+    fn set_outbound(&self, handler: Arc<dyn Outbound>) {
+        *self.outbound.lock().unwrap() = Some(handler);
     }
 
     async fn pause(&self, id: &str) -> Result<(), HostError> {
