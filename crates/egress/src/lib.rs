@@ -1,0 +1,108 @@
+//! The host's egress proxy. Each connection a guest process makes arrives as
+//! a byte stream that starts with SOCKS5 or an HTTP/1.1 proxy request
+//! (`CONNECT`, or an absolute-form `GET http://…`); [`Egress::serve`] decides
+//! it against the sandbox's [`Policy`], reconnects to the destination itself
+//! and closes it the moment the policy stops allowing it. For the hosts a
+//! [`Secret`] names it terminates TLS with the sandbox's own [`SandboxCa`],
+//! puts the secret's value in the URL and headers, and forwards over TLS that
+//! verifies the destination.
+//!
+//! Pure host-side: it depends on no other workspace crate and knows nothing of
+//! VMs, the store or the API server, which hands it streams and watch
+//! channels.
+
+mod ca;
+mod error;
+mod io;
+mod proxy;
+mod rules;
+mod secrets;
+mod tls;
+
+use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
+use std::time::Duration;
+
+pub use rustls::pki_types::CertificateDer;
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::sync::watch;
+
+pub use ca::SandboxCa;
+pub use error::EgressError;
+pub use rules::{is_internal, Issue, Policy, Refusal, Rules, MAX_ENTRIES, WEB_PORTS};
+pub use secrets::{make_placeholder, Secret, SecretRule, SecretValue, PLACEHOLDER_PREFIX};
+
+/// How the proxy runs. `Default` is what production uses.
+#[derive(Debug, Clone)]
+pub struct EgressConfig {
+    /// TEST ONLY. A target matching a name or `*.domain` here (or an address
+    /// written exactly) goes to this local socket address instead of being
+    /// resolved, and that address is exempt from the internal ranges. Empty
+    /// in production.
+    pub test_hosts: Vec<(String, SocketAddr)>,
+    /// TEST ONLY. Roots trusted for destinations besides the system's.
+    pub extra_roots: Vec<CertificateDer<'static>>,
+    /// A guest has this long to finish a SOCKS or HTTP request head, a TLS
+    /// ClientHello or a TLS handshake.
+    pub handshake_timeout: Duration,
+    /// Resolving a name, and connecting to one address, each take at most this.
+    pub connect_timeout: Duration,
+    /// Most bytes of one HTTP request or response head.
+    pub max_head_bytes: usize,
+}
+
+impl Default for EgressConfig {
+    fn default() -> Self {
+        Self {
+            test_hosts: Vec::new(),
+            extra_roots: Vec::new(),
+            handshake_timeout: Duration::from_secs(30),
+            connect_timeout: Duration::from_secs(10),
+            max_head_bytes: 64 * 1024,
+        }
+    }
+}
+
+/// One sandbox's view of the network: its rules, its secrets and its CA.
+#[derive(Debug, Clone)]
+pub struct SandboxNet {
+    pub sandbox_id: String,
+    pub policy: watch::Receiver<Arc<Policy>>,
+    pub secrets: watch::Receiver<Arc<Vec<Secret>>>,
+    pub ca: Arc<SandboxCa>,
+}
+
+/// The egress proxy, shared by every sandbox of a host.
+#[derive(Clone)]
+pub struct Egress {
+    inner: Arc<proxy::Inner>,
+}
+
+impl Egress {
+    pub fn new(cfg: EgressConfig) -> Self {
+        let client_tls = match tls::client_config(&cfg.extra_roots) {
+            Ok(c) => Some(c),
+            Err(err) => {
+                tracing::error!(error = %err, "no TLS client: hosts with secrets will fail");
+                None
+            }
+        };
+        let own: Vec<IpAddr> = io::interface_addrs();
+        Self {
+            inner: Arc::new(proxy::Inner {
+                cfg,
+                client_tls,
+                own,
+            }),
+        }
+    }
+
+    /// Serves one guest connection until it ends or the policy stops
+    /// allowing it. Never panics on what the guest sends.
+    pub async fn serve<IO>(&self, io: IO, net: SandboxNet)
+    where
+        IO: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    {
+        proxy::serve(self.inner.clone(), io, net).await
+    }
+}

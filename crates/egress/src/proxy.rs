@@ -1,0 +1,850 @@
+//! The connection side: SOCKS5 and HTTP proxy requests in, decisions,
+//! tunnels, forwarded requests and TLS interception for secrets.
+
+use std::convert::Infallible;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::{Arc, Mutex};
+
+use bytes::Bytes;
+use http::header::{self, HeaderName, HeaderValue};
+use http::{HeaderMap, Method, Request, Response, StatusCode, Uri};
+use http_body_util::combinators::BoxBody;
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use hyper::client::conn::http1::SendRequest;
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use rustls::pki_types::ServerName;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::sync::watch;
+use tokio::task::JoinSet;
+use tokio::time::timeout;
+
+use crate::io::Prefixed;
+use crate::rules::{name_matches, Addrs, Host, Policy, Refusal, Special};
+use crate::secrets::substitute;
+use crate::tls::{read_hello, Hello};
+use crate::{EgressConfig, SandboxNet};
+
+type Body = BoxBody<Bytes, hyper::Error>;
+
+pub(crate) struct Inner {
+    pub cfg: EgressConfig,
+    pub client_tls: Option<Arc<rustls::ClientConfig>>,
+    pub own: Vec<IpAddr>,
+}
+
+/// A destination that passed the rules, connected.
+struct Opened {
+    stream: TcpStream,
+    target: Checked,
+}
+
+/// What a connection is re-checked against when the policy changes: the
+/// target, the address in use (never resolved again) and a TLS name.
+#[derive(Debug, Clone)]
+struct Checked {
+    host: Host,
+    port: u16,
+    /// The address the rules saw (for a test stand-in, the stand-in's).
+    addr: IpAddr,
+    /// Where the connection really goes.
+    socket: SocketAddr,
+    special: Special,
+}
+
+impl Checked {
+    fn check(&self, policy: &Policy, sni: Option<&Host>) -> Result<(), Refusal> {
+        policy.check(
+            &self.host,
+            self.port,
+            Addrs::Known(&[self.addr]),
+            &self.special,
+        )?;
+        match sni {
+            Some(name) if name != &self.host => {
+                policy.check(name, self.port, Addrs::Known(&[self.addr]), &self.special)
+            }
+            _ => Ok(()),
+        }
+    }
+}
+
+/// Why a destination could not be opened.
+enum OpenError {
+    Refused(Refusal),
+    BadHost,
+    Resolve,
+    Connect,
+}
+
+impl OpenError {
+    fn socks_reply(&self) -> u8 {
+        match self {
+            OpenError::Refused(_) => 0x02,
+            OpenError::BadHost | OpenError::Resolve => 0x04,
+            OpenError::Connect => 0x05,
+        }
+    }
+
+    fn response(&self, host: &str) -> Response<Body> {
+        match self {
+            OpenError::Refused(r) => text(StatusCode::FORBIDDEN, Some(r.code()), &r.to_string()),
+            OpenError::BadHost => text(
+                StatusCode::BAD_REQUEST,
+                None,
+                &format!("{host:?} is not a valid host"),
+            ),
+            OpenError::Resolve => text(
+                StatusCode::BAD_GATEWAY,
+                Some("resolve-failed"),
+                &format!("{host} could not be resolved"),
+            ),
+            OpenError::Connect => text(
+                StatusCode::BAD_GATEWAY,
+                Some("connect-failed"),
+                &format!("{host} could not be reached"),
+            ),
+        }
+    }
+}
+
+fn text(status: StatusCode, code: Option<&str>, msg: &str) -> Response<Body> {
+    let mut r = Response::new(full(format!("{msg}\n")));
+    *r.status_mut() = status;
+    r.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/plain; charset=utf-8"),
+    );
+    if let Some(code) = code.and_then(|c| HeaderValue::from_str(c).ok()) {
+        r.headers_mut().insert("x-runtime-egress", code);
+    }
+    r
+}
+
+fn full(b: impl Into<Bytes>) -> Body {
+    Full::new(b.into())
+        .map_err(|never: Infallible| match never {})
+        .boxed()
+}
+
+pub(crate) async fn serve<IO>(inner: Arc<Inner>, mut io: IO, net: SandboxNet)
+where
+    IO: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let mut first = [0u8; 1];
+    match timeout(inner.cfg.handshake_timeout, io.read(&mut first)).await {
+        Ok(Ok(1)) => {}
+        _ => return,
+    }
+    if first[0] == 0x05 {
+        socks(inner, io, net).await
+    } else {
+        http_proxy(inner, Prefixed::new(first.to_vec(), io), net).await
+    }
+}
+
+impl Inner {
+    /// Checks, resolves, checks every address, connects to one that passed.
+    async fn open(&self, net: &SandboxNet, host: Host, port: u16) -> Result<Opened, OpenError> {
+        let id = net.sandbox_id.as_str();
+        if !host.is_valid() || port == 0 {
+            tracing::debug!(sandbox_id = id, target = %host, port, decision = "refused", reason = "invalid host");
+            return Err(OpenError::BadHost);
+        }
+        let refused = |r: Refusal| {
+            tracing::debug!(sandbox_id = id, target = %host, port, decision = "refused", reason = %r);
+            OpenError::Refused(r)
+        };
+        // Refuse what no address could admit before asking any resolver, so
+        // a refused name never leaves the host as a DNS query either.
+        let base = Special {
+            own: self.own.clone(),
+            exempt: Vec::new(),
+        };
+        let pre = net.policy.borrow().clone();
+        match &host {
+            Host::Ip(ip) if self.test_host(&host).is_none() => pre
+                .check(&host, port, Addrs::Known(&[*ip]), &base)
+                .map_err(refused)?,
+            _ => pre
+                .check(&host, port, Addrs::Unresolved, &base)
+                .map_err(refused)?,
+        }
+        let (candidates, exempt) = self.resolve(&host, port).await.ok_or_else(|| {
+            tracing::debug!(sandbox_id = id, target = %host, port, decision = "failed", reason = "resolve");
+            OpenError::Resolve
+        })?;
+        let special = Special {
+            own: self.own.clone(),
+            exempt,
+        };
+        let addrs: Vec<IpAddr> = candidates.iter().map(|(ip, _)| *ip).collect();
+        // The policy may have changed while resolving: decide on the newest.
+        let policy = net.policy.borrow().clone();
+        policy
+            .check(&host, port, Addrs::Known(&addrs), &special)
+            .map_err(refused)?;
+        for (addr, socket) in candidates {
+            match timeout(self.cfg.connect_timeout, TcpStream::connect(socket)).await {
+                Ok(Ok(stream)) => {
+                    let _ = stream.set_nodelay(true);
+                    tracing::debug!(sandbox_id = id, target = %host, port, addr = %addr, decision = "allowed");
+                    let target = Checked {
+                        host,
+                        port,
+                        addr,
+                        socket,
+                        special,
+                    };
+                    return Ok(Opened { stream, target });
+                }
+                Ok(Err(err)) => {
+                    tracing::debug!(sandbox_id = id, target = %host, port, addr = %addr, error = %err, "connect failed")
+                }
+                Err(_) => {
+                    tracing::debug!(sandbox_id = id, target = %host, port, addr = %addr, "connect timed out")
+                }
+            }
+        }
+        Err(OpenError::Connect)
+    }
+
+    fn test_host(&self, host: &Host) -> Option<SocketAddr> {
+        let key = host.to_string();
+        self.cfg
+            .test_hosts
+            .iter()
+            .find(|(pattern, _)| match host {
+                Host::Name(n) => name_matches(pattern, n),
+                Host::Ip(ip) => pattern.parse::<IpAddr>().ok() == Some(*ip) || *pattern == key,
+            })
+            .map(|(_, sa)| *sa)
+    }
+
+    /// The addresses to try, each as (address the rules see, socket address),
+    /// and the addresses exempt from the internal ranges (test stand-ins).
+    async fn resolve(
+        &self,
+        host: &Host,
+        port: u16,
+    ) -> Option<(Vec<(IpAddr, SocketAddr)>, Vec<IpAddr>)> {
+        if let Some(sa) = self.test_host(host) {
+            let seen = match host {
+                Host::Ip(ip) => *ip,
+                Host::Name(_) => sa.ip(),
+            };
+            return Some((vec![(seen, sa)], vec![seen]));
+        }
+        match host {
+            Host::Ip(ip) => Some((vec![(*ip, SocketAddr::new(*ip, port))], Vec::new())),
+            Host::Name(name) => {
+                let found = timeout(
+                    self.cfg.connect_timeout,
+                    tokio::net::lookup_host((name.as_str(), port)),
+                )
+                .await
+                .ok()?
+                .ok()?;
+                let mut out: Vec<(IpAddr, SocketAddr)> = Vec::new();
+                for sa in found.take(32) {
+                    if !out.iter().any(|(ip, _)| *ip == sa.ip()) {
+                        out.push((sa.ip(), sa));
+                    }
+                }
+                (!out.is_empty()).then_some((out, Vec::new()))
+            }
+        }
+    }
+
+    /// Whether a CONNECT or SOCKS target gets TLS interception.
+    fn intercepts(&self, net: &SandboxNet, target: &Checked) -> bool {
+        target.port == 443
+            && target
+                .host
+                .name()
+                .is_some_and(|n| net.secrets.borrow().iter().any(|s| s.covers(n)))
+    }
+}
+
+/// Resolves when a policy change refuses what `check` says, or the policy's
+/// sender is gone (the sandbox's network is withdrawn). Returns the reason.
+async fn revoked(
+    mut rx: watch::Receiver<Arc<Policy>>,
+    check: impl Fn(&Policy) -> Result<(), Refusal>,
+) -> String {
+    loop {
+        if rx.changed().await.is_err() {
+            return "the sandbox's rules were withdrawn".into();
+        }
+        let policy = rx.borrow_and_update().clone();
+        if let Err(r) = check(&policy) {
+            return r.to_string();
+        }
+    }
+}
+
+// ---------------------------------------------------------------- SOCKS5
+
+async fn socks<IO>(inner: Arc<Inner>, mut io: IO, net: SandboxNet)
+where
+    IO: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let head = timeout(inner.cfg.handshake_timeout, socks_head(&mut io)).await;
+    let Ok(Ok(Some((host, port)))) = head else {
+        return;
+    };
+    match inner.open(&net, host.clone(), port).await {
+        Err(e) => {
+            let _ = io
+                .write_all(&[5, e.socks_reply(), 0, 1, 0, 0, 0, 0, 0, 0])
+                .await;
+            let _ = io.shutdown().await;
+        }
+        Ok(opened) => {
+            if io.write_all(&[5, 0, 0, 1, 0, 0, 0, 0, 0, 0]).await.is_err() {
+                return;
+            }
+            relay(inner, io, opened, net).await
+        }
+    }
+}
+
+/// Reads the greeting and the request; answers the greeting. `None` when the
+/// client asked for something unsupported (already answered).
+async fn socks_head<IO: AsyncRead + AsyncWrite + Unpin>(
+    io: &mut IO,
+) -> std::io::Result<Option<(Host, u16)>> {
+    let n = io.read_u8().await?;
+    let mut methods = [0u8; 255];
+    io.read_exact(&mut methods[..usize::from(n)]).await?;
+    if !methods[..usize::from(n)].contains(&0) {
+        io.write_all(&[5, 0xff]).await?;
+        return Ok(None);
+    }
+    io.write_all(&[5, 0]).await?;
+    let mut req = [0u8; 4];
+    io.read_exact(&mut req).await?;
+    let [ver, cmd, _, atyp] = req;
+    if ver != 5 {
+        return Ok(None);
+    }
+    let host = match atyp {
+        1 => {
+            let mut a = [0u8; 4];
+            io.read_exact(&mut a).await?;
+            Host::Ip(IpAddr::from(a))
+        }
+        3 => {
+            let len = io.read_u8().await?;
+            let mut name = vec![0u8; usize::from(len)];
+            io.read_exact(&mut name).await?;
+            match String::from_utf8(name) {
+                Ok(s) => Host::parse(&s),
+                Err(_) => Host::Name(String::new()),
+            }
+        }
+        4 => {
+            let mut a = [0u8; 16];
+            io.read_exact(&mut a).await?;
+            Host::Ip(IpAddr::from(a))
+        }
+        _ => {
+            io.write_all(&[5, 8, 0, 1, 0, 0, 0, 0, 0, 0]).await?;
+            return Ok(None);
+        }
+    };
+    let port = io.read_u16().await?;
+    if cmd != 1 {
+        io.write_all(&[5, 7, 0, 1, 0, 0, 0, 0, 0, 0]).await?;
+        return Ok(None);
+    }
+    Ok(Some((host, port)))
+}
+
+// ---------------------------------------------------------------- HTTP proxy
+
+/// A CONNECT answered 200, waiting for hyper to hand over the stream.
+struct Pending {
+    upgrade: hyper::upgrade::OnUpgrade,
+    opened: Opened,
+}
+
+struct HttpState {
+    inner: Arc<Inner>,
+    net: SandboxNet,
+    pending: Mutex<Option<Pending>>,
+    /// The last target forwarded to, re-checked on policy changes.
+    current: Mutex<Option<Checked>>,
+    /// Upstream connections of forwarded requests; aborted with the connection.
+    conns: Mutex<JoinSet<()>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn server_builder(cfg: &EgressConfig) -> hyper::server::conn::http1::Builder {
+    let mut b = hyper::server::conn::http1::Builder::new();
+    b.timer(TokioTimer::new())
+        .header_read_timeout(cfg.handshake_timeout)
+        .max_buf_size(cfg.max_head_bytes.max(8192))
+        .keep_alive(true);
+    b
+}
+
+async fn http_proxy<IO>(inner: Arc<Inner>, io: IO, net: SandboxNet)
+where
+    IO: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let state = Arc::new(HttpState {
+        inner: inner.clone(),
+        net: net.clone(),
+        pending: Mutex::new(None),
+        current: Mutex::new(None),
+        conns: Mutex::new(JoinSet::new()),
+    });
+    let svc_state = state.clone();
+    let svc = service_fn(move |req| {
+        let state = svc_state.clone();
+        async move { Ok::<_, Infallible>(handle(state, req).await) }
+    });
+    let conn = server_builder(&inner.cfg)
+        .serve_connection(TokioIo::new(io), svc)
+        .with_upgrades();
+    let watch_state = state.clone();
+    let guard = revoked(net.policy.clone(), move |p| {
+        match &*lock(&watch_state.current) {
+            Some(c) => c.check(p, None),
+            None => Ok(()),
+        }
+    });
+    tokio::select! {
+        r = conn => {
+            if let Err(err) = r {
+                tracing::debug!(sandbox_id = %net.sandbox_id, error = %err, "proxy connection ended");
+            }
+        }
+        reason = guard => {
+            tracing::debug!(sandbox_id = %net.sandbox_id, reason = %reason, "connection closed by a rule change");
+            return;
+        }
+    }
+    let pending = lock(&state.pending).take();
+    drop(state);
+    if let Some(p) = pending {
+        match p.upgrade.await {
+            Ok(upgraded) => relay(inner, TokioIo::new(upgraded), p.opened, net).await,
+            Err(err) => tracing::debug!(error = %err, "CONNECT upgrade failed"),
+        }
+    }
+}
+
+async fn handle(state: Arc<HttpState>, mut req: Request<Incoming>) -> Response<Body> {
+    if req.method() == Method::CONNECT {
+        let Some(auth) = req.uri().authority().cloned() else {
+            return text(StatusCode::BAD_REQUEST, None, "CONNECT needs host:port");
+        };
+        let host = Host::parse(auth.host());
+        let port = auth.port_u16().unwrap_or(443);
+        return match state.inner.open(&state.net, host, port).await {
+            Err(e) => e.response(auth.host()),
+            Ok(opened) => {
+                let upgrade = hyper::upgrade::on(&mut req);
+                *lock(&state.pending) = Some(Pending { upgrade, opened });
+                Response::new(full(Bytes::new()))
+            }
+        };
+    }
+    match req.uri().scheme_str() {
+        Some("http") => {}
+        Some(_) => {
+            return text(
+                StatusCode::BAD_REQUEST,
+                None,
+                "only http:// URLs are forwarded as they are; use CONNECT for https",
+            )
+        }
+        None => {
+            return text(
+                StatusCode::BAD_REQUEST,
+                None,
+                "this is a proxy: send an absolute URL (http://host/path) or CONNECT",
+            )
+        }
+    }
+    let Some(auth) = req.uri().authority().cloned() else {
+        return text(StatusCode::BAD_REQUEST, None, "the URL has no host");
+    };
+    let port = auth.port_u16().unwrap_or(80);
+    let opened = match state
+        .inner
+        .open(&state.net, Host::parse(auth.host()), port)
+        .await
+    {
+        Ok(o) => o,
+        Err(e) => return e.response(auth.host()),
+    };
+    *lock(&state.current) = Some(opened.target.clone());
+    let (mut parts, body) = req.into_parts();
+    strip_hop_by_hop(&mut parts.headers);
+    if !parts.headers.contains_key(header::HOST) {
+        if let Ok(v) = HeaderValue::from_str(auth.as_str()) {
+            parts.headers.insert(header::HOST, v);
+        }
+    }
+    parts.uri = origin_form(&parts.uri);
+    let (mut sender, conn) =
+        match hyper::client::conn::http1::handshake(TokioIo::new(opened.stream)).await {
+            Ok(x) => x,
+            Err(_) => return OpenError::Connect.response(auth.host()),
+        };
+    lock(&state.conns).spawn(async move {
+        let _ = conn.await;
+    });
+    match sender.send_request(Request::from_parts(parts, body)).await {
+        Ok(resp) => forwarded(resp),
+        Err(err) => {
+            tracing::debug!(sandbox_id = %state.net.sandbox_id, error = %err, "forwarded request failed");
+            text(
+                StatusCode::BAD_GATEWAY,
+                Some("upstream-failed"),
+                &format!("{} did not answer", auth.host()),
+            )
+        }
+    }
+}
+
+fn origin_form(uri: &Uri) -> Uri {
+    uri.path_and_query()
+        .map(|pq| pq.as_str())
+        .unwrap_or("/")
+        .parse()
+        .unwrap_or_else(|_| Uri::from_static("/"))
+}
+
+fn forwarded(resp: Response<Incoming>) -> Response<Body> {
+    let (mut parts, body) = resp.into_parts();
+    strip_hop_by_hop(&mut parts.headers);
+    Response::from_parts(parts, body.boxed())
+}
+
+/// Removes hop-by-hop headers (those `Connection` names included) and every
+/// `Proxy-*` header.
+fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    let named: Vec<HeaderName> = headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|s| s.split(','))
+        .filter_map(|n| HeaderName::from_bytes(n.trim().as_bytes()).ok())
+        .collect();
+    for n in named {
+        headers.remove(n);
+    }
+    for n in [
+        "connection",
+        "keep-alive",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+    ] {
+        headers.remove(n);
+    }
+    let proxy: Vec<HeaderName> = headers
+        .keys()
+        .filter(|k| k.as_str().starts_with("proxy-"))
+        .cloned()
+        .collect();
+    for n in proxy {
+        headers.remove(n);
+    }
+}
+
+// ---------------------------------------------------------------- tunnels
+
+/// Carries an accepted CONNECT or SOCKS stream to its destination: as it is,
+/// or through TLS interception for a host a secret names.
+async fn relay<G>(inner: Arc<Inner>, guest: G, opened: Opened, net: SandboxNet)
+where
+    G: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    if inner.intercepts(&net, &opened.target) {
+        intercept(inner, guest, opened, net).await
+    } else {
+        tunnel(inner, guest, opened, net).await
+    }
+}
+
+/// Reads the first bytes from the guest; for TLS, checks the ClientHello's
+/// server name. Returns the bytes read and the name, or why to close.
+async fn first_bytes<G: AsyncRead + Unpin>(
+    inner: &Inner,
+    net: &SandboxNet,
+    guest: &mut G,
+    target: &Checked,
+) -> Result<(Vec<u8>, Option<Host>, bool), String> {
+    let mut buf = Vec::new();
+    let hello = timeout(inner.cfg.handshake_timeout, read_hello(guest, &mut buf))
+        .await
+        .map_err(|_| "no ClientHello in time".to_string())?;
+    let sni = match hello {
+        Hello::NotTls => return Ok((buf, None, false)),
+        Hello::Closed => return Ok((buf, None, true)),
+        Hello::Malformed => return Err("a malformed TLS ClientHello".into()),
+        Hello::Tls { sni } => sni.map(|s| Host::parse(&s)),
+    };
+    if let Some(name) = &sni {
+        let policy = net.policy.borrow().clone();
+        if let Err(r) = target.check(&policy, Some(name)) {
+            tracing::debug!(
+                sandbox_id = %net.sandbox_id, target = %target.host, port = target.port, sni = %name,
+                decision = "refused", reason = %r
+            );
+            return Err(r.to_string());
+        }
+    }
+    Ok((buf, sni, false))
+}
+
+async fn tunnel<G>(inner: Arc<Inner>, guest: G, opened: Opened, net: SandboxNet)
+where
+    G: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let target = opened.target.clone();
+    let sni: Arc<Mutex<Option<Host>>> = Arc::new(Mutex::new(None));
+    let (mut gr, mut gw) = tokio::io::split(guest);
+    let (mut ur, mut uw) = opened.stream.into_split();
+    let up = {
+        let sni = sni.clone();
+        let (inner, net, target) = (inner.clone(), net.clone(), target.clone());
+        async move {
+            let (buf, name, closed) = first_bytes(&inner, &net, &mut gr, &target).await?;
+            *lock(&sni) = name;
+            let _ = uw.write_all(&buf).await;
+            if !closed {
+                let _ = tokio::io::copy(&mut gr, &mut uw).await;
+            }
+            let _ = uw.shutdown().await;
+            Ok::<(), String>(())
+        }
+    };
+    // The destination may speak first (SSH, SMTP): its bytes flow at once.
+    let down = async move {
+        let _ = tokio::io::copy(&mut ur, &mut gw).await;
+        let _ = gw.shutdown().await;
+    };
+    let work = async {
+        tokio::pin!(up, down);
+        let (mut up_done, mut down_done) = (false, false);
+        while !(up_done && down_done) {
+            tokio::select! {
+                r = &mut up, if !up_done => {
+                    r?;
+                    up_done = true;
+                }
+                _ = &mut down, if !down_done => down_done = true,
+            }
+        }
+        Ok::<(), String>(())
+    };
+    let check_sni = sni.clone();
+    let check_target = target.clone();
+    let guard = revoked(net.policy.clone(), move |p| {
+        let name = lock(&check_sni).clone();
+        check_target.check(p, name.as_ref())
+    });
+    tokio::select! {
+        r = work => if let Err(reason) = r {
+            tracing::debug!(sandbox_id = %net.sandbox_id, target = %target.host, reason = %reason, "tunnel closed");
+        },
+        reason = guard => {
+            tracing::debug!(sandbox_id = %net.sandbox_id, target = %target.host, reason = %reason, "tunnel closed by a rule change");
+        }
+    }
+}
+
+/// Per intercepted connection: where requests go and the upstream in use.
+struct Intercept {
+    inner: Arc<Inner>,
+    net: SandboxNet,
+    target: Checked,
+    name: String,
+    /// A first connection, opened when the rules were checked.
+    first: Mutex<Option<TcpStream>>,
+    sender: Mutex<Option<SendRequest<Incoming>>>,
+    conns: Mutex<JoinSet<()>>,
+}
+
+async fn intercept<G>(inner: Arc<Inner>, mut guest: G, opened: Opened, net: SandboxNet)
+where
+    G: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let target = opened.target.clone();
+    let Some(name) = target.host.name().map(str::to_owned) else {
+        return;
+    };
+    let id = net.sandbox_id.clone();
+    let (buf, sni, closed) = match first_bytes(&inner, &net, &mut guest, &target).await {
+        Ok(x) => x,
+        Err(reason) => {
+            tracing::debug!(sandbox_id = %id, target = %name, reason = %reason, "intercepted connection closed");
+            return;
+        }
+    };
+    if closed {
+        return;
+    }
+    let cfg = match net.ca.server_config(&name) {
+        Ok(c) => c,
+        Err(err) => {
+            tracing::warn!(sandbox_id = %id, target = %name, error = %err, "no certificate for an intercepted host");
+            return;
+        }
+    };
+    let acceptor = tokio_rustls::TlsAcceptor::from(cfg);
+    let tls = match timeout(
+        inner.cfg.handshake_timeout,
+        acceptor.accept(Prefixed::new(buf, guest)),
+    )
+    .await
+    {
+        Ok(Ok(tls)) => tls,
+        _ => {
+            tracing::debug!(sandbox_id = %id, target = %name, "the guest's TLS handshake failed");
+            return;
+        }
+    };
+    let state = Arc::new(Intercept {
+        inner: inner.clone(),
+        net: net.clone(),
+        target: target.clone(),
+        name,
+        first: Mutex::new(Some(opened.stream)),
+        sender: Mutex::new(None),
+        conns: Mutex::new(JoinSet::new()),
+    });
+    let svc_state = state.clone();
+    let svc = service_fn(move |req| {
+        let state = svc_state.clone();
+        async move { Ok::<_, Infallible>(intercepted_request(state, req).await) }
+    });
+    let conn = server_builder(&inner.cfg).serve_connection(TokioIo::new(tls), svc);
+    let guard = revoked(net.policy.clone(), move |p| target.check(p, sni.as_ref()));
+    tokio::select! {
+        _ = conn => {}
+        reason = guard => {
+            tracing::debug!(sandbox_id = %id, reason = %reason, "intercepted connection closed by a rule change");
+        }
+    }
+}
+
+impl Intercept {
+    /// A sender ready for the next request: the one in use, or a new TLS
+    /// connection to the same address, which must verify as `name`.
+    async fn sender(&self) -> Result<SendRequest<Incoming>, String> {
+        let kept = lock(&self.sender).take();
+        if let Some(mut s) = kept {
+            if s.ready().await.is_ok() {
+                return Ok(s);
+            }
+        }
+        let cfg = self
+            .inner
+            .client_tls
+            .clone()
+            .ok_or("no TLS client configuration")?;
+        let first = lock(&self.first).take();
+        let stream = match first {
+            Some(s) => s,
+            None => timeout(
+                self.inner.cfg.connect_timeout,
+                TcpStream::connect(self.target.socket),
+            )
+            .await
+            .map_err(|_| "connecting timed out".to_string())?
+            .map_err(|e| format!("connecting failed: {e}"))?,
+        };
+        let server_name = ServerName::try_from(self.name.clone()).map_err(|e| e.to_string())?;
+        let tls = timeout(
+            self.inner.cfg.handshake_timeout,
+            tokio_rustls::TlsConnector::from(cfg).connect(server_name, stream),
+        )
+        .await
+        .map_err(|_| "the TLS handshake timed out".to_string())?
+        .map_err(|e| format!("its certificate could not be verified or TLS failed: {e}"))?;
+        let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls))
+            .await
+            .map_err(|e| e.to_string())?;
+        lock(&self.conns).spawn(async move {
+            let _ = conn.await;
+        });
+        Ok(sender)
+    }
+}
+
+/// The host a request names (URL authority, else `Host`), lowercase, no port.
+fn request_host(uri: &Uri, headers: &HeaderMap) -> Option<String> {
+    let raw = match uri.host() {
+        Some(h) => h.to_owned(),
+        None => {
+            let v = headers.get(header::HOST)?.to_str().ok()?;
+            v.parse::<http::uri::Authority>().ok()?.host().to_owned()
+        }
+    };
+    Some(raw.trim_end_matches('.').to_ascii_lowercase())
+}
+
+async fn intercepted_request(state: Arc<Intercept>, req: Request<Incoming>) -> Response<Body> {
+    let (mut parts, body) = req.into_parts();
+    let id = state.net.sandbox_id.as_str();
+    strip_hop_by_hop(&mut parts.headers);
+    let host = request_host(&parts.uri, &parts.headers);
+    parts.uri = origin_form(&parts.uri);
+    if !parts.headers.contains_key(header::HOST) {
+        if let Ok(v) = HeaderValue::from_str(&state.name) {
+            parts.headers.insert(header::HOST, v);
+        }
+    }
+    // The value goes only where the verified connection goes, and only when
+    // the request names that host too (no fronting another virtual host).
+    if host.as_deref() == Some(state.name.as_str()) {
+        let secrets = state.net.secrets.borrow().clone();
+        let applied = substitute(
+            &secrets,
+            &state.name,
+            parts.method.as_str(),
+            &mut parts.uri,
+            &mut parts.headers,
+        );
+        if !applied.names.is_empty() {
+            tracing::debug!(sandbox_id = id, target = %state.name, secrets = ?applied.names, "secrets put into a request");
+        }
+    }
+    let mut sender = match state.sender().await {
+        Ok(s) => s,
+        Err(reason) => {
+            tracing::debug!(sandbox_id = id, target = %state.name, reason = %reason, "no upstream connection");
+            return text(
+                StatusCode::BAD_GATEWAY,
+                Some("upstream-tls-failed"),
+                &format!("{} could not be reached securely: {reason}", state.name),
+            );
+        }
+    };
+    let result = sender.send_request(Request::from_parts(parts, body)).await;
+    *lock(&state.sender) = Some(sender);
+    match result {
+        Ok(resp) => forwarded(resp),
+        Err(err) => {
+            tracing::debug!(sandbox_id = id, target = %state.name, error = %err, "intercepted request failed");
+            text(
+                StatusCode::BAD_GATEWAY,
+                Some("upstream-failed"),
+                &format!("{} did not answer", state.name),
+            )
+        }
+    }
+}
