@@ -165,10 +165,15 @@ impl Inner {
         };
         let pre = net.policy.borrow().clone();
         match &host {
-            Host::Ip(ip) if self.test_host(&host).is_none() => pre
-                .check(&host, port, Addrs::Known(&[*ip]), &base)
-                .map_err(refused)?,
-            _ => pre
+            Host::Ip(ip) => {
+                let mut special = base.clone();
+                if self.test_host(&host).is_some() {
+                    special.exempt.push(*ip);
+                }
+                pre.check(&host, port, Addrs::Known(&[*ip]), &special)
+                    .map_err(refused)?
+            }
+            Host::Name(_) => pre
                 .check(&host, port, Addrs::Unresolved, &base)
                 .map_err(refused)?,
         }
