@@ -1,6 +1,7 @@
 //! Network rules through the proxy, with real sockets: the guest is a
 //! `tokio::io::duplex`, destinations are local servers standing in for
 //! public hosts through `test_hosts`.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // helpers outside #[test] fns panic on purpose
 
 mod common;
 
@@ -446,4 +447,15 @@ async fn hostile_input_is_bounded() {
         answer.is_empty() || answer.starts_with(b"HTTP/1.1 400"),
         "{answer:?}"
     );
+}
+
+#[test]
+fn depends_on_no_workspace_crate() {
+    let manifest =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/Cargo.toml")).unwrap();
+    let deps: Vec<&str> = manifest
+        .lines()
+        .filter(|l| l.trim_start().starts_with("runtime-") || l.contains("aws-lc"))
+        .collect();
+    assert!(deps.is_empty(), "{deps:?}");
 }

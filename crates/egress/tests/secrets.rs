@@ -1,5 +1,6 @@
 //! Secret substitution through the proxy: the guest trusts only the
 //! sandbox's CA, destinations are local HTTPS servers with a CA of their own.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // helpers outside #[test] fns panic on purpose
 
 mod common;
 
@@ -372,4 +373,28 @@ async fn a_secret_added_later_applies_to_new_requests() {
     let seen = w.api_log.lock().unwrap().clone();
     assert!(seen[0].headers.get("x-set").is_none());
     assert_eq!(seen[1].headers["x-set"], VALUE);
+}
+
+#[tokio::test]
+async fn the_value_is_never_logged() {
+    let w = world(Policy::open()).await;
+    let mut s = secret("API_KEY", &["api.example.com"]);
+    s.header = Some("authorization".into());
+    let ph = s.placeholder.clone();
+    w.set(vec![s]);
+    let mut c = w.https("api.example.com", &w.guest_roots).await;
+    let got = send(
+        &mut c,
+        req("GET", &format!("/?k={ph}"), "api.example.com", &[], ""),
+    )
+    .await
+    .unwrap();
+    assert_eq!(got.status, 200);
+    assert_eq!(w.api_log.lock().unwrap()[0].headers["authorization"], VALUE);
+    let logs = logs();
+    assert!(
+        logs.contains("secrets put into a request"),
+        "debug logs were not captured"
+    );
+    assert!(!logs.contains(VALUE), "the value is in a log");
 }

@@ -1,7 +1,7 @@
 //! Test destinations (plain HTTP, HTTPS with a CA of their own, raw TCP echo)
 //! and a guest side made of `tokio::io::duplex`.
 
-#![allow(dead_code)]
+#![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
 
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
@@ -189,7 +189,7 @@ impl Sandbox {
     pub fn new(cfg: EgressConfig, policy: Policy) -> Self {
         let _ = tracing_subscriber::fmt()
             .with_env_filter("runtime_egress=debug")
-            .with_test_writer()
+            .with_writer(|| LogWriter)
             .try_init();
         Self {
             egress: Egress::new(cfg),
@@ -400,4 +400,27 @@ pub async fn read_to_close<IO: AsyncRead + Unpin>(io: &mut IO) -> Option<Vec<u8>
         Ok(_) => Some(out),
         Err(_) => None,
     }
+}
+
+/// Everything logged in this test binary, for tests that check what a log
+/// never holds.
+pub static LOGS: Mutex<Vec<u8>> = Mutex::new(Vec::new());
+
+pub struct LogWriter;
+
+impl std::io::Write for LogWriter {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        LOGS.lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .extend_from_slice(buf);
+        eprint!("{}", String::from_utf8_lossy(buf));
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+pub fn logs() -> String {
+    String::from_utf8_lossy(&LOGS.lock().unwrap_or_else(|e| e.into_inner())).into_owned()
 }
