@@ -52,6 +52,10 @@ impl TestCa {
         Self { cert, key }
     }
 
+    pub fn pem(&self) -> String {
+        self.cert.pem()
+    }
+
     pub fn der(&self) -> CertificateDer<'static> {
         self.cert.der().clone()
     }

@@ -1,0 +1,234 @@
+//! Real clients through the proxy: curl (HTTP CONNECT, SOCKS5h, absolute-form)
+//! and Python's urllib, reaching it over a local TCP port as the guest's
+//! processes reach theirs.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // helpers outside #[test] fns panic on purpose
+
+mod common;
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::Arc;
+
+use common::*;
+use runtime_egress::{make_placeholder, EgressConfig, Policy, SandboxNet, Secret, SecretValue};
+use tokio::net::TcpListener;
+use tokio::process::Command;
+
+const VALUE: &str = "real-value-for-clients";
+
+/// Serves every connection to a local port with the sandbox's proxy.
+async fn listen(sbx: &Sandbox) -> SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let egress = sbx.egress.clone();
+    let (policy, secrets, ca) = (
+        sbx.policy.subscribe(),
+        sbx.secrets.subscribe(),
+        sbx.ca.clone(),
+    );
+    tokio::spawn(async move {
+        loop {
+            let Ok((s, _)) = listener.accept().await else {
+                return;
+            };
+            let net = SandboxNet {
+                sandbox_id: "sbx-clients".into(),
+                policy: policy.clone(),
+                secrets: secrets.clone(),
+                ca: ca.clone(),
+            };
+            let egress = egress.clone();
+            tokio::spawn(async move { egress.serve(s, net).await });
+        }
+    });
+    addr
+}
+
+async fn run(cmd: &mut Command) -> (bool, String) {
+    let out = tokio::time::timeout(WAIT, cmd.output())
+        .await
+        .expect("client timed out")
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), text)
+}
+
+fn write(dir: &Path, name: &str, text: &str) -> String {
+    let p = dir.join(name);
+    std::fs::write(&p, text).unwrap();
+    p.to_str().unwrap().to_owned()
+}
+
+#[tokio::test]
+async fn curl_and_python_work_through_the_proxy() {
+    let ca = TestCa::new("test destinations");
+    let (api, api_log) = https_server(&ca, &["api.example.com"]).await;
+    let (other, other_log) = https_server(&ca, &["other.example.org"]).await;
+    let (plain, plain_log) = http_server().await;
+    let sbx = Sandbox::new(
+        EgressConfig {
+            test_hosts: vec![
+                ("api.example.com".into(), api),
+                ("other.example.org".into(), other),
+                ("plain.example.com".into(), plain),
+            ],
+            extra_roots: vec![ca.der()],
+            ..EgressConfig::default()
+        },
+        Policy::open(),
+    );
+    let placeholder = make_placeholder();
+    sbx.secrets.send_replace(Arc::new(vec![Secret {
+        name: "API_KEY".into(),
+        value: SecretValue::new(VALUE),
+        hosts: vec!["api.example.com".into()],
+        header: None,
+        format: None,
+        rules: Vec::new(),
+        placeholder: placeholder.clone(),
+    }]));
+    let proxy = listen(&sbx).await;
+    let dir = std::env::temp_dir().join(format!("egress-clients-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    // What the guest trusts: its sandbox CA, and (for pass-through) the
+    // destinations' own CA, as a system bundle would hold public roots.
+    let bundle = write(
+        &dir,
+        "bundle.pem",
+        &format!("{}{}", sbx.ca.cert_pem(), ca.pem()),
+    );
+    let http_proxy = format!("http://{proxy}");
+    let socks_proxy = format!("socks5h://{proxy}");
+
+    // curl over HTTP CONNECT to a secret's host: intercepted, swapped.
+    let (ok, out) = run(Command::new("curl")
+        .args(["-sS", "--fail", "--proxy", &http_proxy, "--cacert", &bundle])
+        .args(["-H", &format!("Authorization: Bearer {placeholder}")])
+        .arg(format!("https://api.example.com/curl?k={placeholder}")))
+    .await;
+    assert!(ok, "{out}");
+    assert_eq!(out, "seen /curl?k=real-value-for-clients");
+    // curl over SOCKS5 with remote names, to a passed-through host.
+    let (ok, out) = run(Command::new("curl")
+        .args([
+            "-sS",
+            "--fail",
+            "--proxy",
+            &socks_proxy,
+            "--cacert",
+            &bundle,
+        ])
+        .arg("https://other.example.org/socks"))
+    .await;
+    assert!(ok, "{out}");
+    assert_eq!(out, "seen /socks");
+    // curl plain HTTP through the proxy (absolute-form), keep-alive, twice.
+    let (ok, out) = run(Command::new("curl")
+        .args(["-sS", "--fail", "--proxy", &http_proxy])
+        .args(["http://plain.example.com/a", "http://plain.example.com/b"]))
+    .await;
+    assert!(ok, "{out}");
+    assert_eq!(out, "seen /aseen /b");
+    // A refusal: curl reports the proxy's 403.
+    sbx.policy.send_replace(Arc::new(policy(
+        r#"{"internet":true,"allow":["*.example.org"]}"#,
+    )));
+    let (ok, out) = run(Command::new("curl")
+        .args(["-sS", "--proxy", &http_proxy, "--cacert", &bundle])
+        .arg("https://api.example.com/refused"))
+    .await;
+    assert!(!ok);
+    assert!(out.contains("403"), "{out}");
+    sbx.policy.send_replace(Arc::new(Policy::open()));
+
+    // Python's urllib with the usual environment variables.
+    let script = format!(
+        "import urllib.request\n\
+         r = urllib.request.urlopen('https://api.example.com/py?k={placeholder}')\n\
+         print(r.read().decode(), end='')\n\
+         r = urllib.request.urlopen('http://plain.example.com/py')\n\
+         print(' ' + r.read().decode(), end='')\n"
+    );
+    let (ok, out) = run(Command::new("python3")
+        .args(["-c", &script])
+        .env("HTTPS_PROXY", &http_proxy)
+        .env("HTTP_PROXY", &http_proxy)
+        .env("NO_PROXY", "")
+        .env("SSL_CERT_FILE", &bundle))
+    .await;
+    assert!(ok, "{out}");
+    assert_eq!(out, "seen /py?k=real-value-for-clients seen /py");
+    // And requests, with its own CA variable.
+    let script = format!(
+        "import requests\n\
+         print(requests.get('https://api.example.com/rq', headers={{'X-Key': '{placeholder}'}}).text, end='')\n"
+    );
+    let (ok, out) = run(Command::new("python3")
+        .args(["-c", &script])
+        .env("HTTPS_PROXY", &http_proxy)
+        .env("NO_PROXY", "")
+        .env("REQUESTS_CA_BUNDLE", &bundle))
+    .await;
+    assert!(ok, "{out}");
+    assert_eq!(out, "seen /rq");
+
+    // git and npm: the destination is no git server or registry, so they
+    // fail after the request; what counts is that it arrived, intercepted.
+    let home = dir.to_str().unwrap();
+    let (_, git_out) = run(Command::new("git")
+        .args(["-c", &format!("http.proxy={http_proxy}")])
+        .env("GIT_SSL_CAINFO", &bundle)
+        .args(["ls-remote", "https://api.example.com/git/repo.git"])
+        .env("HOME", home)
+        .env("GIT_TERMINAL_PROMPT", "0"))
+    .await;
+    let _ = run(Command::new("npm")
+        .args([
+            "view",
+            "left-pad",
+            "--registry",
+            "https://api.example.com/npm/",
+        ])
+        .args([
+            "--https-proxy",
+            &http_proxy,
+            "--cafile",
+            &bundle,
+            "--fetch-retries",
+            "0",
+        ])
+        .env("HOME", home)
+        .env("npm_config_cache", home))
+    .await;
+    let uris: Vec<String> = api_log
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|s| s.uri.clone())
+        .collect();
+    assert!(
+        uris.iter()
+            .any(|u| u.starts_with("/git/repo.git/info/refs")),
+        "{uris:?} {git_out}"
+    );
+    assert!(
+        uris.iter().any(|u| u.starts_with("/npm/left-pad")),
+        "{uris:?}"
+    );
+
+    let api_seen = api_log.lock().unwrap().clone();
+    assert_eq!(
+        api_seen[0].headers["authorization"],
+        format!("Bearer {VALUE}")
+    );
+    assert!(api_seen.iter().all(|s| !s.uri.contains("/refused")));
+    let rq = api_seen.iter().find(|s| s.uri == "/rq").unwrap();
+    assert_eq!(rq.headers["x-key"], VALUE);
+    assert_eq!(other_log.lock().unwrap().len(), 1);
+    assert_eq!(plain_log.lock().unwrap().len(), 3);
+    let _ = std::fs::remove_dir_all(&dir);
+}
