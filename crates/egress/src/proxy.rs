@@ -390,6 +390,17 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// Spawns an upstream connection's task, first dropping finished ones so a
+/// long keep-alive connection does not pile them up.
+fn spawn_reaped(
+    set: &Mutex<JoinSet<()>>,
+    task: impl std::future::Future<Output = ()> + Send + 'static,
+) {
+    let mut set = lock(set);
+    while set.try_join_next().is_some() {}
+    set.spawn(task);
+}
+
 fn server_builder(cfg: &EgressConfig) -> hyper::server::conn::http1::Builder {
     let mut b = hyper::server::conn::http1::Builder::new();
     b.timer(TokioTimer::new())
@@ -505,7 +516,7 @@ async fn handle(state: Arc<HttpState>, mut req: Request<Incoming>) -> Response<B
             Ok(x) => x,
             Err(_) => return OpenError::Connect.response(auth.host()),
         };
-    lock(&state.conns).spawn(async move {
+    spawn_reaped(&state.conns, async move {
         let _ = conn.await;
     });
     match sender.send_request(Request::from_parts(parts, body)).await {
@@ -590,8 +601,19 @@ async fn first_bytes<G: AsyncRead + Unpin>(
     net: &SandboxNet,
     guest: &mut G,
     target: &Checked,
+    patient: bool,
 ) -> Result<(Vec<u8>, Option<Host>, bool), String> {
     let mut buf = Vec::new();
+    if patient {
+        // A tunnel may carry a protocol whose client speaks late (the server
+        // first, or server push): wait for the first byte as long as it
+        // takes, and bound only the rest of a ClientHello.
+        let mut first = [0u8; 1];
+        match guest.read(&mut first).await {
+            Ok(1) => buf.push(first[0]),
+            _ => return Ok((buf, None, true)),
+        }
+    }
     let hello = timeout(inner.cfg.handshake_timeout, read_hello(guest, &mut buf))
         .await
         .map_err(|_| "no ClientHello in time".to_string())?;
@@ -626,7 +648,7 @@ where
         let sni = sni.clone();
         let (inner, net, target) = (inner.clone(), net.clone(), target.clone());
         async move {
-            let (buf, name, closed) = first_bytes(&inner, &net, &mut gr, &target).await?;
+            let (buf, name, closed) = first_bytes(&inner, &net, &mut gr, &target, true).await?;
             *lock(&sni) = name;
             let _ = uw.write_all(&buf).await;
             if !closed {
@@ -692,7 +714,7 @@ where
         return;
     };
     let id = net.sandbox_id.clone();
-    let (buf, sni, closed) = match first_bytes(&inner, &net, &mut guest, &target).await {
+    let (buf, sni, closed) = match first_bytes(&inner, &net, &mut guest, &target, false).await {
         Ok(x) => x,
         Err(reason) => {
             tracing::debug!(sandbox_id = %id, target = %name, reason = %reason, "intercepted connection closed");
@@ -783,7 +805,7 @@ impl Intercept {
         let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls))
             .await
             .map_err(|e| e.to_string())?;
-        lock(&self.conns).spawn(async move {
+        spawn_reaped(&self.conns, async move {
             let _ = conn.await;
         });
         Ok(sender)

@@ -459,3 +459,37 @@ fn depends_on_no_workspace_crate() {
         .collect();
     assert!(deps.is_empty(), "{deps:?}");
 }
+
+#[tokio::test]
+async fn server_first_protocols_wait_for_a_late_client() {
+    // The destination speaks first (as SSH or SMTP do); the client answers
+    // after longer than the handshake timeout.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        let (mut s, _) = listener.accept().await.unwrap();
+        s.write_all(b"BANNER\n").await.unwrap();
+        let (mut r, mut w) = s.split();
+        let _ = tokio::io::copy(&mut r, &mut w).await;
+    });
+    let sbx = Sandbox::new(
+        EgressConfig {
+            handshake_timeout: Duration::from_millis(200),
+            ..cfg(&[("example.com", addr)])
+        },
+        policy(r#"{"internet":true,"connect":["example.com:22"]}"#),
+    );
+    let (a, mut g) = connect(&sbx, "example.com:22").await.unwrap();
+    assert_eq!(a.status, 200);
+    let mut b = [0u8; 7];
+    g.read_exact(&mut b).await.unwrap();
+    assert_eq!(&b, b"BANNER\n");
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    g.write_all(b"late").await.unwrap();
+    let mut b = [0u8; 4];
+    tokio::time::timeout(WAIT, g.read_exact(&mut b))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(&b, b"late");
+}
