@@ -32,6 +32,8 @@ from typing import Any, Optional
 
 import pytest
 
+from egress_servers import EgressServers
+
 REPO = Path(__file__).resolve().parents[2]
 BINARY = Path(os.environ.get("RUNTIME_BIN", REPO / "target" / "release" / "runtime"))
 START_TIMEOUT = float(os.environ.get("RUNTIME_E2E_START_TIMEOUT", "1200"))
@@ -66,6 +68,8 @@ class Server:
         self.proc: Optional[subprocess.Popen] = None
         self.starts = 0
         self.keys: list[str] = []
+        # The local servers that stand for internet hosts (egress_servers.py).
+        self.egress = EgressServers(root / "egress")
 
     # -- process ---------------------------------------------------------
     def start(self) -> None:
@@ -78,7 +82,8 @@ class Server:
             log.flush()
             offset = self.log_path.stat().st_size
             self.proc = subprocess.Popen(
-                [str(BINARY), "serve", "--listen", f"127.0.0.1:{self.port}", "--data-dir", str(self.data_dir)],
+                [str(BINARY), "serve", "--listen", f"127.0.0.1:{self.port}", "--data-dir", str(self.data_dir),
+                 *self.egress.args],
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                 env={**os.environ, "RUST_BACKTRACE": "1"})
         deadline = time.monotonic() + START_TIMEOUT
@@ -199,6 +204,7 @@ def server(request):
     finally:
         problems = srv.delete_all_sandboxes() if srv.proc is not None else ["server not running at teardown"]
         srv.stop()
+        srv.egress.close()
         killed = srv.kill_leftover_qemu()
         for name, value in saved.items():
             if value is None:

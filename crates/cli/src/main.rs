@@ -41,6 +41,8 @@ enum Cmd {
         /// its shape.
         #[arg(long)]
         no_templates: bool,
+        #[command(flatten)]
+        net: NetArgs,
     },
     /// API keys of a data directory.
     Keys {
@@ -52,6 +54,77 @@ enum Cmd {
         #[command(subcommand)]
         cmd: ImageCmd,
     },
+}
+
+/// Previews and the egress proxy.
+#[derive(clap::Args)]
+struct NetArgs {
+    /// Previews are served at `<port>-<sandbox>.<domain>` on the server's
+    /// port; `localhost` resolves to loopback in browsers and curl.
+    #[arg(long, default_value = "localhost")]
+    preview_domain: String,
+    /// TEST ONLY, never in production: egress to NAME (or `*.domain`) goes
+    /// to ADDR (`ip:port`) instead of being resolved, and ADDR is exempt
+    /// from the refusal of private addresses. Repeatable.
+    #[arg(long = "egress-test-map", value_name = "NAME=ADDR")]
+    egress_test_map: Vec<String>,
+    /// TEST ONLY: a PEM file of CA certificates the egress proxy trusts
+    /// for destinations, besides the system's. Repeatable.
+    #[arg(long = "egress-test-root", value_name = "PEM")]
+    egress_test_root: Vec<PathBuf>,
+}
+
+impl NetArgs {
+    fn apply(&self, c: &mut runtime_server::Config) -> anyhow::Result<()> {
+        c.preview_domain = self.preview_domain.trim_matches('.').to_ascii_lowercase();
+        for m in &self.egress_test_map {
+            let (name, addr) = m
+                .split_once('=')
+                .with_context(|| format!("--egress-test-map {m}: expected NAME=IP:PORT"))?;
+            let addr: SocketAddr = addr
+                .parse()
+                .with_context(|| format!("--egress-test-map {m}: {addr} is not IP:PORT"))?;
+            c.egress.test_hosts.push((name.to_ascii_lowercase(), addr));
+        }
+        for path in &self.egress_test_root {
+            let pem = std::fs::read_to_string(path)
+                .with_context(|| format!("reading {}", path.display()))?;
+            let ders = pem_certificates(&pem);
+            anyhow::ensure!(!ders.is_empty(), "{} holds no certificate", path.display());
+            c.egress
+                .extra_roots
+                .extend(ders.into_iter().map(Into::into));
+        }
+        if !c.egress.test_hosts.is_empty() || !c.egress.extra_roots.is_empty() {
+            eprintln!("runtime: WARNING: test-only egress settings are on (--egress-test-*)");
+        }
+        Ok(())
+    }
+}
+
+/// The DER of each `CERTIFICATE` block of a PEM text.
+fn pem_certificates(pem: &str) -> Vec<Vec<u8>> {
+    use base64::Engine;
+    let mut out = Vec::new();
+    let mut body: Option<String> = None;
+    for line in pem.lines().map(str::trim) {
+        match line {
+            "-----BEGIN CERTIFICATE-----" => body = Some(String::new()),
+            "-----END CERTIFICATE-----" => {
+                if let Some(b) = body.take() {
+                    if let Ok(der) = base64::engine::general_purpose::STANDARD.decode(b) {
+                        out.push(der);
+                    }
+                }
+            }
+            l => {
+                if let Some(b) = body.as_mut() {
+                    b.push_str(l);
+                }
+            }
+        }
+    }
+    out
 }
 
 #[derive(Subcommand)]
@@ -196,6 +269,7 @@ async fn serve(
     data_dir: PathBuf,
     boot_timeout: u64,
     templates: bool,
+    net: NetArgs,
 ) -> anyhow::Result<()> {
     std::fs::create_dir_all(&data_dir)
         .with_context(|| format!("creating {}", data_dir.display()))?;
@@ -232,7 +306,8 @@ async fn serve(
         .await
         .with_context(|| format!("binding {listen}"))?;
     let addr = listener.local_addr()?;
-    let config = runtime_server::Config::new(data_dir.clone());
+    let mut config = runtime_server::Config::new(data_dir.clone());
+    net.apply(&mut config)?;
     let server = runtime_server::run(listener, config, Arc::new(host), shutdown_signal());
     println!(
         "runtime: listening on http://{addr} (data dir {})",
@@ -257,11 +332,12 @@ fn main() -> anyhow::Result<()> {
             data_dir: d,
             boot_timeout,
             no_templates,
+            net,
         } => {
             let rt = tokio::runtime::Builder::new_multi_thread()
                 .enable_all()
                 .build()?;
-            rt.block_on(serve(listen, data_dir(d), boot_timeout, !no_templates))
+            rt.block_on(serve(listen, data_dir(d), boot_timeout, !no_templates, net))
         }
         Cmd::Keys {
             cmd:

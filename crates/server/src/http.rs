@@ -15,7 +15,11 @@ use tracing::Instrument;
 use crate::error::{ApiError, ApiResult};
 use crate::store::KeyInfo;
 use crate::util::{parse_query, percent_decode, sha256_hex};
-use crate::{files, idempotency, interpreter, procs, sandboxes, snapshots, AppState};
+use crate::{
+    files, idempotency, interpreter, net, previews, procs, sandboxes, secrets, snapshots, ws,
+    AppState,
+};
+use axum::extract::FromRequestParts;
 
 /// What a handler answers.
 pub enum Reply {
@@ -76,6 +80,21 @@ pub enum Route {
     /// `/v1/sandboxes/{id}/interpreter[/…]`: the method, the segments after
     /// `interpreter`, and the verb.
     Interpreter(Method, String, Vec<String>, Option<String>),
+    Previews(String),
+    PreviewCreate(String),
+    PreviewGet(String, String),
+    PreviewDelete(String, String),
+    PreviewAction(String, String, String),
+    GetNetwork(String),
+    PutNetwork(String),
+    ListSecrets,
+    PutSecret(String),
+    DeleteSecret(String),
+    /// `/v1/secrets`: the jobs copies of secrets (not offered).
+    JobSecrets,
+    /// WebSockets.
+    Terminal(String),
+    Tunnel(String),
 }
 
 pub fn router(state: AppState) -> axum::Router {
@@ -83,6 +102,12 @@ pub fn router(state: AppState) -> axum::Router {
 }
 
 async fn handle(State(st): State<AppState>, req: Request) -> Response {
+    if let Some((port, sandbox)) = previews::target(&st, req.headers()) {
+        let span = tracing::info_span!("preview", sandbox_id = %sandbox, port);
+        return previews::serve(st, req, port, sandbox)
+            .instrument(span)
+            .await;
+    }
     let rid = format!("req_{}", uuid::Uuid::new_v4().simple());
     let span = tracing::info_span!("request", request_id = %rid, method = %req.method(), path = %req.uri().path());
     let mut resp = async {
@@ -210,6 +235,42 @@ pub fn route(method: &Method, raw_path: &str) -> ApiResult<Route> {
             rest.iter().map(|s| s.to_string()).collect(),
             verb.clone(),
         ),
+        ["v1", "sandboxes", id, "previews"] if verb_or_none(false) => match m {
+            Method::GET => Route::Previews(id.to_string()),
+            Method::POST => Route::PreviewCreate(id.to_string()),
+            _ => return Err(not_allowed()),
+        },
+        ["v1", "sandboxes", id, "previews", port] => match (&m, &verb) {
+            (&Method::GET, None) => Route::PreviewGet(id.to_string(), port.to_string()),
+            (&Method::DELETE, None) => Route::PreviewDelete(id.to_string(), port.to_string()),
+            (&Method::POST, Some(v)) => {
+                Route::PreviewAction(id.to_string(), port.to_string(), v.clone())
+            }
+            _ => return Err(not_allowed()),
+        },
+        ["v1", "sandboxes", id, "network"] if verb_or_none(false) => match m {
+            Method::GET => Route::GetNetwork(id.to_string()),
+            Method::PUT => Route::PutNetwork(id.to_string()),
+            _ => return Err(not_allowed()),
+        },
+        ["v1", "sandboxes", id, "terminal"] if verb_or_none(false) => match m {
+            Method::GET => Route::Terminal(id.to_string()),
+            _ => return Err(not_allowed()),
+        },
+        ["v1", "sandboxes", id, "tunnel"] if verb_or_none(false) => match m {
+            Method::GET => Route::Tunnel(id.to_string()),
+            _ => return Err(not_allowed()),
+        },
+        ["v1", "egress-secrets"] if verb_or_none(false) => match m {
+            Method::GET => Route::ListSecrets,
+            _ => return Err(not_allowed()),
+        },
+        ["v1", "egress-secrets", name] if verb_or_none(false) => match m {
+            Method::PUT => Route::PutSecret(name.to_string()),
+            Method::DELETE => Route::DeleteSecret(name.to_string()),
+            _ => return Err(not_allowed()),
+        },
+        ["v1", "secrets", ..] => Route::JobSecrets,
         ["v1", "snapshots"] if verb_or_none(false) => match m {
             Method::GET => Route::ListSnapshots,
             _ => return Err(not_allowed()),
@@ -243,9 +304,30 @@ async fn read_body(body: Body, limit: usize) -> ApiResult<Bytes> {
 }
 
 async fn serve(st: &AppState, req: Request, rid: &str) -> ApiResult<Response> {
-    let (parts, body) = req.into_parts();
+    let (mut parts, body) = req.into_parts();
     let key = authenticate(st, &parts.headers)?;
     let r = route(&parts.method, parts.uri.path())?;
+    if let Route::Terminal(id) | Route::Tunnel(id) = &r {
+        // Both type into the sandbox: a change, whatever the method.
+        if key.read_only {
+            return Err(ApiError::Forbidden {
+                action: "open terminals or tunnels",
+            });
+        }
+        let upgrade = axum::extract::ws::WebSocketUpgrade::from_request_parts(&mut parts, st)
+            .await
+            .map_err(|_| {
+                ApiError::invalid(
+                    "Upgrade",
+                    "this route is a WebSocket: send an Upgrade: websocket request",
+                )
+            })?;
+        let query = parse_query(parts.uri.query())?;
+        return match &r {
+            Route::Terminal(_) => ws::terminal(st.clone(), key, id.clone(), query, upgrade).await,
+            _ => ws::tunnel(st.clone(), key, id.clone(), upgrade).await,
+        };
+    }
     if parts.method != Method::GET && key.read_only {
         return Err(ApiError::Forbidden {
             action: "make changes",
@@ -351,6 +433,24 @@ async fn dispatch(st: AppState, ctx: Ctx, r: Route, body: Bytes) -> ApiResult<Re
         Route::Interpreter(m, id, rest, verb) => {
             interpreter::handle(st, ctx, m, id, rest, verb, body).await
         }
+        Route::Previews(id) => previews::list(st, ctx, id).await,
+        Route::PreviewCreate(id) => previews::create(st, ctx, id, body).await,
+        Route::PreviewGet(id, port) => previews::get(st, ctx, id, port).await,
+        Route::PreviewDelete(id, port) => previews::delete(st, ctx, id, port).await,
+        Route::PreviewAction(id, port, verb) => {
+            previews::action(st, ctx, id, port, verb, body).await
+        }
+        Route::GetNetwork(id) => net::get(st, ctx, id).await,
+        Route::PutNetwork(id) => net::put(st, ctx, id, body).await,
+        Route::ListSecrets => secrets::list(st, ctx).await,
+        Route::PutSecret(name) => secrets::put(st, ctx, name, body).await,
+        Route::DeleteSecret(name) => secrets::delete(st, ctx, name).await,
+        Route::JobSecrets => Err(ApiError::Unsupported {
+            feature: "Secrets for scheduled jobs",
+        }),
+        Route::Terminal(_) | Route::Tunnel(_) => Err(ApiError::Internal {
+            what: "a WebSocket route reached the JSON dispatcher".into(),
+        }),
     }
 }
 

@@ -196,7 +196,8 @@ fn argv_for(language: &str) -> Vec<String> {
 }
 
 async fn start_kernel(st: &AppState, row: &SandboxRow, ctx: &Context) -> ApiResult<Kernel> {
-    let mut env: Vec<(String, String)> = row.env.to_vec();
+    let mut env = crate::net::secret_env(st, &row.record.id);
+    env.extend(row.env.iter().cloned());
     env.extend(ctx.env.iter().cloned());
     env.push(("PYTHONUNBUFFERED".into(), "1".into()));
     let spec = ExecSpec {

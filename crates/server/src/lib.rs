@@ -9,11 +9,15 @@ mod files;
 mod http;
 mod idempotency;
 mod interpreter;
+mod net;
+mod previews;
 mod procs;
 mod sandboxes;
+mod secrets;
 mod snapshots;
 mod store;
 mod util;
+mod ws;
 
 use std::collections::{HashMap, HashSet};
 use std::future::Future;
@@ -48,6 +52,12 @@ pub struct Config {
     pub idempotency_ttl: Duration,
     /// How long `run` waits for owned tasks after the listener closed.
     pub drain_timeout: Duration,
+    /// Previews are served at `<port>-<sandbox>.<preview_domain>`.
+    pub preview_domain: String,
+    /// The port in preview URLs; 0 = the port the server listens on.
+    pub preview_port: u16,
+    /// The egress proxy's settings (its test-only host map among them).
+    pub egress: runtime_egress::EgressConfig,
 }
 
 impl Config {
@@ -61,6 +71,9 @@ impl Config {
             max_upload_bytes: 1 << 30,
             idempotency_ttl: Duration::from_secs(24 * 3600),
             drain_timeout: Duration::from_secs(10),
+            preview_domain: "localhost".into(),
+            preview_port: 0,
+            egress: runtime_egress::EgressConfig::default(),
         }
     }
 }
@@ -87,6 +100,10 @@ struct Inner {
     /// answer: a sandbox running again may also have paused and been woken.
     pause_failed: Mutex<HashSet<String>>,
     uploads: files::Uploads,
+    previews: previews::Live,
+    /// The key that seals secret values, read or made on first use.
+    sealer: std::sync::OnceLock<secrets::Sealer>,
+    nets: net::Nets,
     tasks: TaskTracker,
     cancel: CancellationToken,
 }
@@ -96,7 +113,7 @@ impl AppState {
         let uploads_dir = config.data_dir.join("uploads");
         // Partial uploads do not survive a restart.
         let _ = std::fs::remove_dir_all(&uploads_dir);
-        AppState {
+        let st = AppState {
             inner: Arc::new(Inner {
                 changes: watch::channel(0).0,
                 lifecycle: Mutex::new(HashMap::new()),
@@ -105,13 +122,19 @@ impl AppState {
                 procs: procs::Table::default(),
                 pause_failed: Mutex::new(HashSet::new()),
                 uploads: files::Uploads::new(uploads_dir),
+                previews: previews::Live::default(),
+                sealer: std::sync::OnceLock::new(),
+                nets: net::Nets::new(runtime_egress::Egress::new(config.egress.clone())),
                 tasks: TaskTracker::new(),
                 cancel: CancellationToken::new(),
                 config,
                 store,
                 host,
             }),
-        }
+        };
+        st.host()
+            .set_outbound(Arc::new(net::Handler(Arc::downgrade(&st.inner))));
+        st
     }
 
     fn config(&self) -> &Config {
@@ -124,6 +147,18 @@ impl AppState {
 
     fn host(&self) -> &Arc<dyn Host> {
         &self.inner.host
+    }
+
+    fn sealer(&self) -> Result<&secrets::Sealer, ApiError> {
+        if let Some(s) = self.inner.sealer.get() {
+            return Ok(s);
+        }
+        let s = secrets::Sealer::open(&self.config().data_dir)?;
+        Ok(self.inner.sealer.get_or_init(|| s))
+    }
+
+    fn secrets_changed(&self) {
+        net::secrets_changed(self);
     }
 
     fn notify_change(&self) {
@@ -245,6 +280,10 @@ pub async fn run(
     host: Arc<dyn Host>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServerError> {
+    let mut config = config;
+    if config.preview_port == 0 {
+        config.preview_port = listener.local_addr().map(|a| a.port()).unwrap_or(0);
+    }
     let store = open_store(&config.data_dir)?;
     let state = AppState::new(config, store, host);
     recover(&state).await?;

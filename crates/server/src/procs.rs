@@ -487,6 +487,128 @@ fn exit_event(e: &Exit) -> Value {
 }
 
 /// What exec and spawn both take.
+/// What a terminal (a WebSocket on a pty process) needs of a process.
+impl Proc {
+    pub(crate) fn id(&self) -> &str {
+        &self.id
+    }
+
+    pub(crate) fn is_pty(&self) -> bool {
+        self.pty
+    }
+
+    /// Output bytes from `cursor` on (stdout and stderr in order), the new
+    /// cursor, and the exit code once everything was read (`Some(None)`
+    /// when it ended without one).
+    pub(crate) fn read_raw(&self, cursor: u64) -> (Vec<u8>, u64, Option<Option<i32>>) {
+        let s = self.state();
+        let mut cursor = cursor.max(s.buf.start);
+        let mut out = Vec::new();
+        for c in &s.buf.chunks {
+            let end = c.offset + c.data.len() as u64;
+            if end <= cursor {
+                continue;
+            }
+            let skip = cursor.saturating_sub(c.offset) as usize;
+            out.extend_from_slice(&c.data[skip..]);
+            cursor = end;
+        }
+        let exit = (cursor >= s.buf.end)
+            .then(|| s.exit.as_ref().map(|e| e.status.code))
+            .flatten();
+        (out, cursor, exit)
+    }
+
+    /// Where output now ends (a terminal taking up a process starts here,
+    /// less what it replays).
+    pub(crate) fn output_start(&self) -> u64 {
+        self.state().buf.start
+    }
+
+    pub(crate) fn subscribe(&self) -> watch::Receiver<u64> {
+        self.changed.subscribe()
+    }
+
+    /// Sends input at the current offset; `false` once the process ended.
+    pub(crate) async fn type_in(&self, store: &Store, bytes: Vec<u8>) -> bool {
+        let _w = self.writes.lock().await;
+        if self.state().exit.is_some() || self.state().stdin_closed {
+            return false;
+        }
+        let n = bytes.len() as u64;
+        if self
+            .control()
+            .send(ExecControl::Stdin(bytes))
+            .await
+            .is_err()
+        {
+            return false;
+        }
+        let offset = {
+            let mut s = self.state();
+            s.stdin_offset += n;
+            s.stdin_offset
+        };
+        if let Err(e) = store.process_stdin(&self.id, offset, false) {
+            tracing::error!(process_id = %self.id, error = %e, "recording the process's input failed");
+        }
+        true
+    }
+
+    pub(crate) async fn resize(&self, size: TermSize) {
+        let _ = self.control().send(ExecControl::Resize(size)).await;
+    }
+
+    pub(crate) async fn signal(&self, sig: i32) {
+        if self.state().exit.is_none() {
+            let _ = self.control().send(ExecControl::Signal(sig)).await;
+        }
+    }
+
+    pub(crate) fn exited(&self) -> bool {
+        self.state().exit.is_some()
+    }
+}
+
+/// Starts a process on a pseudo-terminal with its input open, as a terminal
+/// WebSocket does; it is listed with the sandbox's processes.
+pub(crate) async fn start_terminal(
+    st: &AppState,
+    row: &SandboxRow,
+    argv: Vec<String>,
+    cwd: Option<String>,
+    user: RunAs,
+    size: TermSize,
+) -> ApiResult<Arc<Proc>> {
+    let mut env = crate::net::secret_env(st, &row.record.id);
+    env.extend(row.env.iter().cloned());
+    env.push(("TERM".into(), "xterm-256color".into()));
+    let command = argv.join(" ");
+    let req = CommandReq {
+        spec: ExecSpec {
+            argv,
+            cwd,
+            env,
+            user,
+            timeout: None,
+            stdin: true,
+            pty: Some(size),
+            kill_group_on_exit: false,
+        },
+        command,
+        stdin_data: None,
+        stream: false,
+        base64_always: false,
+        kind: "spawn",
+    };
+    start(st, row, req, true).await
+}
+
+/// A process of the sandbox by id.
+pub(crate) fn process(st: &AppState, sandbox_id: &str, pid: &str) -> ApiResult<Arc<Proc>> {
+    st.inner.procs.get(sandbox_id, pid)
+}
+
 struct CommandReq {
     spec: ExecSpec,
     command: String,
@@ -497,7 +619,12 @@ struct CommandReq {
     kind: &'static str,
 }
 
-fn parse_command(row: &SandboxRow, body: &[u8], spawn: bool) -> ApiResult<CommandReq> {
+fn parse_command(
+    row: &SandboxRow,
+    secret_env: Vec<(String, String)>,
+    body: &[u8],
+    spawn: bool,
+) -> ApiResult<CommandReq> {
     let obj = json_object(body)?;
     let mut f = Fields::new(&obj);
     let command = f.string("command");
@@ -585,7 +712,8 @@ fn parse_command(row: &SandboxRow, body: &[u8], spawn: bool) -> ApiResult<Comman
         (None, false, true) => Some(MAX_TIMEOUT_MS),
         (None, true, _) => None,
     };
-    let mut merged = row.env.clone();
+    let mut merged = secret_env;
+    merged.extend(row.env.iter().cloned());
     merged.extend(env);
     let command = argv.join(" ");
     let stdin = stdin_pipe || stdin_data.is_some();
@@ -927,7 +1055,7 @@ pub async fn recover(st: &AppState) -> Result<(), crate::ServerError> {
 
 pub async fn exec(st: AppState, ctx: Ctx, id: String, body: Bytes) -> ApiResult<Reply> {
     let row = find_running(&st, &ctx.key, &id).await?;
-    let req = parse_command(&row, &body, false)?;
+    let req = parse_command(&row, crate::net::secret_env(&st, &id), &body, false)?;
     let stream = req.stream;
     let guard_ms = req
         .spec
@@ -1095,7 +1223,7 @@ pub fn replay_stream(st: &AppState, sandbox_id: &str, pid: &str) -> ApiResult<Re
 
 pub async fn spawn(st: AppState, ctx: Ctx, id: String, body: Bytes) -> ApiResult<Reply> {
     let row = find_running(&st, &ctx.key, &id).await?;
-    let req = parse_command(&row, &body, true)?;
+    let req = parse_command(&row, crate::net::secret_env(&st, &id), &body, true)?;
     let pipe = req.spec.stdin && req.stdin_data.is_none();
     let proc = start(&st, &row, req, pipe).await?;
     Ok(Reply::Json(axum::http::StatusCode::CREATED, proc.info()))

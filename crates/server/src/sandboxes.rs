@@ -153,14 +153,14 @@ pub(crate) fn record_json(s: &Sandbox, extra: &[(&str, Value)]) -> Value {
     v
 }
 
-pub fn machine_spec(s: &Sandbox) -> MachineSpec {
+pub fn machine_spec(st: &AppState, s: &Sandbox) -> MachineSpec {
     MachineSpec {
         id: s.id.clone(),
         vcpu: s.vcpu,
         memory_mib: s.memory_mib,
         disk_mib: s.disk_mib,
         hostname: format!("sbx-{}", s.id.chars().take(8).collect::<String>()),
-        guest_ca_pem: None,
+        guest_ca_pem: crate::net::guest_ca_pem(st, &s.id),
     }
 }
 
@@ -243,9 +243,10 @@ struct CreateReq {
     /// The shape fields the request named (a snapshot's shape must match them).
     shape_given: Vec<(&'static str, u32)>,
     floor_given: bool,
+    net: crate::net::CreateNet,
 }
 
-fn parse_create(body: &[u8]) -> ApiResult<CreateReq> {
+fn parse_create(st: &AppState, body: &[u8]) -> ApiResult<CreateReq> {
     let obj = json_object(body)?;
     let mut f = Fields::new(&obj);
     let name = checked_name(&mut f);
@@ -316,21 +317,16 @@ fn parse_create(body: &[u8]) -> ApiResult<CreateReq> {
     if snapshot.is_some() && image.is_some() {
         f.issue("snapshot", "give image or snapshot, not both");
     }
-    f.refuse(
-        "network",
-        "network rules are not supported by this server yet",
-    );
+    let net = crate::net::parse_create(st, &mut f);
     f.refuse(
         "spreadFrom",
         "is not supported by this server (one machine)",
     );
     f.refuse("tailscale", "is not supported by this server");
-    for list in ["volumes", "secrets"] {
-        match f.raw(list) {
-            None => {}
-            Some(Value::Array(a)) if a.is_empty() => {}
-            Some(_) => f.issue(list, format!("{list} are not supported by this server yet")),
-        }
+    match f.raw("volumes") {
+        None => {}
+        Some(Value::Array(a)) if a.is_empty() => {}
+        Some(_) => f.issue("volumes", "volumes are not supported by this server yet"),
     }
     f.finish()?;
 
@@ -383,6 +379,7 @@ fn parse_create(body: &[u8]) -> ApiResult<CreateReq> {
         snapshot,
         shape_given,
         floor_given,
+        net,
     })
 }
 
@@ -400,7 +397,7 @@ pub(crate) fn name_holder(
 }
 
 pub async fn create(st: AppState, ctx: Ctx, body: Bytes) -> ApiResult<Reply> {
-    let mut req = parse_create(&body)?;
+    let mut req = parse_create(&st, &body)?;
     let wait = prefer_wait(&ctx.headers);
     let from = match &req.snapshot {
         Some(sid) => {
@@ -470,6 +467,7 @@ pub async fn create(st: AppState, ctx: Ctx, body: Bytes) -> ApiResult<Reply> {
                     env: req.env,
                     deleted: None,
                 };
+                crate::net::store_create(&st, &row.record.id, &req.net)?;
                 st.store().insert_sandbox(&row)?;
                 tracing::info!(sandbox_id = %row.record.id, "sandbox created");
                 spawn_start(&st, row.record.id.clone(), from);
@@ -613,7 +611,7 @@ pub(crate) fn spawn_start(st: &AppState, id: String, from: Option<Arc<CaptureDir
                 return;
             }
         };
-        let spec = machine_spec(&row.record);
+        let spec = machine_spec(&st2, &row.record);
         let result = match &from {
             Some(dir) => st2.host().restore(&spec, &dir.path).await,
             None => st2.host().start(&spec).await,
@@ -664,6 +662,7 @@ fn request_stop(st: &AppState, id: &str, reason: &'static str) -> ApiResult<()> 
     }
     st.notify_change();
     st.inner.procs.sandbox_gone(st.store(), id);
+    st.inner.previews.sandbox_gone(id);
     let st2 = st.clone();
     let id = id.to_string();
     st.spawn(async move {
@@ -848,7 +847,7 @@ pub(crate) fn request_wake(st: &AppState, id: &str, lease: Option<u32>) -> ApiRe
             Ok(Some(r)) if r.record.state == "resuming" && r.deleted.is_none() => r,
             _ => return,
         };
-        let result = st2.host().wake(&machine_spec(&row.record)).await;
+        let result = st2.host().wake(&machine_spec(&st2, &row.record)).await;
         if result.is_ok() {
             // Before it is `running`, so a call that woke it finds them attached.
             crate::procs::reattach(&st2, &id).await;
@@ -1182,6 +1181,8 @@ pub(crate) fn delete_sandbox(st: &AppState, id: &str, reason: &str) -> ApiResult
     st.notify_change();
     st.inner.procs.sandbox_gone(st.store(), id);
     st.inner.uploads.sandbox_gone(id);
+    crate::previews::sandbox_gone(st, id);
+    crate::net::sandbox_gone(st, id);
     let st2 = st.clone();
     let id2 = id.to_string();
     st.spawn(async move {
@@ -1435,7 +1436,7 @@ pub async fn recover(st: &AppState) -> Result<(), ServerError> {
         let id = row.record.id.clone();
         match row.record.state.as_str() {
             "starting" | "running" => {
-                let found = match st.host().recover(&machine_spec(&row.record)).await {
+                let found = match st.host().recover(&machine_spec(st, &row.record)).await {
                     Ok(found) => found,
                     Err(e) => {
                         tracing::warn!(sandbox_id = %id, error = %e, "recovering the sandbox failed");
@@ -1464,7 +1465,7 @@ pub async fn recover(st: &AppState) -> Result<(), ServerError> {
                 let pausing = row.record.state == "pausing";
                 let found = st
                     .host()
-                    .recover(&machine_spec(&row.record))
+                    .recover(&machine_spec(st, &row.record))
                     .await
                     .unwrap_or(false);
                 st.store().update_sandbox(&id, |r| {

@@ -134,11 +134,7 @@ pub async fn fork(st: AppState, ctx: Ctx, id: String, body: Bytes) -> ApiResult<
     // Accepted and without effect: no snapshot is kept after a fork here.
     let _ = f.bool("keepSnapshot");
     let _ = f.one_of("funding", &["trial", "paid"]);
-    match f.raw("secrets") {
-        None => {}
-        Some(Value::Array(a)) if a.is_empty() => {}
-        Some(_) => f.issue("secrets", "secrets are not supported by this server yet"),
-    }
+    let net = crate::net::parse_create(&st, &mut f);
     f.finish()?;
     let src = settled_source(&st, &ctx.key, &id).await?;
 
@@ -183,6 +179,7 @@ pub async fn fork(st: AppState, ctx: Ctx, id: String, body: Bytes) -> ApiResult<
                 env: src.env.clone(),
                 deleted: None,
             };
+            crate::net::copy_settings(&st, &src.record.id, &row.record.id, net.secrets.clone())?;
             st.store().insert_sandbox(&row)?;
             out.push(row);
         }

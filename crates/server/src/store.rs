@@ -13,7 +13,7 @@ use rusqlite::{params, Connection, OptionalExtension};
 use crate::error::ServerError;
 use crate::snapshots::Snapshot;
 
-const SCHEMA_VERSION: i64 = 3;
+const SCHEMA_VERSION: i64 = 5;
 
 const SCHEMA_V1: &str = "
 CREATE TABLE IF NOT EXISTS keys (
@@ -90,6 +90,18 @@ CREATE TABLE IF NOT EXISTS processes (
 CREATE INDEX IF NOT EXISTS processes_sandbox ON processes(sandbox_id);
 ";
 
+/// The network's documents (v5): previews, rules, secrets, sandbox CAs,
+/// each a JSON document under (kind, scope, name).
+const SCHEMA_V5: &str = "
+CREATE TABLE IF NOT EXISTS net_docs (
+    kind TEXT NOT NULL,
+    scope TEXT NOT NULL,
+    name TEXT NOT NULL,
+    doc TEXT NOT NULL,
+    PRIMARY KEY (kind, scope, name)
+);
+";
+
 pub struct Store {
     conn: Mutex<Connection>,
 }
@@ -164,6 +176,10 @@ pub fn open_connection(data_dir: &Path) -> Result<Connection, ServerError> {
         conn.execute_batch(SCHEMA_V3)
             .map_err(store_err("migrate v3"))?;
     }
+    if version < 5 {
+        conn.execute_batch(SCHEMA_V5)
+            .map_err(store_err("migrate v5"))?;
+    }
     if version < SCHEMA_VERSION {
         conn.pragma_update(None, "user_version", SCHEMA_VERSION)
             .map_err(store_err("set user_version"))?;
@@ -181,6 +197,89 @@ impl Store {
     fn conn(&self) -> MutexGuard<'_, Connection> {
         // A panic while holding the lock cannot leave SQLite inconsistent.
         self.conn.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn doc_put(
+        &self,
+        kind: &str,
+        scope: &str,
+        name: &str,
+        doc: &serde_json::Value,
+    ) -> Result<(), ServerError> {
+        self.conn()
+            .execute(
+                "INSERT INTO net_docs (kind, scope, name, doc) VALUES (?1, ?2, ?3, ?4)
+                 ON CONFLICT (kind, scope, name) DO UPDATE SET doc = excluded.doc",
+                params![kind, scope, name, doc.to_string()],
+            )
+            .map_err(store_err("put doc"))?;
+        Ok(())
+    }
+
+    pub fn doc_get(
+        &self,
+        kind: &str,
+        scope: &str,
+        name: &str,
+    ) -> Result<Option<serde_json::Value>, ServerError> {
+        let text: Option<String> = self
+            .conn()
+            .query_row(
+                "SELECT doc FROM net_docs WHERE kind = ?1 AND scope = ?2 AND name = ?3",
+                params![kind, scope, name],
+                |r| r.get(0),
+            )
+            .optional()
+            .map_err(store_err("get doc"))?;
+        text.map(|t| serde_json::from_str(&t).map_err(|e| corrupt(format!("{kind} doc: {e}"))))
+            .transpose()
+    }
+
+    /// Every document of a kind in a scope (every scope when `None`), by name.
+    pub fn doc_list(
+        &self,
+        kind: &str,
+        scope: Option<&str>,
+    ) -> Result<Vec<(String, String, serde_json::Value)>, ServerError> {
+        let conn = self.conn();
+        let mut stmt = conn
+            .prepare(
+                "SELECT scope, name, doc FROM net_docs WHERE kind = ?1 AND (?2 IS NULL OR scope = ?2)
+                 ORDER BY scope, name",
+            )
+            .map_err(store_err("list docs"))?;
+        let rows = stmt
+            .query_map(params![kind, scope], |r| {
+                Ok((
+                    r.get::<_, String>(0)?,
+                    r.get::<_, String>(1)?,
+                    r.get::<_, String>(2)?,
+                ))
+            })
+            .map_err(store_err("list docs"))?;
+        let mut out = Vec::new();
+        for r in rows {
+            let (scope, name, text) = r.map_err(store_err("list docs"))?;
+            let doc =
+                serde_json::from_str(&text).map_err(|e| corrupt(format!("{kind} doc: {e}")))?;
+            out.push((scope, name, doc));
+        }
+        Ok(out)
+    }
+
+    /// Deletes one document (`Some(name)`) or a scope's of that kind; answers how many went.
+    pub fn doc_delete(
+        &self,
+        kind: &str,
+        scope: &str,
+        name: Option<&str>,
+    ) -> Result<usize, ServerError> {
+        self.conn()
+            .execute(
+                "DELETE FROM net_docs WHERE kind = ?1 AND scope = ?2 AND (?3 IS NULL OR name = ?3)",
+                params![kind, scope, name],
+            )
+            .map_err(store_err("delete doc"))
     }
 
     pub fn find_key(&self, hash: &str) -> Result<Option<KeyInfo>, ServerError> {

@@ -276,7 +276,7 @@ async fn one_400_names_every_wrong_field() {
     let t = T::new();
     let body = json!({
         "vcpu": 99, "memoryMiB": "lots", "user": "admin", "timeoutSeconds": 10,
-        "bogus": 1, "network": {"internet": false}, "labels": {"a": 1}
+        "bogus": 1, "network": {"internet": "no"}, "labels": {"a": 1}
     });
     let (s, v) = t.json("POST", "/v1/sandboxes", Some(body)).await;
     assert_eq!(s, StatusCode::BAD_REQUEST);
@@ -294,7 +294,7 @@ async fn one_400_names_every_wrong_field() {
             "bogus",
             "labels.a",
             "memoryMiB",
-            "network",
+            "network.internet",
             "timeoutSeconds",
             "user",
             "vcpu"
