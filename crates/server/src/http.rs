@@ -15,7 +15,9 @@ use tracing::Instrument;
 use crate::error::{ApiError, ApiResult};
 use crate::store::KeyInfo;
 use crate::util::{parse_query, percent_decode, sha256_hex};
-use crate::{files, idempotency, interpreter, procs, sandboxes, snapshots, AppState};
+use crate::{
+    billing, files, idempotency, interpreter, login, procs, sandboxes, snapshots, AppState,
+};
 
 /// What a handler answers.
 pub enum Reply {
@@ -76,6 +78,9 @@ pub enum Route {
     /// `/v1/sandboxes/{id}/interpreter[/…]`: the method, the segments after
     /// `interpreter`, and the verb.
     Interpreter(Method, String, Vec<String>, Option<String>),
+    Usage,
+    Limits,
+    Me,
 }
 
 pub fn router(state: AppState) -> axum::Router {
@@ -86,7 +91,12 @@ async fn handle(State(st): State<AppState>, req: Request) -> Response {
     let rid = format!("req_{}", uuid::Uuid::new_v4().simple());
     let span = tracing::info_span!("request", request_id = %rid, method = %req.method(), path = %req.uri().path());
     let mut resp = async {
-        match serve(&st, req, &rid).await {
+        let result = if login::is_login_path(req.uri().path()) {
+            login::handle(&st, req).await
+        } else {
+            serve(&st, req, &rid).await
+        };
+        match result {
             Ok(r) => r,
             Err(e) => {
                 tracing::debug!(error = %e, "request refused");
@@ -220,6 +230,18 @@ pub fn route(method: &Method, raw_path: &str) -> ApiResult<Route> {
             (&Method::POST, Some(v)) => Route::SnapshotAction(id.to_string(), v.clone()),
             _ => return Err(not_allowed()),
         },
+        ["v1", "usage"] if verb_or_none(false) => match m {
+            Method::GET => Route::Usage,
+            _ => return Err(not_allowed()),
+        },
+        ["v1", "limits"] if verb_or_none(false) => match m {
+            Method::GET => Route::Limits,
+            _ => return Err(not_allowed()),
+        },
+        ["v1", "me"] if verb_or_none(false) => match m {
+            Method::GET => Route::Me,
+            _ => return Err(not_allowed()),
+        },
         _ => return Err(not_found()),
     };
     Ok(r)
@@ -251,15 +273,7 @@ async fn serve(st: &AppState, req: Request, rid: &str) -> ApiResult<Response> {
             action: "make changes",
         });
     }
-    if key.read_only
-        && matches!(
-            r,
-            Route::FileContentGet(_)
-                | Route::FilesList(_)
-                | Route::FilesStat(_)
-                | Route::ProcOutput(..)
-        )
-    {
+    if key.read_only && reveals_contents(&r) {
         return Err(ApiError::Forbidden {
             action: "read files or process output",
         });
@@ -314,6 +328,21 @@ async fn serve(st: &AppState, req: Request, rid: &str) -> ApiResult<Response> {
     idempotency::execute(st, &key_id, idem, work, rid).await
 }
 
+/// Routes that show what is inside a sandbox (files, commands and their
+/// output, the interpreter), which read-only keys may not read.
+pub fn reveals_contents(r: &Route) -> bool {
+    matches!(
+        r,
+        Route::FileContentGet(_)
+            | Route::FilesList(_)
+            | Route::FilesStat(_)
+            | Route::ProcList(_)
+            | Route::ProcGet(..)
+            | Route::ProcOutput(..)
+            | Route::Interpreter(..)
+    )
+}
+
 fn valid_idempotency_key(k: &str) -> bool {
     (1..=128).contains(&k.len())
         && k.as_bytes()[0].is_ascii_alphanumeric()
@@ -351,6 +380,9 @@ async fn dispatch(st: AppState, ctx: Ctx, r: Route, body: Bytes) -> ApiResult<Re
         Route::Interpreter(m, id, rest, verb) => {
             interpreter::handle(st, ctx, m, id, rest, verb, body).await
         }
+        Route::Usage => billing::usage(st, ctx).await,
+        Route::Limits => billing::limits(st, ctx).await,
+        Route::Me => billing::me(st, ctx).await,
     }
 }
 

@@ -4,11 +4,14 @@
 //! answers with the types of `runtime-api`; it never speaks the guest
 //! protocol and depends on no other workspace crate.
 
+mod billing;
 mod error;
 mod files;
 mod http;
 mod idempotency;
 mod interpreter;
+pub mod keys;
+mod login;
 mod procs;
 mod sandboxes;
 mod snapshots;
@@ -26,6 +29,7 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+pub use billing::Prices;
 pub use error::{ApiError, ServerError};
 pub use store::Store;
 
@@ -48,6 +52,8 @@ pub struct Config {
     pub idempotency_ttl: Duration,
     /// How long `run` waits for owned tasks after the listener closed.
     pub drain_timeout: Duration,
+    /// What running, paused and kept sandboxes cost (docs/billing.md).
+    pub prices: Prices,
 }
 
 impl Config {
@@ -61,6 +67,7 @@ impl Config {
             max_upload_bytes: 1 << 30,
             idempotency_ttl: Duration::from_secs(24 * 3600),
             drain_timeout: Duration::from_secs(10),
+            prices: Prices::default(),
         }
     }
 }
@@ -87,6 +94,8 @@ struct Inner {
     /// answer: a sandbox running again may also have paused and been woken.
     pause_failed: Mutex<HashSet<String>>,
     uploads: files::Uploads,
+    meter: billing::Meter,
+    logins: login::Pending,
     tasks: TaskTracker,
     cancel: CancellationToken,
 }
@@ -105,6 +114,8 @@ impl AppState {
                 procs: procs::Table::default(),
                 pause_failed: Mutex::new(HashSet::new()),
                 uploads: files::Uploads::new(uploads_dir),
+                meter: billing::Meter::default(),
+                logins: login::Pending::default(),
                 tasks: TaskTracker::new(),
                 cancel: CancellationToken::new(),
                 config,
@@ -151,6 +162,14 @@ impl AppState {
     pub fn start_background(&self) {
         let st = self.clone();
         self.spawn(async move { sandboxes::reaper(st).await });
+        let st = self.clone();
+        self.spawn(async move { billing::run(st).await });
+    }
+
+    /// One tick of the meter (one second of every sandbox). The background
+    /// runs it each second; tests call it to move time on.
+    pub async fn meter_tick(&self) -> Result<(), ServerError> {
+        billing::tick(self).await
     }
 
     /// Ends streams and background tasks, waiting up to the drain timeout.
