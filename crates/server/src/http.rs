@@ -328,6 +328,54 @@ async fn serve(st: &AppState, req: Request, rid: &str) -> ApiResult<Response> {
     idempotency::execute(st, &key_id, idem, work, rid).await
 }
 
+/// One request per route (and per sandbox verb), `{id}` standing for a
+/// sandbox id: what tests run against the router, e.g. to see a read-only
+/// key refused every change. A unit test checks it covers every [`Route`].
+pub const ROUTE_SAMPLES: &[(&str, &str)] = &[
+    ("POST", "/v1/sandboxes"),
+    ("GET", "/v1/sandboxes"),
+    ("GET", "/v1/sandboxes/{id}"),
+    ("DELETE", "/v1/sandboxes/{id}"),
+    ("POST", "/v1/sandboxes/{id}:exec"),
+    ("POST", "/v1/sandboxes/{id}:stop"),
+    ("POST", "/v1/sandboxes/{id}:pause"),
+    ("POST", "/v1/sandboxes/{id}:wake"),
+    ("POST", "/v1/sandboxes/{id}:extend"),
+    ("POST", "/v1/sandboxes/{id}:update"),
+    ("POST", "/v1/sandboxes/{id}:restart"),
+    ("POST", "/v1/sandboxes/{id}:fork"),
+    ("POST", "/v1/sandboxes/{id}:snapshot"),
+    ("POST", "/v1/sandboxes/{id}:resize"),
+    ("POST", "/v1/sandboxes/{id}:switch-image"),
+    ("GET", "/v1/sandboxes/{id}/files/content?path=/etc/hostname"),
+    ("PUT", "/v1/sandboxes/{id}/files/content?path=/tmp/x"),
+    ("GET", "/v1/sandboxes/{id}/files/list?path=/"),
+    ("GET", "/v1/sandboxes/{id}/files/stat?path=/"),
+    ("POST", "/v1/sandboxes/{id}/files:mkdir"),
+    ("POST", "/v1/sandboxes/{id}/files:remove"),
+    ("POST", "/v1/sandboxes/{id}/files:move"),
+    ("POST", "/v1/sandboxes/{id}/uploads"),
+    ("PUT", "/v1/sandboxes/{id}/uploads/u1?offset=0"),
+    ("POST", "/v1/sandboxes/{id}/uploads/u1:commit"),
+    ("POST", "/v1/sandboxes/{id}/processes"),
+    ("GET", "/v1/sandboxes/{id}/processes"),
+    ("GET", "/v1/sandboxes/{id}/processes/p1"),
+    ("POST", "/v1/sandboxes/{id}/processes/p1:kill"),
+    ("POST", "/v1/sandboxes/{id}/processes/p1:stdin"),
+    ("GET", "/v1/sandboxes/{id}/processes/p1/output"),
+    ("POST", "/v1/sandboxes/{id}/interpreter:run"),
+    ("GET", "/v1/sandboxes/{id}/interpreter/contexts"),
+    ("POST", "/v1/sandboxes/{id}/interpreter/contexts"),
+    ("DELETE", "/v1/sandboxes/{id}/interpreter/contexts/c1"),
+    ("GET", "/v1/snapshots"),
+    ("GET", "/v1/snapshots/s1"),
+    ("DELETE", "/v1/snapshots/s1"),
+    ("POST", "/v1/snapshots/s1:update"),
+    ("GET", "/v1/usage"),
+    ("GET", "/v1/limits"),
+    ("GET", "/v1/me"),
+];
+
 /// Routes that show what is inside a sandbox (files, commands and their
 /// output, the interpreter), which read-only keys may not read.
 pub fn reveals_contents(r: &Route) -> bool {
@@ -430,6 +478,53 @@ mod tests {
             route(&Method::PATCH, "/v1/sandboxes/x"),
             Err(ApiError::MethodNotAllowed { .. })
         ));
+    }
+
+    /// A number per variant; a new variant fails to compile here until it
+    /// is counted, and then the samples must cover it.
+    fn variant(r: &Route) -> usize {
+        match r {
+            Route::CreateSandbox => 0,
+            Route::ListSandboxes => 1,
+            Route::GetSandbox(_) => 2,
+            Route::DeleteSandbox(_) => 3,
+            Route::SandboxAction(..) => 4,
+            Route::FileContentGet(_) => 5,
+            Route::FileContentPut(_) => 6,
+            Route::FilesList(_) => 7,
+            Route::FilesStat(_) => 8,
+            Route::FilesAction(..) => 9,
+            Route::UploadBegin(_) => 10,
+            Route::UploadChunk(..) => 11,
+            Route::UploadAction(..) => 12,
+            Route::ProcSpawn(_) => 13,
+            Route::ProcList(_) => 14,
+            Route::ProcGet(..) => 15,
+            Route::ProcOutput(..) => 16,
+            Route::ProcAction(..) => 17,
+            Route::ListSnapshots => 18,
+            Route::GetSnapshot(_) => 19,
+            Route::DeleteSnapshot(_) => 20,
+            Route::SnapshotAction(..) => 21,
+            Route::Interpreter(..) => 22,
+            Route::Usage => 23,
+            Route::Limits => 24,
+            Route::Me => 25,
+        }
+    }
+    const VARIANTS: usize = 26;
+
+    #[test]
+    fn the_route_samples_cover_every_route() {
+        let mut seen = [false; VARIANTS];
+        for (m, p) in ROUTE_SAMPLES {
+            let path = p.split('?').next().unwrap_or(p);
+            let r = route(&Method::from_bytes(m.as_bytes()).unwrap(), path)
+                .unwrap_or_else(|e| panic!("{m} {p}: {e}"));
+            seen[variant(&r)] = true;
+        }
+        let missing: Vec<usize> = (0..VARIANTS).filter(|i| !seen[*i]).collect();
+        assert!(missing.is_empty(), "routes without a sample: {missing:?}");
     }
 
     #[test]

@@ -31,6 +31,7 @@ use tokio_util::task::TaskTracker;
 
 pub use billing::Prices;
 pub use error::{ApiError, ServerError};
+pub use http::ROUTE_SAMPLES;
 pub use store::Store;
 
 /// The server's settings, loaded once by the CLI and passed down.

@@ -252,6 +252,10 @@ impl Store {
             } else {
                 runtime_api::status_for_state(&row.record.state).into()
             };
+            // Only a running sandbox holds money for its lease (billing.rs).
+            if row.record.state != "running" {
+                row.record.held_micros = 0;
+            }
             let record = serde_json::to_string(&row.record).map_err(|e| corrupt(e.to_string()))?;
             let env = serde_json::to_string(&row.env).map_err(|e| corrupt(e.to_string()))?;
             let deleted = match &row.deleted {
