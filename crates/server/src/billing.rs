@@ -223,11 +223,19 @@ pub fn settled_in_day(st: &AppState, key_id: &str, now: i64) -> Result<i64, Serv
         .map_err(db_err("sum charges"))
 }
 
-/// What a key's running sandboxes hold now.
-fn held_by_key(rows: &[SandboxRow], key_id: &str) -> i64 {
+/// What a key's sandboxes hold now, computed afresh (a record's
+/// `heldMicros` is as of the last tick): the rest of a running one's lease,
+/// and the whole first lease of one starting or waking.
+fn held_by_key(p: &Prices, rows: &[SandboxRow], key_id: &str, now: i64) -> i64 {
     rows.iter()
         .filter(|r| r.key_id == key_id)
-        .map(|r| r.record.held_micros)
+        .map(|r| match r.record.state.as_str() {
+            "running" => held_micros(p, &r.record, now),
+            "starting" | "resuming" => {
+                full_cost_micros(p, &r.record, first_lease_seconds(r.record.timeout_seconds))
+            }
+            _ => 0,
+        })
         .sum()
 }
 
@@ -235,7 +243,12 @@ fn held_by_key(rows: &[SandboxRow], key_id: &str) -> i64 {
 fn day_of(st: &AppState, key_id: &str, now: i64) -> Result<(Option<i64>, i64, i64), ServerError> {
     let limit = daily_limit(st, key_id)?;
     let settled = settled_in_day(st, key_id, now)?;
-    let held = held_by_key(&st.store().live_sandboxes()?, key_id);
+    let held = held_by_key(
+        &st.config().prices,
+        &st.store().live_sandboxes()?,
+        key_id,
+        now,
+    );
     Ok((limit, settled, held))
 }
 

@@ -380,8 +380,8 @@ async fn the_daily_limit_refuses_then_pauses_the_keys_sandboxes() {
         .as_str()
         .unwrap()
         .to_string();
-    t.ticks(1).await;
-    // The second lease does not fit beside the first one's hold.
+    // The second lease does not fit beside the first one's hold (counted
+    // before any tick updated the record).
     let started = t.host.started.lock().unwrap().len();
     let (s, v) = t
         .call(&key, "POST", "/v1/sandboxes", json!({"timeoutSeconds": 60}))
