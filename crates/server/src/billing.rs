@@ -153,6 +153,8 @@ pub fn settle(remainder: i128, units: i128) -> (i64, i128) {
 #[derive(Default)]
 pub struct Meter {
     billed_cpu: Mutex<HashMap<String, Duration>>,
+    /// Per running sandbox without an end: which hourly lease it is in.
+    open_leases: Mutex<HashMap<String, i64>>,
 }
 
 impl Meter {
@@ -184,6 +186,25 @@ impl Meter {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .remove(id);
+        self.open_leases
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(id);
+    }
+
+    /// Whether a running sandbox without an end just began a new hourly
+    /// lease (a renewal) since the last tick.
+    fn renewed(&self, s: &Sandbox, now: i64) -> bool {
+        if s.ends_at.is_some() {
+            return false;
+        }
+        let Some(ready) = s.ready_at.as_deref().and_then(parse_iso_ms) else {
+            return false;
+        };
+        let lease = (now - ready).max(0) / 1000 / OPEN_LEASE_SECONDS;
+        let mut m = self.open_leases.lock().unwrap_or_else(|p| p.into_inner());
+        let before = m.insert(s.id.clone(), lease);
+        before.is_some_and(|b| lease > b)
     }
 }
 
@@ -330,6 +351,9 @@ pub async fn tick(st: &AppState) -> Result<(), ServerError> {
             st.inner.meter.forget(&id);
             0
         };
+        if running && st.inner.meter.renewed(&row.record, now) {
+            renew(st, &row, now)?;
+        }
         let units = second_in_state(&prices, &row.record, used);
         let held = held_micros(&prices, &row.record, now);
         if units == 0 && held == row.record.held_micros {
@@ -367,6 +391,30 @@ pub async fn tick(st: &AppState) -> Result<(), ServerError> {
     }
     for key_id in keys_charged.keys() {
         enforce_daily_limit(st, key_id, now)?;
+    }
+    Ok(())
+}
+
+/// A running sandbox without an end renews its lease each hour; a renewal
+/// that does not fit in its key's daily limit pauses it (or stops it, if it
+/// cannot pause).
+fn renew(st: &AppState, row: &SandboxRow, now: i64) -> Result<(), ServerError> {
+    let Some(limit) = daily_limit(st, &row.key_id)? else {
+        return Ok(());
+    };
+    let (_, settled, held) = day_of(st, &row.key_id, now)?;
+    if settled.saturating_add(held) <= limit {
+        return Ok(());
+    }
+    let id = &row.record.id;
+    tracing::info!(sandbox_id = %id, key_id = %row.key_id, "the lease renewal passes the daily limit: pausing");
+    let result = if row.record.pausable {
+        crate::sandboxes::request_pause(st, id, "spending_limit").map(|_| ())
+    } else {
+        crate::sandboxes::stop_for(st, id, "spending_limit")
+    };
+    if let Err(e) = result {
+        tracing::error!(sandbox_id = %id, error = %e, "pausing at the renewal failed");
     }
     Ok(())
 }

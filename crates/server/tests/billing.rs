@@ -456,6 +456,43 @@ async fn the_daily_limit_refuses_then_pauses_the_keys_sandboxes() {
 }
 
 #[tokio::test]
+async fn an_hourly_renewal_past_the_daily_limit_pauses() {
+    let t = T::new();
+    // No timeout: leases of an hour, 80,000 µ$ at full use, renewed hourly.
+    let key = t.key_with_limit(Some(100_000));
+    let id = t.create(&key, json!({})).await["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    t.ticks(2).await;
+    // A person lowers the limit: not reached, but another hour would pass it.
+    keys::set_daily_limit(&t.dir, keys::key_id_of(&key).unwrap(), Some(80_005)).unwrap();
+    t.ticks(1).await;
+    assert_eq!(t.get(&key, &id).await["state"], "running");
+    // An hour later (the record says it was ready an hour ago).
+    let db = rusqlite::Connection::open(t.dir.join("runtime.db")).unwrap();
+    let ready = time::OffsetDateTime::now_utc() - time::Duration::milliseconds(3_600_500);
+    let ready = ready
+        .format(&time::format_description::well_known::Rfc3339)
+        .unwrap();
+    db.execute(
+        "UPDATE sandboxes SET record = json_set(record, '$.readyAt', ?2) WHERE id = ?1",
+        rusqlite::params![id, ready],
+    )
+    .unwrap();
+    t.ticks(1).await;
+    let (_, v) = t
+        .call(
+            &key,
+            "GET",
+            &format!("/v1/sandboxes/{id}?waitFor=paused&timeoutSeconds=10"),
+            Value::Null,
+        )
+        .await;
+    assert_eq!(v["state"], "paused", "{v}");
+}
+
+#[tokio::test]
 async fn read_only_keys_are_refused_every_change_and_every_look_inside() {
     let t = T::new();
     let id = t.create(&t.admin, json!({})).await["id"]
