@@ -332,6 +332,25 @@ pub fn check_spend(
     Ok(())
 }
 
+/// A running sandbox's lease replaced by one of `seconds` from now (a wake
+/// of an awake sandbox, or `:update` of `timeoutSeconds`): checked like an
+/// extend, for the seconds it adds beyond what is held.
+pub fn check_lease_change(st: &AppState, row: &SandboxRow, seconds: u32) -> ApiResult<()> {
+    let seconds = i64::from(seconds);
+    let left = if row.record.state == "running" {
+        lease_left_seconds(&row.record, now_ms())
+    } else {
+        first_lease_seconds(row.record.timeout_seconds)
+    };
+    check_spend(
+        st,
+        &row.key_id,
+        &row.record,
+        seconds,
+        (seconds - left).max(0),
+    )
+}
+
 /// One tick of the meter: charges every sandbox one second of its state,
 /// updates holds, stops those at `maxTotalCostMicros` and pauses the
 /// running sandboxes of keys whose daily limit is reached. The background

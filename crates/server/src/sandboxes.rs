@@ -456,7 +456,7 @@ pub async fn create(st: AppState, ctx: Ctx, body: Bytes) -> ApiResult<Reply> {
                 let id = h.record.id.clone();
                 if h.record.state == "stopped" {
                     let lease = crate::billing::first_lease_seconds(h.record.timeout_seconds);
-                    crate::billing::check_spend(&st, &ctx.key.id, &h.record, lease, lease)?;
+                    crate::billing::check_spend(&st, &h.key_id, &h.record, lease, lease)?;
                     restart(&st, &id)?;
                 }
                 Err(id)
@@ -582,7 +582,7 @@ async fn restart_action(st: AppState, ctx: Ctx, id: String, body: Bytes) -> ApiR
             }
         }
         let lease = crate::billing::first_lease_seconds(row.record.timeout_seconds);
-        crate::billing::check_spend(&st, &ctx.key.id, &row.record, lease, lease)?;
+        crate::billing::check_spend(&st, &row.key_id, &row.record, lease, lease)?;
         restart(&st, &id)?;
     }
     if let Some(secs) = prefer_wait(&ctx.headers) {
@@ -999,13 +999,14 @@ async fn wake(st: AppState, ctx: Ctx, id: String, body: Bytes) -> ApiResult<Repl
     match row.record.state.as_str() {
         "paused" => {
             let seconds = crate::billing::first_lease_seconds(lease.or(row.record.timeout_seconds));
-            crate::billing::check_spend(&st, &ctx.key.id, &row.record, seconds, seconds)?;
+            crate::billing::check_spend(&st, &row.key_id, &row.record, seconds, seconds)?;
             asked = request_wake(&st, &id, lease)?
         }
         "resuming" => {}
         "running" | "starting" => {
             // Already awake: done. A new limit asked for applies from now.
             if let Some(t) = lease {
+                crate::billing::check_lease_change(&st, &row, t)?;
                 st.store().update_sandbox(&id, |r| {
                     let end = iso(now_ms() + i64::from(t) * 1000);
                     r.record.timeout_seconds = Some(t);
@@ -1281,7 +1282,7 @@ async fn extend(st: AppState, ctx: Ctx, id: String, body: Bytes) -> ApiResult<Re
     }
     if row.record.ends_at.is_some() {
         let left = crate::billing::lease_left_seconds(&row.record, now_ms());
-        crate::billing::check_spend(&st, &ctx.key.id, &row.record, left + seconds, seconds)?;
+        crate::billing::check_spend(&st, &row.key_id, &row.record, left + seconds, seconds)?;
     }
     let row = st
         .store()
@@ -1333,7 +1334,10 @@ async fn update(st: AppState, ctx: Ctx, id: String, body: Bytes) -> ApiResult<Re
     let timeout = f.int("timeoutSeconds", 60, 86400);
     let on_timeout = f.one_of("onTimeout", &["pause", "stop", "delete"]);
     f.finish()?;
-    find(&st, &ctx.key, &id)?;
+    let row = find(&st, &ctx.key, &id)?;
+    if let (Some(t), "running" | "starting") = (timeout, row.record.state.as_str()) {
+        crate::billing::check_lease_change(&st, &row, t as u32)?;
+    }
     let _g = st.inner.create_lock.lock().await;
     if let Some(n) = &name {
         if let Some(h) = name_holder(&st, n, Some(&id))? {

@@ -456,6 +456,37 @@ async fn the_daily_limit_refuses_then_pauses_the_keys_sandboxes() {
 }
 
 #[tokio::test]
+async fn every_longer_lease_is_checked_against_the_owners_daily_limit() {
+    let t = T::new();
+    let key = t.key_with_limit(Some(5_000));
+    let id = t.create(&key, json!({"timeoutSeconds": 60})).await["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let before = t.get(&key, &id).await["endsAt"].clone();
+    let path = |verb: &str| format!("/v1/sandboxes/{id}:{verb}");
+    // 600 s more at 22.2 µ$/s does not fit in 5,000 µ$; the admin acting
+    // on the key's sandbox is held to the key's limit too.
+    for (who, verb, body) in [
+        (&key, "extend", json!({"seconds": 600})),
+        (&t.admin, "extend", json!({"seconds": 600})),
+        (&key, "wake", json!({"timeoutSeconds": 3600})),
+        (&key, "update", json!({"timeoutSeconds": 3600})),
+    ] {
+        let (s, v) = t.call(who, "POST", &path(verb), body).await;
+        assert_eq!(s, StatusCode::PAYMENT_REQUIRED, "{verb}: {v}");
+        assert_eq!(v["error"]["code"], "spending_limit_reached");
+    }
+    assert_eq!(t.get(&key, &id).await["endsAt"], before);
+    // What fits goes through.
+    let (s, v) = t
+        .call(&key, "POST", &path("extend"), json!({"seconds": 60}))
+        .await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert_ne!(v["endsAt"], before);
+}
+
+#[tokio::test]
 async fn an_hourly_renewal_past_the_daily_limit_pauses() {
     let t = T::new();
     // No timeout: leases of an hour, 80,000 µ$ at full use, renewed hourly.
