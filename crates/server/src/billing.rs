@@ -380,6 +380,12 @@ pub async fn tick(st: &AppState) -> Result<(), ServerError> {
         }
         let remainder = load_remainder(st, &id)?;
         let (whole, rest) = settle(remainder, units);
+        if whole == 0 && held == row.record.held_micros {
+            // Below a microdollar (a paused sandbox's storage): the record
+            // stays as it is.
+            save_charge(st, &row.key_id, &id, now, 0, rest)?;
+            continue;
+        }
         let mut cap_reached = false;
         let updated = st.store().update_sandbox(&id, |r| {
             if r.deleted.is_some() {
