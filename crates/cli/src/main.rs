@@ -1,10 +1,15 @@
 //! `runtime`: the one binary. `serve` runs the control plane and the host in
 //! one process with an embedded store; `keys` manages API keys in a data
-//! directory; `image build` builds (or verifies) the guest kernel and image.
+//! directory; `login` asks a server for a key through the browser and saves
+//! it where `withruntime` reads it; `image build` builds (or verifies) the
+//! guest kernel and image.
 //!
 //! Environment is read here and nowhere else: `RUNTIME_CACHE_DIR`,
-//! `RUNTIME_AGENT_BIN`, `XDG_DATA_HOME`, `XDG_CACHE_HOME`, `HOME`. Root's
-//! defaults are `/var/lib/runtime` and `/var/cache/runtime`.
+//! `RUNTIME_AGENT_BIN`, `XDG_DATA_HOME`, `XDG_CACHE_HOME`, `XDG_CONFIG_HOME`,
+//! `RUNTIME_AUTH_URL`, `HOME`. Root's defaults are `/var/lib/runtime` and
+//! `/var/cache/runtime`.
+
+mod login;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -43,6 +48,21 @@ enum Cmd {
         no_templates: bool,
         #[command(flatten)]
         net: NetArgs,
+        #[command(flatten)]
+        prices: PriceArgs,
+    },
+    /// Ask a server for an API key, approved by a person in the browser, and
+    /// save it where the `withruntime` client reads a saved login.
+    Login {
+        /// The server's origin, e.g. http://127.0.0.1:8080.
+        #[arg(long)]
+        url: String,
+        /// The name this computer gives itself on the approval page.
+        #[arg(long)]
+        computer: Option<String>,
+        /// Print the approval address without opening a browser.
+        #[arg(long)]
+        no_browser: bool,
     },
     /// API keys of a data directory.
     Keys {
@@ -127,6 +147,23 @@ fn pem_certificates(pem: &str) -> Vec<Vec<u8>> {
     out
 }
 
+/// Prices in microdollars (docs/billing.md); the defaults are Runtime Cloud's.
+#[derive(clap::Args)]
+struct PriceArgs {
+    /// Per vCPU-hour of measured CPU use (at least the sandbox's floor).
+    #[arg(long, default_value_t = 25_000)]
+    price_cpu_vcpu_hour: u64,
+    /// Per GiB-hour of memory while running.
+    #[arg(long, default_value_t = 7_500)]
+    price_memory_gib_hour: u64,
+    /// Per GiB-hour of a paused sandbox's saved memory.
+    #[arg(long, default_value_t = 119)]
+    price_paused_gib_hour: u64,
+    /// Per GiB-hour of a persistent sandbox's disk.
+    #[arg(long, default_value_t = 153)]
+    price_kept_disk_gib_hour: u64,
+}
+
 #[derive(Subcommand)]
 enum KeysCmd {
     /// Create a key and print it alone on stdout.
@@ -139,6 +176,37 @@ enum KeysCmd {
         account_wide: bool,
         #[arg(long)]
         name: Option<String>,
+        /// The most the key may commit in any 24 hours, in microdollars.
+        #[arg(long)]
+        daily_limit_micros: Option<u64>,
+    },
+    /// List the keys (never the keys themselves: only hashes are kept).
+    List {
+        #[arg(long)]
+        data_dir: Option<PathBuf>,
+        /// One JSON object per line.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Revoke a key by id or name; its next request answers 401.
+    Revoke {
+        #[arg(long)]
+        data_dir: Option<PathBuf>,
+        /// The key's id or name.
+        key: String,
+    },
+    /// Set or remove a key's daily spending limit.
+    Limit {
+        #[arg(long)]
+        data_dir: Option<PathBuf>,
+        /// The key's id or name.
+        key: String,
+        /// The most the key may commit in any 24 hours, in microdollars.
+        #[arg(long, conflicts_with = "none", required_unless_present = "none")]
+        daily_limit_micros: Option<u64>,
+        /// Remove the limit.
+        #[arg(long)]
+        none: bool,
     },
 }
 
@@ -269,6 +337,7 @@ async fn serve(
     data_dir: PathBuf,
     boot_timeout: u64,
     templates: bool,
+    prices: runtime_server::Prices,
     net: NetArgs,
 ) -> anyhow::Result<()> {
     std::fs::create_dir_all(&data_dir)
@@ -308,12 +377,98 @@ async fn serve(
     let addr = listener.local_addr()?;
     let mut config = runtime_server::Config::new(data_dir.clone());
     net.apply(&mut config)?;
+    config.prices = prices;
     let server = runtime_server::run(listener, config, Arc::new(host), shutdown_signal());
     println!(
         "runtime: listening on http://{addr} (data dir {})",
         data_dir.display()
     );
     server.await?;
+    Ok(())
+}
+
+fn micros(m: u64) -> anyhow::Result<i64> {
+    i64::try_from(m).context("the limit is too large")
+}
+
+fn keys(cmd: KeysCmd) -> anyhow::Result<()> {
+    use runtime_server::keys;
+    match cmd {
+        KeysCmd::Create {
+            data_dir: d,
+            read_only,
+            account_wide,
+            name,
+            daily_limit_micros,
+        } => {
+            let dir = data_dir(d);
+            let key = runtime_server::create_key(&dir, name.as_deref(), read_only, account_wide)?;
+            if let Some(m) = daily_limit_micros {
+                let id = keys::key_id_of(&key).context("the new key has no id")?;
+                keys::set_daily_limit(&dir, id, Some(micros(m)?))?;
+            }
+            println!("{key}");
+        }
+        KeysCmd::List { data_dir: d, json } => {
+            let all = keys::list_keys(&data_dir(d))?;
+            if !json {
+                println!(
+                    "{:<36}  {:<24}  {:<6}  {:<8}  {:>14}  {:<24}  REVOKED",
+                    "ID", "NAME", "ACCESS", "SCOPE", "DAILY LIMIT µ$", "CREATED"
+                );
+            }
+            for k in all {
+                if json {
+                    println!(
+                        "{}",
+                        serde_json::json!({
+                            "id": k.id,
+                            "name": k.name,
+                            "access": if k.read_only { "read" } else { "full" },
+                            "accountWide": k.account_wide,
+                            "dailyLimitMicros": k.daily_limit_micros,
+                            "createdAt": k.created_at,
+                            "revokedAt": k.revoked_at,
+                        })
+                    );
+                } else {
+                    println!(
+                        "{:<36}  {:<24}  {:<6}  {:<8}  {:>14}  {:<24}  {}",
+                        k.id,
+                        k.name.as_deref().unwrap_or("-"),
+                        if k.read_only { "read" } else { "full" },
+                        if k.account_wide { "account" } else { "own" },
+                        k.daily_limit_micros
+                            .map_or_else(|| "-".to_string(), |m| m.to_string()),
+                        k.created_at,
+                        k.revoked_at.as_deref().unwrap_or("-"),
+                    );
+                }
+            }
+        }
+        KeysCmd::Revoke { data_dir: d, key } => {
+            let k = keys::revoke_key(&data_dir(d), &key)?;
+            eprintln!(
+                "runtime: key {} ({}) revoked at {}",
+                k.id,
+                k.name.as_deref().unwrap_or("no name"),
+                k.revoked_at.as_deref().unwrap_or("?")
+            );
+        }
+        KeysCmd::Limit {
+            data_dir: d,
+            key,
+            daily_limit_micros,
+            none: _,
+        } => {
+            let limit = daily_limit_micros.map(micros).transpose()?;
+            let k = keys::set_daily_limit(&data_dir(d), &key, limit)?;
+            match k.daily_limit_micros {
+                Some(m) => eprintln!("runtime: key {} may commit {m} µ$ in any 24 hours", k.id),
+                None => eprintln!("runtime: key {} has no daily limit", k.id),
+            }
+        }
+    }
     Ok(())
 }
 
@@ -333,26 +488,32 @@ fn main() -> anyhow::Result<()> {
             boot_timeout,
             no_templates,
             net,
+            prices,
         } => {
+            let prices = runtime_server::Prices {
+                cpu_vcpu_hour: prices.price_cpu_vcpu_hour,
+                memory_gib_hour: prices.price_memory_gib_hour,
+                paused_gib_hour: prices.price_paused_gib_hour,
+                kept_disk_gib_hour: prices.price_kept_disk_gib_hour,
+            };
             let rt = tokio::runtime::Builder::new_multi_thread()
                 .enable_all()
                 .build()?;
-            rt.block_on(serve(listen, data_dir(d), boot_timeout, !no_templates, net))
+            rt.block_on(serve(
+                listen,
+                data_dir(d),
+                boot_timeout,
+                !no_templates,
+                prices,
+                net,
+            ))
         }
-        Cmd::Keys {
-            cmd:
-                KeysCmd::Create {
-                    data_dir: d,
-                    read_only,
-                    account_wide,
-                    name,
-                },
-        } => {
-            let key =
-                runtime_server::create_key(&data_dir(d), name.as_deref(), read_only, account_wide)?;
-            println!("{key}");
-            Ok(())
-        }
+        Cmd::Login {
+            url,
+            computer,
+            no_browser,
+        } => login::run(&url, computer, !no_browser),
+        Cmd::Keys { cmd } => keys(cmd),
         Cmd::Image {
             cmd: ImageCmd::Build,
         } => {

@@ -24,6 +24,10 @@ pub enum ServerError {
     },
     #[error("a stored record could not be read: {what}")]
     Corrupt { what: String },
+    #[error("no key has the id or name {which}")]
+    KeyNotFound { which: String },
+    #[error("{count} keys are named {which}; give the key's id")]
+    KeyAmbiguous { which: String, count: usize },
     #[error("serving HTTP failed")]
     Serve(#[source] std::io::Error),
 }
@@ -73,6 +77,14 @@ pub enum ApiError {
     /// A lifecycle change the host could not make (`pause_failed`, `wake_failed`, …).
     #[error("{message}")]
     Failed { code: &'static str, message: String },
+    /// A 402: the key may not spend this (`spending_limit_reached`).
+    #[error("{message}")]
+    PaymentRequired {
+        code: &'static str,
+        message: String,
+        hint: &'static str,
+        details: Value,
+    },
     #[error("{feature} is not supported by this server")]
     Unsupported { feature: &'static str },
     /// A 400 with its own code, naming the one field at fault.
@@ -221,6 +233,17 @@ impl ApiError {
             } => Parts {
                 details: details.clone(),
                 ..p(StatusCode::UNPROCESSABLE_ENTITY, code, message.clone())
+            },
+            ApiError::PaymentRequired {
+                code,
+                message,
+                hint,
+                details,
+            } => Parts {
+                hint: Some((*hint).into()),
+                details: Some(details.clone()),
+                retryable: Some(false),
+                ..p(StatusCode::PAYMENT_REQUIRED, code, message.clone())
             },
             ApiError::Unsupported { feature } => Parts {
                 retryable: Some(false),

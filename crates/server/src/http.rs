@@ -16,8 +16,8 @@ use crate::error::{ApiError, ApiResult};
 use crate::store::KeyInfo;
 use crate::util::{parse_query, percent_decode, sha256_hex};
 use crate::{
-    files, idempotency, interpreter, net, previews, procs, sandboxes, secrets, snapshots, ws,
-    AppState,
+    billing, files, idempotency, interpreter, login, net, previews, procs, sandboxes, secrets,
+    snapshots, ws, AppState,
 };
 use axum::extract::FromRequestParts;
 
@@ -95,6 +95,9 @@ pub enum Route {
     /// WebSockets.
     Terminal(String),
     Tunnel(String),
+    Usage,
+    Limits,
+    Me,
 }
 
 pub fn router(state: AppState) -> axum::Router {
@@ -111,7 +114,12 @@ async fn handle(State(st): State<AppState>, req: Request) -> Response {
     let rid = format!("req_{}", uuid::Uuid::new_v4().simple());
     let span = tracing::info_span!("request", request_id = %rid, method = %req.method(), path = %req.uri().path());
     let mut resp = async {
-        match serve(&st, req, &rid).await {
+        let result = if login::is_login_path(req.uri().path()) {
+            login::handle(&st, req).await
+        } else {
+            serve(&st, req, &rid).await
+        };
+        match result {
             Ok(r) => r,
             Err(e) => {
                 tracing::debug!(error = %e, "request refused");
@@ -281,6 +289,18 @@ pub fn route(method: &Method, raw_path: &str) -> ApiResult<Route> {
             (&Method::POST, Some(v)) => Route::SnapshotAction(id.to_string(), v.clone()),
             _ => return Err(not_allowed()),
         },
+        ["v1", "usage"] if verb_or_none(false) => match m {
+            Method::GET => Route::Usage,
+            _ => return Err(not_allowed()),
+        },
+        ["v1", "limits"] if verb_or_none(false) => match m {
+            Method::GET => Route::Limits,
+            _ => return Err(not_allowed()),
+        },
+        ["v1", "me"] if verb_or_none(false) => match m {
+            Method::GET => Route::Me,
+            _ => return Err(not_allowed()),
+        },
         _ => return Err(not_found()),
     };
     Ok(r)
@@ -333,15 +353,7 @@ async fn serve(st: &AppState, req: Request, rid: &str) -> ApiResult<Response> {
             action: "make changes",
         });
     }
-    if key.read_only
-        && matches!(
-            r,
-            Route::FileContentGet(_)
-                | Route::FilesList(_)
-                | Route::FilesStat(_)
-                | Route::ProcOutput(..)
-        )
-    {
+    if key.read_only && reveals_contents(&r) {
         return Err(ApiError::Forbidden {
             action: "read files or process output",
         });
@@ -394,6 +406,85 @@ async fn serve(st: &AppState, req: Request, rid: &str) -> ApiResult<Response> {
         return Ok(work.await?.into_response());
     }
     idempotency::execute(st, &key_id, idem, work, rid).await
+}
+
+/// One request per route (and per sandbox verb), `{id}` standing for a
+/// sandbox id: what tests run against the router, e.g. to see a read-only
+/// key refused every change. A unit test checks it covers every [`Route`].
+pub const ROUTE_SAMPLES: &[(&str, &str)] = &[
+    ("POST", "/v1/sandboxes"),
+    ("GET", "/v1/sandboxes"),
+    ("GET", "/v1/sandboxes/{id}"),
+    ("DELETE", "/v1/sandboxes/{id}"),
+    ("POST", "/v1/sandboxes/{id}:exec"),
+    ("POST", "/v1/sandboxes/{id}:stop"),
+    ("POST", "/v1/sandboxes/{id}:pause"),
+    ("POST", "/v1/sandboxes/{id}:wake"),
+    ("POST", "/v1/sandboxes/{id}:extend"),
+    ("POST", "/v1/sandboxes/{id}:update"),
+    ("POST", "/v1/sandboxes/{id}:restart"),
+    ("POST", "/v1/sandboxes/{id}:fork"),
+    ("POST", "/v1/sandboxes/{id}:snapshot"),
+    ("POST", "/v1/sandboxes/{id}:resize"),
+    ("POST", "/v1/sandboxes/{id}:switch-image"),
+    ("GET", "/v1/sandboxes/{id}/files/content?path=/etc/hostname"),
+    ("PUT", "/v1/sandboxes/{id}/files/content?path=/tmp/x"),
+    ("GET", "/v1/sandboxes/{id}/files/list?path=/"),
+    ("GET", "/v1/sandboxes/{id}/files/stat?path=/"),
+    ("POST", "/v1/sandboxes/{id}/files:mkdir"),
+    ("POST", "/v1/sandboxes/{id}/files:remove"),
+    ("POST", "/v1/sandboxes/{id}/files:move"),
+    ("POST", "/v1/sandboxes/{id}/uploads"),
+    ("PUT", "/v1/sandboxes/{id}/uploads/u1?offset=0"),
+    ("POST", "/v1/sandboxes/{id}/uploads/u1:commit"),
+    ("POST", "/v1/sandboxes/{id}/processes"),
+    ("GET", "/v1/sandboxes/{id}/processes"),
+    ("GET", "/v1/sandboxes/{id}/processes/p1"),
+    ("POST", "/v1/sandboxes/{id}/processes/p1:kill"),
+    ("POST", "/v1/sandboxes/{id}/processes/p1:stdin"),
+    ("GET", "/v1/sandboxes/{id}/processes/p1/output"),
+    ("POST", "/v1/sandboxes/{id}/interpreter:run"),
+    ("GET", "/v1/sandboxes/{id}/interpreter/contexts"),
+    ("POST", "/v1/sandboxes/{id}/interpreter/contexts"),
+    ("DELETE", "/v1/sandboxes/{id}/interpreter/contexts/c1"),
+    ("GET", "/v1/snapshots"),
+    ("GET", "/v1/snapshots/s1"),
+    ("DELETE", "/v1/snapshots/s1"),
+    ("POST", "/v1/snapshots/s1:update"),
+    ("GET", "/v1/usage"),
+    ("GET", "/v1/limits"),
+    ("GET", "/v1/me"),
+    ("GET", "/v1/sandboxes/{id}/previews"),
+    ("POST", "/v1/sandboxes/{id}/previews"),
+    ("GET", "/v1/sandboxes/{id}/previews/3000"),
+    ("DELETE", "/v1/sandboxes/{id}/previews/3000"),
+    ("POST", "/v1/sandboxes/{id}/previews/3000:rotate"),
+    ("GET", "/v1/sandboxes/{id}/network"),
+    ("PUT", "/v1/sandboxes/{id}/network"),
+    ("GET", "/v1/egress-secrets"),
+    ("PUT", "/v1/egress-secrets/TOKEN"),
+    ("DELETE", "/v1/egress-secrets/TOKEN"),
+    ("GET", "/v1/secrets"),
+    ("GET", "/v1/sandboxes/{id}/terminal"),
+    ("GET", "/v1/sandboxes/{id}/tunnel"),
+];
+
+/// Routes that show what is inside a sandbox (files, commands and their
+/// output, the interpreter), which read-only keys may not read.
+pub fn reveals_contents(r: &Route) -> bool {
+    matches!(
+        r,
+        Route::FileContentGet(_)
+            | Route::FilesList(_)
+            | Route::FilesStat(_)
+            | Route::ProcList(_)
+            | Route::ProcGet(..)
+            | Route::ProcOutput(..)
+            | Route::Interpreter(..)
+            | Route::ListSecrets
+            | Route::Terminal(_)
+            | Route::Tunnel(_)
+    )
 }
 
 fn valid_idempotency_key(k: &str) -> bool {
@@ -451,6 +542,9 @@ async fn dispatch(st: AppState, ctx: Ctx, r: Route, body: Bytes) -> ApiResult<Re
         Route::Terminal(_) | Route::Tunnel(_) => Err(ApiError::Internal {
             what: "a WebSocket route reached the JSON dispatcher".into(),
         }),
+        Route::Usage => billing::usage(st, ctx).await,
+        Route::Limits => billing::limits(st, ctx).await,
+        Route::Me => billing::me(st, ctx).await,
     }
 }
 
@@ -498,6 +592,66 @@ mod tests {
             route(&Method::PATCH, "/v1/sandboxes/x"),
             Err(ApiError::MethodNotAllowed { .. })
         ));
+    }
+
+    /// A number per variant; a new variant fails to compile here until it
+    /// is counted, and then the samples must cover it.
+    fn variant(r: &Route) -> usize {
+        match r {
+            Route::CreateSandbox => 0,
+            Route::ListSandboxes => 1,
+            Route::GetSandbox(_) => 2,
+            Route::DeleteSandbox(_) => 3,
+            Route::SandboxAction(..) => 4,
+            Route::FileContentGet(_) => 5,
+            Route::FileContentPut(_) => 6,
+            Route::FilesList(_) => 7,
+            Route::FilesStat(_) => 8,
+            Route::FilesAction(..) => 9,
+            Route::UploadBegin(_) => 10,
+            Route::UploadChunk(..) => 11,
+            Route::UploadAction(..) => 12,
+            Route::ProcSpawn(_) => 13,
+            Route::ProcList(_) => 14,
+            Route::ProcGet(..) => 15,
+            Route::ProcOutput(..) => 16,
+            Route::ProcAction(..) => 17,
+            Route::ListSnapshots => 18,
+            Route::GetSnapshot(_) => 19,
+            Route::DeleteSnapshot(_) => 20,
+            Route::SnapshotAction(..) => 21,
+            Route::Interpreter(..) => 22,
+            Route::Usage => 23,
+            Route::Limits => 24,
+            Route::Me => 25,
+            Route::Previews(_) => 26,
+            Route::PreviewCreate(_) => 27,
+            Route::PreviewGet(..) => 28,
+            Route::PreviewDelete(..) => 29,
+            Route::PreviewAction(..) => 30,
+            Route::GetNetwork(_) => 31,
+            Route::PutNetwork(_) => 32,
+            Route::ListSecrets => 33,
+            Route::PutSecret(_) => 34,
+            Route::DeleteSecret(_) => 35,
+            Route::JobSecrets => 36,
+            Route::Terminal(_) => 37,
+            Route::Tunnel(_) => 38,
+        }
+    }
+    const VARIANTS: usize = 39;
+
+    #[test]
+    fn the_route_samples_cover_every_route() {
+        let mut seen = [false; VARIANTS];
+        for (m, p) in ROUTE_SAMPLES {
+            let path = p.split('?').next().unwrap_or(p);
+            let r = route(&Method::from_bytes(m.as_bytes()).unwrap(), path)
+                .unwrap_or_else(|e| panic!("{m} {p}: {e}"));
+            seen[variant(&r)] = true;
+        }
+        let missing: Vec<usize> = (0..VARIANTS).filter(|i| !seen[*i]).collect();
+        assert!(missing.is_empty(), "routes without a sample: {missing:?}");
     }
 
     #[test]

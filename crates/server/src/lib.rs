@@ -4,11 +4,14 @@
 //! answers with the types of `runtime-api`; it never speaks the guest
 //! protocol and depends on no other workspace crate.
 
+mod billing;
 mod error;
 mod files;
 mod http;
 mod idempotency;
 mod interpreter;
+pub mod keys;
+mod login;
 mod net;
 mod previews;
 mod procs;
@@ -30,7 +33,9 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+pub use billing::Prices;
 pub use error::{ApiError, ServerError};
+pub use http::ROUTE_SAMPLES;
 pub use store::Store;
 
 /// The server's settings, loaded once by the CLI and passed down.
@@ -58,6 +63,8 @@ pub struct Config {
     pub preview_port: u16,
     /// The egress proxy's settings (its test-only host map among them).
     pub egress: runtime_egress::EgressConfig,
+    /// What running, paused and kept sandboxes cost (docs/billing.md).
+    pub prices: Prices,
 }
 
 impl Config {
@@ -74,6 +81,7 @@ impl Config {
             preview_domain: "localhost".into(),
             preview_port: 0,
             egress: runtime_egress::EgressConfig::default(),
+            prices: Prices::default(),
         }
     }
 }
@@ -104,6 +112,8 @@ struct Inner {
     /// The key that seals secret values, read or made on first use.
     sealer: std::sync::OnceLock<secrets::Sealer>,
     nets: net::Nets,
+    meter: billing::Meter,
+    logins: login::Pending,
     tasks: TaskTracker,
     cancel: CancellationToken,
 }
@@ -125,6 +135,8 @@ impl AppState {
                 previews: previews::Live::default(),
                 sealer: std::sync::OnceLock::new(),
                 nets: net::Nets::new(runtime_egress::Egress::new(config.egress.clone())),
+                meter: billing::Meter::default(),
+                logins: login::Pending::default(),
                 tasks: TaskTracker::new(),
                 cancel: CancellationToken::new(),
                 config,
@@ -186,6 +198,14 @@ impl AppState {
     pub fn start_background(&self) {
         let st = self.clone();
         self.spawn(async move { sandboxes::reaper(st).await });
+        let st = self.clone();
+        self.spawn(async move { billing::run(st).await });
+    }
+
+    /// One tick of the meter (one second of every sandbox). The background
+    /// runs it each second; tests call it to move time on.
+    pub async fn meter_tick(&self) -> Result<(), ServerError> {
+        billing::tick(self).await
     }
 
     /// Ends streams and background tasks, waiting up to the drain timeout.

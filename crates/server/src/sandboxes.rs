@@ -34,8 +34,10 @@ const STATES: &[&str] = &[
 /// How long a call on a paused sandbox waits for its wake.
 const WAKE_WAIT: Duration = Duration::from_secs(120);
 
+/// Account-wide keys see every sandbox, and so do read-only keys (which
+/// watch the account and can change nothing); others only their own.
 pub(crate) fn visible(key: &KeyInfo, row: &SandboxRow) -> bool {
-    key.account_wide || row.key_id == key.id
+    key.account_wide || key.read_only || row.key_id == key.id
 }
 
 /// The sandbox as this key may see it (deleted or foreign ones are 404).
@@ -107,7 +109,7 @@ pub(crate) async fn ensure_awake(st: &AppState, id: &str, timeout: Duration) -> 
             Some(r) if r.deleted.is_none() => r,
             _ => return Err(ApiError::sandbox_not_found(id)),
         };
-        let state = row.record.state;
+        let state = row.record.state.clone();
         match state.as_str() {
             "running" => return Ok(()),
             "paused" if asked => {
@@ -117,6 +119,8 @@ pub(crate) async fn ensure_awake(st: &AppState, id: &str, timeout: Duration) -> 
                 })
             }
             "paused" => {
+                let lease = crate::billing::first_lease_seconds(row.record.timeout_seconds);
+                crate::billing::check_spend(st, &row.key_id, &row.record, lease, lease)?;
                 request_wake(st, id, None)?;
                 asked = true;
                 continue;
@@ -448,6 +452,8 @@ pub async fn create(st: AppState, ctx: Ctx, body: Bytes) -> ApiResult<Reply> {
             Some(h) if req.get_or_create && visible(&ctx.key, &h) => {
                 let id = h.record.id.clone();
                 if h.record.state == "stopped" {
+                    let lease = crate::billing::first_lease_seconds(h.record.timeout_seconds);
+                    crate::billing::check_spend(&st, &h.key_id, &h.record, lease, lease)?;
                     restart(&st, &id)?;
                 }
                 Err(id)
@@ -460,6 +466,9 @@ pub async fn create(st: AppState, ctx: Ctx, body: Bytes) -> ApiResult<Reply> {
                 });
             }
             None => {
+                // Before anything starts: a refusal costs nothing.
+                let lease = crate::billing::first_lease_seconds(req.record.timeout_seconds);
+                crate::billing::check_spend(&st, &ctx.key.id, &req.record, lease, lease)?;
                 let row = SandboxRow {
                     seq: 0,
                     key_id: ctx.key.id.clone(),
@@ -570,6 +579,8 @@ async fn restart_action(st: AppState, ctx: Ctx, id: String, body: Bytes) -> ApiR
                 });
             }
         }
+        let lease = crate::billing::first_lease_seconds(row.record.timeout_seconds);
+        crate::billing::check_spend(&st, &row.key_id, &row.record, lease, lease)?;
         restart(&st, &id)?;
     }
     if let Some(secs) = prefer_wait(&ctx.headers) {
@@ -644,6 +655,11 @@ pub(crate) fn spawn_start(st: &AppState, id: String, from: Option<Arc<CaptureDir
         }
         st2.notify_change();
     });
+}
+
+/// Stops a sandbox for `reason` (the meter's caps and limits).
+pub(crate) fn stop_for(st: &AppState, id: &str, reason: &'static str) -> ApiResult<()> {
+    request_stop(st, id, reason)
 }
 
 /// Asks a sandbox to stop; the host is driven in an owned task.
@@ -980,11 +996,16 @@ async fn wake(st: AppState, ctx: Ctx, id: String, body: Bytes) -> ApiResult<Repl
     let row = settle(&st, &ctx.key, &id, &["pausing"]).await?;
     let mut asked = false;
     match row.record.state.as_str() {
-        "paused" => asked = request_wake(&st, &id, lease)?,
+        "paused" => {
+            let seconds = crate::billing::first_lease_seconds(lease.or(row.record.timeout_seconds));
+            crate::billing::check_spend(&st, &row.key_id, &row.record, seconds, seconds)?;
+            asked = request_wake(&st, &id, lease)?
+        }
         "resuming" => {}
         "running" | "starting" => {
             // Already awake: done. A new limit asked for applies from now.
             if let Some(t) = lease {
+                crate::billing::check_lease_change(&st, &row, t)?;
                 st.store().update_sandbox(&id, |r| {
                     let end = iso(now_ms() + i64::from(t) * 1000);
                     r.record.timeout_seconds = Some(t);
@@ -1260,6 +1281,10 @@ async fn extend(st: AppState, ctx: Ctx, id: String, body: Bytes) -> ApiResult<Re
             state: row.record.state,
         });
     }
+    if row.record.ends_at.is_some() {
+        let left = crate::billing::lease_left_seconds(&row.record, now_ms());
+        crate::billing::check_spend(&st, &row.key_id, &row.record, left + seconds, seconds)?;
+    }
     let row = st
         .store()
         .update_sandbox(&id, |r| {
@@ -1310,7 +1335,10 @@ async fn update(st: AppState, ctx: Ctx, id: String, body: Bytes) -> ApiResult<Re
     let timeout = f.int("timeoutSeconds", 60, 86400);
     let on_timeout = f.one_of("onTimeout", &["pause", "stop", "delete"]);
     f.finish()?;
-    find(&st, &ctx.key, &id)?;
+    let row = find(&st, &ctx.key, &id)?;
+    if let (Some(t), "running" | "starting") = (timeout, row.record.state.as_str()) {
+        crate::billing::check_lease_change(&st, &row, t as u32)?;
+    }
     let _g = st.inner.create_lock.lock().await;
     if let Some(n) = &name {
         if let Some(h) = name_holder(&st, n, Some(&id))? {

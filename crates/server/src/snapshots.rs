@@ -137,6 +137,11 @@ pub async fn fork(st: AppState, ctx: Ctx, id: String, body: Bytes) -> ApiResult<
     let net = crate::net::parse_create(&st, &mut f);
     f.finish()?;
     let src = settled_source(&st, &ctx.key, &id).await?;
+    let lease = crate::billing::first_lease_seconds(src.record.timeout_seconds);
+    let copies_cost = i64::try_from(count)
+        .unwrap_or(i64::MAX)
+        .saturating_mul(lease);
+    crate::billing::check_spend(&st, &ctx.key.id, &src.record, lease, copies_cost)?;
 
     let now = now_ms();
     let copies: Vec<SandboxRow> = {

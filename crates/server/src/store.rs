@@ -90,6 +90,25 @@ CREATE TABLE IF NOT EXISTS processes (
 CREATE INDEX IF NOT EXISTS processes_sandbox ON processes(sandbox_id);
 ";
 
+/// Billing (v4): a key's daily spending limit; each sandbox's metered
+/// remainder below one microdollar; charges per key, sandbox and minute for
+/// the 24-hour window and `GET /v1/usage` (see billing.rs).
+const SCHEMA_V4: &str = "
+ALTER TABLE keys ADD COLUMN daily_limit_micros INTEGER;
+CREATE TABLE IF NOT EXISTS meter (
+    sandbox_id TEXT PRIMARY KEY,
+    remainder INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS charges (
+    key_id TEXT NOT NULL,
+    sandbox_id TEXT NOT NULL,
+    minute INTEGER NOT NULL,
+    micros INTEGER NOT NULL,
+    PRIMARY KEY (key_id, sandbox_id, minute)
+);
+CREATE INDEX IF NOT EXISTS charges_key_minute ON charges(key_id, minute);
+";
+
 /// The network's documents (v5): previews, rules, secrets, sandbox CAs,
 /// each a JSON document under (kind, scope, name).
 const SCHEMA_V5: &str = "
@@ -134,7 +153,7 @@ pub struct StoredAnswer {
     pub created_ms: i64,
 }
 
-fn store_err(op: &'static str) -> impl FnOnce(rusqlite::Error) -> ServerError {
+pub(crate) fn store_err(op: &'static str) -> impl FnOnce(rusqlite::Error) -> ServerError {
     move |source| ServerError::Store { op, source }
 }
 
@@ -176,6 +195,10 @@ pub fn open_connection(data_dir: &Path) -> Result<Connection, ServerError> {
         conn.execute_batch(SCHEMA_V3)
             .map_err(store_err("migrate v3"))?;
     }
+    if version < 4 {
+        conn.execute_batch(SCHEMA_V4)
+            .map_err(store_err("migrate v4"))?;
+    }
     if version < 5 {
         conn.execute_batch(SCHEMA_V5)
             .map_err(store_err("migrate v5"))?;
@@ -194,7 +217,7 @@ impl Store {
         })
     }
 
-    fn conn(&self) -> MutexGuard<'_, Connection> {
+    pub(crate) fn conn(&self) -> MutexGuard<'_, Connection> {
         // A panic while holding the lock cannot leave SQLite inconsistent.
         self.conn.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -328,6 +351,10 @@ impl Store {
             } else {
                 runtime_api::status_for_state(&row.record.state).into()
             };
+            // Only a running sandbox holds money for its lease (billing.rs).
+            if row.record.state != "running" {
+                row.record.held_micros = 0;
+            }
             let record = serde_json::to_string(&row.record).map_err(|e| corrupt(e.to_string()))?;
             let env = serde_json::to_string(&row.env).map_err(|e| corrupt(e.to_string()))?;
             let deleted = match &row.deleted {

@@ -88,6 +88,8 @@ pub struct FakeHost {
     /// stands for it ([`Host::connect`]).
     pub guest_ports: Mutex<HashMap<u16, std::net::SocketAddr>>,
     pub outbound: Mutex<Option<Arc<dyn Outbound>>>,
+    /// The vCPU time `cpu_time` reports per sandbox (none: unknown).
+    pub cpu: Mutex<HashMap<String, Duration>>,
 }
 
 impl FakeHost {
@@ -211,8 +213,8 @@ impl Host for FakeHost {
 
     /// Scripts stop between steps; every handle closes after what it
     /// still carries, and later events are held for the next `attach`.
-    async fn cpu_time(&self, _id: &str) -> Option<Duration> {
-        None
+    async fn cpu_time(&self, id: &str) -> Option<Duration> {
+        self.cpu.lock().unwrap().get(id).copied()
     }
 
     async fn connect(&self, id: &str, port: u16) -> Result<DuplexStream, HostError> {
