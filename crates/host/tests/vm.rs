@@ -980,6 +980,12 @@ elif mode == "hold":
     s.sendall(b"HOLD\n")
     print("holding", flush=True)
     threading.Event().wait()
+elif mode == "chat":
+    s = proxy()
+    s.sendall(b"ECHO\n")
+    for line in sys.stdin:
+        s.sendall(line.encode())
+        print(s.recv(1 << 16).decode(), end="", flush=True)
 elif mode == "direct":
     s = socket.socket()
     s.settimeout(5)
@@ -1384,4 +1390,117 @@ async fn futures_join_all<F: std::future::Future>(fs: impl Iterator<Item = F>) -
         out.push(r.unwrap());
     }
     out
+}
+
+/// Writes `msg` and reads it back from an echo tunnel.
+async fn echo_roundtrip(c: &mut DuplexStream, msg: &[u8]) {
+    c.write_all(msg).await.unwrap();
+    let mut back = vec![0u8; msg.len()];
+    tokio::time::timeout(Duration::from_secs(30), c.read_exact(&mut back))
+        .await
+        .expect("echo in time")
+        .unwrap();
+    assert_eq!(back, msg);
+}
+
+/// One line through the guest's `chat` process (stdin -> proxy -> echo).
+async fn chat(handle: &mut ExecHandle, line: &str) {
+    handle
+        .control
+        .send(ExecControl::Stdin(line.as_bytes().to_vec()))
+        .await
+        .unwrap();
+    let mut got = Vec::new();
+    while got.len() < line.len() {
+        match tokio::time::timeout(Duration::from_secs(30), handle.events.recv())
+            .await
+            .expect("chat answered in time")
+        {
+            Some(ExecEvent::Stdout(b)) => got.extend(b),
+            other => panic!("{other:?}"),
+        }
+    }
+    assert_eq!(String::from_utf8_lossy(&got), line);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tunnels_survive_a_capture_and_end_with_a_pause() {
+    let t = host();
+    let h = &t.host;
+    let egress = Arc::new(TestEgress::default());
+    h.set_outbound(egress.clone());
+    let id = "00000000-0000-4000-8000-00000000d002";
+    h.start(&spec(id))
+        .await
+        .unwrap_or_else(|e| panic!("start: {e:?}"));
+    put_guest_py(h, id).await;
+    background(h, id, "python3 /workspace/t.py servers").await;
+    let mut echo = connect_when_up(h, id, 8002).await;
+    echo_roundtrip(&mut echo, b"one").await;
+    let mut talker = h
+        .exec(
+            id,
+            ExecSpec {
+                stdin: true,
+                ..cmd(&["python3", "/workspace/t.py", "chat"])
+            },
+        )
+        .await
+        .unwrap();
+    chat(&mut talker, "a\n").await;
+
+    // A capture of the running machine (a fork, a snapshot) stops it for a
+    // moment: both tunnels go on afterwards.
+    let cap = t.state.join("capture-tunnels");
+    h.capture(id, &cap, true).await.unwrap();
+    echo_roundtrip(&mut echo, b"two").await;
+    chat(&mut talker, "b\n").await;
+
+    // A copy has the servers in its memory but none of the source's
+    // tunnels; its own work.
+    let copy = "00000000-0000-4000-8000-00000000d003";
+    h.restore(&spec(copy), &cap)
+        .await
+        .unwrap_or_else(|e| panic!("restore: {e:?}"));
+    let mut copy_echo = connect_when_up(h, copy, 8002).await;
+    echo_roundtrip(&mut copy_echo, b"copy").await;
+    echo_roundtrip(&mut echo, b"three").await;
+    let accepted = egress.accepted.load(Ordering::SeqCst);
+    h.destroy(copy).await.unwrap();
+    let mut rest = Vec::new();
+    let r = tokio::time::timeout(Duration::from_secs(10), copy_echo.read_to_end(&mut rest))
+        .await
+        .expect("a destroyed machine's tunnel ends");
+    assert!(r.is_err() || rest.is_empty(), "{r:?}");
+
+    // A pause ends every tunnel (the caller sees the end), a wake serves new ones.
+    h.pause(id).await.unwrap();
+    let mut rest = Vec::new();
+    let r = tokio::time::timeout(Duration::from_secs(10), echo.read_to_end(&mut rest))
+        .await
+        .expect("a paused machine's tunnel ends");
+    assert!(r.is_err() || rest.is_empty(), "{r:?}");
+    h.wake(&spec(id))
+        .await
+        .unwrap_or_else(|e| panic!("wake: {e:?}"));
+    let mut again = h.connect(id, 8002).await.unwrap();
+    echo_roundtrip(&mut again, b"after wake").await;
+    let (out, err, st) = run(
+        h,
+        id,
+        &["curl", "-sS", "http://example.com/after"],
+        RunAs::Sandbox,
+        Some(Duration::from_secs(60)),
+    )
+    .await;
+    assert_eq!(
+        (st.code, out.as_str()),
+        (
+            Some(0),
+            "hello from the egress test\nhttp://example.com/after\n"
+        ),
+        "{err}"
+    );
+    assert!(egress.accepted.load(Ordering::SeqCst) > accepted);
+    h.destroy(id).await.unwrap();
 }
