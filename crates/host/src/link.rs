@@ -40,6 +40,30 @@ struct Orphans {
 /// What is kept for streams not taken up (the oldest beyond it is dropped).
 const ORPHAN_BYTES: usize = 4 << 20;
 
+/// Tunnels that ended on this connection: frames that cross their end (a
+/// last credit, a reset) are dropped, not kept as orphans.
+#[derive(Default)]
+struct Ended {
+    set: std::collections::HashSet<u32>,
+    order: std::collections::VecDeque<u32>,
+}
+
+/// How many ended tunnels are remembered.
+const ENDED_KEPT: usize = 4096;
+
+impl Ended {
+    fn add(&mut self, id: u32) {
+        if self.set.insert(id) {
+            self.order.push_back(id);
+            if self.order.len() > ENDED_KEPT {
+                if let Some(old) = self.order.pop_front() {
+                    self.set.remove(&old);
+                }
+            }
+        }
+    }
+}
+
 impl Orphans {
     fn push(&mut self, stream: u32, inc: Incoming) {
         let size = match &inc {
@@ -101,6 +125,7 @@ pub(crate) struct Link {
     /// Names this connection to the agent (`Hello`): tunnels live as long
     /// as it does.
     session: u64,
+    ended: Arc<Mutex<Ended>>,
 }
 
 /// One open stream: send requests and data on it, receive what the guest says.
@@ -119,6 +144,14 @@ impl Drop for Stream {
 }
 
 impl Stream {
+    /// This stream (a tunnel) is finished: what the guest still sends on it
+    /// is dropped.
+    pub fn ended(&self) {
+        if let Ok(mut e) = self.link.ended.lock() {
+            e.add(self.id);
+        }
+    }
+
     pub fn send(&self, req: &Request) -> Result<(), LinkError> {
         self.sender().send(req)
     }
@@ -232,6 +265,7 @@ impl Link {
             next: Arc::new(AtomicU32::new(first)),
             closed: closed.clone(),
             session,
+            ended: Arc::default(),
         };
         let routes_r = routes.clone();
         let orphans_r = orphans.clone();
@@ -285,7 +319,16 @@ impl Link {
                             drop(o);
                             let _ = tx.send(incoming);
                         }
-                        None if frame.stream != 0 => o.push(frame.stream, incoming),
+                        None if frame.stream != 0 => {
+                            let ended = link_r
+                                .ended
+                                .lock()
+                                .map(|e| e.set.contains(&frame.stream))
+                                .unwrap_or(false);
+                            if !ended {
+                                o.push(frame.stream, incoming);
+                            }
+                        }
                         None => {}
                     }
                 }
