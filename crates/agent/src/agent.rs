@@ -327,10 +327,10 @@ impl Agent {
                 self.file_op(stream, user, move || files::chmod(&path, mode))
             }
             Request::Connect { port } => {
-                if stream & runtime_proto::GUEST_STREAM != 0
-                    || self.tunnels.contains(stream)
-                    || self.busy(stream)
-                {
+                if self.busy(stream) {
+                    return;
+                }
+                if stream & runtime_proto::GUEST_STREAM != 0 || self.tunnels.contains(stream) {
                     let fail = Fail::new(FailCode::BadRequest, format!("stream {stream} is busy"));
                     self.out.reply_now(stream, &fail.reply());
                     return;
