@@ -13,6 +13,7 @@ use crate::files::{self, WriteMsg};
 use crate::link::{Link, Outbox};
 use crate::reaper::Reaper;
 use crate::sys::{errno, lock, log, log_limited, poll1, Fail, RateLimit};
+use crate::tunnel::{self, Tunnels};
 
 static STRAY: RateLimit = RateLimit::new(std::time::Duration::from_secs(10), 5);
 static BAD_FRAMES: RateLimit = RateLimit::new(std::time::Duration::from_secs(10), 5);
@@ -29,6 +30,10 @@ pub struct Agent {
     streams: Mutex<HashMap<u32, StreamState>>,
     /// How recent execs ended, for a host that reattaches after a restart.
     finished: Mutex<HashMap<u32, (Reply, std::time::Instant)>>,
+    /// Open TCP tunnels.
+    pub tunnels: Tunnels,
+    /// The session of the host connection the tunnels belong to.
+    session: Mutex<u64>,
 }
 
 /// How long an ended exec's status is kept for [`Request::Attach`].
@@ -60,6 +65,12 @@ impl Agent {
         let stream = frame.stream;
         match frame.kind {
             Kind::Data => {
+                if frame.channel == channel::INPUT
+                    && (stream & runtime_proto::GUEST_STREAM != 0 || self.tunnels.contains(stream))
+                {
+                    tunnel::data(self, stream, frame.payload);
+                    return;
+                }
                 if frame.channel != channel::INPUT {
                     log_limited!(
                         STRAY,
@@ -137,8 +148,17 @@ impl Agent {
 
     fn request(self: &Arc<Self>, stream: u32, req: Request) {
         match req {
-            Request::Hello { version } => {
-                log!("hello from host (protocol {version})");
+            Request::Hello { version, session } => {
+                let mut current = lock(&self.session);
+                if session == 0 || session != *current {
+                    log!("hello from host (protocol {version})");
+                    // A new host connection: the tunnels of the earlier
+                    // one end, and their frames still queued go nowhere.
+                    let ids = self.tunnels.reset_all();
+                    self.out.purge(&ids);
+                    *current = session;
+                }
+                drop(current);
                 self.out.release();
                 let agent = env!("CARGO_PKG_VERSION").to_string();
                 self.out.reply_now(
@@ -155,10 +175,11 @@ impl Agent {
                 hostname,
                 unix_time_ms,
                 entropy,
+                ca_pem,
             } => {
                 let out = Arc::clone(&self.out);
                 self.spawn(stream, move || {
-                    let reply = match setup(&hostname, unix_time_ms, &entropy) {
+                    let reply = match setup(&hostname, unix_time_ms, &entropy, ca_pem.as_deref()) {
                         Ok(()) => Reply::Done,
                         Err(message) => Reply::Failed {
                             code: FailCode::Io,
@@ -305,12 +326,36 @@ impl Agent {
             Request::Chmod { path, mode, user } => {
                 self.file_op(stream, user, move || files::chmod(&path, mode))
             }
+            Request::Connect { port } => {
+                if self.busy(stream) {
+                    return;
+                }
+                if stream & runtime_proto::GUEST_STREAM != 0 || self.tunnels.contains(stream) {
+                    let fail = Fail::new(FailCode::BadRequest, format!("stream {stream} is busy"));
+                    self.out.reply_now(stream, &fail.reply());
+                    return;
+                }
+                tunnel::connect(self, stream, port);
+            }
+            Request::Credit { bytes } => tunnel::credit(self, stream, bytes),
+            Request::Eof => tunnel::eof(self, stream),
+            Request::Close => tunnel::close(self, stream),
         }
     }
 }
 
-fn setup(hostname: &str, unix_time_ms: u64, entropy: &[u8]) -> Result<(), String> {
+fn setup(
+    hostname: &str,
+    unix_time_ms: u64,
+    entropy: &[u8],
+    ca_pem: Option<&str>,
+) -> Result<(), String> {
     let mut errors = Vec::new();
+    if let Some(pem) = ca_pem {
+        if let Err(e) = install_ca(pem) {
+            errors.push(format!("installing the CA: {e}"));
+        }
+    }
     if !hostname.is_empty() {
         // SAFETY: pointer and length of a valid buffer.
         if unsafe { libc::sethostname(hostname.as_ptr().cast(), hostname.len()) } < 0 {
@@ -342,6 +387,61 @@ fn setup(hostname: &str, unix_time_ms: u64, entropy: &[u8]) -> Result<(), String
     }
 }
 
+/// The sandbox's CA, on its own (`NODE_EXTRA_CA_CERTS`).
+pub const CA_FILE: &str = "/usr/local/share/ca-certificates/runtime-sandbox.crt";
+/// The bundle every TLS client reads (`SSL_CERT_FILE` and friends).
+pub const CA_BUNDLE: &str = "/etc/ssl/certs/ca-certificates.crt";
+/// The image's own bundle, kept on first use so the CA is replaced, never appended twice.
+const SYSTEM_BUNDLE: &str = "/etc/ssl/certs/ca-certificates.crt.system";
+
+/// Writes `bytes` to `path` atomically (temp file + rename), mode 0644.
+fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    use std::io::Write as _;
+    use std::os::unix::fs::OpenOptionsExt as _;
+    let tmp = path.with_extension("tmp-runtime");
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o644)
+        .open(&tmp)?;
+    f.write_all(bytes)?;
+    f.sync_all()?;
+    std::fs::rename(&tmp, path)
+}
+
+/// Trusts `pem` system-wide: the CA on its own, and the bundle rebuilt as
+/// the pristine system bundle plus it.
+fn install_ca(pem: &str) -> std::io::Result<()> {
+    if !pem.contains("-----BEGIN CERTIFICATE-----") || pem.len() > 64 * 1024 {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            "not a PEM certificate",
+        ));
+    }
+    let mut pem = pem.trim().to_owned();
+    pem.push('\n');
+    let ca = Path::new(CA_FILE);
+    if let Some(dir) = ca.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    write_atomic(ca, pem.as_bytes())?;
+    let (bundle, system) = (Path::new(CA_BUNDLE), Path::new(SYSTEM_BUNDLE));
+    if let Some(dir) = bundle.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    if !system.exists() {
+        let pristine = std::fs::read(bundle).unwrap_or_default();
+        write_atomic(system, &pristine)?;
+    }
+    let mut all = std::fs::read(system)?;
+    if !all.is_empty() && !all.ends_with(b"\n") {
+        all.push(b'\n');
+    }
+    all.extend_from_slice(pem.as_bytes());
+    write_atomic(bundle, &all)
+}
+
 /// Mixes the host's bytes into the pool and credits them (RNDADDENTROPY),
 /// so a restored copy does not share its random state with its siblings.
 fn add_entropy(bytes: &[u8]) -> std::io::Result<()> {
@@ -369,7 +469,7 @@ fn add_entropy(bytes: &[u8]) -> std::io::Result<()> {
 
 /// Opens the channel (retrying until it exists) and serves it. Returns only
 /// in test mode, when the socket is gone.
-pub fn serve(socket: Option<&Path>, reaper: &Arc<Reaper>) {
+pub fn serve(socket: Option<&Path>, reaper: &Arc<Reaper>, proxy_port: Option<u16>) {
     let mut logged = false;
     let link = loop {
         match Link::open(socket) {
@@ -410,7 +510,13 @@ pub fn serve(socket: Option<&Path>, reaper: &Arc<Reaper>) {
         reaper: Arc::clone(reaper),
         streams: Mutex::new(HashMap::new()),
         finished: Mutex::new(HashMap::new()),
+        tunnels: Tunnels::default(),
+        session: Mutex::new(0),
     });
+    if let Some(port) = proxy_port {
+        tunnel::listen(&agent, (std::net::Ipv4Addr::LOCALHOST, port).into());
+        tunnel::listen(&agent, (std::net::Ipv6Addr::LOCALHOST, port).into());
+    }
     read_loop(&agent, &link);
     agent.kill_all();
 }

@@ -25,6 +25,29 @@ use crate::sys::{cstring, cvt, errno, kill_session, lock, log, poll1, Fail};
 pub const SANDBOX_ID: u32 = 1000;
 const BASE_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
 const WORKSPACE: &str = "/workspace";
+const PROXY: &str = "http://127.0.0.1:10800";
+const SOCKS: &str = "socks5h://127.0.0.1:10800";
+const NO_PROXY: &str = "localhost,127.0.0.1,::1";
+const BUNDLE: &str = crate::agent::CA_BUNDLE;
+/// The guest's only way out is the agent's proxy (`runtime_proto::PROXY_PORT`),
+/// and its TLS trusts the sandbox's CA: every process is told so.
+const NETWORK_ENV: &[(&str, &str)] = &[
+    ("HTTP_PROXY", PROXY),
+    ("HTTPS_PROXY", PROXY),
+    ("http_proxy", PROXY),
+    ("https_proxy", PROXY),
+    ("ALL_PROXY", SOCKS),
+    ("all_proxy", SOCKS),
+    ("NO_PROXY", NO_PROXY),
+    ("no_proxy", NO_PROXY),
+    ("npm_config_proxy", PROXY),
+    ("npm_config_https_proxy", PROXY),
+    ("SSL_CERT_FILE", BUNDLE),
+    ("REQUESTS_CA_BUNDLE", BUNDLE),
+    ("CURL_CA_BUNDLE", BUNDLE),
+    ("PIP_CERT", BUNDLE),
+    ("GIT_SSL_CAINFO", BUNDLE),
+];
 /// After the main process exits, output is drained until EOF or this long of silence...
 const IDLE_AFTER_EXIT: Duration = Duration::from_millis(200);
 /// ...and never longer than this (something that escaped the group keeps writing).
@@ -118,8 +141,13 @@ fn plan(req: &ExecRequest) -> Result<Plan, Fail> {
         ("LANG", "C.UTF-8"),
     ]
     .iter()
+    .chain(NETWORK_ENV)
     .map(|(k, v)| (k.to_string(), v.to_string()))
     .collect();
+    // Node warns on every start about a missing extra CA file.
+    if Path::new(crate::agent::CA_FILE).exists() {
+        env.push(("NODE_EXTRA_CA_CERTS".into(), crate::agent::CA_FILE.into()));
+    }
     if req.pty.is_some() {
         env.push(("TERM".into(), "xterm-256color".into()));
     }

@@ -219,6 +219,43 @@ impl Outbox {
         }
     }
 
+    /// A reply ordered after this stream's earlier frames, without waiting
+    /// for space: for the reader thread, which must never block (tunnel
+    /// resets; bounded by what the host sends).
+    pub fn reply_late(&self, stream: u32, reply: &Reply) {
+        if let Some(bytes) = encode_reply(stream, reply) {
+            let mut q = lock(&self.queues);
+            q.ordered_bytes += bytes.len();
+            q.ordered.push_back(Item::Frame(bytes));
+            drop(q);
+            self.ready.notify_one();
+        }
+    }
+
+    /// Drops the queued (or held) frames of these streams: tunnels of a host
+    /// connection that is gone must not reach the next one.
+    pub fn purge(&self, streams: &std::collections::HashSet<u32>) {
+        if streams.is_empty() {
+            return;
+        }
+        let mut q = lock(&self.queues);
+        let mut dropped = 0;
+        q.ordered.retain(|item| match item {
+            Item::Frame(f) if f.len() >= 10 => {
+                let id = u32::from_be_bytes([f[6], f[7], f[8], f[9]]);
+                let keep = !streams.contains(&id);
+                if !keep {
+                    dropped += f.len();
+                }
+                keep
+            }
+            _ => true,
+        });
+        q.ordered_bytes -= dropped;
+        drop(q);
+        self.space.notify_all();
+    }
+
     fn push_ordered(&self, bytes: Vec<u8>) {
         let mut q = lock(&self.queues);
         while q.ordered_bytes >= ORDERED_CAP {

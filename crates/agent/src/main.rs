@@ -17,6 +17,7 @@ mod link;
 mod reaper;
 mod switch_root;
 mod sys;
+mod tunnel;
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -25,10 +26,14 @@ use sys::log;
 
 fn main() {
     let mut socket: Option<PathBuf> = None;
+    let mut proxy_port: Option<u16> = None;
     let mut args = std::env::args_os().skip(1);
     while let Some(arg) = args.next() {
         if arg == "--socket" {
             socket = args.next().map(PathBuf::from);
+        } else if arg == "--proxy-port" {
+            // Test mode: where to listen for outbound connections.
+            proxy_port = args.next().and_then(|p| p.to_str()?.parse().ok());
         } else {
             // The kernel hands init the command-line words it does not know.
             log!("ignoring argument {arg:?}");
@@ -36,6 +41,9 @@ fn main() {
     }
     // SAFETY: plain syscalls.
     let pid1 = unsafe { libc::getpid() } == 1;
+    if pid1 {
+        proxy_port = Some(runtime_proto::PROXY_PORT);
+    }
     // SAFETY: as above.
     unsafe { libc::umask(0o022) };
     if pid1 {
@@ -58,7 +66,8 @@ fn main() {
     }
     let reaper = reaper::Reaper::start();
     loop {
-        let served = std::panic::catch_unwind(|| agent::serve(socket.as_deref(), &reaper));
+        let served =
+            std::panic::catch_unwind(|| agent::serve(socket.as_deref(), &reaper, proxy_port));
         if served.is_err() {
             log!("the main loop panicked; restarting it");
         }

@@ -362,12 +362,24 @@ fn cwd_and_env_are_applied() {
     req.env = vec![
         ("FOO".into(), "one".into()),
         ("HOME".into(), "/elsewhere".into()),
+        ("no_proxy".into(), "*".into()),
     ];
     let env = a.exec(req).stdout();
+    let proxy = "http://127.0.0.1:10800";
+    let socks = "socks5h://127.0.0.1:10800";
+    let bundle = "/etc/ssl/certs/ca-certificates.crt";
     assert_eq!(
         env,
-        "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin\nHOME=/elsewhere\nUSER=root\n\
-         LOGNAME=root\nSHELL=/bin/bash\nLANG=C.UTF-8\nFOO=one\n"
+        format!(
+            "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin\nHOME=/elsewhere\nUSER=root\n\
+             LOGNAME=root\nSHELL=/bin/bash\nLANG=C.UTF-8\n\
+             HTTP_PROXY={proxy}\nHTTPS_PROXY={proxy}\nhttp_proxy={proxy}\nhttps_proxy={proxy}\n\
+             ALL_PROXY={socks}\nall_proxy={socks}\n\
+             NO_PROXY=localhost,127.0.0.1,::1\nno_proxy=*\n\
+             npm_config_proxy={proxy}\nnpm_config_https_proxy={proxy}\n\
+             SSL_CERT_FILE={bundle}\nREQUESTS_CA_BUNDLE={bundle}\nCURL_CA_BUNDLE={bundle}\n\
+             PIP_CERT={bundle}\nGIT_SSL_CAINFO={bundle}\nFOO=one\n"
+        )
     );
     let mut req = exec_req(&["env"]);
     req.pty = Some(PtySize { cols: 80, rows: 24 });

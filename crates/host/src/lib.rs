@@ -11,8 +11,10 @@ mod link;
 mod machine;
 mod qemu;
 mod qmp;
+mod tunnel;
 mod types;
 
 pub use machine::{choose_accel, probe_boot, QemuConfig, QemuHost};
 pub use qemu::Accel;
+pub use tunnel::MAX_TUNNELS;
 pub use types::*;

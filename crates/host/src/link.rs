@@ -8,7 +8,9 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use runtime_proto::{channel, encode, Decoder, Frame, Kind, Reply, Request, MAX_PAYLOAD, VERSION};
+use runtime_proto::{
+    channel, encode, Decoder, Frame, Kind, Reply, Request, GUEST_STREAM, MAX_PAYLOAD, VERSION,
+};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::UnixStream;
 use tokio::sync::mpsc;
@@ -22,6 +24,10 @@ pub(crate) enum Incoming {
 
 type Routes = Arc<Mutex<HashMap<u32, mpsc::UnboundedSender<Incoming>>>>;
 
+/// Takes the streams the guest opens ([`Reply::Outbound`]); called on the
+/// link's reader task, so it must not block. Without one they are refused.
+pub(crate) type Acceptor = Arc<dyn Fn(Stream) + Send + Sync>;
+
 /// Frames for streams nobody has opened on this connection yet: after a
 /// restore or a restart the agent goes on sending on streams of the earlier
 /// connection before the host takes them up again ([`Link::open_at`]).
@@ -33,6 +39,30 @@ struct Orphans {
 
 /// What is kept for streams not taken up (the oldest beyond it is dropped).
 const ORPHAN_BYTES: usize = 4 << 20;
+
+/// Tunnels that ended on this connection: frames that cross their end (a
+/// last credit, a reset) are dropped, not kept as orphans.
+#[derive(Default)]
+struct Ended {
+    set: std::collections::HashSet<u32>,
+    order: std::collections::VecDeque<u32>,
+}
+
+/// How many ended tunnels are remembered.
+const ENDED_KEPT: usize = 4096;
+
+impl Ended {
+    fn add(&mut self, id: u32) {
+        if self.set.insert(id) {
+            self.order.push_back(id);
+            if self.order.len() > ENDED_KEPT {
+                if let Some(old) = self.order.pop_front() {
+                    self.set.remove(&old);
+                }
+            }
+        }
+    }
+}
 
 impl Orphans {
     fn push(&mut self, stream: u32, inc: Incoming) {
@@ -92,6 +122,10 @@ pub(crate) struct Link {
     orphans: Arc<Mutex<Orphans>>,
     next: Arc<AtomicU32>,
     closed: tokio_util::sync::CancellationToken,
+    /// Names this connection to the agent (`Hello`): tunnels live as long
+    /// as it does.
+    session: u64,
+    ended: Arc<Mutex<Ended>>,
 }
 
 /// One open stream: send requests and data on it, receive what the guest says.
@@ -110,6 +144,14 @@ impl Drop for Stream {
 }
 
 impl Stream {
+    /// This stream (a tunnel) is finished: what the guest still sends on it
+    /// is dropped.
+    pub fn ended(&self) {
+        if let Ok(mut e) = self.link.ended.lock() {
+            e.add(self.id);
+        }
+    }
+
     pub fn send(&self, req: &Request) -> Result<(), LinkError> {
         self.sender().send(req)
     }
@@ -168,16 +210,24 @@ impl Link {
     /// Connects to the agent socket and completes the handshake, resending
     /// Hello until it is answered: the first frames after a (re)connect can be
     /// lost on virtio-serial.
-    pub async fn connect(sock: &Path, timeout: Duration) -> Result<(Link, Reply), LinkError> {
+    pub async fn connect(
+        sock: &Path,
+        timeout: Duration,
+        acceptor: Option<Acceptor>,
+    ) -> Result<(Link, Reply), LinkError> {
         let stream = UnixStream::connect(sock)
             .await
             .map_err(LinkError::Connect)?;
-        Link::over(stream, timeout).await
+        Link::over(stream, timeout, acceptor).await
     }
 
     /// The handshake on a socket already connected (a restore connects
     /// before the vCPUs run, so the agent never writes to nobody).
-    pub async fn over(stream: UnixStream, timeout: Duration) -> Result<(Link, Reply), LinkError> {
+    pub async fn over(
+        stream: UnixStream,
+        timeout: Duration,
+        acceptor: Option<Acceptor>,
+    ) -> Result<(Link, Reply), LinkError> {
         let (mut rd, mut wr) = stream.into_split();
         let routes: Routes = Arc::new(Mutex::new(HashMap::new()));
         let closed = tokio_util::sync::CancellationToken::new();
@@ -198,10 +248,29 @@ impl Link {
         if let Ok(mut r) = routes.lock() {
             r.insert(0, hello_tx);
         }
-        let routes_r = routes.clone();
+        // Streams of an earlier connection (a server before a restart, a
+        // machine before a pause) may still be open in the agent: start this
+        // connection's ids somewhere else.
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(1);
+        let first = ((nanos as u32) ^ std::process::id().rotate_left(16)) & !GUEST_STREAM | 1;
+        let session = session_id(nanos);
         let orphans: Arc<Mutex<Orphans>> = Arc::default();
+        let link = Link {
+            writer,
+            routes: routes.clone(),
+            orphans: orphans.clone(),
+            next: Arc::new(AtomicU32::new(first)),
+            closed: closed.clone(),
+            session,
+            ended: Arc::default(),
+        };
+        let routes_r = routes.clone();
         let orphans_r = orphans.clone();
         let closed_r = closed.clone();
+        let link_r = link.clone();
         tokio::spawn(async move {
             let mut dec = Decoder::new();
             let mut buf = vec![0u8; 64 * 1024];
@@ -234,6 +303,10 @@ impl Link {
                             bytes: frame.payload,
                         },
                     };
+                    if frame.stream & GUEST_STREAM != 0 {
+                        link_r.guest_stream(frame.stream, incoming, acceptor.as_ref());
+                        continue;
+                    }
                     // Orphans first, then routes (as in `open_at`), so a
                     // stream taken up meanwhile never loses a frame.
                     let Ok(mut o) = orphans_r.lock() else { break };
@@ -246,7 +319,16 @@ impl Link {
                             drop(o);
                             let _ = tx.send(incoming);
                         }
-                        None if frame.stream != 0 => o.push(frame.stream, incoming),
+                        None if frame.stream != 0 => {
+                            let ended = link_r
+                                .ended
+                                .lock()
+                                .map(|e| e.set.contains(&frame.stream))
+                                .unwrap_or(false);
+                            if !ended {
+                                o.push(frame.stream, incoming);
+                            }
+                        }
                         None => {}
                     }
                 }
@@ -256,24 +338,15 @@ impl Link {
                 r.clear();
             }
         });
-        // Streams of an earlier connection (a server before a restart, a
-        // machine before a pause) may still be open in the agent: start this
-        // connection's ids somewhere else.
-        let first = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| (d.as_nanos() as u32) ^ std::process::id().rotate_left(16))
-            .unwrap_or(1)
-            | 1;
-        let link = Link {
-            writer,
-            routes,
-            orphans,
-            next: Arc::new(AtomicU32::new(first)),
-            closed,
-        };
         let deadline = tokio::time::Instant::now() + timeout;
-        let hello =
-            Frame::control(0, &Request::Hello { version: VERSION }).map_err(LinkError::Encode)?;
+        let hello = Frame::control(
+            0,
+            &Request::Hello {
+                version: VERSION,
+                session,
+            },
+        )
+        .map_err(LinkError::Encode)?;
         let mut resend = Duration::from_millis(100);
         loop {
             link.send_frame(hello.clone())?;
@@ -298,6 +371,36 @@ impl Link {
         }
     }
 
+    /// A frame on a guest-opened stream: its announcement goes to the
+    /// acceptor (or is refused), frames of streams nobody holds are dropped.
+    fn guest_stream(&self, id: u32, incoming: Incoming, acceptor: Option<&Acceptor>) {
+        let route = self.routes.lock().ok().and_then(|r| r.get(&id).cloned());
+        match (route, incoming) {
+            (Some(tx), inc) => {
+                let _ = tx.send(inc);
+            }
+            (None, Incoming::Reply(Reply::Outbound)) => {
+                let (tx, rx) = mpsc::unbounded_channel();
+                if let Ok(mut r) = self.routes.lock() {
+                    r.insert(id, tx);
+                }
+                let stream = Stream {
+                    id,
+                    link: self.clone(),
+                    rx,
+                };
+                match acceptor {
+                    Some(accept) => accept(stream),
+                    None => {
+                        let _ = stream.send(&Request::Close);
+                    }
+                }
+            }
+            // A stream that ended (or was refused): its last frames cross.
+            (None, _) => {}
+        }
+    }
+
     fn send_frame(&self, frame: Frame) -> Result<(), LinkError> {
         if self.closed.is_cancelled() {
             return Err(LinkError::Closed);
@@ -312,9 +415,16 @@ impl Link {
             return Err(LinkError::Closed);
         }
         let (tx, rx) = mpsc::unbounded_channel();
+        // Ids with the high bit are the guest's.
         let id = loop {
-            let id = self.next.fetch_add(1, Ordering::Relaxed);
-            if id != 0 {
+            let id = self.next.fetch_add(1, Ordering::Relaxed) & !GUEST_STREAM;
+            if id != 0
+                && !self
+                    .routes
+                    .lock()
+                    .map(|r| r.contains_key(&id))
+                    .unwrap_or(false)
+            {
                 break id;
             }
         };
@@ -369,10 +479,14 @@ impl Link {
         self.closed.cancel();
     }
 
-    /// Lets the agent's held output flow again after a quiesce (a `Hello`;
-    /// its answer goes nowhere).
+    /// Lets the agent's held output flow again after a quiesce (a `Hello` of
+    /// this same session, so tunnels go on; its answer goes nowhere).
     pub fn release(&self) {
-        if let Ok(hello) = Frame::control(0, &Request::Hello { version: VERSION }) {
+        let hello = Request::Hello {
+            version: VERSION,
+            session: self.session,
+        };
+        if let Ok(hello) = Frame::control(0, &hello) {
             let _ = self.send_frame(hello);
         }
     }
@@ -382,4 +496,23 @@ impl Link {
     pub async fn drained(&self, timeout: Duration) {
         let _ = tokio::time::timeout(timeout, self.closed.cancelled()).await;
     }
+}
+
+/// A non-zero session id, different for every connection of every process.
+fn session_id(nanos: u64) -> u64 {
+    use std::sync::atomic::AtomicU64;
+    static COUNT: AtomicU64 = AtomicU64::new(0);
+    let mut x = nanos
+        ^ (u64::from(std::process::id()) << 32)
+        ^ COUNT
+            .fetch_add(1, Ordering::Relaxed)
+            .wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    let mut seed = [0u8; 8];
+    if let Ok(mut f) = std::fs::File::open("/dev/urandom") {
+        use std::io::Read;
+        if f.read_exact(&mut seed).is_ok() {
+            x ^= u64::from_ne_bytes(seed);
+        }
+    }
+    x.max(1)
 }

@@ -14,9 +14,10 @@ use tokio::sync::mpsc;
 
 use crate::artifacts::Artifacts;
 use crate::cgroup::{self, Layout};
-use crate::link::{Incoming, Link, LinkError};
+use crate::link::{Acceptor, Incoming, Link, LinkError};
 use crate::qemu::{self, Accel, VmConfig, VmPaths};
 use crate::qmp::{Qmp, QmpError};
+use crate::tunnel::{self, Slot};
 use crate::types::*;
 use serde_json::json;
 
@@ -63,6 +64,8 @@ pub struct QemuHost {
     building: Arc<Mutex<std::collections::HashSet<String>>>,
     /// Receives the guests' outbound connections ([`Host::set_outbound`]).
     outbound: Arc<Mutex<Option<Arc<dyn Outbound>>>>,
+    /// Open tunnels per sandbox (both directions), for the cap.
+    tunnels: Arc<Mutex<HashMap<String, Arc<std::sync::atomic::AtomicUsize>>>>,
 }
 
 /// Picks KVM where it is real hardware virtualisation, TCG otherwise. A
@@ -156,6 +159,7 @@ fn failure(code: FailCode) -> GuestFailure {
         FailCode::CommandNotFound => GuestFailure::CommandNotFound,
         FailCode::BadRequest => GuestFailure::BadRequest,
         FailCode::Io => GuestFailure::Io,
+        FailCode::ConnectionRefused => GuestFailure::ConnectionRefused,
     }
 }
 
@@ -212,9 +216,37 @@ impl QemuHost {
             vms: Arc::new(Mutex::new(HashMap::new())),
             building: Arc::new(Mutex::new(std::collections::HashSet::new())),
             outbound: Arc::new(Mutex::new(None)),
+            tunnels: Arc::default(),
         };
         host.drop_stale_templates();
         Ok(host)
+    }
+
+    fn tunnel_count(&self, id: &str) -> Arc<std::sync::atomic::AtomicUsize> {
+        let mut m = self.tunnels.lock().unwrap_or_else(|e| e.into_inner());
+        Arc::clone(m.entry(id.to_owned()).or_default())
+    }
+
+    /// Hands the guest's outbound connections of sandbox `id` to the
+    /// [`Outbound`] handler set now (refused without one, or beyond the cap).
+    fn acceptor(&self, id: &str) -> Acceptor {
+        let outbound = Arc::clone(&self.outbound);
+        let count = self.tunnel_count(id);
+        let sandbox = id.to_owned();
+        Arc::new(move |stream: crate::link::Stream| {
+            let handler = outbound.lock().unwrap_or_else(|e| e.into_inner()).clone();
+            match (handler, Slot::take(&count)) {
+                (Some(handler), Some(slot)) => {
+                    handler.accept(&sandbox, tunnel::start(stream, slot))
+                }
+                (handler, _) => {
+                    if handler.is_some() {
+                        tracing::warn!(sandbox_id = %sandbox, "too many connections: refusing an outbound one");
+                    }
+                    let _ = stream.send(&Request::Close);
+                }
+            }
+        })
     }
 
     fn templates_dir(&self) -> PathBuf {
@@ -253,9 +285,11 @@ impl QemuHost {
         let dir = self.templates_dir().join(&key);
         let partial = self.templates_dir().join(format!("{key}.partial"));
         let id = format!("template-{}", &key[key.len().saturating_sub(24)..]);
+        // The template is shared: no sandbox's CA (each start installs its own).
         let spec = MachineSpec {
             id: id.clone(),
             hostname: "sandbox".into(),
+            guest_ca_pem: None,
             ..shape
         };
         let started = Instant::now();
@@ -306,9 +340,13 @@ impl QemuHost {
         if !qemu::is_our_qemu(vm.pid, &vm.paths.dir) {
             return Err(HostError::LinkLost { id: id.to_owned() });
         }
-        let (l, _) = Link::connect(&vm.paths.agent_sock(), Duration::from_secs(10))
-            .await
-            .map_err(|_| HostError::LinkLost { id: id.to_owned() })?;
+        let (l, _) = Link::connect(
+            &vm.paths.agent_sock(),
+            Duration::from_secs(10),
+            Some(self.acceptor(id)),
+        )
+        .await
+        .map_err(|_| HostError::LinkLost { id: id.to_owned() })?;
         *guard = Some(l.clone());
         Ok(l)
     }
@@ -465,9 +503,10 @@ impl QemuHost {
         }
         let remaining = self.cfg.boot_timeout.saturating_sub(started.elapsed());
         let connect = async {
+            let acceptor = Some(self.acceptor(id));
             match early {
-                Some(stream) => Link::over(stream, remaining).await,
-                None => Link::connect(&sock, remaining).await,
+                Some(stream) => Link::over(stream, remaining, acceptor).await,
+                None => Link::connect(&sock, remaining, acceptor).await,
             }
         };
         tokio::pin!(connect);
@@ -502,7 +541,7 @@ impl QemuHost {
             pid,
             link: tokio::sync::Mutex::new(Some(link.clone())),
         });
-        setup(&link, &spec.hostname)
+        setup(&link, &spec.hostname, spec.guest_ca_pem.as_deref())
             .await
             .map_err(|e| self.start_failed(id, BootStage::Agent, e.to_string()))?;
         Ok(vm)
@@ -697,7 +736,7 @@ async fn copy_sparse(from: &Path, to: &Path) -> std::io::Result<()> {
     }
 }
 
-async fn setup(link: &Link, hostname: &str) -> Result<(), LinkError> {
+async fn setup(link: &Link, hostname: &str, ca_pem: Option<&str>) -> Result<(), LinkError> {
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_millis() as u64)
@@ -711,6 +750,7 @@ async fn setup(link: &Link, hostname: &str) -> Result<(), LinkError> {
         hostname: hostname.to_owned(),
         unix_time_ms: now,
         entropy,
+        ca_pem: ca_pem.map(str::to_owned),
     })
     .await?;
     Ok(())
@@ -778,7 +818,13 @@ impl Host for QemuHost {
         if !qemu::is_our_qemu(pid, &paths.dir) {
             return Ok(false);
         }
-        match Link::connect(&paths.agent_sock(), Duration::from_secs(10)).await {
+        match Link::connect(
+            &paths.agent_sock(),
+            Duration::from_secs(10),
+            Some(self.acceptor(&spec.id)),
+        )
+        .await
+        {
             Ok((link, _)) => {
                 let vm = Arc::new(Vm {
                     paths,
@@ -823,6 +869,10 @@ impl Host for QemuHost {
         cgroup::remove(self.cgroups, id);
         if !keep_disk {
             let _ = std::fs::remove_dir_all(self.paths(id).dir);
+            // Its tunnels end with the link; their slots go with their pumps.
+            if let Ok(mut t) = self.tunnels.lock() {
+                t.remove(id);
+            }
         }
         Ok(())
     }
@@ -836,13 +886,41 @@ impl Host for QemuHost {
         vcpu_time(vm.pid)
     }
 
-    async fn connect(&self, id: &str, _port: u16) -> Result<DuplexStream, HostError> {
-        // The channel's TCP streams are not wired yet.
-        Err(HostError::Guest {
+    async fn connect(&self, id: &str, port: u16) -> Result<DuplexStream, HostError> {
+        let link = self.link(id).await?;
+        let lost = || HostError::LinkLost { id: id.to_owned() };
+        let slot = Slot::take(&self.tunnel_count(id)).ok_or_else(|| HostError::Guest {
             id: id.to_owned(),
-            failure: GuestFailure::ConnectionRefused,
-            message: "connections into the guest are not supported by this build".into(),
-        })
+            failure: GuestFailure::Io,
+            message: format!("too many connections (at most {})", tunnel::MAX_TUNNELS),
+        })?;
+        let mut stream = link.open().map_err(|_| lost())?;
+        stream
+            .send(&Request::Connect { port })
+            .map_err(|_| lost())?;
+        // Given up before the answer (the caller went away, or a timeout):
+        // the agent may connect anyway, so reset what it opens.
+        struct Abandon(Option<crate::link::StreamSender>);
+        impl Drop for Abandon {
+            fn drop(&mut self) {
+                if let Some(s) = self.0.take() {
+                    let _ = s.send(&Request::Close);
+                }
+            }
+        }
+        let mut abandon = Abandon(Some(stream.sender()));
+        let reply = tokio::time::timeout(Duration::from_secs(30), stream.reply())
+            .await
+            .map_err(|_| HostError::Timeout {
+                id: id.to_owned(),
+                what: "a connection into the guest",
+            })?
+            .map_err(|_| lost())?;
+        abandon.0 = None;
+        match reply {
+            Reply::Done => Ok(tunnel::start(stream, slot)),
+            other => Err(guest_err(id, other)),
+        }
     }
 
     fn set_outbound(&self, handler: Arc<dyn Outbound>) {

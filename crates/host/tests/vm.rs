@@ -793,3 +793,714 @@ async fn an_exec_streaming_across_a_pause_loses_nothing() {
     );
     h.destroy(id).await.unwrap();
 }
+
+// ---------------------------------------------------------------------------
+// TCP tunnels over the agent channel: into the guest (`connect`) and out of
+// it (the agent's proxy port, handed to an `Outbound` handler).
+
+use sha2::{Digest, Sha256};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+
+/// A public test CA (its key is thrown away): the guest must trust it.
+const TEST_CA: &str = "-----BEGIN CERTIFICATE-----
+MIIBmjCCAUGgAwIBAgIUMcnGyhA0pFq93j9sPkvdWKbCDwEwCgYIKoZIzj0EAwIw
+IjEgMB4GA1UEAwwXcnVudGltZSB0ZXN0IHNhbmRib3ggQ0EwIBcNMjYxMTI5MTQz
+MDMwWhgPMjEyNjExMDUxNDMwMzBaMCIxIDAeBgNVBAMMF3J1bnRpbWUgdGVzdCBz
+YW5kYm94IENBMFkwEwYHKoZIzj0CAQYIKoZIzj0DAQcDQgAEIyWUp1ekF5zCGMxK
+/UCyrYj0GVm1WYMSFoLszhmUOwmM1xW8Vl9E+/6bUWznUFXEl7z9JhM1wCNIqapv
+P+jQZ6NTMFEwHQYDVR0OBBYEFM4S1J+QOuSq3cGK2t6PjajVWX4YMB8GA1UdIwQY
+MBaAFM4S1J+QOuSq3cGK2t6PjajVWX4YMA8GA1UdEwEB/wQFMAMBAf8wCgYIKoZI
+zj0EAwIDRwAwRAIgGVesHc7jjmMYVLbjVkShaAMHTpIJkO6QVdGqJLtIoPsCIFo+
+QMTXcEV8TWd82nB+MxEwTaG32AqtBY85pfg1h5d7
+-----END CERTIFICATE-----
+";
+
+const CANNED_BODY: &str = "hello from the egress test\n";
+
+/// The bytes `SOURCE n` sends: deterministic, not periodic at 2^k.
+fn pattern(n: usize) -> Vec<u8> {
+    (0..n).map(|i| ((i * 7) ^ (i >> 11)) as u8).collect()
+}
+
+fn sha_hex(b: &[u8]) -> String {
+    hex::encode(Sha256::digest(b))
+}
+
+/// A stand-in for the egress proxy, driven by the first line a guest
+/// process sends: an HTTP proxy request (canned answer), `ECHO`, `SINK`
+/// (answers the sha256 of the rest), `SOURCE n`, or `HOLD` (writes until
+/// the guest stops taking bytes, counting them).
+#[derive(Default)]
+struct TestEgress {
+    held: Arc<AtomicUsize>,
+    accepted: Arc<AtomicUsize>,
+    sandboxes: Arc<std::sync::Mutex<Vec<String>>>,
+}
+
+impl Outbound for TestEgress {
+    fn accept(&self, sandbox_id: &str, conn: DuplexStream) {
+        self.accepted.fetch_add(1, Ordering::SeqCst);
+        self.sandboxes.lock().unwrap().push(sandbox_id.to_owned());
+        let held = self.held.clone();
+        tokio::spawn(async move {
+            let (rd, mut wr) = tokio::io::split(conn);
+            let mut rd = BufReader::new(rd);
+            let mut line = String::new();
+            if rd.read_line(&mut line).await.is_err() {
+                return;
+            }
+            let words: Vec<&str> = line.split_whitespace().collect();
+            match words.as_slice() {
+                ["GET", url, _] => {
+                    // The rest of the request head.
+                    let mut l = String::new();
+                    while rd.read_line(&mut l).await.map(|n| n > 2).unwrap_or(false) {
+                        l.clear();
+                    }
+                    let body = format!("{CANNED_BODY}{url}\n");
+                    let answer = format!(
+                        "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                        body.len()
+                    );
+                    let _ = wr.write_all(answer.as_bytes()).await;
+                    let _ = wr.shutdown().await;
+                }
+                ["ECHO"] => {
+                    let _ = tokio::io::copy(&mut rd, &mut wr).await;
+                    let _ = wr.shutdown().await;
+                }
+                ["SINK"] => {
+                    let mut h = Sha256::new();
+                    let mut buf = vec![0u8; 64 * 1024];
+                    let mut n = 0usize;
+                    loop {
+                        match rd.read(&mut buf).await {
+                            Ok(0) | Err(_) => break,
+                            Ok(k) => {
+                                h.update(&buf[..k]);
+                                n += k;
+                            }
+                        }
+                    }
+                    let _ = wr
+                        .write_all(format!("{} {n}\n", hex::encode(h.finalize())).as_bytes())
+                        .await;
+                    let _ = wr.shutdown().await;
+                }
+                ["SOURCE", n] => {
+                    let data = pattern(n.parse().unwrap());
+                    let _ = wr.write_all(&data).await;
+                    let _ = wr.shutdown().await;
+                }
+                ["HOLD"] => {
+                    let chunk = vec![b'h'; 16 * 1024];
+                    while wr.write_all(&chunk).await.is_ok() {
+                        held.fetch_add(chunk.len(), Ordering::SeqCst);
+                    }
+                }
+                _ => {}
+            }
+        });
+    }
+}
+
+/// Guest-side helpers: servers for `connect` and clients of the proxy.
+const GUEST_PY: &str = r#"
+import hashlib, os, socket, sys, threading
+
+def recv_all(s):
+    out = bytearray()
+    while True:
+        b = s.recv(1 << 16)
+        if not b:
+            return bytes(out)
+        out += b
+
+def serve(port, handler):
+    l = socket.socket()
+    l.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    l.bind(("127.0.0.1", port))
+    l.listen(64)
+    while True:
+        c, _ = l.accept()
+        threading.Thread(target=handler, args=(c,), daemon=True).start()
+
+def sink(c):
+    data = recv_all(c)
+    c.sendall(("%s %d\n" % (hashlib.sha256(data).hexdigest(), len(data))).encode())
+    c.close()
+
+def echo(c):
+    while True:
+        b = c.recv(1 << 16)
+        if not b:
+            break
+        c.sendall(b)
+    c.close()
+
+def proxy():
+    return socket.create_connection(("127.0.0.1", 10800))
+
+mode = sys.argv[1]
+if mode == "servers":
+    threading.Thread(target=serve, args=(8001, sink), daemon=True).start()
+    serve(8002, echo)
+elif mode == "sink":
+    data = os.urandom(int(sys.argv[2]))
+    s = proxy()
+    s.sendall(b"SINK\n" + data)
+    s.shutdown(socket.SHUT_WR)
+    print(hashlib.sha256(data).hexdigest(), len(data))
+    print(recv_all(s).decode().strip())
+elif mode == "source":
+    s = proxy()
+    s.sendall(b"SOURCE %s\n" % sys.argv[2].encode())
+    s.shutdown(socket.SHUT_WR)
+    data = recv_all(s)
+    print(hashlib.sha256(data).hexdigest(), len(data))
+elif mode == "echo":
+    n, size = int(sys.argv[2]), int(sys.argv[3])
+    ok = []
+    def one():
+        data = os.urandom(size)
+        s = proxy()
+        t = threading.Thread(target=lambda: (s.sendall(b"ECHO\n" + data), s.shutdown(socket.SHUT_WR)))
+        t.start()
+        back = recv_all(s)
+        t.join()
+        ok.append(back == data)
+    ts = [threading.Thread(target=one) for _ in range(n)]
+    [t.start() for t in ts]
+    [t.join() for t in ts]
+    print(sum(ok), len(ok))
+elif mode == "hold":
+    s = proxy()
+    s.sendall(b"HOLD\n")
+    print("holding", flush=True)
+    threading.Event().wait()
+elif mode == "chat":
+    s = proxy()
+    s.sendall(b"ECHO\n")
+    for line in sys.stdin:
+        s.sendall(line.encode())
+        print(s.recv(1 << 16).decode(), end="", flush=True)
+elif mode == "direct":
+    s = socket.socket()
+    s.settimeout(5)
+    try:
+        s.connect(("1.1.1.1", 80))
+        print("connected")
+    except OSError as e:
+        print("errno", e.errno)
+"#;
+
+async fn put_guest_py(h: &QemuHost, id: &str) {
+    h.write_file(
+        id,
+        "/workspace/t.py",
+        None,
+        RunAs::Sandbox,
+        GUEST_PY.as_bytes().to_vec(),
+    )
+    .await
+    .unwrap();
+}
+
+/// Starts a long-lived guest process (its own session, output logged):
+/// the starting shell leaves it running (no group kill on exit).
+async fn background(h: &QemuHost, id: &str, cmd_line: &str) {
+    let mut handle = h
+        .exec(
+            id,
+            ExecSpec {
+                kill_group_on_exit: false,
+                ..cmd(&[
+                    "bash",
+                    "-c",
+                    &format!("setsid {cmd_line} >>/tmp/background.log 2>&1 < /dev/null &"),
+                ])
+            },
+        )
+        .await
+        .unwrap();
+    loop {
+        match handle.events.recv().await {
+            Some(ExecEvent::Exited(st)) => {
+                assert_eq!(st.code, Some(0));
+                return;
+            }
+            Some(_) => {}
+            None => panic!("link lost"),
+        }
+    }
+}
+
+/// Connects once the guest's server listens (each refusal is a real answer).
+async fn connect_when_up(h: &QemuHost, id: &str, port: u16) -> DuplexStream {
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        match h.connect(id, port).await {
+            Ok(c) => return c,
+            Err(HostError::Guest {
+                failure: GuestFailure::ConnectionRefused,
+                ..
+            }) if std::time::Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(100)).await
+            }
+            Err(e) => {
+                let (out, _, _) = run(
+                    h,
+                    id,
+                    &["bash", "-c", "cat /tmp/background.log; ps -ef"],
+                    RunAs::Root,
+                    None,
+                )
+                .await;
+                panic!("connect {port}: {e:?}\n{out}")
+            }
+        }
+    }
+}
+
+/// Sends `data` into the guest's sink server and returns its answer.
+async fn sink_in_guest(h: &QemuHost, id: &str, data: &[u8]) -> String {
+    let c = h.connect(id, 8001).await.unwrap();
+    let (mut rd, mut wr) = tokio::io::split(c);
+    let data = data.to_vec();
+    let writer = tokio::spawn(async move {
+        wr.write_all(&data).await.unwrap();
+        wr.shutdown().await.unwrap();
+    });
+    let mut answer = String::new();
+    tokio::time::timeout(Duration::from_secs(120), rd.read_to_string(&mut answer))
+        .await
+        .expect("the sink answered in time")
+        .unwrap();
+    writer.await.unwrap();
+    answer.trim().to_owned()
+}
+
+/// An HTTP/1.0 GET into the guest: the whole answer, read until EOF.
+async fn http_get(h: &QemuHost, id: &str, port: u16, path: &str) -> Vec<u8> {
+    let mut c = h.connect(id, port).await.unwrap();
+    c.write_all(format!("GET {path} HTTP/1.0\r\n\r\n").as_bytes())
+        .await
+        .unwrap();
+    let mut all = Vec::new();
+    tokio::time::timeout(Duration::from_secs(120), c.read_to_end(&mut all))
+        .await
+        .expect("the answer ended in time")
+        .unwrap();
+    let head_end = all
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .unwrap_or_else(|| panic!("no HTTP head: {:?}", String::from_utf8_lossy(&all)));
+    assert!(all.starts_with(b"HTTP/1.0 200"), "{:?}", &all[..head_end]);
+    all.split_off(head_end + 4)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tunnels_carry_tcp_into_and_out_of_the_guest() {
+    let t = host();
+    let h = &t.host;
+    let egress = Arc::new(TestEgress::default());
+    h.set_outbound(egress.clone());
+    let id = "00000000-0000-4000-8000-00000000d001";
+    h.start(&MachineSpec {
+        guest_ca_pem: Some(TEST_CA.into()),
+        ..spec(id)
+    })
+    .await
+    .unwrap_or_else(|e| panic!("start: {e:?}"));
+    put_guest_py(h, id).await;
+    const BIG: usize = 20 << 20;
+
+    // Into the guest: a file from a web server started there.
+    let (_, err, st) = run(
+        h,
+        id,
+        &[
+            "bash",
+            "-c",
+            "mkdir -p /tmp/www && head -c 20971520 /dev/urandom > /tmp/www/big && \
+             head -c 1048576 /dev/urandom > /tmp/www/small",
+        ],
+        RunAs::Sandbox,
+        None,
+    )
+    .await;
+    assert_eq!(st.code, Some(0), "{err}");
+    let (out, _, _) = run(
+        h,
+        id,
+        &["sha256sum", "/tmp/www/big", "/tmp/www/small"],
+        RunAs::Sandbox,
+        None,
+    )
+    .await;
+    let sums: Vec<&str> = out.lines().map(|l| &l[..64]).collect();
+    background(
+        h,
+        id,
+        "python3 -m http.server 8000 --bind 127.0.0.1 --directory /tmp/www",
+    )
+    .await;
+    background(h, id, "python3 /workspace/t.py servers").await;
+    drop(connect_when_up(h, id, 8000).await);
+    drop(connect_when_up(h, id, 8001).await);
+    let started = std::time::Instant::now();
+    let big = http_get(h, id, 8000, "/big").await;
+    assert_eq!((big.len(), sha_hex(&big).as_str()), (BIG, sums[0]));
+    eprintln!(
+        "20 MiB out of the guest via connect: {:?}",
+        started.elapsed()
+    );
+
+    // Into the guest, 20 MiB the other way; the host's half-close is the
+    // sink's end of input (read until EOF), its answer comes back after it.
+    let data = pattern(BIG);
+    let started = std::time::Instant::now();
+    assert_eq!(
+        sink_in_guest(h, id, &data).await,
+        format!("{} {BIG}", sha_hex(&data))
+    );
+    eprintln!("20 MiB into the guest via connect: {:?}", started.elapsed());
+
+    // 20 connections at once.
+    let gets = (0..20).map(|_| http_get(h, id, 8000, "/small"));
+    for body in futures_join_all(gets).await {
+        assert_eq!(sha_hex(&body), sums[1]);
+    }
+
+    // Nothing listens: refused.
+    let err = h.connect(id, 8999).await.unwrap_err();
+    assert!(
+        matches!(
+            err,
+            HostError::Guest {
+                failure: GuestFailure::ConnectionRefused,
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+
+    // Out of the guest: curl through the environment's proxy, and a plain
+    // socket to the proxy port, both reach the handler with raw bytes.
+    let (out, err, st) = run(
+        h,
+        id,
+        &["curl", "-sS", "http://example.com/"],
+        RunAs::Sandbox,
+        Some(Duration::from_secs(60)),
+    )
+    .await;
+    assert_eq!(
+        (st.code, out.as_str()),
+        (Some(0), "hello from the egress test\nhttp://example.com/\n"),
+        "{err}"
+    );
+    assert_eq!(egress.sandboxes.lock().unwrap()[0], id);
+    let started = std::time::Instant::now();
+    let (out, err, st) = run(
+        h,
+        id,
+        &["python3", "/workspace/t.py", "sink", &BIG.to_string()],
+        RunAs::Sandbox,
+        Some(Duration::from_secs(180)),
+    )
+    .await;
+    assert_eq!(st.code, Some(0), "{err}");
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(lines.len(), 2, "{out}");
+    assert_eq!(lines[0], lines[1], "the host received other bytes");
+    eprintln!("20 MiB out via the proxy: {:?}", started.elapsed());
+    let started = std::time::Instant::now();
+    let (out, err, st) = run(
+        h,
+        id,
+        &["python3", "/workspace/t.py", "source", &BIG.to_string()],
+        RunAs::Sandbox,
+        Some(Duration::from_secs(180)),
+    )
+    .await;
+    assert_eq!(st.code, Some(0), "{err}");
+    assert_eq!(out.trim(), format!("{} {BIG}", sha_hex(&pattern(BIG))));
+    eprintln!("20 MiB in via the proxy: {:?}", started.elapsed());
+    let (out, err, st) = run(
+        h,
+        id,
+        &["python3", "/workspace/t.py", "echo", "20", "200000"],
+        RunAs::Sandbox,
+        Some(Duration::from_secs(120)),
+    )
+    .await;
+    assert_eq!((st.code, out.trim()), (Some(0), "20 20"), "{err}");
+
+    // Flow control: a guest process that never reads its socket holds at
+    // most its socket buffers and one window; an exec and another tunnel
+    // go on meanwhile.
+    let mut holder = h
+        .exec(id, cmd(&["python3", "/workspace/t.py", "hold"]))
+        .await
+        .unwrap();
+    match holder.events.recv().await {
+        Some(ExecEvent::Stdout(b)) => assert_eq!(b, b"holding\n"),
+        other => panic!("{other:?}"),
+    }
+    // Wait until the handler is stuck (its count stops growing).
+    let mut last = usize::MAX;
+    loop {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let now = egress.held.load(Ordering::SeqCst);
+        if now == last && now > 0 {
+            break;
+        }
+        last = now;
+    }
+    let held = egress.held.load(Ordering::SeqCst);
+    eprintln!("a guest that never reads took {held} bytes");
+    assert!(
+        held < 24 << 20,
+        "{held} bytes were taken from a writer the guest never reads"
+    );
+    let (out, _, st) = run(h, id, &["echo", "still here"], RunAs::Sandbox, None).await;
+    assert_eq!((st.code, out.as_str()), (Some(0), "still here\n"));
+    let body = http_get(h, id, 8000, "/small").await;
+    assert_eq!(sha_hex(&body), sums[1]);
+    assert_eq!(
+        egress.held.load(Ordering::SeqCst),
+        held,
+        "the stuck tunnel stays stuck"
+    );
+    holder.control.send(ExecControl::Signal(9)).await.unwrap();
+    while let Some(ev) = holder.events.recv().await {
+        if matches!(ev, ExecEvent::Exited(_)) {
+            break;
+        }
+    }
+
+    // No other way out, even for root: only loopback, no route, and without
+    // the proxy variables nothing resolves.
+    let (out, _, _) = run(
+        h,
+        id,
+        &[
+            "bash",
+            "-c",
+            "ls /sys/class/net; ip -o link 2>/dev/null | awk '{print $2}'",
+        ],
+        RunAs::Root,
+        None,
+    )
+    .await;
+    assert!(out.lines().all(|l| l == "lo" || l == "lo:"), "{out}");
+    let (out, _, _) = run(
+        h,
+        id,
+        &["python3", "/workspace/t.py", "direct"],
+        RunAs::Root,
+        None,
+    )
+    .await;
+    assert_eq!(out.trim(), "errno 101", "network unreachable");
+    let accepted = egress.accepted.load(Ordering::SeqCst);
+    let (_, _, st) = run(
+        h,
+        id,
+        &[
+            "env",
+            "-u",
+            "http_proxy",
+            "-u",
+            "HTTP_PROXY",
+            "-u",
+            "ALL_PROXY",
+            "-u",
+            "all_proxy",
+            "curl",
+            "-sS",
+            "--max-time",
+            "10",
+            "http://example.com/",
+        ],
+        RunAs::Root,
+        None,
+    )
+    .await;
+    assert_ne!(st.code, Some(0));
+    assert_eq!(egress.accepted.load(Ordering::SeqCst), accepted);
+
+    // The sandbox's CA is trusted system-wide.
+    let (out, _, _) = run(
+        h,
+        id,
+        &[
+            "bash",
+            "-c",
+            "echo $SSL_CERT_FILE; echo $NODE_EXTRA_CA_CERTS; \
+             grep -c 'BEGIN CERTIFICATE' /etc/ssl/certs/ca-certificates.crt.system $SSL_CERT_FILE; \
+             tail -n 11 $SSL_CERT_FILE",
+        ],
+        RunAs::Sandbox,
+        None,
+    )
+    .await;
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(lines[0], "/etc/ssl/certs/ca-certificates.crt");
+    assert_eq!(
+        lines[1],
+        "/usr/local/share/ca-certificates/runtime-sandbox.crt"
+    );
+    let count = |l: &str| l.rsplit(':').next().unwrap().parse::<u32>().unwrap();
+    assert_eq!(count(lines[3]), count(lines[2]) + 1, "{out}");
+    assert_eq!(lines[4..].join("\n") + "\n", TEST_CA);
+    h.destroy(id).await.unwrap();
+}
+
+/// Joins futures on this task (no extra crate).
+async fn futures_join_all<F: std::future::Future>(fs: impl Iterator<Item = F>) -> Vec<F::Output> {
+    let mut set = Vec::new();
+    for f in fs {
+        set.push(f);
+    }
+    let mut out = Vec::new();
+    let mut pinned: Vec<_> = set.into_iter().map(Box::pin).collect();
+    let mut results: Vec<Option<F::Output>> = (0..pinned.len()).map(|_| None).collect();
+    std::future::poll_fn(|cx| {
+        let mut pending = false;
+        for (i, f) in pinned.iter_mut().enumerate() {
+            if results[i].is_none() {
+                match f.as_mut().poll(cx) {
+                    std::task::Poll::Ready(v) => results[i] = Some(v),
+                    std::task::Poll::Pending => pending = true,
+                }
+            }
+        }
+        if pending {
+            std::task::Poll::Pending
+        } else {
+            std::task::Poll::Ready(())
+        }
+    })
+    .await;
+    for r in results {
+        out.push(r.unwrap());
+    }
+    out
+}
+
+/// Writes `msg` and reads it back from an echo tunnel.
+async fn echo_roundtrip(c: &mut DuplexStream, msg: &[u8]) {
+    c.write_all(msg).await.unwrap();
+    let mut back = vec![0u8; msg.len()];
+    tokio::time::timeout(Duration::from_secs(30), c.read_exact(&mut back))
+        .await
+        .expect("echo in time")
+        .unwrap();
+    assert_eq!(back, msg);
+}
+
+/// One line through the guest's `chat` process (stdin -> proxy -> echo).
+async fn chat(handle: &mut ExecHandle, line: &str) {
+    handle
+        .control
+        .send(ExecControl::Stdin(line.as_bytes().to_vec()))
+        .await
+        .unwrap();
+    let mut got = Vec::new();
+    while got.len() < line.len() {
+        match tokio::time::timeout(Duration::from_secs(30), handle.events.recv())
+            .await
+            .expect("chat answered in time")
+        {
+            Some(ExecEvent::Stdout(b)) => got.extend(b),
+            other => panic!("{other:?}"),
+        }
+    }
+    assert_eq!(String::from_utf8_lossy(&got), line);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tunnels_survive_a_capture_and_end_with_a_pause() {
+    let t = host();
+    let h = &t.host;
+    let egress = Arc::new(TestEgress::default());
+    h.set_outbound(egress.clone());
+    let id = "00000000-0000-4000-8000-00000000d002";
+    h.start(&spec(id))
+        .await
+        .unwrap_or_else(|e| panic!("start: {e:?}"));
+    put_guest_py(h, id).await;
+    background(h, id, "python3 /workspace/t.py servers").await;
+    let mut echo = connect_when_up(h, id, 8002).await;
+    echo_roundtrip(&mut echo, b"one").await;
+    let mut talker = h
+        .exec(
+            id,
+            ExecSpec {
+                stdin: true,
+                ..cmd(&["python3", "/workspace/t.py", "chat"])
+            },
+        )
+        .await
+        .unwrap();
+    chat(&mut talker, "a\n").await;
+
+    // A capture of the running machine (a fork, a snapshot) stops it for a
+    // moment: both tunnels go on afterwards.
+    let cap = t.state.join("capture-tunnels");
+    h.capture(id, &cap, true).await.unwrap();
+    echo_roundtrip(&mut echo, b"two").await;
+    chat(&mut talker, "b\n").await;
+
+    // A copy has the servers in its memory but none of the source's
+    // tunnels; its own work.
+    let copy = "00000000-0000-4000-8000-00000000d003";
+    h.restore(&spec(copy), &cap)
+        .await
+        .unwrap_or_else(|e| panic!("restore: {e:?}"));
+    let mut copy_echo = connect_when_up(h, copy, 8002).await;
+    echo_roundtrip(&mut copy_echo, b"copy").await;
+    echo_roundtrip(&mut echo, b"three").await;
+    let accepted = egress.accepted.load(Ordering::SeqCst);
+    h.destroy(copy).await.unwrap();
+    let mut rest = Vec::new();
+    let r = tokio::time::timeout(Duration::from_secs(10), copy_echo.read_to_end(&mut rest))
+        .await
+        .expect("a destroyed machine's tunnel ends");
+    assert!(r.is_err() || rest.is_empty(), "{r:?}");
+
+    // A pause ends every tunnel (the caller sees the end), a wake serves new ones.
+    h.pause(id).await.unwrap();
+    let mut rest = Vec::new();
+    let r = tokio::time::timeout(Duration::from_secs(10), echo.read_to_end(&mut rest))
+        .await
+        .expect("a paused machine's tunnel ends");
+    assert!(r.is_err() || rest.is_empty(), "{r:?}");
+    h.wake(&spec(id))
+        .await
+        .unwrap_or_else(|e| panic!("wake: {e:?}"));
+    let mut again = h.connect(id, 8002).await.unwrap();
+    echo_roundtrip(&mut again, b"after wake").await;
+    let (out, err, st) = run(
+        h,
+        id,
+        &["curl", "-sS", "http://example.com/after"],
+        RunAs::Sandbox,
+        Some(Duration::from_secs(60)),
+    )
+    .await;
+    assert_eq!(
+        (st.code, out.as_str()),
+        (
+            Some(0),
+            "hello from the egress test\nhttp://example.com/after\n"
+        ),
+        "{err}"
+    );
+    assert!(egress.accepted.load(Ordering::SeqCst) > accepted);
+    h.destroy(id).await.unwrap();
+}

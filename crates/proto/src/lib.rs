@@ -10,8 +10,11 @@
 //! where `len` counts everything after itself. `kind` is [`Kind::Control`]
 //! (payload: one JSON [`Request`] or [`Reply`]) or [`Kind::Data`] (payload: raw
 //! bytes on `channel` of `stream`). Stream 0 is the connection itself (hello,
-//! ping). The host opens a stream per request with a fresh odd-free id; the
-//! guest answers on that stream.
+//! ping). The host opens a stream per request with a fresh id below
+//! [`GUEST_STREAM`]; the guest answers on that stream. The guest opens
+//! streams of its own only for outbound TCP connections, with ids that have
+//! [`GUEST_STREAM`] set ([`Reply::Outbound`]; tunnels are described in
+//! [`flow`]).
 //!
 //! Versioning: the host sends [`Request::Hello`] first and the guest answers
 //! with the version it speaks; new fields are optional (`#[serde(default)]`),
@@ -19,6 +22,7 @@
 //! them. Unknown control messages decode to an error the caller may skip.
 
 mod codec;
+pub mod flow;
 mod messages;
 
 pub use codec::{encode, Decoder, Frame, Kind, ProtoError, HEADER_LEN, MAX_FRAME, MAX_PAYLOAD};
@@ -26,6 +30,13 @@ pub use messages::*;
 
 /// The protocol version this build speaks.
 pub const VERSION: u32 = 1;
+
+/// The bit set in the ids of streams the guest opens (outbound tunnels);
+/// host-chosen ids never have it.
+pub const GUEST_STREAM: u32 = 0x8000_0000;
+
+/// The guest port of the agent's proxy listener (`127.0.0.1` and `[::1]`).
+pub const PROXY_PORT: u16 = 10800;
 
 /// The name of the virtio-serial port the agent opens (`/sys/class/virtio-ports/*/name`).
 pub const PORT_NAME: &str = "runtime.agent";

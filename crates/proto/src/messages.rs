@@ -7,6 +7,8 @@ use serde::{Deserialize, Serialize};
 pub mod channel {
     /// Host -> guest: a process's stdin, or the bytes of a file being written.
     /// Guest -> host: the bytes of a file being read.
+    /// Both ways: the bytes of a TCP tunnel ([`crate::Request::Connect`],
+    /// [`crate::Reply::Outbound`]).
     pub const INPUT: u8 = 0;
     pub const STDOUT: u8 = 1;
     pub const STDERR: u8 = 2;
@@ -59,8 +61,17 @@ pub struct ExecRequest {
 #[serde(tag = "op", rename_all = "snake_case")]
 pub enum Request {
     /// First message on stream 0; the guest answers [`Reply::Hello`].
+    ///
+    /// `session` names the host's connection (random, non-zero). A `Hello`
+    /// with a session other than the last one (or 0) means a new host
+    /// connection (a restart of the server, a restore, a fork, a wake): the
+    /// agent resets every TCP tunnel of the earlier one and drops their
+    /// frames still queued. A `Hello` with the same session only releases
+    /// output held since [`Request::Quiesce`] (its tunnels go on).
     Hello {
         version: u32,
+        #[serde(default)]
+        session: u64,
     },
     /// Liveness, stream 0 or any stream; answered by [`Reply::Pong`].
     Ping,
@@ -70,6 +81,12 @@ pub enum Request {
         unix_time_ms: u64,
         #[serde(default)]
         entropy: Vec<u8>,
+        /// The sandbox's CA certificate (PEM): the agent installs it as
+        /// `/usr/local/share/ca-certificates/runtime-sandbox.crt` and rebuilds
+        /// `/etc/ssl/certs/ca-certificates.crt` as the pristine system bundle
+        /// plus this CA (a later Setup replaces it, never appends).
+        #[serde(default)]
+        ca_pem: Option<String>,
     },
     /// Starts a process on this stream: [`Reply::Started`], output data,
     /// then [`Reply::Exited`].
@@ -143,6 +160,27 @@ pub enum Request {
     /// `Failed` if the agent knows no process on this stream. Output the
     /// process wrote while no host listened is lost.
     Attach,
+    /// Opens a TCP tunnel on this (host-chosen) stream to `127.0.0.1:port`
+    /// in the guest (`[::1]:port` if that is refused). Answered by `Done`
+    /// (connected) or `Failed` (`connection_refused` when nothing listens).
+    /// After `Done` the stream is a tunnel: see [`crate::flow`] for the bytes,
+    /// credits, half-close and reset.
+    Connect {
+        port: u16,
+    },
+    /// Tunnel flow control: the host delivered `bytes` more of the guest's
+    /// bytes to its end; the guest may send that many more. The first
+    /// `Credit` of a stream opens the guest's window ([`crate::flow::WINDOW`]).
+    Credit {
+        bytes: u32,
+    },
+    /// Tunnel half-close: the host will send no more bytes on this stream
+    /// (after the ones before it); the guest shuts down the socket's write
+    /// side once it has written them.
+    Eof,
+    /// Tunnel reset: the host forgets the stream; the guest resets the socket
+    /// at once (bytes not yet delivered are dropped).
+    Close,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -181,6 +219,8 @@ pub enum FailCode {
     CommandNotFound,
     BadRequest,
     Io,
+    /// Nothing accepted the connection ([`Request::Connect`]).
+    ConnectionRefused,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -223,6 +263,22 @@ pub enum Reply {
         code: FailCode,
         message: String,
     },
+    /// The first frame of a guest-opened stream (its id has
+    /// [`crate::GUEST_STREAM`] set): a process in the guest connected to the
+    /// agent's proxy port (`127.0.0.1:10800`). The stream is a tunnel from
+    /// here on: the host grants the guest's first window with
+    /// [`Request::Credit`] (or refuses with [`Request::Close`]), then raw bytes
+    /// flow both ways; the agent does not interpret them.
+    Outbound,
+    /// Tunnel flow control, the guest's side of [`Request::Credit`].
+    Credit {
+        bytes: u32,
+    },
+    /// Tunnel half-close: the guest's socket reached end-of-file.
+    Eof,
+    /// Tunnel reset: the socket failed or was reset, or the stream is not
+    /// known (any more) to the agent.
+    Close,
 }
 
 #[cfg(test)]
@@ -248,13 +304,20 @@ mod tests {
             r#"{"op":"exec","argv":["true"],"cwd":null,"env":[],"user":"sandbox","timeout_ms":5,"stdin":false,"pty":null,"kill_group_on_exit":true}"#
         );
         let names: Vec<String> = [
-            Request::Hello { version: 1 },
+            Request::Hello {
+                version: 1,
+                session: 7,
+            },
             Request::Ping,
             Request::CloseStdin,
             Request::EndWrite,
             Request::Sync,
             Request::Attach,
             Request::Quiesce,
+            Request::Connect { port: 80 },
+            Request::Credit { bytes: 1 },
+            Request::Eof,
+            Request::Close,
         ]
         .iter()
         .map(|r| {
@@ -273,8 +336,43 @@ mod tests {
                 "end_write",
                 "sync",
                 "attach",
-                "quiesce"
+                "quiesce",
+                "connect",
+                "credit",
+                "eof",
+                "close"
             ]
+        );
+        let evs: Vec<String> = [
+            Reply::Outbound,
+            Reply::Credit { bytes: 1 },
+            Reply::Eof,
+            Reply::Close,
+        ]
+        .iter()
+        .map(|r| {
+            serde_json::to_value(r).unwrap()["ev"]
+                .as_str()
+                .unwrap()
+                .to_string()
+        })
+        .collect();
+        assert_eq!(evs, ["outbound", "credit", "eof", "close"]);
+        assert_eq!(
+            serde_json::to_string(&Request::Connect { port: 8000 }).unwrap(),
+            r#"{"op":"connect","port":8000}"#
+        );
+        assert_eq!(
+            serde_json::to_string(&Reply::Credit { bytes: 65536 }).unwrap(),
+            r#"{"ev":"credit","bytes":65536}"#
+        );
+        assert_eq!(
+            serde_json::to_string(&Reply::Failed {
+                code: FailCode::ConnectionRefused,
+                message: String::new()
+            })
+            .unwrap(),
+            r#"{"ev":"failed","code":"connection_refused","message":""}"#
         );
         let reply = Reply::Failed {
             code: FailCode::IsADirectory,
@@ -288,6 +386,17 @@ mod tests {
 
     #[test]
     fn new_optional_fields_may_be_missing() {
+        let r: Request = serde_json::from_str(r#"{"op":"hello","version":1}"#).unwrap();
+        assert_eq!(
+            r,
+            Request::Hello {
+                version: 1,
+                session: 0
+            }
+        );
+        let r: Request =
+            serde_json::from_str(r#"{"op":"setup","hostname":"h","unix_time_ms":1}"#).unwrap();
+        assert!(matches!(r, Request::Setup { ca_pem: None, .. }));
         let r: Request = serde_json::from_str(r#"{"op":"exec","argv":["ls"]}"#).unwrap();
         match r {
             Request::Exec(e) => {

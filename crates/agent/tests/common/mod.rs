@@ -86,6 +86,11 @@ fn accept(listener: &UnixListener) -> UnixStream {
 
 impl Agent {
     pub fn start() -> Agent {
+        Agent::start_with(&[])
+    }
+
+    /// With extra arguments (e.g. `--proxy-port`).
+    pub fn start_with(args: &[&str]) -> Agent {
         static N: AtomicU32 = AtomicU32::new(0);
         let dir = std::env::temp_dir().join(format!(
             "agent-test-{}-{}",
@@ -100,6 +105,7 @@ impl Agent {
         let child = Command::new(env!("CARGO_BIN_EXE_runtime-agent"))
             .arg("--socket")
             .arg(&sock)
+            .args(args)
             .stdin(Stdio::null())
             .spawn()
             .unwrap();
@@ -225,9 +231,30 @@ impl Agent {
             0,
             &Request::Hello {
                 version: runtime_proto::VERSION,
+                session: 0,
             },
         );
         self.reply(0)
+    }
+
+    /// A hello naming a host session (tunnels survive only the same one).
+    pub fn hello_session(&mut self, session: u64) -> Reply {
+        self.send(
+            0,
+            &Request::Hello {
+                version: runtime_proto::VERSION,
+                session,
+            },
+        );
+        self.reply(0)
+    }
+
+    /// The next frame on any stream (pending ones first).
+    pub fn next_any(&mut self) -> Frame {
+        if let Some(f) = self.pending.pop_front() {
+            return f;
+        }
+        self.read_frame()
     }
 
     /// Sends an exec; returns its stream and pid (panics on Failed).

@@ -1,0 +1,482 @@
+//! TCP tunnels over the channel (see `runtime_proto::flow`): connections
+//! the host opens into the guest ([`Request::Connect`]) and connections
+//! guest processes open to the proxy port, handed to the host raw.
+//!
+//! Each tunnel has two threads: `up` reads the socket while the host's
+//! credit allows and queues Data frames; `down` writes what the host sent
+//! and grants credit as it is written. The reader thread only moves bytes
+//! into a tunnel's inbox (bounded by the window it granted) and never
+//! blocks on a socket.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::io::{self, Read};
+use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, TcpStream};
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Duration;
+
+use runtime_proto::flow::{RecvWindow, SendWindow};
+use runtime_proto::{channel, FailCode, Reply, GUEST_STREAM};
+
+use crate::agent::Agent;
+use crate::sys::{errno, lock, log, log_limited, poll1, Fail, RateLimit};
+
+/// Tunnels open at once, both directions together; more are refused.
+pub const MAX_TUNNELS: usize = 512;
+/// Bytes read from a socket per frame.
+const CHUNK: usize = 64 * 1024;
+/// How long a connection into the guest may take.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+const STACK: usize = 256 * 1024;
+
+static REFUSED: RateLimit = RateLimit::new(Duration::from_secs(10), 3);
+
+#[derive(Default)]
+struct St {
+    /// What the host lets us send.
+    send: SendWindow,
+    /// What we let the host send, and what of it waits for the socket.
+    recv: RecvWindow,
+    inbox: VecDeque<Vec<u8>>,
+    /// The host sent `Eof`: shut down our write side after the inbox.
+    eof_in: bool,
+    aborted: bool,
+    read_done: bool,
+    write_done: bool,
+}
+
+pub struct Tunnel {
+    id: u32,
+    sock: TcpStream,
+    st: Mutex<St>,
+    cv: Condvar,
+}
+
+impl Tunnel {
+    fn wait<'a>(&self, g: std::sync::MutexGuard<'a, St>) -> std::sync::MutexGuard<'a, St> {
+        self.cv.wait(g).unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// Every open tunnel, by stream id.
+#[derive(Default)]
+pub struct Tunnels {
+    map: Mutex<HashMap<u32, Arc<Tunnel>>>,
+    next: AtomicU32,
+}
+
+impl Tunnels {
+    fn get(&self, id: u32) -> Option<Arc<Tunnel>> {
+        lock(&self.map).get(&id).cloned()
+    }
+
+    pub fn contains(&self, id: u32) -> bool {
+        lock(&self.map).contains_key(&id)
+    }
+
+    fn remove(&self, id: u32) {
+        lock(&self.map).remove(&id);
+    }
+
+    /// Registers a tunnel unless too many are open.
+    fn insert(&self, t: &Arc<Tunnel>) -> bool {
+        let mut m = lock(&self.map);
+        if m.len() >= MAX_TUNNELS || m.contains_key(&t.id) {
+            return false;
+        }
+        m.insert(t.id, Arc::clone(t));
+        true
+    }
+
+    fn full(&self) -> bool {
+        lock(&self.map).len() >= MAX_TUNNELS
+    }
+
+    /// A fresh id for a guest-opened stream.
+    fn fresh_id(&self) -> u32 {
+        let m = lock(&self.map);
+        loop {
+            let id = GUEST_STREAM | (self.next.fetch_add(1, Ordering::Relaxed) & !GUEST_STREAM);
+            if id != GUEST_STREAM && !m.contains_key(&id) {
+                return id;
+            }
+        }
+    }
+
+    /// Resets every tunnel (a new host connection): returns their ids.
+    pub fn reset_all(&self) -> HashSet<u32> {
+        let all: Vec<Arc<Tunnel>> = lock(&self.map).drain().map(|(_, t)| t).collect();
+        let ids = all.iter().map(|t| t.id).collect();
+        for t in all {
+            abort(None, &t);
+        }
+        ids
+    }
+}
+
+/// Ends a tunnel at once: its socket is reset (linger 0 on close) and its
+/// threads stop. With `tell`, the host hears `Close`.
+fn abort(tell: Option<&Agent>, t: &Tunnel) {
+    {
+        let mut st = lock(&t.st);
+        if st.aborted {
+            return;
+        }
+        st.aborted = true;
+        st.inbox.clear();
+    }
+    t.cv.notify_all();
+    let linger = libc::linger {
+        l_onoff: 1,
+        l_linger: 0,
+    };
+    // SAFETY: a valid linger struct on a socket we own.
+    unsafe {
+        libc::setsockopt(
+            t.sock.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_LINGER,
+            (&linger as *const libc::linger).cast(),
+            std::mem::size_of::<libc::linger>() as libc::socklen_t,
+        )
+    };
+    // Wakes a blocked read without sending FIN; the close (when the last
+    // thread lets go) sends the reset.
+    let _ = t.sock.shutdown(std::net::Shutdown::Read);
+    if let Some(agent) = tell {
+        agent.tunnels.remove(t.id);
+        agent.out.reply_late(t.id, &Reply::Close);
+    }
+}
+
+fn abort_and_forget(agent: &Agent, t: &Tunnel, tell: bool) {
+    agent.tunnels.remove(t.id);
+    if tell {
+        abort(Some(agent), t);
+    } else {
+        abort(None, t);
+    }
+}
+
+fn finish(agent: &Agent, t: &Tunnel, read: bool) {
+    let done = {
+        let mut st = lock(&t.st);
+        if read {
+            st.read_done = true;
+        } else {
+            st.write_done = true;
+        }
+        st.read_done && st.write_done && !st.aborted
+    };
+    if done {
+        agent.tunnels.remove(t.id);
+    }
+}
+
+/// Socket -> host, within the host's credit.
+fn up(agent: &Agent, t: &Tunnel) {
+    let mut buf = vec![0u8; CHUNK];
+    loop {
+        let want = {
+            let mut st = lock(&t.st);
+            while st.send.available() == 0 && !st.aborted {
+                st = t.wait(st);
+            }
+            if st.aborted {
+                return;
+            }
+            st.send.available().min(CHUNK)
+        };
+        match (&t.sock).read(&mut buf[..want]) {
+            Ok(n) => {
+                let mut st = lock(&t.st);
+                if st.aborted {
+                    return;
+                }
+                if n == 0 {
+                    drop(st);
+                    agent.out.reply(t.id, &Reply::Eof);
+                    finish(agent, t, true);
+                    return;
+                }
+                st.send.sent(n);
+                drop(st);
+                agent.out.data(t.id, channel::INPUT, &buf[..n]);
+            }
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(_) => {
+                if !lock(&t.st).aborted {
+                    abort_and_forget(agent, t, true);
+                }
+                return;
+            }
+        }
+    }
+}
+
+/// Writes all of `buf` unless the tunnel is aborted meanwhile (checked while
+/// the socket cannot take more, so a reader that never reads does not pin
+/// this thread).
+fn write_all(t: &Tunnel, mut buf: &[u8]) -> io::Result<()> {
+    let fd = t.sock.as_raw_fd();
+    while !buf.is_empty() {
+        // SAFETY: sends from a valid buffer; MSG_NOSIGNAL: EPIPE, no SIGPIPE.
+        let n = unsafe {
+            libc::send(
+                fd,
+                buf.as_ptr().cast(),
+                buf.len(),
+                libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
+            )
+        };
+        if n > 0 {
+            buf = &buf[n as usize..];
+            continue;
+        }
+        match errno() {
+            libc::EINTR => {}
+            libc::EAGAIN => {
+                if lock(&t.st).aborted {
+                    return Err(io::ErrorKind::ConnectionAborted.into());
+                }
+                let _ = poll1(fd, libc::POLLOUT, 250);
+            }
+            e => return Err(io::Error::from_raw_os_error(e)),
+        }
+    }
+    Ok(())
+}
+
+/// Host -> socket, granting credit as bytes are written.
+fn down(agent: &Agent, t: &Tunnel) {
+    loop {
+        let chunk = {
+            let mut st = lock(&t.st);
+            loop {
+                if st.aborted {
+                    return;
+                }
+                if let Some(c) = st.inbox.pop_front() {
+                    break c;
+                }
+                if st.eof_in {
+                    drop(st);
+                    let _ = t.sock.shutdown(std::net::Shutdown::Write);
+                    finish(agent, t, false);
+                    return;
+                }
+                st = t.wait(st);
+            }
+        };
+        if write_all(t, &chunk).is_err() {
+            if !lock(&t.st).aborted {
+                abort_and_forget(agent, t, true);
+            }
+            return;
+        }
+        let credit = lock(&t.st).recv.delivered(chunk.len());
+        if let Some(bytes) = credit {
+            agent.out.reply(t.id, &Reply::Credit { bytes });
+        }
+    }
+}
+
+/// Starts the pumps of a registered tunnel; resets it if that fails.
+fn run(agent: &Arc<Agent>, t: Arc<Tunnel>) {
+    for dir in ["up", "down"] {
+        let (a, tt) = (Arc::clone(agent), Arc::clone(&t));
+        let spawned = std::thread::Builder::new()
+            .name(format!("tunnel-{dir}"))
+            .stack_size(STACK)
+            .spawn(move || {
+                if dir == "up" {
+                    up(&a, &tt)
+                } else {
+                    down(&a, &tt)
+                }
+            });
+        if let Err(e) = spawned {
+            log!("cannot start a tunnel thread: {e}");
+            abort_and_forget(agent, &t, true);
+            return;
+        }
+    }
+}
+
+fn new_tunnel(id: u32, sock: TcpStream) -> Arc<Tunnel> {
+    let _ = sock.set_nodelay(true);
+    Arc::new(Tunnel {
+        id,
+        sock,
+        st: Mutex::new(St::default()),
+        cv: Condvar::new(),
+    })
+}
+
+/// [`Request::Connect`](runtime_proto::Request::Connect) on `stream`: on its
+/// own thread (a connect may take a while).
+pub fn connect(agent: &Arc<Agent>, stream: u32, port: u16) {
+    if agent.tunnels.full() {
+        let fail = Fail::new(FailCode::Io, "too many connections");
+        agent.out.reply_late(stream, &fail.reply());
+        return;
+    }
+    let a = Arc::clone(agent);
+    let spawned = std::thread::Builder::new()
+        .name("tunnel-connect".into())
+        .stack_size(STACK)
+        .spawn(move || {
+            let v4 = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
+            let v6 = SocketAddr::from((Ipv6Addr::LOCALHOST, port));
+            let sock = TcpStream::connect_timeout(&v4, CONNECT_TIMEOUT).or_else(|e| {
+                if e.kind() == io::ErrorKind::ConnectionRefused {
+                    TcpStream::connect_timeout(&v6, CONNECT_TIMEOUT).map_err(|_| e)
+                } else {
+                    Err(e)
+                }
+            });
+            let sock = match sock {
+                Ok(s) => s,
+                Err(e) => {
+                    let code = if e.kind() == io::ErrorKind::ConnectionRefused {
+                        FailCode::ConnectionRefused
+                    } else {
+                        FailCode::Io
+                    };
+                    let fail = Fail::new(code, format!("connect to port {port}: {e}"));
+                    a.out.reply(stream, &fail.reply());
+                    return;
+                }
+            };
+            let t = new_tunnel(stream, sock);
+            let credit = lock(&t.st).recv.open();
+            if !a.tunnels.insert(&t) {
+                abort(None, &t);
+                let fail = Fail::new(FailCode::Io, "too many connections or stream busy");
+                a.out.reply(stream, &fail.reply());
+                return;
+            }
+            a.out.reply(stream, &Reply::Done);
+            a.out.reply(stream, &Reply::Credit { bytes: credit });
+            run(&a, t);
+        });
+    if let Err(e) = spawned {
+        let fail = Fail::new(FailCode::Io, format!("cannot start a thread: {e}"));
+        agent.out.reply_late(stream, &fail.reply());
+    }
+}
+
+/// Data from the host for a tunnel.
+pub fn data(agent: &Agent, stream: u32, bytes: Vec<u8>) {
+    let Some(t) = agent.tunnels.get(stream) else {
+        unknown(agent, stream);
+        return;
+    };
+    let mut st = lock(&t.st);
+    if st.aborted {
+        return;
+    }
+    let ok = !st.eof_in && st.recv.received(bytes.len()).is_ok();
+    if ok {
+        if !bytes.is_empty() {
+            st.inbox.push_back(bytes);
+        }
+        drop(st);
+        t.cv.notify_all();
+    } else {
+        drop(st);
+        log_limited!(REFUSED, "the host overran tunnel {stream}; resetting it");
+        abort_and_forget(agent, &t, true);
+    }
+}
+
+/// A tunnel frame for a stream the agent does not know: a guest-opened
+/// stream that ended (or was reset by a new session) is answered `Close`,
+/// so the host side ends too; host-chosen ids are left alone (a crossing
+/// `Close` already ended them).
+fn unknown(agent: &Agent, stream: u32) {
+    if stream & GUEST_STREAM != 0 {
+        agent.out.reply_late(stream, &Reply::Close);
+    }
+}
+
+/// The host's `Credit`.
+pub fn credit(agent: &Agent, stream: u32, bytes: u32) {
+    let Some(t) = agent.tunnels.get(stream) else {
+        unknown(agent, stream);
+        return;
+    };
+    let ok = lock(&t.st).send.grant(bytes).is_ok();
+    t.cv.notify_all();
+    if !ok {
+        log_limited!(
+            REFUSED,
+            "the host over-granted tunnel {stream}; resetting it"
+        );
+        abort_and_forget(agent, &t, true);
+    }
+}
+
+/// The host's `Eof`.
+pub fn eof(agent: &Agent, stream: u32) {
+    let Some(t) = agent.tunnels.get(stream) else {
+        unknown(agent, stream);
+        return;
+    };
+    lock(&t.st).eof_in = true;
+    t.cv.notify_all();
+}
+
+/// The host's `Close`.
+pub fn close(agent: &Agent, stream: u32) {
+    if let Some(t) = agent.tunnels.get(stream) {
+        abort_and_forget(agent, &t, false);
+    }
+}
+
+/// Accepts connections to the proxy port on `addr`, each a guest-opened
+/// tunnel. Returns once the listener runs (or could not bind).
+pub fn listen(agent: &Arc<Agent>, addr: SocketAddr) {
+    let listener = match TcpListener::bind(addr) {
+        Ok(l) => l,
+        Err(e) => {
+            // [::1] is missing when the guest kernel has no IPv6.
+            if addr.is_ipv4() {
+                log!("cannot listen on {addr}: {e}");
+            }
+            return;
+        }
+    };
+    let a = Arc::clone(agent);
+    let spawned = std::thread::Builder::new()
+        .name("proxy-listen".into())
+        .stack_size(STACK)
+        .spawn(move || loop {
+            match listener.accept() {
+                Ok((sock, _)) => outbound(&a, sock),
+                Err(e) => {
+                    log_limited!(REFUSED, "accept on {addr}: {e}");
+                    // Out of fds or memory: let some tunnels end first.
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+            }
+        });
+    if let Err(e) = spawned {
+        log!("cannot start the proxy listener: {e}");
+    }
+}
+
+fn outbound(agent: &Arc<Agent>, sock: TcpStream) {
+    let t = new_tunnel(agent.tunnels.fresh_id(), sock);
+    let credit = lock(&t.st).recv.open();
+    if !agent.tunnels.insert(&t) {
+        log_limited!(REFUSED, "{MAX_TUNNELS} connections open: refusing another");
+        abort(None, &t);
+        return;
+    }
+    // Registered before it is announced: the host's credit finds it.
+    agent.out.reply(t.id, &Reply::Outbound);
+    agent.out.reply(t.id, &Reply::Credit { bytes: credit });
+    run(agent, t);
+}
