@@ -29,7 +29,7 @@ def run(sbx, command: str, **kw) -> tuple[int, str, str]:
 
 def curl(sbx, url: str, *extra: str) -> tuple[int, str]:
     """curl in the guest through the environment's proxy; (exit code, body or error)."""
-    code, out, err = run(sbx, f"curl -sS --max-time 30 {' '.join(extra)} '{url}'")
+    code, out, err = run(sbx, f"curl -sSf --max-time 30 {' '.join(extra)} \"{url}\"")
     return code, out if code == 0 else err
 
 
@@ -158,7 +158,7 @@ def test_pip_npm_and_git_work_through_the_proxy(net_sbx, server):
     assert code == 0 and out.strip().endswith("42"), out + err
     # git over HTTPS (the test servers' CA given to git for this clone)
     net_sbx.files.write("/tmp/test-ca.pem", server.egress.ca_pem.read_text())
-    code, out, err = run(net_sbx, "git -c http.sslCAInfo=/tmp/test-ca.pem clone -q https://example.com/git/repo.git "
+    code, out, err = run(net_sbx, "GIT_SSL_CAINFO=/tmp/test-ca.pem git clone -q https://example.com/git/repo.git "
                                   "/tmp/repo && cat /tmp/repo/README", timeout_ms=300_000)
     assert code == 0 and "cloned through the egress proxy" in out, out + err
 
@@ -185,7 +185,7 @@ def test_secrets_reach_their_hosts_and_never_the_guest(server, runtime):
 
             # The guest trusts its sandbox's CA: no -k here.
             code, body = curl(s, "https://api.example.org/echo/$E2E_PLAIN?k=$E2E_PLAIN",
-                              "-H 'x-api-key: $E2E_PLAIN'", "-d '$E2E_PLAIN'")
+                              '-H "x-api-key: $E2E_PLAIN"', '-d "$E2E_PLAIN"')
             assert code == 0, body
             seen = json.loads(body)
             assert seen["headers"]["authorization"] == f"Bearer {value}"
@@ -193,15 +193,15 @@ def test_secrets_reach_their_hosts_and_never_the_guest(server, runtime):
             assert seen["path"] == f"/echo/{value}-p?k={value}-p"
             assert seen["body"] == plain["placeholder"], "a body was rewritten"
             # Plain HTTP never carries a secret.
-            code, body = curl(s, "http://api.example.net/echo", "-H 'x-api-key: $E2E_PLAIN'")
+            code, body = curl(s, "http://api.example.net/echo", '-H "x-api-key: $E2E_PLAIN"')
             assert code == 0 and json.loads(body)["headers"]["x-api-key"] == plain["placeholder"]
             # Another host gets the placeholder.
-            code, body = curl(s, "https://example.com/echo", "-k", "-H 'x-api-key: $E2E_PLAIN'")
+            code, body = curl(s, "https://example.com/echo", "-k", '-H "x-api-key: $E2E_PLAIN"')
             assert code == 0 and json.loads(body)["headers"]["x-api-key"] == plain["placeholder"]
             # A new value reaches running sandboxes; the placeholder stays.
             again = runtime.secrets.set("E2E_PLAIN", value=value + "-q", hosts=["api.example.org"])
             assert again["placeholder"] == plain["placeholder"]
-            code, body = curl(s, "https://api.example.org/echo", "-H 'x-api-key: $E2E_PLAIN'")
+            code, body = curl(s, "https://api.example.org/echo", '-H "x-api-key: $E2E_PLAIN"')
             assert json.loads(body)["headers"]["x-api-key"] == value + "-q"
         listed = {x["name"]: x for x in runtime.secrets.list()}
         assert "E2E_TOKEN" in listed and value not in json.dumps(listed)

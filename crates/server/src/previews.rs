@@ -631,5 +631,7 @@ async fn forward(
             });
         }
     }
+    // The answer is ours to the client: our HTTP version, whatever the guest's.
+    *resp.version_mut() = axum::http::Version::HTTP_11;
     Ok(resp.map(Body::new))
 }
