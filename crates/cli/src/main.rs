@@ -92,11 +92,21 @@ struct NetArgs {
     /// for destinations, besides the system's. Repeatable.
     #[arg(long = "egress-test-root", value_name = "PEM")]
     egress_test_root: Vec<PathBuf>,
+    /// Serve HTTPS (the API and the previews) with this PEM certificate
+    /// chain; give a wildcard for `*.<preview domain>` to cover previews.
+    #[arg(long, value_name = "PEM", requires = "tls_key")]
+    tls_cert: Option<PathBuf>,
+    /// The certificate's private key (PEM).
+    #[arg(long, value_name = "PEM", requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
 }
 
 impl NetArgs {
     fn apply(&self, c: &mut runtime_server::Config) -> anyhow::Result<()> {
         c.preview_domain = self.preview_domain.trim_matches('.').to_ascii_lowercase();
+        if let (Some(cert), Some(key)) = (&self.tls_cert, &self.tls_key) {
+            c.tls = Some((cert.clone(), key.clone()));
+        }
         for m in &self.egress_test_map {
             let (name, addr) = m
                 .split_once('=')
@@ -378,9 +388,14 @@ async fn serve(
     let mut config = runtime_server::Config::new(data_dir.clone());
     net.apply(&mut config)?;
     config.prices = prices;
+    let scheme = if config.tls.is_some() {
+        "https"
+    } else {
+        "http"
+    };
     let server = runtime_server::run(listener, config, Arc::new(host), shutdown_signal());
     println!(
-        "runtime: listening on http://{addr} (data dir {})",
+        "runtime: listening on {scheme}://{addr} (data dir {})",
         data_dir.display()
     );
     server.await?;

@@ -19,6 +19,7 @@ mod sandboxes;
 mod secrets;
 mod snapshots;
 mod store;
+mod tls;
 mod util;
 mod ws;
 
@@ -63,6 +64,8 @@ pub struct Config {
     pub preview_port: u16,
     /// The egress proxy's settings (its test-only host map among them).
     pub egress: runtime_egress::EgressConfig,
+    /// Serve HTTPS with this certificate chain and key (PEM files).
+    pub tls: Option<(PathBuf, PathBuf)>,
     /// What running, paused and kept sandboxes cost (docs/billing.md).
     pub prices: Prices,
 }
@@ -81,6 +84,7 @@ impl Config {
             preview_domain: "localhost".into(),
             preview_port: 0,
             egress: runtime_egress::EgressConfig::default(),
+            tls: None,
             prices: Prices::default(),
         }
     }
@@ -304,20 +308,40 @@ pub async fn run(
     if config.preview_port == 0 {
         config.preview_port = listener.local_addr().map(|a| a.port()).unwrap_or(0);
     }
+    let tls = match &config.tls {
+        Some((cert, key)) => Some(tls::load(cert, key)?),
+        None => None,
+    };
     let store = open_store(&config.data_dir)?;
     let state = AppState::new(config, store, host);
     recover(&state).await?;
     state.start_background();
     let app = router(state.clone());
     let cancel = state.inner.cancel.clone();
-    let result = axum::serve(listener, app)
-        .with_graceful_shutdown(async move {
-            shutdown.await;
-            // Ends long streams so the graceful shutdown can finish.
-            cancel.cancel();
-        })
-        .await
-        .map_err(ServerError::Serve);
+    let stop = async move {
+        shutdown.await;
+        // Ends long streams so the graceful shutdown can finish.
+        cancel.cancel();
+    };
+    let result = match tls {
+        Some(cfg) => {
+            let listener =
+                tls::TlsListener::new(listener, cfg).map_err(|source| ServerError::Io {
+                    op: "listen",
+                    path: "the TLS listener".into(),
+                    source,
+                })?;
+            axum::serve(listener, app)
+                .with_graceful_shutdown(stop)
+                .await
+        }
+        None => {
+            axum::serve(listener, app)
+                .with_graceful_shutdown(stop)
+                .await
+        }
+    }
+    .map_err(ServerError::Serve);
     state.shutdown().await;
     result
 }

@@ -163,9 +163,15 @@ impl Stored {
 fn base_url(st: &AppState, sandbox: &str, port: u16) -> String {
     let c = st.config();
     let host = format!("{port}-{sandbox}.{}", c.preview_domain);
+    let (scheme, default_port) = if c.tls.is_some() {
+        ("https", 443)
+    } else {
+        ("http", 80)
+    };
     match c.preview_port {
-        0 | 80 => format!("http://{host}/"),
-        p => format!("http://{host}:{p}/"),
+        0 => format!("{scheme}://{host}/"),
+        p if p == default_port => format!("{scheme}://{host}/"),
+        p => format!("{scheme}://{host}:{p}/"),
     }
 }
 

@@ -569,3 +569,79 @@ async fn guest_connections_follow_the_rules_and_a_change_cuts_open_ones() {
         "data still flows after the deny: {r:?}"
     );
 }
+
+#[tokio::test]
+async fn the_api_and_previews_are_served_over_tls_with_the_operators_certificate() {
+    let dir = std::env::temp_dir().join(format!("rt-tls-test-{}", uuid::Uuid::new_v4()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let admin = ensure_admin_key(&dir).unwrap().unwrap();
+    let cert =
+        rcgen::generate_simple_self_signed(vec!["localhost".into(), "*.localhost".into()]).unwrap();
+    std::fs::write(dir.join("cert.pem"), cert.cert.pem()).unwrap();
+    std::fs::write(dir.join("key.pem"), cert.key_pair.serialize_pem()).unwrap();
+    let mut config = Config::new(&dir);
+    config.tls = Some((dir.join("cert.pem"), dir.join("key.pem")));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(runtime_server::run(
+        listener,
+        config,
+        Arc::new(FakeHost::default()),
+        async move {
+            let _ = stop_rx.await;
+        },
+    ));
+
+    let mut roots = rustls::RootCertStore::empty();
+    roots.add(cert.cert.der().clone()).unwrap();
+    let client = rustls::ClientConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .unwrap()
+    .with_root_certificates(roots)
+    .with_no_client_auth();
+    let connector = tokio_rustls::TlsConnector::from(Arc::new(client));
+    let get = |host: String, path: &'static str, key: Option<String>| {
+        let connector = connector.clone();
+        async move {
+            let tcp = tokio::net::TcpStream::connect(("127.0.0.1", port))
+                .await
+                .unwrap();
+            let name = rustls::pki_types::ServerName::try_from("localhost").unwrap();
+            let mut tls = connector.connect(name, tcp).await.unwrap();
+            let auth = key
+                .map(|k| format!("authorization: Bearer {k}\r\n"))
+                .unwrap_or_default();
+            tls.write_all(
+                format!("GET {path} HTTP/1.1\r\nhost: {host}\r\n{auth}connection: close\r\n\r\n")
+                    .as_bytes(),
+            )
+            .await
+            .unwrap();
+            let mut out = Vec::new();
+            let _ = tls.read_to_end(&mut out).await;
+            String::from_utf8_lossy(&out).to_string()
+        }
+    };
+    let api = get(format!("localhost:{port}"), "/v1/sandboxes", Some(admin)).await;
+    assert!(api.starts_with("HTTP/1.1 200"), "{api}");
+    let preview = get(format!("3000-abc.localhost:{port}"), "/", None).await;
+    assert!(preview.starts_with("HTTP/1.1 404"), "{preview}");
+    assert!(preview.contains("preview_not_found"), "{preview}");
+    // Plain HTTP on the TLS port gets nowhere.
+    let mut plain = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .unwrap();
+    plain
+        .write_all(b"GET /v1/sandboxes HTTP/1.1\r\nhost: x\r\n\r\n")
+        .await
+        .unwrap();
+    let mut out = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(15), plain.read_to_end(&mut out)).await;
+    assert!(!String::from_utf8_lossy(&out).contains("HTTP/1.1 200"));
+    let _ = stop_tx.send(());
+    server.await.unwrap().unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+}
