@@ -1296,7 +1296,10 @@ async fn tunnels_carry_tcp_into_and_out_of_the_guest() {
         None,
     )
     .await;
-    assert!(out.lines().all(|l| l == "lo" || l == "lo:"), "{out}");
+    assert!(
+        out.lines().any(|l| l == "lo") && out.lines().all(|l| l == "lo" || l == "lo:"),
+        "{out}"
+    );
     let (out, _, _) = run(
         h,
         id,
@@ -1312,14 +1315,8 @@ async fn tunnels_carry_tcp_into_and_out_of_the_guest() {
         id,
         &[
             "env",
-            "-u",
-            "http_proxy",
-            "-u",
-            "HTTP_PROXY",
-            "-u",
-            "ALL_PROXY",
-            "-u",
-            "all_proxy",
+            "-i",
+            "PATH=/usr/bin:/bin",
             "curl",
             "-sS",
             "--max-time",
