@@ -916,6 +916,7 @@ impl Host for QemuHost {
             fn drop(&mut self) {
                 if let Some(s) = self.0.take() {
                     let _ = s.send(&Request::Close);
+                    s.ended();
                 }
             }
         }
