@@ -64,6 +64,8 @@ impl Tunnel {
 pub struct Tunnels {
     map: Mutex<HashMap<u32, Arc<Tunnel>>>,
     next: AtomicU32,
+    /// Connects under way, and whether the host gave up on them (`Close`).
+    connecting: Mutex<HashMap<u32, bool>>,
 }
 
 impl Tunnels {
@@ -322,6 +324,7 @@ pub fn connect(agent: &Arc<Agent>, stream: u32, port: u16) {
         agent.out.reply_late(stream, &fail.reply());
         return;
     }
+    lock(&agent.tunnels.connecting).insert(stream, false);
     let a = Arc::clone(agent);
     let spawned = std::thread::Builder::new()
         .name("tunnel-connect".into())
@@ -336,6 +339,13 @@ pub fn connect(agent: &Arc<Agent>, stream: u32, port: u16) {
                     Err(e)
                 }
             });
+            // The host gave up meanwhile: nobody to answer, nothing to keep.
+            if lock(&a.tunnels.connecting).remove(&stream) == Some(true) {
+                if let Ok(s) = sock {
+                    abort(None, &new_tunnel(stream, s));
+                }
+                return;
+            }
             let sock = match sock {
                 Ok(s) => s,
                 Err(e) => {
@@ -362,6 +372,7 @@ pub fn connect(agent: &Arc<Agent>, stream: u32, port: u16) {
             run(&a, t);
         });
     if let Err(e) = spawned {
+        lock(&agent.tunnels.connecting).remove(&stream);
         let fail = Fail::new(FailCode::Io, format!("cannot start a thread: {e}"));
         agent.out.reply_late(stream, &fail.reply());
     }
@@ -432,6 +443,8 @@ pub fn eof(agent: &Agent, stream: u32) {
 pub fn close(agent: &Agent, stream: u32) {
     if let Some(t) = agent.tunnels.get(stream) {
         abort_and_forget(agent, &t, false);
+    } else if let Some(cancelled) = lock(&agent.tunnels.connecting).get_mut(&stream) {
+        *cancelled = true;
     }
 }
 

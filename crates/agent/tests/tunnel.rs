@@ -151,3 +151,52 @@ fn outbound_connections_become_guest_streams_and_reset_on_a_new_session() {
     a.send(s2, &Request::Credit { bytes: 1 });
     assert_eq!(a.reply(s2), Reply::Close);
 }
+
+#[test]
+fn tunnels_beyond_the_cap_are_refused_until_some_end() {
+    const MAX: usize = 512;
+    let port = free_port();
+    let mut a = Agent::start_with(&["--proxy-port", &port.to_string()]);
+    a.hello_session(1);
+    let connect = || loop {
+        match TcpStream::connect(("127.0.0.1", port)) {
+            Ok(c) => break c,
+            Err(_) => std::thread::sleep(std::time::Duration::from_millis(20)),
+        }
+    };
+    let mut open = Vec::new();
+    let mut announced = std::collections::HashSet::new();
+    for _ in 0..MAX {
+        open.push(connect());
+    }
+    while announced.len() < MAX {
+        let f = a.next_any();
+        if let Ok(Reply::Outbound) = f.parse::<Reply>() {
+            announced.insert(f.stream);
+        }
+    }
+    // One more is reset at once (after its accept), and never announced.
+    let mut extra = connect();
+    extra
+        .set_read_timeout(Some(std::time::Duration::from_secs(10)))
+        .unwrap();
+    let mut buf = [0u8; 1];
+    let r = extra.read(&mut buf);
+    assert!(
+        matches!(r, Ok(0))
+            || r.as_ref()
+                .is_err_and(|e| e.kind() == std::io::ErrorKind::ConnectionReset),
+        "{r:?}"
+    );
+    // A new session frees them all; a new connection is taken again.
+    a.hello_session(2);
+    let _again = connect();
+    loop {
+        let f = a.next_any();
+        if let Ok(Reply::Outbound) = f.parse::<Reply>() {
+            assert!(!announced.contains(&f.stream));
+            break;
+        }
+    }
+    drop(open);
+}

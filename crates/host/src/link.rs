@@ -192,6 +192,13 @@ pub(crate) struct StreamSender {
 }
 
 impl StreamSender {
+    /// As [`Stream::ended`].
+    pub fn ended(&self) {
+        if let Ok(mut e) = self.link.ended.lock() {
+            e.add(self.id);
+        }
+    }
+
     pub fn send(&self, req: &Request) -> Result<(), LinkError> {
         self.link
             .send_frame(Frame::control(self.id, req).map_err(LinkError::Encode)?)

@@ -669,12 +669,23 @@ async fn resume_loaded(paths: &VmPaths) -> Result<(), QmpError> {
 
 /// Turns an exec stream into an [`ExecHandle`]: guest frames become events,
 /// controls become frames.
-fn pump(mut stream: crate::link::Stream, pid: u32) -> ExecHandle {
+fn pump(stream: crate::link::Stream, pid: u32) -> ExecHandle {
+    pump_after(stream, pid, Vec::new())
+}
+
+/// [`pump`], with output that arrived before the reply that started it (an
+/// attach receives what the agent held across a pause first).
+fn pump_after(mut stream: crate::link::Stream, pid: u32, early: Vec<ExecEvent>) -> ExecHandle {
     let token = u64::from(stream.id);
     let (ev_tx, ev_rx) = mpsc::channel(64);
     let (ctl_tx, mut ctl_rx) = mpsc::channel::<ExecControl>(64);
     let sender = stream.sender();
     tokio::spawn(async move {
+        for ev in early {
+            if ev_tx.send(ev).await.is_err() {
+                break;
+            }
+        }
         let mut ctl_open = true;
         loop {
             tokio::select! {
@@ -905,6 +916,7 @@ impl Host for QemuHost {
             fn drop(&mut self) {
                 if let Some(s) = self.0.take() {
                     let _ = s.send(&Request::Close);
+                    s.ended();
                 }
             }
         }
@@ -1075,8 +1087,24 @@ impl Host for QemuHost {
         })?;
         let mut stream = link.open_at(sid).map_err(|_| lost())?;
         stream.send(&Request::Attach).map_err(|_| lost())?;
-        match stream.reply().await.map_err(|_| lost())? {
-            Reply::Started { pid } => Ok(pump(stream, pid)),
+        // Output the agent held across a pause may come before the answer.
+        let mut early = Vec::new();
+        let reply = loop {
+            match stream.recv().await.ok_or_else(lost)? {
+                Incoming::Reply(r) => break r,
+                Incoming::Data {
+                    channel: channel::STDOUT,
+                    bytes,
+                } => early.push(ExecEvent::Stdout(bytes)),
+                Incoming::Data {
+                    channel: channel::STDERR,
+                    bytes,
+                } => early.push(ExecEvent::Stderr(bytes)),
+                Incoming::Data { .. } => {}
+            }
+        };
+        match reply {
+            Reply::Started { pid } => Ok(pump_after(stream, pid, early)),
             Reply::Exited {
                 exit_code,
                 signal,

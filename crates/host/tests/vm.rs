@@ -1263,7 +1263,7 @@ async fn tunnels_carry_tcp_into_and_out_of_the_guest() {
     let held = egress.held.load(Ordering::SeqCst);
     eprintln!("a guest that never reads took {held} bytes");
     assert!(
-        held < 24 << 20,
+        held < 16 << 20,
         "{held} bytes were taken from a writer the guest never reads"
     );
     let (out, _, st) = run(h, id, &["echo", "still here"], RunAs::Sandbox, None).await;
@@ -1296,7 +1296,10 @@ async fn tunnels_carry_tcp_into_and_out_of_the_guest() {
         None,
     )
     .await;
-    assert!(out.lines().all(|l| l == "lo" || l == "lo:"), "{out}");
+    assert!(
+        out.lines().any(|l| l == "lo") && out.lines().all(|l| l == "lo" || l == "lo:"),
+        "{out}"
+    );
     let (out, _, _) = run(
         h,
         id,
@@ -1312,14 +1315,8 @@ async fn tunnels_carry_tcp_into_and_out_of_the_guest() {
         id,
         &[
             "env",
-            "-u",
-            "http_proxy",
-            "-u",
-            "HTTP_PROXY",
-            "-u",
-            "ALL_PROXY",
-            "-u",
-            "all_proxy",
+            "-i",
+            "PATH=/usr/bin:/bin",
             "curl",
             "-sS",
             "--max-time",
