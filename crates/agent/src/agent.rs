@@ -388,7 +388,7 @@ fn setup(
 }
 
 /// The sandbox's CA, on its own (`NODE_EXTRA_CA_CERTS`).
-pub const CA_FILE: &str = "/usr/local/share/ca-certificates/runtime-sandbox.crt";
+pub const CA_FILE: &str = "/usr/local/share/ca-certificates/runtime-egress.crt";
 /// The bundle every TLS client reads (`SSL_CERT_FILE` and friends).
 pub const CA_BUNDLE: &str = "/etc/ssl/certs/ca-certificates.crt";
 /// The image's own bundle, kept on first use so the CA is replaced, never appended twice.

@@ -1349,7 +1349,7 @@ async fn tunnels_carry_tcp_into_and_out_of_the_guest() {
     assert_eq!(lines[0], "/etc/ssl/certs/ca-certificates.crt");
     assert_eq!(
         lines[1],
-        "/usr/local/share/ca-certificates/runtime-sandbox.crt"
+        "/usr/local/share/ca-certificates/runtime-egress.crt"
     );
     let count = |l: &str| l.rsplit(':').next().unwrap().parse::<u32>().unwrap();
     assert_eq!(count(lines[3]), count(lines[2]) + 1, "{out}");

@@ -82,7 +82,7 @@ pub enum Request {
         #[serde(default)]
         entropy: Vec<u8>,
         /// The sandbox's CA certificate (PEM): the agent installs it as
-        /// `/usr/local/share/ca-certificates/runtime-sandbox.crt` and rebuilds
+        /// `/usr/local/share/ca-certificates/runtime-egress.crt` and rebuilds
         /// `/etc/ssl/certs/ca-certificates.crt` as the pristine system bundle
         /// plus this CA (a later Setup replaces it, never appends).
         #[serde(default)]
