@@ -81,7 +81,12 @@ impl TestCa {
     }
 }
 
-async fn record(log: Log, req: Request<Incoming>) -> Response<Full<Bytes>> {
+async fn record(log: Log, mut req: Request<Incoming>) -> Response<Full<Bytes>> {
+    // A protocol switch: answer 101, then echo the raw bytes.
+    let upgrade = req
+        .headers()
+        .contains_key("upgrade")
+        .then(|| hyper::upgrade::on(&mut req));
     let (parts, body) = req.into_parts();
     let body = body
         .collect()
@@ -95,6 +100,20 @@ async fn record(log: Log, req: Request<Incoming>) -> Response<Full<Bytes>> {
         headers: parts.headers,
         body,
     });
+    if let Some(upgrade) = upgrade {
+        tokio::spawn(async move {
+            if let Ok(up) = upgrade.await {
+                let (mut r, mut w) = tokio::io::split(TokioIo::new(up));
+                let _ = tokio::io::copy(&mut r, &mut w).await;
+            }
+        });
+        return Response::builder()
+            .status(101)
+            .header("connection", "upgrade")
+            .header("upgrade", "websocket")
+            .body(Full::new(Bytes::new()))
+            .unwrap();
+    }
     Response::new(Full::new(Bytes::from(format!("seen {uri}"))))
 }
 
@@ -148,6 +167,7 @@ pub async fn https_server(ca: &TestCa, names: &[&str]) -> (SocketAddr, Log) {
                 });
                 let _ = hyper::server::conn::http1::Builder::new()
                     .serve_connection(TokioIo::new(tls), svc)
+                    .with_upgrades()
                     .await;
             });
         }
