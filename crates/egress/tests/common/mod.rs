@@ -39,7 +39,7 @@ pub type Log = Arc<Mutex<Vec<Seen>>>;
 /// A CA for test destinations, and certificates it signs.
 pub struct TestCa {
     cert: rcgen::Certificate,
-    key: KeyPair,
+    issuer: rcgen::Issuer<'static, KeyPair>,
 }
 
 impl TestCa {
@@ -49,7 +49,10 @@ impl TestCa {
         p.distinguished_name.push(DnType::CommonName, name);
         p.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
         let cert = p.self_signed(&key).unwrap();
-        Self { cert, key }
+        Self {
+            cert,
+            issuer: rcgen::Issuer::new(p, key),
+        }
     }
 
     pub fn pem(&self) -> String {
@@ -64,7 +67,7 @@ impl TestCa {
         let key = KeyPair::generate().unwrap();
         let p = CertificateParams::new(names.iter().map(|s| s.to_string()).collect::<Vec<_>>())
             .unwrap();
-        let cert = p.signed_by(&key, &self.cert, &self.key).unwrap();
+        let cert = p.signed_by(&key, &self.issuer).unwrap();
         let mut cfg = rustls::ServerConfig::builder_with_provider(Arc::new(
             rustls::crypto::ring::default_provider(),
         ))
