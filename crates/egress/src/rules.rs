@@ -791,6 +791,50 @@ mod tests {
     }
 
     #[test]
+    fn own_addresses_refused_and_test_stand_ins_exempt() {
+        let p = Policy::open();
+        let own: IpAddr = "203.0.113.5".parse().unwrap();
+        let special = Special {
+            own: vec![own],
+            exempt: vec![],
+        };
+        assert!(matches!(
+            p.check(
+                &Host::parse("example.com"),
+                443,
+                Addrs::Known(&[own]),
+                &special
+            ),
+            Err(Refusal::Internal { .. })
+        ));
+        let mapped: IpAddr = "::ffff:203.0.113.5".parse().unwrap();
+        assert!(p
+            .check(&Host::Ip(mapped), 443, Addrs::Known(&[mapped]), &special)
+            .is_err());
+        let local: IpAddr = "127.0.0.1".parse().unwrap();
+        let test = Special {
+            own: vec![],
+            exempt: vec![local],
+        };
+        assert!(p
+            .check(
+                &Host::parse("example.com"),
+                443,
+                Addrs::Known(&[local]),
+                &test
+            )
+            .is_ok());
+        assert!(p
+            .check(
+                &Host::parse("example.com"),
+                443,
+                Addrs::Known(&[local]),
+                &Special::default()
+            )
+            .is_err());
+    }
+
+    #[test]
     fn off_refuses_everything() {
         let p = rules(false, &[], &[], &[]);
         assert_eq!(
