@@ -10,7 +10,9 @@ use std::path::Path;
 use std::sync::Arc;
 
 use common::*;
-use runtime_egress::{make_placeholder, EgressConfig, Policy, SandboxNet, Secret, SecretValue};
+use runtime_egress::{
+    make_placeholder, EgressConfig, Policy, SandboxCa, SandboxNet, Secret, SecretValue,
+};
 use tokio::net::TcpListener;
 use tokio::process::Command;
 
@@ -69,7 +71,7 @@ async fn curl_and_python_work_through_the_proxy() {
     let (api, api_log) = https_server(&ca, &["api.example.com"]).await;
     let (other, other_log) = https_server(&ca, &["other.example.org"]).await;
     let (plain, plain_log) = http_server().await;
-    let sbx = Sandbox::new(
+    let mut sbx = Sandbox::new(
         EgressConfig {
             test_hosts: vec![
                 ("api.example.com".into(), api),
@@ -81,6 +83,9 @@ async fn curl_and_python_work_through_the_proxy() {
         },
         Policy::open(),
     );
+    // The CA as the server would load it back after a restart: OpenSSL-based
+    // clients match the leaf's issuer by name and key identifier.
+    sbx.ca = Arc::new(SandboxCa::from_pem(sbx.ca.cert_pem(), sbx.ca.key_pem()).unwrap());
     let placeholder = make_placeholder();
     sbx.secrets.send_replace(Arc::new(vec![Secret {
         name: "API_KEY".into(),
