@@ -10,13 +10,12 @@ use std::path::Path;
 use std::sync::Arc;
 
 use common::*;
-use runtime_egress::{
-    make_placeholder, EgressConfig, Policy, SandboxCa, SandboxNet, Secret, SecretValue,
-};
+use runtime_egress::{make_placeholder, EgressConfig, SandboxCa, SandboxNet, Secret, SecretValue};
 use tokio::net::TcpListener;
 use tokio::process::Command;
 
 const VALUE: &str = "real-value-for-clients";
+const ALLOW: &str = r#"{"internet":true,"allow":["*.example.com","*.example.org"]}"#;
 
 /// Serves every connection to a local port with the sandbox's proxy.
 async fn listen(sbx: &Sandbox) -> SocketAddr {
@@ -81,7 +80,9 @@ async fn curl_and_python_work_through_the_proxy() {
             extra_roots: vec![ca.der()],
             ..EgressConfig::default()
         },
-        Policy::open(),
+        // Only the stand-ins: nothing a client does on the side (npm's update
+        // check) leaves this machine.
+        policy(ALLOW),
     );
     // The CA as the server would load it back after a restart: OpenSSL-based
     // clients match the leaf's issuer by name and key identifier.
@@ -148,7 +149,7 @@ async fn curl_and_python_work_through_the_proxy() {
     .await;
     assert!(!ok);
     assert!(out.contains("403"), "{out}");
-    sbx.policy.send_replace(Arc::new(Policy::open()));
+    sbx.policy.send_replace(Arc::new(policy(ALLOW)));
 
     // Python's urllib with the usual environment variables.
     let script = format!(
@@ -207,7 +208,8 @@ async fn curl_and_python_work_through_the_proxy() {
             "0",
         ])
         .env("HOME", home)
-        .env("npm_config_cache", home))
+        .env("npm_config_cache", home)
+        .env("npm_config_update_notifier", "false"))
     .await;
     let uris: Vec<String> = api_log
         .lock()
