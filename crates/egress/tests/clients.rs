@@ -168,19 +168,27 @@ async fn curl_and_python_work_through_the_proxy() {
     .await;
     assert!(ok, "{out}");
     assert_eq!(out, "seen /py?k=real-value-for-clients seen /py");
-    // And requests, with its own CA variable.
+    // And requests, with its own CA variable, where the machine's Python has
+    // it (it is not in the standard library; urllib above always runs).
+    let has_requests = run(Command::new("python3").args(["-c", "import requests"]))
+        .await
+        .0;
     let script = format!(
         "import requests\n\
          print(requests.get('https://api.example.com/rq', headers={{'X-Key': '{placeholder}'}}).text, end='')\n"
     );
-    let (ok, out) = run(Command::new("python3")
-        .args(["-c", &script])
-        .env("HTTPS_PROXY", &http_proxy)
-        .env("NO_PROXY", "")
-        .env("REQUESTS_CA_BUNDLE", &bundle))
-    .await;
-    assert!(ok, "{out}");
-    assert_eq!(out, "seen /rq");
+    if has_requests {
+        let (ok, out) = run(Command::new("python3")
+            .args(["-c", &script])
+            .env("HTTPS_PROXY", &http_proxy)
+            .env("NO_PROXY", "")
+            .env("REQUESTS_CA_BUNDLE", &bundle))
+        .await;
+        assert!(ok, "{out}");
+        assert_eq!(out, "seen /rq");
+    } else {
+        eprintln!("python3 has no requests module: only urllib was run");
+    }
 
     // git and npm: the destination is no git server or registry, so they
     // fail after the request; what counts is that it arrived, intercepted.
@@ -233,8 +241,10 @@ async fn curl_and_python_work_through_the_proxy() {
         format!("Bearer {VALUE}")
     );
     assert!(api_seen.iter().all(|s| !s.uri.contains("/refused")));
-    let rq = api_seen.iter().find(|s| s.uri == "/rq").unwrap();
-    assert_eq!(rq.headers["x-key"], VALUE);
+    if has_requests {
+        let rq = api_seen.iter().find(|s| s.uri == "/rq").unwrap();
+        assert_eq!(rq.headers["x-key"], VALUE);
+    }
     assert_eq!(other_log.lock().unwrap().len(), 1);
     assert_eq!(plain_log.lock().unwrap().len(), 3);
     let _ = std::fs::remove_dir_all(&dir);
