@@ -501,3 +501,43 @@ async fn server_first_protocols_wait_for_a_late_client() {
         .unwrap();
     assert_eq!(&b, b"late");
 }
+
+#[tokio::test]
+async fn random_bytes_never_panic_or_hang() {
+    use rand::{Rng, SeedableRng};
+    let sbx = Sandbox::new(
+        EgressConfig {
+            handshake_timeout: Duration::from_millis(200),
+            ..EgressConfig::default()
+        },
+        policy(r#"{"internet":false}"#),
+    );
+    let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+    let starts: [&[u8]; 5] = [
+        &[5],
+        &[5, 1, 0, 5, 1, 0],
+        b"CONNECT ",
+        b"GET http://",
+        &[0x16, 3, 1],
+    ];
+    for case in 0..300 {
+        let mut bytes = starts[case % starts.len()].to_vec();
+        let n = rng.gen_range(0..600);
+        bytes.extend((0..n).map(|_| rng.gen::<u8>()));
+        let (mut guest, host) = tokio::io::duplex(64 * 1024);
+        let net = runtime_egress::SandboxNet {
+            sandbox_id: "sbx-fuzz".into(),
+            policy: sbx.policy.subscribe(),
+            secrets: sbx.secrets.subscribe(),
+            ca: sbx.ca.clone(),
+        };
+        let egress = sbx.egress.clone();
+        let task = tokio::spawn(async move { egress.serve(host, net).await });
+        let _ = guest.write_all(&bytes).await;
+        let _ = guest.shutdown().await;
+        let mut sink = Vec::new();
+        let _ = tokio::time::timeout(WAIT, guest.read_to_end(&mut sink)).await;
+        let joined = tokio::time::timeout(WAIT, task).await;
+        assert!(matches!(joined, Ok(Ok(()))), "case {case}: {bytes:?}");
+    }
+}
