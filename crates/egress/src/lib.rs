@@ -29,7 +29,10 @@ use tokio::sync::watch;
 
 pub use ca::SandboxCa;
 pub use error::EgressError;
-pub use rules::{is_internal, Issue, Policy, Refusal, Rules, MAX_ENTRIES, WEB_PORTS};
+pub use rules::{
+    is_forbidden_port, is_internal, Issue, Policy, Refusal, Rules, FORBIDDEN_PORTS, MAX_ENTRIES,
+    WEB_PORTS,
+};
 pub use secrets::{make_placeholder, Secret, SecretRule, SecretValue, PLACEHOLDER_PREFIX};
 
 /// How the proxy runs. `Default` is what production uses.

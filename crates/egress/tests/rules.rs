@@ -146,6 +146,13 @@ async fn ports_beyond_web_ports_need_connect() {
     let mut b = [0u8; 4];
     g.read_exact(&mut b).await.unwrap();
     assert_eq!(&b, b"ping");
+    // Mail, telnet, SMB and the like stay closed even when a pair names them.
+    sbx.set_policy(policy(
+        r#"{"internet":true,"allow":["example.net"],"connect":["example.com:8080","example.com:25"]}"#,
+    ));
+    let (a, _) = connect(&sbx, "example.com:25").await.unwrap();
+    assert_eq!(a.status, 403);
+    assert!(a.body.contains("never open"), "{}", a.body);
     // The pair opens that port only, and allow still narrows the web ports.
     assert_eq!(
         connect(&sbx, "example.com:8081").await.unwrap().0.status,
