@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use rcgen::{
-    BasicConstraints, Certificate, CertificateParams, DistinguishedName, DnType, IsCa, KeyPair,
+    BasicConstraints, CertificateParams, DistinguishedName, DnType, IsCa, Issuer, KeyPair,
     KeyUsagePurpose, SanType,
 };
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
@@ -24,8 +24,7 @@ pub struct SandboxCa {
     key_pem: String,
     cert_der: CertificateDer<'static>,
     /// The issuer as rcgen signs with it: the CA's fixed name and its key.
-    issuer: Certificate,
-    key: KeyPair,
+    issuer: Issuer<'static, KeyPair>,
     leaves: Mutex<HashMap<String, Arc<ServerConfig>>>,
 }
 
@@ -64,7 +63,7 @@ impl SandboxCa {
             .map_err(EgressError::Certificate)?;
         let cert_pem = cert.pem();
         let key_pem = key.serialize_pem();
-        Self::assemble(cert_pem, key_pem, cert.der().clone(), cert, key)
+        Self::assemble(cert_pem, key_pem, cert.der().clone(), key)
     }
 
     /// A CA persisted earlier ([`SandboxCa::cert_pem`], [`SandboxCa::key_pem`]).
@@ -76,14 +75,10 @@ impl SandboxCa {
         if !der.windows(spki.len()).any(|w| w == spki) {
             return Err(EgressError::CaMismatch);
         }
-        let issuer = ca_params()
-            .self_signed(&key)
-            .map_err(EgressError::Certificate)?;
         Self::assemble(
             cert_pem.to_owned(),
             key_pem.to_owned(),
             CertificateDer::from(der),
-            issuer,
             key,
         )
     }
@@ -92,15 +87,13 @@ impl SandboxCa {
         cert_pem: String,
         key_pem: String,
         cert_der: CertificateDer<'static>,
-        issuer: Certificate,
         key: KeyPair,
     ) -> Result<Self, EgressError> {
         Ok(Self {
             cert_pem,
             key_pem,
             cert_der,
-            issuer,
-            key,
+            issuer: Issuer::new(ca_params(), key),
             leaves: Mutex::new(HashMap::new()),
         })
     }
@@ -145,7 +138,7 @@ impl SandboxCa {
         params.not_before = now - Duration::days(1);
         params.not_after = now + Duration::days(90);
         let leaf = params
-            .signed_by(&key, &self.issuer, &self.key)
+            .signed_by(&key, &self.issuer)
             .map_err(EgressError::Certificate)?;
         let chain = vec![leaf.der().clone(), self.cert_der.clone()];
         let key = PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key.serialize_der()));

@@ -29,7 +29,10 @@ use tokio::sync::watch;
 
 pub use ca::SandboxCa;
 pub use error::EgressError;
-pub use rules::{is_internal, Issue, Policy, Refusal, Rules, MAX_ENTRIES, WEB_PORTS};
+pub use rules::{
+    is_forbidden_port, is_internal, Issue, Policy, Refusal, Rules, FORBIDDEN_PORTS, MAX_ENTRIES,
+    WEB_PORTS,
+};
 pub use secrets::{make_placeholder, Secret, SecretRule, SecretValue, PLACEHOLDER_PREFIX};
 
 /// How the proxy runs. `Default` is what production uses.
@@ -66,9 +69,15 @@ impl Default for EgressConfig {
 /// One sandbox's view of the network: its rules, its secrets and its CA.
 #[derive(Debug, Clone)]
 pub struct SandboxNet {
+    /// Named in every log line about this sandbox's connections.
     pub sandbox_id: String,
+    /// The rules now. Each change is applied to open connections at once;
+    /// dropping the sender closes every connection of the sandbox.
     pub policy: watch::Receiver<Arc<Policy>>,
+    /// The secrets the sandbox may use. Interception is decided when a
+    /// connection opens; substitution reads the newest list for each request.
     pub secrets: watch::Receiver<Arc<Vec<Secret>>>,
+    /// Signs the certificates shown for intercepted hosts.
     pub ca: Arc<SandboxCa>,
 }
 

@@ -191,7 +191,9 @@ impl Inner {
         policy
             .check(&host, port, Addrs::Known(&addrs), &special)
             .map_err(refused)?;
-        for (addr, socket) in candidates {
+        // A few addresses at most: a name with many cannot hold the guest
+        // (or the host) for long.
+        for (addr, socket) in candidates.into_iter().take(4) {
             match timeout(self.cfg.connect_timeout, TcpStream::connect(socket)).await {
                 Ok(Ok(stream)) => {
                     let _ = stream.set_nodelay(true);
@@ -758,10 +760,21 @@ where
         let state = svc_state.clone();
         async move { Ok::<_, Infallible>(intercepted_request(state, req).await) }
     });
-    let conn = server_builder(&inner.cfg).serve_connection(TokioIo::new(tls), svc);
+    let conn = server_builder(&inner.cfg)
+        .serve_connection(TokioIo::new(tls), svc)
+        .with_upgrades();
     let guard = revoked(net.policy.clone(), move |p| target.check(p, sni.as_ref()));
+    let work = async {
+        let _ = conn.await;
+        // Upgraded streams (WebSockets) go on after the HTTP connection ends;
+        // idle upstream connections end with their sender.
+        lock(&state.sender).take();
+        lock(&state.first).take();
+        let mut set = std::mem::take(&mut *lock(&state.conns));
+        while set.join_next().await.is_some() {}
+    };
     tokio::select! {
-        _ = conn => {}
+        _ = work => {}
         reason = guard => {
             tracing::debug!(sandbox_id = %id, reason = %reason, "intercepted connection closed by a rule change");
         }
@@ -778,6 +791,49 @@ impl Intercept {
                 return Ok(s);
             }
         }
+        let tls = self.connect_tls().await?;
+        let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls))
+            .await
+            .map_err(|e| e.to_string())?;
+        spawn_reaped(&self.conns, async move {
+            let _ = conn.await;
+        });
+        Ok(sender)
+    }
+
+    /// A request that asks to switch protocols (a WebSocket) gets its own
+    /// upstream connection; on `101` both sides are joined byte for byte.
+    async fn upgrade(
+        &self,
+        req: Request<Incoming>,
+        guest: hyper::upgrade::OnUpgrade,
+    ) -> Result<Response<Body>, String> {
+        let tls = self.connect_tls().await?;
+        let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls))
+            .await
+            .map_err(|e| e.to_string())?;
+        spawn_reaped(&self.conns, async move {
+            let _ = conn.with_upgrades().await;
+        });
+        let mut resp = sender.send_request(req).await.map_err(|e| e.to_string())?;
+        if resp.status() != StatusCode::SWITCHING_PROTOCOLS {
+            return Ok(forwarded(resp));
+        }
+        let upstream = hyper::upgrade::on(&mut resp);
+        spawn_reaped(&self.conns, async move {
+            if let (Ok(g), Ok(u)) = tokio::join!(guest, upstream) {
+                let _ =
+                    tokio::io::copy_bidirectional(&mut TokioIo::new(g), &mut TokioIo::new(u)).await;
+            }
+        });
+        let (mut parts, body) = resp.into_parts();
+        let proto = parts.headers.get(header::UPGRADE).cloned();
+        strip_hop_by_hop(&mut parts.headers);
+        keep_upgrade(&mut parts.headers, proto);
+        Ok(Response::from_parts(parts, body.boxed()))
+    }
+
+    async fn connect_tls(&self) -> Result<tokio_rustls::client::TlsStream<TcpStream>, String> {
         let cfg = self
             .inner
             .client_tls
@@ -802,13 +858,27 @@ impl Intercept {
         .await
         .map_err(|_| "the TLS handshake timed out".to_string())?
         .map_err(|e| format!("its certificate could not be verified or TLS failed: {e}"))?;
-        let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls))
-            .await
-            .map_err(|e| e.to_string())?;
-        spawn_reaped(&self.conns, async move {
-            let _ = conn.await;
-        });
-        Ok(sender)
+        Ok(tls)
+    }
+}
+
+/// Whether a request asks to switch protocols.
+fn wants_upgrade(headers: &HeaderMap) -> bool {
+    headers.contains_key(header::UPGRADE)
+        && headers
+            .get_all(header::CONNECTION)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|v| v.split(','))
+            .any(|t| t.trim().eq_ignore_ascii_case("upgrade"))
+}
+
+/// Puts back the two headers a protocol switch needs after hop-by-hop ones
+/// were dropped.
+fn keep_upgrade(headers: &mut HeaderMap, proto: Option<HeaderValue>) {
+    if let Some(proto) = proto {
+        headers.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
+        headers.insert(header::UPGRADE, proto);
     }
 }
 
@@ -824,10 +894,15 @@ fn request_host(uri: &Uri, headers: &HeaderMap) -> Option<String> {
     Some(raw.trim_end_matches('.').to_ascii_lowercase())
 }
 
-async fn intercepted_request(state: Arc<Intercept>, req: Request<Incoming>) -> Response<Body> {
+async fn intercepted_request(state: Arc<Intercept>, mut req: Request<Incoming>) -> Response<Body> {
+    let guest_upgrade = wants_upgrade(req.headers()).then(|| hyper::upgrade::on(&mut req));
+    let proto = req.headers().get(header::UPGRADE).cloned();
     let (mut parts, body) = req.into_parts();
     let id = state.net.sandbox_id.as_str();
     strip_hop_by_hop(&mut parts.headers);
+    if guest_upgrade.is_some() {
+        keep_upgrade(&mut parts.headers, proto);
+    }
     let host = request_host(&parts.uri, &parts.headers);
     parts.uri = origin_form(&parts.uri);
     if !parts.headers.contains_key(header::HOST) {
@@ -849,6 +924,19 @@ async fn intercepted_request(state: Arc<Intercept>, req: Request<Incoming>) -> R
         if !applied.names.is_empty() {
             tracing::debug!(sandbox_id = id, target = %state.name, secrets = ?applied.names, "secrets put into a request");
         }
+    }
+    if let Some(guest) = guest_upgrade {
+        return match state.upgrade(Request::from_parts(parts, body), guest).await {
+            Ok(resp) => resp,
+            Err(reason) => {
+                tracing::debug!(sandbox_id = id, target = %state.name, reason = %reason, "upgrade failed");
+                text(
+                    StatusCode::BAD_GATEWAY,
+                    Some("upstream-failed"),
+                    &format!("{} could not be reached securely: {reason}", state.name),
+                )
+            }
+        };
     }
     let mut sender = match state.sender().await {
         Ok(s) => s,

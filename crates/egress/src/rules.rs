@@ -12,6 +12,18 @@ pub const MAX_ENTRIES: usize = 256;
 /// Ports open to every allowed host without a `connect` entry.
 pub const WEB_PORTS: [u16; 2] = [80, 443];
 
+/// Ports no sandbox reaches even when `connect` names them: telnet, mail
+/// submission and relay, Windows RPC, NetBIOS and SMB, IRC.
+pub const FORBIDDEN_PORTS: [u16; 20] = [
+    23, 25, 135, 137, 138, 139, 445, 465, 587, 6660, 6661, 6662, 6663, 6664, 6665, 6666, 6667,
+    6668, 6669, 6697,
+];
+
+/// Whether no rule can open `port`.
+pub fn is_forbidden_port(port: u16) -> bool {
+    FORBIDDEN_PORTS.contains(&port)
+}
+
 /// The `network` of a sandbox as the API carries it (camelCase JSON).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
@@ -186,6 +198,10 @@ impl fmt::Display for Refusal {
                 write!(f, "{host} is not in this sandbox's allow list")
             }
             Refusal::Denied { host } => write!(f, "{host} is denied by this sandbox's rules"),
+            Refusal::Port { host, port } if is_forbidden_port(*port) => write!(
+                f,
+                "port {port} of {host} is never open to sandboxes (telnet, mail, RPC, SMB or IRC)"
+            ),
             Refusal::Port { host, port } => write!(
                 f,
                 "port {port} of {host} is not open to this sandbox (only 80 and 443, \
@@ -256,13 +272,30 @@ impl Policy {
     }
 
     /// The ports this policy opens to some host: 80, 443 and every `connect`
-    /// port, sorted; empty when the internet is off.
+    /// port that is not forbidden, sorted; empty when the internet is off.
     pub fn ports(&self) -> Vec<u16> {
         if !self.rules.internet {
             return Vec::new();
         }
         let mut ports: BTreeSet<u16> = WEB_PORTS.into_iter().collect();
-        ports.extend(self.connect.iter().map(|(_, p)| *p));
+        ports.extend(
+            self.connect
+                .iter()
+                .map(|(_, p)| *p)
+                .filter(|p| !is_forbidden_port(*p)),
+        );
+        ports.into_iter().collect()
+    }
+
+    /// The `connect` ports that stay closed because no sandbox reaches them
+    /// ([`is_forbidden_port`]), sorted.
+    pub fn forbidden_ports(&self) -> Vec<u16> {
+        let ports: BTreeSet<u16> = self
+            .connect
+            .iter()
+            .map(|(_, p)| *p)
+            .filter(|p| is_forbidden_port(*p))
+            .collect();
         ports.into_iter().collect()
     }
 
@@ -290,6 +323,9 @@ impl Policy {
             return Err(Refusal::InternetOff);
         }
         let shown = host.to_string();
+        if is_forbidden_port(port) {
+            return Err(Refusal::Port { host: shown, port });
+        }
         let name = host.name();
         let known: &[IpAddr] = match addrs {
             Addrs::Known(a) => a,
@@ -727,6 +763,19 @@ mod tests {
         assert!(check(&p, "db.example.net", 443, &["93.184.215.14"]).is_err());
         assert!(check(&p, "2001:db8::1", 22, &["2001:db8::1"]).is_ok());
         assert_eq!(p.ports(), vec![22, 80, 443, 5432]);
+        assert!(p.forbidden_ports().is_empty());
+        let mail = rules(
+            true,
+            &[],
+            &[],
+            &["smtp.example.net:25", "db.example.net:5432"],
+        );
+        assert!(matches!(
+            check(&mail, "smtp.example.net", 25, &["93.184.215.14"]),
+            Err(Refusal::Port { port: 25, .. })
+        ));
+        assert_eq!(mail.ports(), vec![80, 443, 5432]);
+        assert_eq!(mail.forbidden_ports(), vec![25]);
     }
 
     #[test]
@@ -788,6 +837,50 @@ mod tests {
         assert!(!is_internal(
             "2606:2800:21f:cb07:6820:80da:af6b:8b2c".parse().unwrap()
         ));
+    }
+
+    #[test]
+    fn own_addresses_refused_and_test_stand_ins_exempt() {
+        let p = Policy::open();
+        let own: IpAddr = "203.0.113.5".parse().unwrap();
+        let special = Special {
+            own: vec![own],
+            exempt: vec![],
+        };
+        assert!(matches!(
+            p.check(
+                &Host::parse("example.com"),
+                443,
+                Addrs::Known(&[own]),
+                &special
+            ),
+            Err(Refusal::Internal { .. })
+        ));
+        let mapped: IpAddr = "::ffff:203.0.113.5".parse().unwrap();
+        assert!(p
+            .check(&Host::Ip(mapped), 443, Addrs::Known(&[mapped]), &special)
+            .is_err());
+        let local: IpAddr = "127.0.0.1".parse().unwrap();
+        let test = Special {
+            own: vec![],
+            exempt: vec![local],
+        };
+        assert!(p
+            .check(
+                &Host::parse("example.com"),
+                443,
+                Addrs::Known(&[local]),
+                &test
+            )
+            .is_ok());
+        assert!(p
+            .check(
+                &Host::parse("example.com"),
+                443,
+                Addrs::Known(&[local]),
+                &Special::default()
+            )
+            .is_err());
     }
 
     #[test]

@@ -1,6 +1,6 @@
-//! Real clients through the proxy: curl (HTTP CONNECT, SOCKS5h, absolute-form)
-//! and Python's urllib, reaching it over a local TCP port as the guest's
-//! processes reach theirs.
+//! Real clients through the proxy: curl (HTTP CONNECT, SOCKS5h, absolute-form),
+//! Python's urllib and requests, git, npm and pip, reaching it over a local
+//! TCP port as the guest's processes reach theirs.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // helpers outside #[test] fns panic on purpose
 
 mod common;
@@ -10,11 +10,12 @@ use std::path::Path;
 use std::sync::Arc;
 
 use common::*;
-use runtime_egress::{make_placeholder, EgressConfig, Policy, SandboxNet, Secret, SecretValue};
+use runtime_egress::{make_placeholder, EgressConfig, SandboxCa, SandboxNet, Secret, SecretValue};
 use tokio::net::TcpListener;
 use tokio::process::Command;
 
 const VALUE: &str = "real-value-for-clients";
+const ALLOW: &str = r#"{"internet":true,"allow":["*.example.com","*.example.org"]}"#;
 
 /// Serves every connection to a local port with the sandbox's proxy.
 async fn listen(sbx: &Sandbox) -> SocketAddr {
@@ -44,6 +45,41 @@ async fn listen(sbx: &Sandbox) -> SocketAddr {
     addr
 }
 
+/// A client process whose every CA setting names `bundle` and whose proxy
+/// settings come only from the test, whatever the machine's environment says.
+fn client_cmd(program: &str, bundle: &str) -> Command {
+    let mut cmd = Command::new(program);
+    for var in [
+        "SSL_CERT_FILE",
+        "REQUESTS_CA_BUNDLE",
+        "CURL_CA_BUNDLE",
+        "PIP_CERT",
+        "GIT_SSL_CAINFO",
+        "NODE_EXTRA_CA_CERTS",
+        "npm_config_cafile",
+    ] {
+        cmd.env(var, bundle);
+    }
+    for var in [
+        "SSL_CERT_DIR",
+        "HTTP_PROXY",
+        "HTTPS_PROXY",
+        "ALL_PROXY",
+        "NO_PROXY",
+        "http_proxy",
+        "https_proxy",
+        "all_proxy",
+        "no_proxy",
+        "PIP_FIND_LINKS",
+        "PIP_INDEX_URL",
+        "PIP_CONFIG_FILE",
+    ] {
+        cmd.env_remove(var);
+    }
+    cmd.env("PIP_CONFIG_FILE", "/dev/null");
+    cmd
+}
+
 async fn run(cmd: &mut Command) -> (bool, String) {
     let out = tokio::time::timeout(WAIT, cmd.output())
         .await
@@ -69,7 +105,7 @@ async fn curl_and_python_work_through_the_proxy() {
     let (api, api_log) = https_server(&ca, &["api.example.com"]).await;
     let (other, other_log) = https_server(&ca, &["other.example.org"]).await;
     let (plain, plain_log) = http_server().await;
-    let sbx = Sandbox::new(
+    let mut sbx = Sandbox::new(
         EgressConfig {
             test_hosts: vec![
                 ("api.example.com".into(), api),
@@ -79,8 +115,13 @@ async fn curl_and_python_work_through_the_proxy() {
             extra_roots: vec![ca.der()],
             ..EgressConfig::default()
         },
-        Policy::open(),
+        // Only the stand-ins: nothing a client does on the side (npm's update
+        // check) leaves this machine.
+        policy(ALLOW),
     );
+    // The CA as the server would load it back after a restart: OpenSSL-based
+    // clients match the leaf's issuer by name and key identifier.
+    sbx.ca = Arc::new(SandboxCa::from_pem(sbx.ca.cert_pem(), sbx.ca.key_pem()).unwrap());
     let placeholder = make_placeholder();
     sbx.secrets.send_replace(Arc::new(vec![Secret {
         name: "API_KEY".into(),
@@ -105,7 +146,7 @@ async fn curl_and_python_work_through_the_proxy() {
     let socks_proxy = format!("socks5h://{proxy}");
 
     // curl over HTTP CONNECT to a secret's host: intercepted, swapped.
-    let (ok, out) = run(Command::new("curl")
+    let (ok, out) = run(client_cmd("curl", &bundle)
         .args(["-sS", "--fail", "--proxy", &http_proxy, "--cacert", &bundle])
         .args(["-H", &format!("Authorization: Bearer {placeholder}")])
         .arg(format!("https://api.example.com/curl?k={placeholder}")))
@@ -113,7 +154,7 @@ async fn curl_and_python_work_through_the_proxy() {
     assert!(ok, "{out}");
     assert_eq!(out, "seen /curl?k=real-value-for-clients");
     // curl over SOCKS5 with remote names, to a passed-through host.
-    let (ok, out) = run(Command::new("curl")
+    let (ok, out) = run(client_cmd("curl", &bundle)
         .args([
             "-sS",
             "--fail",
@@ -127,7 +168,7 @@ async fn curl_and_python_work_through_the_proxy() {
     assert!(ok, "{out}");
     assert_eq!(out, "seen /socks");
     // curl plain HTTP through the proxy (absolute-form), keep-alive, twice.
-    let (ok, out) = run(Command::new("curl")
+    let (ok, out) = run(client_cmd("curl", &bundle)
         .args(["-sS", "--fail", "--proxy", &http_proxy])
         .args(["http://plain.example.com/a", "http://plain.example.com/b"]))
     .await;
@@ -137,13 +178,13 @@ async fn curl_and_python_work_through_the_proxy() {
     sbx.policy.send_replace(Arc::new(policy(
         r#"{"internet":true,"allow":["*.example.org"]}"#,
     )));
-    let (ok, out) = run(Command::new("curl")
+    let (ok, out) = run(client_cmd("curl", &bundle)
         .args(["-sS", "--proxy", &http_proxy, "--cacert", &bundle])
         .arg("https://api.example.com/refused"))
     .await;
     assert!(!ok);
     assert!(out.contains("403"), "{out}");
-    sbx.policy.send_replace(Arc::new(Policy::open()));
+    sbx.policy.send_replace(Arc::new(policy(ALLOW)));
 
     // Python's urllib with the usual environment variables.
     let script = format!(
@@ -153,7 +194,7 @@ async fn curl_and_python_work_through_the_proxy() {
          r = urllib.request.urlopen('http://plain.example.com/py')\n\
          print(' ' + r.read().decode(), end='')\n"
     );
-    let (ok, out) = run(Command::new("python3")
+    let (ok, out) = run(client_cmd("python3", &bundle)
         .args(["-c", &script])
         .env("HTTPS_PROXY", &http_proxy)
         .env("HTTP_PROXY", &http_proxy)
@@ -162,31 +203,39 @@ async fn curl_and_python_work_through_the_proxy() {
     .await;
     assert!(ok, "{out}");
     assert_eq!(out, "seen /py?k=real-value-for-clients seen /py");
-    // And requests, with its own CA variable.
+    // And requests, with its own CA variable, where the machine's Python has
+    // it (it is not in the standard library; urllib above always runs).
+    let has_requests = run(client_cmd("python3", &bundle).args(["-c", "import requests"]))
+        .await
+        .0;
     let script = format!(
         "import requests\n\
          print(requests.get('https://api.example.com/rq', headers={{'X-Key': '{placeholder}'}}).text, end='')\n"
     );
-    let (ok, out) = run(Command::new("python3")
-        .args(["-c", &script])
-        .env("HTTPS_PROXY", &http_proxy)
-        .env("NO_PROXY", "")
-        .env("REQUESTS_CA_BUNDLE", &bundle))
-    .await;
-    assert!(ok, "{out}");
-    assert_eq!(out, "seen /rq");
+    if has_requests {
+        let (ok, out) = run(client_cmd("python3", &bundle)
+            .args(["-c", &script])
+            .env("HTTPS_PROXY", &http_proxy)
+            .env("NO_PROXY", "")
+            .env("REQUESTS_CA_BUNDLE", &bundle))
+        .await;
+        assert!(ok, "{out}");
+        assert_eq!(out, "seen /rq");
+    } else {
+        eprintln!("python3 has no requests module: only urllib was run");
+    }
 
-    // git and npm: the destination is no git server or registry, so they
+    // git, npm and pip: the destination is no git server or registry, so they
     // fail after the request; what counts is that it arrived, intercepted.
     let home = dir.to_str().unwrap();
-    let (_, git_out) = run(Command::new("git")
+    let (_, git_out) = run(client_cmd("git", &bundle)
         .args(["-c", &format!("http.proxy={http_proxy}")])
         .env("GIT_SSL_CAINFO", &bundle)
         .args(["ls-remote", "https://api.example.com/git/repo.git"])
         .env("HOME", home)
         .env("GIT_TERMINAL_PROMPT", "0"))
     .await;
-    let _ = run(Command::new("npm")
+    let _ = run(client_cmd("npm", &bundle)
         .args([
             "view",
             "left-pad",
@@ -202,7 +251,36 @@ async fn curl_and_python_work_through_the_proxy() {
             "0",
         ])
         .env("HOME", home)
-        .env("npm_config_cache", home))
+        .env("npm_config_cache", home)
+        .env("npm_config_update_notifier", "false"))
+    .await;
+    let (_, pip_out) = run(client_cmd("python3", &bundle)
+        .args([
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--disable-pip-version-check",
+        ])
+        .args([
+            "--index-url",
+            "https://api.example.com/simple/",
+            "--cert",
+            &bundle,
+        ])
+        .args([
+            "--proxy",
+            &http_proxy,
+            "--retries",
+            "0",
+            "--timeout",
+            "5",
+            "-d",
+            home,
+        ])
+        .arg("some-package")
+        .env("HOME", home)
+        .env("PIP_NO_CACHE_DIR", "1"))
     .await;
     let uris: Vec<String> = api_log
         .lock()
@@ -219,6 +297,10 @@ async fn curl_and_python_work_through_the_proxy() {
         uris.iter().any(|u| u.starts_with("/npm/left-pad")),
         "{uris:?}"
     );
+    assert!(
+        uris.iter().any(|u| u.starts_with("/simple/some-package")),
+        "{uris:?} {pip_out}"
+    );
 
     let api_seen = api_log.lock().unwrap().clone();
     assert_eq!(
@@ -226,8 +308,10 @@ async fn curl_and_python_work_through_the_proxy() {
         format!("Bearer {VALUE}")
     );
     assert!(api_seen.iter().all(|s| !s.uri.contains("/refused")));
-    let rq = api_seen.iter().find(|s| s.uri == "/rq").unwrap();
-    assert_eq!(rq.headers["x-key"], VALUE);
+    if has_requests {
+        let rq = api_seen.iter().find(|s| s.uri == "/rq").unwrap();
+        assert_eq!(rq.headers["x-key"], VALUE);
+    }
     assert_eq!(other_log.lock().unwrap().len(), 1);
     assert_eq!(plain_log.lock().unwrap().len(), 3);
     let _ = std::fs::remove_dir_all(&dir);

@@ -146,6 +146,13 @@ async fn ports_beyond_web_ports_need_connect() {
     let mut b = [0u8; 4];
     g.read_exact(&mut b).await.unwrap();
     assert_eq!(&b, b"ping");
+    // Mail, telnet, SMB and the like stay closed even when a pair names them.
+    sbx.set_policy(policy(
+        r#"{"internet":true,"allow":["example.net"],"connect":["example.com:8080","example.com:25"]}"#,
+    ));
+    let (a, _) = connect(&sbx, "example.com:25").await.unwrap();
+    assert_eq!(a.status, 403);
+    assert!(a.body.contains("never open"), "{}", a.body);
     // The pair opens that port only, and allow still narrows the web ports.
     assert_eq!(
         connect(&sbx, "example.com:8081").await.unwrap().0.status,
@@ -323,7 +330,15 @@ async fn sni_must_pass_the_rules_too() {
 #[tokio::test]
 async fn socks5_replies() {
     let (addr, _) = echo_server().await;
-    let sbx = Sandbox::new(cfg(&[("example.com", addr)]), Policy::open());
+    let sbx = Sandbox::new(
+        EgressConfig {
+            // An unresolvable name answers 0x04 whether the resolver says so
+            // or does not answer at all.
+            connect_timeout: Duration::from_secs(2),
+            ..cfg(&[("example.com", addr)])
+        },
+        Policy::open(),
+    );
     let (code, mut g) = socks(&sbx, "example.com", 443).await.unwrap();
     assert_eq!(code, 0);
     g.write_all(b"hey!").await.unwrap();
@@ -492,4 +507,44 @@ async fn server_first_protocols_wait_for_a_late_client() {
         .unwrap()
         .unwrap();
     assert_eq!(&b, b"late");
+}
+
+#[tokio::test]
+async fn random_bytes_never_panic_or_hang() {
+    use rand::{Rng, SeedableRng};
+    let sbx = Sandbox::new(
+        EgressConfig {
+            handshake_timeout: Duration::from_millis(200),
+            ..EgressConfig::default()
+        },
+        policy(r#"{"internet":false}"#),
+    );
+    let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+    let starts: [&[u8]; 5] = [
+        &[5],
+        &[5, 1, 0, 5, 1, 0],
+        b"CONNECT ",
+        b"GET http://",
+        &[0x16, 3, 1],
+    ];
+    for case in 0..300 {
+        let mut bytes = starts[case % starts.len()].to_vec();
+        let n = rng.gen_range(0..600);
+        bytes.extend((0..n).map(|_| rng.gen::<u8>()));
+        let (mut guest, host) = tokio::io::duplex(64 * 1024);
+        let net = runtime_egress::SandboxNet {
+            sandbox_id: "sbx-fuzz".into(),
+            policy: sbx.policy.subscribe(),
+            secrets: sbx.secrets.subscribe(),
+            ca: sbx.ca.clone(),
+        };
+        let egress = sbx.egress.clone();
+        let task = tokio::spawn(async move { egress.serve(host, net).await });
+        let _ = guest.write_all(&bytes).await;
+        let _ = guest.shutdown().await;
+        let mut sink = Vec::new();
+        let _ = tokio::time::timeout(WAIT, guest.read_to_end(&mut sink)).await;
+        let joined = tokio::time::timeout(WAIT, task).await;
+        assert!(matches!(joined, Ok(Ok(()))), "case {case}: {bytes:?}");
+    }
 }

@@ -398,3 +398,55 @@ async fn the_value_is_never_logged() {
     );
     assert!(!logs.contains(VALUE), "the value is in a log");
 }
+
+#[tokio::test]
+async fn websockets_to_a_secret_host_carry_the_value_in_the_handshake() {
+    let w = world(Policy::open()).await;
+    let s = secret("API_KEY", &["api.example.com"]);
+    let ph = s.placeholder.clone();
+    w.set(vec![s]);
+    let (a, g) = connect(&w.sbx, "api.example.com:443").await.unwrap();
+    assert_eq!(a.status, 200);
+    let tls = tls(g, "api.example.com", &w.guest_roots, true)
+        .await
+        .unwrap();
+    let (mut sender, conn) =
+        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(tls))
+            .await
+            .unwrap();
+    tokio::spawn(conn.with_upgrades());
+    let resp = sender
+        .send_request(req(
+            "GET",
+            &format!("/ws?token={ph}"),
+            "api.example.com",
+            &[
+                ("connection", "Upgrade"),
+                ("upgrade", "websocket"),
+                ("sec-websocket-version", "13"),
+            ],
+            "",
+        ))
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 101);
+    let up = tokio::time::timeout(WAIT, hyper::upgrade::on(resp))
+        .await
+        .unwrap()
+        .unwrap();
+    let mut up = hyper_util::rt::TokioIo::new(up);
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    up.write_all(b"frame bytes").await.unwrap();
+    let mut b = [0u8; 11];
+    tokio::time::timeout(WAIT, up.read_exact(&mut b))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(&b, b"frame bytes");
+    let seen = w.api_log.lock().unwrap().clone();
+    assert_eq!(seen[0].uri, format!("/ws?token={VALUE}"));
+    assert_eq!(seen[0].headers["sec-websocket-version"], "13");
+    // A rule change closes the upgraded stream too.
+    w.sbx.set_policy(policy(r#"{"internet":false}"#));
+    assert!(closed(&mut up).await);
+}

@@ -331,7 +331,7 @@ fn answer(id: &str, doc: &Value) -> Value {
         m.insert("ports".into(), json!(policy.ports()));
         m.insert("connectAllowed".into(), json!(true));
         m.insert("connectReason".into(), Value::Null);
-        m.insert("forbiddenPorts".into(), json!([]));
+        m.insert("forbiddenPorts".into(), json!(policy.forbidden_ports()));
         m.insert("updatedAt".into(), doc["updatedAt"].clone());
     }
     v

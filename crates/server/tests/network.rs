@@ -578,7 +578,7 @@ async fn the_api_and_previews_are_served_over_tls_with_the_operators_certificate
     let cert =
         rcgen::generate_simple_self_signed(vec!["localhost".into(), "*.localhost".into()]).unwrap();
     std::fs::write(dir.join("cert.pem"), cert.cert.pem()).unwrap();
-    std::fs::write(dir.join("key.pem"), cert.key_pair.serialize_pem()).unwrap();
+    std::fs::write(dir.join("key.pem"), cert.signing_key.serialize_pem()).unwrap();
     let mut config = Config::new(&dir);
     config.tls = Some((dir.join("cert.pem"), dir.join("key.pem")));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();

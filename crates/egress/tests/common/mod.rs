@@ -39,7 +39,7 @@ pub type Log = Arc<Mutex<Vec<Seen>>>;
 /// A CA for test destinations, and certificates it signs.
 pub struct TestCa {
     cert: rcgen::Certificate,
-    key: KeyPair,
+    issuer: rcgen::Issuer<'static, KeyPair>,
 }
 
 impl TestCa {
@@ -49,7 +49,10 @@ impl TestCa {
         p.distinguished_name.push(DnType::CommonName, name);
         p.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
         let cert = p.self_signed(&key).unwrap();
-        Self { cert, key }
+        Self {
+            cert,
+            issuer: rcgen::Issuer::new(p, key),
+        }
     }
 
     pub fn pem(&self) -> String {
@@ -64,7 +67,7 @@ impl TestCa {
         let key = KeyPair::generate().unwrap();
         let p = CertificateParams::new(names.iter().map(|s| s.to_string()).collect::<Vec<_>>())
             .unwrap();
-        let cert = p.signed_by(&key, &self.cert, &self.key).unwrap();
+        let cert = p.signed_by(&key, &self.issuer).unwrap();
         let mut cfg = rustls::ServerConfig::builder_with_provider(Arc::new(
             rustls::crypto::ring::default_provider(),
         ))
@@ -81,7 +84,12 @@ impl TestCa {
     }
 }
 
-async fn record(log: Log, req: Request<Incoming>) -> Response<Full<Bytes>> {
+async fn record(log: Log, mut req: Request<Incoming>) -> Response<Full<Bytes>> {
+    // A protocol switch: answer 101, then echo the raw bytes.
+    let upgrade = req
+        .headers()
+        .contains_key("upgrade")
+        .then(|| hyper::upgrade::on(&mut req));
     let (parts, body) = req.into_parts();
     let body = body
         .collect()
@@ -95,6 +103,20 @@ async fn record(log: Log, req: Request<Incoming>) -> Response<Full<Bytes>> {
         headers: parts.headers,
         body,
     });
+    if let Some(upgrade) = upgrade {
+        tokio::spawn(async move {
+            if let Ok(up) = upgrade.await {
+                let (mut r, mut w) = tokio::io::split(TokioIo::new(up));
+                let _ = tokio::io::copy(&mut r, &mut w).await;
+            }
+        });
+        return Response::builder()
+            .status(101)
+            .header("connection", "upgrade")
+            .header("upgrade", "websocket")
+            .body(Full::new(Bytes::new()))
+            .unwrap();
+    }
     Response::new(Full::new(Bytes::from(format!("seen {uri}"))))
 }
 
@@ -148,6 +170,7 @@ pub async fn https_server(ca: &TestCa, names: &[&str]) -> (SocketAddr, Log) {
                 });
                 let _ = hyper::server::conn::http1::Builder::new()
                     .serve_connection(TokioIo::new(tls), svc)
+                    .with_upgrades()
                     .await;
             });
         }
