@@ -289,3 +289,25 @@ def test_async_pause_wake_and_fork(server):
                     assert int((await copy.exec("cat /tmp/c")).stdout) >= after
 
     asyncio.run(scenario())
+
+
+def test_retention_dates_the_deletion_of_a_paused_sandbox(server):
+    from datetime import datetime
+    with Sandbox.create() as s:
+        s.set_retention(3)
+        assert s.refresh().state == "running"
+        s.pause()
+        assert s.refresh().state == "paused"
+        info = server_get(server, s.id)
+        paused = datetime.fromisoformat(info["pausedAt"].replace("Z", "+00:00"))
+        expires = datetime.fromisoformat(info["pausedExpiresAt"].replace("Z", "+00:00"))
+        assert (expires - paused).total_seconds() == 3 * 86400, info
+
+
+def server_get(server, sandbox_id: str) -> dict:
+    import json
+    import urllib.request
+    req = urllib.request.Request(f"{server.url}/v1/sandboxes/{sandbox_id}",
+                                 headers={"Authorization": f"Bearer {server.admin_key()}"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return json.loads(r.read())

@@ -108,6 +108,10 @@ pub struct Sandbox {
     pub stop_reason: Option<String>,
     pub paused_at: Option<String>,
     pub paused_expires_at: Option<String>,
+    /// Days a paused sandbox is kept before it is deleted (`:retention`);
+    /// `None`: kept until deleted.
+    #[serde(default)]
+    pub retention_days: Option<u32>,
     pub last_active_at: Option<String>,
     pub charged_micros: i64,
     pub held_micros: i64,

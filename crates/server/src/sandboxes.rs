@@ -368,6 +368,7 @@ fn parse_create(st: &AppState, body: &[u8]) -> ApiResult<CreateReq> {
         stop_reason: None,
         paused_at: None,
         paused_expires_at: None,
+        retention_days: None,
         last_active_at: Some(iso(now)),
         charged_micros: 0,
         held_micros: 0,
@@ -793,6 +794,7 @@ pub(crate) fn request_pause(st: &AppState, id: &str, reason: &'static str) -> Ap
                 Ok(()) => {
                     r.record.state = "paused".into();
                     r.record.paused_at = Some(now.clone());
+                    r.record.paused_expires_at = retention_end(&r.record);
                 }
                 Err(HostError::NoSuchMachine { .. }) => {
                     r.record.state = "stopped".into();
@@ -1252,6 +1254,7 @@ pub async fn action(
         "fork" => crate::snapshots::fork(st, ctx, id, body).await,
         "snapshot" => crate::snapshots::snapshot(st, ctx, id, body).await,
         "restart" => restart_action(st, ctx, id, body).await,
+        "retention" => retention(st, ctx, id, body).await,
         "resize" | "switch-image" => {
             find(&st, &ctx.key, &id)?;
             Err(ApiError::Unsupported {
@@ -1263,6 +1266,38 @@ pub async fn action(
             path: format!("/v1/sandboxes/{id}:{verb}"),
         }),
     }
+}
+
+/// When a paused sandbox's retention ends, from its `pausedAt`.
+fn retention_end(s: &Sandbox) -> Option<String> {
+    let days = i64::from(s.retention_days?);
+    let paused = s.paused_at.as_deref().and_then(parse_iso_ms)?;
+    Some(iso(paused + days * 86_400_000))
+}
+
+/// `:retention {days}`: a paused sandbox is deleted `days` after its pause
+/// (this pause and later ones).
+async fn retention(st: AppState, ctx: Ctx, id: String, body: Bytes) -> ApiResult<Reply> {
+    let obj = json_object(&body)?;
+    let mut f = Fields::new(&obj);
+    let days = f.int("days", 1, 365);
+    if !f.present("days") {
+        f.issue("days", "is required");
+    }
+    f.finish()?;
+    find(&st, &ctx.key, &id)?;
+    let row = st
+        .store()
+        .update_sandbox(&id, |r| {
+            r.record.retention_days = days.map(|d| d as u32);
+            if r.record.state == "paused" {
+                r.record.paused_expires_at = retention_end(&r.record);
+            }
+            true
+        })?
+        .ok_or_else(|| ApiError::sandbox_not_found(&id))?;
+    st.notify_change();
+    Reply::ok(record_json(&row.record, &[]))
 }
 
 async fn extend(st: AppState, ctx: Ctx, id: String, body: Bytes) -> ApiResult<Reply> {
@@ -1407,6 +1442,20 @@ pub async fn reaper(st: AppState) {
                 for r in rows.iter().filter(|r| r.record.state == "running") {
                     if let Err(e) = end_lease_or_idle(&st, r, now) {
                         tracing::error!(sandbox_id = %r.record.id, error = %e, "ending the lease failed");
+                    }
+                }
+                let expired = rows.iter().filter(|r| {
+                    r.record.state == "paused"
+                        && r.record
+                            .paused_expires_at
+                            .as_deref()
+                            .and_then(parse_iso_ms)
+                            .is_some_and(|t| t <= now)
+                });
+                for r in expired {
+                    tracing::info!(sandbox_id = %r.record.id, "paused past its retention: deleted");
+                    if let Err(e) = delete_sandbox(&st, &r.record.id, "retention_expired") {
+                        tracing::error!(sandbox_id = %r.record.id, error = %e, "deleting at retention's end failed");
                     }
                 }
             }

@@ -2187,3 +2187,42 @@ async fn a_process_that_ended_while_the_server_was_down_is_exited() {
     );
     t2.state.shutdown().await;
 }
+
+#[tokio::test]
+async fn a_paused_sandbox_is_deleted_when_its_retention_ends() {
+    let t = T::new();
+    let id = t.running(json!({})).await;
+    let kept = t.running(json!({})).await;
+    let (s, v) = t.act(&id, "retention", json!({"days": 0})).await;
+    assert_eq!(s, StatusCode::BAD_REQUEST, "{v}");
+    let (s, v) = t.act(&id, "retention", json!({"days": 2})).await;
+    assert_eq!(
+        (s, v["retentionDays"].clone()),
+        (StatusCode::OK, json!(2)),
+        "{v}"
+    );
+    assert!(
+        v["pausedExpiresAt"].is_null(),
+        "running: nothing expires yet: {v}"
+    );
+    for s in [&id, &kept] {
+        let (st, v) = t.act(s, "pause", json!({})).await;
+        assert_eq!(st, StatusCode::OK, "{v}");
+        t.wait_state(s, "paused").await;
+    }
+    let v = t.sandbox(&id).await;
+    let paused = runtime_server_iso_ms(v["pausedAt"].as_str().unwrap());
+    let expires = runtime_server_iso_ms(v["pausedExpiresAt"].as_str().unwrap());
+    assert_eq!(expires - paused, 2 * 86_400_000, "{v}");
+    assert!(t.sandbox(&kept).await["pausedExpiresAt"].is_null());
+    t.set_field(&id, "pausedExpiresAt", "2001-01-01T00:00:00Z");
+    t.state.start_background();
+    t.wait_state(&id, "gone").await;
+    assert_eq!(t.sandbox(&kept).await["state"], "paused");
+    t.state.shutdown().await;
+}
+
+fn runtime_server_iso_ms(s: &str) -> i64 {
+    let t = time::OffsetDateTime::parse(s, &time::format_description::well_known::Rfc3339).unwrap();
+    (t.unix_timestamp_nanos() / 1_000_000) as i64
+}
