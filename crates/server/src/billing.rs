@@ -355,6 +355,9 @@ pub fn check_lease_change(st: &AppState, row: &SandboxRow, seconds: u32) -> ApiR
 /// updates holds, stops those at `maxTotalCostMicros` and pauses the
 /// running sandboxes of keys whose daily limit is reached. The background
 /// task calls it once a second; tests call it directly.
+/// vCPU time in one second above which a sandbox is not idle.
+const BUSY_NS_PER_SECOND: u64 = 100_000_000;
+
 pub async fn tick(st: &AppState) -> Result<(), ServerError> {
     let now = now_ms();
     let prices = st.config().prices.clone();
@@ -370,6 +373,11 @@ pub async fn tick(st: &AppState) -> Result<(), ServerError> {
             st.inner.meter.forget(&id);
             0
         };
+        // Work in the guest counts as activity for `idlePauseSeconds`, as
+        // calls do: a second with a tenth of a vCPU or more busy.
+        if running && used >= BUSY_NS_PER_SECOND {
+            crate::sandboxes::touch(st, &row);
+        }
         if running && st.inner.meter.renewed(&row.record, now) {
             renew(st, &row, now)?;
         }

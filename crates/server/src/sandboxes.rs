@@ -79,8 +79,9 @@ pub async fn find_running(st: &AppState, key: &KeyInfo, id: &str) -> ApiResult<S
     Ok(row)
 }
 
-/// Records activity (`lastActiveAt`), at most once a second per sandbox.
-fn touch(st: &AppState, row: &SandboxRow) {
+/// Records activity (`lastActiveAt`), at most once a second per sandbox:
+/// API calls, preview visits, and CPU use the meter measured (billing.rs).
+pub(crate) fn touch(st: &AppState, row: &SandboxRow) {
     let now = now_ms();
     let recent = row
         .record

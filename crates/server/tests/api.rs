@@ -2226,3 +2226,40 @@ fn runtime_server_iso_ms(s: &str) -> i64 {
     let t = time::OffsetDateTime::parse(s, &time::format_description::well_known::Rfc3339).unwrap();
     (t.unix_timestamp_nanos() / 1_000_000) as i64
 }
+
+#[tokio::test]
+async fn cpu_use_in_the_guest_keeps_a_sandbox_from_idling() {
+    let t = T::new();
+    let working = t.running(json!({"idlePauseSeconds": 60})).await;
+    let quiet = t.running(json!({"idlePauseSeconds": 60})).await;
+    // Both were last called 57 s ago: idle in 3 s unless something happens.
+    let then = time::OffsetDateTime::now_utc() - time::Duration::seconds(57);
+    let then = then
+        .format(&time::format_description::well_known::Rfc3339)
+        .unwrap();
+    t.set_field(&working, "lastActiveAt", &then);
+    t.set_field(&quiet, "lastActiveAt", &then);
+    // The working one's vCPUs run half the time; the quiet one's not at all.
+    let host = t.host.clone();
+    let id = working.clone();
+    let burner = tokio::spawn(async move {
+        loop {
+            {
+                let mut cpu = host.cpu.lock().unwrap();
+                *cpu.entry(id.clone()).or_default() += Duration::from_millis(125);
+            }
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+    });
+    t.host
+        .cpu
+        .lock()
+        .unwrap()
+        .insert(quiet.clone(), Duration::from_secs(1));
+    t.state.start_background();
+    t.wait_state(&quiet, "paused").await;
+    tokio::time::sleep(Duration::from_millis(4000)).await;
+    assert_eq!(t.sandbox(&working).await["state"], "running");
+    burner.abort();
+    t.state.shutdown().await;
+}
