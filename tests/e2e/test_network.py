@@ -102,10 +102,15 @@ def test_a_change_cuts_a_connection_already_open(server):
         # One keep-alive connection through the proxy: a request, then
         # another after the rules changed.
         script = (
-            "import socket,sys,os,time\n"
+            "import socket,os,time\n"
             "c=socket.create_connection(('127.0.0.1',10800))\n"
             "req=b'GET http://example.net/echo/1 HTTP/1.1\\r\\nHost: example.net\\r\\n\\r\\n'\n"
-            "c.sendall(req); d=c.recv(65536); print('first', d.split(b' ')[1].decode(), flush=True)\n"
+            "c.sendall(req); d=b''\n"
+            "while b'\\r\\n\\r\\n' not in d: d+=c.recv(65536)\n"
+            "head,body=d.split(b'\\r\\n\\r\\n',1)\n"
+            "n=int([l.split(b':')[1] for l in head.split(b'\\r\\n') if l.lower().startswith(b'content-length')][0])\n"
+            "while len(body)<n: body+=c.recv(65536)\n"
+            "print('first', head.split(b' ')[1].decode(), flush=True)\n"
             "while not os.path.exists('/tmp/go'): time.sleep(0.05)\n"
             "try:\n"
             "  c.sendall(req.replace(b'/1',b'/2')); c.settimeout(20); d=c.recv(65536)\n"
