@@ -255,6 +255,19 @@ def test_typescript_imports_persist_and_syntax_errors(sbx):
     assert bad["status"] == "error" and bad["error"]["name"] == "TSError", bad
 
 
+@pytest.mark.timeout(400)
+def test_long_silent_run_answers_late(server, sbx):
+    """Past 90 s without an answer the server sends 200 with the late-answer
+    header at once and the execution's JSON when the cell ends."""
+    answer = http(server, "POST", f"/v1/sandboxes/{sbx.id}/interpreter:run",
+                  {"code": "sleep 95; echo done", "language": "bash", "timeoutMs": 200_000}, timeout=300)
+    assert answer.status == 200, answer
+    assert answer.headers.get("runtime-late-answer") == "true", answer.headers
+    run = answer.json()
+    assert run["status"] == "ok" and run["stdout"] == "done\n", run
+    assert run["durationMs"] >= 95_000
+
+
 def test_validation_names_fields(server, sbx):
     answer = http(server, "POST", f"/v1/sandboxes/{sbx.id}/interpreter:run",
                   {"language": "cobol", "timeoutMs": -1, "extra": 1})

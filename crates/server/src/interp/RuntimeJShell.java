@@ -151,7 +151,8 @@ public class RuntimeJShell {
                             String first = null;
                             for (Diag d : (Iterable<Diag>) js.diagnostics(s)::iterator) {
                                 if (!d.isError()) continue;
-                                String m = d.getMessage(Locale.ROOT);
+                                // a snippet's wrapper class has no name worth showing
+                                String m = d.getMessage(Locale.ROOT).replaceAll("\\n\\s*location: class\\s*$", "");
                                 if (first == null) first = m;
                                 tb.append(m).append("\n    at: ").append(s.source().strip()).append('\n');
                             }

@@ -308,6 +308,8 @@ func __rtShow(v ...any) {
 def go_split(code):
     """(imports, decls, stmts) of a cell: top-level items start at column 0."""
     imports, decls, stmts = [], [], []
+    # the cell's line (1-based) of each statement and of each declaration's start
+    go_split.stmt_lines, go_split.decl_lines = [], []
     lines = code.splitlines()
     i = 0
     while i < len(lines):
@@ -315,8 +317,10 @@ def go_split(code):
         word = re.match(r"(import|func|type|var|const|package)\b", line)
         if not word:
             stmts.append(line)
+            go_split.stmt_lines.append(i + 1)
             i += 1
             continue
+        start = i + 1
         # the item runs until its brackets close
         depth, j, chunk = 0, i, []
         while j < len(lines):
@@ -337,9 +341,12 @@ def go_split(code):
             imports.extend(l.strip() for l in re.split(r"[\n;]", body) if l.strip() and not l.strip().startswith("//"))
         elif kind == "func" and re.match(r"func\s+main\s*\(", text):
             decls.append(re.sub(r"func\s+main", "func __rtUserMain", text, count=1))
+            go_split.decl_lines.append(start)
             stmts.append("__rtUserMain()")
+            go_split.stmt_lines.append(start)
         else:
             decls.append(text)
+            go_split.decl_lines.append(start)
     return imports, decls, stmts
 
 
@@ -378,7 +385,8 @@ def go_used(imports, text):
 
 
 def go_program(imports, decls, old, new):
-    """The program's source and the line where the new cell's statements start."""
+    """The program's source, the line where the new cell's statements start
+    and the line where the declarations start."""
     body = "\n".join(decls)
     used = go_used(imports, body + "\n" + "\n".join(old + new))
     head = ["package main", "", "import (", '\t__rt_fmt "fmt"', '\t__rt_os "os"',
@@ -386,7 +394,7 @@ def go_program(imports, decls, old, new):
     src = head + body.splitlines() + GO_PRELUDE.splitlines() + ["", "func main() {", "\t__rtQuiet()"]
     src += old + ["\t__rtLoud()", "\t_ = __rt_fmt.Sprint", "\t_ = __rt_os.Stdout"]
     first = len(src) + 1
-    return "\n".join(src + new + ["}", ""]), first
+    return "\n".join(src + new + ["}", ""]), first, len(head) + 1
 
 
 def go_uses(stmts):
@@ -444,12 +452,12 @@ def go_env():
     return env
 
 
-def go_relines(text, first, n):
-    """Compiler messages with the new cell's lines as `cell-N.go:L:C`."""
+def go_relines(text, linemap, n):
+    """Compiler messages and traces with the new cell's lines as `cell-N.go:L:C`."""
     def sub(m):
-        line = int(m.group(1))
-        return "cell-%d.go:%d:%s" % (n, line - first + 1, m.group(2)) if line >= first else m.group(0)
-    return re.sub(r"\S*main\.go:(\d+):(\d+)", sub, text)
+        line = linemap.get(int(m.group(1)))
+        return "cell-%d.go:%d%s" % (n, line, m.group(2) or "") if line else m.group(0)
+    return re.sub(r"\S*main\.go:(\d+)(:\d+)?", sub, text)
 
 
 def run_go(rid, code, n):
@@ -458,11 +466,20 @@ def run_go(rid, code, n):
         _go_dir = "/tmp/.runtime-go-%d" % os.getpid()
         os.makedirs(_go_dir, exist_ok=True)
     imports, decls, stmts = go_split(code)
+    stmt_lines, decl_lines = go_split.stmt_lines, go_split.decl_lines
     new, shows = go_last_value(["\t" + s for s in stmts])
     new += ["\t" + s for s in go_uses(stmts)]
     all_imports = _go["imports"] + imports
     all_decls = _go["decls"] + decls
-    src, first = go_program(all_imports, all_decls, _go["stmts"], new)
+    src, first, body = go_program(all_imports, all_decls, _go["stmts"], new)
+    linemap = {}
+    at = body + sum(d.count("\n") + 1 for d in _go["decls"])
+    for text, line in zip(decls, decl_lines):
+        for k in range(text.count("\n") + 1):
+            linemap[at + k] = line + k
+        at += text.count("\n") + 1
+    for k in range(len(new)):
+        linemap[first + k] = stmt_lines[min(k, len(stmt_lines) - 1)] if stmt_lines else 1
     path = os.path.join(_go_dir, "main.go")
     exe = os.path.join(_go_dir, "cell")
     with open(path, "w") as f:
@@ -474,7 +491,7 @@ def run_go(rid, code, n):
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         out = proc.communicate()[0].decode("utf-8", "replace")
         if proc.returncode != 0:
-            out = go_relines(out, first, n)
+            out = go_relines(out, linemap, n)
             msgs = [l for l in out.splitlines() if re.match(r"\S+:\d+:\d+: ", l)]
             value = re.sub(r"^\S+:\d+:\d+: ", "", msgs[0]) if msgs else out.strip()
             return "error", [{"k": "error", "name": "CompileError", "value": value, "traceback": out}]
@@ -504,7 +521,8 @@ def run_go(rid, code, n):
         text = tail.decode("utf-8", "replace")
         m = re.search(r"^panic: (.*)$", text, re.M)
         if m:
-            return "error", [{"k": "error", "name": "Panic", "value": m.group(1), "traceback": text}]
+            return "error", [{"k": "error", "name": "Panic", "value": m.group(1),
+                              "traceback": go_relines(text, linemap, n)}]
         return "error", [{"k": "error", "name": "ExitStatus", "value": "exit status %d" % proc.returncode,
                           "traceback": ""}]
     _go["imports"], _go["decls"] = all_imports, all_decls
