@@ -182,7 +182,7 @@ LANGUAGES = {
         define='import "fmt"\nn := 20\nfunc twice(a int) int {\n\treturn a * 2\n}\nfmt.Println("hi")',
         use="twice(n) + 2", value="42",
         error="var s []int\nfmt.Println(s[n])", error_name="Panic",
-        slow='fmt.Println("start")\nfor {\n}', timeout_ms=60_000),
+        slow='fmt.Println("start")\nfor {\n}', timeout_ms=30_000),
 }
 
 
