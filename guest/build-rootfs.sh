@@ -241,9 +241,14 @@ rm -rf "$ROOT"/var/cache/apt/archives/*.deb "$ROOT"/var/cache/apt/archives/parti
   "$ROOT"/var/log/*.log "$ROOT"/var/log/apt/* "$ROOT"/var/cache/debconf/*-old \
   "$ROOT"/var/cache/man/* "$ROOT"/tmp/* "$ROOT"/var/tmp/* "$ROOT"/root/.cache
 mkdir -p "$ROOT/var/lib/apt/lists/partial"
-# Go's own tests and their data (builds never read them; about 40 MiB)
+# Parts of the toolchains no user build reads, so that the smallest disk
+# (3072 MiB) keeps room: Go's own tests and test data, the sources and
+# compiled archives of the Go toolchain's commands (its binaries stay in
+# pkg/tool), and the JDK's jmods (only jlink reads them). About 280 MiB.
 find "$ROOT"/usr/share/go-*/src \( -name '*_test.go' -o \( -type d -name testdata -prune \) \) \
   -exec rm -rf {} + 2>/dev/null || true
+rm -rf "$ROOT"/usr/share/go-*/src/cmd "$ROOT"/usr/share/go-*/test "$ROOT"/usr/lib/go-*/pkg/*/cmd \
+  "$ROOT"/usr/lib/jvm/*/jmods
 
 for m in dev/pts dev sys proc; do
   umount "$ROOT/$m" 2>/dev/null || umount -l "$ROOT/$m"

@@ -306,10 +306,10 @@ func __rtShow(v ...any) {
 
 
 def go_split(code):
-    """(imports, decls, stmts) of a cell: top-level items start at column 0."""
-    imports, decls, stmts = [], [], []
-    # the cell's line (1-based) of each statement and of each declaration's start
-    go_split.stmt_lines, go_split.decl_lines = [], []
+    """(imports, decls, stmts, decl_lines, stmt_lines) of a cell: top-level
+    items start at column 0; the lines (1-based) are where each declaration
+    starts and where each statement is in the cell."""
+    imports, decls, stmts, decl_lines, stmt_lines = [], [], [], [], []
     lines = code.splitlines()
     i = 0
     while i < len(lines):
@@ -317,7 +317,7 @@ def go_split(code):
         word = re.match(r"(import|func|type|var|const|package)\b", line)
         if not word:
             stmts.append(line)
-            go_split.stmt_lines.append(i + 1)
+            stmt_lines.append(i + 1)
             i += 1
             continue
         start = i + 1
@@ -341,13 +341,13 @@ def go_split(code):
             imports.extend(l.strip() for l in re.split(r"[\n;]", body) if l.strip() and not l.strip().startswith("//"))
         elif kind == "func" and re.match(r"func\s+main\s*\(", text):
             decls.append(re.sub(r"func\s+main", "func __rtUserMain", text, count=1))
-            go_split.decl_lines.append(start)
+            decl_lines.append(start)
             stmts.append("__rtUserMain()")
-            go_split.stmt_lines.append(start)
+            stmt_lines.append(start)
         else:
             decls.append(text)
-            go_split.decl_lines.append(start)
-    return imports, decls, stmts
+            decl_lines.append(start)
+    return imports, decls, stmts, decl_lines, stmt_lines
 
 
 def go_depth(line):
@@ -465,8 +465,7 @@ def run_go(rid, code, n):
     if _go_dir is None:
         _go_dir = "/tmp/.runtime-go-%d" % os.getpid()
         os.makedirs(_go_dir, exist_ok=True)
-    imports, decls, stmts = go_split(code)
-    stmt_lines, decl_lines = go_split.stmt_lines, go_split.decl_lines
+    imports, decls, stmts, decl_lines, stmt_lines = go_split(code)
     new, shows = go_last_value(["\t" + s for s in stmts])
     new += ["\t" + s for s in go_uses(stmts)]
     all_imports = _go["imports"] + imports
