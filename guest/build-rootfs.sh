@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
 # Builds the sandbox guest root filesystem: a Debian bookworm minbase tree with
-# the sandbox toolchain (python3 + numpy/pandas/matplotlib, node, gcc, git, ...)
-# packed into a sparse ext4 image.
+# the sandbox toolchain (python3 + numpy/pandas/matplotlib, node + TypeScript,
+# R, a JDK with jshell, Go, gcc, git, ...) packed into a sparse ext4 image.
+# The interpreter (crates/server/src/interpreter.rs) runs its seven languages
+# with these packages and nothing downloaded later.
 #
 # Usage: guest/build-rootfs.sh OUT_DIR
-# Output: OUT_DIR/rootfs.ext4 (3072 MiB apparent size, sparse).
+# Output: OUT_DIR/rootfs.ext4 (3072 MiB apparent size, sparse: the smallest
+# disk a sandbox may ask for; the agent grows the file system to the
+# sandbox's disk at boot).
 #
 # Needs root (debootstrap, chroot). Idempotent: every run starts from scratch
 # in a temporary directory and replaces OUT_DIR/rootfs.ext4 atomically.
@@ -24,6 +28,7 @@ PACKAGES=(
   bash coreutils python3 python3-pip python3-venv python3-numpy python3-pandas
   python3-matplotlib nodejs npm git gcc g++ make libc6-dev curl ca-certificates
   findutils sudo procps e2fsprogs tar gzip xz-utils unzip less file iproute2
+  node-typescript r-base-core default-jdk-headless golang-go
 )
 
 for tool in debootstrap mkfs.ext4 chroot; do
@@ -236,6 +241,14 @@ rm -rf "$ROOT"/var/cache/apt/archives/*.deb "$ROOT"/var/cache/apt/archives/parti
   "$ROOT"/var/log/*.log "$ROOT"/var/log/apt/* "$ROOT"/var/cache/debconf/*-old \
   "$ROOT"/var/cache/man/* "$ROOT"/tmp/* "$ROOT"/var/tmp/* "$ROOT"/root/.cache
 mkdir -p "$ROOT/var/lib/apt/lists/partial"
+# Parts of the toolchains no user build reads, so that the smallest disk
+# (3072 MiB) keeps room: Go's own tests and test data, the sources and
+# compiled archives of the Go toolchain's commands (its binaries stay in
+# pkg/tool), and the JDK's jmods (only jlink reads them). About 280 MiB.
+find "$ROOT"/usr/share/go-*/src \( -name '*_test.go' -o \( -type d -name testdata -prune \) \) \
+  -exec rm -rf {} + 2>/dev/null || true
+rm -rf "$ROOT"/usr/share/go-*/src/cmd "$ROOT"/usr/share/go-*/test "$ROOT"/usr/lib/go-*/pkg/*/cmd \
+  "$ROOT"/usr/lib/jvm/*/jmods
 
 for m in dev/pts dev sys proc; do
   umount "$ROOT/$m" 2>/dev/null || umount -l "$ROOT/$m"

@@ -1,8 +1,8 @@
 """The stateful interpreter (contract §8) through the official client: state
 kept across runs per language, errors and timeouts that keep the context,
 rich results (text/plain, image/png, a DataFrame as text/html and the table
-type), streaming, contexts (two of one language, restart, delete) and the
-languages not installed yet. One sandbox shared by the module."""
+type), streaming, contexts (two of one language, restart, delete), in the
+seven languages. One sandbox shared by the module."""
 from __future__ import annotations
 
 import base64
@@ -10,7 +10,7 @@ import threading
 import time
 
 import pytest
-from withruntime import InvalidRequestError, NotFoundError
+from withruntime import NotFoundError
 
 from conftest import http
 
@@ -158,12 +158,114 @@ def test_javascript_state_error_timeout(sbx):
     assert awaited["results"][0]["data"]["text/plain"] == "21"
 
 
-@pytest.mark.parametrize("language", ["typescript", "r", "java", "go"])
-def test_languages_not_installed_are_refused(sbx, language):
-    with pytest.raises(InvalidRequestError) as raised:
-        sbx.interpreter.run("1", language=language)
-    assert raised.value.code == "language_unavailable"
-    assert language in str(raised.value)
+# Per language: a cell that defines (and prints), one that uses the
+# definitions (its value), an error (the context keeps its state), and a
+# timeout that keeps the state too. Go builds the program at every run, which
+# counts toward timeoutMs, so its timeout is longer.
+LANGUAGES = {
+    "typescript": dict(
+        define="let n: number = 20;\nconst twice = (a: number): number => a * 2;\nconsole.log('hi')",
+        use="twice(n) + 2", value="42",
+        error="(null as any).missing", error_name="TypeError",
+        slow="console.log('start'); while (true) {}", timeout_ms=3000),
+    "r": dict(
+        define="n <- 20\ntwice <- function(a) a * 2\ncat('hi\\n')",
+        use="twice(n) + 2", value="[1] 42",
+        error="stop('boom')", error_name="simpleError",
+        slow="cat('start\\n'); Sys.sleep(120)", timeout_ms=3000),
+    "java": dict(
+        define="int n = 20;\nint twice(int a) { return a * 2; }\nSystem.out.println(\"hi\");",
+        use="twice(n) + 2", value="42",
+        error="Object o = null;\no.toString()", error_name="java.lang.NullPointerException",
+        slow="System.out.println(\"start\");\nwhile (true) {}", timeout_ms=5000),
+    "go": dict(
+        define='import "fmt"\nn := 20\nfunc twice(a int) int {\n\treturn a * 2\n}\nfmt.Println("hi")',
+        use="twice(n) + 2", value="42",
+        error="var s []int\nfmt.Println(s[n])", error_name="Panic",
+        slow='fmt.Println("start")\nfor {\n}', timeout_ms=30_000),
+}
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("language", list(LANGUAGES))
+def test_language_state_error_timeout(sbx, language):
+    case = LANGUAGES[language]
+    first = sbx.interpreter.run(case["define"], language=language, timeout_ms=120_000)
+    assert first["status"] == "ok", first
+    assert first["contextId"] == language and first["language"] == language
+    assert first["stdout"] == "hi\n", first
+    used = sbx.interpreter.run(case["use"], language=language, timeout_ms=120_000)
+    assert used["status"] == "ok", used
+    assert [r["data"]["text/plain"] for r in used["results"] if r["main"]] == [case["value"]], used
+    assert used["executionCount"] == first["executionCount"] + 1
+    err = sbx.interpreter.run(case["error"], language=language, timeout_ms=120_000)
+    assert err["status"] == "error", err
+    assert err["error"]["name"] == case["error_name"], err["error"]
+    again = sbx.interpreter.run(case["use"], language=language, timeout_ms=120_000)
+    assert again["status"] == "ok" and again["results"][0]["data"]["text/plain"] == case["value"], again
+    # The cell's own output proves it was running when the timeout struck
+    # (Go's build counts toward timeoutMs too).
+    slow = sbx.interpreter.run(case["slow"], language=language, timeout_ms=case["timeout_ms"])
+    assert slow["status"] == "timeout", slow
+    assert "start" in slow["stdout"], slow
+    kept = sbx.interpreter.run(case["use"], language=language, timeout_ms=120_000)
+    assert kept["status"] == "ok" and kept["contextStarted"] is False, kept
+    assert kept["results"][0]["data"]["text/plain"] == case["value"], kept
+
+
+def test_go_compile_error_names_the_cell_line(sbx):
+    run = sbx.interpreter.run("x := 1\ny := missing + x", language="go", timeout_ms=120_000)
+    assert run["status"] == "error", run
+    assert run["error"]["name"] == "CompileError"
+    assert "undefined: missing" in run["error"]["value"]
+    assert "cell-" in run["error"]["traceback"] and ".go:2:" in run["error"]["traceback"], run["error"]
+
+
+def test_r_streams_and_two_contexts_restart(sbx):
+    seen: list[tuple[float, str]] = []
+    started = time.monotonic()
+    run = sbx.interpreter.run(
+        "for (i in 1:3) { cat('tick', i, '\\n'); Sys.sleep(1.5) }\n'done'", language="r",
+        on_stdout=lambda text: seen.append((time.monotonic() - started, text)), timeout_ms=120_000)
+    assert run["status"] == "ok", run
+    assert run["results"][0]["data"]["text/plain"] == '[1] "done"'
+    assert "".join(t for _, t in seen) == run["stdout"] == "tick 1 \ntick 2 \ntick 3 \n"
+    assert seen[0][0] < run["durationMs"] / 1000 - 1.5, seen
+    a = sbx.interpreter.contexts.create(language="r")
+    b = sbx.interpreter.contexts.create(language="r")
+    sbx.interpreter.run("v <- 'a'", context=a["id"], timeout_ms=120_000)
+    sbx.interpreter.run("v <- 'b'", context=b["id"], timeout_ms=120_000)
+    assert sbx.interpreter.run("v", context=a["id"])["results"][0]["data"]["text/plain"] == '[1] "a"'
+    assert sbx.interpreter.run("v", context=b["id"])["results"][0]["data"]["text/plain"] == '[1] "b"'
+    sbx.interpreter.contexts.restart(b["id"])
+    gone = sbx.interpreter.run("v", context=b["id"], timeout_ms=120_000)
+    assert gone["status"] == "error" and "not found" in gone["error"]["value"], gone
+    assert gone["contextStarted"] is True
+    assert sbx.interpreter.contexts.remove(a["id"]) is True
+    assert sbx.interpreter.contexts.remove(b["id"]) is True
+
+
+def test_typescript_imports_persist_and_syntax_errors(sbx):
+    run = sbx.interpreter.run("import * as path from 'path';\ntype T = { a: number };\nconst t: T = { a: 1 };",
+                              language="typescript", timeout_ms=120_000)
+    assert run["status"] == "ok", run
+    used = sbx.interpreter.run("path.basename('/x/y.txt') + t.a", language="typescript")
+    assert used["results"][0]["data"]["text/plain"] == "'y.txt1'", used
+    bad = sbx.interpreter.run("let z: number = ;", language="typescript")
+    assert bad["status"] == "error" and bad["error"]["name"] == "TSError", bad
+
+
+@pytest.mark.timeout(400)
+def test_long_silent_run_answers_late(server, sbx):
+    """Past 90 s without an answer the server sends 200 with the late-answer
+    header at once and the execution's JSON when the cell ends."""
+    answer = http(server, "POST", f"/v1/sandboxes/{sbx.id}/interpreter:run",
+                  {"code": "sleep 95; echo done", "language": "bash", "timeoutMs": 200_000}, timeout=300)
+    assert answer.status == 200, answer
+    assert answer.headers.get("runtime-late-answer") == "true", answer.headers
+    run = answer.json()
+    assert run["status"] == "ok" and run["stdout"] == "done\n", run
+    assert run["durationMs"] >= 95_000
 
 
 def test_validation_names_fields(server, sbx):

@@ -3,14 +3,17 @@
 //!
 //! Each (sandbox, context) is one long-lived guest process started through
 //! [`Host::exec`](runtime_host::Host::exec) with a stdin pipe: a small driver
-//! (`interp/driver.py` for Python and Bash, `interp/driver.js` for
-//! JavaScript) that reads one JSON line per run (`{"id","code"}`) and answers
+//! (`interp/driver.py` for Python, Bash and Go, `interp/driver.js` for
+//! JavaScript and TypeScript, `interp/driver.R` for R,
+//! `interp/RuntimeJShell.java` for Java) that reads one JSON line per run
+//! (`{"id","code"}`) and answers
 //! with protocol lines on its stdout, each `NONCE {json}` where the nonce is
 //! random per process and sent as its first stdin line. The driver events
 //! (`k`: `ready`, `stdout`, `stderr`, `result`, `error`, `end`) map one to one
 //! onto the streamed events of the API. Output that is not a protocol line
-//! (a child process writing to the inherited stdout in JavaScript) counts as
-//! stdout; the driver's own stderr counts as stderr.
+//! (a child process writing to the inherited stdout in JavaScript, whatever R
+//! prints) counts as stdout; the driver's own stderr counts as stderr. How
+//! each language keeps its state is in docs/interpreter.md.
 //!
 //! Runs of one context are serialized by the lock that holds its kernel. A
 //! timeout sends SIGINT to the driver's process group: the driver stops the
@@ -44,11 +47,19 @@ use crate::AppState;
 
 const PY_DRIVER: &str = include_str!("interp/driver.py");
 const JS_DRIVER: &str = include_str!("interp/driver.js");
+const R_DRIVER: &str = include_str!("interp/driver.R");
+const JAVA_DRIVER: &str = include_str!("interp/RuntimeJShell.java");
 
-/// Languages that run in the default image.
-const AVAILABLE: &[&str] = &["python", "javascript", "bash"];
-/// Languages of the contract not installed in the image yet.
-const UNAVAILABLE: &[&str] = &["typescript", "r", "java", "go"];
+/// The languages of the contract, all installed in the default image.
+const LANGUAGES: &[&str] = &[
+    "python",
+    "javascript",
+    "typescript",
+    "r",
+    "java",
+    "bash",
+    "go",
+];
 const DEFAULT_TIMEOUT_MS: i64 = 60_000;
 const MAX_TIMEOUT_MS: i64 = 86_400_000;
 /// How long a kernel may take to print `ready`.
@@ -182,9 +193,38 @@ impl Kernel {
     }
 }
 
+/// The driver process of a language (`go` and `bash` run under the Python
+/// driver, which starts their tools).
 fn argv_for(language: &str) -> Vec<String> {
     match language {
         "javascript" => vec!["node".into(), "-e".into(), JS_DRIVER.into()],
+        "typescript" => vec![
+            "node".into(),
+            "-e".into(),
+            JS_DRIVER.into(),
+            "typescript".into(),
+        ],
+        // Line-buffered stdout (stdbuf), so what R prints streams as it runs.
+        "r" => vec![
+            "stdbuf".into(),
+            "-oL".into(),
+            "Rscript".into(),
+            "--vanilla".into(),
+            "-e".into(),
+            "eval(parse(text = commandArgs(TRUE)[1]))".into(),
+            R_DRIVER.into(),
+        ],
+        // The source launcher compiles the driver in memory; it needs a file.
+        // C1 only and the serial collector: the JVM starts faster.
+        "java" => vec![
+            "bash".into(),
+            "-c".into(),
+            "d=$(mktemp -d /tmp/.runtime-java.XXXXXX) && printf %s \"$1\" > \"$d/RuntimeJShell.java\" \
+             && exec java -XX:+UseSerialGC -XX:TieredStopAtLevel=1 -Djava.awt.headless=true \"$d/RuntimeJShell.java\""
+                .into(),
+            "bash".into(),
+            JAVA_DRIVER.into(),
+        ],
         other => vec![
             "python3".into(),
             "-u".into(),
@@ -196,7 +236,9 @@ fn argv_for(language: &str) -> Vec<String> {
 }
 
 async fn start_kernel(st: &AppState, row: &SandboxRow, ctx: &Context) -> ApiResult<Kernel> {
-    let mut env = crate::net::secret_env(st, &row.record.id);
+    // OpenBLAS's detected kernel dies with SIGILL under the TCG CPU model.
+    let mut env = vec![("OPENBLAS_CORETYPE".to_string(), "Prescott".to_string())];
+    env.extend(crate::net::secret_env(st, &row.record.id));
     env.extend(row.env.iter().cloned());
     env.extend(ctx.env.iter().cloned());
     env.push(("PYTHONUNBUFFERED".into(), "1".into()));
@@ -253,25 +295,11 @@ async fn start_kernel(st: &AppState, row: &SandboxRow, ctx: &Context) -> ApiResu
     Ok(k)
 }
 
-fn bad_language(lang: &str) -> ApiError {
-    if UNAVAILABLE.contains(&lang) {
-        ApiError::BadField {
-            code: "language_unavailable",
-            field: "language",
-            message: format!(
-                "{lang} is not installed in this server's image yet; available: {}.",
-                AVAILABLE.join(", ")
-            ),
-        }
-    } else {
-        ApiError::invalid(
-            "language",
-            format!(
-                "must be one of {}",
-                [AVAILABLE, UNAVAILABLE].concat().join(", ")
-            ),
-        )
-    }
+fn bad_language() -> ApiError {
+    ApiError::invalid(
+        "language",
+        format!("must be one of {}", LANGUAGES.join(", ")),
+    )
 }
 
 fn valid_context_id(id: &str) -> bool {
@@ -430,15 +458,15 @@ async fn create(st: AppState, ctx: Ctx, id: String, body: Bytes) -> ApiResult<Re
     f.finish()?;
     let language = language.unwrap_or_else(|| {
         cid.as_deref()
-            .filter(|c| AVAILABLE.contains(c) || UNAVAILABLE.contains(c))
+            .filter(|c| LANGUAGES.contains(c))
             .unwrap_or("python")
             .to_string()
     });
-    if !AVAILABLE.contains(&language.as_str()) {
-        return Err(bad_language(&language));
+    if !LANGUAGES.contains(&language.as_str()) {
+        return Err(bad_language());
     }
     if let Some(c) = cid.as_deref() {
-        if (AVAILABLE.contains(&c) || UNAVAILABLE.contains(&c)) && c != language {
+        if LANGUAGES.contains(&c) && c != language {
             return Err(ApiError::invalid(
                 "id",
                 format!("{c} is the default context of {c}; its language cannot be {language}"),
@@ -496,24 +524,13 @@ fn parse_run(body: &[u8]) -> ApiResult<RunReq> {
             );
         }
     }
-    let lang_ok = language
-        .as_deref()
-        .is_none_or(|l| AVAILABLE.contains(&l) || UNAVAILABLE.contains(&l));
-    if !lang_ok {
+    if !language.as_deref().is_none_or(|l| LANGUAGES.contains(&l)) {
         f.issue(
             "language",
-            format!(
-                "must be one of {}",
-                [AVAILABLE, UNAVAILABLE].concat().join(", ")
-            ),
+            format!("must be one of {}", LANGUAGES.join(", ")),
         );
     }
     f.finish()?;
-    if let Some(l) = language.as_deref() {
-        if !AVAILABLE.contains(&l) {
-            return Err(bad_language(l));
-        }
-    }
     Ok(RunReq {
         code: code.unwrap_or_default(),
         language,
@@ -541,10 +558,9 @@ async fn run(st: AppState, ctx: Ctx, id: String, body: Bytes) -> ApiResult<Reply
                 }
                 cx
             }
-            None if AVAILABLE.contains(&c.as_str()) && lang.as_ref().is_none_or(|l| l == c) => {
+            None if LANGUAGES.contains(&c.as_str()) && lang.as_ref().is_none_or(|l| l == c) => {
                 default_context(&row.record.id, c)
             }
-            None if UNAVAILABLE.contains(&c.as_str()) => return Err(bad_language(c)),
             None => return Err(context_not_found(c)),
         },
         (None, lang) => default_context(&row.record.id, lang.as_deref().unwrap_or("python")),
@@ -857,13 +873,13 @@ mod tests {
         assert!(valid_context_id("ctx-1"));
         assert!(!valid_context_id("-a"));
         assert!(!valid_context_id("A"));
-        assert!(matches!(
-            bad_language("r"),
-            ApiError::BadField {
-                code: "language_unavailable",
-                ..
-            }
-        ));
-        assert!(matches!(bad_language("cobol"), ApiError::Invalid { .. }));
+        assert!(matches!(bad_language(), ApiError::Invalid { .. }));
+        assert!(parse_run(br#"{"code":"1","language":"cobol"}"#).is_err());
+        for l in LANGUAGES {
+            let body = json!({"code": "1", "language": l}).to_string();
+            assert!(parse_run(body.as_bytes()).is_ok(), "{l}");
+            assert!(!argv_for(l).is_empty());
+        }
+        assert_eq!(LANGUAGES.len(), 7);
     }
 }

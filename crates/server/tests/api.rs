@@ -2189,6 +2189,74 @@ async fn a_process_that_ended_while_the_server_was_down_is_exited() {
 }
 
 #[tokio::test]
+async fn interpreter_starts_each_language_in_its_own_driver() {
+    let t = T::new();
+    let id = t.running(json!({})).await;
+    // (language, the driver's program, its last argument, a line of it)
+    let cases = [
+        ("python", "python3", "python", "run_python"),
+        ("bash", "python3", "bash", "run_bash"),
+        ("go", "python3", "go", "run_go"),
+        ("javascript", "node", "", "vm.createContext"),
+        ("typescript", "node", "typescript", "transpileModule"),
+        ("r", "stdbuf", "", "globalenv()"),
+        ("java", "bash", "", "JShell.builder()"),
+    ];
+    for (lang, program, last, marker) in cases {
+        // The fake guest has no such program: the driver exits at once.
+        let (s, v) = t
+            .json(
+                "POST",
+                &format!("/v1/sandboxes/{id}/interpreter:run"),
+                Some(json!({"code": "1", "language": lang})),
+            )
+            .await;
+        assert_eq!(s, StatusCode::INTERNAL_SERVER_ERROR, "{lang}: {v}");
+        assert_eq!(v["error"]["code"], "interpreter_start_failed", "{lang}");
+        assert!(
+            v["error"]["message"].as_str().unwrap().contains(lang),
+            "{v}"
+        );
+        let spec = t.host.last_exec.lock().unwrap().clone().unwrap();
+        assert_eq!(spec.argv[0], program, "{lang}");
+        assert!(spec.stdin, "{lang}");
+        let joined = spec.argv.join("\n");
+        assert!(joined.contains(marker), "{lang}: {marker}");
+        if !last.is_empty() {
+            assert_eq!(spec.argv.last().unwrap(), last, "{lang}");
+        }
+    }
+    let (s, v) = t
+        .json(
+            "POST",
+            &format!("/v1/sandboxes/{id}/interpreter:run"),
+            Some(json!({"code": "1", "language": "cobol"})),
+        )
+        .await;
+    assert_eq!(s, StatusCode::BAD_REQUEST);
+    assert_eq!(v["error"]["details"]["issues"][0]["field"], "language");
+    // A language's name is its default context: another language may not take it.
+    let (s, v) = t
+        .json(
+            "POST",
+            &format!("/v1/sandboxes/{id}/interpreter/contexts"),
+            Some(json!({"id": "go", "language": "r"})),
+        )
+        .await;
+    assert_eq!(s, StatusCode::BAD_REQUEST, "{v}");
+    let (s, v) = t
+        .json(
+            "POST",
+            &format!("/v1/sandboxes/{id}/interpreter/contexts"),
+            Some(json!({"language": "typescript"})),
+        )
+        .await;
+    assert_eq!(s, StatusCode::CREATED, "{v}");
+    assert_eq!(v["language"], "typescript");
+    assert!(v["id"].as_str().unwrap().starts_with("ctx-"), "{v}");
+}
+
+#[tokio::test]
 async fn a_paused_sandbox_is_deleted_when_its_retention_ends() {
     let t = T::new();
     let id = t.running(json!({})).await;

@@ -1,7 +1,11 @@
-// The interpreter driver for JavaScript contexts (crates/server/src/interpreter.rs).
-// Started as `node -e DRIVER`; the first stdin line is a per-process nonce, each
-// later line one run {"id", "code"}. Code runs in one persistent `vm` context,
-// so top-level declarations persist across runs. Protocol lines go to fd 1 as
+// The interpreter driver for JavaScript and TypeScript contexts
+// (crates/server/src/interpreter.rs). Started as `node -e DRIVER [typescript]`;
+// the first stdin line is a per-process nonce, each later line one run
+// {"id", "code"}. Code runs in one persistent `vm` context, so top-level
+// declarations persist across runs. TypeScript is transpiled cell by cell with
+// the image's `typescript` package (types are erased, not checked), then runs
+// as JavaScript. Static `import` declarations become `require` calls bound
+// with `var`, so a module imported in one cell stays there for the next. Protocol lines go to fd 1 as
 // `NONCE {json}\n`; console output and process.stdout/stderr writes of the code
 // travel as JSON events (a child process writing to fd 1 directly shows up as
 // plain lines, which the server takes as stdout). SIGINT stops the running
@@ -10,6 +14,14 @@
 const fs = require('fs');
 const vm = require('vm');
 const util = require('util');
+
+const LANGUAGE = process.argv[1] === 'typescript' ? 'typescript' : 'javascript';
+let ts = null;
+if (LANGUAGE === 'typescript') {
+  for (const name of ['typescript', '/usr/share/nodejs/typescript', '/usr/lib/nodejs/typescript']) {
+    try { ts = require(name); break; } catch (e) { /* next */ }
+  }
+}
 
 let NONCE = null;
 let running = null;
@@ -44,6 +56,7 @@ const sandbox = {
   setTimeout, clearTimeout, setInterval, clearInterval, setImmediate, clearImmediate,
   queueMicrotask, structuredClone, fetch: globalThis.fetch, module: { exports: {} },
 };
+sandbox.exports = sandbox.module.exports;
 sandbox.global = sandbox;
 sandbox.globalThis = sandbox;
 const context = vm.createContext(sandbox);
@@ -63,6 +76,53 @@ function bundle(value) {
   return data;
 }
 
+// `import x from 'm'`, `import * as x from 'm'`, `import {a, b as c} from 'm'`,
+// `import x, {a} from 'm'`, `import 'm'` at the start of a line; `export`
+// before a declaration is dropped (a cell is not a module).
+function unmodule(code) {
+  const req = (m) => `require(${m})`;
+  return code
+    .replace(/^[ \t]*import\s+(?:type\s+)?([\w$]+\s*,\s*)?(\*\s+as\s+[\w$]+|\{[^}]*\}|[\w$]+)\s+from\s+(['"][^'"]+['"])\s*;?/gm,
+      (all, first, what, m) => {
+        const out = [];
+        if (first) out.push(`var ${first.replace(/[\s,]/g, '')} = __rtDefault(${req(m)});`);
+        if (what.startsWith('*')) out.push(`var ${what.replace(/^\*\s+as\s+/, '')} = ${req(m)};`);
+        else if (what.startsWith('{')) {
+          const names = what.slice(1, -1).split(',').map((p) => p.trim()).filter(Boolean)
+            .filter((p) => !p.startsWith('type '))
+            .map((p) => p.replace(/\s+as\s+/, ': '));
+          if (names.length) out.push(`var {${names.join(', ')}} = ${req(m)};`);
+        } else out.push(`var ${what} = __rtDefault(${req(m)});`);
+        return out.join(' ');
+      })
+    .replace(/^[ \t]*import\s+(['"][^'"]+['"])\s*;?/gm, (all, m) => `${req(m)};`)
+    .replace(/^([ \t]*)export\s+(default\s+)?(?=(?:async\s+)?(?:function|class|const|let|var|enum|interface|type|abstract)\b)/gm, '$1');
+}
+sandbox.__rtDefault = (m) => (m && m.__esModule && 'default' in m ? m.default : m);
+
+// A TypeScript cell as JavaScript, or an error event for its syntax errors.
+function transpile(code, n) {
+  const out = ts.transpileModule(unmodule(code), {
+    fileName: 'cell-' + n + '.ts',
+    reportDiagnostics: true,
+    compilerOptions: {
+      target: ts.ScriptTarget.ES2020, module: ts.ModuleKind.ESNext,
+      esModuleInterop: true, sourceMap: false, experimentalDecorators: true,
+    },
+  });
+  const errors = (out.diagnostics || []).filter((d) => d.category === ts.DiagnosticCategory.Error);
+  if (errors.length) {
+    const lines = errors.map((d) => {
+      const text = ts.flattenDiagnosticMessageText(d.messageText, '\n');
+      if (!d.file || d.start === undefined) return `error TS${d.code}: ${text}`;
+      const { line, character } = d.file.getLineAndCharacterOfPosition(d.start);
+      return `cell-${n}.ts(${line + 1},${character + 1}): error TS${d.code}: ${text}`;
+    });
+    return { error: { k: 'error', name: 'TSError', value: lines[0].replace(/^[^:]*: /, ''), traceback: lines.join('\n') } };
+  }
+  return { code: out.outputText.replace(/^export \{\};\s*$/m, '') };
+}
+
 let interrupt = null;
 process.on('SIGINT', () => { if (interrupt) interrupt(); });
 
@@ -70,7 +130,15 @@ async function runCell(req) {
   let status = 'ok';
   const events = [];
   try {
-    const script = new vm.Script(req.code, { filename: 'cell-' + req.n + '.js' });
+    let code = req.code;
+    if (ts) {
+      const t = transpile(code, req.n);
+      if (t.error) throw Object.assign(new Error(t.error.value), { name: 'TSError', stack: t.error.traceback, tsError: true });
+      code = t.code;
+    } else if (/^[ \t]*(?:import|export)\s/m.test(code)) {
+      code = unmodule(code);
+    }
+    const script = new vm.Script(code, { filename: 'cell-' + req.n + (ts ? '.ts' : '.js') });
     let value = script.runInContext(context, { breakOnSigint: true, displayErrors: false });
     if (value && typeof value.then === 'function') {
       value = await new Promise((resolve, reject) => {
@@ -115,7 +183,11 @@ process.stdin.on('data', (chunk) => {
       NONCE = line.trim();
       capture(process.stdout, 'stdout');
       capture(process.stderr, 'stderr');
-      emit({ k: 'ready', pid: process.pid, language: 'javascript' });
+      if (LANGUAGE === 'typescript' && !ts) {
+        process.stderr.write('the typescript package is not installed\n');
+        process.exit(1);
+      }
+      emit({ k: 'ready', pid: process.pid, language: LANGUAGE });
       continue;
     }
     let req;
