@@ -103,6 +103,7 @@ fn spec(id: &str) -> MachineSpec {
         disk_mib: 4096,
         hostname: "sbx-test".into(),
         guest_ca_pem: None,
+        volumes: Vec::new(),
     }
 }
 
@@ -492,6 +493,95 @@ async fn counter(h: &QemuHost, id: &str) -> u64 {
     out.trim()
         .parse()
         .unwrap_or_else(|_| panic!("counter: {out:?} {err:?}"))
+}
+
+/// Volumes: data written by one machine is there for the next; a
+/// `snapshot` view is the machine's own (the file is untouched); mounts
+/// survive a pause; the sandbox user owns the volume's root.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn volumes_outlive_machines_and_snapshot_views_stay_private() {
+    let t = host();
+    let h = &t.host;
+    let dir = t.state.join("volumes");
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("v.ext4");
+    volume::create_volume_file(&file, 64).unwrap();
+    let sh = |c: &str| vec!["bash".to_owned(), "-c".to_owned(), c.to_owned()];
+    let vol = |path: &str, snapshot: bool| VolumeDrive {
+        file: file.clone(),
+        path: path.into(),
+        snapshot,
+    };
+
+    let a = "00000000-0000-4000-8000-00000000c001";
+    h.start(&MachineSpec {
+        volumes: vec![vol("/data", false)],
+        ..spec(a)
+    })
+    .await
+    .unwrap_or_else(|e| panic!("start: {e:?}"));
+    let w = sh("echo from-a > /data/f && stat -c %U /data && findmnt -no OPTIONS /data");
+    let w: Vec<&str> = w.iter().map(String::as_str).collect();
+    let (out, err, st) = run(h, a, &w, RunAs::Sandbox, None).await;
+    assert_eq!(st.code, Some(0), "{out} {err}");
+    assert!(out.starts_with("user\n"), "{out}");
+    assert!(out.contains("nosuid") && out.contains("nodev"), "{out}");
+    h.destroy(a).await.unwrap();
+    assert!(file.exists(), "the volume outlives its machine");
+
+    let b = "00000000-0000-4000-8000-00000000c002";
+    let spec_b = MachineSpec {
+        volumes: vec![vol("/data", false), vol("/workspace/view", true)],
+        ..spec(b)
+    };
+    h.start(&spec_b)
+        .await
+        .unwrap_or_else(|e| panic!("start: {e:?}"));
+    let (out, err, st) = run(
+        h,
+        b,
+        &[
+            "bash",
+            "-c",
+            "cat /data/f /workspace/view/f && echo mine > /workspace/view/g && echo kept > /data/h",
+        ],
+        RunAs::Sandbox,
+        None,
+    )
+    .await;
+    assert_eq!(st.code, Some(0), "{err}");
+    assert_eq!(out, "from-a\nfrom-a\n");
+    h.pause(b).await.unwrap();
+    h.wake(&spec_b)
+        .await
+        .unwrap_or_else(|e| panic!("wake: {e:?}"));
+    let (out, _, st) = run(
+        h,
+        b,
+        &["bash", "-c", "cat /workspace/view/g /data/h; ls /data"],
+        RunAs::Sandbox,
+        None,
+    )
+    .await;
+    assert_eq!(st.code, Some(0));
+    assert_eq!(
+        out, "mine\nkept\nf\nh\nlost+found\n",
+        "the view's write is not in the volume"
+    );
+    h.destroy(b).await.unwrap();
+    assert!(!t.state.join(b).exists(), "the view went with its machine");
+
+    // A third machine sees h (rw) but never g (written to a view).
+    let c = "00000000-0000-4000-8000-00000000c003";
+    h.start(&MachineSpec {
+        volumes: vec![vol("/mnt/v", false)],
+        ..spec(c)
+    })
+    .await
+    .unwrap_or_else(|e| panic!("start: {e:?}"));
+    let (out, _, _) = run(h, c, &["bash", "-c", "ls /mnt/v"], RunAs::Sandbox, None).await;
+    assert_eq!(out, "f\nh\nlost+found\n");
+    h.destroy(c).await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
