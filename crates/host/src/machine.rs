@@ -1196,17 +1196,29 @@ impl Host for QemuHost {
                 reason: "no disk.qcow2".into(),
             });
         }
+        let memory = from.join("memory.state");
+        if memory.exists() && !spec.volumes.is_empty() {
+            // Its devices would not match the captured machine's.
+            return Err(HostError::BadCapture {
+                path: from.to_owned(),
+                reason: "a machine with volumes starts only by booting, not from memory".into(),
+            });
+        }
         let paths = self.fresh_dir(spec).await?;
         copy_sparse(&disk, &paths.overlay())
             .await
             .map_err(Self::io(id, "copy disk"))?;
-        let memory = from.join("memory.state");
         let incoming = if memory.exists() {
             Some(std::fs::File::open(&memory).map_err(Self::io(id, "open capture"))?)
         } else {
+            self.copy_snapshot_volumes(spec, &paths).await?;
             None
         };
         let vm = self.launch(spec, paths, incoming).await?;
+        if let Err(e) = mount_volumes(&vm, spec).await {
+            self.end_vm(id, &vm).await;
+            return Err(e);
+        }
         self.insert_vm(id, vm);
         Ok(())
     }

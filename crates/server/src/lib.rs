@@ -21,6 +21,7 @@ mod snapshots;
 mod store;
 mod tls;
 mod util;
+mod volumes;
 mod ws;
 
 use std::collections::{HashMap, HashSet};

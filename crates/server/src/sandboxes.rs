@@ -165,6 +165,7 @@ pub fn machine_spec(st: &AppState, s: &Sandbox) -> MachineSpec {
         disk_mib: s.disk_mib,
         hostname: format!("sbx-{}", s.id.chars().take(8).collect::<String>()),
         guest_ca_pem: crate::net::guest_ca_pem(st, &s.id),
+        volumes: crate::volumes::drives(st, &s.id),
     }
 }
 
@@ -248,6 +249,7 @@ struct CreateReq {
     shape_given: Vec<(&'static str, u32)>,
     floor_given: bool,
     net: crate::net::CreateNet,
+    volumes: Vec<crate::volumes::Attachment>,
 }
 
 fn parse_create(st: &AppState, body: &[u8]) -> ApiResult<CreateReq> {
@@ -327,11 +329,7 @@ fn parse_create(st: &AppState, body: &[u8]) -> ApiResult<CreateReq> {
         "is not supported by this server (one machine)",
     );
     f.refuse("tailscale", "is not supported by this server");
-    match f.raw("volumes") {
-        None => {}
-        Some(Value::Array(a)) if a.is_empty() => {}
-        Some(_) => f.issue("volumes", "volumes are not supported by this server yet"),
-    }
+    let volumes = crate::volumes::parse_create(&mut f);
     f.finish()?;
 
     let now = now_ms();
@@ -384,6 +382,7 @@ fn parse_create(st: &AppState, body: &[u8]) -> ApiResult<CreateReq> {
         shape_given,
         floor_given,
         net,
+        volumes,
     })
 }
 
@@ -407,6 +406,13 @@ pub async fn create(st: AppState, ctx: Ctx, body: Bytes) -> ApiResult<Reply> {
         Some(sid) => {
             let snap = crate::snapshots::find_ready(&st, &ctx.key, sid)?;
             let s = &snap.record;
+            if !req.volumes.is_empty() && s.mode == "memory" {
+                return Err(ApiError::invalid(
+                    "volumes",
+                    "a start from a memory snapshot cannot attach volumes (its machine had none); \
+                     use a disk snapshot",
+                ));
+            }
             let want = [
                 ("vcpu", s.vcpu),
                 ("memoryMiB", s.memory_mib),
@@ -476,7 +482,9 @@ pub async fn create(st: AppState, ctx: Ctx, body: Bytes) -> ApiResult<Reply> {
                     env: req.env,
                     deleted: None,
                 };
+                let volumes = crate::volumes::resolve(&st, &ctx.key, &req.volumes).await?;
                 crate::net::store_create(&st, &row.record.id, &req.net)?;
+                crate::volumes::keep(&st, &row.record.id, &volumes)?;
                 st.store().insert_sandbox(&row)?;
                 tracing::info!(sandbox_id = %row.record.id, "sandbox created");
                 spawn_start(&st, row.record.id.clone(), from);
