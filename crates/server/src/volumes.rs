@@ -8,8 +8,8 @@
 //! names up to four `{volumeId, path, mode}`; they are kept per sandbox
 //! (kind `sandbox_volumes`) and become the [`MachineSpec`] drives of every
 //! start, wake and recovery. `rw`: the volume itself, one live sandbox at a
-//! time. `snapshot`: the machine's own copy taken at boot, written freely and
-//! discarded with it.
+//! time. `snapshot`: the machine's own copy taken at boot (after a running
+//! writer's guest flushed its writes), written freely and discarded with it.
 //!
 //! A sandbox holds its volumes while it may run again: not deleted, and not
 //! stopped unless persistent. After it ends, they stay held until its
@@ -527,7 +527,44 @@ pub async fn resolve(
             });
         }
     }
+    // A snapshot view is a copy of the file: what a running writer has
+    // written must be in the file first, not only in its guest's memory.
+    for a in out.iter().filter(|a| a.mode == "snapshot") {
+        for (_, sandbox_id, _, _) in held
+            .iter()
+            .filter(|(v, _, b, h)| v == &a.volume_id && b.mode == "rw" && *h == Hold::Active)
+        {
+            flush(st, sandbox_id).await;
+        }
+    }
     Ok(out)
+}
+
+/// Runs `sync` in a running sandbox (bounded; a failure only means the
+/// view may miss the writer's latest writes).
+async fn flush(st: &AppState, sandbox_id: &str) {
+    use runtime_host::{ExecEvent, ExecSpec, RunAs};
+    let spec = ExecSpec {
+        argv: vec!["sync".into()],
+        cwd: None,
+        env: Vec::new(),
+        user: RunAs::Root,
+        timeout: Some(std::time::Duration::from_secs(30)),
+        stdin: false,
+        pty: None,
+        kill_group_on_exit: true,
+    };
+    let Ok(mut handle) = st.host().exec(sandbox_id, spec).await else {
+        return;
+    };
+    let _ = tokio::time::timeout(std::time::Duration::from_secs(35), async {
+        while let Some(ev) = handle.events.recv().await {
+            if matches!(ev, ExecEvent::Exited(_)) {
+                break;
+            }
+        }
+    })
+    .await;
 }
 
 /// Keeps a new sandbox's volumes (before its machine starts).
