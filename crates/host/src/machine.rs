@@ -114,6 +114,7 @@ pub async fn probe_boot(cfg: QemuConfig) -> Result<Duration, HostError> {
         hostname: "probe".into(),
         guest_ca_pem: None,
         volumes: Vec::new(),
+        image: None,
     };
     let started = Instant::now();
     let r = host.start(&spec).await;
@@ -260,8 +261,12 @@ impl QemuHost {
     /// Templates are keyed by the artifacts (kernel, image, agent) and the
     /// machine's shape: a restore needs exactly the machine it was taken on.
     fn template_key(&self, spec: &MachineSpec) -> String {
+        let image = match &spec.image {
+            Some(i) => format!("-img-{}", i.key),
+            None => String::new(),
+        };
         format!(
-            "{}-{}-{}c-{}m-{}d",
+            "{}-{}-{}c-{}m-{}d{image}",
             self.cfg.artifacts.key,
             qemu::cpu_model(self.cfg.accel),
             spec.vcpu,
@@ -288,7 +293,13 @@ impl QemuHost {
     async fn build_template(&self, key: String, shape: MachineSpec) -> Result<(), HostError> {
         let dir = self.templates_dir().join(&key);
         let partial = self.templates_dir().join(format!("{key}.partial"));
-        let id = format!("template-{}", &key[key.len().saturating_sub(24)..]);
+        // Unique per key (shapes of one image differ only in the middle).
+        let id = {
+            use std::hash::{Hash, Hasher};
+            let mut h = std::collections::hash_map::DefaultHasher::new();
+            key.hash(&mut h);
+            format!("template-{:016x}", h.finish())
+        };
         // The template is shared: no sandbox's CA (each start installs its own).
         let spec = MachineSpec {
             id: id.clone(),
@@ -399,7 +410,11 @@ impl QemuHost {
         let id = spec.id.as_str();
         let out = tokio::process::Command::new("qemu-img")
             .args(["create", "-q", "-f", "qcow2", "-F", "qcow2", "-b"])
-            .arg(&self.cfg.artifacts.base)
+            .arg(
+                spec.image
+                    .as_ref()
+                    .map_or(&self.cfg.artifacts.base, |i| &i.disk),
+            )
             .arg(paths.overlay())
             .arg(format!("{}M", spec.disk_mib))
             .output()

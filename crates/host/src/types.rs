@@ -24,6 +24,18 @@ pub struct MachineSpec {
     /// mounted in the guest at a fresh boot (a wake keeps its mounts). A
     /// machine with volumes never starts from a template.
     pub volumes: Vec<VolumeDrive>,
+    /// A custom image: the machine's disk is an overlay on this disk instead
+    /// of the base image (a fresh boot), and its templates are its own.
+    pub image: Option<ImageDisk>,
+}
+
+/// A custom image's root disk: a qcow2 whose backing chain ends at the
+/// base image (every file in the chain readable by the VM's uid).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ImageDisk {
+    /// Names the image's content in template keys (a hash, no `/`).
+    pub key: String,
+    pub disk: std::path::PathBuf,
 }
 
 /// A volume as the host attaches it: an ext4 file system in a raw file.

@@ -104,6 +104,7 @@ fn spec(id: &str) -> MachineSpec {
         hostname: "sbx-test".into(),
         guest_ca_pem: None,
         volumes: Vec::new(),
+        image: None,
     }
 }
 
@@ -582,6 +583,77 @@ async fn volumes_outlive_machines_and_snapshot_views_stay_private() {
     let (out, _, _) = run(h, c, &["bash", "-c", "ls /mnt/v"], RunAs::Sandbox, None).await;
     assert_eq!(out, "f\nh\nlost+found\n");
     h.destroy(c).await.unwrap();
+}
+
+/// A custom image: a captured disk becomes the disk new machines boot on
+/// (an overlay on it); the base image is untouched.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_captured_disk_serves_as_an_image_for_new_machines() {
+    let t = host();
+    let h = &t.host;
+    let a = "00000000-0000-4000-8000-00000000c101";
+    h.start(&spec(a))
+        .await
+        .unwrap_or_else(|e| panic!("start: {e:?}"));
+    let (_, err, st) = run(
+        h,
+        a,
+        &["bash", "-c", "echo baked > /opt/marker && sync"],
+        RunAs::Root,
+        None,
+    )
+    .await;
+    assert_eq!(st.code, Some(0), "{err}");
+    let layer = t.state.join("layer");
+    h.capture(a, &layer, false).await.unwrap();
+    h.destroy(a).await.unwrap();
+    let disk = layer.join("disk.qcow2");
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&layer, std::fs::Permissions::from_mode(0o755)).unwrap();
+        std::fs::set_permissions(&disk, std::fs::Permissions::from_mode(0o644)).unwrap();
+    }
+    let image = ImageDisk {
+        key: "test".into(),
+        disk: disk.clone(),
+    };
+    let b = "00000000-0000-4000-8000-00000000c102";
+    h.start(&MachineSpec {
+        image: Some(image),
+        ..spec(b)
+    })
+    .await
+    .unwrap_or_else(|e| panic!("start: {e:?}"));
+    let (out, _, _) = run(
+        h,
+        b,
+        &["bash", "-c", "cat /opt/marker; echo more >> /opt/marker"],
+        RunAs::Root,
+        None,
+    )
+    .await;
+    assert_eq!(out, "baked\n");
+    h.destroy(b).await.unwrap();
+    // A machine on the default image has no marker.
+    let c = "00000000-0000-4000-8000-00000000c103";
+    h.start(&spec(c))
+        .await
+        .unwrap_or_else(|e| panic!("start: {e:?}"));
+    let (out, _, _) = run(
+        h,
+        c,
+        &[
+            "bash",
+            "-c",
+            "test -e /opt/marker && echo present || echo absent",
+        ],
+        RunAs::Root,
+        None,
+    )
+    .await;
+    assert_eq!(out, "absent\n");
+    h.destroy(c).await.unwrap();
+    assert!(disk.exists(), "the image outlives the machines on it");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

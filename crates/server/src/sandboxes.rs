@@ -166,6 +166,7 @@ pub fn machine_spec(st: &AppState, s: &Sandbox) -> MachineSpec {
         hostname: format!("sbx-{}", s.id.chars().take(8).collect::<String>()),
         guest_ca_pem: crate::net::guest_ca_pem(st, &s.id),
         volumes: crate::volumes::drives(st, &s.id),
+        image: None,
     }
 }
 
