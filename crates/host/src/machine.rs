@@ -115,6 +115,7 @@ pub async fn probe_boot(cfg: QemuConfig) -> Result<Duration, HostError> {
         guest_ca_pem: None,
         volumes: Vec::new(),
         image: None,
+        no_template: false,
     };
     let started = Instant::now();
     let r = host.start(&spec).await;
@@ -956,7 +957,7 @@ impl Host for QemuHost {
     async fn start(&self, spec: &MachineSpec) -> Result<(), HostError> {
         // A template's machine has no volume drives, and a restored machine
         // must have exactly the devices it was captured with: boot instead.
-        if self.cfg.templates && spec.volumes.is_empty() {
+        if self.cfg.templates && spec.volumes.is_empty() && !spec.no_template {
             let key = self.template_key(spec);
             let dir = self.templates_dir().join(&key);
             if dir.join("memory.state").exists() {

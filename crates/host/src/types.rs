@@ -27,6 +27,9 @@ pub struct MachineSpec {
     /// A custom image: the machine's disk is an overlay on this disk instead
     /// of the base image (a fresh boot), and its templates are its own.
     pub image: Option<ImageDisk>,
+    /// Boot, and build no template for this machine's shape (a one-off
+    /// machine such as an image build's).
+    pub no_template: bool,
 }
 
 /// A custom image's root disk: a qcow2 whose backing chain ends at the

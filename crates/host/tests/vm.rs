@@ -105,6 +105,7 @@ fn spec(id: &str) -> MachineSpec {
         guest_ca_pem: None,
         volumes: Vec::new(),
         image: None,
+        no_template: false,
     }
 }
 

@@ -9,6 +9,7 @@ mod error;
 mod files;
 mod http;
 mod idempotency;
+mod images;
 mod interpreter;
 pub mod keys;
 mod login;

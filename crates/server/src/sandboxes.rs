@@ -166,7 +166,11 @@ pub fn machine_spec(st: &AppState, s: &Sandbox) -> MachineSpec {
         hostname: format!("sbx-{}", s.id.chars().take(8).collect::<String>()),
         guest_ca_pem: crate::net::guest_ca_pem(st, &s.id),
         volumes: crate::volumes::drives(st, &s.id),
-        image: None,
+        image: s
+            .image
+            .as_deref()
+            .and_then(|i| crate::images::disk_of(st, i)),
+        no_template: false,
     }
 }
 
@@ -251,6 +255,7 @@ struct CreateReq {
     floor_given: bool,
     net: crate::net::CreateNet,
     volumes: Vec<crate::volumes::Attachment>,
+    image: Option<String>,
 }
 
 fn parse_create(st: &AppState, body: &[u8]) -> ApiResult<CreateReq> {
@@ -315,11 +320,18 @@ fn parse_create(st: &AppState, body: &[u8]) -> ApiResult<CreateReq> {
     let env = f.string_map("env", 32);
     let env = check_env(&mut f, env).unwrap_or_default();
     let image = f.raw("image");
-    if let Some(img) = image {
-        if img.as_str() != Some("default") {
-            f.issue("image", "only the default image exists on this server yet");
+    let image_ref = match image {
+        None | Some(Value::Null) => None,
+        Some(Value::String(s)) if s == "default" => None,
+        Some(Value::String(s)) if !s.is_empty() => Some(s.clone()),
+        Some(_) => {
+            f.issue(
+                "image",
+                "must be an image id, name, name:tag or name@version",
+            );
+            None
         }
-    }
+    };
     let snapshot = f.string("snapshot");
     if snapshot.is_some() && image.is_some() {
         f.issue("snapshot", "give image or snapshot, not both");
@@ -384,6 +396,7 @@ fn parse_create(st: &AppState, body: &[u8]) -> ApiResult<CreateReq> {
         floor_given,
         net,
         volumes,
+        image: image_ref,
     })
 }
 
@@ -402,6 +415,19 @@ pub(crate) fn name_holder(
 
 pub async fn create(st: AppState, ctx: Ctx, body: Bytes) -> ApiResult<Reply> {
     let mut req = parse_create(&st, &body)?;
+    if let Some(r) = &req.image {
+        // The image's environment first; the create's own variables win.
+        let img = crate::images::for_create(&st, &ctx.key, r)?;
+        let mut env = img.env;
+        env.retain(|(k, _)| !req.env.iter().any(|(n, _)| n == k));
+        env.append(&mut req.env);
+        req.env = env;
+        let mut names: Vec<String> = req.env.iter().map(|(k, _)| k.clone()).collect();
+        names.sort();
+        names.dedup();
+        req.record.env_names = names;
+        req.record.image = Some(img.id);
+    }
     let wait = prefer_wait(&ctx.headers);
     let from = match &req.snapshot {
         Some(sid) => {
