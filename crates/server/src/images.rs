@@ -85,6 +85,9 @@ pub struct ImageDoc {
     pub ready_at: Option<String>,
     pub build_seconds: Option<f64>,
     pub log: Vec<LogLine>,
+    /// The build machine while one runs (ended by a restart's recovery).
+    #[serde(default)]
+    pub build_vm: Option<String>,
 }
 
 impl ImageDoc {
@@ -865,6 +868,7 @@ pub async fn create(st: AppState, ctx: Ctx, body: Bytes) -> ApiResult<Reply> {
         ready_at: None,
         build_seconds: None,
         log: Vec::new(),
+        build_vm: None,
     };
     save(&st, &d)?;
     tracing::info!(image_id = %d.id, steps = d.steps.len(), "image queued");
@@ -1006,6 +1010,38 @@ pub async fn action(
 
 // ---- the build --------------------------------------------------------
 
+/// After a restart: builds that were under way failed (their finished steps
+/// stay cached, so building again resumes there); their machines end.
+pub async fn recover(st: &AppState) -> Result<(), crate::ServerError> {
+    let docs = match all(st) {
+        Ok(d) => d,
+        Err(e) => {
+            tracing::warn!(error = %e, "reading images failed");
+            return Ok(());
+        }
+    };
+    for mut d in docs {
+        if !matches!(d.state.as_str(), "queued" | "building") {
+            continue;
+        }
+        if let Some(vm) = d.build_vm.take() {
+            let _ = st.host().destroy(&vm).await;
+            crate::net::sandbox_gone(st, &vm);
+        }
+        d.state = "failed".into();
+        d.error = Some(
+            "the server restarted during the build; build again (finished steps are cached)".into(),
+        );
+        for s in &mut d.steps {
+            if s.state == "running" {
+                s.state = "failed".into();
+            }
+        }
+        let _ = save(st, &d);
+    }
+    Ok(())
+}
+
 fn log(st: &AppState, id: &str, step: Option<usize>, stream: &str, text: &str) {
     let Ok(Some(mut d)) = load(st, id) else {
         return;
@@ -1131,6 +1167,7 @@ async fn run_build(st: &AppState, id: &str) -> Result<(), String> {
         secrets: Some(Vec::new()),
     };
     crate::net::store_create(st, &vm, &net).map_err(|e| e.to_string())?;
+    update(st, id, |d| d.build_vm = Some(vm.clone()));
     let spec = runtime_host::MachineSpec {
         id: vm.clone(),
         vcpu: 2,
@@ -1174,6 +1211,7 @@ async fn run_build(st: &AppState, id: &str) -> Result<(), String> {
     .await;
     let _ = st.host().destroy(&vm).await;
     crate::net::sandbox_gone(st, &vm);
+    update(st, id, |d| d.build_vm = None);
     result
 }
 

@@ -296,6 +296,7 @@ pub fn router(state: AppState) -> axum::Router {
 /// longer knows them) and reloads the records of those that ended.
 pub async fn recover(state: &AppState) -> Result<(), ServerError> {
     sandboxes::recover(state).await?;
+    images::recover(state).await?;
     procs::recover(state).await
 }
 

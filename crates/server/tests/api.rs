@@ -2457,3 +2457,72 @@ async fn volumes_survive_a_restart_of_the_server_and_specs_keep_them() {
     assert_eq!(s, StatusCode::CONFLICT, "{v}");
     std::mem::forget(t2); // the same directory: removed once, by `t`
 }
+
+// ---- images ----
+
+#[tokio::test]
+async fn image_requests_are_checked_before_any_build() {
+    let t = T::new();
+    let cases = [
+        (json!({}), "recipe"),
+        (
+            json!({"recipe": {"pip": ["x"]}, "dockerfile": "FROM runtime"}),
+            "recipe",
+        ),
+        (json!({"recipe": {"bogus": 1}}), "recipe"),
+        (
+            json!({"recipe": {"pip": ["--index-url=http://x"]}}),
+            "recipe",
+        ),
+        (json!({"recipe": {"workdir": "relative"}}), "recipe"),
+        (json!({"dockerfile": "RUN true"}), "dockerfile"),
+        (
+            json!({"dockerfile": "FROM runtime\nONBUILD RUN true"}),
+            "dockerfile",
+        ),
+        (
+            json!({"dockerfile": "FROM runtime\nCOPY missing.txt /x"}),
+            "dockerfile",
+        ),
+        (
+            json!({"dockerfile": "FROM runtime\nUSER nobody"}),
+            "dockerfile",
+        ),
+        (json!({"image": "python:3.12", "recipe": {}}), "image"),
+        (json!({"recipe": {}, "name": "a:b"}), "name"),
+    ];
+    for (body, field) in cases {
+        let (s, v) = t.json("POST", "/v1/images", Some(body.clone())).await;
+        assert_eq!(s, StatusCode::BAD_REQUEST, "{body} -> {v}");
+        assert!(
+            v["error"]["details"]["issues"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|i| i["field"] == field),
+            "{body} -> {v}"
+        );
+    }
+    // A base that does not exist, an image a create names that does not.
+    let (s, v) = t
+        .json(
+            "POST",
+            "/v1/images",
+            Some(json!({"recipe": {"base": "nope"}})),
+        )
+        .await;
+    assert_eq!(s, StatusCode::NOT_FOUND, "{v}");
+    assert_error(&v, 404, "image_not_found");
+    let (s, v) = t
+        .json(
+            "POST",
+            "/v1/sandboxes",
+            Some(json!({"image": "nope:latest"})),
+        )
+        .await;
+    assert_eq!(s, StatusCode::NOT_FOUND, "{v}");
+    let (s, v) = t.json("GET", "/v1/images/resolve?ref=nope", None).await;
+    assert_eq!(s, StatusCode::NOT_FOUND, "{v}");
+    // "default" is the server's own image, as before.
+    t.running(json!({"image": "default"})).await;
+}
