@@ -5,8 +5,8 @@ custom image beside creates from the default image.
     .venv/bin/python bench/images.py -n 5
 
 Over N runs (default 5), in one server, through the official client: a
-cold build of a small recipe (a file, an env variable, a workdir and four
-commands; each run's first command differs, so nothing is cached) until
+cold build of a small recipe (env variables, a workdir, a file and four
+commands; each run's env differs, so nothing is cached) until
 ready; the same recipe with only its last command changed (every step but
 the last cached) until ready; then creates until running from the default
 image and from the custom image, each after its shape's template is built
@@ -30,7 +30,7 @@ from run import REPO, OwnServer, percentile  # noqa: E402
 
 SHAPE = {"vcpu": 2, "memory_mib": 1024}
 METRICS = [
-    ("build_cold", "build of a small recipe, nothing cached (7 steps)"),
+    ("build_cold", "build of a small recipe, nothing cached (6 steps)"),
     ("build_cached_prefix", "rebuild with only the last step changed"),
     ("create_default", "create from the default image until running"),
     ("create_custom", "create from the custom image until running"),
@@ -39,7 +39,8 @@ METRICS = [
 
 def recipe(nonce: str, last: str) -> dict:
     return {
-        "env": {"APP_MODE": "bench"},
+        # In every step's key: nothing of a new nonce's build is cached.
+        "env": {"APP_MODE": "bench", "NONCE": nonce},
         "workdir": "/workspace/app",
         "files": {"/workspace/app/settings.txt": f"nonce={nonce}\n"},
         "commands": [f"echo {nonce} > nonce.txt", "python3 -c 'print(6*7)' > answer.txt",
