@@ -13,6 +13,7 @@ mod qemu;
 mod qmp;
 mod tunnel;
 mod types;
+pub mod volume;
 
 pub use machine::{choose_accel, probe_boot, QemuConfig, QemuHost};
 pub use qemu::Accel;

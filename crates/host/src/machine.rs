@@ -40,6 +40,9 @@ struct Vm {
     paths: VmPaths,
     pid: u32,
     link: tokio::sync::Mutex<Option<Link>>,
+    /// It has volume drives: what the guest wrote to them is flushed before
+    /// the machine is paused or ended, so it never lives only in its memory.
+    volumes: bool,
 }
 
 impl Drop for Vm {
@@ -110,6 +113,9 @@ pub async fn probe_boot(cfg: QemuConfig) -> Result<Duration, HostError> {
         disk_mib: 3072,
         hostname: "probe".into(),
         guest_ca_pem: None,
+        volumes: Vec::new(),
+        image: None,
+        no_template: false,
     };
     let started = Instant::now();
     let r = host.start(&spec).await;
@@ -256,8 +262,12 @@ impl QemuHost {
     /// Templates are keyed by the artifacts (kernel, image, agent) and the
     /// machine's shape: a restore needs exactly the machine it was taken on.
     fn template_key(&self, spec: &MachineSpec) -> String {
+        let image = match &spec.image {
+            Some(i) => format!("-img-{}", i.key),
+            None => String::new(),
+        };
         format!(
-            "{}-{}-{}c-{}m-{}d",
+            "{}-{}-{}c-{}m-{}d{image}",
             self.cfg.artifacts.key,
             qemu::cpu_model(self.cfg.accel),
             spec.vcpu,
@@ -284,12 +294,19 @@ impl QemuHost {
     async fn build_template(&self, key: String, shape: MachineSpec) -> Result<(), HostError> {
         let dir = self.templates_dir().join(&key);
         let partial = self.templates_dir().join(format!("{key}.partial"));
-        let id = format!("template-{}", &key[key.len().saturating_sub(24)..]);
+        // Unique per key (shapes of one image differ only in the middle).
+        let id = {
+            use std::hash::{Hash, Hasher};
+            let mut h = std::collections::hash_map::DefaultHasher::new();
+            key.hash(&mut h);
+            format!("template-{:016x}", h.finish())
+        };
         // The template is shared: no sandbox's CA (each start installs its own).
         let spec = MachineSpec {
             id: id.clone(),
             hostname: "sandbox".into(),
             guest_ca_pem: None,
+            volumes: Vec::new(),
             ..shape
         };
         let started = Instant::now();
@@ -394,7 +411,11 @@ impl QemuHost {
         let id = spec.id.as_str();
         let out = tokio::process::Command::new("qemu-img")
             .args(["create", "-q", "-f", "qcow2", "-F", "qcow2", "-b"])
-            .arg(&self.cfg.artifacts.base)
+            .arg(
+                spec.image
+                    .as_ref()
+                    .map_or(&self.cfg.artifacts.base, |i| &i.disk),
+            )
             .arg(paths.overlay())
             .arg(format!("{}M", spec.disk_mib))
             .output()
@@ -413,7 +434,33 @@ impl QemuHost {
     async fn boot(&self, spec: &MachineSpec) -> Result<Arc<Vm>, HostError> {
         let paths = self.fresh_dir(spec).await?;
         self.new_overlay(spec, &paths).await?;
-        self.launch(spec, paths, None).await
+        self.copy_snapshot_volumes(spec, &paths).await?;
+        let vm = self.launch(spec, paths, None).await?;
+        if let Err(e) = mount_volumes(&vm, spec).await {
+            self.end_vm(&spec.id, &vm).await;
+            return Err(e);
+        }
+        Ok(vm)
+    }
+
+    /// Each `snapshot` volume's own sparse copy, in the VM's directory: the
+    /// copy-on-write view the machine writes to and that goes with it.
+    async fn copy_snapshot_volumes(
+        &self,
+        spec: &MachineSpec,
+        paths: &VmPaths,
+    ) -> Result<(), HostError> {
+        let id = spec.id.as_str();
+        for (i, v) in spec.volumes.iter().enumerate() {
+            if v.snapshot {
+                copy_sparse(&v.file, &paths.volume_copy(i))
+                    .await
+                    .map_err(|e| {
+                        self.start_failed(id, BootStage::Disk, format!("copy of volume: {e}"))
+                    })?;
+            }
+        }
+        Ok(())
     }
 
     /// Starts QEMU in `paths` (its disk already there), either booting or
@@ -430,7 +477,12 @@ impl QemuHost {
             // QEMU reopens its disk as its own uid after a migration.
             std::os::unix::fs::chown(paths.overlay(), Some(uid), Some(gid))
                 .map_err(Self::io(id, "chown disk"))?;
+            for file in drive_files(spec, &paths) {
+                std::os::unix::fs::chown(&file, Some(uid), Some(gid))
+                    .map_err(Self::io(id, "chown volume"))?;
+            }
         }
+        let volumes = drive_files(spec, &paths);
         let cfg = VmConfig {
             qemu: &self.cfg.qemu_binary,
             kernel: &self.cfg.artifacts.kernel,
@@ -441,6 +493,7 @@ impl QemuHost {
             paths: &paths,
             run_as: vm_uid(id),
             incoming: incoming.as_ref().map(|f| f.as_raw_fd()),
+            volumes: &volumes,
         };
         // Sockets of an earlier QEMU (before a pause) must not pass for ours.
         let _ = std::fs::remove_file(paths.agent_sock());
@@ -540,6 +593,7 @@ impl QemuHost {
             paths,
             pid,
             link: tokio::sync::Mutex::new(Some(link.clone())),
+            volumes: !spec.volumes.is_empty(),
         });
         setup(&link, &spec.hostname, spec.guest_ca_pem.as_deref())
             .await
@@ -747,6 +801,122 @@ async fn copy_sparse(from: &Path, to: &Path) -> std::io::Result<()> {
     }
 }
 
+/// The files QEMU opens as the volume drives, in the spec's order: the
+/// volume itself (`rw`) or the machine's copy of it (`snapshot`).
+fn drive_files(spec: &MachineSpec, paths: &VmPaths) -> Vec<PathBuf> {
+    spec.volumes
+        .iter()
+        .enumerate()
+        .map(|(i, v)| {
+            if v.snapshot {
+                paths.volume_copy(i)
+            } else {
+                v.file.clone()
+            }
+        })
+        .collect()
+}
+
+/// Finds each volume's device by its serial (`vol<i>`, not by probe order)
+/// and mounts it, `nosuid,nodev`. Arguments: pairs of serial and path.
+const MOUNT_SCRIPT: &str = r#"set -eu
+while [ $# -gt 1 ]; do
+  serial=$1; dir=$2; shift 2
+  dev=
+  for _ in $(seq 100); do
+    for b in /sys/block/vd*; do
+      if [ "$(cat "$b/serial" 2>/dev/null)" = "$serial" ]; then dev=/dev/${b##*/}; fi
+    done
+    [ -n "$dev" ] && [ -b "$dev" ] && break
+    sleep 0.1
+  done
+  [ -n "$dev" ] || { echo "no device with serial $serial" >&2; exit 1; }
+  mkdir -p "$dir"
+  mount -t ext4 -o nosuid,nodev "$dev" "$dir"
+done
+"#;
+
+async fn mount_volumes(vm: &Vm, spec: &MachineSpec) -> Result<(), HostError> {
+    if spec.volumes.is_empty() {
+        return Ok(());
+    }
+    let id = spec.id.as_str();
+    let failed = |reason: String| HostError::StartFailed {
+        id: id.to_owned(),
+        stage: BootStage::Disk,
+        reason,
+        console_tail: String::new(),
+    };
+    let link = vm
+        .link
+        .lock()
+        .await
+        .clone()
+        .ok_or_else(|| HostError::LinkLost { id: id.to_owned() })?;
+    let mut argv = vec![
+        "/bin/sh".to_owned(),
+        "-c".to_owned(),
+        MOUNT_SCRIPT.to_owned(),
+        "mount-volumes".to_owned(),
+    ];
+    for (i, v) in spec.volumes.iter().enumerate() {
+        argv.push(format!("vol{i}"));
+        argv.push(v.path.clone());
+    }
+    let (code, output) = run_root(&link, argv, Duration::from_secs(60))
+        .await
+        .map_err(|e| failed(format!("mounting volumes: {e}")))?;
+    if code != Some(0) {
+        return Err(failed(format!(
+            "mounting volumes failed: {}",
+            String::from_utf8_lossy(&output).trim()
+        )));
+    }
+    Ok(())
+}
+
+/// Asks the guest to write its dirty pages to its disks (bounded wait).
+async fn sync_guest(vm: &Vm) {
+    if let Some(l) = vm.link.lock().await.as_ref() {
+        let _ = tokio::time::timeout(Duration::from_secs(30), l.call(&Request::Sync)).await;
+    }
+}
+
+/// Runs a command as root over `link` and collects its exit code and output.
+async fn run_root(
+    link: &Link,
+    argv: Vec<String>,
+    timeout: Duration,
+) -> Result<(Option<i32>, Vec<u8>), String> {
+    let mut stream = link.open().map_err(|e| e.to_string())?;
+    let req = ExecRequest {
+        argv,
+        cwd: None,
+        env: Vec::new(),
+        user: User::Root,
+        timeout_ms: Some(timeout.as_millis() as u64),
+        stdin: false,
+        pty: None,
+        kill_group_on_exit: true,
+    };
+    stream
+        .send(&Request::Exec(req))
+        .map_err(|e| e.to_string())?;
+    let pid = match stream.reply().await.map_err(|e| e.to_string())? {
+        Reply::Started { pid } => pid,
+        other => return Err(format!("unexpected reply {other:?}")),
+    };
+    let mut handle = pump(stream, pid);
+    let mut output = Vec::new();
+    while let Some(ev) = handle.events.recv().await {
+        match ev {
+            ExecEvent::Stdout(b) | ExecEvent::Stderr(b) => output.extend_from_slice(&b),
+            ExecEvent::Exited(st) => return Ok((st.code, output)),
+        }
+    }
+    Err("lost the link".into())
+}
+
 async fn setup(link: &Link, hostname: &str, ca_pem: Option<&str>) -> Result<(), LinkError> {
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -785,7 +955,9 @@ fn guest_err(id: &str, r: Reply) -> HostError {
 #[async_trait]
 impl Host for QemuHost {
     async fn start(&self, spec: &MachineSpec) -> Result<(), HostError> {
-        if self.cfg.templates {
+        // A template's machine has no volume drives, and a restored machine
+        // must have exactly the devices it was captured with: boot instead.
+        if self.cfg.templates && spec.volumes.is_empty() && !spec.no_template {
             let key = self.template_key(spec);
             let dir = self.templates_dir().join(&key);
             if dir.join("memory.state").exists() {
@@ -841,6 +1013,7 @@ impl Host for QemuHost {
                     paths,
                     pid,
                     link: tokio::sync::Mutex::new(Some(link)),
+                    volumes: !spec.volumes.is_empty(),
                 });
                 if let Ok(mut m) = self.vms.lock() {
                     m.insert(spec.id.clone(), vm);
@@ -859,11 +1032,8 @@ impl Host for QemuHost {
     async fn stop(&self, id: &str, keep_disk: bool) -> Result<(), HostError> {
         let vm = self.vms.lock().ok().and_then(|mut m| m.remove(id));
         if let Some(vm) = vm {
-            if keep_disk {
-                if let Some(l) = vm.link.lock().await.as_ref() {
-                    let _ =
-                        tokio::time::timeout(Duration::from_secs(10), l.call(&Request::Sync)).await;
-                }
+            if keep_disk || vm.volumes {
+                sync_guest(&vm).await;
             }
             if let Some(l) = vm.link.lock().await.take() {
                 l.close();
@@ -943,6 +1113,11 @@ impl Host for QemuHost {
         let vm = self
             .take_vm(id)
             .ok_or_else(|| HostError::NoSuchMachine { id: id.to_owned() })?;
+        if vm.volumes {
+            // A paused machine may be deleted without waking: its writes to
+            // volumes must not stay in its saved memory only.
+            sync_guest(&vm).await;
+        }
         match self.capture_stopped(id, &vm).await {
             Ok(file) => {
                 std::fs::rename(&file, vm.paths.paused_state())
@@ -1037,17 +1212,29 @@ impl Host for QemuHost {
                 reason: "no disk.qcow2".into(),
             });
         }
+        let memory = from.join("memory.state");
+        if memory.exists() && !spec.volumes.is_empty() {
+            // Its devices would not match the captured machine's.
+            return Err(HostError::BadCapture {
+                path: from.to_owned(),
+                reason: "a machine with volumes starts only by booting, not from memory".into(),
+            });
+        }
         let paths = self.fresh_dir(spec).await?;
         copy_sparse(&disk, &paths.overlay())
             .await
             .map_err(Self::io(id, "copy disk"))?;
-        let memory = from.join("memory.state");
         let incoming = if memory.exists() {
             Some(std::fs::File::open(&memory).map_err(Self::io(id, "open capture"))?)
         } else {
+            self.copy_snapshot_volumes(spec, &paths).await?;
             None
         };
         let vm = self.launch(spec, paths, incoming).await?;
+        if let Err(e) = mount_volumes(&vm, spec).await {
+            self.end_vm(id, &vm).await;
+            return Err(e);
+        }
         self.insert_vm(id, vm);
         Ok(())
     }

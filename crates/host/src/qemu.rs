@@ -56,6 +56,10 @@ impl VmPaths {
     pub fn qemu_log(&self) -> PathBuf {
         self.dir.join("qemu.log")
     }
+    /// A `snapshot` volume's copy for this machine (the `i`th volume).
+    pub fn volume_copy(&self, i: usize) -> PathBuf {
+        self.dir.join(format!("volume-{i}.ext4"))
+    }
     pub fn pidfile(&self) -> PathBuf {
         self.dir.join("qemu.pid")
     }
@@ -82,6 +86,8 @@ pub(crate) struct VmConfig<'a> {
     /// Load the machine's state from this open file (fd 3 in QEMU) instead
     /// of booting: a wake, a fork copy, or a start from a snapshot.
     pub incoming: Option<std::os::fd::RawFd>,
+    /// Volume drives after the root disk, with serials `vol0`, `vol1`, ….
+    pub volumes: &'a [PathBuf],
 }
 
 /// The fd number a restoring QEMU reads its state from.
@@ -154,6 +160,15 @@ pub(crate) fn command_line(cfg: &VmConfig<'_>) -> Vec<OsString> {
     ));
     push("-device");
     push("virtio-blk-device,drive=root");
+    for (i, file) in cfg.volumes.iter().enumerate() {
+        push("-drive");
+        push(&format!(
+            "file={},if=none,id=vol{i},format=raw,discard=unmap,cache=writeback",
+            file.display()
+        ));
+        push("-device");
+        push(&format!("virtio-blk-device,drive=vol{i},serial=vol{i}"));
+    }
     push("-device");
     push("virtio-rng-device");
     push("-device");

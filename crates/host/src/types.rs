@@ -20,6 +20,37 @@ pub struct MachineSpec {
     /// guest trusts it for the TLS the egress proxy terminates to swap
     /// secrets. Installed at every start, wake and restore.
     pub guest_ca_pem: Option<String>,
+    /// Volumes attached as extra virtio-blk drives, in this order, and
+    /// mounted in the guest at a fresh boot (a wake keeps its mounts). A
+    /// machine with volumes never starts from a template.
+    pub volumes: Vec<VolumeDrive>,
+    /// A custom image: the machine's disk is an overlay on this disk instead
+    /// of the base image (a fresh boot), and its templates are its own.
+    pub image: Option<ImageDisk>,
+    /// Boot, and build no template for this machine's shape (a one-off
+    /// machine such as an image build's).
+    pub no_template: bool,
+}
+
+/// A custom image's root disk: a qcow2 whose backing chain ends at the
+/// base image (every file in the chain readable by the VM's uid).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ImageDisk {
+    /// Names the image's content in template keys (a hash, no `/`).
+    pub key: String,
+    pub disk: std::path::PathBuf,
+}
+
+/// A volume as the host attaches it: an ext4 file system in a raw file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VolumeDrive {
+    /// The volume's file on the host; never derived from guest input.
+    pub file: std::path::PathBuf,
+    /// The guest directory it is mounted on (validated by the control plane).
+    pub path: String,
+    /// `true`: the machine gets its own sparse copy of the file, taken at
+    /// boot and removed with the machine; the volume itself is never written.
+    pub snapshot: bool,
 }
 
 /// Who a command or file operation runs as.

@@ -103,6 +103,9 @@ fn spec(id: &str) -> MachineSpec {
         disk_mib: 4096,
         hostname: "sbx-test".into(),
         guest_ca_pem: None,
+        volumes: Vec::new(),
+        image: None,
+        no_template: false,
     }
 }
 
@@ -492,6 +495,166 @@ async fn counter(h: &QemuHost, id: &str) -> u64 {
     out.trim()
         .parse()
         .unwrap_or_else(|_| panic!("counter: {out:?} {err:?}"))
+}
+
+/// Volumes: data written by one machine is there for the next; a
+/// `snapshot` view is the machine's own (the file is untouched); mounts
+/// survive a pause; the sandbox user owns the volume's root.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn volumes_outlive_machines_and_snapshot_views_stay_private() {
+    let t = host();
+    let h = &t.host;
+    let dir = t.state.join("volumes");
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("v.ext4");
+    volume::create_volume_file(&file, 64).unwrap();
+    let sh = |c: &str| vec!["bash".to_owned(), "-c".to_owned(), c.to_owned()];
+    let vol = |path: &str, snapshot: bool| VolumeDrive {
+        file: file.clone(),
+        path: path.into(),
+        snapshot,
+    };
+
+    let a = "00000000-0000-4000-8000-00000000c001";
+    h.start(&MachineSpec {
+        volumes: vec![vol("/data", false)],
+        ..spec(a)
+    })
+    .await
+    .unwrap_or_else(|e| panic!("start: {e:?}"));
+    let w = sh("echo from-a > /data/f && stat -c %U /data && findmnt -no OPTIONS /data");
+    let w: Vec<&str> = w.iter().map(String::as_str).collect();
+    let (out, err, st) = run(h, a, &w, RunAs::Sandbox, None).await;
+    assert_eq!(st.code, Some(0), "{out} {err}");
+    assert!(out.starts_with("user\n"), "{out}");
+    assert!(out.contains("nosuid") && out.contains("nodev"), "{out}");
+    h.destroy(a).await.unwrap();
+    assert!(file.exists(), "the volume outlives its machine");
+
+    let b = "00000000-0000-4000-8000-00000000c002";
+    let spec_b = MachineSpec {
+        volumes: vec![vol("/data", false), vol("/workspace/view", true)],
+        ..spec(b)
+    };
+    h.start(&spec_b)
+        .await
+        .unwrap_or_else(|e| panic!("start: {e:?}"));
+    let (out, err, st) = run(
+        h,
+        b,
+        &[
+            "bash",
+            "-c",
+            "cat /data/f /workspace/view/f && echo mine > /workspace/view/g && echo kept > /data/h",
+        ],
+        RunAs::Sandbox,
+        None,
+    )
+    .await;
+    assert_eq!(st.code, Some(0), "{err}");
+    assert_eq!(out, "from-a\nfrom-a\n");
+    h.pause(b).await.unwrap();
+    h.wake(&spec_b)
+        .await
+        .unwrap_or_else(|e| panic!("wake: {e:?}"));
+    let (out, _, st) = run(
+        h,
+        b,
+        &["bash", "-c", "cat /workspace/view/g /data/h; ls /data"],
+        RunAs::Sandbox,
+        None,
+    )
+    .await;
+    assert_eq!(st.code, Some(0));
+    assert_eq!(
+        out, "mine\nkept\nf\nh\nlost+found\n",
+        "the view's write is not in the volume"
+    );
+    h.destroy(b).await.unwrap();
+    assert!(!t.state.join(b).exists(), "the view went with its machine");
+
+    // A third machine sees h (rw) but never g (written to a view).
+    let c = "00000000-0000-4000-8000-00000000c003";
+    h.start(&MachineSpec {
+        volumes: vec![vol("/mnt/v", false)],
+        ..spec(c)
+    })
+    .await
+    .unwrap_or_else(|e| panic!("start: {e:?}"));
+    let (out, _, _) = run(h, c, &["bash", "-c", "ls /mnt/v"], RunAs::Sandbox, None).await;
+    assert_eq!(out, "f\nh\nlost+found\n");
+    h.destroy(c).await.unwrap();
+}
+
+/// A custom image: a captured disk becomes the disk new machines boot on
+/// (an overlay on it); the base image is untouched.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_captured_disk_serves_as_an_image_for_new_machines() {
+    let t = host();
+    let h = &t.host;
+    let a = "00000000-0000-4000-8000-00000000c101";
+    h.start(&spec(a))
+        .await
+        .unwrap_or_else(|e| panic!("start: {e:?}"));
+    let (_, err, st) = run(
+        h,
+        a,
+        &["bash", "-c", "echo baked > /opt/marker && sync"],
+        RunAs::Root,
+        None,
+    )
+    .await;
+    assert_eq!(st.code, Some(0), "{err}");
+    let layer = t.state.join("layer");
+    h.capture(a, &layer, false).await.unwrap();
+    h.destroy(a).await.unwrap();
+    let disk = layer.join("disk.qcow2");
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&layer, std::fs::Permissions::from_mode(0o755)).unwrap();
+        std::fs::set_permissions(&disk, std::fs::Permissions::from_mode(0o644)).unwrap();
+    }
+    let image = ImageDisk {
+        key: "test".into(),
+        disk: disk.clone(),
+    };
+    let b = "00000000-0000-4000-8000-00000000c102";
+    h.start(&MachineSpec {
+        image: Some(image),
+        ..spec(b)
+    })
+    .await
+    .unwrap_or_else(|e| panic!("start: {e:?}"));
+    let (out, _, _) = run(
+        h,
+        b,
+        &["bash", "-c", "cat /opt/marker; echo more >> /opt/marker"],
+        RunAs::Root,
+        None,
+    )
+    .await;
+    assert_eq!(out, "baked\n");
+    h.destroy(b).await.unwrap();
+    // A machine on the default image has no marker.
+    let c = "00000000-0000-4000-8000-00000000c103";
+    h.start(&spec(c))
+        .await
+        .unwrap_or_else(|e| panic!("start: {e:?}"));
+    let (out, _, _) = run(
+        h,
+        c,
+        &[
+            "bash",
+            "-c",
+            "test -e /opt/marker && echo present || echo absent",
+        ],
+        RunAs::Root,
+        None,
+    )
+    .await;
+    assert_eq!(out, "absent\n");
+    h.destroy(c).await.unwrap();
+    assert!(disk.exists(), "the image outlives the machines on it");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -16,8 +16,8 @@ use crate::error::{ApiError, ApiResult};
 use crate::store::KeyInfo;
 use crate::util::{parse_query, percent_decode, sha256_hex};
 use crate::{
-    billing, files, idempotency, interpreter, login, net, previews, procs, sandboxes, secrets,
-    snapshots, ws, AppState,
+    billing, files, idempotency, images, interpreter, login, net, previews, procs, sandboxes,
+    secrets, snapshots, volumes, ws, AppState,
 };
 use axum::extract::FromRequestParts;
 
@@ -77,6 +77,18 @@ pub enum Route {
     GetSnapshot(String),
     DeleteSnapshot(String),
     SnapshotAction(String, String),
+    CreateImage,
+    ListImages,
+    ResolveImage,
+    GetImage(String),
+    ImageLogs(String),
+    DeleteImage(String),
+    ImageAction(String, String),
+    CreateVolume,
+    ListVolumes,
+    GetVolume(String),
+    DeleteVolume(String),
+    VolumeAction(String, String),
     /// `/v1/sandboxes/{id}/interpreter[/…]`: the method, the segments after
     /// `interpreter`, and the verb.
     Interpreter(Method, String, Vec<String>, Option<String>),
@@ -289,6 +301,36 @@ pub fn route(method: &Method, raw_path: &str) -> ApiResult<Route> {
             (&Method::POST, Some(v)) => Route::SnapshotAction(id.to_string(), v.clone()),
             _ => return Err(not_allowed()),
         },
+        ["v1", "images"] if verb_or_none(false) => match m {
+            Method::POST => Route::CreateImage,
+            Method::GET => Route::ListImages,
+            _ => return Err(not_allowed()),
+        },
+        ["v1", "images", "resolve"] if verb_or_none(false) => match m {
+            Method::GET => Route::ResolveImage,
+            _ => return Err(not_allowed()),
+        },
+        ["v1", "images", id] => match (&m, &verb) {
+            (&Method::GET, None) => Route::GetImage(id.to_string()),
+            (&Method::DELETE, None) => Route::DeleteImage(id.to_string()),
+            (&Method::POST, Some(v)) => Route::ImageAction(id.to_string(), v.clone()),
+            _ => return Err(not_allowed()),
+        },
+        ["v1", "images", id, "logs"] if verb_or_none(false) => match m {
+            Method::GET => Route::ImageLogs(id.to_string()),
+            _ => return Err(not_allowed()),
+        },
+        ["v1", "volumes"] if verb_or_none(false) => match m {
+            Method::POST => Route::CreateVolume,
+            Method::GET => Route::ListVolumes,
+            _ => return Err(not_allowed()),
+        },
+        ["v1", "volumes", id] => match (&m, &verb) {
+            (&Method::GET, None) => Route::GetVolume(id.to_string()),
+            (&Method::DELETE, None) => Route::DeleteVolume(id.to_string()),
+            (&Method::POST, Some(v)) => Route::VolumeAction(id.to_string(), v.clone()),
+            _ => return Err(not_allowed()),
+        },
         ["v1", "usage"] if verb_or_none(false) => match m {
             Method::GET => Route::Usage,
             _ => return Err(not_allowed()),
@@ -451,6 +493,18 @@ pub const ROUTE_SAMPLES: &[(&str, &str)] = &[
     ("GET", "/v1/snapshots/s1"),
     ("DELETE", "/v1/snapshots/s1"),
     ("POST", "/v1/snapshots/s1:update"),
+    ("POST", "/v1/images"),
+    ("GET", "/v1/images"),
+    ("GET", "/v1/images/resolve?ref=app"),
+    ("GET", "/v1/images/i1"),
+    ("GET", "/v1/images/i1/logs"),
+    ("DELETE", "/v1/images/i1"),
+    ("POST", "/v1/images/i1:delete"),
+    ("POST", "/v1/volumes"),
+    ("GET", "/v1/volumes"),
+    ("GET", "/v1/volumes/v1"),
+    ("DELETE", "/v1/volumes/v1"),
+    ("POST", "/v1/volumes/v1:delete"),
     ("GET", "/v1/usage"),
     ("GET", "/v1/limits"),
     ("GET", "/v1/me"),
@@ -521,6 +575,18 @@ async fn dispatch(st: AppState, ctx: Ctx, r: Route, body: Bytes) -> ApiResult<Re
         Route::GetSnapshot(id) => snapshots::get(st, ctx, id).await,
         Route::DeleteSnapshot(id) => snapshots::delete(st, ctx, id).await,
         Route::SnapshotAction(id, verb) => snapshots::action(st, ctx, id, verb, body).await,
+        Route::CreateImage => images::create(st, ctx, body).await,
+        Route::ListImages => images::list(st, ctx).await,
+        Route::ResolveImage => images::resolve_route(st, ctx).await,
+        Route::GetImage(id) => images::get(st, ctx, id).await,
+        Route::ImageLogs(id) => images::logs(st, ctx, id).await,
+        Route::DeleteImage(id) => images::delete(st, ctx, id).await,
+        Route::ImageAction(id, verb) => images::action(st, ctx, id, verb, body).await,
+        Route::CreateVolume => volumes::create(st, ctx, body).await,
+        Route::ListVolumes => volumes::list(st, ctx).await,
+        Route::GetVolume(id) => volumes::get(st, ctx, id).await,
+        Route::DeleteVolume(id) => volumes::delete(st, ctx, id).await,
+        Route::VolumeAction(id, verb) => volumes::action(st, ctx, id, verb, body).await,
         Route::Interpreter(m, id, rest, verb) => {
             interpreter::handle(st, ctx, m, id, rest, verb, body).await
         }
@@ -637,9 +703,21 @@ mod tests {
             Route::JobSecrets => 36,
             Route::Terminal(_) => 37,
             Route::Tunnel(_) => 38,
+            Route::CreateVolume => 39,
+            Route::ListVolumes => 40,
+            Route::GetVolume(_) => 41,
+            Route::DeleteVolume(_) => 42,
+            Route::VolumeAction(..) => 43,
+            Route::CreateImage => 44,
+            Route::ListImages => 45,
+            Route::ResolveImage => 46,
+            Route::GetImage(_) => 47,
+            Route::ImageLogs(_) => 48,
+            Route::DeleteImage(_) => 49,
+            Route::ImageAction(..) => 50,
         }
     }
-    const VARIANTS: usize = 39;
+    const VARIANTS: usize = 51;
 
     #[test]
     fn the_route_samples_cover_every_route() {

@@ -9,6 +9,7 @@ mod error;
 mod files;
 mod http;
 mod idempotency;
+mod images;
 mod interpreter;
 pub mod keys;
 mod login;
@@ -21,6 +22,7 @@ mod snapshots;
 mod store;
 mod tls;
 mod util;
+mod volumes;
 mod ws;
 
 use std::collections::{HashMap, HashSet};
@@ -294,6 +296,7 @@ pub fn router(state: AppState) -> axum::Router {
 /// longer knows them) and reloads the records of those that ended.
 pub async fn recover(state: &AppState) -> Result<(), ServerError> {
     sandboxes::recover(state).await?;
+    images::recover(state).await?;
     procs::recover(state).await
 }
 

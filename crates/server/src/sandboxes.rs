@@ -166,6 +166,12 @@ pub fn machine_spec(st: &AppState, s: &Sandbox) -> MachineSpec {
         disk_mib: s.disk_mib,
         hostname: format!("sbx-{}", s.id.chars().take(8).collect::<String>()),
         guest_ca_pem: crate::net::guest_ca_pem(st, &s.id),
+        volumes: crate::volumes::drives(st, &s.id),
+        image: s
+            .image
+            .as_deref()
+            .and_then(|i| crate::images::disk_of(st, i)),
+        no_template: false,
     }
 }
 
@@ -249,6 +255,8 @@ struct CreateReq {
     shape_given: Vec<(&'static str, u32)>,
     floor_given: bool,
     net: crate::net::CreateNet,
+    volumes: Vec<crate::volumes::Attachment>,
+    image: Option<String>,
 }
 
 fn parse_create(st: &AppState, body: &[u8]) -> ApiResult<CreateReq> {
@@ -313,11 +321,18 @@ fn parse_create(st: &AppState, body: &[u8]) -> ApiResult<CreateReq> {
     let env = f.string_map("env", 32);
     let env = check_env(&mut f, env).unwrap_or_default();
     let image = f.raw("image");
-    if let Some(img) = image {
-        if img.as_str() != Some("default") {
-            f.issue("image", "only the default image exists on this server yet");
+    let image_ref = match image {
+        None | Some(Value::Null) => None,
+        Some(Value::String(s)) if s == "default" => None,
+        Some(Value::String(s)) if !s.is_empty() => Some(s.clone()),
+        Some(_) => {
+            f.issue(
+                "image",
+                "must be an image id, name, name:tag or name@version",
+            );
+            None
         }
-    }
+    };
     let snapshot = f.string("snapshot");
     if snapshot.is_some() && image.is_some() {
         f.issue("snapshot", "give image or snapshot, not both");
@@ -328,11 +343,7 @@ fn parse_create(st: &AppState, body: &[u8]) -> ApiResult<CreateReq> {
         "is not supported by this server (one machine)",
     );
     f.refuse("tailscale", "is not supported by this server");
-    match f.raw("volumes") {
-        None => {}
-        Some(Value::Array(a)) if a.is_empty() => {}
-        Some(_) => f.issue("volumes", "volumes are not supported by this server yet"),
-    }
+    let volumes = crate::volumes::parse_create(&mut f);
     f.finish()?;
 
     let now = now_ms();
@@ -386,6 +397,8 @@ fn parse_create(st: &AppState, body: &[u8]) -> ApiResult<CreateReq> {
         shape_given,
         floor_given,
         net,
+        volumes,
+        image: image_ref,
     })
 }
 
@@ -404,11 +417,31 @@ pub(crate) fn name_holder(
 
 pub async fn create(st: AppState, ctx: Ctx, body: Bytes) -> ApiResult<Reply> {
     let mut req = parse_create(&st, &body)?;
+    if let Some(r) = &req.image {
+        // The image's environment first; the create's own variables win.
+        let img = crate::images::for_create(&st, &ctx.key, r)?;
+        let mut env = img.env;
+        env.retain(|(k, _)| !req.env.iter().any(|(n, _)| n == k));
+        env.append(&mut req.env);
+        req.env = env;
+        let mut names: Vec<String> = req.env.iter().map(|(k, _)| k.clone()).collect();
+        names.sort();
+        names.dedup();
+        req.record.env_names = names;
+        req.record.image = Some(img.id);
+    }
     let wait = prefer_wait(&ctx.headers);
     let from = match &req.snapshot {
         Some(sid) => {
             let snap = crate::snapshots::find_ready(&st, &ctx.key, sid)?;
             let s = &snap.record;
+            if !req.volumes.is_empty() && s.mode == "memory" {
+                return Err(ApiError::invalid(
+                    "volumes",
+                    "a start from a memory snapshot cannot attach volumes (its machine had none); \
+                     use a disk snapshot",
+                ));
+            }
             let want = [
                 ("vcpu", s.vcpu),
                 ("memoryMiB", s.memory_mib),
@@ -478,7 +511,9 @@ pub async fn create(st: AppState, ctx: Ctx, body: Bytes) -> ApiResult<Reply> {
                     env: req.env,
                     deleted: None,
                 };
+                let volumes = crate::volumes::resolve(&st, &ctx.key, &req.volumes).await?;
                 crate::net::store_create(&st, &row.record.id, &req.net)?;
+                crate::volumes::keep(&st, &row.record.id, &volumes)?;
                 st.store().insert_sandbox(&row)?;
                 tracing::info!(sandbox_id = %row.record.id, "sandbox created");
                 spawn_start(&st, row.record.id.clone(), from);

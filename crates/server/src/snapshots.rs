@@ -137,6 +137,7 @@ pub async fn fork(st: AppState, ctx: Ctx, id: String, body: Bytes) -> ApiResult<
     let net = crate::net::parse_create(&st, &mut f);
     f.finish()?;
     let src = settled_source(&st, &ctx.key, &id).await?;
+    crate::volumes::refuse_copy(&st, &id, "fork")?;
     let lease = crate::billing::first_lease_seconds(src.record.timeout_seconds);
     let copies_cost = i64::try_from(count)
         .unwrap_or(i64::MAX)
@@ -271,6 +272,9 @@ pub async fn snapshot(st: AppState, ctx: Ctx, id: String, body: Bytes) -> ApiRes
         .unwrap_or_else(|| "memory".into());
     f.finish()?;
     let src = settled_source(&st, &ctx.key, &id).await?;
+    if mode == "memory" {
+        crate::volumes::refuse_copy(&st, &id, "memory snapshot")?;
+    }
     let now = now_ms();
     let snap = Snapshot {
         id: uuid::Uuid::new_v4().to_string(),

@@ -2331,3 +2331,342 @@ async fn cpu_use_in_the_guest_keeps_a_sandbox_from_idling() {
     burner.abort();
     t.state.shutdown().await;
 }
+
+// ---- volumes ----
+
+/// The spec the fake host last started `id` with.
+fn started_spec(t: &T, id: &str) -> runtime_host::MachineSpec {
+    t.host
+        .specs
+        .lock()
+        .unwrap()
+        .iter()
+        .rev()
+        .find(|s| s.id == id)
+        .cloned()
+        .unwrap()
+}
+
+#[tokio::test]
+async fn volumes_create_attach_exclusively_and_delete_only_when_free() {
+    let t = T::new();
+    let (s, v) = t.json("POST", "/v1/volumes", Some(json!({}))).await;
+    assert_eq!(s, StatusCode::BAD_REQUEST, "{v}");
+    assert!(v.to_string().contains("sizeMiB"), "{v}");
+    let (s, v) = t
+        .json(
+            "POST",
+            "/v1/volumes",
+            Some(json!({"sizeMiB": 64, "name": "data", "shared": true})),
+        )
+        .await;
+    assert_eq!(s, StatusCode::BAD_REQUEST, "{v}");
+    let (s, vol) = t
+        .json(
+            "POST",
+            "/v1/volumes",
+            Some(json!({"sizeMiB": 64, "name": "data"})),
+        )
+        .await;
+    assert_eq!(s, StatusCode::CREATED, "{vol}");
+    assert_eq!(
+        (vol["state"].as_str(), vol["sizeMiB"].as_u64()),
+        (Some("ready"), Some(64))
+    );
+    let vid = vol["id"].as_str().unwrap().to_string();
+    let file = t.dir.join("volumes").join(format!("{vid}.ext4"));
+    assert_eq!(std::fs::metadata(&file).unwrap().len(), 64 << 20);
+    // A real ext4 file system (the magic at 0x438).
+    let bytes = std::fs::read(&file).unwrap();
+    assert_eq!(&bytes[0x438..0x43a], &[0x53, 0xef]);
+    let (s, v) = t
+        .json(
+            "POST",
+            "/v1/volumes",
+            Some(json!({"sizeMiB": 64, "name": "data"})),
+        )
+        .await;
+    assert_eq!(s, StatusCode::CONFLICT, "{v}");
+    assert_error(&v, 409, "name_taken");
+
+    // Paths and modes are checked before anything starts, each by name.
+    let bad = json!({"volumes": [
+        {"volumeId": vid, "path": "data"},
+        {"volumeId": vid, "path": "/"},
+        {"volumeId": vid, "path": "/etc/x"},
+        {"volumeId": vid, "path": "/mnt/../proc", "mode": "ro"},
+    ]});
+    let (s, v) = t.json("POST", "/v1/sandboxes", Some(bad)).await;
+    assert_eq!(s, StatusCode::BAD_REQUEST, "{v}");
+    let fields: Vec<&str> = v["error"]["details"]["issues"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|i| i["field"].as_str().unwrap())
+        .collect();
+    for f in [
+        "volumes[0].path",
+        "volumes[1].path",
+        "volumes[2].path",
+        "volumes[3].path",
+        "volumes[3].mode",
+    ] {
+        assert!(fields.contains(&f), "{f} in {fields:?}");
+    }
+    let five: Vec<Value> = (0..5)
+        .map(|i| json!({"volumeId": vid, "path": format!("/v{i}")}))
+        .collect();
+    let (s, _) = t
+        .json("POST", "/v1/sandboxes", Some(json!({"volumes": five})))
+        .await;
+    assert_eq!(s, StatusCode::BAD_REQUEST);
+    let (s, v) = t
+        .json("POST", "/v1/sandboxes", Some(json!({"volumes": [
+            {"volumeId": vid, "path": "/data"}, {"volumeId": vid, "path": "/data/x", "mode": "snapshot"}]})))
+        .await;
+    assert_eq!(s, StatusCode::BAD_REQUEST, "{v}");
+    let (s, v) = t
+        .json(
+            "POST",
+            "/v1/sandboxes",
+            Some(json!({"volumes": [{"volumeId": "nope", "path": "/data"}]})),
+        )
+        .await;
+    assert_error(&v, 404, "volume_not_found");
+    assert_eq!(s, StatusCode::NOT_FOUND);
+
+    // A writer, by name; its machine gets the drive.
+    let a = t
+        .running(json!({"volumes": [{"volumeId": "data", "path": "/data"}]}))
+        .await;
+    let spec = started_spec(&t, &a);
+    assert_eq!(spec.volumes.len(), 1);
+    assert_eq!(spec.volumes[0].file, file);
+    assert_eq!(
+        (spec.volumes[0].path.as_str(), spec.volumes[0].snapshot),
+        ("/data", false)
+    );
+    let (_, v) = t.json("GET", &format!("/v1/volumes/{vid}"), None).await;
+    assert_eq!(v["attachments"][0]["sandboxId"], a.as_str(), "{v}");
+    assert_eq!(v["attachments"][0]["mode"], "rw");
+
+    // One writer at a time; snapshot views beside it.
+    let (s, v) = t
+        .json(
+            "POST",
+            "/v1/sandboxes",
+            Some(json!({"volumes": [{"volumeId": vid, "path": "/other"}]})),
+        )
+        .await;
+    assert_eq!(s, StatusCode::CONFLICT, "{v}");
+    assert_error(&v, 409, "volume_in_use");
+    assert_eq!(v["error"]["details"]["sandboxId"], a.as_str());
+    let b = t
+        .running(
+            json!({"volumes": [{"volumeId": vid, "path": "/workspace/view", "mode": "snapshot"}]}),
+        )
+        .await;
+    assert!(started_spec(&t, &b).volumes[0].snapshot);
+
+    // No copies of a machine with volumes; no delete while attached.
+    let (s, v) = t
+        .json("POST", &format!("/v1/sandboxes/{a}:fork"), Some(json!({})))
+        .await;
+    assert_eq!(s, StatusCode::CONFLICT, "{v}");
+    assert_error(&v, 409, "volume_attached");
+    let (_, v) = t
+        .json(
+            "POST",
+            &format!("/v1/sandboxes/{b}:snapshot"),
+            Some(json!({})),
+        )
+        .await;
+    assert_error(&v, 409, "volume_attached");
+    let (s, v) = t
+        .json(
+            "POST",
+            &format!("/v1/volumes/{vid}:delete"),
+            Some(json!({})),
+        )
+        .await;
+    assert_eq!(s, StatusCode::CONFLICT, "{v}");
+    assert_error(&v, 409, "volume_in_use");
+
+    // Another key sees nothing of it.
+    let other = create_key(&t.dir, None, false, false).unwrap();
+    let (s, _) = t
+        .json_as(&other, "GET", &format!("/v1/volumes/{vid}"), None, &[])
+        .await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+    let (_, v) = t.json_as(&other, "GET", "/v1/volumes", None, &[]).await;
+    assert_eq!(v["data"], json!([]));
+    let (s, _) = t
+        .json_as(
+            &other,
+            "POST",
+            "/v1/sandboxes",
+            Some(json!({"volumes": [{"volumeId": vid, "path": "/d"}]})),
+            &[],
+        )
+        .await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+
+    // Once the writer is deleted, the next one may write; the file stays.
+    t.json("DELETE", &format!("/v1/sandboxes/{a}"), None).await;
+    let mut c = None;
+    for _ in 0..100 {
+        let (s, v) = t
+            .json_as(
+                &t.admin.clone(),
+                "POST",
+                "/v1/sandboxes",
+                Some(json!({"volumes": [{"volumeId": vid, "path": "/data"}]})),
+                &[("prefer", "wait=10")],
+            )
+            .await;
+        if s == StatusCode::CREATED {
+            c = Some(v["id"].as_str().unwrap().to_string());
+            break;
+        }
+        assert_error(&v, 409, "volume_releasing");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let c = c.expect("the volume was released");
+    assert!(t.host.destroyed.lock().unwrap().contains(&a));
+    assert!(file.exists());
+    let (_, v) = t.json("GET", "/v1/volumes", None).await;
+    assert_eq!(v["data"][0]["id"], vid.as_str());
+    let holders: Vec<&str> = v["data"][0]["attachments"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x["sandboxId"].as_str().unwrap())
+        .collect();
+    assert!(
+        holders.contains(&b.as_str())
+            && holders.contains(&c.as_str())
+            && !holders.contains(&a.as_str()),
+        "{v}"
+    );
+
+    t.json("DELETE", &format!("/v1/sandboxes/{b}"), None).await;
+    t.json("DELETE", &format!("/v1/sandboxes/{c}"), None).await;
+    let mut deleted = false;
+    for _ in 0..100 {
+        let (s, v) = t
+            .json(
+                "POST",
+                &format!("/v1/volumes/{vid}:delete"),
+                Some(json!({})),
+            )
+            .await;
+        if s == StatusCode::OK {
+            assert_eq!(v["status"], "deleted");
+            deleted = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(deleted);
+    assert!(!file.exists());
+    let (s, _) = t.json("GET", &format!("/v1/volumes/{vid}"), None).await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+}
+
+#[tokio::test]
+async fn volumes_survive_a_restart_of_the_server_and_specs_keep_them() {
+    let t = T::new();
+    let (_, vol) = t
+        .json("POST", "/v1/volumes", Some(json!({"sizeMiB": 32})))
+        .await;
+    let vid = vol["id"].as_str().unwrap().to_string();
+    let a = t
+        .running(json!({"volumes": [{"volumeId": vid, "path": "/data"}]}))
+        .await;
+    // A new server process on the same data dir.
+    let host = Arc::new(FakeHost::default());
+    host.recoverable.lock().unwrap().insert(a.clone());
+    let t2 = T::open(t.dir.clone(), t.admin.clone(), host, |_| {});
+    runtime_server::recover(&t2.state).await.unwrap();
+    let (s, v) = t2.json("GET", &format!("/v1/volumes/{vid}"), None).await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert_eq!(v["attachments"][0]["sandboxId"], a.as_str());
+    let (s, v) = t2
+        .json(
+            "POST",
+            "/v1/sandboxes",
+            Some(json!({"volumes": [{"volumeId": vid, "path": "/d"}]})),
+        )
+        .await;
+    assert_eq!(s, StatusCode::CONFLICT, "{v}");
+    std::mem::forget(t2); // the same directory: removed once, by `t`
+}
+
+// ---- images ----
+
+#[tokio::test]
+async fn image_requests_are_checked_before_any_build() {
+    let t = T::new();
+    let cases = [
+        (json!({}), "recipe"),
+        (
+            json!({"recipe": {"pip": ["x"]}, "dockerfile": "FROM runtime"}),
+            "recipe",
+        ),
+        (json!({"recipe": {"bogus": 1}}), "recipe"),
+        (
+            json!({"recipe": {"pip": ["--index-url=http://x"]}}),
+            "recipe",
+        ),
+        (json!({"recipe": {"workdir": "relative"}}), "recipe"),
+        (json!({"dockerfile": "RUN true"}), "dockerfile"),
+        (
+            json!({"dockerfile": "FROM runtime\nONBUILD RUN true"}),
+            "dockerfile",
+        ),
+        (
+            json!({"dockerfile": "FROM runtime\nCOPY missing.txt /x"}),
+            "dockerfile",
+        ),
+        (
+            json!({"dockerfile": "FROM runtime\nUSER nobody"}),
+            "dockerfile",
+        ),
+        (json!({"image": "python:3.12", "recipe": {}}), "image"),
+        (json!({"recipe": {}, "name": "a:b"}), "name"),
+    ];
+    for (body, field) in cases {
+        let (s, v) = t.json("POST", "/v1/images", Some(body.clone())).await;
+        assert_eq!(s, StatusCode::BAD_REQUEST, "{body} -> {v}");
+        assert!(
+            v["error"]["details"]["issues"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|i| i["field"] == field),
+            "{body} -> {v}"
+        );
+    }
+    // A base that does not exist, an image a create names that does not.
+    let (s, v) = t
+        .json(
+            "POST",
+            "/v1/images",
+            Some(json!({"recipe": {"base": "nope"}})),
+        )
+        .await;
+    assert_eq!(s, StatusCode::NOT_FOUND, "{v}");
+    assert_error(&v, 404, "image_not_found");
+    let (s, v) = t
+        .json(
+            "POST",
+            "/v1/sandboxes",
+            Some(json!({"image": "nope:latest"})),
+        )
+        .await;
+    assert_eq!(s, StatusCode::NOT_FOUND, "{v}");
+    let (s, v) = t.json("GET", "/v1/images/resolve?ref=nope", None).await;
+    assert_eq!(s, StatusCode::NOT_FOUND, "{v}");
+    // "default" is the server's own image, as before.
+    t.running(json!({"image": "default"})).await;
+}

@@ -90,6 +90,8 @@ pub struct FakeHost {
     pub outbound: Mutex<Option<Arc<dyn Outbound>>>,
     /// The vCPU time `cpu_time` reports per sandbox (none: unknown).
     pub cpu: Mutex<HashMap<String, Duration>>,
+    /// Every spec `start` was given, in order.
+    pub specs: Mutex<Vec<MachineSpec>>,
 }
 
 impl FakeHost {
@@ -188,6 +190,7 @@ impl Host for FakeHost {
             });
         }
         self.started.lock().unwrap().push(spec.id.clone());
+        self.specs.lock().unwrap().push(spec.clone());
         for d in ["/", "/workspace"] {
             self.dirs
                 .lock()

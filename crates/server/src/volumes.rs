@@ -1,0 +1,597 @@
+//! Volumes (contract §5 `volumes`, §11): persistent disks that outlive the
+//! sandboxes using them. `POST /v1/volumes`, `GET /v1/volumes[/{id}]`,
+//! `POST /v1/volumes/{id}:delete` (and `DELETE`).
+//!
+//! A volume is `data_dir/volumes/<id>.ext4`, a sparse raw file holding an
+//! ext4 file system (made on the host once, owned inside by the sandbox
+//! user); its record is a document in the store (kind `volume`). A create
+//! names up to four `{volumeId, path, mode}`; they are kept per sandbox
+//! (kind `sandbox_volumes`) and become the [`MachineSpec`] drives of every
+//! start, wake and recovery. `rw`: the volume itself, one live sandbox at a
+//! time. `snapshot`: the machine's own copy taken at boot (after a running
+//! writer's guest flushed its writes), written freely and discarded with it.
+//!
+//! A sandbox holds its volumes while it may run again: not deleted, and not
+//! stopped unless persistent. After it ends, they stay held until its
+//! machine is gone (answered as `volume_releasing`, which the client waits
+//! out). Fork and memory snapshots of a sandbox with volumes are refused
+//! (`volume_attached`): a copy would share the drive, or restore a machine
+//! whose devices differ.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use axum::body::Bytes;
+use axum::http::StatusCode;
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+
+use crate::error::{ApiError, ApiResult};
+use crate::http::{Ctx, Reply};
+use crate::sandboxes::{checked_labels, checked_name};
+use crate::store::KeyInfo;
+use crate::util::{iso, json_object, now_ms, query_object, Fields};
+use crate::AppState;
+
+/// Most volumes one sandbox attaches.
+pub const MAX_ATTACH: usize = 4;
+pub const MIN_SIZE_MIB: i64 = 16;
+pub const MAX_SIZE_MIB: i64 = 1 << 20;
+const KIND: &str = "volume";
+const SCOPE: &str = "volumes";
+const ATTACH: &str = "sandbox_volumes";
+
+/// A volume as stored; the answer adds its attachments and usage.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct VolumeDoc {
+    id: String,
+    key_id: String,
+    name: Option<String>,
+    labels: BTreeMap<String, String>,
+    #[serde(rename = "sizeMiB")]
+    size_mib: u32,
+    created_at: String,
+    created_ms: i64,
+}
+
+/// One volume of a sandbox, as its create named it.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct Attachment {
+    pub volume_id: String,
+    pub path: String,
+    /// `rw` or `snapshot`.
+    pub mode: String,
+}
+
+/// Directories a volume may not be mounted on or under: the system's own.
+const SYSTEM_DIRS: &[&str] = &[
+    "proc", "sys", "dev", "etc", "bin", "sbin", "lib", "lib32", "lib64", "libx32", "usr", "boot",
+    "run", "var", "root",
+];
+
+/// Why a guest mount point is refused, if it is.
+pub fn path_problem(path: &str) -> Option<&'static str> {
+    if !path.starts_with('/') {
+        return Some("must be an absolute path");
+    }
+    if path.len() > 255 || path.chars().any(|c| c.is_control() || c == '\\') {
+        return Some("must be at most 255 characters without control characters");
+    }
+    let parts: Vec<&str> = path[1..].split('/').collect();
+    if parts
+        .iter()
+        .any(|p| p.is_empty() || *p == "." || *p == "..")
+    {
+        return Some("must be a normalized path (no empty, . or .. parts, no trailing /)");
+    }
+    if SYSTEM_DIRS.contains(&parts[0]) {
+        return Some(
+            "may not be a system directory or under one (/proc, /sys, /dev, /etc, /usr, /var, ...)",
+        );
+    }
+    if parts.len() == 1 && matches!(parts[0], "workspace" | "tmp" | "home") {
+        return Some("may not replace /workspace, /tmp or /home; use a directory below them");
+    }
+    None
+}
+
+fn file(st: &AppState, id: &str) -> PathBuf {
+    st.config()
+        .data_dir
+        .join("volumes")
+        .join(format!("{id}.ext4"))
+}
+
+fn not_found(id: &str) -> ApiError {
+    ApiError::NotFound {
+        code: "volume_not_found",
+        what: "volume",
+        id: id.to_string(),
+    }
+}
+
+fn visible(key: &KeyInfo, d: &VolumeDoc) -> bool {
+    key.account_wide || key.read_only || d.key_id == key.id
+}
+
+fn all(st: &AppState) -> ApiResult<Vec<VolumeDoc>> {
+    let mut out = Vec::new();
+    for (_, _, doc) in st.store().doc_list(KIND, Some(SCOPE))? {
+        if let Ok(d) = serde_json::from_value::<VolumeDoc>(doc) {
+            out.push(d);
+        }
+    }
+    out.sort_by(|a, b| (b.created_ms, &b.id).cmp(&(a.created_ms, &a.id)));
+    Ok(out)
+}
+
+/// A volume by id, or by name among this key's.
+fn find(st: &AppState, key: &KeyInfo, which: &str) -> ApiResult<VolumeDoc> {
+    if let Some(doc) = st.store().doc_get(KIND, SCOPE, which)? {
+        if let Ok(d) = serde_json::from_value::<VolumeDoc>(doc) {
+            if visible(key, &d) {
+                return Ok(d);
+            }
+        }
+    }
+    all(st)?
+        .into_iter()
+        .find(|d| visible(key, d) && d.name.as_deref() == Some(which))
+        .ok_or_else(|| not_found(which))
+}
+
+/// The volumes kept for a sandbox (empty without any).
+pub fn attachments(st: &AppState, sandbox_id: &str) -> Vec<Attachment> {
+    st.store()
+        .doc_get(ATTACH, sandbox_id, "")
+        .ok()
+        .flatten()
+        .and_then(|d| serde_json::from_value(d).ok())
+        .unwrap_or_default()
+}
+
+/// The drives of a sandbox's machine, in the order of its create.
+pub fn drives(st: &AppState, sandbox_id: &str) -> Vec<runtime_host::VolumeDrive> {
+    attachments(st, sandbox_id)
+        .into_iter()
+        .map(|a| runtime_host::VolumeDrive {
+            file: file(st, &a.volume_id),
+            snapshot: a.mode == "snapshot",
+            path: a.path,
+        })
+        .collect()
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Hold {
+    /// The sandbox may run again: it keeps the volume.
+    Active,
+    /// It has ended and its machine is going away.
+    Releasing,
+    Free,
+}
+
+async fn hold(st: &AppState, sandbox_id: &str) -> ApiResult<Hold> {
+    let Some(row) = st.store().get_sandbox(sandbox_id)? else {
+        return Ok(Hold::Free);
+    };
+    let r = &row.record;
+    if row.deleted.is_none() && (r.state != "stopped" || r.persistent) {
+        return Ok(if r.state == "stopping" {
+            Hold::Releasing
+        } else {
+            Hold::Active
+        });
+    }
+    // Ended: free once no lifecycle change is under way and no machine runs.
+    let lock = st.lifecycle_lock(sandbox_id);
+    let busy = lock.try_lock().is_err();
+    if busy || st.host().cpu_time(sandbox_id).await.is_some() {
+        return Ok(Hold::Releasing);
+    }
+    Ok(Hold::Free)
+}
+
+/// Who holds each volume: (volume, sandbox, path, mode, hold), without the
+/// sandboxes that let go (whose records are dropped on the way).
+async fn holders(st: &AppState) -> ApiResult<Vec<(String, String, Attachment, Hold)>> {
+    let mut out = Vec::new();
+    for (sandbox_id, _, doc) in st.store().doc_list(ATTACH, None)? {
+        let list: Vec<Attachment> = serde_json::from_value(doc).unwrap_or_default();
+        let h = hold(st, &sandbox_id).await?;
+        if h == Hold::Free {
+            let _ = st.store().doc_delete(ATTACH, &sandbox_id, None);
+            continue;
+        }
+        for a in list {
+            out.push((a.volume_id.clone(), sandbox_id.clone(), a, h));
+        }
+    }
+    Ok(out)
+}
+
+fn answer(st: &AppState, d: &VolumeDoc, held: &[(String, String, Attachment, Hold)]) -> Value {
+    use std::os::unix::fs::MetadataExt;
+    let used = std::fs::metadata(file(st, &d.id))
+        .map(|m| m.blocks() * 512)
+        .unwrap_or(0);
+    let attachments: Vec<Value> = held
+        .iter()
+        .filter(|(v, ..)| v == &d.id)
+        .map(|(_, s, a, h)| {
+            json!({"sandboxId": s, "path": a.path, "mode": a.mode,
+                   "state": if *h == Hold::Active { "attached" } else { "releasing" }})
+        })
+        .collect();
+    json!({
+        "id": d.id,
+        "kind": "volume",
+        "name": d.name,
+        "labels": d.labels,
+        "sizeMiB": d.size_mib,
+        "usedBytes": used,
+        "state": "ready",
+        "region": "local",
+        "createdAt": d.created_at,
+        "attachments": attachments,
+    })
+}
+
+pub async fn create(st: AppState, ctx: Ctx, body: Bytes) -> ApiResult<Reply> {
+    let obj = json_object(&body)?;
+    let mut f = Fields::new(&obj);
+    let size = f.int("sizeMiB", MIN_SIZE_MIB, MAX_SIZE_MIB);
+    if !f.present("sizeMiB") {
+        f.issue("sizeMiB", "is required");
+    }
+    let name = checked_name(&mut f);
+    let labels = checked_labels(&mut f).unwrap_or_default();
+    if let Some(r) = f.string("region") {
+        if r != "local" {
+            f.issue("region", "this server has one region, local");
+        }
+    }
+    f.refuse("fromBackup", "backups are not supported by this server");
+    f.refuse("shared", "shared disks are not supported by this server");
+    f.finish()?;
+    let size = size.unwrap_or(MIN_SIZE_MIB) as u32;
+    let _g = st.inner.create_lock.lock().await;
+    if let Some(n) = &name {
+        if let Some(other) = all(&st)?
+            .into_iter()
+            .find(|d| visible(&ctx.key, d) && d.name.as_deref() == Some(n))
+        {
+            return Err(ApiError::Conflict {
+                code: "name_taken",
+                message: format!("A volume named {n} exists: {}.", other.id),
+                details: Some(json!({"volumeId": other.id})),
+            });
+        }
+    }
+    let now = now_ms();
+    let d = VolumeDoc {
+        id: uuid::Uuid::new_v4().to_string(),
+        key_id: ctx.key.id.clone(),
+        name,
+        labels,
+        size_mib: size,
+        created_at: iso(now),
+        created_ms: now,
+    };
+    let path = file(&st, &d.id);
+    let made = tokio::task::spawn_blocking(move || {
+        if let Some(dir) = path.parent() {
+            std::fs::create_dir_all(dir)?;
+            // QEMU reopens drives by path as its own uid (see the host).
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o711))?;
+        }
+        runtime_host::volume::create_volume_file(&path, size)
+    })
+    .await
+    .map_err(|e| ApiError::Internal {
+        what: e.to_string(),
+    })?;
+    made.map_err(|e| ApiError::Failed {
+        code: "volume_create_failed",
+        message: format!("The volume's file could not be made: {e}"),
+    })?;
+    st.store().doc_put(
+        KIND,
+        SCOPE,
+        &d.id,
+        &serde_json::to_value(&d).unwrap_or(Value::Null),
+    )?;
+    tracing::info!(volume_id = %d.id, size_mib = size, "volume created");
+    Ok(Reply::Json(StatusCode::CREATED, answer(&st, &d, &[])))
+}
+
+pub async fn get(st: AppState, ctx: Ctx, id: String) -> ApiResult<Reply> {
+    let d = find(&st, &ctx.key, &id)?;
+    let held = holders(&st).await?;
+    Reply::ok(answer(&st, &d, &held))
+}
+
+pub async fn list(st: AppState, ctx: Ctx) -> ApiResult<Reply> {
+    let q = query_object(&ctx.query, &[]);
+    let mut f = Fields::new(&q);
+    let name = f.string("name");
+    let state = f.one_of("state", &["ready"]);
+    let limit = f.q_int("limit", 1, 100).unwrap_or(50) as usize;
+    let cursor = f.string("cursor").filter(|c| !c.is_empty());
+    f.finish()?;
+    let _ = state;
+    let held = holders(&st).await?;
+    let mut rows: Vec<VolumeDoc> = all(&st)?
+        .into_iter()
+        .filter(|d| visible(&ctx.key, d))
+        .filter(|d| name.as_ref().is_none_or(|n| d.name.as_ref() == Some(n)))
+        .collect();
+    if let Some(c) = &cursor {
+        match rows.iter().position(|d| &d.id == c) {
+            Some(i) => rows.drain(..=i).for_each(drop),
+            None => {
+                return Err(ApiError::invalid(
+                    "cursor",
+                    "is not a cursor this server gave",
+                ))
+            }
+        }
+    }
+    let next = (rows.len() > limit).then(|| rows[limit - 1].id.clone());
+    rows.truncate(limit);
+    let data: Vec<Value> = rows.iter().map(|d| answer(&st, d, &held)).collect();
+    Reply::ok(json!({ "data": data, "nextCursor": next }))
+}
+
+/// `POST /v1/volumes/{id}:delete` and `DELETE /v1/volumes/{id}`: refused
+/// (409 `volume_in_use`) while a sandbox holds it; its bytes then go.
+pub async fn delete(st: AppState, ctx: Ctx, id: String) -> ApiResult<Reply> {
+    if ctx.key.read_only {
+        return Err(ApiError::Forbidden {
+            action: "delete volumes",
+        });
+    }
+    let _g = st.inner.create_lock.lock().await;
+    let d = find(&st, &ctx.key, &id)?;
+    if d.key_id != ctx.key.id && !ctx.key.account_wide {
+        return Err(not_found(&id));
+    }
+    let held = holders(&st).await?;
+    if let Some((_, sandbox_id, _, h)) = held.iter().find(|(v, ..)| v == &d.id) {
+        return Err(ApiError::Conflict {
+            code: "volume_in_use",
+            message: format!(
+                "Volume {} is {} sandbox {sandbox_id}; delete that sandbox first.",
+                d.id,
+                if *h == Hold::Active {
+                    "attached to"
+                } else {
+                    "being released by"
+                }
+            ),
+            details: Some(json!({"volumeId": d.id, "sandboxId": sandbox_id})),
+        });
+    }
+    st.store().doc_delete(KIND, SCOPE, Some(&d.id))?;
+    if let Err(e) = std::fs::remove_file(file(&st, &d.id)) {
+        if e.kind() != std::io::ErrorKind::NotFound {
+            tracing::warn!(volume_id = %d.id, error = %e, "removing the volume's file failed");
+        }
+    }
+    tracing::info!(volume_id = %d.id, "volume deleted");
+    Reply::ok(
+        json!({"id": d.id, "kind": "volume", "name": d.name, "status": "deleted",
+                     "deletedAt": iso(now_ms())}),
+    )
+}
+
+pub async fn action(
+    st: AppState,
+    ctx: Ctx,
+    id: String,
+    verb: String,
+    body: Bytes,
+) -> ApiResult<Reply> {
+    match verb.as_str() {
+        "delete" => {
+            let obj = json_object(&body)?;
+            Fields::new(&obj).finish()?;
+            delete(st, ctx, id).await
+        }
+        "resize" | "attach" | "backup" | "backup-policy" => {
+            find(&st, &ctx.key, &id)?;
+            Err(ApiError::Unsupported {
+                feature: "this volume action",
+            })
+        }
+        _ => Err(ApiError::RouteNotFound {
+            method: "POST".into(),
+            path: format!("/v1/volumes/{id}:{verb}"),
+        }),
+    }
+}
+
+/// The `volumes` of a create, checked on their own (paths, modes, count).
+pub fn parse_create(f: &mut Fields<'_>) -> Vec<Attachment> {
+    let mut out = Vec::new();
+    let Some(raw) = f.raw("volumes") else {
+        return out;
+    };
+    let Some(items) = raw.as_array() else {
+        f.issue("volumes", "must be a list of {volumeId, path, mode}");
+        return out;
+    };
+    if items.len() > MAX_ATTACH {
+        f.issue("volumes", format!("at most {MAX_ATTACH} volumes"));
+        return out;
+    }
+    for (i, item) in items.iter().enumerate() {
+        let field = |k: &str| format!("volumes[{i}].{k}");
+        let Some(o) = item.as_object() else {
+            f.issue(&format!("volumes[{i}]"), "must be {volumeId, path, mode}");
+            continue;
+        };
+        for k in o.keys() {
+            if !matches!(k.as_str(), "volumeId" | "path" | "mode") {
+                f.issue(&field(k), "is not a field of a volume attachment");
+            }
+        }
+        let volume_id = o.get("volumeId").and_then(Value::as_str).unwrap_or("");
+        if volume_id.is_empty() {
+            f.issue(&field("volumeId"), "is required");
+        }
+        let path = o.get("path").and_then(Value::as_str).unwrap_or("");
+        if let Some(why) = path_problem(path) {
+            f.issue(&field("path"), why);
+        }
+        let mode = match o.get("mode") {
+            None | Some(Value::Null) => "rw",
+            Some(Value::String(m)) if m == "rw" || m == "snapshot" => m.as_str(),
+            Some(_) => {
+                f.issue(&field("mode"), "must be rw or snapshot");
+                "rw"
+            }
+        };
+        out.push(Attachment {
+            volume_id: volume_id.to_string(),
+            path: path.to_string(),
+            mode: mode.to_string(),
+        });
+    }
+    for (i, a) in out.iter().enumerate() {
+        for b in &out[..i] {
+            let nested = |x: &str, y: &str| x.starts_with(&format!("{y}/"));
+            if a.path == b.path || nested(&a.path, &b.path) || nested(&b.path, &a.path) {
+                f.issue(
+                    &format!("volumes[{i}].path"),
+                    "overlaps the path of another volume",
+                );
+            }
+        }
+    }
+    out
+}
+
+/// Resolves the create's volumes (ids or names) for `key` and checks that
+/// no other sandbox holds an `rw` one; call under the create lock, then
+/// [`keep`] once the sandbox exists.
+pub async fn resolve(
+    st: &AppState,
+    key: &KeyInfo,
+    wanted: &[Attachment],
+) -> ApiResult<Vec<Attachment>> {
+    if wanted.is_empty() {
+        return Ok(Vec::new());
+    }
+    let mut out = Vec::new();
+    for (i, a) in wanted.iter().enumerate() {
+        let d = find(st, key, &a.volume_id)?;
+        if out.iter().any(|b: &Attachment| b.volume_id == d.id) {
+            return Err(ApiError::invalid(
+                format!("volumes[{i}].volumeId"),
+                "names a volume already attached by this create",
+            ));
+        }
+        out.push(Attachment {
+            volume_id: d.id,
+            ..a.clone()
+        });
+    }
+    let held = holders(st).await?;
+    for a in out.iter().filter(|a| a.mode == "rw") {
+        if let Some((_, sandbox_id, _, h)) = held
+            .iter()
+            .find(|(v, _, b, _)| v == &a.volume_id && b.mode == "rw")
+        {
+            return Err(match h {
+                Hold::Releasing => ApiError::Conflict {
+                    code: "volume_releasing",
+                    message: format!(
+                        "Volume {} is being released by sandbox {sandbox_id}; try again in a moment.",
+                        a.volume_id
+                    ),
+                    details: Some(json!({"volumeId": a.volume_id, "sandboxId": sandbox_id})),
+                },
+                _ => ApiError::Conflict {
+                    code: "volume_in_use",
+                    message: format!(
+                        "Volume {} is attached read-write to sandbox {sandbox_id}; one sandbox at a \
+                         time may write it (attach it with mode \"snapshot\" for a private copy).",
+                        a.volume_id
+                    ),
+                    details: Some(json!({"volumeId": a.volume_id, "sandboxId": sandbox_id})),
+                },
+            });
+        }
+    }
+    // A snapshot view is a copy of the file: what a running writer has
+    // written must be in the file first, not only in its guest's memory.
+    for a in out.iter().filter(|a| a.mode == "snapshot") {
+        for (_, sandbox_id, _, _) in held
+            .iter()
+            .filter(|(v, _, b, h)| v == &a.volume_id && b.mode == "rw" && *h == Hold::Active)
+        {
+            flush(st, sandbox_id).await;
+        }
+    }
+    Ok(out)
+}
+
+/// Runs `sync` in a running sandbox (bounded; a failure only means the
+/// view may miss the writer's latest writes).
+async fn flush(st: &AppState, sandbox_id: &str) {
+    use runtime_host::{ExecEvent, ExecSpec, RunAs};
+    let spec = ExecSpec {
+        argv: vec!["sync".into()],
+        cwd: None,
+        env: Vec::new(),
+        user: RunAs::Root,
+        timeout: Some(std::time::Duration::from_secs(30)),
+        stdin: false,
+        pty: None,
+        kill_group_on_exit: true,
+    };
+    let Ok(mut handle) = st.host().exec(sandbox_id, spec).await else {
+        return;
+    };
+    let _ = tokio::time::timeout(std::time::Duration::from_secs(35), async {
+        while let Some(ev) = handle.events.recv().await {
+            if matches!(ev, ExecEvent::Exited(_)) {
+                break;
+            }
+        }
+    })
+    .await;
+}
+
+/// Keeps a new sandbox's volumes (before its machine starts).
+pub fn keep(st: &AppState, sandbox_id: &str, list: &[Attachment]) -> ApiResult<()> {
+    if list.is_empty() {
+        return Ok(());
+    }
+    st.store().doc_put(
+        ATTACH,
+        sandbox_id,
+        "",
+        &serde_json::to_value(list).unwrap_or(Value::Null),
+    )?;
+    Ok(())
+}
+
+/// Refuses a copy of a sandbox with volumes (fork, memory snapshot).
+pub fn refuse_copy(st: &AppState, sandbox_id: &str, what: &str) -> ApiResult<()> {
+    if attachments(st, sandbox_id).is_empty() {
+        return Ok(());
+    }
+    Err(ApiError::Conflict {
+        code: "volume_attached",
+        message: format!(
+            "Sandbox {sandbox_id} has volumes attached; a {what} of it is not supported \
+             (a copy would share the volume's drive)."
+        ),
+        details: Some(json!({"sandboxId": sandbox_id})),
+    })
+}
