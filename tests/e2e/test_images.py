@@ -114,3 +114,22 @@ def test_a_failed_build_names_the_step_and_its_output(runtime):
         runtime.sandboxes.create(image=failed["id"])
     with pytest.raises(InvalidRequestError):
         runtime.images.create(dockerfile="FROM runtime\nONBUILD RUN true\n")
+
+
+def test_an_images_start_command_runs_in_each_new_sandbox(runtime):
+    image = runtime.images.build(name="e2e-start", recipe={"workdir": "/srv/s", "commands": ["touch built"]},
+                                 start={"command": "echo up-$(pwd) > /tmp/start-ran; exec sleep 600"},
+                                 poll_seconds=0.5)
+    assert image["state"] == "ready", image
+    for _ in range(2):
+        with runtime.sandboxes.create(image="e2e-start") as sbx:
+            deadline = time.monotonic() + 60
+            out = ""
+            while time.monotonic() < deadline:
+                out = sbx.exec("cat /tmp/start-ran 2>/dev/null || true").stdout
+                if out:
+                    break
+                time.sleep(0.5)
+            assert out == "up-/srv/s\n"
+            commands = [p["command"] for p in sbx.processes()]
+            assert any("sleep 600" in c for c in commands), commands

@@ -19,6 +19,7 @@ use std::time::Duration;
 use axum::body::Bytes;
 use axum::http::StatusCode;
 use base64::Engine;
+use runtime_host::RunAs;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
@@ -199,6 +200,27 @@ pub fn for_create(st: &AppState, key: &KeyInfo, r: &str) -> ApiResult<ForSandbox
         id: d.id,
         env: d.env,
     })
+}
+
+/// What a new sandbox of image `id` starts in the background: its `start`
+/// command (a string run by bash, or an argv), in the image's workdir, as
+/// the image's user.
+pub fn start_of(st: &AppState, id: &str) -> Option<(Vec<String>, Option<String>, RunAs)> {
+    let d = load(st, id).ok().flatten()?;
+    let argv = match d.start.as_ref()?.get("command")? {
+        Value::String(c) if !c.trim().is_empty() => vec!["bash".into(), "-lc".into(), c.clone()],
+        Value::Array(a) if !a.is_empty() && a.iter().all(Value::is_string) => a
+            .iter()
+            .filter_map(|v| v.as_str().map(String::from))
+            .collect(),
+        _ => return None,
+    };
+    let user = if d.user == "root" {
+        RunAs::Root
+    } else {
+        RunAs::Sandbox
+    };
+    Some((argv, d.workdir.clone(), user))
 }
 
 /// The disk a sandbox on image `id` boots on.

@@ -604,6 +604,38 @@ pub(crate) async fn start_terminal(
     start(st, row, req, true).await
 }
 
+/// Starts a background process (as `spawn` does, input closed), e.g. an
+/// image's `start` command in a new sandbox of that image.
+pub(crate) async fn start_background(
+    st: &AppState,
+    row: &SandboxRow,
+    argv: Vec<String>,
+    cwd: Option<String>,
+    user: RunAs,
+) -> ApiResult<Arc<Proc>> {
+    let mut env = crate::net::secret_env(st, &row.record.id);
+    env.extend(row.env.iter().cloned());
+    let command = argv.join(" ");
+    let req = CommandReq {
+        spec: ExecSpec {
+            argv,
+            cwd,
+            env,
+            user,
+            timeout: None,
+            stdin: false,
+            pty: None,
+            kill_group_on_exit: false,
+        },
+        command,
+        stdin_data: None,
+        stream: false,
+        base64_always: false,
+        kind: "spawn",
+    };
+    start(st, row, req, false).await
+}
+
 /// A process of the sandbox by id.
 pub(crate) fn process(st: &AppState, sandbox_id: &str, pid: &str) -> ApiResult<Arc<Proc>> {
     st.inner.procs.get(sandbox_id, pid)

@@ -664,6 +664,7 @@ pub(crate) fn spawn_start(st: &AppState, id: String, from: Option<Arc<CaptureDir
             Some(dir) => st2.host().restore(&spec, &dir.path).await,
             None => st2.host().start(&spec).await,
         };
+        let restored = from.is_some();
         drop(from);
         let now = now_ms();
         let updated = st2.store().update_sandbox(&id, |r| {
@@ -686,7 +687,11 @@ pub(crate) fn spawn_start(st: &AppState, id: String, from: Option<Arc<CaptureDir
             true
         });
         match (&result, updated) {
-            (Ok(()), Ok(_)) => tracing::info!(sandbox_id = %id, "sandbox running"),
+            (Ok(()), Ok(Some(row))) => {
+                tracing::info!(sandbox_id = %id, "sandbox running");
+                start_image_command(&st2, &row, restored).await;
+            }
+            (Ok(()), Ok(None)) => tracing::info!(sandbox_id = %id, "sandbox running"),
             (Err(e), Ok(_)) => tracing::warn!(sandbox_id = %id, error = %e, "sandbox failed to start"),
             (_, Err(e)) => tracing::error!(sandbox_id = %id, error = %e, "recording the start failed"),
         }
@@ -697,6 +702,29 @@ pub(crate) fn spawn_start(st: &AppState, id: String, from: Option<Arc<CaptureDir
 /// Stops a sandbox for `reason` (the meter's caps and limits).
 pub(crate) fn stop_for(st: &AppState, id: &str, reason: &'static str) -> ApiResult<()> {
     request_stop(st, id, reason)
+}
+
+/// A new sandbox of an image with a `start` command runs it in the
+/// background (listed with its processes). Not after a restore from a
+/// snapshot, whose processes are already there.
+async fn start_image_command(st: &AppState, row: &SandboxRow, restored_snapshot: bool) {
+    if restored_snapshot || row.record.state != "running" {
+        return;
+    }
+    let Some(image) = row.record.image.as_deref() else {
+        return;
+    };
+    let Some((argv, cwd, user)) = crate::images::start_of(st, image) else {
+        return;
+    };
+    match crate::procs::start_background(st, row, argv, cwd, user).await {
+        Ok(p) => {
+            tracing::info!(sandbox_id = %row.record.id, process_id = %p.id(), "image start command running")
+        }
+        Err(e) => {
+            tracing::warn!(sandbox_id = %row.record.id, error = %e, "the image's start command did not start")
+        }
+    }
 }
 
 /// Asks a sandbox to stop; the host is driven in an owned task.
