@@ -233,6 +233,30 @@ impl<'a> Fields<'a> {
 }
 
 /// The body as a JSON object; an empty body is `{}`.
+/// One page of `rows` (in list order) after the row whose id is `cursor`:
+/// keeps at most `limit` rows and answers the next page's cursor.
+pub fn page_after<T>(
+    rows: &mut Vec<T>,
+    cursor: Option<&str>,
+    limit: usize,
+    id: impl Fn(&T) -> &str,
+) -> Result<Option<String>, ApiError> {
+    if let Some(c) = cursor {
+        match rows.iter().position(|r| id(r) == c) {
+            Some(i) => rows.drain(..=i).for_each(drop),
+            None => {
+                return Err(ApiError::invalid(
+                    "cursor",
+                    "is not a cursor this server gave",
+                ))
+            }
+        }
+    }
+    let next = (rows.len() > limit).then(|| id(&rows[limit - 1]).to_string());
+    rows.truncate(limit);
+    Ok(next)
+}
+
 pub fn json_object(body: &[u8]) -> Result<Map<String, Value>, ApiError> {
     if body.iter().all(|b| b.is_ascii_whitespace()) {
         return Ok(Map::new());
@@ -314,6 +338,32 @@ pub fn parse_mode(v: &Value) -> Option<u32> {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn pages_follow_their_cursor() {
+        let all: Vec<String> = ["a", "b", "c", "d", "e"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        let mut page = all.clone();
+        let next = page_after(&mut page, None, 2, String::as_str).unwrap_or_default();
+        assert_eq!(
+            (page, next.as_deref()),
+            (vec!["a".to_string(), "b".into()], Some("b"))
+        );
+        let mut page = all.clone();
+        let next = page_after(&mut page, Some("b"), 2, String::as_str).unwrap_or_default();
+        assert_eq!(
+            (page, next.as_deref()),
+            (vec!["c".to_string(), "d".into()], Some("d"))
+        );
+        let mut page = all.clone();
+        let next = page_after(&mut page, Some("d"), 2, String::as_str).unwrap_or_default();
+        assert_eq!((page, next), (vec!["e".to_string()], None));
+        let mut page = all;
+        assert!(page_after(&mut page, Some("zz"), 2, String::as_str).is_err());
+    }
+
     use super::*;
 
     #[test]

@@ -329,19 +329,7 @@ pub async fn list(st: AppState, ctx: Ctx) -> ApiResult<Reply> {
         .filter(|d| visible(&ctx.key, d))
         .filter(|d| name.as_ref().is_none_or(|n| d.name.as_ref() == Some(n)))
         .collect();
-    if let Some(c) = &cursor {
-        match rows.iter().position(|d| &d.id == c) {
-            Some(i) => rows.drain(..=i).for_each(drop),
-            None => {
-                return Err(ApiError::invalid(
-                    "cursor",
-                    "is not a cursor this server gave",
-                ))
-            }
-        }
-    }
-    let next = (rows.len() > limit).then(|| rows[limit - 1].id.clone());
-    rows.truncate(limit);
+    let next = crate::util::page_after(&mut rows, cursor.as_deref(), limit, |d| d.id.as_str())?;
     let data: Vec<Value> = rows.iter().map(|d| answer(&st, d, &held)).collect();
     Reply::ok(json!({ "data": data, "nextCursor": next }))
 }
