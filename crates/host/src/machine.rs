@@ -43,6 +43,9 @@ struct Vm {
     /// It has volume drives: what the guest wrote to them is flushed before
     /// the machine is paused or ended, so it never lives only in its memory.
     volumes: bool,
+    /// Its own RAM file (mapped shared), or `None` for a fork's copy, whose
+    /// RAM is a private mapping of the frozen file of its source.
+    ram: Option<PathBuf>,
 }
 
 impl Drop for Vm {
@@ -61,6 +64,8 @@ impl Drop for Vm {
 #[derive(Clone)]
 pub struct QemuHost {
     cfg: Arc<QemuConfig>,
+    /// Guests' RAM files: tmpfs where the host has one (see [`ram_dir`]).
+    ram_dir: Arc<PathBuf>,
     cgroups: Layout,
     vms: Arc<Mutex<HashMap<String, Arc<Vm>>>>,
     /// Template keys being built now.
@@ -215,8 +220,16 @@ impl QemuHost {
             }
         }
         let cgroups = cgroup::detect();
-        tracing::info!(accel = %cfg.accel, cgroups = ?cgroups, templates = cfg.templates, "qemu host ready");
+        let ram = ram_dir(&cfg.state_dir);
+        std::fs::create_dir_all(ram.join("forks"))?;
+        {
+            use std::os::unix::fs::PermissionsExt;
+            // QEMU opens its RAM file before it drops to its own uid.
+            std::fs::set_permissions(&ram, std::fs::Permissions::from_mode(0o700))?;
+        }
+        tracing::info!(accel = %cfg.accel, cgroups = ?cgroups, templates = cfg.templates, ram_dir = %ram.display(), "qemu host ready");
         let host = QemuHost {
+            ram_dir: Arc::new(ram),
             cfg: Arc::new(cfg),
             cgroups,
             vms: Arc::new(Mutex::new(HashMap::new())),
@@ -225,7 +238,42 @@ impl QemuHost {
             tunnels: Arc::default(),
         };
         host.drop_stale_templates();
+        host.drop_stale_ram();
         Ok(host)
+    }
+
+    /// The RAM file a machine maps shared (its own memory).
+    fn own_ram(&self, id: &str) -> PathBuf {
+        self.ram_dir.join(format!("{id}.ram"))
+    }
+
+    /// RAM files of machines that no longer run (a crash of the server, a
+    /// killed QEMU), and the frozen files of forks cut short, would hold
+    /// host memory for nothing.
+    fn drop_stale_ram(&self) {
+        let Ok(entries) = std::fs::read_dir(&*self.ram_dir) else {
+            return;
+        };
+        for e in entries.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            if name == "forks" {
+                if let Ok(forks) = std::fs::read_dir(e.path()) {
+                    for f in forks.flatten() {
+                        let _ = std::fs::remove_dir_all(f.path());
+                    }
+                }
+                continue;
+            }
+            let Some(id) = name.strip_suffix(".ram") else {
+                continue;
+            };
+            let paths = self.paths(id);
+            let alive =
+                qemu::read_pid(&paths).is_some_and(|pid| qemu::is_our_qemu(pid, &paths.dir));
+            if !alive {
+                let _ = std::fs::remove_file(e.path());
+            }
+        }
     }
 
     fn tunnel_count(&self, id: &str) -> Arc<std::sync::atomic::AtomicUsize> {
@@ -266,8 +314,10 @@ impl QemuHost {
             Some(i) => format!("-img-{}", i.key),
             None => String::new(),
         };
+        // `r1`: the RAM is a file backend named `ram` (captures made before
+        // are of another machine and never restored).
         format!(
-            "{}-{}-{}c-{}m-{}d{image}",
+            "{}-{}-r1-{}c-{}m-{}d{image}",
             self.cfg.artifacts.key,
             qemu::cpu_model(self.cfg.accel),
             spec.vcpu,
@@ -314,7 +364,7 @@ impl QemuHost {
         let result = async {
             let _ = std::fs::remove_dir_all(&partial);
             std::fs::create_dir_all(&partial).map_err(Self::io(&id, "create template dir"))?;
-            let file = self.capture_stopped(&id, &vm).await?;
+            let file = self.capture_stopped(&id, &vm, false).await?;
             std::fs::rename(&file, partial.join("memory.state"))
                 .map_err(Self::io(&id, "keep template"))?;
             copy_sparse(&vm.paths.overlay(), &partial.join("disk.qcow2"))
@@ -435,7 +485,7 @@ impl QemuHost {
         let paths = self.fresh_dir(spec).await?;
         self.new_overlay(spec, &paths).await?;
         self.copy_snapshot_volumes(spec, &paths).await?;
-        let vm = self.launch(spec, paths, None).await?;
+        let vm = self.launch(spec, paths, None, None).await?;
         if let Err(e) = mount_volumes(&vm, spec).await {
             self.end_vm(&spec.id, &vm).await;
             return Err(e);
@@ -465,14 +515,26 @@ impl QemuHost {
 
     /// Starts QEMU in `paths` (its disk already there), either booting or
     /// loading the state in `incoming`, and returns once the agent answered.
+    /// With `copy_of`, the machine is a fork's copy: its RAM is a private
+    /// mapping of that frozen file and `incoming` holds no RAM; otherwise it
+    /// gets a RAM file of its own.
     async fn launch(
         &self,
         spec: &MachineSpec,
         paths: VmPaths,
         incoming: Option<std::fs::File>,
+        copy_of: Option<&Path>,
     ) -> Result<Arc<Vm>, HostError> {
         use std::os::fd::AsRawFd;
         let id = spec.id.as_str();
+        let own = self.own_ram(id);
+        // A file left by an earlier QEMU of this id (before a pause) would
+        // hand its old contents to a new boot.
+        let _ = std::fs::remove_file(&own);
+        let ram = match copy_of {
+            Some(file) => qemu::Ram::CopyOf(file),
+            None => qemu::Ram::Own(&own),
+        };
         if let Some((uid, gid)) = vm_uid(id) {
             // QEMU reopens its disk as its own uid after a migration.
             std::os::unix::fs::chown(paths.overlay(), Some(uid), Some(gid))
@@ -494,14 +556,30 @@ impl QemuHost {
             run_as: vm_uid(id),
             incoming: incoming.as_ref().map(|f| f.as_raw_fd()),
             volumes: &volumes,
+            ram,
         };
         // Sockets of an earlier QEMU (before a pause) must not pass for ours.
         let _ = std::fs::remove_file(paths.agent_sock());
         let _ = std::fs::remove_file(paths.qmp_sock());
         let started = Instant::now();
-        let pid = qemu::spawn(&cfg)
-            .map_err(|e| self.start_failed(id, BootStage::Spawn, e.to_string()))?;
+        let pid = match qemu::spawn(&cfg) {
+            Ok(pid) => pid,
+            Err(e) => {
+                let _ = std::fs::remove_file(&own);
+                return Err(self.start_failed(id, BootStage::Spawn, e.to_string()));
+            }
+        };
         drop(incoming);
+        // Whatever fails below, the RAM file goes with the machine.
+        struct RamGuard<'a>(Option<&'a Path>);
+        impl Drop for RamGuard<'_> {
+            fn drop(&mut self) {
+                if let Some(f) = self.0 {
+                    let _ = std::fs::remove_file(f);
+                }
+            }
+        }
+        let mut ram_guard = RamGuard(copy_of.is_none().then_some(own.as_path()));
         let limits = cgroup::Limits {
             memory_mib: spec.memory_mib,
             vcpu: spec.vcpu,
@@ -544,6 +622,12 @@ impl QemuHost {
                     .await
                     .map_err(|e| self.start_failed(id, BootStage::Restore, e.to_string()))?,
             );
+            if copy_of.is_some() {
+                if let Err(e) = load_without_ram(&paths).await {
+                    qemu::kill(pid).await;
+                    return Err(self.start_failed(id, BootStage::Restore, e.to_string()));
+                }
+            }
             if let Err(e) = resume_loaded(&paths).await {
                 qemu::kill(pid).await;
                 return Err(self.start_failed(id, BootStage::Restore, e.to_string()));
@@ -594,16 +678,27 @@ impl QemuHost {
             pid,
             link: tokio::sync::Mutex::new(Some(link.clone())),
             volumes: !spec.volumes.is_empty(),
+            ram: copy_of.is_none().then(|| own.clone()),
         });
-        setup(&link, &spec.hostname, spec.guest_ca_pem.as_deref())
-            .await
-            .map_err(|e| self.start_failed(id, BootStage::Agent, e.to_string()))?;
+        if let Err(e) = setup(&link, &spec.hostname, spec.guest_ca_pem.as_deref()).await {
+            qemu::kill(pid).await;
+            return Err(self.start_failed(id, BootStage::Agent, e.to_string()));
+        }
+        ram_guard.0 = None;
         Ok(vm)
     }
 
     /// Stops the VM's vCPUs and writes its memory and device state to
-    /// `<vm dir>/capture.state`; the VM stays stopped (QEMU alive).
-    async fn capture_stopped(&self, id: &str, vm: &Vm) -> Result<PathBuf, HostError> {
+    /// `<vm dir>/capture.state`; the VM stays stopped (QEMU alive). With
+    /// `without_ram` (only for a machine with its own RAM file), the state
+    /// leaves the RAM out: the caller copies the file while the machine is
+    /// stopped.
+    async fn capture_stopped(
+        &self,
+        id: &str,
+        vm: &Vm,
+        without_ram: bool,
+    ) -> Result<PathBuf, HostError> {
         let qerr = |e: QmpError| HostError::Capture {
             id: id.to_owned(),
             reason: e.to_string(),
@@ -621,6 +716,16 @@ impl QemuHost {
         q.execute("stop", json!({})).await.map_err(qerr)?;
         let file = vm.paths.capture_state();
         let written = async {
+            // Set each time: QEMU keeps capabilities from one migration to
+            // the next.
+            q.execute(
+                "migrate-set-capabilities",
+                json!({"capabilities": [
+                    {"capability": "x-ignore-shared", "state": without_ram && vm.ram.is_some()}
+                ]}),
+            )
+            .await
+            .map_err(qerr)?;
             let _ = std::fs::remove_file(&file);
             // Opened here and handed over: QEMU's own uid may not reach the
             // data directory.
@@ -677,6 +782,9 @@ impl QemuHost {
     async fn end_vm(&self, id: &str, vm: &Vm) {
         let link = vm.link.lock().await.take();
         qemu::kill(vm.pid).await;
+        if let Some(ram) = &vm.ram {
+            let _ = std::fs::remove_file(ram);
+        }
         if let Some(l) = link {
             // QEMU is gone: read what it had passed on before closing, so
             // output written just before a pause is not lost.
@@ -695,6 +803,20 @@ impl QemuHost {
             m.insert(id.to_owned(), vm);
         }
     }
+}
+
+/// A fork's copy (`-incoming defer`): loads the state, which was saved
+/// without the RAM its file already holds.
+async fn load_without_ram(paths: &VmPaths) -> Result<(), QmpError> {
+    let mut q = Qmp::connect(&paths.qmp_sock(), Duration::from_secs(10)).await?;
+    q.execute(
+        "migrate-set-capabilities",
+        json!({"capabilities": [{"capability": "x-ignore-shared", "state": true}]}),
+    )
+    .await?;
+    q.execute("migrate-incoming", json!({"uri": qemu::INCOMING_URI}))
+        .await?;
+    Ok(())
 }
 
 /// After `-incoming`: waits for the state to load, then runs the vCPUs.
@@ -780,6 +902,69 @@ fn pump_after(mut stream: crate::link::Stream, pid: u32, early: Vec<ExecEvent>) 
         events: ev_rx,
         control: ctl_tx,
     }
+}
+
+/// The directory of the guests' RAM files: on `/dev/shm` (tmpfs: the pages
+/// are the memory itself, never written back to a disk), one directory per
+/// state directory so that servers side by side never meet; beside the
+/// state directory where the host has no `/dev/shm`.
+fn ram_dir(state_dir: &Path) -> PathBuf {
+    use sha2::Digest;
+    let shm = Path::new("/dev/shm");
+    if !shm.is_dir() {
+        return state_dir.join(".ram");
+    }
+    let abs = std::fs::canonicalize(state_dir).unwrap_or_else(|_| state_dir.to_owned());
+    let digest = sha2::Sha256::digest(abs.as_os_str().as_encoded_bytes());
+    shm.join(format!("runtime-{}", &hex::encode(digest)[..16]))
+}
+
+/// Copies a RAM file: only its data (the pages the guest touched), holes
+/// stay holes. `cp --sparse=always` would also look for zeros in the data,
+/// several times slower.
+async fn copy_ram(from: &Path, to: &Path) -> std::io::Result<()> {
+    let (from, to) = (from.to_owned(), to.to_owned());
+    tokio::task::spawn_blocking(move || {
+        use std::os::fd::AsRawFd;
+        use std::os::unix::fs::FileExt;
+        let src = std::fs::File::open(&from)?;
+        let len = src.metadata()?.len();
+        let dst = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&to)?;
+        dst.set_len(len)?;
+        let mut buf = vec![0u8; 4 << 20];
+        let mut at: u64 = 0;
+        while at < len {
+            // SAFETY: lseek on an open descriptor; no memory is involved.
+            let data = unsafe { libc::lseek(src.as_raw_fd(), at as libc::off_t, libc::SEEK_DATA) };
+            if data < 0 {
+                let e = std::io::Error::last_os_error();
+                if e.raw_os_error() == Some(libc::ENXIO) {
+                    break; // no data after `at`
+                }
+                return Err(e);
+            }
+            // SAFETY: as above.
+            let hole = unsafe { libc::lseek(src.as_raw_fd(), data, libc::SEEK_HOLE) };
+            if hole < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            let (mut pos, end) = (data as u64, hole as u64);
+            while pos < end {
+                let n = buf.len().min((end - pos) as usize);
+                src.read_exact_at(&mut buf[..n], pos)?;
+                dst.write_all_at(&buf[..n], pos)?;
+                pos += n as u64;
+            }
+            at = end;
+        }
+        Ok(())
+    })
+    .await
+    .map_err(std::io::Error::other)?
 }
 
 /// Copies a disk image keeping its holes (and sharing extents where the
@@ -1009,11 +1194,13 @@ impl Host for QemuHost {
         .await
         {
             Ok((link, _)) => {
+                let own = self.own_ram(&spec.id);
                 let vm = Arc::new(Vm {
                     paths,
                     pid,
                     link: tokio::sync::Mutex::new(Some(link)),
                     volumes: !spec.volumes.is_empty(),
+                    ram: own.exists().then_some(own),
                 });
                 if let Ok(mut m) = self.vms.lock() {
                     m.insert(spec.id.clone(), vm);
@@ -1039,7 +1226,11 @@ impl Host for QemuHost {
                 l.close();
             }
             qemu::kill(vm.pid).await;
+            if let Some(ram) = &vm.ram {
+                let _ = std::fs::remove_file(ram);
+            }
         } else {
+            let _ = std::fs::remove_file(self.own_ram(id));
             let paths = self.paths(id);
             if let Some(pid) = qemu::read_pid(&paths) {
                 if qemu::is_our_qemu(pid, &paths.dir) {
@@ -1105,6 +1296,10 @@ impl Host for QemuHost {
         }
     }
 
+    fn scratch_dir(&self) -> Option<PathBuf> {
+        Some(self.ram_dir.join("forks"))
+    }
+
     fn set_outbound(&self, handler: Arc<dyn Outbound>) {
         *self.outbound.lock().unwrap_or_else(|e| e.into_inner()) = Some(handler);
     }
@@ -1118,7 +1313,7 @@ impl Host for QemuHost {
             // volumes must not stay in its saved memory only.
             sync_guest(&vm).await;
         }
-        match self.capture_stopped(id, &vm).await {
+        match self.capture_stopped(id, &vm, false).await {
             Ok(file) => {
                 std::fs::rename(&file, vm.paths.paused_state())
                     .map_err(Self::io(id, "keep paused state"))?;
@@ -1141,7 +1336,7 @@ impl Host for QemuHost {
         let state = paths.paused_state();
         let file =
             std::fs::File::open(&state).map_err(|_| HostError::NotPaused { id: id.to_owned() })?;
-        let vm = self.launch(spec, paths, Some(file)).await?;
+        let vm = self.launch(spec, paths, Some(file), None).await?;
         // The machine has moved on from that state; keep only the newest.
         let _ = std::fs::remove_file(&state);
         self.insert_vm(id, vm);
@@ -1165,8 +1360,17 @@ impl Host for QemuHost {
                             .await;
                         }
                     }
-                    let file = self.capture_stopped(id, vm).await?;
+                    // A machine with its own RAM file: the state without the
+                    // RAM, and a copy of the file (restored as a private
+                    // mapping shared by every machine started from it).
+                    let ram = vm.ram.as_ref().filter(|_| memory);
+                    let file = self.capture_stopped(id, vm, ram.is_some()).await?;
                     let r = async {
+                        if let Some(ram) = ram {
+                            copy_ram(ram, &dest.join("memory.ram"))
+                                .await
+                                .map_err(Self::io(id, "copy memory"))?;
+                        }
                         if memory {
                             std::fs::rename(&file, dest.join("memory.state"))
                                 .map_err(Self::io(id, "move capture"))?;
@@ -1230,7 +1434,11 @@ impl Host for QemuHost {
             self.copy_snapshot_volumes(spec, &paths).await?;
             None
         };
-        let vm = self.launch(spec, paths, incoming).await?;
+        // A capture of a machine with its own RAM file: its copy is mapped
+        // privately (and shared with every other machine started from it).
+        let ram = from.join("memory.ram");
+        let copy_of = (incoming.is_some() && ram.exists()).then_some(ram.as_path());
+        let vm = self.launch(spec, paths, incoming, copy_of).await?;
         if let Err(e) = mount_volumes(&vm, spec).await {
             self.end_vm(id, &vm).await;
             return Err(e);
@@ -1453,6 +1661,12 @@ fn vcpu_time(pid: u32) -> Option<Duration> {
 }
 
 impl QemuHost {
+    /// The RAM file a running machine maps as its own, if it has one (a
+    /// fork's copy maps its source's frozen file instead).
+    pub fn ram_file(&self, id: &str) -> Option<PathBuf> {
+        self.vm(id).ok()?.ram.clone()
+    }
+
     /// The memory limit of a VM's cgroup in bytes, if cgroups are in use.
     pub fn memory_limit(&self, id: &str) -> Option<u64> {
         cgroup::memory_limit(self.cgroups, id)

@@ -88,10 +88,34 @@ pub(crate) struct VmConfig<'a> {
     pub incoming: Option<std::os::fd::RawFd>,
     /// Volume drives after the root disk, with serials `vol0`, `vol1`, ….
     pub volumes: &'a [PathBuf],
+    /// Where the guest's RAM lives.
+    pub ram: Ram<'a>,
 }
+
+/// The guest's RAM is always a file (on tmpfs where the host has one), so
+/// that a fork can hand the copies the source's memory as a file instead of
+/// a migration stream (docs/memory.md).
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Ram<'a> {
+    /// The machine's own file, mapped shared: what the guest writes lands
+    /// in the file, so copying the file copies the memory. A capture with
+    /// `x-ignore-shared` then leaves the RAM out of the state.
+    Own(&'a Path),
+    /// A frozen file of another machine's memory, opened read-only and
+    /// mapped private: this machine's writes are copy-on-write, and every
+    /// copy shares the pages none of them wrote. The incoming state was
+    /// captured with `x-ignore-shared`, so it holds no RAM.
+    CopyOf(&'a Path),
+}
+
+/// The id of the RAM backend; part of the machine a capture must be
+/// restored into.
+const RAM_ID: &str = "ram";
 
 /// The fd number a restoring QEMU reads its state from.
 const INCOMING_FD: i32 = 3;
+/// What `migrate-incoming` loads a deferred state from.
+pub(crate) const INCOMING_URI: &str = "fd:3";
 
 /// The kernel command line. The agent is `/init` of the initramfs; it mounts
 /// `/dev/vda` and switches root itself. A panic or reboot ends QEMU.
@@ -106,7 +130,20 @@ pub(crate) fn command_line(cfg: &VmConfig<'_>) -> Vec<OsString> {
     // command line and keeps the legacy PIC/PIT it programs itself, which
     // boots reliably under TCG (shared/docs/feasibility-qemu.md §9).
     push("-M");
-    push("microvm,acpi=off");
+    push(&format!("microvm,acpi=off,memory-backend={RAM_ID}"));
+    push("-object");
+    push(&match cfg.ram {
+        Ram::Own(file) => format!(
+            "memory-backend-file,id={RAM_ID},size={}M,mem-path={},share=on",
+            cfg.memory_mib,
+            file.display()
+        ),
+        Ram::CopyOf(file) => format!(
+            "memory-backend-file,id={RAM_ID},size={}M,mem-path={},share=off,readonly=on,rom=off",
+            cfg.memory_mib,
+            file.display()
+        ),
+    });
     push("-accel");
     match cfg.accel {
         Accel::Kvm => push("kvm"),
@@ -192,7 +229,12 @@ pub(crate) fn command_line(cfg: &VmConfig<'_>) -> Vec<OsString> {
     push(&p.pidfile().display().to_string());
     if cfg.incoming.is_some() {
         push("-incoming");
-        push(&format!("fd:{INCOMING_FD}"));
+        match cfg.ram {
+            Ram::Own(_) => push(&format!("fd:{INCOMING_FD}")),
+            // The state was saved without the RAM the file holds: the load
+            // waits for `x-ignore-shared` ([`INCOMING_URI`]).
+            Ram::CopyOf(_) => push("defer"),
+        }
     }
     a
 }
@@ -265,14 +307,20 @@ pub(crate) async fn kill(pid: u32) {
         if !Path::new(&format!("/proc/{pid}")).exists() {
             return;
         }
-        // A zombie still has /proc/<pid>; its state tells.
+        // A zombie still has /proc/<pid>; its state tells. The leader of
+        // a killed QEMU turns zombie while its other threads are still
+        // exiting and holding the files (the image locks): only a zombie
+        // left alone counts as gone.
         if let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-            if stat
+            let zombie = stat
                 .rsplit(')')
                 .next()
                 .map(|s| s.trim_start().starts_with('Z'))
-                .unwrap_or(false)
-            {
+                .unwrap_or(false);
+            let threads = std::fs::read_dir(format!("/proc/{pid}/task"))
+                .map(|d| d.count())
+                .unwrap_or(0);
+            if zombie && threads <= 1 {
                 return;
             }
         }

@@ -290,6 +290,12 @@ pub trait Host: Send + Sync + 'static {
         dest: &std::path::Path,
         memory: bool,
     ) -> Result<(), HostError>;
+    /// Where a fork's temporary capture should go (its memory is read by
+    /// the copies as they start): the host's memory file system where it
+    /// has one. `None`: beside the server's data.
+    fn scratch_dir(&self) -> Option<std::path::PathBuf> {
+        None
+    }
     /// Starts a new machine from a capture: from its memory when it has one
     /// (processes and all), otherwise by booting its disk.
     async fn restore(&self, spec: &MachineSpec, from: &std::path::Path) -> Result<(), HostError>;

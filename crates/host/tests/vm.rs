@@ -750,6 +750,42 @@ async fn captures_restore_into_copies_that_diverge() {
         .await
         .unwrap_or_else(|e| panic!("restore: {e:?}"));
     }
+    // The source has its own RAM file; the capture holds a copy of it and
+    // a state without the RAM; the copies map that copy privately and own
+    // no file.
+    let own = h.ram_file(src).expect("the source's own RAM file");
+    assert!(own.exists());
+    assert!(cap.join("memory.ram").exists());
+    let state_len = std::fs::metadata(cap.join("memory.state")).unwrap().len();
+    assert!(
+        state_len < 4 << 20,
+        "the state leaves the RAM out: {state_len} bytes"
+    );
+    for c in copies {
+        assert_eq!(h.ram_file(c), None, "a copy maps its source's file");
+    }
+    // The copies no longer need the capture.
+    std::fs::remove_dir_all(&cap).unwrap();
+    // Memory diverges: /tmp is the guest's memory (tmpfs).
+    run(
+        h,
+        copies[0],
+        &["bash", "-c", "echo zero > /tmp/only-here"],
+        RunAs::Sandbox,
+        None,
+    )
+    .await;
+    for other in [src, copies[1]] {
+        let (out, _, code) = run(
+            h,
+            other,
+            &["bash", "-c", "cat /tmp/only-here 2>&1"],
+            RunAs::Sandbox,
+            None,
+        )
+        .await;
+        assert_ne!(code.code, Some(0), "{other} sees a copy's memory: {out}");
+    }
     let base = counter(h, src).await;
     for (i, c) in copies.iter().enumerate() {
         assert!(counter(h, c).await >= 1, "the copy's memory-only loop runs");
@@ -790,6 +826,31 @@ async fn captures_restore_into_copies_that_diverge() {
     );
     let (out, _, _) = run(h, copies[1], &["hostname"], RunAs::Sandbox, None).await;
     assert_eq!(out.trim(), "copy-6");
+
+    // A capture of a copy (no RAM file of its own) carries the whole
+    // memory in its state, and restores into a machine with its own file.
+    let cap2 = t.state.join("capture-2");
+    h.capture(copies[0], &cap2, true).await.unwrap();
+    assert!(!cap2.join("memory.ram").exists());
+    let g = "00000000-0000-4000-8000-00000000a008";
+    h.restore(&spec(g), &cap2)
+        .await
+        .unwrap_or_else(|e| panic!("restore of a copy's capture: {e:?}"));
+    let (out, _, _) = run(
+        h,
+        g,
+        &["cat", "/tmp/only-here", "/workspace/mine"],
+        RunAs::Sandbox,
+        None,
+    )
+    .await;
+    assert_eq!(out, "zero\ncopy 0");
+    let grand = counter(h, g).await;
+    tokio::time::sleep(Duration::from_millis(900)).await;
+    assert!(counter(h, g).await > grand, "the copy's copy runs its loop");
+    let g_ram = h.ram_file(g).expect("its own RAM file");
+    h.destroy(g).await.unwrap();
+    assert!(!g_ram.exists(), "a machine's RAM file goes with it");
 
     // A disk-only capture boots a fresh machine with the files but not the processes.
     let disk = t.state.join("capture-disk");

@@ -201,9 +201,9 @@ pub async fn fork(st: AppState, ctx: Ctx, id: String, body: Bytes) -> ApiResult<
     st.spawn(async move {
         let capture = Arc::new(CaptureDir {
             path: st2
-                .config()
-                .data_dir
-                .join("forks")
+                .host()
+                .scratch_dir()
+                .unwrap_or_else(|| st2.config().data_dir.join("forks"))
                 .join(uuid::Uuid::new_v4().to_string()),
             temporary: true,
         });
