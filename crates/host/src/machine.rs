@@ -919,6 +919,18 @@ fn ram_dir(state_dir: &Path) -> PathBuf {
     shm.join(format!("runtime-{}", &hex::encode(digest)[..16]))
 }
 
+/// Renames, or copies then removes across file systems (a fork's scratch
+/// directory is on the host's memory file system).
+async fn move_file(from: &Path, to: &Path) -> std::io::Result<()> {
+    match std::fs::rename(from, to) {
+        Err(e) if e.raw_os_error() == Some(libc::EXDEV) => {
+            copy_ram(from, to).await?;
+            std::fs::remove_file(from)
+        }
+        other => other,
+    }
+}
+
 /// Copies a RAM file: only its data (the pages the guest touched), holes
 /// stay holes. `cp --sparse=always` would also look for zeros in the data,
 /// several times slower.
@@ -1372,7 +1384,8 @@ impl Host for QemuHost {
                                 .map_err(Self::io(id, "copy memory"))?;
                         }
                         if memory {
-                            std::fs::rename(&file, dest.join("memory.state"))
+                            move_file(&file, &dest.join("memory.state"))
+                                .await
                                 .map_err(Self::io(id, "move capture"))?;
                         } else {
                             let _ = std::fs::remove_file(&file);
@@ -1391,8 +1404,14 @@ impl Host for QemuHost {
                         return Err(HostError::NotPaused { id: id.to_owned() });
                     }
                     if memory {
-                        std::fs::hard_link(&state, dest.join("memory.state"))
-                            .map_err(Self::io(id, "link paused state"))?;
+                        let to = dest.join("memory.state");
+                        // A fork's scratch directory is on another file
+                        // system (the host's memory): copy there.
+                        if std::fs::hard_link(&state, &to).is_err() {
+                            copy_ram(&state, &to)
+                                .await
+                                .map_err(Self::io(id, "copy paused state"))?;
+                        }
                     }
                     copy_sparse(&paths.overlay(), &dest.join("disk.qcow2"))
                         .await

@@ -733,7 +733,8 @@ async fn captures_restore_into_copies_that_diverge() {
     .await
     .unwrap();
     tokio::time::sleep(Duration::from_millis(600)).await;
-    let cap = t.state.join("capture-1");
+    // Where the server puts a fork's capture (another file system).
+    let cap = h.scratch_dir().expect("a scratch dir").join("capture-1");
     h.capture(src, &cap, true).await.unwrap();
     let copies = [
         "00000000-0000-4000-8000-00000000a005",
