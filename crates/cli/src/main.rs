@@ -393,12 +393,16 @@ async fn serve(
     } else {
         "http"
     };
+    let ram_dir = host.ram_dir().to_owned();
     let server = runtime_server::run(listener, config, Arc::new(host), shutdown_signal());
     println!(
         "runtime: listening on {scheme}://{addr} (data dir {})",
         data_dir.display()
     );
     server.await?;
+    // Machines outlive the server (and keep their RAM files); with none
+    // left, the directory of RAM files goes too.
+    let _ = std::fs::remove_dir(&ram_dir);
     Ok(())
 }
 

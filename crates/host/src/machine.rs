@@ -36,6 +36,16 @@ pub struct QemuConfig {
     pub templates: bool,
 }
 
+/// Which RAM a machine about to start gets (see [`qemu::Ram`]).
+enum RamPlan<'a> {
+    /// A file of its own, empty or filled with a copy of this RAM file.
+    Own { fill: Option<&'a Path> },
+    /// A private mapping of a fork's frozen RAM file.
+    CopyOf(&'a Path),
+    /// Anonymous memory, for a state that holds the whole memory.
+    Anon,
+}
+
 struct Vm {
     paths: VmPaths,
     pid: u32,
@@ -43,8 +53,9 @@ struct Vm {
     /// It has volume drives: what the guest wrote to them is flushed before
     /// the machine is paused or ended, so it never lives only in its memory.
     volumes: bool,
-    /// Its own RAM file (mapped shared), or `None` for a fork's copy, whose
-    /// RAM is a private mapping of the frozen file of its source.
+    /// Its own RAM file (mapped shared), or `None`: a fork's copy (a private
+    /// mapping of its source's frozen file) or anonymous memory. Only a
+    /// machine with its own file is captured without its RAM in the state.
     ram: Option<PathBuf>,
 }
 
@@ -221,7 +232,7 @@ impl QemuHost {
         }
         let cgroups = cgroup::detect();
         let ram = ram_dir(&cfg.state_dir);
-        std::fs::create_dir_all(ram.join("forks"))?;
+        std::fs::create_dir_all(&ram)?;
         {
             use std::os::unix::fs::PermissionsExt;
             // QEMU opens its RAM file before it drops to its own uid.
@@ -247,23 +258,34 @@ impl QemuHost {
         self.ram_dir.join(format!("{id}.ram"))
     }
 
+    /// Where forks keep their capture while the copies start: on the disk
+    /// of the data directory, not the memory file system. A copy that is
+    /// itself captured later reads its whole memory, which in a file on
+    /// tmpfs would allocate (and hold) every page never written; in the
+    /// page cache of a disk file those are clean and reclaimable.
+    fn forks_dir(&self) -> PathBuf {
+        self.cfg.state_dir.join(".forks")
+    }
+
+    /// The directory of the guests' RAM files.
+    pub fn ram_dir(&self) -> &Path {
+        &self.ram_dir
+    }
+
     /// RAM files of machines that no longer run (a crash of the server, a
-    /// killed QEMU), and the frozen files of forks cut short, would hold
-    /// host memory for nothing.
+    /// killed QEMU), and the captures of forks cut short, would hold host
+    /// memory and disk for nothing.
     fn drop_stale_ram(&self) {
+        if let Ok(forks) = std::fs::read_dir(self.forks_dir()) {
+            for f in forks.flatten() {
+                let _ = std::fs::remove_dir_all(f.path());
+            }
+        }
         let Ok(entries) = std::fs::read_dir(&*self.ram_dir) else {
             return;
         };
         for e in entries.flatten() {
             let name = e.file_name().to_string_lossy().into_owned();
-            if name == "forks" {
-                if let Ok(forks) = std::fs::read_dir(e.path()) {
-                    for f in forks.flatten() {
-                        let _ = std::fs::remove_dir_all(f.path());
-                    }
-                }
-                continue;
-            }
             let Some(id) = name.strip_suffix(".ram") else {
                 continue;
             };
@@ -314,10 +336,11 @@ impl QemuHost {
             Some(i) => format!("-img-{}", i.key),
             None => String::new(),
         };
-        // `r1`: the RAM is a file backend named `ram` (captures made before
-        // are of another machine and never restored).
+        // `r2`: the RAM is a backend named `ram`, the template's a file
+        // beside a state without it (captures made before are of another
+        // machine and never restored).
         format!(
-            "{}-{}-r1-{}c-{}m-{}d{image}",
+            "{}-{}-r2-{}c-{}m-{}d{image}",
             self.cfg.artifacts.key,
             qemu::cpu_model(self.cfg.accel),
             spec.vcpu,
@@ -364,7 +387,12 @@ impl QemuHost {
         let result = async {
             let _ = std::fs::remove_dir_all(&partial);
             std::fs::create_dir_all(&partial).map_err(Self::io(&id, "create template dir"))?;
-            let file = self.capture_stopped(&id, &vm, false).await?;
+            let file = self.capture_stopped(&id, &vm, true).await?;
+            if let Some(ram) = &vm.ram {
+                copy_ram(ram, &partial.join("memory.ram"))
+                    .await
+                    .map_err(Self::io(&id, "keep template memory"))?;
+            }
             std::fs::rename(&file, partial.join("memory.state"))
                 .map_err(Self::io(&id, "keep template"))?;
             copy_sparse(&vm.paths.overlay(), &partial.join("disk.qcow2"))
@@ -485,7 +513,9 @@ impl QemuHost {
         let paths = self.fresh_dir(spec).await?;
         self.new_overlay(spec, &paths).await?;
         self.copy_snapshot_volumes(spec, &paths).await?;
-        let vm = self.launch(spec, paths, None, None).await?;
+        let vm = self
+            .launch(spec, paths, None, RamPlan::Own { fill: None })
+            .await?;
         if let Err(e) = mount_volumes(&vm, spec).await {
             self.end_vm(&spec.id, &vm).await;
             return Err(e);
@@ -515,15 +545,13 @@ impl QemuHost {
 
     /// Starts QEMU in `paths` (its disk already there), either booting or
     /// loading the state in `incoming`, and returns once the agent answered.
-    /// With `copy_of`, the machine is a fork's copy: its RAM is a private
-    /// mapping of that frozen file and `incoming` holds no RAM; otherwise it
-    /// gets a RAM file of its own.
+    /// `ram` says where its RAM lives; with a file, `incoming` holds no RAM.
     async fn launch(
         &self,
         spec: &MachineSpec,
         paths: VmPaths,
         incoming: Option<std::fs::File>,
-        copy_of: Option<&Path>,
+        plan: RamPlan<'_>,
     ) -> Result<Arc<Vm>, HostError> {
         use std::os::fd::AsRawFd;
         let id = spec.id.as_str();
@@ -531,10 +559,24 @@ impl QemuHost {
         // A file left by an earlier QEMU of this id (before a pause) would
         // hand its old contents to a new boot.
         let _ = std::fs::remove_file(&own);
-        let ram = match copy_of {
-            Some(file) => qemu::Ram::CopyOf(file),
-            None => qemu::Ram::Own(&own),
+        let ram = match plan {
+            RamPlan::Own { fill } => {
+                if let Some(from) = fill {
+                    if let Err(e) = copy_ram(from, &own).await {
+                        let _ = std::fs::remove_file(&own);
+                        return Err(self.start_failed(
+                            id,
+                            BootStage::Restore,
+                            format!("copy of memory: {e}"),
+                        ));
+                    }
+                }
+                qemu::Ram::Own(&own)
+            }
+            RamPlan::CopyOf(file) => qemu::Ram::CopyOf(file),
+            RamPlan::Anon => qemu::Ram::Anon,
         };
+        let owns = matches!(ram, qemu::Ram::Own(_));
         if let Some((uid, gid)) = vm_uid(id) {
             // QEMU reopens its disk as its own uid after a migration.
             std::os::unix::fs::chown(paths.overlay(), Some(uid), Some(gid))
@@ -565,7 +607,9 @@ impl QemuHost {
         let pid = match qemu::spawn(&cfg) {
             Ok(pid) => pid,
             Err(e) => {
-                let _ = std::fs::remove_file(&own);
+                if owns {
+                    let _ = std::fs::remove_file(&own);
+                }
                 return Err(self.start_failed(id, BootStage::Spawn, e.to_string()));
             }
         };
@@ -579,7 +623,7 @@ impl QemuHost {
                 }
             }
         }
-        let mut ram_guard = RamGuard(copy_of.is_none().then_some(own.as_path()));
+        let mut ram_guard = RamGuard(owns.then_some(own.as_path()));
         let limits = cgroup::Limits {
             memory_mib: spec.memory_mib,
             vcpu: spec.vcpu,
@@ -622,7 +666,7 @@ impl QemuHost {
                     .await
                     .map_err(|e| self.start_failed(id, BootStage::Restore, e.to_string()))?,
             );
-            if copy_of.is_some() {
+            if cfg.ram.file_backed() {
                 if let Err(e) = load_without_ram(&paths).await {
                     qemu::kill(pid).await;
                     return Err(self.start_failed(id, BootStage::Restore, e.to_string()));
@@ -678,7 +722,7 @@ impl QemuHost {
             pid,
             link: tokio::sync::Mutex::new(Some(link.clone())),
             volumes: !spec.volumes.is_empty(),
-            ram: copy_of.is_none().then(|| own.clone()),
+            ram: owns.then(|| own.clone()),
         });
         if let Err(e) = setup(&link, &spec.hostname, spec.guest_ca_pem.as_deref()).await {
             qemu::kill(pid).await;
@@ -919,8 +963,15 @@ fn ram_dir(state_dir: &Path) -> PathBuf {
     shm.join(format!("runtime-{}", &hex::encode(digest)[..16]))
 }
 
-/// Renames, or copies then removes across file systems (a fork's scratch
-/// directory is on the host's memory file system).
+/// A hard link, or a copy across file systems.
+async fn link_or_copy(from: &Path, to: &Path) -> std::io::Result<()> {
+    match std::fs::hard_link(from, to) {
+        Err(e) if e.raw_os_error() == Some(libc::EXDEV) => copy_ram(from, to).await,
+        other => other,
+    }
+}
+
+/// Renames, or copies then removes across file systems.
 async fn move_file(from: &Path, to: &Path) -> std::io::Result<()> {
     match std::fs::rename(from, to) {
         Err(e) if e.raw_os_error() == Some(libc::EXDEV) => {
@@ -1309,7 +1360,7 @@ impl Host for QemuHost {
     }
 
     fn scratch_dir(&self) -> Option<PathBuf> {
-        Some(self.ram_dir.join("forks"))
+        Some(self.forks_dir())
     }
 
     fn set_outbound(&self, handler: Arc<dyn Outbound>) {
@@ -1325,7 +1376,21 @@ impl Host for QemuHost {
             // volumes must not stay in its saved memory only.
             sync_guest(&vm).await;
         }
-        match self.capture_stopped(id, &vm, false).await {
+        let _ = std::fs::remove_file(vm.paths.paused_ram());
+        let saved = async {
+            let file = self.capture_stopped(id, &vm, true).await?;
+            if let Some(ram) = &vm.ram {
+                // Only the pages the guest touched, holes kept: the paused
+                // machine's memory takes the room it used.
+                if let Err(e) = copy_ram(ram, &vm.paths.paused_ram()).await {
+                    let _ = std::fs::remove_file(vm.paths.paused_ram());
+                    return Err(Self::io(id, "keep paused memory")(e));
+                }
+            }
+            Ok(file)
+        }
+        .await;
+        match saved {
             Ok(file) => {
                 std::fs::rename(&file, vm.paths.paused_state())
                     .map_err(Self::io(id, "keep paused state"))?;
@@ -1348,9 +1413,16 @@ impl Host for QemuHost {
         let state = paths.paused_state();
         let file =
             std::fs::File::open(&state).map_err(|_| HostError::NotPaused { id: id.to_owned() })?;
-        let vm = self.launch(spec, paths, Some(file), None).await?;
+        let ram = paths.paused_ram();
+        let plan = if ram.exists() {
+            RamPlan::Own { fill: Some(&ram) }
+        } else {
+            RamPlan::Anon
+        };
+        let vm = self.launch(spec, paths.clone(), Some(file), plan).await?;
         // The machine has moved on from that state; keep only the newest.
         let _ = std::fs::remove_file(&state);
+        let _ = std::fs::remove_file(&ram);
         self.insert_vm(id, vm);
         Ok(())
     }
@@ -1376,7 +1448,9 @@ impl Host for QemuHost {
                     // RAM, and a copy of the file (restored as a private
                     // mapping shared by every machine started from it).
                     let ram = vm.ram.as_ref().filter(|_| memory);
-                    let file = self.capture_stopped(id, vm, ram.is_some()).await?;
+                    // Never the whole memory of a machine with a RAM file:
+                    // reading it would allocate every page of the file.
+                    let file = self.capture_stopped(id, vm, true).await?;
                     let r = async {
                         if let Some(ram) = ram {
                             copy_ram(ram, &dest.join("memory.ram"))
@@ -1405,12 +1479,14 @@ impl Host for QemuHost {
                     }
                     if memory {
                         let to = dest.join("memory.state");
-                        // A fork's scratch directory is on another file
-                        // system (the host's memory): copy there.
-                        if std::fs::hard_link(&state, &to).is_err() {
-                            copy_ram(&state, &to)
+                        link_or_copy(&state, &to)
+                            .await
+                            .map_err(Self::io(id, "copy paused state"))?;
+                        let ram = paths.paused_ram();
+                        if ram.exists() {
+                            link_or_copy(&ram, &dest.join("memory.ram"))
                                 .await
-                                .map_err(Self::io(id, "copy paused state"))?;
+                                .map_err(Self::io(id, "copy paused memory"))?;
                         }
                     }
                     copy_sparse(&paths.overlay(), &dest.join("disk.qcow2"))
@@ -1453,11 +1529,20 @@ impl Host for QemuHost {
             self.copy_snapshot_volumes(spec, &paths).await?;
             None
         };
-        // A capture of a machine with its own RAM file: its copy is mapped
-        // privately (and shared with every other machine started from it).
+        // A capture of a machine with its own RAM file: a fork's copies map
+        // it privately (sharing the pages none of them writes); anything
+        // else started from it gets a file of its own.
         let ram = from.join("memory.ram");
-        let copy_of = (incoming.is_some() && ram.exists()).then_some(ram.as_path());
-        let vm = self.launch(spec, paths, incoming, copy_of).await?;
+        let plan = if incoming.is_none() {
+            RamPlan::Own { fill: None }
+        } else if !ram.exists() {
+            RamPlan::Anon
+        } else if from.starts_with(self.forks_dir()) {
+            RamPlan::CopyOf(&ram)
+        } else {
+            RamPlan::Own { fill: Some(&ram) }
+        };
+        let vm = self.launch(spec, paths, incoming, plan).await?;
         if let Err(e) = mount_volumes(&vm, spec).await {
             self.end_vm(id, &vm).await;
             return Err(e);

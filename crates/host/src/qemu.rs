@@ -71,6 +71,11 @@ impl VmPaths {
     pub fn paused_state(&self) -> PathBuf {
         self.dir.join("paused.state")
     }
+    /// The RAM of a paused machine that had a RAM file of its own (its
+    /// state then holds the devices only).
+    pub fn paused_ram(&self) -> PathBuf {
+        self.dir.join("paused.ram")
+    }
 }
 
 pub(crate) struct VmConfig<'a> {
@@ -92,20 +97,29 @@ pub(crate) struct VmConfig<'a> {
     pub ram: Ram<'a>,
 }
 
-/// The guest's RAM is always a file (on tmpfs where the host has one), so
-/// that a fork can hand the copies the source's memory as a file instead of
-/// a migration stream (docs/memory.md).
+/// Where a guest's RAM lives (docs/memory.md, "Guest RAM").
 #[derive(Debug, Clone, Copy)]
 pub(crate) enum Ram<'a> {
-    /// The machine's own file, mapped shared: what the guest writes lands
-    /// in the file, so copying the file copies the memory. A capture with
-    /// `x-ignore-shared` then leaves the RAM out of the state.
+    /// The machine's own file on the host's memory file system, mapped
+    /// shared: what the guest writes lands in the file, so a copy of the
+    /// file's data is a copy of its memory, and a capture with
+    /// `x-ignore-shared` leaves the RAM out of the state.
     Own(&'a Path),
-    /// A frozen file of another machine's memory, opened read-only and
-    /// mapped private: this machine's writes are copy-on-write, and every
-    /// copy shares the pages none of them wrote. The incoming state was
-    /// captured with `x-ignore-shared`, so it holds no RAM.
+    /// A fork's frozen copy of its source's file, opened read-only and
+    /// mapped private: writes are copy-on-write, and the copies of one fork
+    /// share every page none of them wrote.
     CopyOf(&'a Path),
+    /// Anonymous memory: a machine restored from a state that holds its
+    /// whole memory. Loading such a state reads every page, which in a file
+    /// would allocate every page of it; anonymous zero pages cost nothing.
+    Anon,
+}
+
+impl Ram<'_> {
+    /// Whether an incoming state holds no RAM (the file does).
+    pub(crate) fn file_backed(&self) -> bool {
+        !matches!(self, Ram::Anon)
+    }
 }
 
 /// The id of the RAM backend; part of the machine a capture must be
@@ -133,6 +147,7 @@ pub(crate) fn command_line(cfg: &VmConfig<'_>) -> Vec<OsString> {
     push(&format!("microvm,acpi=off,memory-backend={RAM_ID}"));
     push("-object");
     push(&match cfg.ram {
+        Ram::Anon => format!("memory-backend-ram,id={RAM_ID},size={}M", cfg.memory_mib),
         Ram::Own(file) => format!(
             "memory-backend-file,id={RAM_ID},size={}M,mem-path={},share=on",
             cfg.memory_mib,
@@ -229,11 +244,12 @@ pub(crate) fn command_line(cfg: &VmConfig<'_>) -> Vec<OsString> {
     push(&p.pidfile().display().to_string());
     if cfg.incoming.is_some() {
         push("-incoming");
-        match cfg.ram {
-            Ram::Own(_) => push(&format!("fd:{INCOMING_FD}")),
+        if cfg.ram.file_backed() {
             // The state was saved without the RAM the file holds: the load
             // waits for `x-ignore-shared` ([`INCOMING_URI`]).
-            Ram::CopyOf(_) => push("defer"),
+            push("defer");
+        } else {
+            push(&format!("fd:{INCOMING_FD}"));
         }
     }
     a

@@ -33,12 +33,14 @@ struct TestHost {
     _cleanup: Cleanup,
 }
 
-/// Even when a test fails: no QEMU left running, no state left on disk.
-struct Cleanup(PathBuf);
+/// Even when a test fails: no QEMU left running, no state left on disk,
+/// no RAM file left in the host's memory.
+struct Cleanup(PathBuf, PathBuf);
 
 impl Drop for Cleanup {
     fn drop(&mut self) {
         kill_all(&self.0);
+        let _ = std::fs::remove_dir_all(&self.1);
     }
 }
 
@@ -81,9 +83,10 @@ fn host() -> TestHost {
         templates: false,
     })
     .unwrap();
+    let ram = host.ram_dir().to_owned();
     TestHost {
         host,
-        _cleanup: Cleanup(state.clone()),
+        _cleanup: Cleanup(state.clone(), ram),
         state,
     }
 }
@@ -679,8 +682,20 @@ async fn pause_and_wake_keep_memory_processes_and_files() {
         .await
         .unwrap();
         let pid = h.qemu_pid(id).unwrap();
+        let own = h.ram_file(id).expect("its own RAM file");
         h.pause(id).await.unwrap();
         assert!(h.qemu_pid(id).is_none(), "no machine while paused");
+        // The memory went to the data directory (the pages the guest
+        // touched), the state holds the devices only, the RAM file is gone.
+        let dir = t.state.join(id);
+        let ram = std::fs::metadata(dir.join("paused.ram")).expect("paused.ram");
+        assert_eq!(ram.len(), 1024 << 20, "the whole address space, sparse");
+        let state = std::fs::metadata(dir.join("paused.state")).unwrap().len();
+        assert!(
+            state < 4 << 20,
+            "the state leaves the RAM out: {state} bytes"
+        );
+        assert!(!own.exists(), "no host memory held while paused");
         assert!(
             !std::path::Path::new(&format!("/proc/{pid}/cmdline")).exists()
                 || std::fs::read(format!("/proc/{pid}/cmdline"))
@@ -846,12 +861,15 @@ async fn captures_restore_into_copies_that_diverge() {
     )
     .await;
     assert_eq!(out, "zero\ncopy 0");
+    assert_eq!(
+        h.ram_file(g),
+        None,
+        "a whole-memory state loads into anonymous memory"
+    );
     let grand = counter(h, g).await;
     tokio::time::sleep(Duration::from_millis(900)).await;
     assert!(counter(h, g).await > grand, "the copy's copy runs its loop");
-    let g_ram = h.ram_file(g).expect("its own RAM file");
     h.destroy(g).await.unwrap();
-    assert!(!g_ram.exists(), "a machine's RAM file goes with it");
 
     // A disk-only capture boots a fresh machine with the files but not the processes.
     let disk = t.state.join("capture-disk");
@@ -883,6 +901,7 @@ async fn captures_restore_into_copies_that_diverge() {
     for id in [src, copies[0], copies[1], d] {
         h.destroy(id).await.unwrap();
     }
+    assert!(!own.exists(), "a machine's RAM file goes with it");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -893,7 +912,7 @@ async fn starts_restore_a_template_with_fresh_entropy() {
         std::process::id(),
         rand_suffix()
     ));
-    let _cleanup = Cleanup(state.clone());
+    let mut cleanup = Cleanup(state.clone(), PathBuf::new());
     let (accel, _) = choose_accel();
     let h = QemuHost::new(QemuConfig {
         state_dir: state.clone(),
@@ -904,6 +923,7 @@ async fn starts_restore_a_template_with_fresh_entropy() {
         templates: true,
     })
     .unwrap();
+    cleanup.1 = h.ram_dir().to_owned();
     let first = "00000000-0000-4000-8000-00000000b001";
     h.start(&spec(first))
         .await
