@@ -198,6 +198,11 @@ fn report_steps(image: &Value, seen: &mut Vec<String>) {
         }
         let what = s["instruction"].as_str().unwrap_or("");
         let n = i + 1;
+        // A step that started and ended between two looks still shows
+        // its start.
+        if seen[i] == "pending" && matches!(state.as_str(), "done" | "failed") {
+            eprintln!("step {n}/{total} {what} ...");
+        }
         match state.as_str() {
             "running" => eprintln!("step {n}/{total} {what} ..."),
             "cached" => eprintln!("step {n}/{total} {what} (cached)"),
