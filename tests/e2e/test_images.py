@@ -6,6 +6,8 @@ step's report, sandboxes created from an image, and `runtime image build
 --file recipe.toml`."""
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import re
 import subprocess
@@ -247,3 +249,17 @@ FROM_TOML = "yes"
                             env={**env, "XDG_CONFIG_HOME": str(tmp_path / "config")}, capture_output=True,
                             text=True, timeout=60, stdin=subprocess.DEVNULL)
     assert no_key.returncode != 0 and "no API key" in no_key.stderr, no_key
+    # The key `runtime login` saved for the server is used when none is given.
+    auth = os.environ.get("RUNTIME_AUTH_URL", "https://withruntime.com").rstrip("/")
+    saved = tmp_path / "config" / "runtime-cloud"
+    saved.mkdir(parents=True, mode=0o700)
+    name = hashlib.sha256(f"{auth}\n{server.url}".encode()).hexdigest()
+    (saved / f"{name}.json").write_text(json.dumps({"apiOrigin": server.url, "key": server.admin_key()}))
+    (saved / f"{name}.json").chmod(0o600)
+    empty = tmp_path / "empty.toml"
+    empty.write_text("# nothing: the server's own image under a name\n")
+    logged_in = subprocess.run([str(BINARY), "image", "build", "--url", server.url, "--file", str(empty),
+                                "--name", "e2e-cli-login"],
+                               env={**env, "XDG_CONFIG_HOME": str(tmp_path / "config")}, capture_output=True,
+                               text=True, timeout=120, stdin=subprocess.DEVNULL)
+    assert logged_in.returncode == 0 and "e2e-cli-login@1 ready" in logged_in.stdout, logged_in
