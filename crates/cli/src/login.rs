@@ -7,7 +7,9 @@
 //! origin is `RUNTIME_AUTH_URL`'s, `https://withruntime.com` by default,
 //! as in the client.
 //!
-//! Plain `http://` only: this binary carries no TLS client.
+//! Plain `http://` only: this binary carries no TLS client. `image build
+//! --file` calls the API with the same request helper and reads the key
+//! saved here when it is given none.
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
