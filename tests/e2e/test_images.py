@@ -1,14 +1,25 @@
 """Custom images through the official client: recipe and Dockerfile builds
 (pip and npm from the local test registries that stand for PyPI and npm,
-commands, files, env, workdir, user), the step cache, a failed step's
-report, and sandboxes created from an image."""
+apt from the Debian mirror of the guest's apt sources, commands, files, env,
+workdir, user, a Dockerfile FROM one of ours), the step cache, a failed
+step's report, sandboxes created from an image, and `runtime image build
+--file recipe.toml`."""
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import re
+import subprocess
 import time
+import urllib.error
+import urllib.request
 
 import pytest
 from withruntime import ConflictError, InvalidRequestError
 from withruntime import RuntimeError as ClientError
+
+from conftest import BINARY
 
 # The test servers of egress_servers.py play the registries (see
 # test_network.py): the build reaches them through the egress proxy.
@@ -99,6 +110,15 @@ def test_dockerfile_build_with_arg_env_workdir_copy_user(runtime):
         assert sbx.exec("cat /srv/app/built-by.txt /srv/app/out/by.txt").stdout == "root\nuser\n"
         assert sbx.exec("echo $MODE $OTHER").stdout == "spicy x\n"
 
+    # FROM one of ours goes on as its USER, in its WORKDIR, with its ENV.
+    child = runtime.images.build(name="e2e-docker-child", dockerfile="\n".join([
+        "FROM e2e-docker",
+        "RUN (id -un; pwd; echo $MODE) > out/by-child.txt",
+    ]), poll_seconds=0.5)
+    assert child["state"] == "ready" and child["user"] == "user", child
+    with runtime.sandboxes.create(image="e2e-docker-child") as sbx:
+        assert sbx.exec("cat /srv/app/out/by-child.txt").stdout == "user\n/srv/app\nspicy\n"
+
 
 def test_a_failed_build_names_the_step_and_its_output(runtime):
     recipe = {"commands": ["echo fine", "echo something-went-wrong >&2; exit 3", "echo never"]}
@@ -133,3 +153,113 @@ def test_an_images_start_command_runs_in_each_new_sandbox(runtime):
             assert out == "up-/srv/s\n"
             commands = [p["command"] for p in sbx.processes()]
             assert any("sleep 600" in c for c in commands), commands
+
+
+def _mirror(runtime) -> str:
+    """The first Debian mirror of the guest's apt sources."""
+    with runtime.sandboxes.create() as sbx:
+        sources = sbx.exec("cat /etc/apt/sources.list /etc/apt/sources.list.d/*.list 2>/dev/null; "
+                           "cat /etc/apt/sources.list.d/*.sources 2>/dev/null; true").stdout
+    found = re.search(r"^(?:deb\s+(?:\[[^]]*\]\s+)?|URIs:\s*)(\S+://\S+)", sources, re.M)
+    assert found, f"no mirror in the guest's apt sources:\n{sources}"
+    return found.group(1)
+
+
+def _skip_unless_reachable(url: str) -> None:
+    """Skips when the mirror cannot be reached from this host at all (the
+    egress proxy runs here, so the guest cannot reach it either)."""
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        opener.open(urllib.request.Request(url, method="HEAD"), timeout=15).close()
+    except urllib.error.HTTPError:
+        pass  # it answered
+    except (urllib.error.URLError, OSError) as error:
+        pytest.skip(f"the Debian mirror {url} is unreachable from this host: {error}")
+
+
+@pytest.mark.timeout(1500)
+def test_apt_packages_come_from_the_debian_mirror(runtime):
+    _skip_unless_reachable(_mirror(runtime))
+    # apt-get update under emulation takes a while; the build has its own
+    # 30-minute step timeout, the test a little more.
+    image = runtime.images.build(name="e2e-apt", recipe={"apt": ["hello"]}, poll_seconds=2)
+    assert image["state"] == "ready", image
+    assert "apt install hello" in image["log"] and "Setting up hello" in image["log"], image["log"][-2000:]
+    with runtime.sandboxes.create(image="e2e-apt") as sbx:
+        assert sbx.exec("hello").stdout == "Hello, world!\n"
+        assert sbx.exec("dpkg-query -W -f '${Status}' hello").stdout == "install ok installed"
+
+
+def _cli(server, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    env = {**os.environ, "RUNTIME_API_KEY": server.admin_key()}
+    env.pop("RUNTIME_API_URL", None)
+    return subprocess.run([str(BINARY), "image", "build", "--url", server.url, *args], env=env,
+                          capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+@pytest.mark.timeout(900)
+def test_the_cli_builds_an_image_from_a_toml_recipe(server, runtime, tmp_path):
+    registry_env = "\n".join(f'{k} = "{v}"' for k, v in REGISTRY_ENV.items())
+    recipe = tmp_path / "recipe.toml"
+    recipe.write_text(f"""
+name = "overridden-by-the-command-line"
+workdir = "/workspace/cli"
+pip = ["rtdemo"]
+commands = ["python3 -c 'import rtdemo; print(rtdemo.ANSWER)' > answer.txt"]
+start = "echo started > /tmp/cli-start; exec sleep 600"
+
+[env]
+{registry_env}
+FROM_TOML = "yes"
+
+[files]
+"/workspace/cli/notes.txt" = "written by the recipe\\n"
+""")
+    done = _cli(server, "--file", str(recipe), "--name", "e2e-cli", "--tag", "latest", "--tag", "first")
+    assert done.returncode == 0, done
+    # Each step as it starts and ends, then the image's id and name.
+    assert re.search(r"step 2/4 pip install rtdemo \.\.\.", done.stderr), done.stderr
+    assert re.search(r"step 4/4 done in [0-9.]+ s", done.stderr), done.stderr
+    final = done.stdout.strip().splitlines()[-1]
+    found = re.fullmatch(r"image (\S+) e2e-cli@1 ready in [0-9.]+ s \(tags: latest, first\)", final)
+    assert found, done.stdout
+    image = runtime.images.get(found.group(1))
+    assert image["name"] == "e2e-cli" and image["state"] == "ready" and image["tags"] == ["latest", "first"]
+    assert image["start"] == {"command": "echo started > /tmp/cli-start; exec sleep 600"}
+    with runtime.sandboxes.create(image="e2e-cli:first") as sbx:
+        assert sbx.exec("cd /workspace/cli && cat answer.txt notes.txt").stdout == "42\nwritten by the recipe\n"
+        assert sbx.exec("echo $FROM_TOML; stat -c %U /workspace/cli/answer.txt").stdout == "yes\nuser\n"
+
+    # A failed build exits non-zero with the failing step and its output.
+    broken = tmp_path / "broken.toml"
+    broken.write_text('commands = ["echo fine", "echo cli-went-wrong >&2; exit 3"]\n')
+    failed = _cli(server, "--file", str(broken), "--name", "e2e-cli-broken")
+    assert failed.returncode != 0, failed
+    assert "step 2/2 RUN echo cli-went-wrong >&2; exit 3 FAILED" in failed.stderr, failed.stderr
+    assert "step 2 (RUN echo cli-went-wrong" in failed.stderr and "exited with code 3" in failed.stderr
+    assert "cli-went-wrong" in failed.stderr.split("its last output:", 1)[-1], failed.stderr
+
+    # A misspelt field is refused before anything is sent; so is a call without a key.
+    wrong = tmp_path / "wrong.toml"
+    wrong.write_text('pakages = ["jq"]\n')
+    refused = _cli(server, "--file", str(wrong), timeout=60)
+    assert refused.returncode != 0 and "`pakages` is not a recipe field" in refused.stderr, refused
+    env = {k: v for k, v in os.environ.items() if k not in ("RUNTIME_API_KEY", "RUNTIME_API_URL")}
+    no_key = subprocess.run([str(BINARY), "image", "build", "--url", server.url, "--file", str(recipe)],
+                            env={**env, "XDG_CONFIG_HOME": str(tmp_path / "config")}, capture_output=True,
+                            text=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert no_key.returncode != 0 and "no API key" in no_key.stderr, no_key
+    # The key `runtime login` saved for the server is used when none is given.
+    auth = os.environ.get("RUNTIME_AUTH_URL", "https://withruntime.com").rstrip("/")
+    saved = tmp_path / "config" / "runtime-cloud"
+    saved.mkdir(parents=True, mode=0o700)
+    name = hashlib.sha256(f"{auth}\n{server.url}".encode()).hexdigest()
+    (saved / f"{name}.json").write_text(json.dumps({"apiOrigin": server.url, "key": server.admin_key()}))
+    (saved / f"{name}.json").chmod(0o600)
+    empty = tmp_path / "empty.toml"
+    empty.write_text("# nothing: the server's own image under a name\n")
+    logged_in = subprocess.run([str(BINARY), "image", "build", "--url", server.url, "--file", str(empty),
+                                "--name", "e2e-cli-login"],
+                               env={**env, "XDG_CONFIG_HOME": str(tmp_path / "config")}, capture_output=True,
+                               text=True, timeout=120, stdin=subprocess.DEVNULL)
+    assert logged_in.returncode == 0 and "e2e-cli-login@1 ready" in logged_in.stdout, logged_in

@@ -7,7 +7,9 @@
 //! origin is `RUNTIME_AUTH_URL`'s, `https://withruntime.com` by default,
 //! as in the client.
 //!
-//! Plain `http://` only: this binary carries no TLS client.
+//! Plain `http://` only: this binary carries no TLS client. `image build
+//! --file` calls the API with the same request helper and reads the key
+//! saved here when it is given none.
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
@@ -29,9 +31,22 @@ pub fn origin(url: &str) -> String {
 
 /// One HTTP/1.1 request over a fresh connection; (status, JSON body).
 fn request(api: &str, method: &str, path: &str, body: &Value) -> anyhow::Result<(u16, Value)> {
+    call(api, method, path, Some(body), None)
+}
+
+/// One HTTP/1.1 request over a fresh connection, with a bearer key if
+/// given; (status, JSON body, `null` when the body is not JSON).
+pub fn call(
+    api: &str,
+    method: &str,
+    path: &str,
+    body: Option<&Value>,
+    key: Option<&str>,
+) -> anyhow::Result<(u16, Value)> {
+    let api = origin(api.trim());
     let hostport = api
         .strip_prefix("http://")
-        .context("runtime login speaks plain http:// only; give --url http://host:port")?;
+        .context("this binary speaks plain http:// only; give http://host:port")?;
     let addr = if hostport.contains(':') && !hostport.ends_with(']') {
         hostport.to_string()
     } else {
@@ -39,10 +54,11 @@ fn request(api: &str, method: &str, path: &str, body: &Value) -> anyhow::Result<
     };
     let mut s = TcpStream::connect(&addr).with_context(|| format!("connecting to {addr}"))?;
     s.set_read_timeout(Some(Duration::from_secs(30)))?;
-    let payload = body.to_string();
+    let payload = body.map(Value::to_string).unwrap_or_default();
+    let auth = key.map_or_else(String::new, |k| format!("Authorization: Bearer {k}\r\n"));
     write!(
         s,
-        "{method} {path} HTTP/1.1\r\nHost: {hostport}\r\nContent-Type: application/json\r\nAccept: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{payload}",
+        "{method} {path} HTTP/1.1\r\nHost: {hostport}\r\n{auth}Content-Type: application/json\r\nAccept: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{payload}",
         payload.len()
     )?;
     let mut raw = Vec::new();
@@ -99,6 +115,27 @@ pub fn saved_path(api: &str) -> PathBuf {
         .unwrap_or_else(|| crate::home().join(".config"));
     let name = hex::encode(Sha256::digest(format!("{auth}\n{api}").as_bytes()));
     root.join("runtime-cloud").join(format!("{name}.json"))
+}
+
+/// The key `runtime login` saved for `api`'s origin, if there is one (read
+/// as the client reads it: only a private file naming that origin).
+pub fn saved_key(api: &str) -> Option<String> {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let api = origin(api.trim());
+    let path = saved_path(&api);
+    // SAFETY: getuid has no preconditions.
+    let me = unsafe { libc::getuid() };
+    let private = |m: &std::fs::Metadata| m.permissions().mode() & 0o077 == 0 && m.uid() == me;
+    let dir = std::fs::symlink_metadata(path.parent()?).ok()?;
+    let file = std::fs::symlink_metadata(&path).ok()?;
+    if !dir.is_dir() || !private(&dir) || !file.is_file() || !private(&file) || file.len() > 4096 {
+        return None;
+    }
+    let v: Value = serde_json::from_str(&std::fs::read_to_string(&path).ok()?).ok()?;
+    if v["apiOrigin"].as_str() != Some(api.as_str()) {
+        return None;
+    }
+    v["key"].as_str().map(str::to_string)
 }
 
 fn save(api: &str, key: &str) -> anyhow::Result<PathBuf> {

@@ -2,13 +2,15 @@
 //! one process with an embedded store; `keys` manages API keys in a data
 //! directory; `login` asks a server for a key through the browser and saves
 //! it where `withruntime` reads it; `image build` builds (or verifies) the
-//! guest kernel and image.
+//! guest kernel and image, or with `--file` a custom image from a TOML
+//! recipe on a running server.
 //!
 //! Environment is read here and nowhere else: `RUNTIME_CACHE_DIR`,
 //! `RUNTIME_AGENT_BIN`, `XDG_DATA_HOME`, `XDG_CACHE_HOME`, `XDG_CONFIG_HOME`,
-//! `RUNTIME_AUTH_URL`, `HOME`. Root's defaults are `/var/lib/runtime` and
+//! `RUNTIME_AUTH_URL`, `RUNTIME_API_URL`, `RUNTIME_API_KEY`, `HOME`. Root's defaults are `/var/lib/runtime` and
 //! `/var/cache/runtime`.
 
+mod image;
 mod login;
 
 use std::net::SocketAddr;
@@ -69,7 +71,7 @@ enum Cmd {
         #[command(subcommand)]
         cmd: KeysCmd,
     },
-    /// The guest kernel and root filesystem image.
+    /// The guest kernel and root filesystem image, and custom images.
     Image {
         #[command(subcommand)]
         cmd: ImageCmd,
@@ -222,8 +224,30 @@ enum KeysCmd {
 
 #[derive(Subcommand)]
 enum ImageCmd {
-    /// Build (or verify) the default kernel and image in the cache directory.
-    Build,
+    /// Without --file: build (or verify) the default kernel and image in the
+    /// cache directory. With --file: build a custom image from a TOML recipe
+    /// on a running server, through its API.
+    Build(ImageBuild),
+}
+
+#[derive(clap::Args)]
+struct ImageBuild {
+    /// A TOML recipe (base, apt, pip, npm, commands, env, files, workdir,
+    /// and the image's name, tags, start; see docs/images.md).
+    #[arg(long, short = 'f', value_name = "TOML")]
+    file: Option<PathBuf>,
+    /// The image's name (wins over the file's).
+    #[arg(long, requires = "file")]
+    name: Option<String>,
+    /// A tag for the new version (repeatable; wins over the file's tags).
+    #[arg(long = "tag", value_name = "TAG", requires = "file")]
+    tags: Vec<String>,
+    /// The server's origin.
+    #[arg(long, env = "RUNTIME_API_URL", default_value = "http://127.0.0.1:8080")]
+    url: String,
+    /// An API key; without it, the key `runtime login` saved for the server.
+    #[arg(long, env = "RUNTIME_API_KEY", hide_env_values = true)]
+    key: Option<String>,
 }
 
 fn home() -> PathBuf {
@@ -534,7 +558,24 @@ fn main() -> anyhow::Result<()> {
         } => login::run(&url, computer, !no_browser),
         Cmd::Keys { cmd } => keys(cmd),
         Cmd::Image {
-            cmd: ImageCmd::Build,
+            cmd:
+                ImageCmd::Build(ImageBuild {
+                    file: Some(file),
+                    name,
+                    tags,
+                    url,
+                    key,
+                }),
+        } => {
+            let text = std::fs::read_to_string(&file)
+                .with_context(|| format!("reading {}", file.display()))?;
+            let body = image::body_from_toml(&text, name.as_deref(), &tags)
+                .with_context(|| format!("{}", file.display()))?;
+            image::build(&image::Target::new(&url, key)?, &body)?;
+            Ok(())
+        }
+        Cmd::Image {
+            cmd: ImageCmd::Build(_),
         } => {
             let arts = build_artifacts()?;
             println!(

@@ -469,7 +469,20 @@ fn parse_recipe(b: &mut Builder, r: &Value) -> Result<(), String> {
                 b.file(&path, &data, mode);
             }
         }
-        Some(_) => return Err("recipe.files must be a list of {path, content}".into()),
+        Some(Value::Object(files)) => {
+            for (path, content) in files {
+                let content = content
+                    .as_str()
+                    .ok_or(format!("recipe.files: {path} must be text"))?;
+                if !valid_abs(path) {
+                    return Err(format!("recipe.files: {path} must be an absolute path"));
+                }
+                b.file(path, content.as_bytes(), None);
+            }
+        }
+        Some(_) => {
+            return Err("recipe.files must be {path: text} or a list of {path, content}".into())
+        }
     }
     for c in strings(
         obj.get("commands").unwrap_or(&Value::Null),
@@ -817,11 +830,16 @@ pub async fn create(st: AppState, ctx: Ctx, body: Bytes) -> ApiResult<Reply> {
         }
     };
     b.prev = base_key.clone();
-    b.state.user = if dockerfile.is_some() {
-        "root".into()
-    } else {
-        "user".into()
-    };
+    // On the server's own image, a Dockerfile starts as root (as Docker
+    // does) and a recipe as the sandbox user; on one of ours, both go on as
+    // the user it ended with, like its env and workdir.
+    if base_id.is_none() {
+        b.state.user = if dockerfile.is_some() {
+            "root".into()
+        } else {
+            "user".into()
+        };
+    }
     for (k, v) in &env {
         set_env(&mut b.state.env, k, v);
     }

@@ -2670,3 +2670,56 @@ async fn image_requests_are_checked_before_any_build() {
     // "default" is the server's own image, as before.
     t.running(json!({"image": "default"})).await;
 }
+
+/// Builds `body` and waits until it is no longer queued or building.
+async fn built(t: &T, body: Value) -> Value {
+    let (s, v) = t.json("POST", "/v1/images", Some(body.clone())).await;
+    assert_eq!(s, StatusCode::CREATED, "{body} -> {v}");
+    let id = v["id"].as_str().unwrap().to_string();
+    for _ in 0..200 {
+        let (_, v) = t.json("GET", &format!("/v1/images/{id}"), None).await;
+        if !matches!(v["state"].as_str(), Some("queued" | "building")) {
+            return v;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("image {id} never finished building");
+}
+
+#[tokio::test]
+async fn an_image_built_on_one_of_ours_keeps_its_user_and_env() {
+    let t = T::new();
+    // No RUN, WORKDIR or COPY: no steps, so the fake host need run nothing.
+    let parent = built(
+        &t,
+        json!({"name": "parent", "dockerfile": "FROM runtime\nENV A=1\nUSER user\nCMD sleep 1"}),
+    )
+    .await;
+    assert_eq!(parent["state"], "ready", "{parent}");
+    assert_eq!(parent["user"], "user", "{parent}");
+    // A Dockerfile on it goes on as its USER (not root), with its ENV.
+    let child = built(
+        &t,
+        json!({"name": "child", "dockerfile": "FROM parent\nENV B=2"}),
+    )
+    .await;
+    assert_eq!(child["state"], "ready", "{child}");
+    assert_eq!(child["base"], parent["id"], "{child}");
+    assert_eq!(child["user"], "user", "{child}");
+    assert_eq!(child["env"], json!(["A", "B"]), "{child}");
+    // A root parent stays root under a recipe too; the server's own image
+    // still starts a Dockerfile as root and a recipe as the sandbox user.
+    let rooted = built(
+        &t,
+        json!({"name": "rooted", "dockerfile": "FROM parent\nUSER root"}),
+    )
+    .await;
+    assert_eq!(rooted["user"], "root", "{rooted}");
+    let on_root = built(&t, json!({"recipe": {"base": "rooted", "env": {"C": "3"}}})).await;
+    assert_eq!(on_root["user"], "root", "{on_root}");
+    assert_eq!(on_root["env"], json!(["A", "C"]), "{on_root}");
+    let plain = built(&t, json!({"dockerfile": "FROM runtime"})).await;
+    assert_eq!(plain["user"], "root", "{plain}");
+    let recipe = built(&t, json!({"recipe": {"files": {"/etc/x": "y"}}})).await;
+    assert_eq!(recipe["user"], "user", "{recipe}");
+}

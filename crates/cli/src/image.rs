@@ -1,0 +1,390 @@
+//! `runtime image build --file recipe.toml`: builds a custom image on a
+//! running server through its API (`POST /v1/images`, then `GET
+//! /v1/images/{id}` until the build ends), printing each step as it starts
+//! and ends, and the image's id and name at the end.
+//!
+//! The recipe file holds the API's recipe fields (`base`, `apt`, `pip`,
+//! `npm`, `commands`, `env`, `files`, `workdir`) and, beside them, the
+//! image's `name`, `tags` and `start`:
+//!
+//! ```toml
+//! name = "app"
+//! workdir = "/workspace/app"
+//! apt = ["jq"]
+//! pip = ["pandas"]
+//! commands = ["python3 -c 'import pandas'"]
+//! start = "python3 -m http.server 8000"
+//!
+//! [env]
+//! APP_ENV = "production"
+//!
+//! [files]
+//! "/workspace/app/config.toml" = "debug = false\n"
+//! ```
+//!
+//! `files` is a table of path = text, or an array of tables `{path,
+//! content, encoding?, mode?}` as in the API.
+
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use serde_json::{json, Map, Value};
+
+use crate::login;
+
+/// The recipe fields, passed to the server's `recipe`.
+const RECIPE: &[&str] = &[
+    "base", "apt", "pip", "npm", "commands", "env", "files", "workdir",
+];
+/// The fields of the image itself, beside the recipe.
+const IMAGE: &[&str] = &["name", "tags", "start"];
+
+/// A TOML value as JSON (dates become their text).
+fn to_json(v: &toml::Value) -> Value {
+    match v {
+        toml::Value::String(s) => Value::String(s.clone()),
+        toml::Value::Integer(i) => json!(i),
+        toml::Value::Float(f) => json!(f),
+        toml::Value::Boolean(b) => Value::Bool(*b),
+        toml::Value::Datetime(d) => Value::String(d.to_string()),
+        toml::Value::Array(a) => Value::Array(a.iter().map(to_json).collect()),
+        toml::Value::Table(t) => Value::Object(
+            t.iter()
+                .map(|(k, v)| (k.clone(), to_json(v)))
+                .collect::<Map<_, _>>(),
+        ),
+    }
+}
+
+fn strings(v: &toml::Value, field: &str) -> anyhow::Result<Value> {
+    match v.as_array() {
+        Some(a) if a.iter().all(toml::Value::is_str) => Ok(to_json(v)),
+        _ => bail!("`{field}` must be an array of strings"),
+    }
+}
+
+fn string(v: &toml::Value, field: &str) -> anyhow::Result<Value> {
+    match v.as_str() {
+        Some(s) => Ok(Value::String(s.to_string())),
+        None => bail!("`{field}` must be a string"),
+    }
+}
+
+/// The body of `POST /v1/images` for a recipe file's text; `name` and
+/// `tags` given on the command line win over the file's.
+pub fn body_from_toml(text: &str, name: Option<&str>, tags: &[String]) -> anyhow::Result<Value> {
+    let table: toml::Table = toml::from_str(text).context("not a valid TOML recipe")?;
+    let mut recipe = Map::new();
+    let mut body = Map::new();
+    for (k, v) in &table {
+        let value = match k.as_str() {
+            "apt" | "pip" | "npm" | "commands" | "tags" => strings(v, k)?,
+            "base" | "workdir" | "name" => string(v, k)?,
+            "env" => match v.as_table() {
+                Some(t) if t.values().all(toml::Value::is_str) => to_json(v),
+                _ => bail!("`env` must be a table of strings (NAME = \"value\")"),
+            },
+            "files" => files(v)?,
+            "start" => match v {
+                toml::Value::String(_) | toml::Value::Array(_) => json!({"command": to_json(v)}),
+                toml::Value::Table(_) => to_json(v),
+                _ => bail!(
+                    "`start` must be a command: a string, an array of strings or {{command = ...}}"
+                ),
+            },
+            other => bail!(
+                "`{other}` is not a recipe field (the fields are {}, {})",
+                RECIPE.join(", "),
+                IMAGE.join(", ")
+            ),
+        };
+        if RECIPE.contains(&k.as_str()) {
+            recipe.insert(k.clone(), value);
+        } else {
+            body.insert(k.clone(), value);
+        }
+    }
+    if let Some(n) = name {
+        body.insert("name".into(), json!(n));
+    }
+    if !tags.is_empty() {
+        body.insert("tags".into(), json!(tags));
+    }
+    body.insert("recipe".into(), Value::Object(recipe));
+    Ok(Value::Object(body))
+}
+
+/// `files`: a table of path = text, or the API's list of `{path, content,
+/// encoding?, mode?}`.
+fn files(v: &toml::Value) -> anyhow::Result<Value> {
+    match v {
+        toml::Value::Table(t) => t
+            .iter()
+            .map(|(path, content)| match content.as_str() {
+                Some(c) => Ok(json!({"path": path, "content": c})),
+                None => bail!("`files`: the content of {path} must be a string"),
+            })
+            .collect::<anyhow::Result<Vec<_>>>()
+            .map(Value::Array),
+        toml::Value::Array(a) if a.iter().all(toml::Value::is_table) => Ok(to_json(v)),
+        _ => bail!(
+            "`files` must be a table of path = \"content\" or an array of {{path, content}} tables"
+        ),
+    }
+}
+
+/// Where the API is and the key to call it with: `--url`/`RUNTIME_API_URL`
+/// (default this machine's `runtime serve`), `--key`/`RUNTIME_API_KEY`,
+/// else the key `runtime login` saved for that server.
+pub struct Target {
+    pub url: String,
+    pub key: String,
+}
+
+impl Target {
+    pub fn new(url: &str, key: Option<String>) -> anyhow::Result<Target> {
+        let url = login::origin(url.trim());
+        let key = match key.filter(|k| !k.trim().is_empty()) {
+            Some(k) => k.trim().to_string(),
+            None => login::saved_key(&url).with_context(|| {
+                format!("no API key for {url}: give --key, set RUNTIME_API_KEY, or run `runtime login --url {url}`")
+            })?,
+        };
+        Ok(Target { url, key })
+    }
+
+    fn call(&self, method: &str, path: &str, body: Option<&Value>) -> anyhow::Result<(u16, Value)> {
+        login::call(&self.url, method, path, body, Some(&self.key))
+            .with_context(|| format!("{method} {}{path}", self.url))
+    }
+}
+
+/// The message of an API error answer.
+fn api_error(status: u16, v: &Value) -> String {
+    let e = &v["error"];
+    let mut out = format!(
+        "{} ({status}): {}",
+        e["code"].as_str().unwrap_or("error"),
+        e["message"].as_str().unwrap_or("no message")
+    );
+    if let Some(issues) = e["details"]["issues"].as_array() {
+        for i in issues {
+            out.push_str(&format!(
+                "\n  {}: {}",
+                i["field"].as_str().unwrap_or("?"),
+                i["message"].as_str().unwrap_or("")
+            ));
+        }
+    }
+    out
+}
+
+fn label(image: &Value) -> String {
+    match image["name"].as_str() {
+        Some(n) => format!("{n}@{}", image["version"]),
+        None => "(no name)".into(),
+    }
+}
+
+/// Progress lines for the steps whose state changed since `seen`.
+fn report_steps(image: &Value, seen: &mut Vec<String>) {
+    let steps = image["steps"].as_array().cloned().unwrap_or_default();
+    let total = steps.len();
+    seen.resize(total, "pending".into());
+    for (i, s) in steps.iter().enumerate() {
+        let state = s["state"].as_str().unwrap_or("pending").to_string();
+        if seen[i] == state {
+            continue;
+        }
+        let what = s["instruction"].as_str().unwrap_or("");
+        let n = i + 1;
+        // A step that started and ended between two looks still shows
+        // its start.
+        if seen[i] == "pending" && matches!(state.as_str(), "done" | "failed") {
+            eprintln!("step {n}/{total} {what} ...");
+        }
+        match state.as_str() {
+            "running" => eprintln!("step {n}/{total} {what} ..."),
+            "cached" => eprintln!("step {n}/{total} {what} (cached)"),
+            "done" => {
+                let secs = s["seconds"].as_f64().unwrap_or(0.0);
+                eprintln!("step {n}/{total} done in {secs:.1} s");
+            }
+            "failed" => eprintln!("step {n}/{total} {what} FAILED"),
+            _ => {}
+        }
+        seen[i] = state;
+    }
+}
+
+/// Builds the image `body` describes and waits for it; the final image on
+/// success, an error naming the failed step and its output otherwise.
+pub fn build(target: &Target, body: &Value) -> anyhow::Result<Value> {
+    let started = Instant::now();
+    let (status, created) = target.call("POST", "/v1/images", Some(body))?;
+    if status != 201 && status != 200 {
+        bail!(
+            "the server refused the build: {}",
+            api_error(status, &created)
+        );
+    }
+    let id = created["id"]
+        .as_str()
+        .context("the server's answer has no image id")?
+        .to_string();
+    eprintln!(
+        "image {id} ({}): {} steps queued",
+        label(&created),
+        created["steps"].as_array().map_or(0, Vec::len)
+    );
+    let mut seen = Vec::new();
+    let mut image = created;
+    let mut failures = 0;
+    loop {
+        report_steps(&image, &mut seen);
+        match image["state"].as_str() {
+            Some("ready") => break,
+            Some("failed") => bail!(
+                "image {id} ({}) failed: {}\n(the whole log: GET /v1/images/{id}/logs)",
+                label(&image),
+                image["error"].as_str().unwrap_or("no error given")
+            ),
+            _ => {}
+        }
+        std::thread::sleep(Duration::from_secs(1));
+        match target.call("GET", &format!("/v1/images/{id}"), None) {
+            Ok((200, v)) => {
+                image = v;
+                failures = 0;
+            }
+            Ok((status, v)) => bail!("reading image {id}: {}", api_error(status, &v)),
+            // A server restarting or busy: a few tries before giving up.
+            Err(e) if failures < 10 => {
+                failures += 1;
+                eprintln!("runtime: {e:#}; trying again");
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    println!(
+        "image {id} {} ready in {:.1} s (tags: {})",
+        label(&image),
+        started.elapsed().as_secs_f64(),
+        image["tags"]
+            .as_array()
+            .map(|t| t
+                .iter()
+                .filter_map(Value::as_str)
+                .collect::<Vec<_>>()
+                .join(", "))
+            .unwrap_or_default()
+    );
+    Ok(image)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_recipe_file_becomes_the_api_body() {
+        let text = r#"
+name = "app"
+tags = ["latest", "stable"]
+base = "default"
+workdir = "/workspace/app"
+apt = ["hello"]
+pip = ["rtdemo"]
+npm = ["rtdemo"]
+commands = ["echo hi > hi.txt"]
+start = "python3 -m http.server"
+
+[env]
+APP_ENV = "production"
+
+[files]
+"/workspace/app/config.txt" = "answer=42\n"
+"#;
+        let body = body_from_toml(text, None, &[]).unwrap();
+        assert_eq!(
+            body,
+            json!({
+                "name": "app",
+                "tags": ["latest", "stable"],
+                "start": {"command": "python3 -m http.server"},
+                "recipe": {
+                    "base": "default",
+                    "workdir": "/workspace/app",
+                    "apt": ["hello"],
+                    "pip": ["rtdemo"],
+                    "npm": ["rtdemo"],
+                    "commands": ["echo hi > hi.txt"],
+                    "env": {"APP_ENV": "production"},
+                    "files": [{"path": "/workspace/app/config.txt", "content": "answer=42\n"}],
+                },
+            })
+        );
+    }
+
+    #[test]
+    fn the_command_line_wins_and_files_may_be_a_list() {
+        let text = r#"
+name = "from-file"
+tags = ["old"]
+start = ["python3", "app.py"]
+
+[[files]]
+path = "/srv/run.sh"
+content = "IyEvYmluL3NoCg=="
+encoding = "base64"
+mode = "755"
+"#;
+        let body = body_from_toml(text, Some("cli"), &["v1".into()]).unwrap();
+        assert_eq!(body["name"], "cli");
+        assert_eq!(body["tags"], json!(["v1"]));
+        assert_eq!(body["start"], json!({"command": ["python3", "app.py"]}));
+        assert_eq!(
+            body["recipe"]["files"],
+            json!([{"path": "/srv/run.sh", "content": "IyEvYmluL3NoCg==", "encoding": "base64", "mode": "755"}])
+        );
+        // An empty file is an empty recipe: the server's own image.
+        assert_eq!(
+            body_from_toml("", None, &[]).unwrap(),
+            json!({"recipe": {}})
+        );
+    }
+
+    #[test]
+    fn errors_name_the_field() {
+        let e = body_from_toml("pakages = [\"jq\"]\n", None, &[]).unwrap_err();
+        let msg = format!("{e:#}");
+        assert!(msg.contains("`pakages` is not a recipe field"), "{msg}");
+        assert!(msg.contains("apt"), "{msg}");
+        for (text, field) in [
+            ("apt = \"jq\"", "`apt`"),
+            ("commands = [1]", "`commands`"),
+            ("workdir = 3", "`workdir`"),
+            ("[env]\nN = 1", "`env`"),
+            ("files = \"x\"", "`files`"),
+            ("start = 1", "`start`"),
+        ] {
+            let msg = format!("{:#}", body_from_toml(text, None, &[]).unwrap_err());
+            assert!(msg.contains(field), "{text} -> {msg}");
+        }
+        let msg = format!("{:#}", body_from_toml("apt = [", None, &[]).unwrap_err());
+        assert!(msg.contains("TOML"), "{msg}");
+    }
+
+    #[test]
+    fn progress_reports_each_change_once() {
+        let mut seen = Vec::new();
+        let image = json!({"steps": [
+            {"instruction": "apt install hello", "state": "cached"},
+            {"instruction": "RUN true", "state": "running"},
+        ]});
+        report_steps(&image, &mut seen);
+        assert_eq!(seen, vec!["cached", "running"]);
+        report_steps(&image, &mut seen);
+        assert_eq!(seen, vec!["cached", "running"]);
+    }
+}
