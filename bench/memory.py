@@ -44,10 +44,13 @@ METRICS = [
 def qemu_memory(server_root: Path, ids: list[str]) -> dict[str, float]:
     """Host memory (MiB) of the QEMU processes of these sandboxes.
 
-    `host_mib` counts every page once: each process's own pages (PSS less
-    its shared-memory part) plus every guest RAM file they map (tmpfs, found
-    through /proc/<pid>/map_files even once unlinked) at its whole allocated
-    size, once however many machines map it. PSS and RSS are summed too.
+    `host_mib` counts every page once: each process's own pages (its PSS
+    less what it maps of guest RAM files) plus every guest RAM file mapped
+    (its own on tmpfs, or a fork's frozen file, found through
+    /proc/<pid>/map_files even once unlinked) at its whole allocated size,
+    once however many machines map it. The copy-on-write pages a fork's copy
+    wrote are its own (anonymous) and count with it. PSS and RSS are summed
+    too.
     """
     pss = rss = own = 0
     files: dict[tuple[int, int], int] = {}
@@ -64,21 +67,27 @@ def qemu_memory(server_root: Path, ids: list[str]) -> dict[str, float]:
         if not any(i.encode() in cmd for i in ids):
             continue
         found += 1
-        shmem = 0
-        for line in (entry / "smaps_rollup").read_text().splitlines():
-            if line.startswith("Pss:"):
-                pss += int(line.split()[1])
-                own += int(line.split()[1])
-            elif line.startswith("Pss_Shmem:"):
-                shmem = int(line.split()[1])
-            elif line.startswith("Rss:"):
-                rss += int(line.split()[1])
-        own -= shmem
-        for line in (entry / "maps").read_text().splitlines():
-            fields = line.split(maxsplit=5)
-            if len(fields) == 6 and ".ram" in fields[5] and "/dev/shm/" in fields[5]:
-                st = os.stat(entry / "map_files" / fields[0])
-                files[(st.st_dev, st.st_ino)] = st.st_blocks * 512
+        ram_mapping = False
+        mapping_pss = 0
+        for line in (entry / "smaps").read_text().splitlines():
+            fields = line.split()
+            if "-" in fields[0] and ":" not in fields[0]:
+                # A mapping's header: address range, perms, offset, dev, inode, path.
+                path = fields[5] if len(fields) > 5 else ""
+                ram_mapping = path.endswith(".ram")
+                if ram_mapping:
+                    st = os.stat(entry / "map_files" / fields[0])
+                    files[(st.st_dev, st.st_ino)] = st.st_blocks * 512
+            elif fields[0] == "Pss:":
+                mapping_pss = int(fields[1])
+                pss += mapping_pss
+                own += mapping_pss
+            elif fields[0] == "Rss:":
+                rss += int(fields[1])
+            elif ram_mapping and fields[0] == "Anonymous:":
+                # The file's pages (counted once, below); its written
+                # copy-on-write pages are this process's own.
+                own -= mapping_pss - int(fields[1])
     assert found == len(ids), f"found {found} QEMU processes for {len(ids)} sandboxes"
     host = own * 1024 + sum(files.values())
     return {"host_mib": host / 2**20, "pss_mib": pss / 1024, "rss_mib": rss / 1024,

@@ -351,10 +351,14 @@ fn setup(
     ca_pem: Option<&str>,
 ) -> Result<(), String> {
     let mut errors = Vec::new();
-    if let Some(pem) = ca_pem {
-        if let Err(e) = install_ca(pem) {
-            errors.push(format!("installing the CA: {e}"));
-        }
+    let done = match ca_pem {
+        Some(pem) => install_ca(pem),
+        // A template: keep the image's bundle now, so that each start from
+        // it writes one file, not two.
+        None => keep_system_bundle(),
+    };
+    if let Err(e) = done {
+        errors.push(format!("installing the CA: {e}"));
     }
     if !hostname.is_empty() {
         // SAFETY: pointer and length of a valid buffer.
@@ -405,8 +409,9 @@ fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
         .truncate(true)
         .mode(0o644)
         .open(&tmp)?;
+    // No fsync: every start and wake writes these again, and a flush to
+    // the disk would be most of the time a restore takes.
     f.write_all(bytes)?;
-    f.sync_all()?;
     std::fs::rename(&tmp, path)
 }
 
@@ -422,10 +427,32 @@ fn install_ca(pem: &str) -> std::io::Result<()> {
     let mut pem = pem.trim().to_owned();
     pem.push('\n');
     let ca = Path::new(CA_FILE);
+    if std::fs::read(ca).is_ok_and(|old| old == pem.as_bytes())
+        && std::fs::read(CA_BUNDLE).is_ok_and(|b| b.ends_with(pem.as_bytes()))
+    {
+        return Ok(()); // a wake: already trusted
+    }
+    if std::fs::read(ca).is_ok_and(|old| old == pem.as_bytes())
+        && std::fs::read(CA_BUNDLE).is_ok_and(|b| b.ends_with(pem.as_bytes()))
+    {
+        return Ok(()); // a wake: already trusted
+    }
     if let Some(dir) = ca.parent() {
         std::fs::create_dir_all(dir)?;
     }
     write_atomic(ca, pem.as_bytes())?;
+    keep_system_bundle()?;
+    let mut all = std::fs::read(SYSTEM_BUNDLE)?;
+    if !all.is_empty() && !all.ends_with(b"\n") {
+        all.push(b'\n');
+    }
+    all.extend_from_slice(pem.as_bytes());
+    write_atomic(Path::new(CA_BUNDLE), &all)
+}
+
+/// Keeps the image's own bundle beside it (once), so the sandbox's CA
+/// replaces, never accumulates.
+fn keep_system_bundle() -> std::io::Result<()> {
     let (bundle, system) = (Path::new(CA_BUNDLE), Path::new(SYSTEM_BUNDLE));
     if let Some(dir) = bundle.parent() {
         std::fs::create_dir_all(dir)?;
@@ -434,12 +461,7 @@ fn install_ca(pem: &str) -> std::io::Result<()> {
         let pristine = std::fs::read(bundle).unwrap_or_default();
         write_atomic(system, &pristine)?;
     }
-    let mut all = std::fs::read(system)?;
-    if !all.is_empty() && !all.ends_with(b"\n") {
-        all.push(b'\n');
-    }
-    all.extend_from_slice(pem.as_bytes());
-    write_atomic(bundle, &all)
+    Ok(())
 }
 
 /// Mixes the host's bytes into the pool and credits them (RNDADDENTROPY),

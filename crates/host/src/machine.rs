@@ -729,6 +729,11 @@ impl QemuHost {
             return Err(self.start_failed(id, BootStage::Agent, e.to_string()));
         }
         ram_guard.0 = None;
+        tracing::info!(
+            sandbox_id = id,
+            ms = started.elapsed().as_millis() as u64,
+            "set up"
+        );
         Ok(vm)
     }
 
