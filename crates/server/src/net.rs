@@ -185,6 +185,22 @@ pub fn copy_settings(
     doc["version"] = json!(1);
     doc["updatedAt"] = json!(now_iso());
     st.store().doc_put(KIND, to, "", &doc)?;
+    // The copy trusts what its memory trusts: processes of the source that
+    // loaded the CA go on in the copy, so the copy's egress signs with the
+    // same CA (its key sealed again under the copy's id).
+    let source = ca(st, from)?;
+    let sealed = st
+        .sealer()?
+        .seal(&format!("ca:{to}"), source.key_pem())
+        .ok_or_else(|| ApiError::Internal {
+            what: "sealing the sandbox's CA key".into(),
+        })?;
+    st.store().doc_put(
+        CA_KIND,
+        to,
+        "",
+        &json!({"cert": source.cert_pem(), "key": sealed}),
+    )?;
     Ok(())
 }
 

@@ -1729,6 +1729,21 @@ async fn fork_makes_running_copies_and_leaves_the_source_as_it_was() {
     // The temporary capture is gone once the copies run.
     assert!(!caps[0].1.exists());
     assert_eq!(t.host.restored.lock().unwrap().len(), 2);
+    // The copies trust their source's CA: its processes, in the copies'
+    // memory, loaded that one.
+    let ca_of = |sid: &str| {
+        t.host
+            .specs
+            .lock()
+            .unwrap()
+            .iter()
+            .find(|m| m.id == sid)
+            .and_then(|m| m.guest_ca_pem.clone())
+            .expect("a CA")
+    };
+    for cid in &ids[1..] {
+        assert_eq!(ca_of(cid), ca_of(&id));
+    }
     let (_, list) = t.json("GET", "/v1/sandboxes", None).await;
     assert_eq!(list["data"].as_array().unwrap().len(), 3);
 

@@ -298,6 +298,7 @@ impl Host for FakeHost {
             .map(|((_, p), v)| ((spec.id.clone(), p.clone()), v.clone()))
             .collect();
         files.extend(copied);
+        self.specs.lock().unwrap().push(spec.clone());
         self.restored
             .lock()
             .unwrap()
