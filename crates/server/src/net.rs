@@ -188,18 +188,22 @@ pub fn copy_settings(
     // The copy trusts what its memory trusts: processes of the source that
     // loaded the CA go on in the copy, so the copy's egress signs with the
     // same CA (its key sealed again under the copy's id).
-    let source = ca(st, from)?;
+    keep_ca(st, to, &*ca(st, from)?)
+}
+
+/// Stores `ca` as the CA of `id`, its key sealed under that id.
+fn keep_ca(st: &AppState, id: &str, ca: &SandboxCa) -> ApiResult<()> {
     let sealed = st
         .sealer()?
-        .seal(&format!("ca:{to}"), source.key_pem())
+        .seal(&format!("ca:{id}"), ca.key_pem())
         .ok_or_else(|| ApiError::Internal {
             what: "sealing the sandbox's CA key".into(),
         })?;
     st.store().doc_put(
         CA_KIND,
-        to,
+        id,
         "",
-        &json!({"cert": source.cert_pem(), "key": sealed}),
+        &json!({"cert": ca.cert_pem(), "key": sealed}),
     )?;
     Ok(())
 }
@@ -235,17 +239,7 @@ fn ca(st: &AppState, id: &str) -> ApiResult<Arc<SandboxCa>> {
     let ca = SandboxCa::generate().map_err(|e| ApiError::Internal {
         what: format!("making the sandbox's CA: {e}"),
     })?;
-    let sealed = sealer
-        .seal(&format!("ca:{id}"), ca.key_pem())
-        .ok_or_else(|| ApiError::Internal {
-            what: "sealing the sandbox's CA key".into(),
-        })?;
-    st.store().doc_put(
-        CA_KIND,
-        id,
-        "",
-        &json!({"cert": ca.cert_pem(), "key": sealed}),
-    )?;
+    keep_ca(st, id, &ca)?;
     Ok(Arc::new(ca))
 }
 
