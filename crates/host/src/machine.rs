@@ -953,19 +953,58 @@ fn pump_after(mut stream: crate::link::Stream, pid: u32, early: Vec<ExecEvent>) 
     }
 }
 
-/// The directory of the guests' RAM files: on `/dev/shm` (tmpfs: the pages
-/// are the memory itself, never written back to a disk), one directory per
-/// state directory so that servers side by side never meet; beside the
-/// state directory where the host has no `/dev/shm`.
+/// The directory of the guests' RAM files. `RUNTIME_RAM_DIR` chooses it;
+/// otherwise `/dev/shm` (tmpfs: the pages are the memory itself, never
+/// written back to a disk), one directory per state directory so that
+/// servers side by side never meet. A `/dev/shm` smaller than half the
+/// host's memory (a container's default is 64 MiB) would end guests with
+/// SIGBUS once full: then a directory beside the state directory, where the
+/// files are ordinary files (the kernel writes their pages back to the disk
+/// now and then).
 fn ram_dir(state_dir: &Path) -> PathBuf {
     use sha2::Digest;
+    if let Some(dir) = std::env::var_os("RUNTIME_RAM_DIR").filter(|d| !d.is_empty()) {
+        return PathBuf::from(dir);
+    }
     let shm = Path::new("/dev/shm");
-    if !shm.is_dir() {
+    let room = statvfs_bytes(shm).unwrap_or(0);
+    if room < host_memory_bytes() / 2 {
+        tracing::warn!(
+            shm_bytes = room,
+            "/dev/shm is missing or small: guest RAM files go to the data directory's disk \
+             (set RUNTIME_RAM_DIR to a tmpfs to keep them in memory)"
+        );
         return state_dir.join(".ram");
     }
     let abs = std::fs::canonicalize(state_dir).unwrap_or_else(|_| state_dir.to_owned());
     let digest = sha2::Sha256::digest(abs.as_os_str().as_encoded_bytes());
     shm.join(format!("runtime-{}", &hex::encode(digest)[..16]))
+}
+
+/// The size of the file system at `path`, in bytes.
+fn statvfs_bytes(path: &Path) -> Option<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(path.as_os_str().as_bytes()).ok()?;
+    // SAFETY: a valid C string and a zeroed out-parameter.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
+        return None;
+    }
+    Some(st.f_blocks.saturating_mul(st.f_frsize))
+}
+
+/// MemTotal of /proc/meminfo, in bytes.
+fn host_memory_bytes() -> u64 {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|m| {
+            m.lines()
+                .find(|l| l.starts_with("MemTotal:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|kb| kb.parse::<u64>().ok())
+        })
+        .map_or(0, |kb| kb * 1024)
 }
 
 /// A hard link, or a copy across file systems.

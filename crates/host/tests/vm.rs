@@ -660,6 +660,42 @@ async fn a_captured_disk_serves_as_an_image_for_new_machines() {
     assert!(disk.exists(), "the image outlives the machines on it");
 }
 
+/// `RUNTIME_RAM_DIR` puts the guests' RAM files elsewhere (here a disk
+/// directory, as on a host whose /dev/shm is too small); machines run,
+/// pause and wake the same.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ram_files_can_live_in_a_chosen_directory() {
+    let chosen = std::env::temp_dir().join(format!("rt-ram-dir-{}", rand_suffix()));
+    // Each test runs in a process of its own (nextest): the variable is ours.
+    std::env::set_var("RUNTIME_RAM_DIR", &chosen);
+    let t = host();
+    let h = &t.host;
+    assert_eq!(h.ram_dir(), chosen.as_path());
+    let id = "00000000-0000-4000-8000-00000000a010";
+    h.start(&spec(id))
+        .await
+        .unwrap_or_else(|e| panic!("start: {e:?}"));
+    let own = h.ram_file(id).expect("its own RAM file");
+    assert!(own.starts_with(&chosen), "{}", own.display());
+    run(
+        h,
+        id,
+        &["bash", "-c", "echo kept > /tmp/m"],
+        RunAs::Sandbox,
+        None,
+    )
+    .await;
+    h.pause(id).await.unwrap();
+    h.wake(&spec(id))
+        .await
+        .unwrap_or_else(|e| panic!("wake: {e:?}"));
+    let (out, _, _) = run(h, id, &["cat", "/tmp/m"], RunAs::Sandbox, None).await;
+    assert_eq!(out, "kept\n");
+    h.destroy(id).await.unwrap();
+    assert!(!own.exists());
+    let _ = std::fs::remove_dir_all(&chosen);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pause_and_wake_keep_memory_processes_and_files() {
     let t = host();
