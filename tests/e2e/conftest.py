@@ -121,6 +121,22 @@ class Server:
     def admin_key(self) -> str:
         return (self.data_dir / "admin.key").read_text().strip()
 
+    def qemu_pids(self, sandbox_id: str) -> list[int]:
+        """The live QEMU processes of one of this server's sandboxes."""
+        pids = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                cmd = (entry / "cmdline").read_bytes()
+                state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            except (OSError, IndexError):
+                continue
+            if (b"qemu-system" in cmd.split(b"\0", 1)[0] and str(self.data_dir).encode() in cmd
+                    and sandbox_id.encode() in cmd and state != "Z"):
+                pids.append(int(entry.name))
+        return pids
+
     def create_key(self, *, read_only: bool = False, account_wide: bool = False,
                    name: Optional[str] = None) -> str:
         args = [str(BINARY), "keys", "create", "--data-dir", str(self.data_dir)]

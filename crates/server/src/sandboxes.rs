@@ -1433,6 +1433,9 @@ async fn update(st: AppState, ctx: Ctx, id: String, body: Bytes) -> ApiResult<Re
     let timeout_given = f.present("timeoutSeconds");
     let timeout = f.int("timeoutSeconds", 60, 86400);
     let on_timeout = f.one_of("onTimeout", &["pause", "stop", "delete"]);
+    // The create's name for it, accepted here too.
+    let on_lease_end = f.one_of("onLeaseEnd", &["pause", "stop", "delete"]);
+    let on_timeout = on_timeout.or(on_lease_end);
     f.finish()?;
     let row = find(&st, &ctx.key, &id)?;
     if let (Some(t), "running" | "starting") = (timeout, row.record.state.as_str()) {
