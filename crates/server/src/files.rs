@@ -16,7 +16,7 @@ use crate::error::{ApiError, ApiResult, ServerError};
 use crate::http::{Ctx, Reply};
 use crate::sandboxes::find_running;
 use crate::store::SandboxRow;
-use crate::util::{iso, json_object, parse_mode, query_object, sha256_hex, Fields};
+use crate::util::{iso, json_object, no_fields, parse_mode, query_object, sha256_hex, Fields};
 use crate::AppState;
 
 /// Largest `PUT …/files/content` body, and the chunk size of uploads.
@@ -474,8 +474,7 @@ pub async fn upload_action(
     verb: String,
     body: Bytes,
 ) -> ApiResult<Reply> {
-    let obj = json_object(&body)?;
-    Fields::new(&obj).finish()?;
+    no_fields(&body)?;
     match verb.as_str() {
         "commit" => {
             find_running(&st, &ctx.key, &id).await?;

@@ -26,7 +26,7 @@ use serde_json::{json, Value};
 use crate::error::{ApiError, ApiResult};
 use crate::http::{Ctx, Reply};
 use crate::store::KeyInfo;
-use crate::util::{iso, json_object, now_ms, query_object, sha256_hex, Fields};
+use crate::util::{iso, json_object, no_fields, now_ms, query_object, sha256_hex, Fields};
 use crate::AppState;
 
 const KIND: &str = "image";
@@ -1022,8 +1022,7 @@ pub async fn action(
 ) -> ApiResult<Reply> {
     match verb.as_str() {
         "delete" => {
-            let obj = json_object(&body)?;
-            Fields::new(&obj).finish()?;
+            no_fields(&body)?;
             delete(st, ctx, id).await
         }
         "tag" | "untag" => Err(ApiError::Unsupported {

@@ -42,7 +42,7 @@ use crate::error::{ApiError, ApiResult};
 use crate::http::{Ctx, Reply};
 use crate::sandboxes::{find, find_running};
 use crate::store::SandboxRow;
-use crate::util::{iso, json_object, now_ms, Fields};
+use crate::util::{iso, json_object, no_fields, now_ms, Fields};
 use crate::AppState;
 
 const PY_DRIVER: &str = include_str!("interp/driver.py");
@@ -374,8 +374,7 @@ pub async fn handle(
         }
         (&Method::POST, ["contexts"], None) => create(st, ctx, id, body).await,
         (&Method::POST, ["contexts", c], Some(v)) => {
-            let obj = json_object(&body)?;
-            Fields::new(&obj).finish()?;
+            no_fields(&body)?;
             find(&st, &ctx.key, &id)?;
             let cx = get_context(&id, c).ok_or_else(|| context_not_found(c))?;
             match v {

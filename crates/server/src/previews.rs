@@ -30,7 +30,7 @@ use crate::error::{ApiError, ApiResult};
 use crate::http::{Ctx, Reply};
 use crate::sandboxes::{find, find_running};
 use crate::store::KeyInfo;
-use crate::util::{iso, json_object, now_ms, parse_iso_ms, query_object, Fields};
+use crate::util::{iso, json_object, no_fields, now_ms, parse_iso_ms, query_object, Fields};
 use crate::AppState;
 
 const KIND: &str = "preview";
@@ -385,8 +385,7 @@ pub async fn action(
     body: Bytes,
 ) -> ApiResult<Reply> {
     let port = port_of(&port)?;
-    let obj = json_object(&body)?;
-    Fields::new(&obj).finish()?;
+    no_fields(&body)?;
     if verb != "rotate" {
         return Err(ApiError::RouteNotFound {
             method: "POST".into(),

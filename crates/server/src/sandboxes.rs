@@ -24,7 +24,9 @@ use tokio::time::Instant;
 use crate::error::{ApiError, ApiResult, ServerError};
 use crate::http::{Ctx, Reply};
 use crate::store::{KeyInfo, SandboxRow};
-use crate::util::{iso, json_object, now_ms, parse_iso_ms, prefer_wait, query_object, Fields};
+use crate::util::{
+    iso, json_object, no_fields, now_ms, parse_iso_ms, prefer_wait, query_object, Fields,
+};
 use crate::AppState;
 
 const STATES: &[&str] = &[
@@ -593,8 +595,7 @@ fn restart(st: &AppState, id: &str) -> ApiResult<()> {
 /// live one answers as it is; a stopped one that is not persistent is 409
 /// `not_persistent`.
 async fn restart_action(st: AppState, ctx: Ctx, id: String, body: Bytes) -> ApiResult<Reply> {
-    let obj = json_object(&body)?;
-    Fields::new(&obj).finish()?;
+    no_fields(&body)?;
     let row = settle(&st, &ctx.key, &id, &["stopping"]).await?;
     if row.record.state == "stopped" {
         if !row.record.persistent {
@@ -1010,8 +1011,7 @@ pub(crate) async fn settled_source(
 }
 
 async fn pause(st: AppState, ctx: Ctx, id: String, body: Bytes) -> ApiResult<Reply> {
-    let obj = json_object(&body)?;
-    Fields::new(&obj).finish()?;
+    no_fields(&body)?;
     let row = settle(&st, &ctx.key, &id, &["starting", "resuming"]).await?;
     let mut asked = false;
     match row.record.state.as_str() {
@@ -1302,8 +1302,7 @@ pub async fn action(
 ) -> ApiResult<Reply> {
     match verb.as_str() {
         "stop" => {
-            let obj = json_object(&body)?;
-            Fields::new(&obj).finish()?;
+            no_fields(&body)?;
             find(&st, &ctx.key, &id)?;
             request_stop(&st, &id, "requested")?;
             if let Some(secs) = prefer_wait(&ctx.headers) {

@@ -27,7 +27,9 @@ use crate::sandboxes::{
     valid_name, wait_until, CaptureDir,
 };
 use crate::store::{KeyInfo, SandboxRow, SnapshotRow};
-use crate::util::{iso, json_object, now_ms, parse_iso_ms, prefer_wait, query_object, Fields};
+use crate::util::{
+    iso, json_object, no_fields, now_ms, parse_iso_ms, prefer_wait, query_object, Fields,
+};
 use crate::AppState;
 
 /// Most copies one fork makes.
@@ -449,8 +451,7 @@ pub async fn action(
 ) -> ApiResult<Reply> {
     match verb.as_str() {
         "delete" => {
-            let obj = json_object(&body)?;
-            Fields::new(&obj).finish()?;
+            no_fields(&body)?;
             delete(st, ctx, id).await
         }
         "update" | "extend" => {

@@ -257,6 +257,12 @@ pub fn page_after<T>(
     Ok(next)
 }
 
+/// A body that takes no field: empty, or a JSON object with none (any field
+/// is named in the error).
+pub fn no_fields(body: &[u8]) -> Result<(), ApiError> {
+    Fields::new(&json_object(body)?).finish()
+}
+
 pub fn json_object(body: &[u8]) -> Result<Map<String, Value>, ApiError> {
     if body.iter().all(|b| b.is_ascii_whitespace()) {
         return Ok(Map::new());

@@ -30,7 +30,7 @@ use crate::error::{ApiError, ApiResult};
 use crate::http::{Ctx, Reply};
 use crate::sandboxes::{checked_labels, checked_name};
 use crate::store::KeyInfo;
-use crate::util::{iso, json_object, now_ms, query_object, Fields};
+use crate::util::{iso, json_object, no_fields, now_ms, query_object, Fields};
 use crate::AppState;
 
 /// Most volumes one sandbox attaches.
@@ -385,8 +385,7 @@ pub async fn action(
 ) -> ApiResult<Reply> {
     match verb.as_str() {
         "delete" => {
-            let obj = json_object(&body)?;
-            Fields::new(&obj).finish()?;
+            no_fields(&body)?;
             delete(st, ctx, id).await
         }
         "resize" | "attach" | "backup" | "backup-policy" => {
