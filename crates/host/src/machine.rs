@@ -387,7 +387,7 @@ impl QemuHost {
         let result = async {
             let _ = std::fs::remove_dir_all(&partial);
             std::fs::create_dir_all(&partial).map_err(Self::io(&id, "create template dir"))?;
-            let file = self.capture_stopped(&id, &vm, true).await?;
+            let file = self.capture_stopped(&id, &vm).await?;
             if let Some(ram) = &vm.ram {
                 copy_ram(ram, &partial.join("memory.ram"))
                     .await
@@ -559,24 +559,29 @@ impl QemuHost {
         // A file left by an earlier QEMU of this id (before a pause) would
         // hand its old contents to a new boot.
         let _ = std::fs::remove_file(&own);
+        let owns = matches!(plan, RamPlan::Own { .. });
+        // Whatever fails from here, the RAM file goes with the machine.
+        struct RamGuard<'a>(Option<&'a Path>);
+        impl Drop for RamGuard<'_> {
+            fn drop(&mut self) {
+                if let Some(f) = self.0 {
+                    let _ = std::fs::remove_file(f);
+                }
+            }
+        }
+        let mut ram_guard = RamGuard(owns.then_some(own.as_path()));
         let ram = match plan {
             RamPlan::Own { fill } => {
                 if let Some(from) = fill {
-                    if let Err(e) = copy_ram(from, &own).await {
-                        let _ = std::fs::remove_file(&own);
-                        return Err(self.start_failed(
-                            id,
-                            BootStage::Restore,
-                            format!("copy of memory: {e}"),
-                        ));
-                    }
+                    copy_ram(from, &own).await.map_err(|e| {
+                        self.start_failed(id, BootStage::Restore, format!("copy of memory: {e}"))
+                    })?;
                 }
                 qemu::Ram::Own(&own)
             }
             RamPlan::CopyOf(file) => qemu::Ram::CopyOf(file),
             RamPlan::Anon => qemu::Ram::Anon,
         };
-        let owns = matches!(ram, qemu::Ram::Own(_));
         if let Some((uid, gid)) = vm_uid(id) {
             // QEMU reopens its disk as its own uid after a migration.
             std::os::unix::fs::chown(paths.overlay(), Some(uid), Some(gid))
@@ -604,26 +609,9 @@ impl QemuHost {
         let _ = std::fs::remove_file(paths.agent_sock());
         let _ = std::fs::remove_file(paths.qmp_sock());
         let started = Instant::now();
-        let pid = match qemu::spawn(&cfg) {
-            Ok(pid) => pid,
-            Err(e) => {
-                if owns {
-                    let _ = std::fs::remove_file(&own);
-                }
-                return Err(self.start_failed(id, BootStage::Spawn, e.to_string()));
-            }
-        };
+        let pid = qemu::spawn(&cfg)
+            .map_err(|e| self.start_failed(id, BootStage::Spawn, e.to_string()))?;
         drop(incoming);
-        // Whatever fails below, the RAM file goes with the machine.
-        struct RamGuard<'a>(Option<&'a Path>);
-        impl Drop for RamGuard<'_> {
-            fn drop(&mut self) {
-                if let Some(f) = self.0 {
-                    let _ = std::fs::remove_file(f);
-                }
-            }
-        }
-        let mut ram_guard = RamGuard(owns.then_some(own.as_path()));
         let limits = cgroup::Limits {
             memory_mib: spec.memory_mib,
             vcpu: spec.vcpu,
@@ -737,17 +725,13 @@ impl QemuHost {
         Ok(vm)
     }
 
-    /// Stops the VM's vCPUs and writes its memory and device state to
-    /// `<vm dir>/capture.state`; the VM stays stopped (QEMU alive). With
-    /// `without_ram` (only for a machine with its own RAM file), the state
-    /// leaves the RAM out: the caller copies the file while the machine is
-    /// stopped.
-    async fn capture_stopped(
-        &self,
-        id: &str,
-        vm: &Vm,
-        without_ram: bool,
-    ) -> Result<PathBuf, HostError> {
+    /// Stops the VM's vCPUs and writes its device state to
+    /// `<vm dir>/capture.state`; the VM stays stopped (QEMU alive). A
+    /// machine with its own RAM file is saved without its RAM (reading it
+    /// would allocate every page of the file): the caller copies the file
+    /// while the machine is stopped. Any other machine's state holds its
+    /// whole memory.
+    async fn capture_stopped(&self, id: &str, vm: &Vm) -> Result<PathBuf, HostError> {
         let qerr = |e: QmpError| HostError::Capture {
             id: id.to_owned(),
             reason: e.to_string(),
@@ -770,7 +754,7 @@ impl QemuHost {
             q.execute(
                 "migrate-set-capabilities",
                 json!({"capabilities": [
-                    {"capability": "x-ignore-shared", "state": without_ram && vm.ram.is_some()}
+                    {"capability": "x-ignore-shared", "state": vm.ram.is_some()}
                 ]}),
             )
             .await
@@ -1005,25 +989,6 @@ fn host_memory_bytes() -> u64 {
                 .and_then(|kb| kb.parse::<u64>().ok())
         })
         .map_or(0, |kb| kb * 1024)
-}
-
-/// A hard link, or a copy across file systems.
-async fn link_or_copy(from: &Path, to: &Path) -> std::io::Result<()> {
-    match std::fs::hard_link(from, to) {
-        Err(e) if e.raw_os_error() == Some(libc::EXDEV) => copy_ram(from, to).await,
-        other => other,
-    }
-}
-
-/// Renames, or copies then removes across file systems.
-async fn move_file(from: &Path, to: &Path) -> std::io::Result<()> {
-    match std::fs::rename(from, to) {
-        Err(e) if e.raw_os_error() == Some(libc::EXDEV) => {
-            copy_ram(from, to).await?;
-            std::fs::remove_file(from)
-        }
-        other => other,
-    }
 }
 
 /// Copies a RAM file: only its data (the pages the guest touched), holes
@@ -1422,7 +1387,7 @@ impl Host for QemuHost {
         }
         let _ = std::fs::remove_file(vm.paths.paused_ram());
         let saved = async {
-            let file = self.capture_stopped(id, &vm, true).await?;
+            let file = self.capture_stopped(id, &vm).await?;
             if let Some(ram) = &vm.ram {
                 // Only the pages the guest touched, holes kept: the paused
                 // machine's memory takes the room it used.
@@ -1492,9 +1457,7 @@ impl Host for QemuHost {
                     // RAM, and a copy of the file (restored as a private
                     // mapping shared by every machine started from it).
                     let ram = vm.ram.as_ref().filter(|_| memory);
-                    // Never the whole memory of a machine with a RAM file:
-                    // reading it would allocate every page of the file.
-                    let file = self.capture_stopped(id, vm, true).await?;
+                    let file = self.capture_stopped(id, vm).await?;
                     let r = async {
                         if let Some(ram) = ram {
                             copy_ram(ram, &dest.join("memory.ram"))
@@ -1502,8 +1465,7 @@ impl Host for QemuHost {
                                 .map_err(Self::io(id, "copy memory"))?;
                         }
                         if memory {
-                            move_file(&file, &dest.join("memory.state"))
-                                .await
+                            std::fs::rename(&file, dest.join("memory.state"))
                                 .map_err(Self::io(id, "move capture"))?;
                         } else {
                             let _ = std::fs::remove_file(&file);
@@ -1522,15 +1484,12 @@ impl Host for QemuHost {
                         return Err(HostError::NotPaused { id: id.to_owned() });
                     }
                     if memory {
-                        let to = dest.join("memory.state");
-                        link_or_copy(&state, &to)
-                            .await
-                            .map_err(Self::io(id, "copy paused state"))?;
+                        std::fs::hard_link(&state, dest.join("memory.state"))
+                            .map_err(Self::io(id, "link paused state"))?;
                         let ram = paths.paused_ram();
                         if ram.exists() {
-                            link_or_copy(&ram, &dest.join("memory.ram"))
-                                .await
-                                .map_err(Self::io(id, "copy paused memory"))?;
+                            std::fs::hard_link(&ram, dest.join("memory.ram"))
+                                .map_err(Self::io(id, "link paused memory"))?;
                         }
                     }
                     copy_sparse(&paths.overlay(), &dest.join("disk.qcow2"))
