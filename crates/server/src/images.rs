@@ -273,6 +273,23 @@ struct State {
     user: String,
 }
 
+/// A RUN, CMD or ENTRYPOINT argument as one shell command: the exec form
+/// (a JSON array) quoted word by word, the shell form as it is; `None` for
+/// an exec form that is not a JSON array of strings.
+fn shell_form(rest: &str) -> Option<String> {
+    if !rest.starts_with('[') {
+        return Some(rest.to_string());
+    }
+    let parts: Vec<String> = serde_json::from_str(rest).ok()?;
+    Some(
+        parts
+            .iter()
+            .map(|p| sh_quote(p))
+            .collect::<Vec<_>>()
+            .join(" "),
+    )
+}
+
 fn sh_quote(s: &str) -> String {
     format!("'{}'", s.replace('\'', "'\\''"))
 }
@@ -619,17 +636,7 @@ fn parse_dockerfile(
                 };
             }
             "RUN" => {
-                let cmd = if rest.starts_with('[') {
-                    let parts: Vec<String> =
-                        serde_json::from_str(rest).map_err(|_| at("bad JSON form"))?;
-                    parts
-                        .iter()
-                        .map(|p| sh_quote(p))
-                        .collect::<Vec<_>>()
-                        .join(" ")
-                } else {
-                    rest.to_string()
-                };
+                let cmd = shell_form(rest).ok_or_else(|| at("bad JSON form"))?;
                 // ARG values are in the step's environment, as in Docker.
                 let prefix: String = argv
                     .iter()
@@ -680,17 +687,7 @@ fn parse_dockerfile(
                 }
             }
             "CMD" | "ENTRYPOINT" => {
-                let cmd = if rest.starts_with('[') {
-                    let parts: Vec<String> =
-                        serde_json::from_str(rest).map_err(|_| at("bad JSON form"))?;
-                    parts
-                        .iter()
-                        .map(|p| sh_quote(p))
-                        .collect::<Vec<_>>()
-                        .join(" ")
-                } else {
-                    rest.to_string()
-                };
+                let cmd = shell_form(rest).ok_or_else(|| at("bad JSON form"))?;
                 *start = Some(json!({"command": cmd}));
             }
             "LABEL" | "EXPOSE" | "MAINTAINER" | "SHELL" | "STOPSIGNAL" | "HEALTHCHECK"
