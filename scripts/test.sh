@@ -18,6 +18,10 @@ bash scripts/build.sh
 step "guest kernel and image"
 target/release/runtime image build
 
+step "format and lints"
+cargo fmt --all -- --check
+cargo clippy --workspace --all-targets --release --locked -- -D warnings
+
 step "Rust tests"
 if cargo nextest --version >/dev/null 2>&1; then
   cargo nextest run --workspace --release --locked --no-tests=warn

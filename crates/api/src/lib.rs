@@ -82,8 +82,7 @@ pub struct Sandbox {
     pub labels: BTreeMap<String, String>,
     /// `pending|active|paused|stopping|stopped`, derived from `state`.
     pub status: String,
-    /// `starting|running|pausing|paused|resuming|stopping|stopped`.
-    pub state: String,
+    pub state: SandboxState,
     pub region: String,
     pub funding: String,
     pub vcpu: u32,
@@ -121,14 +120,65 @@ pub struct Sandbox {
     pub image: Option<String>,
 }
 
-/// `status` for a `state`.
-pub fn status_for_state(state: &str) -> &'static str {
-    match state {
-        "starting" => "pending",
-        "running" => "active",
-        "pausing" | "paused" | "resuming" => "paused",
-        "stopping" => "stopping",
-        _ => "stopped",
+/// Where a sandbox is in its lifecycle: the same lowercase strings on the
+/// wire and in the store. Which state may follow which is the server's rule
+/// (its `domain::lifecycle`); this is only the name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SandboxState {
+    Starting,
+    Running,
+    Pausing,
+    Paused,
+    Resuming,
+    Stopping,
+    Stopped,
+}
+
+impl SandboxState {
+    /// Every state, in lifecycle order.
+    pub const ALL: [SandboxState; 7] = [
+        SandboxState::Starting,
+        SandboxState::Running,
+        SandboxState::Pausing,
+        SandboxState::Paused,
+        SandboxState::Resuming,
+        SandboxState::Stopping,
+        SandboxState::Stopped,
+    ];
+
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            SandboxState::Starting => "starting",
+            SandboxState::Running => "running",
+            SandboxState::Pausing => "pausing",
+            SandboxState::Paused => "paused",
+            SandboxState::Resuming => "resuming",
+            SandboxState::Stopping => "stopping",
+            SandboxState::Stopped => "stopped",
+        }
+    }
+
+    /// The state named `s` on the wire, if any.
+    pub fn parse(s: &str) -> Option<SandboxState> {
+        SandboxState::ALL.into_iter().find(|x| x.as_str() == s)
+    }
+
+    /// The coarser `status` of the record: `pending|active|paused|stopping|stopped`.
+    pub const fn status(self) -> &'static str {
+        match self {
+            SandboxState::Starting => "pending",
+            SandboxState::Running => "active",
+            SandboxState::Pausing | SandboxState::Paused | SandboxState::Resuming => "paused",
+            SandboxState::Stopping => "stopping",
+            SandboxState::Stopped => "stopped",
+        }
+    }
+}
+
+impl std::fmt::Display for SandboxState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
     }
 }
 
@@ -141,7 +191,7 @@ pub struct DeletedSandbox {
     pub name: Option<String>,
     pub labels: BTreeMap<String, String>,
     pub status: String,
-    pub state: String,
+    pub state: SandboxState,
     pub deleted_at: String,
     pub ended_at: Option<String>,
 }
@@ -180,6 +230,27 @@ pub struct FileEntry {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn states_keep_their_wire_strings() {
+        for s in SandboxState::ALL {
+            let wire = serde_json::to_value(s).unwrap_or_default();
+            assert_eq!(wire, Value::String(s.as_str().to_string()));
+            assert_eq!(SandboxState::parse(s.as_str()), Some(s));
+            assert_eq!(serde_json::from_value::<SandboxState>(wire).ok(), Some(s));
+        }
+        let names: Vec<&str> = SandboxState::ALL.iter().map(|s| s.as_str()).collect();
+        assert_eq!(
+            names,
+            ["starting", "running", "pausing", "paused", "resuming", "stopping", "stopped"]
+        );
+        assert_eq!(SandboxState::parse("deleted"), None);
+        let statuses: Vec<&str> = SandboxState::ALL.iter().map(|s| s.status()).collect();
+        assert_eq!(
+            statuses,
+            ["pending", "active", "paused", "paused", "paused", "stopping", "stopped"]
+        );
+    }
 
     #[test]
     fn error_body_omits_absent_fields() {

@@ -16,6 +16,7 @@ use runtime_api::Sandbox;
 use rusqlite::{params, OptionalExtension};
 use serde_json::{json, Value};
 
+use crate::domain::lifecycle::SandboxState;
 use crate::error::{ApiError, ApiResult, ServerError};
 use crate::http::{Ctx, Reply};
 use crate::store::{store_err, KeyInfo, SandboxRow};
@@ -88,9 +89,9 @@ fn kept_disk_second(p: &Prices, s: &Sandbox) -> i128 {
 
 /// One second of a sandbox in `state` (storage only unless running).
 fn second_in_state(p: &Prices, s: &Sandbox, used_ns: u64) -> i128 {
-    match s.state.as_str() {
-        "running" => running_second(p, s, used_ns),
-        "pausing" | "paused" | "resuming" => {
+    match s.state {
+        SandboxState::Running => running_second(p, s, used_ns),
+        SandboxState::Pausing | SandboxState::Paused | SandboxState::Resuming => {
             mib_units(s.memory_mib, p.paused_gib_hour) + kept_disk_second(p, s)
         }
         _ => kept_disk_second(p, s),
@@ -133,7 +134,7 @@ pub fn lease_left_seconds(s: &Sandbox, now: i64) -> i64 {
 /// `heldMicros`: what the rest of the current lease could still cost at
 /// full use; 0 unless running.
 pub fn held_micros(p: &Prices, s: &Sandbox, now: i64) -> i64 {
-    if s.state != "running" {
+    if s.state != SandboxState::Running {
         return 0;
     }
     full_cost_micros(p, s, lease_left_seconds(s, now))
@@ -250,9 +251,9 @@ pub fn settled_in_day(st: &AppState, key_id: &str, now: i64) -> Result<i64, Serv
 fn held_by_key(p: &Prices, rows: &[SandboxRow], key_id: &str, now: i64) -> i64 {
     rows.iter()
         .filter(|r| r.key_id == key_id)
-        .map(|r| match r.record.state.as_str() {
-            "running" => held_micros(p, &r.record, now),
-            "starting" | "resuming" => {
+        .map(|r| match r.record.state {
+            SandboxState::Running => held_micros(p, &r.record, now),
+            SandboxState::Starting | SandboxState::Resuming => {
                 full_cost_micros(p, &r.record, first_lease_seconds(r.record.timeout_seconds))
             }
             _ => 0,
@@ -337,7 +338,7 @@ pub fn check_spend(
 /// extend, for the seconds it adds beyond what is held.
 pub fn check_lease_change(st: &AppState, row: &SandboxRow, seconds: u32) -> ApiResult<()> {
     let seconds = i64::from(seconds);
-    let left = if row.record.state == "running" {
+    let left = if row.record.state == SandboxState::Running {
         lease_left_seconds(&row.record, now_ms())
     } else {
         first_lease_seconds(row.record.timeout_seconds)
@@ -365,7 +366,7 @@ pub async fn tick(st: &AppState) -> Result<(), ServerError> {
     let mut keys_charged: BTreeMap<String, ()> = BTreeMap::new();
     for row in rows {
         let id = row.record.id.clone();
-        let running = row.record.state == "running";
+        let running = row.record.state == SandboxState::Running;
         let used = if running {
             let reading = st.host().cpu_time(&id).await;
             st.inner.meter.used_ns(&id, row.record.vcpu, reading)
@@ -405,7 +406,10 @@ pub async fn tick(st: &AppState) -> Result<(), ServerError> {
                 .record
                 .max_total_cost_micros
                 .is_some_and(|m| r.record.charged_micros >= m)
-                && !matches!(r.record.state.as_str(), "stopped" | "stopping");
+                && !matches!(
+                    r.record.state,
+                    SandboxState::Stopped | SandboxState::Stopping
+                );
             true
         })?;
         if updated.is_none_or(|r| r.deleted.is_some()) {
@@ -462,7 +466,7 @@ pub fn enforce_daily_limit(st: &AppState, key_id: &str, now: i64) -> Result<(), 
         return Ok(());
     }
     for r in st.store().live_sandboxes()? {
-        if r.key_id != key_id || r.record.state != "running" {
+        if r.key_id != key_id || r.record.state != SandboxState::Running {
             continue;
         }
         tracing::info!(sandbox_id = %r.record.id, key_id, "daily spending limit reached: pausing");
@@ -746,7 +750,7 @@ mod tests {
             "maxTotalCostMicros": null, "maxCostMicros": null, "envNames": [], "image": null
         }))
         .unwrap();
-        s.state = "running".into();
+        s.state = SandboxState::Running;
         s
     }
 

@@ -57,7 +57,10 @@ pub enum ApiError {
         sandbox_id: Option<String>,
     },
     #[error("sandbox {id} is {state}")]
-    NotRunning { id: String, state: String },
+    NotRunning {
+        id: String,
+        state: runtime_api::SandboxState,
+    },
     #[error("idempotency key reused with another request")]
     IdempotencyKeyReused,
     #[error("payload over {limit} bytes")]
@@ -194,7 +197,10 @@ impl ApiError {
                 details: Some(json!({ "sandboxId": id, "state": state })),
                 ..p(
                     StatusCode::CONFLICT,
-                    if state == "paused" || state == "pausing" {
+                    if matches!(
+                        state,
+                        runtime_api::SandboxState::Paused | runtime_api::SandboxState::Pausing
+                    ) {
                         codes::SANDBOX_PAUSED
                     } else {
                         codes::SANDBOX_NOT_RUNNING

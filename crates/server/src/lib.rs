@@ -5,6 +5,7 @@
 //! protocol and depends on no other workspace crate.
 
 mod billing;
+mod domain;
 mod error;
 mod files;
 mod http;
@@ -18,6 +19,7 @@ mod previews;
 mod procs;
 mod sandboxes;
 mod secrets;
+mod service;
 mod snapshots;
 mod store;
 mod tls;

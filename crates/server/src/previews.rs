@@ -295,7 +295,7 @@ pub async fn create(st: AppState, ctx: Ctx, id: String, body: Bytes) -> ApiResul
     f.finish()?;
     let port = port.unwrap_or(0);
     let row = find(&st, &ctx.key, &id)?;
-    if row.record.state == "stopped" {
+    if row.record.state == crate::domain::lifecycle::SandboxState::Stopped {
         return Err(ApiError::NotRunning {
             id,
             state: row.record.state,

@@ -41,6 +41,7 @@ use serde_json::{json, Map, Value};
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 
+use crate::domain::lifecycle::SandboxState;
 use crate::error::{ApiError, ApiResult};
 use crate::http::{Ctx, Reply};
 use crate::sandboxes::{find, find_running};
@@ -992,15 +993,15 @@ pub(crate) async fn reattach(st: &AppState, sandbox_id: &str) {
 /// (`lost` when the host no longer knows them), ended ones stay queryable
 /// without their output, and the records of sandboxes that are gone go.
 pub async fn recover(st: &AppState) -> Result<(), crate::ServerError> {
-    let mut sandboxes: HashMap<String, Option<String>> = HashMap::new();
+    let mut sandboxes: HashMap<String, Option<SandboxState>> = HashMap::new();
     for row in st.store().all_processes()? {
         let state = match sandboxes.get(&row.sandbox_id) {
-            Some(s) => s.clone(),
+            Some(s) => *s,
             None => {
                 let s = st
                     .store()
                     .get_sandbox(&row.sandbox_id)?
-                    .filter(|r| r.deleted.is_none() && r.record.state != "stopped")
+                    .filter(|r| r.deleted.is_none() && r.record.state != SandboxState::Stopped)
                     .map(|r| r.record.state);
                 if s.is_none() {
                     st.store().delete_processes_of(&row.sandbox_id)?;
@@ -1013,7 +1014,7 @@ pub async fn recover(st: &AppState) -> Result<(), crate::ServerError> {
             continue;
         };
         let mut handle = None;
-        if row.state == "running" && sandbox_state == "running" {
+        if row.state == "running" && sandbox_state == SandboxState::Running {
             match st.host().attach(&row.sandbox_id, row.token).await {
                 Ok(h) => handle = Some(h),
                 Err(e) => {
@@ -1023,7 +1024,7 @@ pub async fn recover(st: &AppState) -> Result<(), crate::ServerError> {
         }
         let detached = handle.is_none()
             && row.state == "running"
-            && matches!(sandbox_state.as_str(), "paused" | "pausing");
+            && matches!(sandbox_state, SandboxState::Paused | SandboxState::Pausing);
         let (guest_pid, control, events) = match handle {
             Some(h) => (
                 if h.pid != 0 { h.pid } else { row.guest_pid },

@@ -9,7 +9,6 @@
 //! (a stop, a delete) changed it meanwhile.
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -21,16 +20,28 @@ use runtime_host::{HostError, MachineSpec};
 use serde_json::{json, Value};
 use tokio::time::Instant;
 
+use crate::domain::lease;
+use crate::domain::lifecycle::{next, Event, SandboxState};
 use crate::error::{ApiError, ApiResult, ServerError};
 use crate::http::{Ctx, Reply};
+use crate::service::lifecycle::{self, disk_dir, drive, CaptureDir, Op};
 use crate::store::{KeyInfo, SandboxRow};
 use crate::util::{
     iso, json_object, no_fields, now_ms, parse_iso_ms, prefer_wait, query_object, Fields,
 };
 use crate::AppState;
 
-const STATES: &[&str] = &[
-    "starting", "running", "pausing", "paused", "resuming", "stopping", "stopped",
+use SandboxState::{Paused, Pausing, Resuming, Running, Starting, Stopped, Stopping};
+
+/// The states by their wire names, for the query parameters that name them.
+const STATE_NAMES: [&str; 7] = [
+    Starting.as_str(),
+    Running.as_str(),
+    Pausing.as_str(),
+    Paused.as_str(),
+    Resuming.as_str(),
+    Stopping.as_str(),
+    Stopped.as_str(),
 ];
 
 /// How long a call on a paused sandbox waits for its wake.
@@ -56,10 +67,10 @@ pub fn find(st: &AppState, key: &KeyInfo, id: &str) -> ApiResult<SandboxRow> {
 /// activity for `idlePauseSeconds`.
 pub async fn find_running(st: &AppState, key: &KeyInfo, id: &str) -> ApiResult<SandboxRow> {
     let mut row = find(st, key, id)?;
-    if row.record.state != "running" {
-        let wakes = match row.record.state.as_str() {
-            "resuming" => true,
-            "paused" | "pausing" => row.record.auto_wake,
+    if row.record.state != Running {
+        let wakes = match row.record.state {
+            Resuming => true,
+            Paused | Pausing => row.record.auto_wake,
             _ => false,
         };
         if !wakes {
@@ -70,7 +81,7 @@ pub async fn find_running(st: &AppState, key: &KeyInfo, id: &str) -> ApiResult<S
         }
         ensure_awake(st, id, WAKE_WAIT).await?;
         row = find(st, key, id)?;
-        if row.record.state != "running" {
+        if row.record.state != Running {
             return Err(ApiError::NotRunning {
                 id: row.record.id,
                 state: row.record.state,
@@ -112,23 +123,23 @@ pub(crate) async fn ensure_awake(st: &AppState, id: &str, timeout: Duration) -> 
             Some(r) if r.deleted.is_none() => r,
             _ => return Err(ApiError::sandbox_not_found(id)),
         };
-        let state = row.record.state.clone();
-        match state.as_str() {
-            "running" => return Ok(()),
-            "paused" if asked => {
+        let state = row.record.state;
+        match state {
+            Running => return Ok(()),
+            Paused if asked => {
                 return Err(ApiError::Failed {
                     code: "wake_failed",
                     message: format!("Sandbox {id} could not be woken; it stays paused."),
                 })
             }
-            "paused" => {
+            Paused => {
                 let lease = crate::billing::first_lease_seconds(row.record.timeout_seconds);
                 crate::billing::check_spend(st, &row.key_id, &row.record, lease, lease)?;
-                request_wake(st, id, None)?;
+                drive(st, id, Op::Wake { lease: None })?;
                 asked = true;
                 continue;
             }
-            "pausing" | "resuming" | "starting" => {}
+            Pausing | Resuming | Starting => {}
             _ => {
                 return Err(ApiError::NotRunning {
                     id: id.into(),
@@ -136,7 +147,7 @@ pub(crate) async fn ensure_awake(st: &AppState, id: &str, timeout: Duration) -> 
                 })
             }
         }
-        if state == "resuming" {
+        if state == Resuming {
             asked = true;
         }
         let now = Instant::now();
@@ -358,8 +369,8 @@ fn parse_create(st: &AppState, body: &[u8]) -> ApiResult<CreateReq> {
         kind: "sandbox".into(),
         name,
         labels,
-        status: "pending".into(),
-        state: "starting".into(),
+        status: Starting.status().into(),
+        state: Starting,
         region: "local".into(),
         funding,
         vcpu,
@@ -413,7 +424,7 @@ pub(crate) fn name_holder(
     Ok(st.store().live_sandboxes()?.into_iter().find(|r| {
         r.record.name.as_deref() == Some(name)
             && Some(r.record.id.as_str()) != except
-            && (r.record.state != "stopped" || r.record.persistent)
+            && (r.record.state != Stopped || r.record.persistent)
     }))
 }
 
@@ -488,7 +499,7 @@ pub async fn create(st: AppState, ctx: Ctx, body: Bytes) -> ApiResult<Reply> {
         match holder {
             Some(h) if req.get_or_create && visible(&ctx.key, &h) => {
                 let id = h.record.id.clone();
-                if h.record.state == "stopped" {
+                if h.record.state == Stopped {
                     let lease = crate::billing::first_lease_seconds(h.record.timeout_seconds);
                     crate::billing::check_spend(&st, &h.key_id, &h.record, lease, lease)?;
                     restart(&st, &id)?;
@@ -518,7 +529,7 @@ pub async fn create(st: AppState, ctx: Ctx, body: Bytes) -> ApiResult<Reply> {
                 crate::volumes::keep(&st, &row.record.id, &volumes)?;
                 st.store().insert_sandbox(&row)?;
                 tracing::info!(sandbox_id = %row.record.id, "sandbox created");
-                spawn_start(&st, row.record.id.clone(), from);
+                drive(&st, &row.record.id, Op::Start { from })?;
                 Ok(row.record.id)
             }
         }
@@ -529,7 +540,7 @@ pub async fn create(st: AppState, ctx: Ctx, body: Bytes) -> ApiResult<Reply> {
     };
     if let Some(secs) = wait {
         wait_until(&st, &id, Duration::from_secs(secs), |s| {
-            s != "starting" && s != "stopping"
+            s != Starting && s != Stopping
         })
         .await?;
     }
@@ -558,28 +569,17 @@ pub async fn create(st: AppState, ctx: Ctx, body: Bytes) -> ApiResult<Reply> {
 /// from its kept disk (a fresh boot of the same files), or boots it when
 /// no disk was kept.
 fn restart(st: &AppState, id: &str) -> ApiResult<()> {
-    let mut changed = false;
-    st.store().update_sandbox(id, |r| {
-        if r.deleted.is_some() || r.record.state != "stopped" {
-            return false;
-        }
-        changed = true;
-        r.record.state = "starting".into();
+    let now = now_ms();
+    let moved = lifecycle::transition(st, id, Event::Restart, |r| {
         r.record.ended_at = None;
         r.record.stop_reason = None;
         r.record.ready_at = None;
-        let now = now_ms();
-        r.record.ends_at = r
-            .record
-            .timeout_seconds
-            .map(|t| iso(now + i64::from(t) * 1000));
+        r.record.ends_at = lease::lease_end(r.record.timeout_seconds, now);
         r.record.expires_at = r.record.ends_at.clone();
-        true
     })?;
-    if !changed {
+    if !moved {
         return Ok(());
     }
-    st.notify_change();
     let disk = disk_dir(st, id);
     let from = disk.join("disk.qcow2").exists().then(|| {
         Arc::new(CaptureDir {
@@ -587,7 +587,7 @@ fn restart(st: &AppState, id: &str) -> ApiResult<()> {
             temporary: false,
         })
     });
-    spawn_start(st, id.to_string(), from);
+    drive(st, id, Op::Start { from })?;
     Ok(())
 }
 
@@ -596,8 +596,8 @@ fn restart(st: &AppState, id: &str) -> ApiResult<()> {
 /// `not_persistent`.
 async fn restart_action(st: AppState, ctx: Ctx, id: String, body: Bytes) -> ApiResult<Reply> {
     no_fields(&body)?;
-    let row = settle(&st, &ctx.key, &id, &["stopping"]).await?;
-    if row.record.state == "stopped" {
+    let row = settle(&st, &ctx.key, &id, &[Stopping]).await?;
+    if row.record.state == Stopped {
         if !row.record.persistent {
             return Err(ApiError::Conflict {
                 code: "not_persistent",
@@ -622,360 +622,19 @@ async fn restart_action(st: AppState, ctx: Ctx, id: String, body: Bytes) -> ApiR
         restart(&st, &id)?;
     }
     if let Some(secs) = prefer_wait(&ctx.headers) {
-        wait_until(&st, &id, Duration::from_secs(secs), |s| s != "starting").await?;
+        wait_until(&st, &id, Duration::from_secs(secs), |s| s != Starting).await?;
     }
     Reply::ok(record_json(&find(&st, &ctx.key, &id)?.record, &[]))
 }
 
-/// A capture a machine starts from: a snapshot's directory, or a fork's
-/// temporary one, removed once the last copy started from it.
-pub(crate) struct CaptureDir {
-    pub path: PathBuf,
-    pub temporary: bool,
-}
-
-impl Drop for CaptureDir {
-    fn drop(&mut self) {
-        if self.temporary {
-            if let Err(e) = std::fs::remove_dir_all(&self.path) {
-                if e.kind() != std::io::ErrorKind::NotFound {
-                    tracing::warn!(path = %self.path.display(), error = %e, "removing a capture failed");
-                }
-            }
-        }
-    }
-}
-
-/// Boots the `starting` sandbox, or restores it from `from`.
-pub(crate) fn spawn_start(st: &AppState, id: String, from: Option<Arc<CaptureDir>>) {
-    let st2 = st.clone();
-    st.spawn(async move {
-        let lock = st2.lifecycle_lock(&id);
-        let _g = lock.lock().await;
-        let row = match st2.store().get_sandbox(&id) {
-            Ok(Some(r)) if r.deleted.is_none() && r.record.state == "starting" => r,
-            Ok(_) => return,
-            Err(e) => {
-                tracing::error!(sandbox_id = %id, error = %e, "reading the sandbox to start failed");
-                return;
-            }
-        };
-        let spec = machine_spec(&st2, &row.record);
-        let result = match &from {
-            Some(dir) => st2.host().restore(&spec, &dir.path).await,
-            None => st2.host().start(&spec).await,
-        };
-        let restored = from.is_some();
-        drop(from);
-        let now = now_ms();
-        let updated = st2.store().update_sandbox(&id, |r| {
-            if r.record.state != "starting" || r.deleted.is_some() {
-                // Stopped or deleted while booting: that task, queued on the lock, ends it.
-                return false;
-            }
-            match &result {
-                Ok(()) => {
-                    r.record.state = "running".into();
-                    r.record.ready_at = Some(iso(now));
-                    r.record.last_active_at = Some(iso(now));
-                }
-                Err(_) => {
-                    r.record.state = "stopped".into();
-                    r.record.stop_reason = Some("start_failed".into());
-                    r.record.ended_at = Some(iso(now));
-                }
-            }
-            true
-        });
-        match (&result, updated) {
-            (Ok(()), Ok(Some(row))) => {
-                tracing::info!(sandbox_id = %id, "sandbox running");
-                start_image_command(&st2, &row, restored).await;
-            }
-            (Ok(()), Ok(None)) => tracing::info!(sandbox_id = %id, "sandbox running"),
-            (Err(e), Ok(_)) => tracing::warn!(sandbox_id = %id, error = %e, "sandbox failed to start"),
-            (_, Err(e)) => tracing::error!(sandbox_id = %id, error = %e, "recording the start failed"),
-        }
-        st2.notify_change();
-    });
-}
-
 /// Stops a sandbox for `reason` (the meter's caps and limits).
 pub(crate) fn stop_for(st: &AppState, id: &str, reason: &'static str) -> ApiResult<()> {
-    request_stop(st, id, reason)
+    drive(st, id, Op::Stop { reason }).map(|_| ())
 }
 
-/// A new sandbox of an image with a `start` command runs it in the
-/// background (listed with its processes). Not after a restore from a
-/// snapshot, whose processes are already there.
-async fn start_image_command(st: &AppState, row: &SandboxRow, restored_snapshot: bool) {
-    if restored_snapshot || row.record.state != "running" {
-        return;
-    }
-    let Some(image) = row.record.image.as_deref() else {
-        return;
-    };
-    let Some((argv, cwd, user)) = crate::images::start_of(st, image) else {
-        return;
-    };
-    match crate::procs::start_background(st, row, argv, cwd, user).await {
-        Ok(p) => {
-            tracing::info!(sandbox_id = %row.record.id, process_id = %p.id(), "image start command running")
-        }
-        Err(e) => {
-            tracing::warn!(sandbox_id = %row.record.id, error = %e, "the image's start command did not start")
-        }
-    }
-}
-
-/// Asks a sandbox to stop; the host is driven in an owned task.
-fn request_stop(st: &AppState, id: &str, reason: &'static str) -> ApiResult<()> {
-    let mut changed = false;
-    st.store().update_sandbox(id, |r| {
-        if r.deleted.is_some() || r.record.state == "stopped" || r.record.state == "stopping" {
-            return false;
-        }
-        r.record.state = "stopping".into();
-        changed = true;
-        true
-    })?;
-    if !changed {
-        return Ok(());
-    }
-    st.notify_change();
-    st.inner.procs.sandbox_gone(st.store(), id);
-    st.inner.previews.sandbox_gone(id);
-    let st2 = st.clone();
-    let id = id.to_string();
-    st.spawn(async move {
-        let lock = st2.lifecycle_lock(&id);
-        let _g = lock.lock().await;
-        let persistent = match st2.store().get_sandbox(&id) {
-            Ok(Some(r)) if r.record.state == "stopping" && r.deleted.is_none() => r.record.persistent,
-            _ => return,
-        };
-        if persistent {
-            keep_disk(&st2, &id).await;
-        }
-        if let Err(e) = st2.host().stop(&id, false).await {
-            tracing::warn!(sandbox_id = %id, error = %e, "host stop failed; recording the sandbox as stopped");
-        }
-        let now = iso(now_ms());
-        if let Err(e) = st2.store().update_sandbox(&id, |r| {
-            if r.record.state != "stopping" {
-                return false;
-            }
-            r.record.state = "stopped".into();
-            r.record.stop_reason = Some(reason.into());
-            r.record.ended_at = Some(now.clone());
-            true
-        }) {
-            tracing::error!(sandbox_id = %id, error = %e, "recording the stop failed");
-        }
-        tracing::info!(sandbox_id = %id, reason, "sandbox stopped");
-        st2.notify_change();
-    });
-    Ok(())
-}
-
-/// Where a persistent sandbox's disk is kept while it is stopped.
-pub(crate) fn disk_dir(st: &AppState, id: &str) -> PathBuf {
-    st.config().data_dir.join("disks").join(id)
-}
-
-/// Captures the disk of a persistent sandbox (running or paused) into
-/// [`disk_dir`], replacing the previous capture only once the new one is
-/// whole. A failure keeps the previous one, if any.
-async fn keep_disk(st: &AppState, id: &str) {
-    let dest = disk_dir(st, id);
-    let fresh = dest.with_extension("new");
-    let _ = std::fs::remove_dir_all(&fresh);
-    if let Some(parent) = dest.parent() {
-        if let Err(e) = std::fs::create_dir_all(parent) {
-            tracing::error!(sandbox_id = %id, error = %e, "creating the disks directory failed");
-            return;
-        }
-    }
-    match st.host().capture(id, &fresh, false).await {
-        Ok(()) => {
-            let _ = std::fs::remove_dir_all(&dest);
-            match std::fs::rename(&fresh, &dest) {
-                Ok(()) => tracing::info!(sandbox_id = %id, "disk kept for a restart"),
-                Err(e) => {
-                    tracing::error!(sandbox_id = %id, error = %e, "keeping the disk capture failed")
-                }
-            }
-        }
-        Err(e) => {
-            let _ = std::fs::remove_dir_all(&fresh);
-            tracing::warn!(sandbox_id = %id, error = %e, "capturing the disk of a persistent sandbox failed");
-        }
-    }
-}
-
-/// Moves a running sandbox to `pausing` and pauses it in an owned task:
-/// `paused` when the host saved it, `running` again when it could not
-/// (nothing is lost), `stopped` (`host_lost`) when its machine was gone.
-/// `false` when the sandbox was not running.
+/// Pauses a running sandbox for `reason`; `false` when it was not running.
 pub(crate) fn request_pause(st: &AppState, id: &str, reason: &'static str) -> ApiResult<bool> {
-    let mut changed = false;
-    st.store().update_sandbox(id, |r| {
-        if r.deleted.is_some() || r.record.state != "running" {
-            return false;
-        }
-        r.record.state = "pausing".into();
-        changed = true;
-        true
-    })?;
-    if !changed {
-        return Ok(false);
-    }
-    st.notify_change();
-    let st2 = st.clone();
-    let id = id.to_string();
-    st.spawn(async move {
-        let lock = st2.lifecycle_lock(&id);
-        let _g = lock.lock().await;
-        match st2.store().get_sandbox(&id) {
-            Ok(Some(r)) if r.record.state == "pausing" && r.deleted.is_none() => {}
-            _ => return,
-        }
-        // Its processes detach rather than end: a wake takes them up again.
-        st2.inner.procs.sandbox_pausing(&id);
-        let result = st2.host().pause(&id).await;
-        if let Err(e) = &result {
-            if !matches!(e, HostError::NoSuchMachine { .. }) {
-                // It runs on: take up any process whose handle closed.
-                st2.inner.procs.pause_failed(&id);
-                crate::procs::reattach(&st2, &id).await;
-            }
-        }
-        let now = iso(now_ms());
-        let updated = st2.store().update_sandbox(&id, |r| {
-            if r.record.state != "pausing" || r.deleted.is_some() {
-                return false;
-            }
-            match &result {
-                Ok(()) => {
-                    r.record.state = "paused".into();
-                    r.record.paused_at = Some(now.clone());
-                    r.record.paused_expires_at = retention_end(&r.record);
-                }
-                Err(HostError::NoSuchMachine { .. }) => {
-                    r.record.state = "stopped".into();
-                    r.record.stop_reason = Some("host_lost".into());
-                    r.record.ended_at = Some(now.clone());
-                }
-                Err(_) => r.record.state = "running".into(),
-            }
-            true
-        });
-        {
-            let mut failed = st2
-                .inner
-                .pause_failed
-                .lock()
-                .unwrap_or_else(|p| p.into_inner());
-            if result.is_err() {
-                failed.insert(id.clone());
-            } else {
-                failed.remove(&id);
-            }
-        }
-        match (&result, updated) {
-            (Ok(()), Ok(_)) => tracing::info!(sandbox_id = %id, reason, "sandbox paused"),
-            (Err(e), Ok(_)) => {
-                tracing::warn!(sandbox_id = %id, reason, error = %e, "pausing the sandbox failed")
-            }
-            (_, Err(e)) => {
-                tracing::error!(sandbox_id = %id, error = %e, "recording the pause failed")
-            }
-        }
-        if matches!(result, Err(HostError::NoSuchMachine { .. })) {
-            st2.inner.procs.sandbox_gone(st2.store(), &id);
-        }
-        st2.notify_change();
-    });
-    Ok(true)
-}
-
-/// Moves a paused sandbox to `resuming` and wakes it in an owned task:
-/// `running` with a new lease (`lease` seconds, else its `timeoutSeconds`),
-/// `paused` again when the host failed, `stopped` (`host_lost`) when its
-/// saved state is gone. `false` when the sandbox was not paused, so callers
-/// arriving together share one wake.
-pub(crate) fn request_wake(st: &AppState, id: &str, lease: Option<u32>) -> ApiResult<bool> {
-    let mut changed = false;
-    st.store().update_sandbox(id, |r| {
-        if r.deleted.is_some() || r.record.state != "paused" {
-            return false;
-        }
-        r.record.state = "resuming".into();
-        if lease.is_some() {
-            r.record.timeout_seconds = lease;
-        }
-        changed = true;
-        true
-    })?;
-    if !changed {
-        return Ok(false);
-    }
-    st.notify_change();
-    let st2 = st.clone();
-    let id = id.to_string();
-    st.spawn(async move {
-        let lock = st2.lifecycle_lock(&id);
-        let _g = lock.lock().await;
-        let row = match st2.store().get_sandbox(&id) {
-            Ok(Some(r)) if r.record.state == "resuming" && r.deleted.is_none() => r,
-            _ => return,
-        };
-        let result = st2.host().wake(&machine_spec(&st2, &row.record)).await;
-        if result.is_ok() {
-            // Before it is `running`, so a call that woke it finds them attached.
-            crate::procs::reattach(&st2, &id).await;
-        }
-        let now = now_ms();
-        let updated = st2.store().update_sandbox(&id, |r| {
-            if r.record.state != "resuming" || r.deleted.is_some() {
-                return false;
-            }
-            match &result {
-                Ok(()) => {
-                    r.record.state = "running".into();
-                    r.record.paused_at = None;
-                    r.record.paused_expires_at = None;
-                    r.record.last_active_at = Some(iso(now));
-                    r.record.ends_at = r
-                        .record
-                        .timeout_seconds
-                        .map(|t| iso(now + i64::from(t) * 1000));
-                    r.record.expires_at = r.record.ends_at.clone();
-                }
-                Err(HostError::NotPaused { .. }) => {
-                    r.record.state = "stopped".into();
-                    r.record.stop_reason = Some("host_lost".into());
-                    r.record.ended_at = Some(iso(now));
-                }
-                Err(_) => r.record.state = "paused".into(),
-            }
-            true
-        });
-        match (&result, updated) {
-            (Ok(()), Ok(_)) => tracing::info!(sandbox_id = %id, "sandbox woken"),
-            (Err(e), Ok(_)) => {
-                tracing::warn!(sandbox_id = %id, error = %e, "waking the sandbox failed")
-            }
-            (_, Err(e)) => {
-                tracing::error!(sandbox_id = %id, error = %e, "recording the wake failed")
-            }
-        }
-        if matches!(result, Err(HostError::NotPaused { .. })) {
-            st2.inner.procs.sandbox_gone(st2.store(), &id);
-        }
-        st2.notify_change();
-    });
-    Ok(true)
+    drive(st, id, Op::Pause { reason })
 }
 
 /// Waits until the sandbox is in none of `states` (bounded), answering the row.
@@ -983,10 +642,10 @@ async fn settle(
     st: &AppState,
     key: &KeyInfo,
     id: &str,
-    states: &'static [&'static str],
+    states: &'static [SandboxState],
 ) -> ApiResult<SandboxRow> {
     let row = find(st, key, id)?;
-    if !states.contains(&row.record.state.as_str()) {
+    if !states.contains(&row.record.state) {
         return Ok(row);
     }
     wait_until(st, id, WAKE_WAIT, |s| !states.contains(&s)).await?;
@@ -1000,9 +659,9 @@ pub(crate) async fn settled_source(
     key: &KeyInfo,
     id: &str,
 ) -> ApiResult<SandboxRow> {
-    let row = settle(st, key, id, &["starting", "pausing", "resuming"]).await?;
-    match row.record.state.as_str() {
-        "running" | "paused" => Ok(row),
+    let row = settle(st, key, id, &[Starting, Pausing, Resuming]).await?;
+    match row.record.state {
+        Running | Paused => Ok(row),
         _ => Err(ApiError::NotRunning {
             id: row.record.id,
             state: row.record.state,
@@ -1012,18 +671,18 @@ pub(crate) async fn settled_source(
 
 async fn pause(st: AppState, ctx: Ctx, id: String, body: Bytes) -> ApiResult<Reply> {
     no_fields(&body)?;
-    let row = settle(&st, &ctx.key, &id, &["starting", "resuming"]).await?;
+    let row = settle(&st, &ctx.key, &id, &[Starting, Resuming]).await?;
     let mut asked = false;
-    match row.record.state.as_str() {
-        "running" if !row.record.pausable => {
+    match row.record.state {
+        Running if !row.record.pausable => {
             return Err(ApiError::Conflict {
                 code: "not_pausable",
                 message: format!("Sandbox {id} was created with pausable: false."),
                 details: Some(json!({ "sandboxId": id })),
             })
         }
-        "running" => asked = request_pause(&st, &id, "requested")?,
-        "pausing" | "paused" => {}
+        Running => asked = request_pause(&st, &id, "requested")?,
+        Pausing | Paused => {}
         _ => {
             return Err(ApiError::NotRunning {
                 id,
@@ -1032,13 +691,13 @@ async fn pause(st: AppState, ctx: Ctx, id: String, body: Bytes) -> ApiResult<Rep
         }
     }
     if let Some(secs) = prefer_wait(&ctx.headers) {
-        wait_until(&st, &id, Duration::from_secs(secs), |s| s != "pausing").await?;
+        wait_until(&st, &id, Duration::from_secs(secs), |s| s != Pausing).await?;
     }
     let row = find(&st, &ctx.key, &id)?;
     // Running again: the pause failed, or it paused and a call (a resuming
     // stream) woke it at once.
     let failed = asked
-        && row.record.state == "running"
+        && row.record.state == Running
         && st
             .inner
             .pause_failed
@@ -1059,16 +718,16 @@ async fn wake(st: AppState, ctx: Ctx, id: String, body: Bytes) -> ApiResult<Repl
     let mut f = Fields::new(&obj);
     let lease = f.int("timeoutSeconds", 60, 86400).map(|t| t as u32);
     f.finish()?;
-    let row = settle(&st, &ctx.key, &id, &["pausing"]).await?;
+    let row = settle(&st, &ctx.key, &id, &[Pausing]).await?;
     let mut asked = false;
-    match row.record.state.as_str() {
-        "paused" => {
+    match row.record.state {
+        Paused => {
             let seconds = crate::billing::first_lease_seconds(lease.or(row.record.timeout_seconds));
             crate::billing::check_spend(&st, &row.key_id, &row.record, seconds, seconds)?;
-            asked = request_wake(&st, &id, lease)?
+            asked = drive(&st, &id, Op::Wake { lease })?
         }
-        "resuming" => {}
-        "running" | "starting" => {
+        Resuming => {}
+        Running | Starting => {
             // Already awake: done. A new limit asked for applies from now.
             if let Some(t) = lease {
                 crate::billing::check_lease_change(&st, &row, t)?;
@@ -1090,10 +749,10 @@ async fn wake(st: AppState, ctx: Ctx, id: String, body: Bytes) -> ApiResult<Repl
         }
     }
     if let Some(secs) = prefer_wait(&ctx.headers) {
-        wait_until(&st, &id, Duration::from_secs(secs), |s| s != "resuming").await?;
+        wait_until(&st, &id, Duration::from_secs(secs), |s| s != Resuming).await?;
     }
     let row = find(&st, &ctx.key, &id)?;
-    if asked && row.record.state == "paused" {
+    if asked && row.record.state == Paused {
         return Err(ApiError::Failed {
             code: "wake_failed",
             message: format!("Sandbox {id} could not be woken; it stays paused."),
@@ -1107,13 +766,13 @@ pub(crate) async fn wait_until(
     st: &AppState,
     id: &str,
     timeout: Duration,
-    done: impl Fn(&str) -> bool,
+    done: impl Fn(SandboxState) -> bool,
 ) -> ApiResult<()> {
     let deadline = Instant::now() + timeout;
     let mut rx = st.inner.changes.subscribe();
     loop {
         match st.store().get_sandbox(id)? {
-            Some(r) if r.deleted.is_none() && !done(&r.record.state) => {}
+            Some(r) if r.deleted.is_none() && !done(r.record.state) => {}
             _ => return Ok(()),
         }
         match tokio::time::timeout_at(deadline, rx.changed()).await {
@@ -1126,14 +785,16 @@ pub(crate) async fn wait_until(
 pub async fn get(st: AppState, ctx: Ctx, id: String) -> ApiResult<Reply> {
     let q = query_object(&ctx.query, &[]);
     let mut f = Fields::new(&q);
-    let wait_for = f.one_of("waitFor", STATES);
+    let wait_for = f
+        .one_of("waitFor", &STATE_NAMES)
+        .and_then(|s| SandboxState::parse(&s));
     let timeout = f.q_int("timeoutSeconds", 0, 120).unwrap_or(60);
     f.finish()?;
     find(&st, &ctx.key, &id)?;
     if let Some(target) = wait_for {
         // A sandbox that stopped will not reach any other state by itself.
         wait_until(&st, &id, Duration::from_secs(timeout as u64), |s| {
-            s == target || s == "stopped"
+            s == target || s == Stopped
         })
         .await?;
     }
@@ -1161,8 +822,8 @@ pub async fn list(st: AppState, ctx: Ctx) -> ApiResult<Reply> {
     let mut states = Vec::new();
     if let Some(Value::Array(a)) = f.raw("state") {
         for s in a.iter().filter_map(Value::as_str) {
-            if STATES.contains(&s) {
-                states.push(s.to_string());
+            if let Some(state) = SandboxState::parse(s) {
+                states.push(state);
             } else {
                 f.issue("state", format!("{s} is not a state"));
             }
@@ -1199,7 +860,7 @@ pub async fn list(st: AppState, ctx: Ctx) -> ApiResult<Reply> {
         .filter(|r| cursor.is_none_or(|c| r.seq < c))
         .filter(|r| {
             if states.is_empty() {
-                include_stopped || r.record.state != "stopped"
+                include_stopped || r.record.state != Stopped
             } else {
                 states.contains(&r.record.state)
             }
@@ -1247,18 +908,21 @@ pub(crate) fn delete_sandbox(st: &AppState, id: &str, reason: &str) -> ApiResult
             if r.deleted.is_some() {
                 return false;
             }
-            if r.record.state != "stopped" {
+            if r.record.state != Stopped {
                 r.record.ended_at = Some(now.clone());
                 r.record.stop_reason = Some(reason.into());
             }
-            r.record.state = "stopped".into();
+            let Ok(state) = next(r.record.state, Event::Delete) else {
+                return false;
+            };
+            r.record.state = state;
             r.deleted = Some(DeletedSandbox {
                 id: r.record.id.clone(),
                 kind: "sandbox".into(),
                 name: r.record.name.clone(),
                 labels: r.record.labels.clone(),
                 status: "deleted".into(),
-                state: "stopped".into(),
+                state,
                 deleted_at: now.clone(),
                 ended_at: r.record.ended_at.clone(),
             });
@@ -1304,9 +968,9 @@ pub async fn action(
         "stop" => {
             no_fields(&body)?;
             find(&st, &ctx.key, &id)?;
-            request_stop(&st, &id, "requested")?;
+            stop_for(&st, &id, "requested")?;
             if let Some(secs) = prefer_wait(&ctx.headers) {
-                wait_until(&st, &id, Duration::from_secs(secs), |s| s == "stopped").await?;
+                wait_until(&st, &id, Duration::from_secs(secs), |s| s == Stopped).await?;
             }
             Reply::ok(record_json(&find(&st, &ctx.key, &id)?.record, &[]))
         }
@@ -1331,13 +995,6 @@ pub async fn action(
     }
 }
 
-/// When a paused sandbox's retention ends, from its `pausedAt`.
-fn retention_end(s: &Sandbox) -> Option<String> {
-    let days = i64::from(s.retention_days?);
-    let paused = s.paused_at.as_deref().and_then(parse_iso_ms)?;
-    Some(iso(paused + days * 86_400_000))
-}
-
 /// `:retention {days}`: a paused sandbox is deleted `days` after its pause
 /// (this pause and later ones).
 async fn retention(st: AppState, ctx: Ctx, id: String, body: Bytes) -> ApiResult<Reply> {
@@ -1353,8 +1010,8 @@ async fn retention(st: AppState, ctx: Ctx, id: String, body: Bytes) -> ApiResult
         .store()
         .update_sandbox(&id, |r| {
             r.record.retention_days = days.map(|d| d as u32);
-            if r.record.state == "paused" {
-                r.record.paused_expires_at = retention_end(&r.record);
+            if r.record.state == Paused {
+                r.record.paused_expires_at = lease::retention_end(&r.record);
             }
             true
         })?
@@ -1373,7 +1030,7 @@ async fn extend(st: AppState, ctx: Ctx, id: String, body: Bytes) -> ApiResult<Re
     f.finish()?;
     let seconds = seconds.unwrap_or(0);
     let row = find(&st, &ctx.key, &id)?;
-    if row.record.state != "running" && row.record.state != "starting" {
+    if row.record.state != Running && row.record.state != Starting {
         return Err(ApiError::NotRunning {
             id,
             state: row.record.state,
@@ -1437,7 +1094,7 @@ async fn update(st: AppState, ctx: Ctx, id: String, body: Bytes) -> ApiResult<Re
     let on_timeout = on_timeout.or(on_lease_end);
     f.finish()?;
     let row = find(&st, &ctx.key, &id)?;
-    if let (Some(t), "running" | "starting") = (timeout, row.record.state.as_str()) {
+    if let (Some(t), Running | Starting) = (timeout, row.record.state) {
         crate::billing::check_lease_change(&st, &row, t as u32)?;
     }
     let _g = st.inner.create_lock.lock().await;
@@ -1505,19 +1162,14 @@ pub async fn reaper(st: AppState) {
         let now = now_ms();
         match st.store().live_sandboxes() {
             Ok(rows) => {
-                for r in rows.iter().filter(|r| r.record.state == "running") {
+                for r in rows.iter().filter(|r| r.record.state == Running) {
                     if let Err(e) = end_lease_or_idle(&st, r, now) {
                         tracing::error!(sandbox_id = %r.record.id, error = %e, "ending the lease failed");
                     }
                 }
-                let expired = rows.iter().filter(|r| {
-                    r.record.state == "paused"
-                        && r.record
-                            .paused_expires_at
-                            .as_deref()
-                            .and_then(parse_iso_ms)
-                            .is_some_and(|t| t <= now)
-                });
+                let expired = rows
+                    .iter()
+                    .filter(|r| r.record.state == Paused && lease::retention_over(&r.record, now));
                 for r in expired {
                     tracing::info!(sandbox_id = %r.record.id, "paused past its retention: deleted");
                     if let Err(e) = delete_sandbox(&st, &r.record.id, "retention_expired") {
@@ -1544,29 +1196,15 @@ pub async fn reaper(st: AppState) {
 /// one idle (no call and no process of ours running) for `idlePauseSeconds`.
 fn end_lease_or_idle(st: &AppState, r: &SandboxRow, now: i64) -> ApiResult<()> {
     let s = &r.record;
-    let lease_ended = s
-        .ends_at
-        .as_deref()
-        .and_then(parse_iso_ms)
-        .is_some_and(|end| end <= now);
-    if lease_ended {
+    if lease::lease_ended(s, now) {
         tracing::info!(sandbox_id = %s.id, on_lease_end = %s.on_lease_end, "lease ended");
         return match s.on_lease_end.as_str() {
             "pause" if s.pausable => request_pause(st, &s.id, "lease_end").map(|_| ()),
             "delete" => delete_sandbox(st, &s.id, "timeout").map(|_| ()),
-            _ => request_stop(st, &s.id, "timeout"),
+            _ => stop_for(st, &s.id, "timeout"),
         };
     }
-    if s.idle_pause_seconds == 0 || !s.pausable {
-        return Ok(());
-    }
-    let last = s
-        .last_active_at
-        .as_deref()
-        .or(s.ready_at.as_deref())
-        .and_then(parse_iso_ms)
-        .unwrap_or(now);
-    if now - last >= i64::from(s.idle_pause_seconds) * 1000 && !st.inner.procs.running_in(&s.id) {
+    if lease::idle_for_long_enough(s, now) && !st.inner.procs.running_in(&s.id) {
         tracing::info!(sandbox_id = %s.id, "idle: pausing");
         request_pause(st, &s.id, "idle")?;
     }
@@ -1577,8 +1215,8 @@ fn end_lease_or_idle(st: &AppState, r: &SandboxRow, now: i64) -> ApiResult<()> {
 pub async fn recover(st: &AppState) -> Result<(), ServerError> {
     for row in st.store().live_sandboxes()? {
         let id = row.record.id.clone();
-        match row.record.state.as_str() {
-            "starting" | "running" => {
+        match row.record.state {
+            Starting | Running => {
                 let found = match st.host().recover(&machine_spec(st, &row.record)).await {
                     Ok(found) => found,
                     Err(e) => {
@@ -1587,38 +1225,41 @@ pub async fn recover(st: &AppState) -> Result<(), ServerError> {
                     }
                 };
                 let now = iso(now_ms());
-                st.store().update_sandbox(&id, |r| {
-                    if found {
-                        if r.record.state == "starting" {
-                            r.record.ready_at = Some(now.clone());
-                        }
-                        r.record.state = "running".into();
-                    } else {
-                        r.record.state = "stopped".into();
+                let event = if found {
+                    Event::Recovered
+                } else {
+                    Event::MachineGone
+                };
+                lifecycle::transition(st, &id, event, |r| {
+                    if !found {
                         r.record.stop_reason = Some("host_lost".into());
                         r.record.ended_at = Some(now.clone());
+                    } else if r.record.ready_at.is_none() {
+                        r.record.ready_at = Some(now.clone());
                     }
-                    true
                 })?;
                 tracing::info!(sandbox_id = %id, found, "sandbox recovered");
             }
-            "pausing" | "resuming" => {
+            Pausing | Resuming => {
                 // A machine still running means the pause had not happened
                 // or the wake had; otherwise its saved state is on disk.
-                let pausing = row.record.state == "pausing";
+                let pausing = row.record.state == Pausing;
                 let found = st
                     .host()
                     .recover(&machine_spec(st, &row.record))
                     .await
                     .unwrap_or(false);
-                st.store().update_sandbox(&id, |r| {
-                    r.record.state = if found { "running" } else { "paused" }.into();
+                let event = if found {
+                    Event::Recovered
+                } else {
+                    Event::RecoveredSaved
+                };
+                lifecycle::transition(st, &id, event, |r| {
                     if found {
                         r.record.paused_at = None;
                     } else if r.record.paused_at.is_none() {
                         r.record.paused_at = Some(iso(now_ms()));
                     }
-                    true
                 })?;
                 if found && pausing {
                     if let Err(e) = request_pause(st, &id, "requested") {
@@ -1627,13 +1268,11 @@ pub async fn recover(st: &AppState) -> Result<(), ServerError> {
                 }
                 tracing::info!(sandbox_id = %id, found, "sandbox recovered from a pause or wake");
             }
-            "stopping" => {
-                // Finish the stop an earlier server began.
-                st.store().update_sandbox(&id, |r| {
-                    r.record.state = "running".into();
-                    true
-                })?;
-                if let Err(e) = request_stop(st, &id, "requested") {
+            Stopping => {
+                // Finish the stop an earlier server began: back to running
+                // (its machine, if any, is still there), then the stop again.
+                lifecycle::transition(st, &id, Event::Recovered, |_| {})?;
+                if let Err(e) = stop_for(st, &id, "requested") {
                     tracing::warn!(sandbox_id = %id, error = %e, "finishing a stop failed");
                 }
             }

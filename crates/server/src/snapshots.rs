@@ -20,12 +20,13 @@ use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use tokio::time::Instant;
 
+use crate::domain::lifecycle::SandboxState;
 use crate::error::{ApiError, ApiResult};
 use crate::http::{Ctx, Reply};
 use crate::sandboxes::{
-    checked_labels, checked_name, name_holder, record_json, settled_source, spawn_start,
-    valid_name, wait_until, CaptureDir,
+    checked_labels, checked_name, name_holder, record_json, settled_source, valid_name, wait_until,
 };
+use crate::service::lifecycle::{drive, fail_start, CaptureDir, Op};
 use crate::store::{KeyInfo, SandboxRow, SnapshotRow};
 use crate::util::{
     iso, json_object, no_fields, now_ms, parse_iso_ms, prefer_wait, query_object, Fields,
@@ -167,8 +168,8 @@ pub async fn fork(st: AppState, ctx: Ctx, id: String, body: Bytes) -> ApiResult<
             if let Some(l) = &labels {
                 r.labels = l.clone();
             }
-            r.status = "pending".into();
-            r.state = "starting".into();
+            r.state = SandboxState::Starting;
+            r.status = r.state.status().into();
             r.created_at = iso(now);
             r.ready_at = None;
             r.ends_at = r.timeout_seconds.map(|t| iso(now + i64::from(t) * 1000));
@@ -217,27 +218,15 @@ pub async fn fork(st: AppState, ctx: Ctx, id: String, body: Bytes) -> ApiResult<
         match result {
             Ok(()) => {
                 for cid in task_ids {
-                    spawn_start(&st2, cid, Some(capture.clone()));
+                    let from = Some(capture.clone());
+                    if let Err(e) = drive(&st2, &cid, Op::Start { from }) {
+                        tracing::error!(sandbox_id = %cid, error = %e, "starting a fork's copy failed");
+                    }
                 }
             }
             Err(e) => {
                 tracing::warn!(sandbox_id = %src_id, error = %e, "capturing the source of a fork failed");
-                let at = iso(now_ms());
-                for cid in &task_ids {
-                    let r = st2.store().update_sandbox(cid, |r| {
-                        if r.record.state != "starting" || r.deleted.is_some() {
-                            return false;
-                        }
-                        r.record.state = "stopped".into();
-                        r.record.stop_reason = Some("start_failed".into());
-                        r.record.ended_at = Some(at.clone());
-                        true
-                    });
-                    if let Err(e) = r {
-                        tracing::error!(sandbox_id = %cid, error = %e, "recording a failed fork failed");
-                    }
-                }
-                st2.notify_change();
+                fail_start(&st2, &task_ids);
             }
         }
     });
@@ -246,7 +235,7 @@ pub async fn fork(st: AppState, ctx: Ctx, id: String, body: Bytes) -> ApiResult<
         let deadline = Instant::now() + Duration::from_secs(secs);
         for cid in &ids {
             let left = deadline.saturating_duration_since(Instant::now());
-            wait_until(&st, cid, left, |s| s != "starting").await?;
+            wait_until(&st, cid, left, |s| s != SandboxState::Starting).await?;
         }
     }
     let mut out = Vec::with_capacity(ids.len());

@@ -322,7 +322,7 @@ impl Store {
         let conn = self.conn();
         conn.execute(
             "INSERT INTO sandboxes (id, key_id, name, state, record, env) VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
-            params![row.record.id, row.key_id, row.record.name, row.record.state, record, env],
+            params![row.record.id, row.key_id, row.record.name, row.record.state.as_str(), record, env],
         )
         .map_err(store_err("insert sandbox"))?;
         Ok(conn.last_insert_rowid())
@@ -349,10 +349,10 @@ impl Store {
             row.record.status = if row.deleted.is_some() {
                 "deleted".into()
             } else {
-                runtime_api::status_for_state(&row.record.state).into()
+                row.record.state.status().into()
             };
             // Only a running sandbox holds money for its lease (billing.rs).
-            if row.record.state != "running" {
+            if row.record.state != runtime_api::SandboxState::Running {
                 row.record.held_micros = 0;
             }
             let record = serde_json::to_string(&row.record).map_err(|e| corrupt(e.to_string()))?;
@@ -363,7 +363,7 @@ impl Store {
             };
             tx.execute(
                 "UPDATE sandboxes SET name = ?2, state = ?3, record = ?4, env = ?5, deleted = ?6 WHERE id = ?1",
-                params![id, row.record.name, row.record.state, record, env, deleted],
+                params![id, row.record.name, row.record.state.as_str(), record, env, deleted],
             )
             .map_err(store_err("update sandbox"))?;
         }

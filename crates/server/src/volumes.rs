@@ -26,6 +26,7 @@ use axum::http::StatusCode;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
+use crate::domain::lifecycle::SandboxState;
 use crate::error::{ApiError, ApiResult};
 use crate::http::{Ctx, Reply};
 use crate::sandboxes::{checked_labels, checked_name};
@@ -178,8 +179,8 @@ async fn hold(st: &AppState, sandbox_id: &str) -> ApiResult<Hold> {
         return Ok(Hold::Free);
     };
     let r = &row.record;
-    if row.deleted.is_none() && (r.state != "stopped" || r.persistent) {
-        return Ok(if r.state == "stopping" {
+    if row.deleted.is_none() && (r.state != SandboxState::Stopped || r.persistent) {
+        return Ok(if r.state == SandboxState::Stopping {
             Hold::Releasing
         } else {
             Hold::Active

@@ -1,0 +1,6 @@
+//! Pure types and rules: no axum, no store, no `Host`, no spawned tasks, no
+//! clock of its own (`now` is a parameter). Everything here is unit-tested
+//! at the bottom of its file.
+
+pub(crate) mod lease;
+pub(crate) mod lifecycle;

@@ -1,0 +1,4 @@
+//! Orchestration over the store, the `Host` and owned tasks. Never names
+//! HTTP types (axum, `StatusCode`, `Bytes`).
+
+pub(crate) mod lifecycle;
