@@ -16,11 +16,13 @@ use runtime_api::Sandbox;
 use rusqlite::{params, OptionalExtension};
 use serde_json::{json, Value};
 
+use crate::domain::access::KeyInfo;
 use crate::domain::lifecycle::SandboxState;
+use crate::domain::time::parse_iso_ms;
 use crate::error::{ApiError, ApiResult, ServerError};
 use crate::http::{Ctx, Reply};
-use crate::store::{store_err, KeyInfo, SandboxRow};
-use crate::util::{now_ms, parse_iso_ms};
+use crate::service::clock::now_ms;
+use crate::store::{store_err, SandboxRow};
 use crate::AppState;
 
 /// Exact amounts are counted in this fraction of a microdollar: seconds per

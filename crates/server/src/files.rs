@@ -12,11 +12,13 @@ use runtime_api::codes;
 use runtime_host::{EntryKind, FileEntry, FileOp, FileOpResult, RunAs};
 use serde_json::{json, Value};
 
+use crate::domain::access::sha256_hex;
+use crate::domain::time::iso;
 use crate::error::{ApiError, ApiResult, ServerError};
+use crate::http::extract::{json_object, no_fields, parse_mode, query_object, Fields};
 use crate::http::{Ctx, Reply};
 use crate::sandboxes::find_running;
 use crate::store::SandboxRow;
-use crate::util::{iso, json_object, no_fields, parse_mode, query_object, sha256_hex, Fields};
 use crate::AppState;
 
 /// Largest `PUT …/files/content` body, and the chunk size of uploads.

@@ -19,8 +19,8 @@ use tokio::sync::watch;
 
 use crate::error::{ApiError, ApiResult};
 use crate::http::{deferred_body, json_bytes, Reply};
+use crate::service::clock::now_ms;
 use crate::store::StoredAnswer;
-use crate::util::now_ms;
 use crate::{procs, AppState};
 
 pub struct Request {

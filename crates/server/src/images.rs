@@ -23,10 +23,13 @@ use runtime_host::RunAs;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
+use crate::domain::access::sha256_hex;
+use crate::domain::access::KeyInfo;
+use crate::domain::time::iso;
 use crate::error::{ApiError, ApiResult};
+use crate::http::extract::{json_object, no_fields, query_object, Fields};
 use crate::http::{Ctx, Reply};
-use crate::store::KeyInfo;
-use crate::util::{iso, json_object, no_fields, now_ms, query_object, sha256_hex, Fields};
+use crate::service::clock::now_ms;
 use crate::AppState;
 
 const KIND: &str = "image";
@@ -389,7 +392,7 @@ fn inline_file(v: &Value) -> Result<(String, Vec<u8>, Option<u32>), String> {
     };
     let mode = match &v["mode"] {
         Value::Null => None,
-        m => Some(crate::util::parse_mode(m).ok_or(format!("{path}: bad mode"))?),
+        m => Some(crate::http::extract::parse_mode(m).ok_or(format!("{path}: bad mode"))?),
     };
     Ok((path, data, mode))
 }
@@ -972,7 +975,8 @@ pub async fn list(st: AppState, ctx: Ctx) -> ApiResult<Reply> {
         .filter(|d| name.as_ref().is_none_or(|n| d.name.as_ref() == Some(n)))
         .filter(|d| state.as_ref().is_none_or(|s| &d.state == s))
         .collect();
-    let next = crate::util::page_after(&mut rows, cursor.as_deref(), limit, |d| d.id.as_str())?;
+    let next =
+        crate::http::extract::page_after(&mut rows, cursor.as_deref(), limit, |d| d.id.as_str())?;
     let data: Vec<Value> = rows.iter().map(answer).collect();
     Reply::ok(json!({"data": data, "nextCursor": next}))
 }

@@ -38,11 +38,13 @@ use runtime_host::{ExecControl, ExecEvent, ExecSpec, RunAs};
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
+use crate::domain::time::iso;
 use crate::error::{ApiError, ApiResult};
+use crate::http::extract::{json_object, no_fields, Fields};
 use crate::http::{Ctx, Reply};
 use crate::sandboxes::{find, find_running};
+use crate::service::clock::now_ms;
 use crate::store::SandboxRow;
-use crate::util::{iso, json_object, no_fields, now_ms, Fields};
 use crate::AppState;
 
 const PY_DRIVER: &str = include_str!("interp/driver.py");

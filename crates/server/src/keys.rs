@@ -9,8 +9,8 @@ use std::path::Path;
 use rusqlite::{params, Connection};
 
 use crate::error::ServerError;
+use crate::service::clock::now_iso;
 use crate::store::{open_connection, store_err};
-use crate::util::now_iso;
 
 /// A key as listed (never the key itself: only its hash is kept).
 #[derive(Debug, Clone, PartialEq, Eq)]

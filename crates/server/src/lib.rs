@@ -13,7 +13,6 @@ mod idempotency;
 mod images;
 mod interpreter;
 pub mod keys;
-mod login;
 mod net;
 mod previews;
 mod procs;
@@ -22,10 +21,7 @@ mod secrets;
 mod service;
 mod snapshots;
 mod store;
-mod tls;
-mod util;
 mod volumes;
-mod ws;
 
 use std::collections::{HashMap, HashSet};
 use std::future::Future;
@@ -40,7 +36,7 @@ use tokio_util::task::TaskTracker;
 
 pub use billing::Prices;
 pub use error::{ApiError, ServerError};
-pub use http::ROUTE_SAMPLES;
+pub use http::route::ROUTE_SAMPLES;
 pub use store::Store;
 
 /// The server's settings, loaded once by the CLI and passed down.
@@ -121,7 +117,7 @@ struct Inner {
     sealer: std::sync::OnceLock<secrets::Sealer>,
     nets: net::Nets,
     meter: billing::Meter,
-    logins: login::Pending,
+    logins: http::login::Pending,
     tasks: TaskTracker,
     cancel: CancellationToken,
 }
@@ -144,7 +140,7 @@ impl AppState {
                 sealer: std::sync::OnceLock::new(),
                 nets: net::Nets::new(runtime_egress::Egress::new(config.egress.clone())),
                 meter: billing::Meter::default(),
-                logins: login::Pending::default(),
+                logins: http::login::Pending::default(),
                 tasks: TaskTracker::new(),
                 cancel: CancellationToken::new(),
                 config,
@@ -274,15 +270,15 @@ pub fn create_key(
     account_wide: bool,
 ) -> Result<String, ServerError> {
     let conn = store::open_connection(data_dir)?;
-    let (id, key) = util::new_key();
+    let (id, key) = domain::access::new_key();
     store::insert_key(
         &conn,
         &id,
         name,
-        &util::sha256_hex(key.as_bytes()),
+        &domain::access::sha256_hex(key.as_bytes()),
         read_only,
         account_wide,
-        &util::now_iso(),
+        &service::clock::now_iso(),
     )?;
     Ok(key)
 }
@@ -314,7 +310,7 @@ pub async fn run(
         config.preview_port = listener.local_addr().map(|a| a.port()).unwrap_or(0);
     }
     let tls = match &config.tls {
-        Some((cert, key)) => Some(tls::load(cert, key)?),
+        Some((cert, key)) => Some(http::tls::load(cert, key)?),
         None => None,
     };
     let store = open_store(&config.data_dir)?;
@@ -331,7 +327,7 @@ pub async fn run(
     let result = match tls {
         Some(cfg) => {
             let listener =
-                tls::TlsListener::new(listener, cfg).map_err(|source| ServerError::Io {
+                http::tls::TlsListener::new(listener, cfg).map_err(|source| ServerError::Io {
                     op: "listen",
                     path: "the TLS listener".into(),
                     source,

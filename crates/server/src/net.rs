@@ -17,10 +17,11 @@ use serde_json::{json, Value};
 use tokio::sync::watch;
 
 use crate::error::{ApiError, ApiResult};
+use crate::http::extract::{json_object, Fields};
 use crate::http::{Ctx, Reply};
 use crate::sandboxes::find;
 use crate::secrets;
-use crate::util::{json_object, now_iso, Fields};
+use crate::service::clock::now_iso;
 use crate::{AppState, Inner};
 
 const KIND: &str = "sandbox-net";

@@ -26,11 +26,13 @@ use serde_json::{json, Value};
 use sha2::Sha256;
 use tokio_util::sync::CancellationToken;
 
+use crate::domain::access::KeyInfo;
+use crate::domain::time::{iso, parse_iso_ms};
 use crate::error::{ApiError, ApiResult};
+use crate::http::extract::{json_object, no_fields, query_object, Fields};
 use crate::http::{Ctx, Reply};
 use crate::sandboxes::{find, find_running};
-use crate::store::KeyInfo;
-use crate::util::{iso, json_object, no_fields, now_ms, parse_iso_ms, query_object, Fields};
+use crate::service::clock::now_ms;
 use crate::AppState;
 
 const KIND: &str = "preview";

@@ -42,11 +42,13 @@ use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 
 use crate::domain::lifecycle::SandboxState;
+use crate::domain::time::iso;
 use crate::error::{ApiError, ApiResult};
+use crate::http::extract::{json_object, query_object, Fields};
 use crate::http::{Ctx, Reply};
 use crate::sandboxes::{find, find_running};
+use crate::service::clock::now_ms;
 use crate::store::{ProcEnd, ProcRow, SandboxRow, Store};
-use crate::util::{iso, json_object, now_ms, query_object, Fields};
 use crate::AppState;
 
 /// Kept per stream for the JSON answer of an unstreamed exec.

@@ -20,15 +20,16 @@ use runtime_host::{HostError, MachineSpec};
 use serde_json::{json, Value};
 use tokio::time::Instant;
 
+use crate::domain::access::KeyInfo;
 use crate::domain::lease;
 use crate::domain::lifecycle::{next, Event, SandboxState};
+use crate::domain::time::{iso, parse_iso_ms};
 use crate::error::{ApiError, ApiResult, ServerError};
+use crate::http::extract::{json_object, no_fields, prefer_wait, query_object, Fields};
 use crate::http::{Ctx, Reply};
+use crate::service::clock::now_ms;
 use crate::service::lifecycle::{self, disk_dir, drive, CaptureDir, Op};
-use crate::store::{KeyInfo, SandboxRow};
-use crate::util::{
-    iso, json_object, no_fields, now_ms, parse_iso_ms, prefer_wait, query_object, Fields,
-};
+use crate::store::SandboxRow;
 use crate::AppState;
 
 use SandboxState::{Paused, Pausing, Resuming, Running, Starting, Stopped, Stopping};
@@ -47,10 +48,9 @@ const STATE_NAMES: [&str; 7] = [
 /// How long a call on a paused sandbox waits for its wake.
 const WAKE_WAIT: Duration = Duration::from_secs(120);
 
-/// Account-wide keys see every sandbox, and so do read-only keys (which
-/// watch the account and can change nothing); others only their own.
+/// Whether `key` may see the sandbox of `row` (domain::access::visible).
 pub(crate) fn visible(key: &KeyInfo, row: &SandboxRow) -> bool {
-    key.account_wide || key.read_only || row.key_id == key.id
+    crate::domain::access::visible(key, &row.key_id)
 }
 
 /// The sandbox as this key may see it (deleted or foreign ones are 404).

@@ -18,8 +18,9 @@ use rand::RngCore;
 use serde_json::{json, Map, Value};
 
 use crate::error::{ApiError, ApiResult, ServerError};
+use crate::http::extract::{json_object, query_object, Fields};
 use crate::http::{Ctx, Reply};
-use crate::util::{json_object, now_iso, query_object, Fields};
+use crate::service::clock::now_iso;
 use crate::AppState;
 
 const KIND: &str = "secret";

@@ -20,17 +20,18 @@ use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use tokio::time::Instant;
 
+use crate::domain::access::KeyInfo;
 use crate::domain::lifecycle::SandboxState;
+use crate::domain::time::{iso, parse_iso_ms};
 use crate::error::{ApiError, ApiResult};
+use crate::http::extract::{json_object, no_fields, prefer_wait, query_object, Fields};
 use crate::http::{Ctx, Reply};
 use crate::sandboxes::{
     checked_labels, checked_name, name_holder, record_json, settled_source, valid_name, wait_until,
 };
+use crate::service::clock::now_ms;
 use crate::service::lifecycle::{drive, fail_start, CaptureDir, Op};
-use crate::store::{KeyInfo, SandboxRow, SnapshotRow};
-use crate::util::{
-    iso, json_object, no_fields, now_ms, parse_iso_ms, prefer_wait, query_object, Fields,
-};
+use crate::store::{SandboxRow, SnapshotRow};
 use crate::AppState;
 
 /// Most copies one fork makes.

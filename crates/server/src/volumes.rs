@@ -26,12 +26,14 @@ use axum::http::StatusCode;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
+use crate::domain::access::KeyInfo;
 use crate::domain::lifecycle::SandboxState;
+use crate::domain::time::iso;
 use crate::error::{ApiError, ApiResult};
+use crate::http::extract::{json_object, no_fields, query_object, Fields};
 use crate::http::{Ctx, Reply};
 use crate::sandboxes::{checked_labels, checked_name};
-use crate::store::KeyInfo;
-use crate::util::{iso, json_object, no_fields, now_ms, query_object, Fields};
+use crate::service::clock::now_ms;
 use crate::AppState;
 
 /// Most volumes one sandbox attaches.
@@ -330,7 +332,8 @@ pub async fn list(st: AppState, ctx: Ctx) -> ApiResult<Reply> {
         .filter(|d| visible(&ctx.key, d))
         .filter(|d| name.as_ref().is_none_or(|n| d.name.as_ref() == Some(n)))
         .collect();
-    let next = crate::util::page_after(&mut rows, cursor.as_deref(), limit, |d| d.id.as_str())?;
+    let next =
+        crate::http::extract::page_after(&mut rows, cursor.as_deref(), limit, |d| d.id.as_str())?;
     let data: Vec<Value> = rows.iter().map(|d| answer(&st, d, &held)).collect();
     Reply::ok(json!({ "data": data, "nextCursor": next }))
 }

@@ -3,7 +3,7 @@
 
 use runtime_api::Sandbox;
 
-use crate::util::{iso, parse_iso_ms};
+use crate::domain::time::{iso, parse_iso_ms};
 
 /// When a lease of `timeout_seconds` begun at `now` ends (`None`: no lease).
 pub(crate) fn lease_end(timeout_seconds: Option<u32>, now: i64) -> Option<String> {

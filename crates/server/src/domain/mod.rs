@@ -2,5 +2,7 @@
 //! clock of its own (`now` is a parameter). Everything here is unit-tested
 //! at the bottom of its file.
 
+pub(crate) mod access;
 pub(crate) mod lease;
 pub(crate) mod lifecycle;
+pub(crate) mod time;

@@ -18,9 +18,10 @@ use runtime_api::Sandbox;
 use runtime_host::HostError;
 
 use crate::domain::lifecycle::{next, Event, SandboxState};
+use crate::domain::time::iso;
 use crate::error::{ApiResult, ServerError};
+use crate::service::clock::now_ms;
 use crate::store::SandboxRow;
-use crate::util::{iso, now_ms};
 use crate::AppState;
 
 /// A capture a machine starts from: a snapshot's directory, a kept disk, or

@@ -1,4 +1,5 @@
 //! Orchestration over the store, the `Host` and owned tasks. Never names
 //! HTTP types (axum, `StatusCode`, `Bytes`).
 
+pub(crate) mod clock;
 pub(crate) mod lifecycle;

@@ -21,8 +21,9 @@ use axum::response::{IntoResponse, Response};
 use rand::Rng;
 use serde_json::{json, Value};
 
+use crate::domain::access::sha256_hex;
 use crate::error::{ApiError, ApiResult};
-use crate::util::{json_object, parse_query, percent_decode, sha256_hex, Fields};
+use crate::http::extract::{json_object, parse_query, percent_decode, Fields};
 use crate::AppState;
 
 const TTL: Duration = Duration::from_secs(15 * 60);

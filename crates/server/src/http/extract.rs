@@ -1,57 +1,13 @@
-//! Small helpers: times, keys, percent-decoding, and field-by-field validation.
+//! Reading requests: percent-decoding, query strings, bodies as JSON
+//! objects, `Prefer: wait`, and field-by-field validation that names every
+//! wrong field in one answer.
 
 use std::collections::HashSet;
 
-use base64::Engine;
-use rand::RngCore;
 use runtime_api::Issue;
 use serde_json::{Map, Value};
-use sha2::{Digest, Sha256};
-use time::OffsetDateTime;
 
 use crate::error::ApiError;
-
-pub fn now_ms() -> i64 {
-    (OffsetDateTime::now_utc().unix_timestamp_nanos() / 1_000_000) as i64
-}
-
-/// ISO 8601 UTC with milliseconds and `Z`.
-pub fn iso(ms: i64) -> String {
-    let t = OffsetDateTime::from_unix_timestamp_nanos(ms as i128 * 1_000_000)
-        .unwrap_or(OffsetDateTime::UNIX_EPOCH);
-    format!(
-        "{:04}-{:02}-{:02}T{:02}:{:02}:{:02}.{:03}Z",
-        t.year(),
-        u8::from(t.month()),
-        t.day(),
-        t.hour(),
-        t.minute(),
-        t.second(),
-        t.millisecond()
-    )
-}
-
-pub fn now_iso() -> String {
-    iso(now_ms())
-}
-
-pub fn parse_iso_ms(s: &str) -> Option<i64> {
-    let t = OffsetDateTime::parse(s, &time::format_description::well_known::Rfc3339).ok()?;
-    Some((t.unix_timestamp_nanos() / 1_000_000) as i64)
-}
-
-pub fn sha256_hex(data: &[u8]) -> String {
-    hex::encode(Sha256::digest(data))
-}
-
-/// A new API key `rtcloud_<uuid>_<43 base64url chars>` and its id.
-pub fn new_key() -> (String, String) {
-    let id = uuid::Uuid::new_v4().to_string();
-    let mut secret = [0u8; 32];
-    rand::thread_rng().fill_bytes(&mut secret);
-    let secret = base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(secret);
-    (id.clone(), format!("rtcloud_{id}_{secret}"))
-}
 
 /// Percent-decodes one path segment or query component (`plus` = space).
 pub fn percent_decode(s: &str, plus_is_space: bool) -> Option<String> {
@@ -344,6 +300,7 @@ pub fn parse_mode(v: &Value) -> Option<u32> {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
 
     #[test]
     fn pages_follow_their_cursor() {
@@ -368,26 +325,6 @@ mod tests {
         assert_eq!((page, next), (vec!["e".to_string()], None));
         let mut page = all;
         assert!(page_after(&mut page, Some("zz"), 2, String::as_str).is_err());
-    }
-
-    use super::*;
-
-    #[test]
-    fn iso_has_z_and_millis() {
-        assert_eq!(iso(0), "1970-01-01T00:00:00.000Z");
-        assert_eq!(
-            parse_iso_ms(&iso(1_700_000_000_123)),
-            Some(1_700_000_000_123)
-        );
-    }
-
-    #[test]
-    fn keys_have_the_cli_shape() {
-        let (_, k) = new_key();
-        let parts: Vec<&str> = k.splitn(3, '_').collect();
-        assert_eq!(parts[0], "rtcloud");
-        assert_eq!(parts[1].len(), 36);
-        assert_eq!(k.len(), "rtcloud_".len() + 36 + 1 + 43);
     }
 
     #[test]

@@ -10,6 +10,7 @@ use std::sync::{Mutex, MutexGuard};
 use runtime_api::{DeletedSandbox, Sandbox};
 use rusqlite::{params, Connection, OptionalExtension};
 
+use crate::domain::access::KeyInfo;
 use crate::error::ServerError;
 use crate::snapshots::Snapshot;
 
@@ -123,13 +124,6 @@ CREATE TABLE IF NOT EXISTS net_docs (
 
 pub struct Store {
     conn: Mutex<Connection>,
-}
-
-#[derive(Debug, Clone)]
-pub struct KeyInfo {
-    pub id: String,
-    pub read_only: bool,
-    pub account_wide: bool,
 }
 
 /// A sandbox as stored: its public record plus what is never echoed.

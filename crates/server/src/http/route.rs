@@ -1,57 +1,14 @@
-//! The HTTP edge: request ids, auth, routing on raw path segments, bodies,
-//! late answers. Routes are matched here by hand because ids arrive
-//! percent-encoded and actions follow the first literal `:` of the last raw
-//! segment (`/v1/sandboxes/{id}:exec`), which axum's router treats specially.
+//! The route table: one place that says which method and path is which
+//! [`Route`], how large a body it reads, whether it shows what is inside a
+//! sandbox, and a sample request of each for the tests. Routes are matched
+//! by hand because ids arrive percent-encoded and actions follow the first
+//! literal `:` of the last raw segment (`/v1/sandboxes/{id}:exec`), which
+//! axum's router treats specially.
 
-use std::convert::Infallible;
-
-use axum::body::{Body, Bytes};
-use axum::extract::{Request, State};
-use axum::http::{HeaderMap, HeaderValue, Method, StatusCode};
-use axum::response::{IntoResponse, Response};
-use serde_json::Value;
-use tracing::Instrument;
+use axum::http::Method;
 
 use crate::error::{ApiError, ApiResult};
-use crate::store::KeyInfo;
-use crate::util::{parse_query, percent_decode, sha256_hex};
-use crate::{
-    billing, files, idempotency, images, interpreter, login, net, previews, procs, sandboxes,
-    secrets, snapshots, volumes, ws, AppState,
-};
-use axum::extract::FromRequestParts;
-
-/// What a handler answers.
-pub enum Reply {
-    /// A JSON answer; stored for idempotent replay when 2xx.
-    Json(StatusCode, Value),
-    /// Raw bytes or other non-JSON answers (never stored).
-    Raw(Response),
-    /// An NDJSON stream; `replay` names the process a duplicate follows.
-    Stream { response: Response, replay: Value },
-}
-
-impl Reply {
-    pub fn ok(v: Value) -> ApiResult<Reply> {
-        Ok(Reply::Json(StatusCode::OK, v))
-    }
-
-    pub fn into_response(self) -> Response {
-        match self {
-            Reply::Json(status, v) => (status, axum::Json(v)).into_response(),
-            Reply::Raw(r) => r,
-            Reply::Stream { response, .. } => response,
-        }
-    }
-}
-
-/// Who asks, and the parts of the request every handler may need.
-#[derive(Clone)]
-pub struct Ctx {
-    pub key: KeyInfo,
-    pub headers: HeaderMap,
-    pub query: Vec<(String, String)>,
-}
+use crate::http::extract::percent_decode;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Route {
@@ -110,54 +67,6 @@ pub enum Route {
     Usage,
     Limits,
     Me,
-}
-
-pub fn router(state: AppState) -> axum::Router {
-    axum::Router::new().fallback(handle).with_state(state)
-}
-
-async fn handle(State(st): State<AppState>, req: Request) -> Response {
-    if let Some((port, sandbox)) = previews::target(&st, req.headers()) {
-        let span = tracing::info_span!("preview", sandbox_id = %sandbox, port);
-        return previews::serve(st, req, port, sandbox)
-            .instrument(span)
-            .await;
-    }
-    let rid = format!("req_{}", uuid::Uuid::new_v4().simple());
-    let span = tracing::info_span!("request", request_id = %rid, method = %req.method(), path = %req.uri().path());
-    let mut resp = async {
-        let result = if login::is_login_path(req.uri().path()) {
-            login::handle(&st, req).await
-        } else {
-            serve(&st, req, &rid).await
-        };
-        match result {
-            Ok(r) => r,
-            Err(e) => {
-                tracing::debug!(error = %e, "request refused");
-                e.into_response_with(&rid)
-            }
-        }
-    }
-    .instrument(span)
-    .await;
-    if let Ok(v) = HeaderValue::from_str(&rid) {
-        resp.headers_mut().insert("x-request-id", v);
-    }
-    resp
-}
-
-fn authenticate(st: &AppState, headers: &HeaderMap) -> ApiResult<KeyInfo> {
-    let token = headers
-        .get(axum::http::header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .map(str::trim)
-        .filter(|t| !t.is_empty())
-        .ok_or(ApiError::Unauthorized)?;
-    st.store()
-        .find_key(&sha256_hex(token.as_bytes()))?
-        .ok_or(ApiError::Unauthorized)
 }
 
 /// Splits the raw path into decoded segments and the action verb.
@@ -349,105 +258,11 @@ pub fn route(method: &Method, raw_path: &str) -> ApiResult<Route> {
 }
 
 /// The largest body a route reads.
-fn body_limit(r: &Route) -> usize {
+pub(super) fn body_limit(r: &Route) -> usize {
     match r {
-        Route::FileContentPut(_) | Route::UploadChunk(..) => files::CHUNK_BYTES,
+        Route::FileContentPut(_) | Route::UploadChunk(..) => crate::files::CHUNK_BYTES,
         _ => 8 << 20,
     }
-}
-
-async fn read_body(body: Body, limit: usize) -> ApiResult<Bytes> {
-    axum::body::to_bytes(body, limit).await.map_err(|e| {
-        // axum wraps http-body-util's LengthLimitError; any other failure is a
-        // client that hung up mid-body, and then nobody reads the answer.
-        tracing::debug!(error = %e, "reading the body failed");
-        ApiError::PayloadTooLarge { limit }
-    })
-}
-
-async fn serve(st: &AppState, req: Request, rid: &str) -> ApiResult<Response> {
-    let (mut parts, body) = req.into_parts();
-    let key = authenticate(st, &parts.headers)?;
-    let r = route(&parts.method, parts.uri.path())?;
-    if let Route::Terminal(id) | Route::Tunnel(id) = &r {
-        // Both type into the sandbox: a change, whatever the method.
-        if key.read_only {
-            return Err(ApiError::Forbidden {
-                action: "open terminals or tunnels",
-            });
-        }
-        let upgrade = axum::extract::ws::WebSocketUpgrade::from_request_parts(&mut parts, st)
-            .await
-            .map_err(|_| {
-                ApiError::invalid(
-                    "Upgrade",
-                    "this route is a WebSocket: send an Upgrade: websocket request",
-                )
-            })?;
-        let query = parse_query(parts.uri.query())?;
-        return match &r {
-            Route::Terminal(_) => ws::terminal(st.clone(), key, id.clone(), query, upgrade).await,
-            _ => ws::tunnel(st.clone(), key, id.clone(), upgrade).await,
-        };
-    }
-    if parts.method != Method::GET && key.read_only {
-        return Err(ApiError::Forbidden {
-            action: "make changes",
-        });
-    }
-    if key.read_only && reveals_contents(&r) {
-        return Err(ApiError::Forbidden {
-            action: "read files or process output",
-        });
-    }
-    let query = parse_query(parts.uri.query())?;
-    let bytes = if parts.method == Method::GET {
-        Bytes::new()
-    } else {
-        read_body(body, body_limit(&r)).await?
-    };
-    let ctx = Ctx {
-        key,
-        headers: parts.headers.clone(),
-        query,
-    };
-
-    let idem = match parts.headers.get("idempotency-key") {
-        Some(v) if parts.method != Method::GET => {
-            let k = v
-                .to_str()
-                .map_err(|_| ApiError::invalid("Idempotency-Key", "must be ASCII"))?;
-            if !valid_idempotency_key(k) {
-                return Err(ApiError::invalid(
-                    "Idempotency-Key",
-                    "must be 1-128 of [A-Za-z0-9_.:-], starting with a letter or digit",
-                ));
-            }
-            let mut fp = Vec::new();
-            fp.extend_from_slice(parts.method.as_str().as_bytes());
-            fp.push(b' ');
-            fp.extend_from_slice(parts.uri.path().as_bytes());
-            fp.push(b'?');
-            fp.extend_from_slice(parts.uri.query().unwrap_or("").as_bytes());
-            fp.push(b'\n');
-            fp.extend_from_slice(&bytes);
-            Some(idempotency::Request {
-                idem_key: k.to_string(),
-                fingerprint: sha256_hex(&fp),
-            })
-        }
-        _ => None,
-    };
-
-    let is_get = parts.method == Method::GET;
-    let key_id = ctx.key.id.clone();
-    let st2 = st.clone();
-    let work = async move { dispatch(st2, ctx, r, bytes).await };
-    if is_get {
-        // Reads run in the request's task; a hang-up simply ends them.
-        return Ok(work.await?.into_response());
-    }
-    idempotency::execute(st, &key_id, idem, work, rid).await
 }
 
 /// One request per route (and per sandbox verb), `{id}` standing for a
@@ -539,93 +354,6 @@ pub fn reveals_contents(r: &Route) -> bool {
             | Route::Terminal(_)
             | Route::Tunnel(_)
     )
-}
-
-fn valid_idempotency_key(k: &str) -> bool {
-    (1..=128).contains(&k.len())
-        && k.as_bytes()[0].is_ascii_alphanumeric()
-        && k.bytes()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b':' | b'-'))
-}
-
-async fn dispatch(st: AppState, ctx: Ctx, r: Route, body: Bytes) -> ApiResult<Reply> {
-    match r {
-        Route::CreateSandbox => sandboxes::create(st, ctx, body).await,
-        Route::ListSandboxes => sandboxes::list(st, ctx).await,
-        Route::GetSandbox(id) => sandboxes::get(st, ctx, id).await,
-        Route::DeleteSandbox(id) => sandboxes::delete(st, ctx, id).await,
-        Route::SandboxAction(id, verb) => match verb.as_str() {
-            "exec" => procs::exec(st, ctx, id, body).await,
-            _ => sandboxes::action(st, ctx, id, verb, body).await,
-        },
-        Route::FileContentGet(id) => files::read(st, ctx, id).await,
-        Route::FileContentPut(id) => files::write(st, ctx, id, body).await,
-        Route::FilesList(id) => files::list(st, ctx, id).await,
-        Route::FilesStat(id) => files::stat(st, ctx, id).await,
-        Route::FilesAction(id, verb) => files::action(st, ctx, id, verb, body).await,
-        Route::UploadBegin(id) => files::upload_begin(st, ctx, id, body).await,
-        Route::UploadChunk(id, u) => files::upload_chunk(st, ctx, id, u, body).await,
-        Route::UploadAction(id, u, verb) => files::upload_action(st, ctx, id, u, verb, body).await,
-        Route::ProcSpawn(id) => procs::spawn(st, ctx, id, body).await,
-        Route::ProcList(id) => procs::list(st, ctx, id).await,
-        Route::ProcGet(id, pid) => procs::get(st, ctx, id, pid).await,
-        Route::ProcOutput(id, pid) => procs::output(st, ctx, id, pid).await,
-        Route::ProcAction(id, pid, verb) => procs::action(st, ctx, id, pid, verb, body).await,
-        Route::ListSnapshots => snapshots::list(st, ctx).await,
-        Route::GetSnapshot(id) => snapshots::get(st, ctx, id).await,
-        Route::DeleteSnapshot(id) => snapshots::delete(st, ctx, id).await,
-        Route::SnapshotAction(id, verb) => snapshots::action(st, ctx, id, verb, body).await,
-        Route::CreateImage => images::create(st, ctx, body).await,
-        Route::ListImages => images::list(st, ctx).await,
-        Route::ResolveImage => images::resolve_route(st, ctx).await,
-        Route::GetImage(id) => images::get(st, ctx, id).await,
-        Route::ImageLogs(id) => images::logs(st, ctx, id).await,
-        Route::DeleteImage(id) => images::delete(st, ctx, id).await,
-        Route::ImageAction(id, verb) => images::action(st, ctx, id, verb, body).await,
-        Route::CreateVolume => volumes::create(st, ctx, body).await,
-        Route::ListVolumes => volumes::list(st, ctx).await,
-        Route::GetVolume(id) => volumes::get(st, ctx, id).await,
-        Route::DeleteVolume(id) => volumes::delete(st, ctx, id).await,
-        Route::VolumeAction(id, verb) => volumes::action(st, ctx, id, verb, body).await,
-        Route::Interpreter(m, id, rest, verb) => {
-            interpreter::handle(st, ctx, m, id, rest, verb, body).await
-        }
-        Route::Previews(id) => previews::list(st, ctx, id).await,
-        Route::PreviewCreate(id) => previews::create(st, ctx, id, body).await,
-        Route::PreviewGet(id, port) => previews::get(st, ctx, id, port).await,
-        Route::PreviewDelete(id, port) => previews::delete(st, ctx, id, port).await,
-        Route::PreviewAction(id, port, verb) => {
-            previews::action(st, ctx, id, port, verb, body).await
-        }
-        Route::GetNetwork(id) => net::get(st, ctx, id).await,
-        Route::PutNetwork(id) => net::put(st, ctx, id, body).await,
-        Route::ListSecrets => secrets::list(st, ctx).await,
-        Route::PutSecret(name) => secrets::put(st, ctx, name, body).await,
-        Route::DeleteSecret(name) => secrets::delete(st, ctx, name).await,
-        Route::JobSecrets => Err(ApiError::Unsupported {
-            feature: "Secrets for scheduled jobs",
-        }),
-        Route::Terminal(_) | Route::Tunnel(_) => Err(ApiError::Internal {
-            what: "a WebSocket route reached the JSON dispatcher".into(),
-        }),
-        Route::Usage => billing::usage(st, ctx).await,
-        Route::Limits => billing::limits(st, ctx).await,
-        Route::Me => billing::me(st, ctx).await,
-    }
-}
-
-/// A body that sends nothing until `fut` resolves, then its bytes.
-pub fn deferred_body<F>(fut: F) -> Body
-where
-    F: std::future::Future<Output = Bytes> + Send + 'static,
-{
-    Body::from_stream(futures::stream::once(async move {
-        Ok::<_, Infallible>(fut.await)
-    }))
-}
-
-pub fn json_bytes(v: &impl serde::Serialize) -> Bytes {
-    Bytes::from(serde_json::to_vec(v).unwrap_or_default())
 }
 
 #[cfg(test)]
@@ -730,13 +458,5 @@ mod tests {
         }
         let missing: Vec<usize> = (0..VARIANTS).filter(|i| !seen[*i]).collect();
         assert!(missing.is_empty(), "routes without a sample: {missing:?}");
-    }
-
-    #[test]
-    fn idempotency_key_shape() {
-        assert!(valid_idempotency_key("a1:b.c-d_e"));
-        assert!(!valid_idempotency_key("-a"));
-        assert!(!valid_idempotency_key(""));
-        assert!(!valid_idempotency_key(&"a".repeat(129)));
     }
 }

@@ -22,11 +22,11 @@ use serde_json::{json, Value};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::mpsc;
 
+use crate::domain::access::KeyInfo;
 use crate::error::{ApiError, ApiResult};
+use crate::http::extract::{query_object, Fields};
 use crate::procs::{self, Proc};
 use crate::sandboxes::find_running;
-use crate::store::KeyInfo;
-use crate::util::{query_object, Fields};
 use crate::AppState;
 
 /// What the client may send past the last credit (its own constant).
