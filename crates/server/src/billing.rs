@@ -379,7 +379,7 @@ pub async fn tick(st: &AppState) -> Result<(), ServerError> {
         // Work in the guest counts as activity for `idlePauseSeconds`, as
         // calls do: a second with a tenth of a vCPU or more busy.
         if running && used >= BUSY_NS_PER_SECOND {
-            crate::sandboxes::touch(st, &row);
+            crate::service::sandboxes::touch(st, &row);
         }
         if running && st.inner.meter.renewed(&row.record, now) {
             renew(st, &row, now)?;
@@ -423,7 +423,7 @@ pub async fn tick(st: &AppState) -> Result<(), ServerError> {
         }
         if cap_reached {
             tracing::info!(sandbox_id = %id, "lifetime cost cap reached: stopping");
-            if let Err(e) = crate::sandboxes::stop_for(st, &id, "lifetime_cap") {
+            if let Err(e) = crate::service::sandboxes::stop_for(st, &id, "lifetime_cap") {
                 tracing::error!(sandbox_id = %id, error = %e, "stopping at the lifetime cap failed");
             }
         }
@@ -448,9 +448,9 @@ fn renew(st: &AppState, row: &SandboxRow, now: i64) -> Result<(), ServerError> {
     let id = &row.record.id;
     tracing::info!(sandbox_id = %id, key_id = %row.key_id, "the lease renewal passes the daily limit: pausing");
     let result = if row.record.pausable {
-        crate::sandboxes::request_pause(st, id, "spending_limit").map(|_| ())
+        crate::service::sandboxes::request_pause(st, id, "spending_limit").map(|_| ())
     } else {
-        crate::sandboxes::stop_for(st, id, "spending_limit")
+        crate::service::sandboxes::stop_for(st, id, "spending_limit")
     };
     if let Err(e) = result {
         tracing::error!(sandbox_id = %id, error = %e, "pausing at the renewal failed");
@@ -473,9 +473,9 @@ pub fn enforce_daily_limit(st: &AppState, key_id: &str, now: i64) -> Result<(), 
         }
         tracing::info!(sandbox_id = %r.record.id, key_id, "daily spending limit reached: pausing");
         let result = if r.record.pausable {
-            crate::sandboxes::request_pause(st, &r.record.id, "spending_limit").map(|_| ())
+            crate::service::sandboxes::request_pause(st, &r.record.id, "spending_limit").map(|_| ())
         } else {
-            crate::sandboxes::stop_for(st, &r.record.id, "spending_limit")
+            crate::service::sandboxes::stop_for(st, &r.record.id, "spending_limit")
         };
         if let Err(e) = result {
             tracing::error!(sandbox_id = %r.record.id, error = %e, "enforcing the daily limit failed");
@@ -610,7 +610,7 @@ pub async fn usage(st: AppState, ctx: Ctx) -> ApiResult<Reply> {
     let live = st.store().live_sandboxes()?;
     let live: Vec<&SandboxRow> = live
         .iter()
-        .filter(|r| crate::sandboxes::visible(&ctx.key, r))
+        .filter(|r| crate::service::sandboxes::visible(&ctx.key, r))
         .collect();
     struct Acc {
         name: Option<String>,

@@ -17,7 +17,7 @@ use crate::domain::time::iso;
 use crate::error::{ApiError, ApiResult, ServerError};
 use crate::http::extract::{json_object, no_fields, parse_mode, query_object, Fields};
 use crate::http::{Ctx, Reply};
-use crate::sandboxes::find_running;
+use crate::service::sandboxes::find_running;
 use crate::store::SandboxRow;
 use crate::AppState;
 
@@ -512,7 +512,7 @@ pub async fn upload_action(
             )
         }
         "abort" => {
-            crate::sandboxes::find(&st, &ctx.key, &id)?;
+            crate::service::sandboxes::find(&st, &ctx.key, &id)?;
             let up = st.inner.uploads.get(&id, &upload_id)?;
             let u = up.lock().await;
             let _ = tokio::fs::remove_file(&u.file).await;

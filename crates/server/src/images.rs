@@ -709,13 +709,13 @@ fn parse_dockerfile(
 pub async fn create(st: AppState, ctx: Ctx, body: Bytes) -> ApiResult<Reply> {
     let obj = json_object(&body)?;
     let mut f = Fields::new(&obj);
-    let name = crate::sandboxes::checked_name(&mut f);
+    let name = crate::http::extract::checked_name(&mut f);
     if let Some(n) = &name {
         if n.contains([':', '@', '/']) {
             f.issue("name", "may not contain ':', '@' or '/'");
         }
     }
-    let labels = crate::sandboxes::checked_labels(&mut f).unwrap_or_default();
+    let labels = crate::http::extract::checked_labels(&mut f).unwrap_or_default();
     let tags = f.raw("tags").cloned();
     let recipe = f.raw("recipe").cloned();
     let dockerfile = f.string("dockerfile");

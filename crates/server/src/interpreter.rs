@@ -42,8 +42,8 @@ use crate::domain::time::iso;
 use crate::error::{ApiError, ApiResult};
 use crate::http::extract::{json_object, no_fields, Fields};
 use crate::http::{Ctx, Reply};
-use crate::sandboxes::{find, find_running};
 use crate::service::clock::now_ms;
+use crate::service::sandboxes::{find, find_running};
 use crate::store::SandboxRow;
 use crate::AppState;
 

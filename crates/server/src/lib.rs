@@ -201,7 +201,7 @@ impl AppState {
     /// Starts the lease reaper and housekeeping. `run` calls it; tests may.
     pub fn start_background(&self) {
         let st = self.clone();
-        self.spawn(async move { sandboxes::reaper(st).await });
+        self.spawn(async move { service::sandboxes::reaper(st).await });
         let st = self.clone();
         self.spawn(async move { billing::run(st).await });
     }
@@ -293,7 +293,7 @@ pub fn router(state: AppState) -> axum::Router {
 /// Then takes up the processes of the running ones (`lost` when the host no
 /// longer knows them) and reloads the records of those that ended.
 pub async fn recover(state: &AppState) -> Result<(), ServerError> {
-    sandboxes::recover(state).await?;
+    service::sandboxes::recover(state).await?;
     images::recover(state).await?;
     procs::recover(state).await
 }

@@ -19,9 +19,9 @@ use tokio::sync::watch;
 use crate::error::{ApiError, ApiResult};
 use crate::http::extract::{json_object, Fields};
 use crate::http::{Ctx, Reply};
-use crate::sandboxes::find;
 use crate::secrets;
 use crate::service::clock::now_iso;
+use crate::service::sandboxes::find;
 use crate::{AppState, Inner};
 
 const KIND: &str = "sandbox-net";

@@ -31,8 +31,8 @@ use crate::domain::time::{iso, parse_iso_ms};
 use crate::error::{ApiError, ApiResult};
 use crate::http::extract::{json_object, no_fields, query_object, Fields};
 use crate::http::{Ctx, Reply};
-use crate::sandboxes::{find, find_running};
 use crate::service::clock::now_ms;
+use crate::service::sandboxes::{find, find_running};
 use crate::AppState;
 
 const KIND: &str = "preview";

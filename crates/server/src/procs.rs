@@ -46,8 +46,8 @@ use crate::domain::time::iso;
 use crate::error::{ApiError, ApiResult};
 use crate::http::extract::{json_object, query_object, Fields};
 use crate::http::{Ctx, Reply};
-use crate::sandboxes::{find, find_running};
 use crate::service::clock::now_ms;
+use crate::service::sandboxes::{find, find_running};
 use crate::store::{ProcEnd, ProcRow, SandboxRow, Store};
 use crate::AppState;
 

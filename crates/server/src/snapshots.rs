@@ -22,15 +22,16 @@ use tokio::time::Instant;
 
 use crate::domain::access::KeyInfo;
 use crate::domain::lifecycle::SandboxState;
+use crate::domain::names::valid_name;
 use crate::domain::time::{iso, parse_iso_ms};
 use crate::error::{ApiError, ApiResult};
+use crate::http::extract::{checked_labels, checked_name};
 use crate::http::extract::{json_object, no_fields, prefer_wait, query_object, Fields};
+use crate::http::record_json;
 use crate::http::{Ctx, Reply};
-use crate::sandboxes::{
-    checked_labels, checked_name, name_holder, record_json, settled_source, valid_name, wait_until,
-};
 use crate::service::clock::now_ms;
 use crate::service::lifecycle::{drive, fail_start, CaptureDir, Op};
+use crate::service::sandboxes::{name_holder, settled_source, wait_until};
 use crate::store::{SandboxRow, SnapshotRow};
 use crate::AppState;
 
@@ -154,7 +155,7 @@ pub async fn fork(st: AppState, ctx: Ctx, id: String, body: Bytes) -> ApiResult<
         if let Some(n) = &name {
             if let Some(h) = name_holder(&st, n, None)? {
                 let sandbox_id =
-                    crate::sandboxes::visible(&ctx.key, &h).then(|| h.record.id.clone());
+                    crate::service::sandboxes::visible(&ctx.key, &h).then(|| h.record.id.clone());
                 return Err(ApiError::NameTaken {
                     name: n.clone(),
                     sandbox_id,

@@ -30,9 +30,9 @@ use crate::domain::access::KeyInfo;
 use crate::domain::lifecycle::SandboxState;
 use crate::domain::time::iso;
 use crate::error::{ApiError, ApiResult};
+use crate::http::extract::{checked_labels, checked_name};
 use crate::http::extract::{json_object, no_fields, query_object, Fields};
 use crate::http::{Ctx, Reply};
-use crate::sandboxes::{checked_labels, checked_name};
 use crate::service::clock::now_ms;
 use crate::AppState;
 

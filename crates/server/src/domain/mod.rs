@@ -5,4 +5,5 @@
 pub(crate) mod access;
 pub(crate) mod lease;
 pub(crate) mod lifecycle;
+pub(crate) mod names;
 pub(crate) mod time;

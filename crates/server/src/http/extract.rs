@@ -2,11 +2,12 @@
 //! objects, `Prefer: wait`, and field-by-field validation that names every
 //! wrong field in one answer.
 
-use std::collections::HashSet;
+use std::collections::{BTreeMap, HashSet};
 
 use runtime_api::Issue;
 use serde_json::{Map, Value};
 
+use crate::domain::names::{valid_env_name, valid_name};
 use crate::error::ApiError;
 
 /// Percent-decodes one path segment or query component (`plus` = space).
@@ -296,6 +297,67 @@ pub fn parse_mode(v: &Value) -> Option<u32> {
         Value::Number(n) => n.as_u64().filter(|m| *m <= 0o7777).map(|m| m as u32),
         _ => None,
     }
+}
+
+/// The optional `name` of a body, checked.
+pub(crate) fn checked_name(f: &mut Fields<'_>) -> Option<String> {
+    let name = f.string("name");
+    if let Some(n) = &name {
+        if !valid_name(n) {
+            f.issue(
+                "name",
+                "must be 1-128 characters without control characters",
+            );
+        }
+    }
+    name
+}
+
+/// The optional `labels` of a body (at most 32), checked.
+pub(crate) fn checked_labels(f: &mut Fields<'_>) -> Option<BTreeMap<String, String>> {
+    let labels = f.string_map("labels", 32);
+    check_labels(f, labels)
+}
+
+pub(crate) fn check_labels(
+    f: &mut Fields<'_>,
+    labels: Option<Vec<(String, String)>>,
+) -> Option<BTreeMap<String, String>> {
+    let labels = labels?;
+    let mut out = BTreeMap::new();
+    for (k, v) in labels {
+        if k.is_empty() || k.len() > 63 || k.contains(':') {
+            f.issue(
+                &format!("labels.{k}"),
+                "keys must be 1-63 characters without ':'",
+            );
+        } else if v.len() > 256 {
+            f.issue(
+                &format!("labels.{k}"),
+                "values must be at most 256 characters",
+            );
+        } else {
+            out.insert(k, v);
+        }
+    }
+    Some(out)
+}
+
+pub(crate) fn check_env(
+    f: &mut Fields<'_>,
+    env: Option<Vec<(String, String)>>,
+) -> Option<Vec<(String, String)>> {
+    let env = env?;
+    let total: usize = env.iter().map(|(k, v)| k.len() + v.len()).sum();
+    if total > 32 * 1024 {
+        f.issue("env", "must be at most 32 KiB in total");
+    }
+    for (k, _) in &env {
+        if !valid_env_name(k) {
+            f.issue(&format!("env.{k}"), "is not a valid variable name");
+        }
+    }
+    Some(env)
 }
 
 #[cfg(test)]

@@ -216,6 +216,17 @@ pub fn json_bytes(v: &impl serde::Serialize) -> Bytes {
     Bytes::from(serde_json::to_vec(v).unwrap_or_default())
 }
 
+/// A sandbox record as answered, with `extra` fields beside its own.
+pub(crate) fn record_json(s: &runtime_api::Sandbox, extra: &[(&str, Value)]) -> Value {
+    let mut v = serde_json::to_value(s).unwrap_or(Value::Null);
+    if let Value::Object(m) = &mut v {
+        for (k, x) in extra {
+            m.insert((*k).to_string(), x.clone());
+        }
+    }
+    v
+}
+
 fn valid_idempotency_key(k: &str) -> bool {
     (1..=128).contains(&k.len())
         && k.as_bytes()[0].is_ascii_alphanumeric()

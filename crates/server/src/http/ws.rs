@@ -26,7 +26,7 @@ use crate::domain::access::KeyInfo;
 use crate::error::{ApiError, ApiResult};
 use crate::http::extract::{query_object, Fields};
 use crate::procs::{self, Proc};
-use crate::sandboxes::find_running;
+use crate::service::sandboxes::find_running;
 use crate::AppState;
 
 /// What the client may send past the last credit (its own constant).

@@ -188,7 +188,7 @@ async fn run(st: &AppState, row: SandboxRow, op: Op) {
     let now = now_ms();
     match op {
         Op::Start { from } => {
-            let spec = crate::sandboxes::machine_spec(st, &row.record);
+            let spec = crate::service::sandboxes::machine_spec(st, &row.record);
             let result = match &from {
                 Some(dir) => st.host().restore(&spec, &dir.path).await,
                 None => st.host().start(&spec).await,
@@ -276,7 +276,7 @@ async fn run(st: &AppState, row: SandboxRow, op: Op) {
         Op::Wake { .. } => {
             let result = st
                 .host()
-                .wake(&crate::sandboxes::machine_spec(st, &row.record))
+                .wake(&crate::service::sandboxes::machine_spec(st, &row.record))
                 .await;
             if result.is_ok() {
                 // Before it is `running`, so a call that woke it finds them attached.

@@ -3,3 +3,4 @@
 
 pub(crate) mod clock;
 pub(crate) mod lifecycle;
+pub(crate) mod sandboxes;
