@@ -21,7 +21,6 @@ use crate::domain::lifecycle::SandboxState;
 use crate::domain::time::parse_iso_ms;
 use crate::error::{ApiError, ApiResult, ServerError};
 use crate::http::{Ctx, Reply};
-use crate::service::clock::now_ms;
 use crate::store::{store_err, SandboxRow};
 use crate::AppState;
 
@@ -325,7 +324,7 @@ pub fn check_spend(
             });
         }
     }
-    let (limit, settled, held) = day_of(st, key_id, now_ms())?;
+    let (limit, settled, held) = day_of(st, key_id, st.now_ms())?;
     if let Some(limit) = limit {
         let used = settled + held;
         if settled >= limit || used.saturating_add(needed) > limit {
@@ -341,7 +340,7 @@ pub fn check_spend(
 pub fn check_lease_change(st: &AppState, row: &SandboxRow, seconds: u32) -> ApiResult<()> {
     let seconds = i64::from(seconds);
     let left = if row.record.state == SandboxState::Running {
-        lease_left_seconds(&row.record, now_ms())
+        lease_left_seconds(&row.record, st.now_ms())
     } else {
         first_lease_seconds(row.record.timeout_seconds)
     };
@@ -362,7 +361,7 @@ pub fn check_lease_change(st: &AppState, row: &SandboxRow, seconds: u32) -> ApiR
 const BUSY_NS_PER_SECOND: u64 = 100_000_000;
 
 pub async fn tick(st: &AppState) -> Result<(), ServerError> {
-    let now = now_ms();
+    let now = st.now_ms();
     let prices = st.config().prices.clone();
     let rows = st.store().live_sandboxes()?;
     let mut keys_charged: BTreeMap<String, ()> = BTreeMap::new();
@@ -553,7 +552,7 @@ fn access(key: &KeyInfo) -> &'static str {
 
 /// `GET /v1/limits`: this key's access and daily limit.
 pub async fn limits(st: AppState, ctx: Ctx) -> ApiResult<Reply> {
-    let (limit, settled, held) = day_of(&st, &ctx.key.id, now_ms())?;
+    let (limit, settled, held) = day_of(&st, &ctx.key.id, st.now_ms())?;
     let used = settled + held;
     Reply::ok(json!({
         "access": access(&ctx.key),
@@ -605,7 +604,7 @@ pub async fn me(st: AppState, ctx: Ctx) -> ApiResult<Reply> {
 /// for what this key sees (its own; everything for account-wide and
 /// read-only keys).
 pub async fn usage(st: AppState, ctx: Ctx) -> ApiResult<Reply> {
-    let now = now_ms();
+    let now = st.now_ms();
     let sees_all = ctx.key.account_wide || ctx.key.read_only;
     let live = st.store().live_sandboxes()?;
     let live: Vec<&SandboxRow> = live

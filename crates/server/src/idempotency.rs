@@ -19,7 +19,6 @@ use tokio::sync::watch;
 
 use crate::error::{ApiError, ApiResult};
 use crate::http::{deferred_body, json_bytes, Reply};
-use crate::service::clock::now_ms;
 use crate::store::StoredAnswer;
 use crate::{procs, AppState};
 
@@ -78,7 +77,7 @@ fn claim(st: &AppState, key_id: &str, req: &Request) -> ApiResult<Claim> {
     }
     let ttl_ms = st.config().idempotency_ttl.as_millis() as i64;
     if let Some(stored) = st.store().idem_get(key_id, &req.idem_key)? {
-        if stored.created_ms + ttl_ms > now_ms() {
+        if stored.created_ms + ttl_ms > st.now_ms() {
             if stored.fingerprint != req.fingerprint {
                 return Err(ApiError::IdempotencyKeyReused);
             }
@@ -156,14 +155,14 @@ where
                     kind: "json".into(),
                     status: status.as_u16(),
                     body: body.to_string(),
-                    created_ms: now_ms(),
+                    created_ms: st2.now_ms(),
                 }),
                 Reply::Stream { replay, .. } => Some(StoredAnswer {
                     fingerprint: fp.clone(),
                     kind: "stream".into(),
                     status: 200,
                     body: replay.to_string(),
-                    created_ms: now_ms(),
+                    created_ms: st2.now_ms(),
                 }),
                 _ => None,
             };

@@ -37,6 +37,7 @@ use tokio_util::task::TaskTracker;
 pub use billing::Prices;
 pub use error::{ApiError, ServerError};
 pub use http::route::ROUTE_SAMPLES;
+pub use service::clock::Clock;
 pub use store::Store;
 
 /// The server's settings, loaded once by the CLI and passed down.
@@ -68,6 +69,8 @@ pub struct Config {
     pub tls: Option<(PathBuf, PathBuf)>,
     /// What running, paused and kept sandboxes cost (docs/billing.md).
     pub prices: Prices,
+    /// Where the service reads the time (tests run on tokio's paused time).
+    pub clock: Clock,
 }
 
 impl Config {
@@ -86,6 +89,7 @@ impl Config {
             egress: runtime_egress::EgressConfig::default(),
             tls: None,
             prices: Prices::default(),
+            clock: Clock::System,
         }
     }
 }
@@ -155,6 +159,11 @@ impl AppState {
 
     fn config(&self) -> &Config {
         &self.inner.config
+    }
+
+    /// Now, in milliseconds since the epoch, by the configured clock.
+    pub(crate) fn now_ms(&self) -> i64 {
+        self.inner.config.clock.now_ms()
     }
 
     fn store(&self) -> &Store {

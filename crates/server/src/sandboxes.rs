@@ -27,7 +27,6 @@ use crate::http::extract::{
     Fields,
 };
 use crate::http::{record_json, Ctx, Reply};
-use crate::service::clock::now_ms;
 use crate::service::lifecycle::{drive, CaptureDir, Op};
 use crate::service::sandboxes::*;
 use crate::store::SandboxRow;
@@ -146,7 +145,7 @@ fn parse_create(st: &AppState, body: &[u8]) -> ApiResult<CreateReq> {
     let volumes = crate::volumes::parse_create(&mut f);
     f.finish()?;
 
-    let now = now_ms();
+    let now = st.now_ms();
     let ends_at = timeout_seconds.map(|t| iso(now + i64::from(t) * 1000));
     let mut env_names: Vec<String> = env.iter().map(|(k, _)| k.clone()).collect();
     env_names.sort();
@@ -438,7 +437,7 @@ async fn wake(st: AppState, ctx: Ctx, id: String, body: Bytes) -> ApiResult<Repl
             if let Some(t) = lease {
                 crate::billing::check_lease_change(&st, &row, t)?;
                 st.store().update_sandbox(&id, |r| {
-                    let end = iso(now_ms() + i64::from(t) * 1000);
+                    let end = iso(st.now_ms() + i64::from(t) * 1000);
                     r.record.timeout_seconds = Some(t);
                     r.record.ends_at = Some(end.clone());
                     r.record.expires_at = Some(end);
@@ -663,7 +662,7 @@ async fn extend(st: AppState, ctx: Ctx, id: String, body: Bytes) -> ApiResult<Re
         });
     }
     if row.record.ends_at.is_some() {
-        let left = crate::billing::lease_left_seconds(&row.record, now_ms());
+        let left = crate::billing::lease_left_seconds(&row.record, st.now_ms());
         crate::billing::check_spend(&st, &row.key_id, &row.record, left + seconds, seconds)?;
     }
     let row = st
@@ -672,7 +671,7 @@ async fn extend(st: AppState, ctx: Ctx, id: String, body: Bytes) -> ApiResult<Re
             let Some(end) = r.record.ends_at.as_deref().and_then(parse_iso_ms) else {
                 return false;
             };
-            let end = iso(end.max(now_ms()) + seconds * 1000);
+            let end = iso(end.max(st.now_ms()) + seconds * 1000);
             r.record.ends_at = Some(end.clone());
             r.record.expires_at = Some(end);
             true
@@ -765,7 +764,7 @@ async fn update(st: AppState, ctx: Ctx, id: String, body: Bytes) -> ApiResult<Re
             }
             if timeout_given {
                 s.timeout_seconds = timeout.map(|t| t as u32);
-                s.ends_at = timeout.map(|t| iso(now_ms() + t * 1000));
+                s.ends_at = timeout.map(|t| iso(st.now_ms() + t * 1000));
                 s.expires_at = s.ends_at.clone();
             }
             true

@@ -29,7 +29,6 @@ use crate::http::extract::{checked_labels, checked_name};
 use crate::http::extract::{json_object, no_fields, prefer_wait, query_object, Fields};
 use crate::http::record_json;
 use crate::http::{Ctx, Reply};
-use crate::service::clock::now_ms;
 use crate::service::lifecycle::{drive, fail_start, CaptureDir, Op};
 use crate::service::sandboxes::{name_holder, settled_source, wait_until};
 use crate::store::{SandboxRow, SnapshotRow};
@@ -149,7 +148,7 @@ pub async fn fork(st: AppState, ctx: Ctx, id: String, body: Bytes) -> ApiResult<
         .saturating_mul(lease);
     crate::billing::check_spend(&st, &ctx.key.id, &src.record, lease, copies_cost)?;
 
-    let now = now_ms();
+    let now = st.now_ms();
     let copies: Vec<SandboxRow> = {
         let _g = st.inner.create_lock.lock().await;
         if let Some(n) = &name {
@@ -268,7 +267,7 @@ pub async fn snapshot(st: AppState, ctx: Ctx, id: String, body: Bytes) -> ApiRes
     if mode == "memory" {
         crate::volumes::refuse_copy(&st, &id, "memory snapshot")?;
     }
-    let now = now_ms();
+    let now = st.now_ms();
     let snap = Snapshot {
         id: uuid::Uuid::new_v4().to_string(),
         kind: "snapshot".into(),
@@ -300,7 +299,7 @@ pub async fn snapshot(st: AppState, ctx: Ctx, id: String, body: Bytes) -> ApiRes
             st2.host().capture(&id, &path, memory).await
         };
         let size = size_of(&path);
-        let at = iso(now_ms());
+        let at = iso(st2.now_ms());
         let mut gone = false;
         let updated = st2.store().update_snapshot(&sid, |r| {
             if r.deleted.is_some() {
@@ -417,7 +416,7 @@ pub async fn delete(st: AppState, ctx: Ctx, id: String) -> ApiResult<Reply> {
     if let Some(at) = &row.deleted {
         return Reply::ok(answer(at));
     }
-    let at = iso(now_ms());
+    let at = iso(st.now_ms());
     st.store().update_snapshot(&id, |r| {
         if r.deleted.is_some() {
             return false;

@@ -20,7 +20,6 @@ use runtime_host::HostError;
 use crate::domain::lifecycle::{next, Event, SandboxState};
 use crate::domain::time::iso;
 use crate::error::{ApiResult, ServerError};
-use crate::service::clock::now_ms;
 use crate::store::SandboxRow;
 use crate::AppState;
 
@@ -185,7 +184,7 @@ pub(crate) fn drive(st: &AppState, id: &str, op: Op) -> ApiResult<bool> {
 /// The task's part of [`drive`], under the lifecycle lock.
 async fn run(st: &AppState, row: SandboxRow, op: Op) {
     let id = row.record.id.clone();
-    let now = now_ms();
+    let now = st.now_ms();
     match op {
         Op::Start { from } => {
             let spec = crate::service::sandboxes::machine_spec(st, &row.record);
@@ -195,7 +194,7 @@ async fn run(st: &AppState, row: SandboxRow, op: Op) {
             };
             let restored = from.is_some();
             drop(from);
-            let now = now_ms();
+            let now = st.now_ms();
             let ev = if result.is_ok() {
                 Event::Booted
             } else {
@@ -251,7 +250,7 @@ async fn run(st: &AppState, row: SandboxRow, op: Op) {
                 st.inner.procs.pause_failed(&id);
                 crate::procs::reattach(st, &id).await;
             }
-            let now = iso(now_ms());
+            let now = iso(st.now_ms());
             let out = record(st, &id, SandboxState::Pausing, ev, |r| match ev {
                 Event::Suspended => {
                     r.paused_at = Some(now.clone());
@@ -287,7 +286,7 @@ async fn run(st: &AppState, row: SandboxRow, op: Op) {
                 Err(HostError::NotPaused { .. }) => Event::MachineGone,
                 Err(_) => Event::WakeFailed,
             };
-            let now = now_ms();
+            let now = st.now_ms();
             let out = record(st, &id, SandboxState::Resuming, ev, |r| match ev {
                 Event::Woken => {
                     r.paused_at = None;
@@ -332,7 +331,7 @@ fn note_pause(st: &AppState, id: &str, failed: bool) {
 /// Copies whose source could not be captured: `stopped` with
 /// `start_failed`, as a failed boot.
 pub(crate) fn fail_start(st: &AppState, ids: &[String]) {
-    let at = iso(now_ms());
+    let at = iso(st.now_ms());
     for id in ids {
         let r = record(st, id, SandboxState::Starting, Event::BootFailed, |r| {
             r.stop_reason = Some("start_failed".into());

@@ -15,7 +15,6 @@ use crate::domain::lease;
 use crate::domain::lifecycle::{next, Event, SandboxState};
 use crate::domain::time::{iso, parse_iso_ms};
 use crate::error::{ApiError, ApiResult, ServerError};
-use crate::service::clock::now_ms;
 use crate::service::lifecycle::{self, disk_dir, drive, CaptureDir, Op};
 use crate::store::SandboxRow;
 use crate::AppState;
@@ -72,7 +71,7 @@ pub(crate) async fn find_running(st: &AppState, key: &KeyInfo, id: &str) -> ApiR
 /// Records activity (`lastActiveAt`), at most once a second per sandbox:
 /// API calls, preview visits, and CPU use the meter measured (billing.rs).
 pub(crate) fn touch(st: &AppState, row: &SandboxRow) {
-    let now = now_ms();
+    let now = st.now_ms();
     let recent = row
         .record
         .last_active_at
@@ -172,7 +171,7 @@ pub(crate) fn name_holder(
 /// from its kept disk (a fresh boot of the same files), or boots it when
 /// no disk was kept.
 pub(crate) fn restart(st: &AppState, id: &str) -> ApiResult<()> {
-    let now = now_ms();
+    let now = st.now_ms();
     let moved = lifecycle::transition(st, id, Event::Restart, |r| {
         r.record.ended_at = None;
         r.record.stop_reason = None;
@@ -260,7 +259,7 @@ pub(crate) async fn wait_until(
 /// Marks the sandbox deleted (from any state) and destroys its machine and
 /// saved state in an owned task.
 pub(crate) fn delete_sandbox(st: &AppState, id: &str, reason: &str) -> ApiResult<SandboxRow> {
-    let now = iso(now_ms());
+    let now = iso(st.now_ms());
     let row = st
         .store()
         .update_sandbox(id, |r| {
@@ -326,7 +325,7 @@ pub(crate) async fn reaper(st: AppState) {
             _ = st.inner.cancel.cancelled() => return,
         }
         n += 1;
-        let now = now_ms();
+        let now = st.now_ms();
         match st.store().live_sandboxes() {
             Ok(rows) => {
                 for r in rows.iter().filter(|r| r.record.state == Running) {
@@ -391,7 +390,7 @@ pub(crate) async fn recover(st: &AppState) -> Result<(), ServerError> {
                         false
                     }
                 };
-                let now = iso(now_ms());
+                let now = iso(st.now_ms());
                 let event = if found {
                     Event::Recovered
                 } else {
@@ -425,7 +424,7 @@ pub(crate) async fn recover(st: &AppState) -> Result<(), ServerError> {
                     if found {
                         r.record.paused_at = None;
                     } else if r.record.paused_at.is_none() {
-                        r.record.paused_at = Some(iso(now_ms()));
+                        r.record.paused_at = Some(iso(st.now_ms()));
                     }
                 })?;
                 if found && pausing {
