@@ -1,8 +1,26 @@
 //! The control plane: the Runtime Cloud HTTP API (axum), keys, validation,
-//! idempotency, waits, the sandbox state machine and leases, over an embedded
+//! idempotency, waits, the sandbox lifecycle and leases, over an embedded
 //! SQLite store. It drives machines only through [`runtime_host::Host`] and
 //! answers with the types of `runtime-api`; it never speaks the guest
-//! protocol and depends on no other workspace crate.
+//! protocol. Workspace crates it uses: `runtime-api`, `runtime-host` (the
+//! trait and its types) and `runtime-egress`.
+//!
+//! Four layers, each a directory, and the rule between them (kept by
+//! `tests/layers.rs`):
+//!
+//! ```text
+//! http/     the only code that names axum, StatusCode, Bytes: one route table
+//!    │      (route.rs), extractors, the one error mapping, and routes/ with one
+//!    ▼      file per resource that parses a request, calls a service, renders
+//! service/  orchestration over the store, the Host and owned tasks; the
+//!    │  \   lifecycle driver (lifecycle.rs) and the clock
+//!    ▼   ▼
+//! domain/ ◀ store/   pure types and rules (no I/O, `now` a parameter) ◀ typed
+//!                    rows and migrations, no business rules
+//! ```
+//! `http → service → {domain, store}`, `store → domain`; `domain` imports
+//! nothing of the crate; `error.rs` (the error enums) serves every layer.
+//! Root files not yet split into the layers are listed in `tests/layers.rs`.
 
 mod billing;
 mod domain;

@@ -9,20 +9,19 @@
 //! its capture in `data_dir/snapshots/<id>/` until deleted or expired; a
 //! create with `snapshot` restores from it with the snapshot's shape.
 
-use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
 use axum::body::Bytes;
 use axum::http::StatusCode;
-use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use tokio::time::Instant;
 
 use crate::domain::access::KeyInfo;
 use crate::domain::lifecycle::SandboxState;
 use crate::domain::names::valid_name;
+pub(crate) use crate::domain::snapshot::Snapshot;
 use crate::domain::time::{iso, parse_iso_ms};
 use crate::error::{ApiError, ApiResult};
 use crate::http::extract::{checked_labels, checked_name};
@@ -37,32 +36,6 @@ use crate::AppState;
 /// Most copies one fork makes.
 pub const MAX_FORK: i64 = 8;
 const DEFAULT_RETENTION_DAYS: i64 = 30;
-
-/// The snapshot record (create, get, list items).
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
-#[serde(rename_all = "camelCase")]
-pub struct Snapshot {
-    pub id: String,
-    pub kind: String,
-    pub sandbox_id: String,
-    pub name: Option<String>,
-    pub labels: BTreeMap<String, String>,
-    /// `memory` or `disk`.
-    pub mode: String,
-    /// `capturing|ready|failed`.
-    pub state: String,
-    pub size_bytes: u64,
-    pub vcpu: u32,
-    #[serde(rename = "memoryMiB")]
-    pub memory_mib: u32,
-    #[serde(rename = "diskMiB")]
-    pub disk_mib: u32,
-    pub retention_days: u32,
-    pub created_at: String,
-    pub ready_at: Option<String>,
-    pub expires_at: Option<String>,
-    pub error: Option<String>,
-}
 
 fn visible(key: &KeyInfo, row: &SnapshotRow) -> bool {
     key.account_wide || row.key_id == key.id

@@ -6,4 +6,5 @@ pub(crate) mod access;
 pub(crate) mod lease;
 pub(crate) mod lifecycle;
 pub(crate) mod names;
+pub(crate) mod snapshot;
 pub(crate) mod time;

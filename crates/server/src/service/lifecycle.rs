@@ -15,7 +15,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use runtime_api::Sandbox;
-use runtime_host::HostError;
+use runtime_host::{HostError, MachineSpec};
 
 use crate::domain::lifecycle::{next, Event, SandboxState};
 use crate::domain::time::iso;
@@ -187,7 +187,7 @@ async fn run(st: &AppState, row: SandboxRow, op: Op) {
     let now = st.now_ms();
     match op {
         Op::Start { from } => {
-            let spec = crate::service::sandboxes::machine_spec(st, &row.record);
+            let spec = machine_spec(st, &row.record);
             let result = match &from {
                 Some(dir) => st.host().restore(&spec, &dir.path).await,
                 None => st.host().start(&spec).await,
@@ -273,10 +273,7 @@ async fn run(st: &AppState, row: SandboxRow, op: Op) {
             }
         }
         Op::Wake { .. } => {
-            let result = st
-                .host()
-                .wake(&crate::service::sandboxes::machine_spec(st, &row.record))
-                .await;
+            let result = st.host().wake(&machine_spec(st, &row.record)).await;
             if result.is_ok() {
                 // Before it is `running`, so a call that woke it finds them attached.
                 crate::procs::reattach(st, &id).await;
@@ -325,6 +322,23 @@ fn note_pause(st: &AppState, id: &str, failed: bool) {
         set.insert(id.to_string());
     } else {
         set.remove(id);
+    }
+}
+
+pub(crate) fn machine_spec(st: &AppState, s: &Sandbox) -> MachineSpec {
+    MachineSpec {
+        id: s.id.clone(),
+        vcpu: s.vcpu,
+        memory_mib: s.memory_mib,
+        disk_mib: s.disk_mib,
+        hostname: format!("sbx-{}", s.id.chars().take(8).collect::<String>()),
+        guest_ca_pem: crate::net::guest_ca_pem(st, &s.id),
+        volumes: crate::volumes::drives(st, &s.id),
+        image: s
+            .image
+            .as_deref()
+            .and_then(|i| crate::images::disk_of(st, i)),
+        no_template: false,
     }
 }
 

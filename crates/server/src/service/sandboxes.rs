@@ -6,8 +6,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use runtime_api::{DeletedSandbox, Sandbox};
-use runtime_host::{HostError, MachineSpec};
+use runtime_api::DeletedSandbox;
+use runtime_host::HostError;
 use tokio::time::Instant;
 
 use crate::domain::access::KeyInfo;
@@ -134,23 +134,6 @@ pub(crate) async fn ensure_awake(st: &AppState, id: &str, timeout: Duration) -> 
             }));
         }
         wait_until(st, id, deadline - now, |s| s != state).await?;
-    }
-}
-
-pub(crate) fn machine_spec(st: &AppState, s: &Sandbox) -> MachineSpec {
-    MachineSpec {
-        id: s.id.clone(),
-        vcpu: s.vcpu,
-        memory_mib: s.memory_mib,
-        disk_mib: s.disk_mib,
-        hostname: format!("sbx-{}", s.id.chars().take(8).collect::<String>()),
-        guest_ca_pem: crate::net::guest_ca_pem(st, &s.id),
-        volumes: crate::volumes::drives(st, &s.id),
-        image: s
-            .image
-            .as_deref()
-            .and_then(|i| crate::images::disk_of(st, i)),
-        no_template: false,
     }
 }
 
@@ -383,7 +366,11 @@ pub(crate) async fn recover(st: &AppState) -> Result<(), ServerError> {
         let id = row.record.id.clone();
         match row.record.state {
             Starting | Running => {
-                let found = match st.host().recover(&machine_spec(st, &row.record)).await {
+                let found = match st
+                    .host()
+                    .recover(&lifecycle::machine_spec(st, &row.record))
+                    .await
+                {
                     Ok(found) => found,
                     Err(e) => {
                         tracing::warn!(sandbox_id = %id, error = %e, "recovering the sandbox failed");
@@ -412,7 +399,7 @@ pub(crate) async fn recover(st: &AppState) -> Result<(), ServerError> {
                 let pausing = row.record.state == Pausing;
                 let found = st
                     .host()
-                    .recover(&machine_spec(st, &row.record))
+                    .recover(&lifecycle::machine_spec(st, &row.record))
                     .await
                     .unwrap_or(false);
                 let event = if found {

@@ -11,8 +11,8 @@ use runtime_api::{DeletedSandbox, Sandbox};
 use rusqlite::{params, Connection, OptionalExtension};
 
 use crate::domain::access::KeyInfo;
+use crate::domain::snapshot::Snapshot;
 use crate::error::ServerError;
-use crate::snapshots::Snapshot;
 
 const SCHEMA_VERSION: i64 = 5;
 
