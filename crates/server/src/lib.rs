@@ -34,7 +34,6 @@ pub mod keys;
 mod net;
 mod previews;
 mod procs;
-mod sandboxes;
 mod secrets;
 mod service;
 mod snapshots;
@@ -228,7 +227,7 @@ impl AppState {
     /// Starts the lease reaper and housekeeping. `run` calls it; tests may.
     pub fn start_background(&self) {
         let st = self.clone();
-        self.spawn(async move { service::sandboxes::reaper(st).await });
+        self.spawn(async move { service::background::reaper(st).await });
         let st = self.clone();
         self.spawn(async move { billing::run(st).await });
     }
@@ -320,7 +319,7 @@ pub fn router(state: AppState) -> axum::Router {
 /// Then takes up the processes of the running ones (`lost` when the host no
 /// longer knows them) and reloads the records of those that ended.
 pub async fn recover(state: &AppState) -> Result<(), ServerError> {
-    service::sandboxes::recover(state).await?;
+    service::background::recover(state).await?;
     images::recover(state).await?;
     procs::recover(state).await
 }

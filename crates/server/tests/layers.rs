@@ -27,7 +27,6 @@ const PENDING: &[&str] = &[
     "net.rs",
     "previews.rs",
     "procs.rs",
-    "sandboxes.rs",
     "secrets.rs",
     "snapshots.rs",
     "volumes.rs",

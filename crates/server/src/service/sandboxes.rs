@@ -1,18 +1,22 @@
-//! Sandboxes as the other services use them: finding one a key may see,
-//! waking it for a call, waiting for a state, names, deletion, the lease
-//! reaper and recovery after a restart. Moves along the lifecycle go
-//! through [`crate::service::lifecycle`].
+//! Sandboxes: create, get, list, the verbs, delete; and what the other
+//! services use: finding one a key may see, waking it for a call, waiting
+//! for a state, names. Moves along the lifecycle go through
+//! [`crate::service::lifecycle`]; the reaper and recovery are in
+//! [`crate::service::background`].
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
 use runtime_api::DeletedSandbox;
 use runtime_host::HostError;
+use serde_json::json;
 use tokio::time::Instant;
 
 use crate::domain::access::KeyInfo;
 use crate::domain::lease;
 use crate::domain::lifecycle::{next, Event, SandboxState};
+use crate::domain::sandbox::{env_names, new_record, Settings};
 use crate::domain::time::{iso, parse_iso_ms};
 use crate::error::{ApiError, ApiResult, ServerError};
 use crate::service::lifecycle::{self, disk_dir, drive, CaptureDir, Op};
@@ -298,140 +302,531 @@ pub(crate) fn delete_sandbox(st: &AppState, id: &str, reason: &str) -> ApiResult
     Ok(row)
 }
 
-/// Ends leases, forgets old idempotency records and process output.
-pub(crate) async fn reaper(st: AppState) {
-    let mut tick = tokio::time::interval(Duration::from_secs(1));
-    let mut n: u64 = 0;
-    loop {
-        tokio::select! {
-            _ = tick.tick() => {}
-            _ = st.inner.cancel.cancelled() => return,
-        }
-        n += 1;
-        let now = st.now_ms();
-        match st.store().live_sandboxes() {
-            Ok(rows) => {
-                for r in rows.iter().filter(|r| r.record.state == Running) {
-                    if let Err(e) = end_lease_or_idle(&st, r, now) {
-                        tracing::error!(sandbox_id = %r.record.id, error = %e, "ending the lease failed");
-                    }
-                }
-                let expired = rows
-                    .iter()
-                    .filter(|r| r.record.state == Paused && lease::retention_over(&r.record, now));
-                for r in expired {
-                    tracing::info!(sandbox_id = %r.record.id, "paused past its retention: deleted");
-                    if let Err(e) = delete_sandbox(&st, &r.record.id, "retention_expired") {
-                        tracing::error!(sandbox_id = %r.record.id, error = %e, "deleting at retention's end failed");
-                    }
-                }
-            }
-            Err(e) => tracing::error!(error = %e, "reading sandboxes for leases failed"),
-        }
-        if n % 60 == 1 {
-            let ttl = st.config().idempotency_ttl.as_millis() as i64;
-            if let Err(e) = st.store().idem_purge(now - ttl) {
-                tracing::error!(error = %e, "purging idempotency records failed");
-            }
-            st.inner
-                .procs
-                .forget_old(st.store(), st.config().output_keep);
-            crate::snapshots::expire(&st, now);
-        }
-    }
+/// A create, parsed: the settings of the record and what starts it.
+pub(crate) struct NewSandbox {
+    pub settings: Settings,
+    pub env: Vec<(String, String)>,
+    pub get_or_create: bool,
+    pub snapshot: Option<String>,
+    /// The shape fields the request named (a snapshot's shape must match them).
+    pub shape_given: Vec<(&'static str, u32)>,
+    pub floor_given: bool,
+    pub net: crate::net::CreateNet,
+    pub volumes: Vec<crate::volumes::Attachment>,
+    pub image: Option<String>,
 }
 
-/// Applies `onLeaseEnd` to a running sandbox whose lease ended, or pauses
-/// one idle (no call and no process of ours running) for `idlePauseSeconds`.
-fn end_lease_or_idle(st: &AppState, r: &SandboxRow, now: i64) -> ApiResult<()> {
-    let s = &r.record;
-    if lease::lease_ended(s, now) {
-        tracing::info!(sandbox_id = %s.id, on_lease_end = %s.on_lease_end, "lease ended");
-        return match s.on_lease_end.as_str() {
-            "pause" if s.pausable => request_pause(st, &s.id, "lease_end").map(|_| ()),
-            "delete" => delete_sandbox(st, &s.id, "timeout").map(|_| ()),
-            _ => stop_for(st, &s.id, "timeout"),
+/// What a create made: the sandbox, whether `getOrCreate` found it, and
+/// how it starts (`boot` or `snapshot`).
+pub(crate) struct Created {
+    pub row: SandboxRow,
+    pub reused: bool,
+    pub start_mode: &'static str,
+}
+
+/// Creates a sandbox (or, with `getOrCreate`, finds the one of that name
+/// and starts it again when it is stopped), then waits up to `wait` for it
+/// to leave `starting`.
+pub(crate) async fn create(
+    st: &AppState,
+    key: &KeyInfo,
+    req: NewSandbox,
+    wait: Option<Duration>,
+) -> ApiResult<Created> {
+    let NewSandbox {
+        settings,
+        mut env,
+        get_or_create,
+        snapshot,
+        shape_given,
+        floor_given,
+        net,
+        volumes,
+        image,
+    } = req;
+    let mut record = new_record(
+        settings,
+        uuid::Uuid::new_v4().to_string(),
+        &env,
+        st.now_ms(),
+    );
+    if let Some(r) = &image {
+        // The image's environment first; the create's own variables win.
+        let img = crate::images::for_create(st, key, r)?;
+        let mut merged = img.env;
+        merged.retain(|(k, _)| !env.iter().any(|(n, _)| n == k));
+        merged.append(&mut env);
+        env = merged;
+        record.env_names = env_names(&env);
+        record.image = Some(img.id);
+    }
+    let from = match &snapshot {
+        Some(sid) => {
+            let snap = crate::snapshots::find_ready(st, key, sid)?;
+            let s = &snap.record;
+            if !volumes.is_empty() && s.mode == "memory" {
+                return Err(ApiError::invalid(
+                    "volumes",
+                    "a start from a memory snapshot cannot attach volumes (its machine had none); \
+                     use a disk snapshot",
+                ));
+            }
+            let want = [
+                ("vcpu", s.vcpu),
+                ("memoryMiB", s.memory_mib),
+                ("diskMiB", s.disk_mib),
+            ];
+            let issues: Vec<runtime_api::Issue> = shape_given
+                .iter()
+                .filter_map(|(k, v)| {
+                    let (_, w) = want.iter().find(|(n, _)| n == k)?;
+                    (v != w).then(|| runtime_api::Issue {
+                        field: (*k).to_string(),
+                        message: format!("must be {w}, the value of snapshot {sid} (or left out)"),
+                    })
+                })
+                .collect();
+            if !issues.is_empty() {
+                return Err(ApiError::Invalid { issues });
+            }
+            let r = &mut record;
+            r.vcpu = s.vcpu;
+            r.memory_mib = s.memory_mib;
+            r.disk_mib = s.disk_mib;
+            if r.cpu == "reserved" && !floor_given {
+                r.cpu_floor_millis = r.vcpu * 1000;
+            }
+            r.cpu_floor_millis = r.cpu_floor_millis.min(r.vcpu * 1000);
+            Some(Arc::new(CaptureDir {
+                path: crate::snapshots::dir(st, sid),
+                temporary: false,
+            }))
+        }
+        None => None,
+    };
+    let start_mode = if from.is_some() { "snapshot" } else { "boot" };
+    let (id, reused) = {
+        let _g = st.inner.create_lock.lock().await;
+        let holder = match &record.name {
+            Some(n) => name_holder(st, n, None)?,
+            None => None,
         };
+        match holder {
+            Some(h) if get_or_create && visible(key, &h) => {
+                let id = h.record.id.clone();
+                if h.record.state == Stopped {
+                    let lease = crate::billing::first_lease_seconds(h.record.timeout_seconds);
+                    crate::billing::check_spend(st, &h.key_id, &h.record, lease, lease)?;
+                    restart(st, &id)?;
+                }
+                (id, true)
+            }
+            Some(h) => {
+                let sandbox_id = visible(key, &h).then(|| h.record.id.clone());
+                return Err(ApiError::NameTaken {
+                    name: h.record.name.unwrap_or_default(),
+                    sandbox_id,
+                });
+            }
+            None => {
+                // Before anything starts: a refusal costs nothing.
+                let lease = crate::billing::first_lease_seconds(record.timeout_seconds);
+                crate::billing::check_spend(st, &key.id, &record, lease, lease)?;
+                let row = SandboxRow {
+                    seq: 0,
+                    key_id: key.id.clone(),
+                    record,
+                    env,
+                    deleted: None,
+                };
+                let volumes = crate::volumes::resolve(st, key, &volumes).await?;
+                crate::net::store_create(st, &row.record.id, &net)?;
+                crate::volumes::keep(st, &row.record.id, &volumes)?;
+                st.store().insert_sandbox(&row)?;
+                tracing::info!(sandbox_id = %row.record.id, "sandbox created");
+                drive(st, &row.record.id, Op::Start { from })?;
+                (row.record.id, false)
+            }
+        }
+    };
+    if let Some(wait) = wait {
+        wait_until(st, &id, wait, |s| s != Starting && s != Stopping).await?;
     }
-    if lease::idle_for_long_enough(s, now) && !st.inner.procs.running_in(&s.id) {
-        tracing::info!(sandbox_id = %s.id, "idle: pausing");
-        request_pause(st, &s.id, "idle")?;
-    }
-    Ok(())
+    let row = st
+        .store()
+        .get_sandbox(&id)?
+        .ok_or_else(|| ApiError::sandbox_not_found(&id))?;
+    Ok(Created {
+        row,
+        reused,
+        start_mode,
+    })
 }
 
-/// Reattaches every sandbox an earlier server left starting, running or stopping.
-pub(crate) async fn recover(st: &AppState) -> Result<(), ServerError> {
-    for row in st.store().live_sandboxes()? {
-        let id = row.record.id.clone();
-        match row.record.state {
-            Starting | Running => {
-                let found = match st
-                    .host()
-                    .recover(&lifecycle::machine_spec(st, &row.record))
-                    .await
-                {
-                    Ok(found) => found,
-                    Err(e) => {
-                        tracing::warn!(sandbox_id = %id, error = %e, "recovering the sandbox failed");
-                        false
-                    }
-                };
-                let now = iso(st.now_ms());
-                let event = if found {
-                    Event::Recovered
-                } else {
-                    Event::MachineGone
-                };
-                lifecycle::transition(st, &id, event, |r| {
-                    if !found {
-                        r.record.stop_reason = Some("host_lost".into());
-                        r.record.ended_at = Some(now.clone());
-                    } else if r.record.ready_at.is_none() {
-                        r.record.ready_at = Some(now.clone());
-                    }
-                })?;
-                tracing::info!(sandbox_id = %id, found, "sandbox recovered");
+/// The sandbox, after waiting up to the given time for it to reach the
+/// given state (or `stopped`, which it will not leave by itself).
+pub(crate) async fn get(
+    st: &AppState,
+    key: &KeyInfo,
+    id: &str,
+    wait_for: Option<(SandboxState, Duration)>,
+) -> ApiResult<SandboxRow> {
+    find(st, key, id)?;
+    if let Some((target, timeout)) = wait_for {
+        wait_until(st, id, timeout, |s| s == target || s == Stopped).await?;
+    }
+    find(st, key, id)
+}
+
+/// Which sandboxes a list asks for.
+pub(crate) struct ListFilter {
+    /// Only these states (empty: all but `stopped`, unless `include_stopped`).
+    pub states: Vec<SandboxState>,
+    pub name: Option<String>,
+    pub labels: Vec<(String, String)>,
+    pub include_stopped: bool,
+    pub limit: usize,
+    /// Only sandboxes created before the one with this sequence number.
+    pub before_seq: Option<i64>,
+}
+
+/// One page of the sandboxes `key` sees, newest first, and whether more follow.
+pub(crate) fn list(
+    st: &AppState,
+    key: &KeyInfo,
+    f: &ListFilter,
+) -> ApiResult<(Vec<SandboxRow>, bool)> {
+    let mut rows = st
+        .store()
+        .live_sandboxes()?
+        .into_iter()
+        .filter(|r| visible(key, r))
+        .filter(|r| f.before_seq.is_none_or(|c| r.seq < c))
+        .filter(|r| {
+            if f.states.is_empty() {
+                f.include_stopped || r.record.state != Stopped
+            } else {
+                f.states.contains(&r.record.state)
             }
-            Pausing | Resuming => {
-                // A machine still running means the pause had not happened
-                // or the wake had; otherwise its saved state is on disk.
-                let pausing = row.record.state == Pausing;
-                let found = st
-                    .host()
-                    .recover(&lifecycle::machine_spec(st, &row.record))
-                    .await
-                    .unwrap_or(false);
-                let event = if found {
-                    Event::Recovered
-                } else {
-                    Event::RecoveredSaved
-                };
-                lifecycle::transition(st, &id, event, |r| {
-                    if found {
-                        r.record.paused_at = None;
-                    } else if r.record.paused_at.is_none() {
-                        r.record.paused_at = Some(iso(st.now_ms()));
-                    }
-                })?;
-                if found && pausing {
-                    if let Err(e) = request_pause(st, &id, "requested") {
-                        tracing::warn!(sandbox_id = %id, error = %e, "finishing a pause failed");
-                    }
-                }
-                tracing::info!(sandbox_id = %id, found, "sandbox recovered from a pause or wake");
+        })
+        .filter(|r| {
+            f.name
+                .as_ref()
+                .is_none_or(|n| r.record.name.as_ref() == Some(n))
+        })
+        .filter(|r| {
+            f.labels
+                .iter()
+                .all(|(k, v)| r.record.labels.get(k) == Some(v))
+        })
+        .take(f.limit + 1)
+        .collect::<Vec<_>>();
+    let more = rows.len() > f.limit;
+    rows.truncate(f.limit);
+    Ok((rows, more))
+}
+
+/// Deletes the sandbox (a second delete answers the first's record).
+pub(crate) fn delete(st: &AppState, key: &KeyInfo, id: &str) -> ApiResult<DeletedSandbox> {
+    let row = match st.store().get_sandbox(id)? {
+        Some(r) if visible(key, &r) => r,
+        _ => return Err(ApiError::sandbox_not_found(id)),
+    };
+    let deleted = match row.deleted {
+        Some(d) => Some(d),
+        None => delete_sandbox(st, id, "deleted")?.deleted,
+    };
+    deleted.ok_or_else(|| ApiError::sandbox_not_found(id))
+}
+
+/// `:stop`, waiting up to `wait` for `stopped`.
+pub(crate) async fn stop(
+    st: &AppState,
+    key: &KeyInfo,
+    id: &str,
+    wait: Option<Duration>,
+) -> ApiResult<SandboxRow> {
+    find(st, key, id)?;
+    stop_for(st, id, "requested")?;
+    if let Some(wait) = wait {
+        wait_until(st, id, wait, |s| s == Stopped).await?;
+    }
+    find(st, key, id)
+}
+
+/// `:restart`: a stopped persistent sandbox starts again from its disk; a
+/// live one answers as it is; a stopped one that is not persistent is 409
+/// `not_persistent`.
+pub(crate) async fn restart_stopped(
+    st: &AppState,
+    key: &KeyInfo,
+    id: &str,
+    wait: Option<Duration>,
+) -> ApiResult<SandboxRow> {
+    let row = settle(st, key, id, &[Stopping]).await?;
+    if row.record.state == Stopped {
+        if !row.record.persistent {
+            return Err(ApiError::Conflict {
+                code: "not_persistent",
+                message: format!(
+                    "Sandbox {id} is stopped and not persistent, so it has no disk to restart from."
+                ),
+                details: Some(json!({ "sandboxId": id })),
+            });
+        }
+        let _g = st.inner.create_lock.lock().await;
+        if let Some(n) = &row.record.name {
+            if let Some(h) = name_holder(st, n, Some(id))? {
+                let sandbox_id = visible(key, &h).then(|| h.record.id.clone());
+                return Err(ApiError::NameTaken {
+                    name: n.clone(),
+                    sandbox_id,
+                });
             }
-            Stopping => {
-                // Finish the stop an earlier server began: back to running
-                // (its machine, if any, is still there), then the stop again.
-                lifecycle::transition(st, &id, Event::Recovered, |_| {})?;
-                if let Err(e) = stop_for(st, &id, "requested") {
-                    tracing::warn!(sandbox_id = %id, error = %e, "finishing a stop failed");
-                }
-            }
-            _ => {}
+        }
+        let lease = crate::billing::first_lease_seconds(row.record.timeout_seconds);
+        crate::billing::check_spend(st, &row.key_id, &row.record, lease, lease)?;
+        restart(st, id)?;
+    }
+    if let Some(wait) = wait {
+        wait_until(st, id, wait, |s| s != Starting).await?;
+    }
+    find(st, key, id)
+}
+
+/// `:pause`, waiting up to `wait` for the pause to end; 409 `pause_failed`
+/// when it ran on.
+pub(crate) async fn pause(
+    st: &AppState,
+    key: &KeyInfo,
+    id: &str,
+    wait: Option<Duration>,
+) -> ApiResult<SandboxRow> {
+    let row = settle(st, key, id, &[Starting, Resuming]).await?;
+    let mut asked = false;
+    match row.record.state {
+        Running if !row.record.pausable => {
+            return Err(ApiError::Conflict {
+                code: "not_pausable",
+                message: format!("Sandbox {id} was created with pausable: false."),
+                details: Some(json!({ "sandboxId": id })),
+            })
+        }
+        Running => asked = request_pause(st, id, "requested")?,
+        Pausing | Paused => {}
+        _ => {
+            return Err(ApiError::NotRunning {
+                id: id.to_string(),
+                state: row.record.state,
+            })
         }
     }
+    if let Some(wait) = wait {
+        wait_until(st, id, wait, |s| s != Pausing).await?;
+    }
+    let row = find(st, key, id)?;
+    // Running again: the pause failed, or it paused and a call (a resuming
+    // stream) woke it at once.
+    let failed = asked
+        && row.record.state == Running
+        && st
+            .inner
+            .pause_failed
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .contains(id);
+    if failed {
+        return Err(ApiError::Failed {
+            code: "pause_failed",
+            message: format!("Sandbox {id} could not be paused; it runs on."),
+        });
+    }
+    Ok(row)
+}
+
+/// `:wake`, with a new lease of `lease` seconds when given (an awake
+/// sandbox takes it from now); 409 `wake_failed` when it stayed paused.
+pub(crate) async fn wake(
+    st: &AppState,
+    key: &KeyInfo,
+    id: &str,
+    lease: Option<u32>,
+    wait: Option<Duration>,
+) -> ApiResult<SandboxRow> {
+    let row = settle(st, key, id, &[Pausing]).await?;
+    let mut asked = false;
+    match row.record.state {
+        Paused => {
+            let seconds = crate::billing::first_lease_seconds(lease.or(row.record.timeout_seconds));
+            crate::billing::check_spend(st, &row.key_id, &row.record, seconds, seconds)?;
+            asked = drive(st, id, Op::Wake { lease })?
+        }
+        Resuming => {}
+        Running | Starting => {
+            // Already awake: done. A new limit asked for applies from now.
+            if let Some(t) = lease {
+                crate::billing::check_lease_change(st, &row, t)?;
+                let now = st.now_ms();
+                st.store().update_sandbox(id, |r| {
+                    r.record.timeout_seconds = Some(t);
+                    r.record.ends_at = lease::lease_end(Some(t), now);
+                    r.record.expires_at = r.record.ends_at.clone();
+                    true
+                })?;
+                st.notify_change();
+            }
+        }
+        _ => {
+            return Err(ApiError::NotRunning {
+                id: id.to_string(),
+                state: row.record.state,
+            })
+        }
+    }
+    if let Some(wait) = wait {
+        wait_until(st, id, wait, |s| s != Resuming).await?;
+    }
+    let row = find(st, key, id)?;
+    if asked && row.record.state == Paused {
+        return Err(ApiError::Failed {
+            code: "wake_failed",
+            message: format!("Sandbox {id} could not be woken; it stays paused."),
+        });
+    }
+    Ok(row)
+}
+
+/// `:retention {days}`: a paused sandbox is deleted `days` after its pause
+/// (this pause and later ones).
+pub(crate) fn set_retention(
+    st: &AppState,
+    key: &KeyInfo,
+    id: &str,
+    days: Option<u32>,
+) -> ApiResult<SandboxRow> {
+    find(st, key, id)?;
+    let row = st
+        .store()
+        .update_sandbox(id, |r| {
+            r.record.retention_days = days;
+            if r.record.state == Paused {
+                r.record.paused_expires_at = lease::retention_end(&r.record);
+            }
+            true
+        })?
+        .ok_or_else(|| ApiError::sandbox_not_found(id))?;
     st.notify_change();
-    Ok(())
+    Ok(row)
+}
+
+/// `:extend`: the lease of an awake sandbox ends `seconds` later.
+pub(crate) fn extend(
+    st: &AppState,
+    key: &KeyInfo,
+    id: &str,
+    seconds: i64,
+) -> ApiResult<SandboxRow> {
+    let row = find(st, key, id)?;
+    if row.record.state != Running && row.record.state != Starting {
+        return Err(ApiError::NotRunning {
+            id: id.to_string(),
+            state: row.record.state,
+        });
+    }
+    if row.record.ends_at.is_some() {
+        let left = crate::billing::lease_left_seconds(&row.record, st.now_ms());
+        crate::billing::check_spend(st, &row.key_id, &row.record, left + seconds, seconds)?;
+    }
+    let now = st.now_ms();
+    let row = st
+        .store()
+        .update_sandbox(id, |r| {
+            let Some(end) = r.record.ends_at.as_deref().and_then(parse_iso_ms) else {
+                return false;
+            };
+            let end = iso(end.max(now) + seconds * 1000);
+            r.record.ends_at = Some(end.clone());
+            r.record.expires_at = Some(end);
+            true
+        })?
+        .ok_or_else(|| ApiError::sandbox_not_found(id))?;
+    st.notify_change();
+    Ok(row)
+}
+
+/// `:update`: each field given is changed; `None` leaves it as it is.
+pub(crate) struct Update {
+    /// `Some(None)` removes the name.
+    pub name: Option<Option<String>>,
+    pub labels: Option<BTreeMap<String, String>>,
+    /// Variables to set (`Some`) or remove (`None`).
+    pub env_changes: Vec<(String, Option<String>)>,
+    pub auto_wake: Option<bool>,
+    pub user: Option<String>,
+    pub idle_pause_seconds: Option<u32>,
+    pub persistent: Option<bool>,
+    pub max_total_cost_micros: Option<i64>,
+    pub on_lease_end: Option<String>,
+    /// `Some(None)` removes the lease; a new one runs from now.
+    pub timeout_seconds: Option<Option<u32>>,
+}
+
+pub(crate) async fn update(
+    st: &AppState,
+    key: &KeyInfo,
+    id: &str,
+    u: Update,
+) -> ApiResult<SandboxRow> {
+    let row = find(st, key, id)?;
+    if let (Some(Some(t)), Running | Starting) = (u.timeout_seconds, row.record.state) {
+        crate::billing::check_lease_change(st, &row, t)?;
+    }
+    let _g = st.inner.create_lock.lock().await;
+    if let Some(Some(n)) = &u.name {
+        if let Some(h) = name_holder(st, n, Some(id))? {
+            let sandbox_id = visible(key, &h).then(|| h.record.id.clone());
+            return Err(ApiError::NameTaken {
+                name: n.clone(),
+                sandbox_id,
+            });
+        }
+    }
+    let now = st.now_ms();
+    let row = st
+        .store()
+        .update_sandbox(id, |r| {
+            for (k, v) in &u.env_changes {
+                r.env.retain(|(n, _)| n != k);
+                if let Some(v) = v {
+                    r.env.push((k.clone(), v.clone()));
+                }
+            }
+            let s = &mut r.record;
+            if let Some(name) = &u.name {
+                s.name = name.clone();
+            }
+            if let Some(l) = &u.labels {
+                s.labels = l.clone();
+            }
+            s.env_names = env_names(&r.env);
+            s.auto_wake = u.auto_wake.unwrap_or(s.auto_wake);
+            s.user = u.user.clone().unwrap_or(s.user.clone());
+            s.idle_pause_seconds = u.idle_pause_seconds.unwrap_or(s.idle_pause_seconds);
+            s.persistent = u.persistent.unwrap_or(s.persistent);
+            if u.max_total_cost_micros.is_some() {
+                s.max_total_cost_micros = u.max_total_cost_micros;
+            }
+            if let Some(o) = &u.on_lease_end {
+                s.on_lease_end = o.clone();
+            }
+            if let Some(t) = u.timeout_seconds {
+                s.timeout_seconds = t;
+                s.ends_at = lease::lease_end(t, now);
+                s.expires_at = s.ends_at.clone();
+            }
+            true
+        })?
+        .ok_or_else(|| ApiError::sandbox_not_found(id))?;
+    st.notify_change();
+    Ok(row)
 }
