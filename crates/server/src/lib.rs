@@ -36,7 +36,6 @@ mod previews;
 mod procs;
 mod secrets;
 mod service;
-mod snapshots;
 mod store;
 mod volumes;
 

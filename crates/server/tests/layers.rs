@@ -28,7 +28,6 @@ const PENDING: &[&str] = &[
     "previews.rs",
     "procs.rs",
     "secrets.rs",
-    "snapshots.rs",
     "volumes.rs",
 ];
 

@@ -53,7 +53,7 @@ pub(crate) async fn reaper(st: AppState) {
             st.inner
                 .procs
                 .forget_old(st.store(), st.config().output_keep);
-            crate::snapshots::expire(&st, now);
+            crate::service::snapshots::expire(&st, now);
         }
     }
 }

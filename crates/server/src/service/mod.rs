@@ -5,3 +5,4 @@ pub(crate) mod background;
 pub(crate) mod clock;
 pub(crate) mod lifecycle;
 pub(crate) mod sandboxes;
+pub(crate) mod snapshots;

@@ -362,7 +362,7 @@ pub(crate) async fn create(
     }
     let from = match &snapshot {
         Some(sid) => {
-            let snap = crate::snapshots::find_ready(st, key, sid)?;
+            let snap = crate::service::snapshots::records::find_ready(st, key, sid)?;
             let s = &snap.record;
             if !volumes.is_empty() && s.mode == "memory" {
                 return Err(ApiError::invalid(
@@ -398,7 +398,7 @@ pub(crate) async fn create(
             }
             r.cpu_floor_millis = r.cpu_floor_millis.min(r.vcpu * 1000);
             Some(Arc::new(CaptureDir {
-                path: crate::snapshots::dir(st, sid),
+                path: crate::service::snapshots::records::dir(st, sid),
                 temporary: false,
             }))
         }

@@ -7,11 +7,11 @@ use crate::error::{ApiError, ApiResult};
 use crate::http::route::Route;
 use crate::http::{Ctx, Reply};
 use crate::{
-    billing, files, images, interpreter, net, previews, procs, secrets, snapshots, volumes,
-    AppState,
+    billing, files, images, interpreter, net, previews, procs, secrets, volumes, AppState,
 };
 
 mod sandboxes;
+mod snapshots;
 
 pub(super) async fn dispatch(st: AppState, ctx: Ctx, r: Route, body: Bytes) -> ApiResult<Reply> {
     match r {

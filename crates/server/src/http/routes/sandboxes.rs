@@ -296,8 +296,8 @@ pub(super) async fn action(
                     .record,
             )
         }
-        "fork" => crate::snapshots::fork(st, ctx, id, body).await,
-        "snapshot" => crate::snapshots::snapshot(st, ctx, id, body).await,
+        "fork" => super::snapshots::fork(st, ctx, id, body).await,
+        "snapshot" => super::snapshots::snapshot(st, ctx, id, body).await,
         "restart" => {
             no_fields(&body)?;
             record(

@@ -1,5 +1,5 @@
 //! Memory copies of a sandbox (contract §5): `:fork` and `:snapshot`,
-//! `GET|DELETE /v1/snapshots/{id}`, `GET /v1/snapshots`.
+//! the snapshots' records, deletion and expiry.
 //!
 //! Both capture the source through [`runtime_host::Host::capture`] under its
 //! lifecycle lock (a running source stops for the copy and goes on, a
@@ -9,70 +9,31 @@
 //! its capture in `data_dir/snapshots/<id>/` until deleted or expired; a
 //! create with `snapshot` restores from it with the snapshot's shape.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::body::Bytes;
-use axum::http::StatusCode;
-use serde_json::{json, Value};
+use std::collections::BTreeMap;
+
 use tokio::time::Instant;
 
 use crate::domain::access::KeyInfo;
 use crate::domain::lifecycle::SandboxState;
-use crate::domain::names::valid_name;
-pub(crate) use crate::domain::snapshot::Snapshot;
+use crate::domain::snapshot::Snapshot;
 use crate::domain::time::{iso, parse_iso_ms};
 use crate::error::{ApiError, ApiResult};
-use crate::http::extract::{checked_labels, checked_name};
-use crate::http::extract::{json_object, no_fields, prefer_wait, query_object, Fields};
-use crate::http::record_json;
-use crate::http::{Ctx, Reply};
 use crate::service::lifecycle::{drive, fail_start, CaptureDir, Op};
 use crate::service::sandboxes::{name_holder, settled_source, wait_until};
 use crate::store::{SandboxRow, SnapshotRow};
 use crate::AppState;
 
+pub(crate) mod records;
+
+use records::{dir, find, not_found, visible};
+
 /// Most copies one fork makes.
-pub const MAX_FORK: i64 = 8;
-const DEFAULT_RETENTION_DAYS: i64 = 30;
-
-fn visible(key: &KeyInfo, row: &SnapshotRow) -> bool {
-    key.account_wide || row.key_id == key.id
-}
-
-fn not_found(id: &str) -> ApiError {
-    ApiError::NotFound {
-        code: "snapshot_not_found",
-        what: "snapshot",
-        id: id.to_string(),
-    }
-}
-
-pub fn dir(st: &AppState, id: &str) -> PathBuf {
-    st.config().data_dir.join("snapshots").join(id)
-}
-
-fn find(st: &AppState, key: &KeyInfo, id: &str) -> ApiResult<SnapshotRow> {
-    match st.store().get_snapshot(id)? {
-        Some(r) if r.deleted.is_none() && visible(key, &r) => Ok(r),
-        _ => Err(not_found(id)),
-    }
-}
-
-/// A snapshot this key may start a sandbox from.
-pub fn find_ready(st: &AppState, key: &KeyInfo, id: &str) -> ApiResult<SnapshotRow> {
-    let row = find(st, key, id)
-        .map_err(|_| ApiError::invalid("snapshot", format!("there is no snapshot {id}")))?;
-    if row.record.state != "ready" {
-        return Err(ApiError::Conflict {
-            code: "snapshot_not_ready",
-            message: format!("Snapshot {id} is {}, not ready.", row.record.state),
-            details: Some(json!({ "snapshotId": id, "state": row.record.state })),
-        });
-    }
-    Ok(row)
-}
+pub(crate) const MAX_FORK: i64 = 8;
+pub(crate) const DEFAULT_RETENTION_DAYS: i64 = 30;
 
 fn size_of(p: &Path) -> u64 {
     let Ok(rd) = std::fs::read_dir(p) else {
@@ -99,35 +60,45 @@ fn remove_dir(p: &Path) {
     }
 }
 
-pub async fn fork(st: AppState, ctx: Ctx, id: String, body: Bytes) -> ApiResult<Reply> {
-    let obj = json_object(&body)?;
-    let mut f = Fields::new(&obj);
-    let count = f.int("count", 1, MAX_FORK).unwrap_or(1) as usize;
-    let name = checked_name(&mut f);
-    if name.as_deref().is_some_and(valid_name) && count > 1 {
-        f.issue("name", "names one copy: leave it out when count is above 1");
-    }
-    let labels = checked_labels(&mut f);
-    // Accepted and without effect: no snapshot is kept after a fork here.
-    let _ = f.bool("keepSnapshot");
-    let _ = f.one_of("funding", &["trial", "paid"]);
-    let net = crate::net::parse_create(&st, &mut f);
-    f.finish()?;
-    let src = settled_source(&st, &ctx.key, &id).await?;
-    crate::volumes::refuse_copy(&st, &id, "fork")?;
+/// A fork, parsed.
+pub(crate) struct Fork {
+    pub count: usize,
+    pub name: Option<String>,
+    pub labels: Option<BTreeMap<String, String>>,
+    pub net: crate::net::CreateNet,
+}
+
+/// `:fork`: `count` new sandboxes from a capture of `id`'s memory, each
+/// started as its source was; waits up to `wait` for them to leave
+/// `starting`. Answers the copies as they are then.
+pub(crate) async fn fork(
+    st: &AppState,
+    key: &KeyInfo,
+    id: &str,
+    req: Fork,
+    wait: Option<Duration>,
+) -> ApiResult<Vec<SandboxRow>> {
+    let Fork {
+        count,
+        name,
+        labels,
+        net,
+    } = req;
+    let src = settled_source(st, key, id).await?;
+    crate::volumes::refuse_copy(st, id, "fork")?;
     let lease = crate::billing::first_lease_seconds(src.record.timeout_seconds);
     let copies_cost = i64::try_from(count)
         .unwrap_or(i64::MAX)
         .saturating_mul(lease);
-    crate::billing::check_spend(&st, &ctx.key.id, &src.record, lease, copies_cost)?;
+    crate::billing::check_spend(st, &key.id, &src.record, lease, copies_cost)?;
 
     let now = st.now_ms();
     let copies: Vec<SandboxRow> = {
         let _g = st.inner.create_lock.lock().await;
         if let Some(n) = &name {
-            if let Some(h) = name_holder(&st, n, None)? {
+            if let Some(h) = name_holder(st, n, None)? {
                 let sandbox_id =
-                    crate::service::sandboxes::visible(&ctx.key, &h).then(|| h.record.id.clone());
+                    crate::service::sandboxes::visible(key, &h).then(|| h.record.id.clone());
                 return Err(ApiError::NameTaken {
                     name: n.clone(),
                     sandbox_id,
@@ -157,12 +128,12 @@ pub async fn fork(st: AppState, ctx: Ctx, id: String, body: Bytes) -> ApiResult<
             r.held_micros = 0;
             let row = SandboxRow {
                 seq: 0,
-                key_id: ctx.key.id.clone(),
+                key_id: key.id.clone(),
                 record: r,
                 env: src.env.clone(),
                 deleted: None,
             };
-            crate::net::copy_settings(&st, &src.record.id, &row.record.id, net.secrets.clone())?;
+            crate::net::copy_settings(st, &src.record.id, &row.record.id, net.secrets.clone())?;
             st.store().insert_sandbox(&row)?;
             out.push(row);
         }
@@ -173,7 +144,7 @@ pub async fn fork(st: AppState, ctx: Ctx, id: String, body: Bytes) -> ApiResult<
 
     let ids: Vec<String> = copies.iter().map(|c| c.record.id.clone()).collect();
     let st2 = st.clone();
-    let src_id = id.clone();
+    let src_id = id.to_string();
     let task_ids = ids.clone();
     st.spawn(async move {
         let capture = Arc::new(CaptureDir {
@@ -205,40 +176,50 @@ pub async fn fork(st: AppState, ctx: Ctx, id: String, body: Bytes) -> ApiResult<
         }
     });
 
-    if let Some(secs) = prefer_wait(&ctx.headers) {
-        let deadline = Instant::now() + Duration::from_secs(secs);
+    if let Some(wait) = wait {
+        let deadline = Instant::now() + wait;
         for cid in &ids {
             let left = deadline.saturating_duration_since(Instant::now());
-            wait_until(&st, cid, left, |s| s != SandboxState::Starting).await?;
+            wait_until(st, cid, left, |s| s != SandboxState::Starting).await?;
         }
     }
     let mut out = Vec::with_capacity(ids.len());
     for cid in &ids {
         if let Some(r) = st.store().get_sandbox(cid)? {
-            out.push(record_json(&r.record, &[]));
+            out.push(r);
         }
     }
-    Ok(Reply::Json(
-        StatusCode::CREATED,
-        json!({ "sandboxes": out }),
-    ))
+    Ok(out)
 }
 
-pub async fn snapshot(st: AppState, ctx: Ctx, id: String, body: Bytes) -> ApiResult<Reply> {
-    let obj = json_object(&body)?;
-    let mut f = Fields::new(&obj);
-    let name = checked_name(&mut f);
-    let labels = checked_labels(&mut f).unwrap_or_default();
-    let retention = f
-        .int("retentionDays", 1, 365)
-        .unwrap_or(DEFAULT_RETENTION_DAYS);
-    let mode = f
-        .one_of("mode", &["memory", "disk"])
-        .unwrap_or_else(|| "memory".into());
-    f.finish()?;
-    let src = settled_source(&st, &ctx.key, &id).await?;
+/// A snapshot, parsed.
+pub(crate) struct NewSnapshot {
+    pub name: Option<String>,
+    pub labels: BTreeMap<String, String>,
+    pub retention_days: i64,
+    /// `memory` or `disk`.
+    pub mode: String,
+}
+
+/// `:snapshot`: captures `id` into a snapshot kept `retention_days`; waits
+/// up to `wait` for the capture to end.
+pub(crate) async fn snapshot(
+    st: &AppState,
+    key: &KeyInfo,
+    id: &str,
+    req: NewSnapshot,
+    wait: Option<Duration>,
+) -> ApiResult<Snapshot> {
+    let NewSnapshot {
+        name,
+        labels,
+        retention_days: retention,
+        mode,
+    } = req;
+    let id = id.to_string();
+    let src = settled_source(st, key, &id).await?;
     if mode == "memory" {
-        crate::volumes::refuse_copy(&st, &id, "memory snapshot")?;
+        crate::volumes::refuse_copy(st, &id, "memory snapshot")?;
     }
     let now = st.now_ms();
     let snap = Snapshot {
@@ -259,7 +240,7 @@ pub async fn snapshot(st: AppState, ctx: Ctx, id: String, body: Bytes) -> ApiRes
         expires_at: Some(iso(now + retention * 86_400_000)),
         error: None,
     };
-    st.store().insert_snapshot(&ctx.key.id, &snap)?;
+    st.store().insert_snapshot(&key.id, &snap)?;
     tracing::info!(sandbox_id = %id, snapshot_id = %snap.id, mode = %snap.mode, "snapshot requested");
     let sid = snap.id.clone();
     let st2 = st.clone();
@@ -304,10 +285,10 @@ pub async fn snapshot(st: AppState, ctx: Ctx, id: String, body: Bytes) -> ApiRes
         }
         st2.notify_change();
     });
-    if let Some(secs) = prefer_wait(&ctx.headers) {
-        let deadline = Instant::now() + Duration::from_secs(secs);
+    if let Some(wait) = wait {
+        let deadline = Instant::now() + wait;
         let mut rx = st.inner.changes.subscribe();
-        while find(&st, &ctx.key, &snap.id)?.record.state == "capturing" {
+        while find(st, key, &snap.id)?.record.state == "capturing" {
             if tokio::time::timeout_at(deadline, rx.changed())
                 .await
                 .is_err()
@@ -316,40 +297,42 @@ pub async fn snapshot(st: AppState, ctx: Ctx, id: String, body: Bytes) -> ApiRes
             }
         }
     }
-    let row = find(&st, &ctx.key, &snap.id)?;
-    Ok(Reply::Json(
-        StatusCode::CREATED,
-        serde_json::to_value(&row.record).unwrap_or(Value::Null),
-    ))
+    Ok(find(st, key, &snap.id)?.record)
 }
 
-pub async fn get(st: AppState, ctx: Ctx, id: String) -> ApiResult<Reply> {
-    Reply::ok(serde_json::to_value(find(&st, &ctx.key, &id)?.record).unwrap_or(Value::Null))
+pub(crate) fn get(st: &AppState, key: &KeyInfo, id: &str) -> ApiResult<Snapshot> {
+    Ok(find(st, key, id)?.record)
 }
 
-pub async fn list(st: AppState, ctx: Ctx) -> ApiResult<Reply> {
-    let q = query_object(&ctx.query, &[]);
-    let mut f = Fields::new(&q);
-    let sandbox_id = f.string("sandboxId");
-    let name = f.string("name");
-    let state = f.one_of("state", &["capturing", "ready", "failed"]);
-    let limit = f.q_int("limit", 1, 100).unwrap_or(50) as usize;
-    let cursor = match f.string("cursor") {
-        Some(c) if !c.is_empty() => match c.parse::<i64>() {
-            Ok(seq) => Some(seq),
-            Err(_) => {
-                f.issue("cursor", "is not a cursor this server gave");
-                None
-            }
-        },
-        _ => None,
-    };
-    f.finish()?;
+/// Which snapshots a list asks for.
+pub(crate) struct ListFilter {
+    pub sandbox_id: Option<String>,
+    pub name: Option<String>,
+    pub state: Option<String>,
+    pub limit: usize,
+    /// Only snapshots made before the one with this sequence number.
+    pub before_seq: Option<i64>,
+}
+
+/// One page of the snapshots `key` sees, newest first, and whether more follow.
+pub(crate) fn list(
+    st: &AppState,
+    key: &KeyInfo,
+    f: &ListFilter,
+) -> ApiResult<(Vec<SnapshotRow>, bool)> {
+    let ListFilter {
+        sandbox_id,
+        name,
+        state,
+        limit,
+        before_seq: cursor,
+    } = f;
+    let limit = *limit;
     let mut rows: Vec<SnapshotRow> = st
         .store()
         .live_snapshots()?
         .into_iter()
-        .filter(|r| visible(&ctx.key, r))
+        .filter(|r| visible(key, r))
         .filter(|r| cursor.is_none_or(|c| r.seq < c))
         .filter(|r| {
             sandbox_id
@@ -363,34 +346,25 @@ pub async fn list(st: AppState, ctx: Ctx) -> ApiResult<Reply> {
         .filter(|r| state.as_ref().is_none_or(|s| &r.record.state == s))
         .take(limit + 1)
         .collect();
-    let next = if rows.len() > limit {
-        rows.truncate(limit);
-        rows.last().map(|r| r.seq.to_string())
-    } else {
-        None
-    };
-    let data: Vec<Value> = rows
-        .iter()
-        .map(|r| serde_json::to_value(&r.record).unwrap_or(Value::Null))
-        .collect();
-    Reply::ok(json!({ "data": data, "nextCursor": next }))
+    let more = rows.len() > limit;
+    rows.truncate(limit);
+    Ok((rows, more))
 }
 
 /// `DELETE /v1/snapshots/{id}` and `POST /v1/snapshots/{id}:delete` (the
 /// client's). Deleting again answers the same; sandboxes started from it
 /// are not affected.
-pub async fn delete(st: AppState, ctx: Ctx, id: String) -> ApiResult<Reply> {
-    let row = match st.store().get_snapshot(&id)? {
-        Some(r) if visible(&ctx.key, &r) => r,
-        _ => return Err(not_found(&id)),
+/// Answers when it was deleted.
+pub(crate) fn delete(st: &AppState, key: &KeyInfo, id: &str) -> ApiResult<String> {
+    let row = match st.store().get_snapshot(id)? {
+        Some(r) if visible(key, &r) => r,
+        _ => return Err(not_found(id)),
     };
-    let answer =
-        |at: &str| json!({"id": id, "kind": "snapshot", "status": "deleted", "deletedAt": at});
-    if let Some(at) = &row.deleted {
-        return Reply::ok(answer(at));
+    if let Some(at) = row.deleted {
+        return Ok(at);
     }
     let at = iso(st.now_ms());
-    st.store().update_snapshot(&id, |r| {
+    st.store().update_snapshot(id, |r| {
         if r.deleted.is_some() {
             return false;
         }
@@ -399,39 +373,14 @@ pub async fn delete(st: AppState, ctx: Ctx, id: String) -> ApiResult<Reply> {
     })?;
     // A capture under way removes its directory when it ends.
     if row.record.state != "capturing" {
-        remove_dir(&dir(&st, &id));
+        remove_dir(&dir(st, id));
     }
     tracing::info!(snapshot_id = %id, "snapshot deleted");
-    Reply::ok(answer(&at))
-}
-
-pub async fn action(
-    st: AppState,
-    ctx: Ctx,
-    id: String,
-    verb: String,
-    body: Bytes,
-) -> ApiResult<Reply> {
-    match verb.as_str() {
-        "delete" => {
-            no_fields(&body)?;
-            delete(st, ctx, id).await
-        }
-        "update" | "extend" => {
-            find(&st, &ctx.key, &id)?;
-            Err(ApiError::Unsupported {
-                feature: "this snapshot action",
-            })
-        }
-        _ => Err(ApiError::RouteNotFound {
-            method: "POST".into(),
-            path: format!("/v1/snapshots/{id}:{verb}"),
-        }),
-    }
+    Ok(at)
 }
 
 /// Deletes snapshots past their `expiresAt`.
-pub fn expire(st: &AppState, now: i64) {
+pub(crate) fn expire(st: &AppState, now: i64) {
     let rows = match st.store().live_snapshots() {
         Ok(r) => r,
         Err(e) => {
