@@ -22,7 +22,6 @@
 //! nothing of the crate; `error.rs` (the error enums) serves every layer.
 //! Root files not yet split into the layers are listed in `tests/layers.rs`.
 
-mod billing;
 mod domain;
 mod error;
 mod files;
@@ -50,7 +49,7 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-pub use billing::Prices;
+pub use domain::money::Prices;
 pub use error::{ApiError, ServerError};
 pub use http::route::ROUTE_SAMPLES;
 pub use service::clock::Clock;
@@ -136,7 +135,7 @@ struct Inner {
     /// The key that seals secret values, read or made on first use.
     sealer: std::sync::OnceLock<secrets::Sealer>,
     nets: net::Nets,
-    meter: billing::Meter,
+    meter: service::meter::Meter,
     logins: http::login::Pending,
     tasks: TaskTracker,
     cancel: CancellationToken,
@@ -159,7 +158,7 @@ impl AppState {
                 previews: previews::Live::default(),
                 sealer: std::sync::OnceLock::new(),
                 nets: net::Nets::new(runtime_egress::Egress::new(config.egress.clone())),
-                meter: billing::Meter::default(),
+                meter: service::meter::Meter::default(),
                 logins: http::login::Pending::default(),
                 tasks: TaskTracker::new(),
                 cancel: CancellationToken::new(),
@@ -228,13 +227,13 @@ impl AppState {
         let st = self.clone();
         self.spawn(async move { service::background::reaper(st).await });
         let st = self.clone();
-        self.spawn(async move { billing::run(st).await });
+        self.spawn(async move { service::meter::run(st).await });
     }
 
     /// One tick of the meter (one second of every sandbox). The background
     /// runs it each second; tests call it to move time on.
     pub async fn meter_tick(&self) -> Result<(), ServerError> {
-        billing::tick(self).await
+        service::meter::tick(self).await
     }
 
     /// Ends streams and background tasks, waiting up to the drain timeout.

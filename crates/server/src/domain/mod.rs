@@ -5,6 +5,7 @@
 pub(crate) mod access;
 pub(crate) mod lease;
 pub(crate) mod lifecycle;
+pub(crate) mod money;
 pub(crate) mod names;
 pub(crate) mod sandbox;
 pub(crate) mod snapshot;

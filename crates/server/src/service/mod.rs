@@ -2,7 +2,9 @@
 //! HTTP types (axum, `StatusCode`, `Bytes`).
 
 pub(crate) mod background;
+pub(crate) mod billing;
 pub(crate) mod clock;
 pub(crate) mod lifecycle;
+pub(crate) mod meter;
 pub(crate) mod sandboxes;
 pub(crate) mod snapshots;

@@ -113,8 +113,8 @@ pub(crate) async fn ensure_awake(st: &AppState, id: &str, timeout: Duration) -> 
                 })
             }
             Paused => {
-                let lease = crate::billing::first_lease_seconds(row.record.timeout_seconds);
-                crate::billing::check_spend(st, &row.key_id, &row.record, lease, lease)?;
+                let lease = crate::domain::money::first_lease_seconds(row.record.timeout_seconds);
+                crate::service::billing::check_spend(st, &row.key_id, &row.record, lease, lease)?;
                 drive(st, id, Op::Wake { lease: None })?;
                 asked = true;
                 continue;
@@ -415,8 +415,8 @@ pub(crate) async fn create(
             Some(h) if get_or_create && visible(key, &h) => {
                 let id = h.record.id.clone();
                 if h.record.state == Stopped {
-                    let lease = crate::billing::first_lease_seconds(h.record.timeout_seconds);
-                    crate::billing::check_spend(st, &h.key_id, &h.record, lease, lease)?;
+                    let lease = crate::domain::money::first_lease_seconds(h.record.timeout_seconds);
+                    crate::service::billing::check_spend(st, &h.key_id, &h.record, lease, lease)?;
                     restart(st, &id)?;
                 }
                 (id, true)
@@ -430,8 +430,8 @@ pub(crate) async fn create(
             }
             None => {
                 // Before anything starts: a refusal costs nothing.
-                let lease = crate::billing::first_lease_seconds(record.timeout_seconds);
-                crate::billing::check_spend(st, &key.id, &record, lease, lease)?;
+                let lease = crate::domain::money::first_lease_seconds(record.timeout_seconds);
+                crate::service::billing::check_spend(st, &key.id, &record, lease, lease)?;
                 let row = SandboxRow {
                     seq: 0,
                     key_id: key.id.clone(),
@@ -584,8 +584,8 @@ pub(crate) async fn restart_stopped(
                 });
             }
         }
-        let lease = crate::billing::first_lease_seconds(row.record.timeout_seconds);
-        crate::billing::check_spend(st, &row.key_id, &row.record, lease, lease)?;
+        let lease = crate::domain::money::first_lease_seconds(row.record.timeout_seconds);
+        crate::service::billing::check_spend(st, &row.key_id, &row.record, lease, lease)?;
         restart(st, id)?;
     }
     if let Some(wait) = wait {
@@ -657,15 +657,16 @@ pub(crate) async fn wake(
     let mut asked = false;
     match row.record.state {
         Paused => {
-            let seconds = crate::billing::first_lease_seconds(lease.or(row.record.timeout_seconds));
-            crate::billing::check_spend(st, &row.key_id, &row.record, seconds, seconds)?;
+            let seconds =
+                crate::domain::money::first_lease_seconds(lease.or(row.record.timeout_seconds));
+            crate::service::billing::check_spend(st, &row.key_id, &row.record, seconds, seconds)?;
             asked = drive(st, id, Op::Wake { lease })?
         }
         Resuming => {}
         Running | Starting => {
             // Already awake: done. A new limit asked for applies from now.
             if let Some(t) = lease {
-                crate::billing::check_lease_change(st, &row, t)?;
+                crate::service::billing::check_lease_change(st, &row, t)?;
                 let now = st.now_ms();
                 st.store().update_sandbox(id, |r| {
                     r.record.timeout_seconds = Some(t);
@@ -734,8 +735,14 @@ pub(crate) fn extend(
         });
     }
     if row.record.ends_at.is_some() {
-        let left = crate::billing::lease_left_seconds(&row.record, st.now_ms());
-        crate::billing::check_spend(st, &row.key_id, &row.record, left + seconds, seconds)?;
+        let left = crate::domain::money::lease_left_seconds(&row.record, st.now_ms());
+        crate::service::billing::check_spend(
+            st,
+            &row.key_id,
+            &row.record,
+            left + seconds,
+            seconds,
+        )?;
     }
     let now = st.now_ms();
     let row = st
@@ -779,7 +786,7 @@ pub(crate) async fn update(
 ) -> ApiResult<SandboxRow> {
     let row = find(st, key, id)?;
     if let (Some(Some(t)), Running | Starting) = (u.timeout_seconds, row.record.state) {
-        crate::billing::check_lease_change(st, &row, t)?;
+        crate::service::billing::check_lease_change(st, &row, t)?;
     }
     let _g = st.inner.create_lock.lock().await;
     if let Some(Some(n)) = &u.name {

@@ -4,6 +4,8 @@
 //! One connection behind a mutex; every call is short and never held across
 //! an `.await`. Schema version lives in `PRAGMA user_version`.
 
+mod charges;
+
 use std::path::Path;
 use std::sync::{Mutex, MutexGuard};
 

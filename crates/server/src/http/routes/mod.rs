@@ -6,10 +6,9 @@ use axum::body::Bytes;
 use crate::error::{ApiError, ApiResult};
 use crate::http::route::Route;
 use crate::http::{Ctx, Reply};
-use crate::{
-    billing, files, images, interpreter, net, previews, procs, secrets, volumes, AppState,
-};
+use crate::{files, images, interpreter, net, previews, procs, secrets, volumes, AppState};
 
+mod account;
 mod sandboxes;
 mod snapshots;
 
@@ -73,8 +72,8 @@ pub(super) async fn dispatch(st: AppState, ctx: Ctx, r: Route, body: Bytes) -> A
         Route::Terminal(_) | Route::Tunnel(_) => Err(ApiError::Internal {
             what: "a WebSocket route reached the JSON dispatcher".into(),
         }),
-        Route::Usage => billing::usage(st, ctx).await,
-        Route::Limits => billing::limits(st, ctx).await,
-        Route::Me => billing::me(st, ctx).await,
+        Route::Usage => account::usage(st, ctx).await,
+        Route::Limits => account::limits(st, ctx).await,
+        Route::Me => account::me(st, ctx).await,
     }
 }

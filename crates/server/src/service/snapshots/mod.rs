@@ -86,11 +86,11 @@ pub(crate) async fn fork(
     } = req;
     let src = settled_source(st, key, id).await?;
     crate::volumes::refuse_copy(st, id, "fork")?;
-    let lease = crate::billing::first_lease_seconds(src.record.timeout_seconds);
+    let lease = crate::domain::money::first_lease_seconds(src.record.timeout_seconds);
     let copies_cost = i64::try_from(count)
         .unwrap_or(i64::MAX)
         .saturating_mul(lease);
-    crate::billing::check_spend(st, &key.id, &src.record, lease, copies_cost)?;
+    crate::service::billing::check_spend(st, &key.id, &src.record, lease, copies_cost)?;
 
     let now = st.now_ms();
     let copies: Vec<SandboxRow> = {
