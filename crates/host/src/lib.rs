@@ -7,6 +7,8 @@
 
 pub mod artifacts;
 mod cgroup;
+mod cpu_time;
+mod inspect;
 mod link;
 mod machine;
 mod qemu;

@@ -46,17 +46,17 @@ enum RamPlan<'a> {
     Anon,
 }
 
-struct Vm {
-    paths: VmPaths,
-    pid: u32,
-    link: tokio::sync::Mutex<Option<Link>>,
+pub(crate) struct Vm {
+    pub(crate) paths: VmPaths,
+    pub(crate) pid: u32,
+    pub(crate) link: tokio::sync::Mutex<Option<Link>>,
     /// It has volume drives: what the guest wrote to them is flushed before
     /// the machine is paused or ended, so it never lives only in its memory.
-    volumes: bool,
+    pub(crate) volumes: bool,
     /// Its own RAM file (mapped shared), or `None`: a fork's copy (a private
     /// mapping of its source's frozen file) or anonymous memory. Only a
     /// machine with its own file is captured without its RAM in the state.
-    ram: Option<PathBuf>,
+    pub(crate) ram: Option<PathBuf>,
 }
 
 impl Drop for Vm {
@@ -74,17 +74,17 @@ impl Drop for Vm {
 /// Cheap to clone: clones share their machines.
 #[derive(Clone)]
 pub struct QemuHost {
-    cfg: Arc<QemuConfig>,
+    pub(crate) cfg: Arc<QemuConfig>,
     /// Guests' RAM files: tmpfs where the host has one (see [`ram_dir`]).
-    ram_dir: Arc<PathBuf>,
-    cgroups: Layout,
-    vms: Arc<Mutex<HashMap<String, Arc<Vm>>>>,
+    pub(crate) ram_dir: Arc<PathBuf>,
+    pub(crate) cgroups: Layout,
+    pub(crate) vms: Arc<Mutex<HashMap<String, Arc<Vm>>>>,
     /// Template keys being built now.
-    building: Arc<Mutex<std::collections::HashSet<String>>>,
+    pub(crate) building: Arc<Mutex<std::collections::HashSet<String>>>,
     /// Receives the guests' outbound connections ([`Host::set_outbound`]).
-    outbound: Arc<Mutex<Option<Arc<dyn Outbound>>>>,
+    pub(crate) outbound: Arc<Mutex<Option<Arc<dyn Outbound>>>>,
     /// Open tunnels per sandbox (both directions), for the cap.
-    tunnels: Arc<Mutex<HashMap<String, Arc<std::sync::atomic::AtomicUsize>>>>,
+    pub(crate) tunnels: Arc<Mutex<HashMap<String, Arc<std::sync::atomic::AtomicUsize>>>>,
 }
 
 /// Picks KVM where it is real hardware virtualisation, TCG otherwise. A
@@ -411,11 +411,11 @@ impl QemuHost {
         result
     }
 
-    fn paths(&self, id: &str) -> VmPaths {
+    pub(crate) fn paths(&self, id: &str) -> VmPaths {
         VmPaths::new(self.cfg.state_dir.join(id))
     }
 
-    fn vm(&self, id: &str) -> Result<Arc<Vm>, HostError> {
+    pub(crate) fn vm(&self, id: &str) -> Result<Arc<Vm>, HostError> {
         self.vms
             .lock()
             .ok()
@@ -1327,7 +1327,7 @@ impl Host for QemuHost {
 
     async fn cpu_time(&self, id: &str) -> Option<Duration> {
         let vm = self.vm(id).ok()?;
-        vcpu_time(vm.pid)
+        crate::cpu_time::vcpu_time(vm.pid)
     }
 
     async fn connect(&self, id: &str, port: u16) -> Result<DuplexStream, HostError> {
@@ -1734,58 +1734,5 @@ impl Host for QemuHost {
             Reply::Done => Ok(FileOpResult::Done),
             other => Err(guest_err(id, other)),
         }
-    }
-}
-
-/// CPU time of the vCPU threads of a QEMU process (threads named
-/// `CPU n/TCG` or `CPU n/KVM`): what the guest used, not QEMU's own work.
-fn vcpu_time(pid: u32) -> Option<Duration> {
-    // SAFETY: sysconf has no preconditions.
-    let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
-    let ticks = if ticks > 0 { ticks as u64 } else { 100 };
-    let mut total: u64 = 0;
-    for t in std::fs::read_dir(format!("/proc/{pid}/task"))
-        .ok()?
-        .flatten()
-    {
-        let comm = std::fs::read_to_string(t.path().join("comm")).unwrap_or_default();
-        if !comm.starts_with("CPU ") {
-            continue;
-        }
-        let stat = std::fs::read_to_string(t.path().join("stat")).unwrap_or_default();
-        // Fields after the ")" that ends the name: utime is the 12th, stime the 13th.
-        let rest = stat.rsplit(')').next().unwrap_or("");
-        let f: Vec<&str> = rest.split_whitespace().collect();
-        let (u, s) = (
-            f.get(11).and_then(|v| v.parse::<u64>().ok()),
-            f.get(12).and_then(|v| v.parse::<u64>().ok()),
-        );
-        total += u.unwrap_or(0) + s.unwrap_or(0);
-    }
-    Some(Duration::from_nanos(
-        total.saturating_mul(1_000_000_000 / ticks),
-    ))
-}
-
-impl QemuHost {
-    /// The RAM file a running machine maps as its own, if it has one (a
-    /// fork's copy maps its source's frozen file instead).
-    pub fn ram_file(&self, id: &str) -> Option<PathBuf> {
-        self.vm(id).ok()?.ram.clone()
-    }
-
-    /// The memory limit of a VM's cgroup in bytes, if cgroups are in use.
-    pub fn memory_limit(&self, id: &str) -> Option<u64> {
-        cgroup::memory_limit(self.cgroups, id)
-    }
-
-    /// The pid of a VM's QEMU.
-    pub fn qemu_pid(&self, id: &str) -> Option<u32> {
-        self.vm(id).ok().map(|v| v.pid)
-    }
-
-    /// The serial console so far.
-    pub fn console(&self, id: &str) -> String {
-        qemu::console_tail(&self.paths(id), 1 << 20)
     }
 }
