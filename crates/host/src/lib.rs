@@ -7,6 +7,7 @@
 
 pub mod artifacts;
 mod cgroup;
+mod convert;
 mod cpu_time;
 mod inspect;
 mod link;

@@ -7,13 +7,12 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
-use runtime_proto::{
-    channel, Entry, EntryType, ExecRequest, FailCode, PtySize, Reply, Request, User,
-};
+use runtime_proto::{channel, ExecRequest, Reply, Request, User};
 use tokio::sync::mpsc;
 
 use crate::artifacts::Artifacts;
 use crate::cgroup::{self, Layout};
+use crate::convert::{exec_request, file_op_result, file_request, guest_err, pty_size, user};
 use crate::link::{Acceptor, Incoming, Link, LinkError};
 use crate::qemu::{self, Accel, VmConfig, VmPaths};
 use crate::qmp::{Qmp, QmpError};
@@ -167,45 +166,6 @@ fn vm_uid(id: &str) -> Option<(u32, u32)> {
     }
     let uid = 2_000_000_000 + (h % 100_000_000);
     Some((uid, uid))
-}
-
-fn failure(code: FailCode) -> GuestFailure {
-    match code {
-        FailCode::FileNotFound => GuestFailure::FileNotFound,
-        FailCode::IsADirectory => GuestFailure::IsADirectory,
-        FailCode::NotADirectory => GuestFailure::NotADirectory,
-        FailCode::PermissionDenied => GuestFailure::PermissionDenied,
-        FailCode::AlreadyExists => GuestFailure::AlreadyExists,
-        FailCode::DirectoryNotEmpty => GuestFailure::DirectoryNotEmpty,
-        FailCode::InvalidPath => GuestFailure::InvalidPath,
-        FailCode::CommandNotFound => GuestFailure::CommandNotFound,
-        FailCode::BadRequest => GuestFailure::BadRequest,
-        FailCode::Io => GuestFailure::Io,
-        FailCode::ConnectionRefused => GuestFailure::ConnectionRefused,
-    }
-}
-
-fn user(u: RunAs) -> User {
-    match u {
-        RunAs::Sandbox => User::Sandbox,
-        RunAs::Root => User::Root,
-    }
-}
-
-fn entry(e: Entry) -> FileEntry {
-    FileEntry {
-        name: e.name,
-        path: e.path,
-        kind: match e.kind {
-            EntryType::File => EntryKind::File,
-            EntryType::Directory => EntryKind::Directory,
-            EntryType::Symlink => EntryKind::Symlink,
-            EntryType::Other => EntryKind::Other,
-        },
-        size: e.size,
-        mode: e.mode,
-        modified: e.modified,
-    }
 }
 
 impl QemuHost {
@@ -921,7 +881,7 @@ fn pump_after(mut stream: crate::link::Stream, pid: u32, early: Vec<ExecEvent>) 
                         Some(ExecControl::Stdin(b)) => sender.send_data(&b),
                         Some(ExecControl::CloseStdin) => sender.send(&Request::CloseStdin),
                         Some(ExecControl::Signal(s)) => sender.send(&Request::Signal { signal: s }),
-                        Some(ExecControl::Resize(t)) => sender.send(&Request::Resize { size: PtySize { cols: t.cols, rows: t.rows } }),
+                        Some(ExecControl::Resize(t)) => sender.send(&Request::Resize { size: pty_size(t) }),
                         None => { ctl_open = false; Ok(()) }
                     };
                     if r.is_err() { break; }
@@ -1192,21 +1152,6 @@ async fn setup(link: &Link, hostname: &str, ca_pem: Option<&str>) -> Result<(), 
     })
     .await?;
     Ok(())
-}
-
-fn guest_err(id: &str, r: Reply) -> HostError {
-    match r {
-        Reply::Failed { code, message } => HostError::Guest {
-            id: id.to_owned(),
-            failure: failure(code),
-            message,
-        },
-        other => HostError::Guest {
-            id: id.to_owned(),
-            failure: GuestFailure::Io,
-            message: format!("unexpected reply {other:?}"),
-        },
-    }
 }
 
 #[async_trait]
@@ -1558,20 +1503,9 @@ impl Host for QemuHost {
         let link = self.link(id).await?;
         let lost = || HostError::LinkLost { id: id.to_owned() };
         let mut stream = link.open().map_err(|_| lost())?;
-        let req = ExecRequest {
-            argv: spec.argv,
-            cwd: spec.cwd,
-            env: spec.env,
-            user: user(spec.user),
-            timeout_ms: spec.timeout.map(|t| t.as_millis() as u64),
-            stdin: spec.stdin,
-            pty: spec.pty.map(|t| PtySize {
-                cols: t.cols,
-                rows: t.rows,
-            }),
-            kill_group_on_exit: spec.kill_group_on_exit,
-        };
-        stream.send(&Request::Exec(req)).map_err(|_| lost())?;
+        stream
+            .send(&Request::Exec(exec_request(spec)))
+            .map_err(|_| lost())?;
         let pid = match stream.reply().await.map_err(|_| lost())? {
             Reply::Started { pid } => pid,
             other => return Err(guest_err(id, other)),
@@ -1683,56 +1617,11 @@ impl Host for QemuHost {
 
     async fn file_op(&self, id: &str, op: FileOp, u: RunAs) -> Result<FileOpResult, HostError> {
         let link = self.link(id).await?;
-        let user = user(u);
-        let req = match op {
-            FileOp::Stat { path } => Request::Stat { path, user },
-            FileOp::List {
-                path,
-                depth,
-                hidden,
-                limit,
-            } => Request::List {
-                path,
-                depth,
-                hidden,
-                limit,
-                user,
-            },
-            FileOp::Mkdir { path, parents } => Request::Mkdir {
-                path,
-                parents,
-                user,
-            },
-            FileOp::Remove { path, recursive } => Request::Remove {
-                path,
-                recursive,
-                user,
-            },
-            FileOp::Rename {
-                from,
-                to,
-                overwrite,
-            } => Request::Rename {
-                from,
-                to,
-                overwrite,
-                user,
-            },
-            FileOp::Chmod { path, mode } => Request::Chmod { path, mode, user },
-        };
-        match link
+        let req = file_request(op, user(u));
+        let reply = link
             .call(&req)
             .await
-            .map_err(|_| HostError::LinkLost { id: id.to_owned() })?
-        {
-            Reply::Stat { entry: e } => Ok(FileOpResult::Stat(e.map(entry))),
-            Reply::Listing { entries, truncated } => Ok(FileOpResult::Listing {
-                entries: entries.into_iter().map(entry).collect(),
-                truncated,
-            }),
-            Reply::Removed { removed } => Ok(FileOpResult::Removed(removed)),
-            Reply::Done => Ok(FileOpResult::Done),
-            other => Err(guest_err(id, other)),
-        }
+            .map_err(|_| HostError::LinkLost { id: id.to_owned() })?;
+        file_op_result(id, reply)
     }
 }
