@@ -5,6 +5,7 @@
 //!
 //! Depends on `runtime-proto` only among workspace crates.
 
+mod accel;
 pub mod artifacts;
 mod cgroup;
 mod convert;
@@ -18,7 +19,8 @@ mod tunnel;
 mod types;
 pub mod volume;
 
-pub use machine::{choose_accel, probe_boot, QemuConfig, QemuHost};
+pub use accel::{choose_accel, probe_boot};
+pub use machine::{QemuConfig, QemuHost};
 pub use qemu::Accel;
 pub use tunnel::MAX_TUNNELS;
 pub use types::*;
