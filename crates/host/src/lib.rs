@@ -15,6 +15,7 @@ mod link;
 mod machine;
 mod qemu;
 mod qmp;
+mod ram;
 mod tunnel;
 mod types;
 pub mod volume;

@@ -16,6 +16,7 @@ use crate::convert::{exec_request, file_op_result, file_request, guest_err, pty_
 use crate::link::{Acceptor, Incoming, Link, LinkError};
 use crate::qemu::{self, Accel, VmConfig, VmPaths};
 use crate::qmp::{Qmp, QmpError};
+use crate::ram::{self, copy_ram, RamPlan};
 use crate::tunnel::{self, Slot};
 use crate::types::*;
 use serde_json::json;
@@ -33,16 +34,6 @@ pub struct QemuConfig {
     /// Start sandboxes by restoring a pre-booted template of their shape
     /// (built in the background after the first boot of that shape).
     pub templates: bool,
-}
-
-/// Which RAM a machine about to start gets (see [`qemu::Ram`]).
-enum RamPlan<'a> {
-    /// A file of its own, empty or filled with a copy of this RAM file.
-    Own { fill: Option<&'a Path> },
-    /// A private mapping of a fork's frozen RAM file.
-    CopyOf(&'a Path),
-    /// Anonymous memory, for a state that holds the whole memory.
-    Anon,
 }
 
 pub(crate) struct Vm {
@@ -74,7 +65,7 @@ impl Drop for Vm {
 #[derive(Clone)]
 pub struct QemuHost {
     pub(crate) cfg: Arc<QemuConfig>,
-    /// Guests' RAM files: tmpfs where the host has one (see [`ram_dir`]).
+    /// Guests' RAM files: tmpfs where the host has one (see `ram::choose_dir`).
     pub(crate) ram_dir: Arc<PathBuf>,
     pub(crate) cgroups: Layout,
     pub(crate) vms: Arc<Mutex<HashMap<String, Arc<Vm>>>>,
@@ -138,7 +129,7 @@ impl QemuHost {
             }
         }
         let cgroups = cgroup::detect();
-        let ram = ram_dir(&cfg.state_dir);
+        let ram = ram::choose_dir(&cfg.state_dir);
         std::fs::create_dir_all(&ram)?;
         {
             use std::os::unix::fs::PermissionsExt;
@@ -160,49 +151,9 @@ impl QemuHost {
         Ok(host)
     }
 
-    /// The RAM file a machine maps shared (its own memory).
-    fn own_ram(&self, id: &str) -> PathBuf {
-        self.ram_dir.join(format!("{id}.ram"))
-    }
-
-    /// Where forks keep their capture while the copies start: on the disk
-    /// of the data directory, not the memory file system. A copy that is
-    /// itself captured later reads its whole memory, which in a file on
-    /// tmpfs would allocate (and hold) every page never written; in the
-    /// page cache of a disk file those are clean and reclaimable.
-    fn forks_dir(&self) -> PathBuf {
-        self.cfg.state_dir.join(".forks")
-    }
-
     /// The directory of the guests' RAM files.
     pub fn ram_dir(&self) -> &Path {
         &self.ram_dir
-    }
-
-    /// RAM files of machines that no longer run (a crash of the server, a
-    /// killed QEMU), and the captures of forks cut short, would hold host
-    /// memory and disk for nothing.
-    fn drop_stale_ram(&self) {
-        if let Ok(forks) = std::fs::read_dir(self.forks_dir()) {
-            for f in forks.flatten() {
-                let _ = std::fs::remove_dir_all(f.path());
-            }
-        }
-        let Ok(entries) = std::fs::read_dir(&*self.ram_dir) else {
-            return;
-        };
-        for e in entries.flatten() {
-            let name = e.file_name().to_string_lossy().into_owned();
-            let Some(id) = name.strip_suffix(".ram") else {
-                continue;
-            };
-            let paths = self.paths(id);
-            let alive =
-                qemu::read_pid(&paths).is_some_and(|pid| qemu::is_our_qemu(pid, &paths.dir));
-            if !alive {
-                let _ = std::fs::remove_file(e.path());
-            }
-        }
     }
 
     fn tunnel_count(&self, id: &str) -> Arc<std::sync::atomic::AtomicUsize> {
@@ -844,108 +795,6 @@ fn pump_after(mut stream: crate::link::Stream, pid: u32, early: Vec<ExecEvent>) 
     }
 }
 
-/// The directory of the guests' RAM files. `RUNTIME_RAM_DIR` chooses it;
-/// otherwise `/dev/shm` (tmpfs: the pages are the memory itself, never
-/// written back to a disk), one directory per state directory so that
-/// servers side by side never meet. A `/dev/shm` smaller than half the
-/// host's memory (a container's default is 64 MiB) would end guests with
-/// SIGBUS once full: then a directory beside the state directory, where the
-/// files are ordinary files (the kernel writes their pages back to the disk
-/// now and then).
-fn ram_dir(state_dir: &Path) -> PathBuf {
-    use sha2::Digest;
-    if let Some(dir) = std::env::var_os("RUNTIME_RAM_DIR").filter(|d| !d.is_empty()) {
-        return PathBuf::from(dir);
-    }
-    let shm = Path::new("/dev/shm");
-    let room = statvfs_bytes(shm).unwrap_or(0);
-    if room < host_memory_bytes() / 2 {
-        tracing::warn!(
-            shm_bytes = room,
-            "/dev/shm is missing or small: guest RAM files go to the data directory's disk \
-             (set RUNTIME_RAM_DIR to a tmpfs to keep them in memory)"
-        );
-        return state_dir.join(".ram");
-    }
-    let abs = std::fs::canonicalize(state_dir).unwrap_or_else(|_| state_dir.to_owned());
-    let digest = sha2::Sha256::digest(abs.as_os_str().as_encoded_bytes());
-    shm.join(format!("runtime-{}", &hex::encode(digest)[..16]))
-}
-
-/// The size of the file system at `path`, in bytes.
-fn statvfs_bytes(path: &Path) -> Option<u64> {
-    use std::os::unix::ffi::OsStrExt;
-    let c = std::ffi::CString::new(path.as_os_str().as_bytes()).ok()?;
-    // SAFETY: a valid C string and a zeroed out-parameter.
-    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
-    // SAFETY: as above.
-    if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
-        return None;
-    }
-    Some(st.f_blocks.saturating_mul(st.f_frsize))
-}
-
-/// MemTotal of /proc/meminfo, in bytes.
-fn host_memory_bytes() -> u64 {
-    std::fs::read_to_string("/proc/meminfo")
-        .ok()
-        .and_then(|m| {
-            m.lines()
-                .find(|l| l.starts_with("MemTotal:"))
-                .and_then(|l| l.split_whitespace().nth(1))
-                .and_then(|kb| kb.parse::<u64>().ok())
-        })
-        .map_or(0, |kb| kb * 1024)
-}
-
-/// Copies a RAM file: only its data (the pages the guest touched), holes
-/// stay holes. `cp --sparse=always` would also look for zeros in the data,
-/// several times slower.
-async fn copy_ram(from: &Path, to: &Path) -> std::io::Result<()> {
-    let (from, to) = (from.to_owned(), to.to_owned());
-    tokio::task::spawn_blocking(move || {
-        use std::os::fd::AsRawFd;
-        use std::os::unix::fs::FileExt;
-        let src = std::fs::File::open(&from)?;
-        let len = src.metadata()?.len();
-        let dst = std::fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .open(&to)?;
-        dst.set_len(len)?;
-        let mut buf = vec![0u8; 4 << 20];
-        let mut at: u64 = 0;
-        while at < len {
-            // SAFETY: lseek on an open descriptor; no memory is involved.
-            let data = unsafe { libc::lseek(src.as_raw_fd(), at as libc::off_t, libc::SEEK_DATA) };
-            if data < 0 {
-                let e = std::io::Error::last_os_error();
-                if e.raw_os_error() == Some(libc::ENXIO) {
-                    break; // no data after `at`
-                }
-                return Err(e);
-            }
-            // SAFETY: as above.
-            let hole = unsafe { libc::lseek(src.as_raw_fd(), data, libc::SEEK_HOLE) };
-            if hole < 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            let (mut pos, end) = (data as u64, hole as u64);
-            while pos < end {
-                let n = buf.len().min((end - pos) as usize);
-                src.read_exact_at(&mut buf[..n], pos)?;
-                dst.write_all_at(&buf[..n], pos)?;
-                pos += n as u64;
-            }
-            at = end;
-        }
-        Ok(())
-    })
-    .await
-    .map_err(std::io::Error::other)?
-}
-
 /// Copies a disk image keeping its holes (and sharing extents where the
 /// file system can).
 async fn copy_sparse(from: &Path, to: &Path) -> std::io::Result<()> {
@@ -1315,11 +1164,7 @@ impl Host for QemuHost {
         let file =
             std::fs::File::open(&state).map_err(|_| HostError::NotPaused { id: id.to_owned() })?;
         let ram = paths.paused_ram();
-        let plan = if ram.exists() {
-            RamPlan::Own { fill: Some(&ram) }
-        } else {
-            RamPlan::Anon
-        };
+        let plan = RamPlan::waking(ram.exists().then_some(ram.as_path()));
         let vm = self.launch(spec, paths.clone(), Some(file), plan).await?;
         // The machine has moved on from that state; keep only the newest.
         let _ = std::fs::remove_file(&state);
@@ -1428,15 +1273,11 @@ impl Host for QemuHost {
         // it privately (sharing the pages none of them writes); anything
         // else started from it gets a file of its own.
         let ram = from.join("memory.ram");
-        let plan = if incoming.is_none() {
-            RamPlan::Own { fill: None }
-        } else if !ram.exists() {
-            RamPlan::Anon
-        } else if from.starts_with(self.forks_dir()) {
-            RamPlan::CopyOf(&ram)
-        } else {
-            RamPlan::Own { fill: Some(&ram) }
-        };
+        let plan = RamPlan::restoring(
+            incoming.is_some(),
+            ram.exists().then_some(ram.as_path()),
+            from.starts_with(self.forks_dir()),
+        );
         let vm = self.launch(spec, paths, incoming, plan).await?;
         if let Err(e) = mount_volumes(&vm, spec).await {
             self.end_vm(id, &vm).await;
