@@ -10,6 +10,7 @@ pub mod artifacts;
 mod cgroup;
 mod convert;
 mod cpu_time;
+mod disks;
 mod inspect;
 mod link;
 mod machine;
@@ -18,6 +19,7 @@ mod qmp;
 mod ram;
 mod tunnel;
 mod types;
+mod uid;
 pub mod volume;
 
 pub use accel::{choose_accel, probe_boot};

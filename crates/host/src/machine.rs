@@ -13,12 +13,14 @@ use tokio::sync::mpsc;
 use crate::artifacts::Artifacts;
 use crate::cgroup::{self, Layout};
 use crate::convert::{exec_request, file_op_result, file_request, guest_err, pty_size, user};
+use crate::disks::{self, copy_sparse, drive_files};
 use crate::link::{Acceptor, Incoming, Link, LinkError};
 use crate::qemu::{self, Accel, VmConfig, VmPaths};
 use crate::qmp::{Qmp, QmpError};
 use crate::ram::{self, copy_ram, RamPlan};
 use crate::tunnel::{self, Slot};
 use crate::types::*;
+use crate::uid;
 use serde_json::json;
 
 /// How a [`QemuHost`] runs its machines.
@@ -77,57 +79,10 @@ pub struct QemuHost {
     pub(crate) tunnels: Arc<Mutex<HashMap<String, Arc<std::sync::atomic::AtomicUsize>>>>,
 }
 
-/// The first ancestor directory of `p` that others cannot traverse.
-fn unreachable_ancestor(p: &Path) -> Option<PathBuf> {
-    use std::os::unix::fs::PermissionsExt;
-    let mut dir = p.parent();
-    while let Some(d) = dir {
-        if let Ok(m) = std::fs::metadata(d) {
-            if m.permissions().mode() & 0o001 == 0 {
-                return Some(d.to_owned());
-            }
-        }
-        dir = d.parent();
-    }
-    None
-}
-
-/// A uid/gid of its own for each VM's QEMU, when the server runs as root.
-fn vm_uid(id: &str) -> Option<(u32, u32)> {
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
-        return None;
-    }
-    let mut h: u32 = 2166136261;
-    for b in id.bytes() {
-        h = (h ^ u32::from(b)).wrapping_mul(16777619);
-    }
-    let uid = 2_000_000_000 + (h % 100_000_000);
-    Some((uid, uid))
-}
-
 impl QemuHost {
     pub fn new(cfg: QemuConfig) -> std::io::Result<QemuHost> {
         std::fs::create_dir_all(&cfg.state_dir)?;
-        // SAFETY: geteuid has no preconditions.
-        if unsafe { libc::geteuid() } == 0 {
-            // QEMU drops to a uid of its own and reopens its disks by path
-            // after a migration (pause, fork): it must reach them.
-            use std::os::unix::fs::PermissionsExt;
-            std::fs::set_permissions(&cfg.state_dir, std::fs::Permissions::from_mode(0o711))?;
-            for p in [&cfg.state_dir, &cfg.artifacts.base] {
-                if let Some(dir) = unreachable_ancestor(p) {
-                    return Err(std::io::Error::other(format!(
-                        "{} is not reachable by other users (no o+x), but QEMU runs as an unprivileged \
-                         user and must reach {}: choose a data or cache directory outside a private home \
-                         (the defaults for root are /var/lib/runtime and /var/cache/runtime), or chmod o+x {}",
-                        dir.display(),
-                        p.display(),
-                        dir.display()
-                    )));
-                }
-            }
-        }
+        uid::let_qemu_reach(&cfg)?;
         let cgroups = cgroup::detect();
         let ram = ram::choose_dir(&cfg.state_dir);
         std::fs::create_dir_all(&ram)?;
@@ -304,7 +259,10 @@ impl QemuHost {
         Ok(l)
     }
 
-    fn io<'a>(id: &'a str, op: &'static str) -> impl FnOnce(std::io::Error) -> HostError + 'a {
+    pub(crate) fn io<'a>(
+        id: &'a str,
+        op: &'static str,
+    ) -> impl FnOnce(std::io::Error) -> HostError + 'a {
         move |source| HostError::Io {
             id: id.to_owned(),
             op,
@@ -312,7 +270,7 @@ impl QemuHost {
         }
     }
 
-    fn start_failed(&self, id: &str, stage: BootStage, reason: String) -> HostError {
+    pub(crate) fn start_failed(&self, id: &str, stage: BootStage, reason: String) -> HostError {
         let paths = self.paths(id);
         let mut tail = qemu::console_tail(&paths, 4096);
         if let Ok(q) = std::fs::read_to_string(paths.qemu_log()) {
@@ -329,44 +287,6 @@ impl QemuHost {
         }
     }
 
-    /// A fresh VM directory (owned by the VM's uid, so QEMU can write its
-    /// captures there) with an empty overlay on the base image.
-    async fn fresh_dir(&self, spec: &MachineSpec) -> Result<VmPaths, HostError> {
-        let id = spec.id.as_str();
-        let paths = self.paths(id);
-        let _ = std::fs::remove_dir_all(&paths.dir);
-        std::fs::create_dir_all(&paths.dir).map_err(Self::io(id, "create vm dir"))?;
-        if let Some((uid, gid)) = vm_uid(id) {
-            std::os::unix::fs::chown(&paths.dir, Some(uid), Some(gid))
-                .map_err(Self::io(id, "chown vm dir"))?;
-        }
-        Ok(paths)
-    }
-
-    async fn new_overlay(&self, spec: &MachineSpec, paths: &VmPaths) -> Result<(), HostError> {
-        let id = spec.id.as_str();
-        let out = tokio::process::Command::new("qemu-img")
-            .args(["create", "-q", "-f", "qcow2", "-F", "qcow2", "-b"])
-            .arg(
-                spec.image
-                    .as_ref()
-                    .map_or(&self.cfg.artifacts.base, |i| &i.disk),
-            )
-            .arg(paths.overlay())
-            .arg(format!("{}M", spec.disk_mib))
-            .output()
-            .await
-            .map_err(Self::io(id, "create overlay"))?;
-        if !out.status.success() {
-            return Err(self.start_failed(
-                id,
-                BootStage::Disk,
-                format!("qemu-img: {}", String::from_utf8_lossy(&out.stderr).trim()),
-            ));
-        }
-        Ok(())
-    }
-
     async fn boot(&self, spec: &MachineSpec) -> Result<Arc<Vm>, HostError> {
         let paths = self.fresh_dir(spec).await?;
         self.new_overlay(spec, &paths).await?;
@@ -379,26 +299,6 @@ impl QemuHost {
             return Err(e);
         }
         Ok(vm)
-    }
-
-    /// Each `snapshot` volume's own sparse copy, in the VM's directory: the
-    /// copy-on-write view the machine writes to and that goes with it.
-    async fn copy_snapshot_volumes(
-        &self,
-        spec: &MachineSpec,
-        paths: &VmPaths,
-    ) -> Result<(), HostError> {
-        let id = spec.id.as_str();
-        for (i, v) in spec.volumes.iter().enumerate() {
-            if v.snapshot {
-                copy_sparse(&v.file, &paths.volume_copy(i))
-                    .await
-                    .map_err(|e| {
-                        self.start_failed(id, BootStage::Disk, format!("copy of volume: {e}"))
-                    })?;
-            }
-        }
-        Ok(())
     }
 
     /// Starts QEMU in `paths` (its disk already there), either booting or
@@ -440,15 +340,7 @@ impl QemuHost {
             RamPlan::CopyOf(file) => qemu::Ram::CopyOf(file),
             RamPlan::Anon => qemu::Ram::Anon,
         };
-        if let Some((uid, gid)) = vm_uid(id) {
-            // QEMU reopens its disk as its own uid after a migration.
-            std::os::unix::fs::chown(paths.overlay(), Some(uid), Some(gid))
-                .map_err(Self::io(id, "chown disk"))?;
-            for file in drive_files(spec, &paths) {
-                std::os::unix::fs::chown(&file, Some(uid), Some(gid))
-                    .map_err(Self::io(id, "chown volume"))?;
-            }
-        }
+        disks::hand_to_qemu(spec, &paths)?;
         let volumes = drive_files(spec, &paths);
         let cfg = VmConfig {
             qemu: &self.cfg.qemu_binary,
@@ -458,7 +350,7 @@ impl QemuHost {
             vcpu: spec.vcpu,
             memory_mib: spec.memory_mib,
             paths: &paths,
-            run_as: vm_uid(id),
+            run_as: uid::vm_uid(id),
             incoming: incoming.as_ref().map(|f| f.as_raw_fd()),
             volumes: &volumes,
             ram,
@@ -793,41 +685,6 @@ fn pump_after(mut stream: crate::link::Stream, pid: u32, early: Vec<ExecEvent>) 
         events: ev_rx,
         control: ctl_tx,
     }
-}
-
-/// Copies a disk image keeping its holes (and sharing extents where the
-/// file system can).
-async fn copy_sparse(from: &Path, to: &Path) -> std::io::Result<()> {
-    let st = tokio::process::Command::new("cp")
-        .args(["--sparse=always", "--reflink=auto"])
-        .arg(from)
-        .arg(to)
-        .status()
-        .await?;
-    if st.success() {
-        Ok(())
-    } else {
-        Err(std::io::Error::other(format!(
-            "cp {} failed: {st}",
-            from.display()
-        )))
-    }
-}
-
-/// The files QEMU opens as the volume drives, in the spec's order: the
-/// volume itself (`rw`) or the machine's copy of it (`snapshot`).
-fn drive_files(spec: &MachineSpec, paths: &VmPaths) -> Vec<PathBuf> {
-    spec.volumes
-        .iter()
-        .enumerate()
-        .map(|(i, v)| {
-            if v.snapshot {
-                paths.volume_copy(i)
-            } else {
-                v.file.clone()
-            }
-        })
-        .collect()
 }
 
 /// Finds each volume's device by its serial (`vol<i>`, not by probe order)
