@@ -11,9 +11,13 @@ mod cgroup;
 mod convert;
 mod cpu_time;
 mod disks;
+#[cfg(test)]
+mod fake_guest;
+mod guest_setup;
 mod inspect;
 mod link;
 mod machine;
+mod pump;
 mod qemu;
 mod qmp;
 mod ram;

@@ -7,14 +7,15 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
-use runtime_proto::{channel, ExecRequest, Reply, Request, User};
-use tokio::sync::mpsc;
+use runtime_proto::{Reply, Request};
 
 use crate::artifacts::Artifacts;
 use crate::cgroup::{self, Layout};
-use crate::convert::{exec_request, file_op_result, file_request, guest_err, pty_size, user};
+use crate::convert::{exec_request, file_op_result, file_request, guest_err, user};
 use crate::disks::{self, copy_sparse, drive_files};
-use crate::link::{Acceptor, Incoming, Link, LinkError};
+use crate::guest_setup::{mount_volumes, setup, sync_guest};
+use crate::link::{Acceptor, Incoming, Link};
+use crate::pump::{self, pump};
 use crate::qemu::{self, Accel, VmConfig, VmPaths};
 use crate::qmp::{Qmp, QmpError};
 use crate::ram::{self, copy_ram, RamPlan};
@@ -626,187 +627,6 @@ async fn resume_loaded(paths: &VmPaths) -> Result<(), QmpError> {
     }
 }
 
-/// Turns an exec stream into an [`ExecHandle`]: guest frames become events,
-/// controls become frames.
-fn pump(stream: crate::link::Stream, pid: u32) -> ExecHandle {
-    pump_after(stream, pid, Vec::new())
-}
-
-/// [`pump`], with output that arrived before the reply that started it (an
-/// attach receives what the agent held across a pause first).
-fn pump_after(mut stream: crate::link::Stream, pid: u32, early: Vec<ExecEvent>) -> ExecHandle {
-    let token = u64::from(stream.id);
-    let (ev_tx, ev_rx) = mpsc::channel(64);
-    let (ctl_tx, mut ctl_rx) = mpsc::channel::<ExecControl>(64);
-    let sender = stream.sender();
-    tokio::spawn(async move {
-        for ev in early {
-            if ev_tx.send(ev).await.is_err() {
-                break;
-            }
-        }
-        let mut ctl_open = true;
-        loop {
-            tokio::select! {
-                inc = stream.recv() => {
-                    let ev = match inc {
-                        Some(Incoming::Data { channel: channel::STDOUT, bytes }) => ExecEvent::Stdout(bytes),
-                        Some(Incoming::Data { channel: channel::STDERR, bytes }) => ExecEvent::Stderr(bytes),
-                        Some(Incoming::Data { .. }) => continue,
-                        Some(Incoming::Reply(Reply::Exited { exit_code, signal, timed_out, duration_ms, out_of_memory })) => {
-                            let _ = ev_tx.send(ExecEvent::Exited(ExitStatus { code: exit_code, signal, timed_out, duration_ms, out_of_memory })).await;
-                            break;
-                        }
-                        Some(Incoming::Reply(_)) => continue,
-                        None => break,
-                    };
-                    if ev_tx.send(ev).await.is_err() {
-                        // Nobody listens any more; keep draining so the
-                        // stream's route does not pile up.
-                        continue;
-                    }
-                }
-                ctl = ctl_rx.recv(), if ctl_open => {
-                    let r = match ctl {
-                        Some(ExecControl::Stdin(b)) => sender.send_data(&b),
-                        Some(ExecControl::CloseStdin) => sender.send(&Request::CloseStdin),
-                        Some(ExecControl::Signal(s)) => sender.send(&Request::Signal { signal: s }),
-                        Some(ExecControl::Resize(t)) => sender.send(&Request::Resize { size: pty_size(t) }),
-                        None => { ctl_open = false; Ok(()) }
-                    };
-                    if r.is_err() { break; }
-                }
-            }
-        }
-    });
-    ExecHandle {
-        pid,
-        token,
-        events: ev_rx,
-        control: ctl_tx,
-    }
-}
-
-/// Finds each volume's device by its serial (`vol<i>`, not by probe order)
-/// and mounts it, `nosuid,nodev`. Arguments: pairs of serial and path.
-const MOUNT_SCRIPT: &str = r#"set -eu
-while [ $# -gt 1 ]; do
-  serial=$1; dir=$2; shift 2
-  dev=
-  for _ in $(seq 100); do
-    for b in /sys/block/vd*; do
-      if [ "$(cat "$b/serial" 2>/dev/null)" = "$serial" ]; then dev=/dev/${b##*/}; fi
-    done
-    [ -n "$dev" ] && [ -b "$dev" ] && break
-    sleep 0.1
-  done
-  [ -n "$dev" ] || { echo "no device with serial $serial" >&2; exit 1; }
-  mkdir -p "$dir"
-  mount -t ext4 -o nosuid,nodev "$dev" "$dir"
-done
-"#;
-
-async fn mount_volumes(vm: &Vm, spec: &MachineSpec) -> Result<(), HostError> {
-    if spec.volumes.is_empty() {
-        return Ok(());
-    }
-    let id = spec.id.as_str();
-    let failed = |reason: String| HostError::StartFailed {
-        id: id.to_owned(),
-        stage: BootStage::Disk,
-        reason,
-        console_tail: String::new(),
-    };
-    let link = vm
-        .link
-        .lock()
-        .await
-        .clone()
-        .ok_or_else(|| HostError::LinkLost { id: id.to_owned() })?;
-    let mut argv = vec![
-        "/bin/sh".to_owned(),
-        "-c".to_owned(),
-        MOUNT_SCRIPT.to_owned(),
-        "mount-volumes".to_owned(),
-    ];
-    for (i, v) in spec.volumes.iter().enumerate() {
-        argv.push(format!("vol{i}"));
-        argv.push(v.path.clone());
-    }
-    let (code, output) = run_root(&link, argv, Duration::from_secs(60))
-        .await
-        .map_err(|e| failed(format!("mounting volumes: {e}")))?;
-    if code != Some(0) {
-        return Err(failed(format!(
-            "mounting volumes failed: {}",
-            String::from_utf8_lossy(&output).trim()
-        )));
-    }
-    Ok(())
-}
-
-/// Asks the guest to write its dirty pages to its disks (bounded wait).
-async fn sync_guest(vm: &Vm) {
-    if let Some(l) = vm.link.lock().await.as_ref() {
-        let _ = tokio::time::timeout(Duration::from_secs(30), l.call(&Request::Sync)).await;
-    }
-}
-
-/// Runs a command as root over `link` and collects its exit code and output.
-async fn run_root(
-    link: &Link,
-    argv: Vec<String>,
-    timeout: Duration,
-) -> Result<(Option<i32>, Vec<u8>), String> {
-    let mut stream = link.open().map_err(|e| e.to_string())?;
-    let req = ExecRequest {
-        argv,
-        cwd: None,
-        env: Vec::new(),
-        user: User::Root,
-        timeout_ms: Some(timeout.as_millis() as u64),
-        stdin: false,
-        pty: None,
-        kill_group_on_exit: true,
-    };
-    stream
-        .send(&Request::Exec(req))
-        .map_err(|e| e.to_string())?;
-    let pid = match stream.reply().await.map_err(|e| e.to_string())? {
-        Reply::Started { pid } => pid,
-        other => return Err(format!("unexpected reply {other:?}")),
-    };
-    let mut handle = pump(stream, pid);
-    let mut output = Vec::new();
-    while let Some(ev) = handle.events.recv().await {
-        match ev {
-            ExecEvent::Stdout(b) | ExecEvent::Stderr(b) => output.extend_from_slice(&b),
-            ExecEvent::Exited(st) => return Ok((st.code, output)),
-        }
-    }
-    Err("lost the link".into())
-}
-
-async fn setup(link: &Link, hostname: &str, ca_pem: Option<&str>) -> Result<(), LinkError> {
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0);
-    let mut entropy = vec![0u8; 64];
-    if let Ok(mut f) = std::fs::File::open("/dev/urandom") {
-        use std::io::Read;
-        let _ = f.read_exact(&mut entropy);
-    }
-    link.call(&Request::Setup {
-        hostname: hostname.to_owned(),
-        unix_time_ms: now,
-        entropy,
-        ca_pem: ca_pem.map(str::to_owned),
-    })
-    .await?;
-    Ok(())
-}
-
 #[async_trait]
 impl Host for QemuHost {
     async fn start(&self, spec: &MachineSpec) -> Result<(), HostError> {
@@ -1169,46 +989,27 @@ impl Host for QemuHost {
         let mut stream = link.open_at(sid).map_err(|_| lost())?;
         stream.send(&Request::Attach).map_err(|_| lost())?;
         // Output the agent held across a pause may come before the answer.
-        let mut early = Vec::new();
-        let reply = loop {
-            match stream.recv().await.ok_or_else(lost)? {
-                Incoming::Reply(r) => break r,
-                Incoming::Data {
-                    channel: channel::STDOUT,
-                    bytes,
-                } => early.push(ExecEvent::Stdout(bytes)),
-                Incoming::Data {
-                    channel: channel::STDERR,
-                    bytes,
-                } => early.push(ExecEvent::Stderr(bytes)),
-                Incoming::Data { .. } => {}
-            }
-        };
+        let (reply, early) = pump::reply_after_output(&mut stream)
+            .await
+            .ok_or_else(lost)?;
         match reply {
-            Reply::Started { pid } => Ok(pump_after(stream, pid, early)),
+            Reply::Started { pid } => Ok(pump::pump_after(stream, pid, early)),
             Reply::Exited {
                 exit_code,
                 signal,
                 timed_out,
                 duration_ms,
                 out_of_memory,
-            } => {
-                let (ev_tx, ev_rx) = mpsc::channel(1);
-                let (ctl_tx, _) = mpsc::channel(1);
-                let _ = ev_tx.try_send(ExecEvent::Exited(ExitStatus {
+            } => Ok(pump::exited(
+                token,
+                ExitStatus {
                     code: exit_code,
                     signal,
                     timed_out,
                     duration_ms,
                     out_of_memory,
-                }));
-                Ok(ExecHandle {
-                    pid: 0,
-                    token,
-                    events: ev_rx,
-                    control: ctl_tx,
-                })
-            }
+                },
+            )),
             other => Err(guest_err(id, other)),
         }
     }
