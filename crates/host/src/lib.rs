@@ -7,6 +7,7 @@
 
 mod accel;
 pub mod artifacts;
+mod capture;
 mod cgroup;
 mod convert;
 mod cpu_time;
