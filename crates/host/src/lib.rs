@@ -22,6 +22,7 @@ mod pump;
 mod qemu;
 mod qmp;
 mod ram;
+mod templates;
 mod tunnel;
 mod types;
 mod uid;

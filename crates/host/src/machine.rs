@@ -137,92 +137,6 @@ impl QemuHost {
         })
     }
 
-    fn templates_dir(&self) -> PathBuf {
-        self.cfg.state_dir.join(".templates")
-    }
-
-    /// Templates are keyed by the artifacts (kernel, image, agent) and the
-    /// machine's shape: a restore needs exactly the machine it was taken on.
-    fn template_key(&self, spec: &MachineSpec) -> String {
-        let image = match &spec.image {
-            Some(i) => format!("-img-{}", i.key),
-            None => String::new(),
-        };
-        // `r2`: the RAM is a backend named `ram`, the template's a file
-        // beside a state without it (captures made before are of another
-        // machine and never restored).
-        format!(
-            "{}-{}-r2-{}c-{}m-{}d{image}",
-            self.cfg.artifacts.key,
-            qemu::cpu_model(self.cfg.accel),
-            spec.vcpu,
-            spec.memory_mib,
-            spec.disk_mib
-        )
-    }
-
-    fn drop_stale_templates(&self) {
-        let Ok(entries) = std::fs::read_dir(self.templates_dir()) else {
-            return;
-        };
-        let prefix = format!("{}-", self.cfg.artifacts.key);
-        for e in entries.flatten() {
-            let name = e.file_name().to_string_lossy().into_owned();
-            if !name.starts_with(&prefix) || name.ends_with(".partial") {
-                let _ = std::fs::remove_dir_all(e.path());
-            }
-        }
-    }
-
-    /// Boots a machine of this shape, captures it (memory and disk) once its
-    /// agent answers, and keeps that as the shape's template.
-    async fn build_template(&self, key: String, shape: MachineSpec) -> Result<(), HostError> {
-        let dir = self.templates_dir().join(&key);
-        let partial = self.templates_dir().join(format!("{key}.partial"));
-        // Unique per key (shapes of one image differ only in the middle).
-        let id = {
-            use std::hash::{Hash, Hasher};
-            let mut h = std::collections::hash_map::DefaultHasher::new();
-            key.hash(&mut h);
-            format!("template-{:016x}", h.finish())
-        };
-        // The template is shared: no sandbox's CA (each start installs its own).
-        let spec = MachineSpec {
-            id: id.clone(),
-            hostname: "sandbox".into(),
-            guest_ca_pem: None,
-            volumes: Vec::new(),
-            ..shape
-        };
-        let started = Instant::now();
-        let vm = self.boot(&spec).await?;
-        let result = async {
-            let _ = std::fs::remove_dir_all(&partial);
-            std::fs::create_dir_all(&partial).map_err(Self::io(&id, "create template dir"))?;
-            let file = self.capture_stopped(&id, &vm).await?;
-            if let Some(ram) = &vm.ram {
-                copy_ram(ram, &partial.join("memory.ram"))
-                    .await
-                    .map_err(Self::io(&id, "keep template memory"))?;
-            }
-            std::fs::rename(&file, partial.join("memory.state"))
-                .map_err(Self::io(&id, "keep template"))?;
-            copy_sparse(&vm.paths.overlay(), &partial.join("disk.qcow2"))
-                .await
-                .map_err(Self::io(&id, "copy template disk"))?;
-            std::fs::rename(&partial, &dir).map_err(Self::io(&id, "keep template"))
-        }
-        .await;
-        self.end_vm(&id, &vm).await;
-        let _ = std::fs::remove_dir_all(&vm.paths.dir);
-        if result.is_err() {
-            let _ = std::fs::remove_dir_all(&partial);
-        } else {
-            tracing::info!(template = %key, ms = started.elapsed().as_millis() as u64, "template ready");
-        }
-        result
-    }
-
     pub(crate) fn paths(&self, id: &str) -> VmPaths {
         VmPaths::new(self.cfg.state_dir.join(id))
     }
@@ -286,7 +200,7 @@ impl QemuHost {
         }
     }
 
-    async fn boot(&self, spec: &MachineSpec) -> Result<Arc<Vm>, HostError> {
+    pub(crate) async fn boot(&self, spec: &MachineSpec) -> Result<Arc<Vm>, HostError> {
         let paths = self.fresh_dir(spec).await?;
         self.new_overlay(spec, &paths).await?;
         self.copy_snapshot_volumes(spec, &paths).await?;
@@ -474,7 +388,7 @@ impl QemuHost {
         Ok(vm)
     }
 
-    async fn end_vm(&self, id: &str, vm: &Vm) {
+    pub(crate) async fn end_vm(&self, id: &str, vm: &Vm) {
         let link = vm.link.lock().await.take();
         qemu::kill(vm.pid).await;
         if let Some(ram) = &vm.ram {
@@ -503,36 +417,8 @@ impl QemuHost {
 #[async_trait]
 impl Host for QemuHost {
     async fn start(&self, spec: &MachineSpec) -> Result<(), HostError> {
-        // A template's machine has no volume drives, and a restored machine
-        // must have exactly the devices it was captured with: boot instead.
-        if self.cfg.templates && spec.volumes.is_empty() && !spec.no_template {
-            let key = self.template_key(spec);
-            let dir = self.templates_dir().join(&key);
-            if dir.join("memory.state").exists() {
-                match self.restore(spec, &dir).await {
-                    Ok(()) => return Ok(()),
-                    Err(error) => {
-                        tracing::warn!(sandbox_id = %spec.id, %error, "restoring the template failed; booting");
-                        let _ = std::fs::remove_dir_all(&dir);
-                    }
-                }
-            } else if self
-                .building
-                .lock()
-                .map(|mut b| b.insert(key.clone()))
-                .unwrap_or(false)
-            {
-                let me = self.clone();
-                let shape = spec.clone();
-                tokio::spawn(async move {
-                    if let Err(error) = me.build_template(key.clone(), shape).await {
-                        tracing::warn!(template = %key, %error, "building the template failed");
-                    }
-                    if let Ok(mut b) = me.building.lock() {
-                        b.remove(&key);
-                    }
-                });
-            }
+        if self.start_from_template(spec).await {
+            return Ok(());
         }
         let vm = self.boot(spec).await?;
         if let Ok(mut m) = self.vms.lock() {
