@@ -16,6 +16,7 @@ mod disks;
 mod fake_guest;
 mod guest_setup;
 mod inspect;
+mod launch;
 mod link;
 mod machine;
 mod pump;

@@ -3,21 +3,20 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use async_trait::async_trait;
 use runtime_proto::{Reply, Request};
 
 use crate::artifacts::Artifacts;
-use crate::capture::{load_without_ram, resume_loaded};
 use crate::cgroup::{self, Layout};
 use crate::convert::{exec_request, file_op_result, file_request, guest_err, user};
-use crate::disks::{self, copy_sparse, drive_files};
-use crate::guest_setup::{mount_volumes, setup, sync_guest};
+use crate::disks::copy_sparse;
+use crate::guest_setup::{mount_volumes, sync_guest};
 use crate::link::{Acceptor, Incoming, Link};
 use crate::pump::{self, pump};
-use crate::qemu::{self, Accel, VmConfig, VmPaths};
-use crate::ram::{self, copy_ram, RamPlan};
+use crate::qemu::{self, Accel, VmPaths};
+use crate::ram::{self, RamPlan};
 use crate::tunnel::{self, Slot};
 use crate::types::*;
 use crate::uid;
@@ -117,7 +116,7 @@ impl QemuHost {
 
     /// Hands the guest's outbound connections of sandbox `id` to the
     /// [`Outbound`] handler set now (refused without one, or beyond the cap).
-    fn acceptor(&self, id: &str) -> Acceptor {
+    pub(crate) fn acceptor(&self, id: &str) -> Acceptor {
         let outbound = Arc::clone(&self.outbound);
         let count = self.tunnel_count(id);
         let sandbox = id.to_owned();
@@ -198,194 +197,6 @@ impl QemuHost {
             reason,
             console_tail: tail,
         }
-    }
-
-    pub(crate) async fn boot(&self, spec: &MachineSpec) -> Result<Arc<Vm>, HostError> {
-        let paths = self.fresh_dir(spec).await?;
-        self.new_overlay(spec, &paths).await?;
-        self.copy_snapshot_volumes(spec, &paths).await?;
-        let vm = self
-            .launch(spec, paths, None, RamPlan::Own { fill: None })
-            .await?;
-        if let Err(e) = mount_volumes(&vm, spec).await {
-            self.end_vm(&spec.id, &vm).await;
-            return Err(e);
-        }
-        Ok(vm)
-    }
-
-    /// Starts QEMU in `paths` (its disk already there), either booting or
-    /// loading the state in `incoming`, and returns once the agent answered.
-    /// `ram` says where its RAM lives; with a file, `incoming` holds no RAM.
-    async fn launch(
-        &self,
-        spec: &MachineSpec,
-        paths: VmPaths,
-        incoming: Option<std::fs::File>,
-        plan: RamPlan<'_>,
-    ) -> Result<Arc<Vm>, HostError> {
-        use std::os::fd::AsRawFd;
-        let id = spec.id.as_str();
-        let own = self.own_ram(id);
-        // A file left by an earlier QEMU of this id (before a pause) would
-        // hand its old contents to a new boot.
-        let _ = std::fs::remove_file(&own);
-        let owns = matches!(plan, RamPlan::Own { .. });
-        // Whatever fails from here, the RAM file goes with the machine.
-        struct RamGuard<'a>(Option<&'a Path>);
-        impl Drop for RamGuard<'_> {
-            fn drop(&mut self) {
-                if let Some(f) = self.0 {
-                    let _ = std::fs::remove_file(f);
-                }
-            }
-        }
-        let mut ram_guard = RamGuard(owns.then_some(own.as_path()));
-        let ram = match plan {
-            RamPlan::Own { fill } => {
-                if let Some(from) = fill {
-                    copy_ram(from, &own).await.map_err(|e| {
-                        self.start_failed(id, BootStage::Restore, format!("copy of memory: {e}"))
-                    })?;
-                }
-                qemu::Ram::Own(&own)
-            }
-            RamPlan::CopyOf(file) => qemu::Ram::CopyOf(file),
-            RamPlan::Anon => qemu::Ram::Anon,
-        };
-        disks::hand_to_qemu(spec, &paths)?;
-        let volumes = drive_files(spec, &paths);
-        let cfg = VmConfig {
-            qemu: &self.cfg.qemu_binary,
-            kernel: &self.cfg.artifacts.kernel,
-            initrd: &self.cfg.artifacts.initrd,
-            accel: self.cfg.accel,
-            vcpu: spec.vcpu,
-            memory_mib: spec.memory_mib,
-            paths: &paths,
-            run_as: uid::vm_uid(id),
-            incoming: incoming.as_ref().map(|f| f.as_raw_fd()),
-            volumes: &volumes,
-            ram,
-        };
-        // Sockets of an earlier QEMU (before a pause) must not pass for ours.
-        let _ = std::fs::remove_file(paths.agent_sock());
-        let _ = std::fs::remove_file(paths.qmp_sock());
-        let started = Instant::now();
-        let pid = qemu::spawn(&cfg)
-            .map_err(|e| self.start_failed(id, BootStage::Spawn, e.to_string()))?;
-        drop(incoming);
-        let limits = cgroup::Limits {
-            memory_mib: spec.memory_mib,
-            vcpu: spec.vcpu,
-        };
-        if let Err(error) = cgroup::place(self.cgroups, id, pid, &limits) {
-            tracing::warn!(sandbox_id = id, %error, "could not place QEMU in a cgroup");
-        }
-        tracing::info!(
-            sandbox_id = id,
-            pid,
-            restore = cfg.incoming.is_some(),
-            "launching"
-        );
-        // The sockets appear once QEMU has parsed its options.
-        let sock = paths.agent_sock();
-        while !sock.exists() || !paths.qmp_sock().exists() {
-            if !qemu::is_our_qemu(pid, &paths.dir) {
-                return Err(self.start_failed(
-                    id,
-                    BootStage::Spawn,
-                    "QEMU exited during start-up".into(),
-                ));
-            }
-            if started.elapsed() > Duration::from_secs(10) {
-                qemu::kill(pid).await;
-                return Err(self.start_failed(
-                    id,
-                    BootStage::Spawn,
-                    "QEMU did not open its sockets".into(),
-                ));
-            }
-            tokio::time::sleep(Duration::from_millis(2)).await;
-        }
-        let mut early = None;
-        if cfg.incoming.is_some() {
-            // Connected while the vCPUs are stopped: whatever the agent
-            // sends right after the restore has somewhere to go.
-            early = Some(
-                tokio::net::UnixStream::connect(&sock)
-                    .await
-                    .map_err(|e| self.start_failed(id, BootStage::Restore, e.to_string()))?,
-            );
-            if cfg.ram.file_backed() {
-                if let Err(e) = load_without_ram(&paths).await {
-                    qemu::kill(pid).await;
-                    return Err(self.start_failed(id, BootStage::Restore, e.to_string()));
-                }
-            }
-            if let Err(e) = resume_loaded(&paths).await {
-                qemu::kill(pid).await;
-                return Err(self.start_failed(id, BootStage::Restore, e.to_string()));
-            }
-            tracing::info!(
-                sandbox_id = id,
-                ms = started.elapsed().as_millis() as u64,
-                "state loaded"
-            );
-        }
-        let remaining = self.cfg.boot_timeout.saturating_sub(started.elapsed());
-        let connect = async {
-            let acceptor = Some(self.acceptor(id));
-            match early {
-                Some(stream) => Link::over(stream, remaining, acceptor).await,
-                None => Link::connect(&sock, remaining, acceptor).await,
-            }
-        };
-        tokio::pin!(connect);
-        let link = loop {
-            tokio::select! {
-                r = &mut connect => match r {
-                    Ok((link, _hello)) => break link,
-                    Err(e) => {
-                        qemu::kill(pid).await;
-                        let stage = if qemu::console_tail(&paths, 1 << 20).contains("agent: ") {
-                            BootStage::Agent
-                        } else {
-                            BootStage::Kernel
-                        };
-                        return Err(self.start_failed(id, stage, format!("no answer from the agent: {e}")));
-                    }
-                },
-                _ = tokio::time::sleep(Duration::from_millis(100)) => {
-                    if !qemu::is_our_qemu(pid, &paths.dir) {
-                        return Err(self.start_failed(id, BootStage::Kernel, "QEMU exited before the agent answered".into()));
-                    }
-                }
-            }
-        };
-        tracing::info!(
-            sandbox_id = id,
-            ms = started.elapsed().as_millis() as u64,
-            "agent ready"
-        );
-        let vm = Arc::new(Vm {
-            paths,
-            pid,
-            link: tokio::sync::Mutex::new(Some(link.clone())),
-            volumes: !spec.volumes.is_empty(),
-            ram: owns.then(|| own.clone()),
-        });
-        if let Err(e) = setup(&link, &spec.hostname, spec.guest_ca_pem.as_deref()).await {
-            qemu::kill(pid).await;
-            return Err(self.start_failed(id, BootStage::Agent, e.to_string()));
-        }
-        ram_guard.0 = None;
-        tracing::info!(
-            sandbox_id = id,
-            ms = started.elapsed().as_millis() as u64,
-            "set up"
-        );
-        Ok(vm)
     }
 
     pub(crate) async fn end_vm(&self, id: &str, vm: &Vm) {

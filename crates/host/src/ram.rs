@@ -45,6 +45,34 @@ impl<'a> RamPlan<'a> {
     }
 }
 
+/// A machine's own RAM file while the machine starts: removed when this is
+/// dropped (whatever failed), unless [kept](StartingRam::keep) once the
+/// machine is up.
+pub(crate) struct StartingRam(Option<PathBuf>);
+
+impl StartingRam {
+    pub(crate) fn new(file: Option<PathBuf>) -> Self {
+        StartingRam(file)
+    }
+
+    pub(crate) fn file(&self) -> Option<&PathBuf> {
+        self.0.as_ref()
+    }
+
+    /// The machine is up: its file stays.
+    pub(crate) fn keep(mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for StartingRam {
+    fn drop(&mut self) {
+        if let Some(f) = &self.0 {
+            let _ = std::fs::remove_file(f);
+        }
+    }
+}
+
 impl QemuHost {
     /// The RAM file a machine maps shared (its own memory).
     pub(crate) fn own_ram(&self, id: &str) -> PathBuf {
@@ -315,6 +343,23 @@ mod tests {
         let ram = Path::new("/vm/paused.ram");
         assert_eq!(RamPlan::waking(Some(ram)), RamPlan::Own { fill: Some(ram) });
         assert_eq!(RamPlan::waking(None), RamPlan::Anon);
+    }
+
+    #[test]
+    fn a_starting_machines_ram_file_goes_unless_kept() {
+        let dir = scratch("guard");
+        let (lost, kept) = (dir.join("lost.ram"), dir.join("kept.ram"));
+        std::fs::write(&lost, b"x").unwrap();
+        std::fs::write(&kept, b"x").unwrap();
+        {
+            let guard = StartingRam::new(Some(lost.clone()));
+            assert_eq!(guard.file(), Some(&lost));
+        }
+        assert!(!lost.exists(), "a failed start removes the file");
+        StartingRam::new(Some(kept.clone())).keep();
+        assert!(kept.exists(), "a machine that is up keeps it");
+        assert_eq!(StartingRam::new(None).file(), None);
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     fn scratch(name: &str) -> PathBuf {
