@@ -36,6 +36,7 @@ pub struct QemuConfig {
     pub templates: bool,
 }
 
+/// A running machine: its QEMU and the link to its agent.
 pub(crate) struct Vm {
     pub(crate) paths: VmPaths,
     pub(crate) pid: u32,
