@@ -375,8 +375,7 @@ impl Host for QemuHost {
             sync_guest(&vm).await;
         }
         let _ = std::fs::remove_file(vm.paths.paused_ram());
-        let saved = self.capture_for_pause(id, &vm).await;
-        match saved {
+        match self.capture_for_pause(id, &vm).await {
             Ok(file) => {
                 std::fs::rename(&file, vm.paths.paused_state())
                     .map_err(Self::io(id, "keep paused state"))?;
