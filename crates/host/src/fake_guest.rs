@@ -1,0 +1,95 @@
+//! For unit tests: a fake agent on the other end of a socket pair, linked
+//! to the host's side by the real handshake.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::time::Duration;
+
+use runtime_proto::{encode, Decoder, Frame, Kind, Reply, Request};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::UnixStream;
+
+use crate::link::Link;
+
+pub(crate) struct Guest {
+    sock: UnixStream,
+    dec: Decoder,
+}
+
+impl Guest {
+    /// A link to a new fake guest, the handshake done.
+    pub(crate) async fn linked() -> (Link, Guest) {
+        let (host_side, guest_side) = UnixStream::pair().unwrap();
+        let mut guest = Guest {
+            sock: guest_side,
+            dec: Decoder::new(),
+        };
+        let answer = tokio::spawn(async move {
+            let f = guest.frame().await.unwrap();
+            assert_eq!((f.stream, f.kind), (0, Kind::Control));
+            assert!(matches!(f.parse().unwrap(), Request::Hello { .. }));
+            guest
+                .reply(
+                    0,
+                    &Reply::Hello {
+                        version: 1,
+                        agent: "fake".into(),
+                    },
+                )
+                .await;
+            guest
+        });
+        let (link, _) = Link::over(host_side, Duration::from_secs(5), None)
+            .await
+            .unwrap();
+        (link, answer.await.unwrap())
+    }
+
+    /// The next frame from the host, of any stream.
+    pub(crate) async fn frame(&mut self) -> Option<Frame> {
+        let mut buf = vec![0u8; 64 * 1024];
+        loop {
+            if let Some(f) = self.dec.next_frame().unwrap() {
+                return Some(f);
+            }
+            let n = self.sock.read(&mut buf).await.ok()?;
+            if n == 0 {
+                return None;
+            }
+            self.dec.feed(&buf[..n]);
+        }
+    }
+
+    /// The next frame of a stream the host opened (the handshake's stream
+    /// 0, which the host may repeat, skipped).
+    pub(crate) async fn stream_frame(&mut self) -> Option<Frame> {
+        loop {
+            let f = self.frame().await?;
+            if f.stream != 0 {
+                return Some(f);
+            }
+        }
+    }
+
+    /// The next request on a stream the host opened, and that stream.
+    pub(crate) async fn request(&mut self) -> Option<(u32, Request)> {
+        let f = self.stream_frame().await?;
+        assert_eq!(f.kind, Kind::Control, "a request, not data");
+        Some((f.stream, f.parse().unwrap()))
+    }
+
+    pub(crate) async fn send(&mut self, f: Frame) {
+        let mut out = Vec::new();
+        encode(&f, &mut out);
+        self.sock.write_all(&out).await.unwrap();
+    }
+
+    pub(crate) async fn reply(&mut self, stream: u32, r: &Reply) {
+        self.send(Frame::control(stream, r).unwrap()).await;
+    }
+
+    pub(crate) async fn output(&mut self, stream: u32, channel: u8, bytes: &[u8]) {
+        self.send(Frame::data(stream, channel, bytes.to_vec()).unwrap())
+            .await;
+    }
+}
