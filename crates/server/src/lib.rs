@@ -26,10 +26,8 @@ mod domain;
 mod error;
 mod files;
 mod http;
-mod idempotency;
 mod images;
 mod interpreter;
-pub mod keys;
 mod net;
 mod previews;
 mod procs;
@@ -53,6 +51,7 @@ pub use domain::money::Prices;
 pub use error::{ApiError, ServerError};
 pub use http::route::ROUTE_SAMPLES;
 pub use service::clock::Clock;
+pub use service::keys;
 pub use store::Store;
 
 /// The server's settings, loaded once by the CLI and passed down.
@@ -125,7 +124,7 @@ struct Inner {
     lifecycle: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     /// Serializes name checks with inserts.
     create_lock: tokio::sync::Mutex<()>,
-    inflight: idempotency::Inflight,
+    inflight: http::idempotency::Inflight,
     procs: procs::Table,
     /// Sandboxes whose last pause failed (they ran on), for the `:pause`
     /// answer: a sandbox running again may also have paused and been woken.
@@ -151,7 +150,7 @@ impl AppState {
                 changes: watch::channel(0).0,
                 lifecycle: Mutex::new(HashMap::new()),
                 create_lock: tokio::sync::Mutex::new(()),
-                inflight: idempotency::Inflight::default(),
+                inflight: http::idempotency::Inflight::default(),
                 procs: procs::Table::default(),
                 pause_failed: Mutex::new(HashSet::new()),
                 uploads: files::Uploads::new(uploads_dir),

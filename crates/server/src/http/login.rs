@@ -342,9 +342,11 @@ fn decide(st: &AppState, id: &str, body: &[u8]) -> Response {
     let made = crate::create_key(&st.config().data_dir, name.as_deref(), read_only, false)
         .and_then(|key| {
             if limit.is_some() {
-                let id = crate::keys::key_id_of(&key).unwrap_or_default().to_string();
+                let id = crate::service::keys::key_id_of(&key)
+                    .unwrap_or_default()
+                    .to_string();
                 let conn = st.store();
-                crate::keys::set_limit_on(&conn.conn(), &id, limit)?;
+                crate::service::keys::set_limit_on(&conn.conn(), &id, limit)?;
             }
             Ok(key)
         });

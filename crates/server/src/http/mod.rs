@@ -5,6 +5,7 @@
 
 mod error;
 pub(crate) mod extract;
+pub(crate) mod idempotency;
 pub(crate) mod login;
 pub(crate) mod route;
 mod routes;
@@ -26,7 +27,7 @@ use crate::domain::access::{sha256_hex, KeyInfo};
 use crate::error::{ApiError, ApiResult};
 use crate::http::extract::parse_query;
 use crate::http::route::{body_limit, reveals_contents, route, Route};
-use crate::{idempotency, previews, AppState};
+use crate::{previews, AppState};
 
 /// What a handler answers.
 pub enum Reply {

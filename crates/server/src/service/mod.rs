@@ -4,6 +4,7 @@
 pub(crate) mod background;
 pub(crate) mod billing;
 pub(crate) mod clock;
+pub mod keys;
 pub(crate) mod lifecycle;
 pub(crate) mod meter;
 pub(crate) mod sandboxes;
