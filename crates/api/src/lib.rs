@@ -70,6 +70,36 @@ pub mod codes {
     pub const HOST_UNAVAILABLE: &str = "host_unavailable";
     pub const GUEST_ERROR: &str = "guest_error";
     pub const INTERNAL: &str = "internal_error";
+    pub const CONNECTION_REFUSED: &str = "connection_refused";
+    pub const BUSY: &str = "busy";
+    pub const NOT_PERSISTENT: &str = "not_persistent";
+    pub const NOT_PAUSABLE: &str = "not_pausable";
+    pub const PAUSE_FAILED: &str = "pause_failed";
+    pub const WAKE_FAILED: &str = "wake_failed";
+    pub const BUDGET_EXCEEDED: &str = "budget_exceeded";
+    pub const SPENDING_LIMIT_REACHED: &str = "spending_limit_reached";
+    pub const QUOTA_EXCEEDED: &str = "quota_exceeded";
+    pub const SNAPSHOT_NOT_FOUND: &str = "snapshot_not_found";
+    pub const SNAPSHOT_NOT_READY: &str = "snapshot_not_ready";
+    pub const IMAGE_NOT_FOUND: &str = "image_not_found";
+    pub const IMAGE_NOT_READY: &str = "image_not_ready";
+    pub const IMAGE_IN_USE: &str = "image_in_use";
+    pub const IMAGE_BUILDING: &str = "image_building";
+    pub const VOLUME_NOT_FOUND: &str = "volume_not_found";
+    pub const VOLUME_IN_USE: &str = "volume_in_use";
+    pub const VOLUME_ATTACHED: &str = "volume_attached";
+    pub const VOLUME_RELEASING: &str = "volume_releasing";
+    pub const VOLUME_CREATE_FAILED: &str = "volume_create_failed";
+    pub const STDIN_CLOSED: &str = "stdin_closed";
+    pub const PROCESS_NOT_A_TERMINAL: &str = "process_not_a_terminal";
+    pub const RESULT_NOT_FOUND: &str = "result_not_found";
+    pub const CONTEXT_NOT_FOUND: &str = "context_not_found";
+    pub const CONTEXT_EXISTS: &str = "context_exists";
+    pub const INTERPRETER_START_FAILED: &str = "interpreter_start_failed";
+    pub const PREVIEW_NOT_FOUND: &str = "preview_not_found";
+    pub const SECRET_NOT_FOUND: &str = "secret_not_found";
+    pub const ENV_TAKEN: &str = "env_taken";
+    pub const LOGIN_NOT_FOUND: &str = "login_not_found";
 }
 
 /// The sandbox record (create, get, list items, lifecycle verbs).

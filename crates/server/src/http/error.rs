@@ -248,7 +248,9 @@ fn host_parts(e: &HostError) -> Parts {
                     (StatusCode::BAD_REQUEST, codes::COMMAND_NOT_FOUND)
                 }
                 GuestFailure::Io => (StatusCode::INTERNAL_SERVER_ERROR, codes::GUEST_ERROR),
-                GuestFailure::ConnectionRefused => (StatusCode::BAD_GATEWAY, "connection_refused"),
+                GuestFailure::ConnectionRefused => {
+                    (StatusCode::BAD_GATEWAY, codes::CONNECTION_REFUSED)
+                }
             };
             if status.is_server_error() {
                 return p(status, code, "Internal server error.".into());
@@ -287,5 +289,332 @@ fn host_parts(e: &HostError) -> Parts {
             codes::INTERNAL,
             "Internal server error.".into(),
         ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use runtime_api::{Issue, SandboxState};
+    use runtime_host::BootStage;
+
+    /// Status, code and message of `e`'s answer, and its body's details.
+    fn answer(e: ApiError) -> (u16, String, String, Option<Value>) {
+        let status = e.status().as_u16();
+        let b = e.body("req_1").error;
+        assert_eq!(b.status, status, "the body repeats the status");
+        assert_eq!(b.request_id, "req_1");
+        (status, b.code, b.message, b.details)
+    }
+
+    #[test]
+    fn each_request_error_has_its_status_and_code() {
+        let cases: Vec<(ApiError, u16, &str)> = vec![
+            (ApiError::Unauthorized, 401, codes::UNAUTHORIZED),
+            (
+                ApiError::Forbidden {
+                    action: "make changes",
+                },
+                403,
+                codes::FORBIDDEN,
+            ),
+            (
+                ApiError::RouteNotFound {
+                    method: "GET".into(),
+                    path: "/v2".into(),
+                },
+                404,
+                codes::ROUTE_NOT_FOUND,
+            ),
+            (
+                ApiError::MethodNotAllowed {
+                    method: "PATCH".into(),
+                    path: "/v1/x".into(),
+                },
+                405,
+                codes::METHOD_NOT_ALLOWED,
+            ),
+            (
+                ApiError::invalid("name", "is bad"),
+                400,
+                codes::INVALID_REQUEST,
+            ),
+            (
+                ApiError::sandbox_not_found("s1"),
+                404,
+                codes::SANDBOX_NOT_FOUND,
+            ),
+            (
+                ApiError::NameTaken {
+                    name: "a".into(),
+                    sandbox_id: None,
+                },
+                409,
+                codes::NAME_TAKEN,
+            ),
+            (
+                ApiError::NotRunning {
+                    id: "s1".into(),
+                    state: SandboxState::Stopped,
+                },
+                409,
+                codes::SANDBOX_NOT_RUNNING,
+            ),
+            (
+                ApiError::NotRunning {
+                    id: "s1".into(),
+                    state: SandboxState::Paused,
+                },
+                409,
+                codes::SANDBOX_PAUSED,
+            ),
+            (
+                ApiError::NotRunning {
+                    id: "s1".into(),
+                    state: SandboxState::Pausing,
+                },
+                409,
+                codes::SANDBOX_PAUSED,
+            ),
+            (
+                ApiError::IdempotencyKeyReused,
+                422,
+                codes::IDEMPOTENCY_KEY_REUSED,
+            ),
+            (
+                ApiError::PayloadTooLarge { limit: 10 },
+                413,
+                codes::PAYLOAD_TOO_LARGE,
+            ),
+            (
+                ApiError::Conflict {
+                    code: codes::NOT_PAUSABLE,
+                    message: "m".into(),
+                    details: None,
+                },
+                409,
+                codes::NOT_PAUSABLE,
+            ),
+            (
+                ApiError::Unprocessable {
+                    code: codes::IMAGE_NOT_READY,
+                    message: "m".into(),
+                    details: None,
+                },
+                422,
+                codes::IMAGE_NOT_READY,
+            ),
+            (
+                ApiError::PaymentRequired {
+                    code: codes::SPENDING_LIMIT_REACHED,
+                    message: "m".into(),
+                    hint: "h",
+                    details: json!({}),
+                },
+                402,
+                codes::SPENDING_LIMIT_REACHED,
+            ),
+            (
+                ApiError::Unsupported { feature: "x" },
+                501,
+                codes::UNSUPPORTED,
+            ),
+            (
+                ApiError::BadField {
+                    code: codes::ENV_TAKEN,
+                    field: "env",
+                    message: "m".into(),
+                },
+                400,
+                codes::ENV_TAKEN,
+            ),
+            (
+                ApiError::Failed {
+                    code: codes::PAUSE_FAILED,
+                    message: "m".into(),
+                },
+                500,
+                codes::PAUSE_FAILED,
+            ),
+            (
+                ApiError::Internal {
+                    what: "secret detail".into(),
+                },
+                500,
+                codes::INTERNAL,
+            ),
+            (
+                ApiError::Server(crate::error::ServerError::Corrupt {
+                    what: "secret detail".into(),
+                }),
+                500,
+                codes::INTERNAL,
+            ),
+        ];
+        for (e, status, code) in cases {
+            let shown = format!("{e:?}");
+            let (s, c, m, _) = answer(e);
+            assert_eq!((s, c.as_str()), (status, code), "{shown}");
+            assert!(!m.is_empty(), "{shown}: a message");
+        }
+    }
+
+    #[test]
+    fn server_failures_answer_a_fixed_message_without_their_details() {
+        for e in [
+            ApiError::Internal {
+                what: "secret detail".into(),
+            },
+            ApiError::Server(crate::error::ServerError::Corrupt {
+                what: "secret detail".into(),
+            }),
+            ApiError::Host(HostError::Io {
+                id: "s".into(),
+                op: "secret detail",
+                source: std::io::Error::other("x"),
+            }),
+        ] {
+            let (_, _, m, d) = answer(e);
+            assert_eq!(m, "Internal server error.");
+            assert_eq!(d, None);
+        }
+    }
+
+    #[test]
+    fn an_invalid_request_names_every_wrong_field() {
+        let e = ApiError::Invalid {
+            issues: vec![
+                Issue {
+                    field: "vcpu".into(),
+                    message: "too many".into(),
+                },
+                Issue {
+                    field: "env.1A".into(),
+                    message: "bad name".into(),
+                },
+            ],
+        };
+        let (_, _, m, d) = answer(e);
+        assert_eq!(m, "Invalid request: vcpu, env.1A.");
+        let issues = d.and_then(|d| d.get("issues").cloned()).unwrap_or_default();
+        assert_eq!(issues.as_array().map(Vec::len), Some(2));
+    }
+
+    #[test]
+    fn each_host_error_has_its_status_and_code() {
+        let guest = |failure| {
+            ApiError::Host(HostError::Guest {
+                id: "s".into(),
+                failure,
+                message: "m".into(),
+            })
+        };
+        let cases: Vec<(ApiError, u16, &str)> = vec![
+            (
+                guest(GuestFailure::FileNotFound),
+                404,
+                codes::FILE_NOT_FOUND,
+            ),
+            (
+                guest(GuestFailure::IsADirectory),
+                409,
+                codes::IS_A_DIRECTORY,
+            ),
+            (
+                guest(GuestFailure::NotADirectory),
+                409,
+                codes::NOT_A_DIRECTORY,
+            ),
+            (
+                guest(GuestFailure::PermissionDenied),
+                403,
+                codes::PERMISSION_DENIED,
+            ),
+            (
+                guest(GuestFailure::AlreadyExists),
+                409,
+                codes::ALREADY_EXISTS,
+            ),
+            (
+                guest(GuestFailure::DirectoryNotEmpty),
+                409,
+                codes::DIRECTORY_NOT_EMPTY,
+            ),
+            (
+                guest(GuestFailure::InvalidPath),
+                400,
+                codes::INVALID_REQUEST,
+            ),
+            (guest(GuestFailure::BadRequest), 400, codes::INVALID_REQUEST),
+            (
+                guest(GuestFailure::CommandNotFound),
+                400,
+                codes::COMMAND_NOT_FOUND,
+            ),
+            (guest(GuestFailure::Io), 500, codes::GUEST_ERROR),
+            (
+                guest(GuestFailure::ConnectionRefused),
+                502,
+                codes::CONNECTION_REFUSED,
+            ),
+            (
+                ApiError::Host(HostError::NoSuchMachine { id: "s".into() }),
+                409,
+                codes::SANDBOX_NOT_RUNNING,
+            ),
+            (
+                ApiError::Host(HostError::NotPaused { id: "s".into() }),
+                409,
+                codes::SANDBOX_NOT_RUNNING,
+            ),
+            (
+                ApiError::Host(HostError::LinkLost { id: "s".into() }),
+                503,
+                codes::HOST_UNAVAILABLE,
+            ),
+            (
+                ApiError::Host(HostError::Timeout {
+                    id: "s".into(),
+                    what: "x",
+                }),
+                503,
+                codes::HOST_UNAVAILABLE,
+            ),
+            (
+                ApiError::Host(HostError::StartFailed {
+                    id: "s".into(),
+                    stage: BootStage::Kernel,
+                    reason: "r".into(),
+                    console_tail: "secret console".into(),
+                }),
+                500,
+                codes::INTERNAL,
+            ),
+            (
+                ApiError::Host(HostError::Capture {
+                    id: "s".into(),
+                    reason: "r".into(),
+                }),
+                500,
+                codes::INTERNAL,
+            ),
+        ];
+        for (e, status, code) in cases {
+            let shown = format!("{e:?}");
+            let (s, c, m, _) = answer(e);
+            assert_eq!((s, c.as_str()), (status, code), "{shown}");
+            assert!(!m.contains("secret"), "{shown}: {m}");
+        }
+    }
+
+    #[test]
+    fn a_guest_io_failure_keeps_its_message_to_the_log() {
+        let e = ApiError::Host(HostError::Guest {
+            id: "s".into(),
+            failure: GuestFailure::Io,
+            message: "disk of /secret failed".into(),
+        });
+        let (_, _, m, _) = answer(e);
+        assert_eq!(m, "Internal server error.");
     }
 }

@@ -11,6 +11,7 @@
 //!
 //! Requests live in memory for 15 minutes; a restart forgets them.
 
+use runtime_api::codes;
 use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -118,7 +119,7 @@ fn begin(st: &AppState, body: &[u8]) -> ApiResult<Response> {
         let mut m = st.inner.logins.lock();
         if m.len() >= MAX_PENDING {
             return Err(ApiError::Conflict {
-                code: "busy",
+                code: codes::BUSY,
                 message: "Too many login requests are waiting; try again later.".into(),
                 details: None,
             });
@@ -154,7 +155,7 @@ fn poll(st: &AppState, id: &str, body: &[u8]) -> ApiResult<Response> {
     f.finish()?;
     let mut m = st.inner.logins.lock();
     let gone = || ApiError::NotFound {
-        code: "login_not_found",
+        code: codes::LOGIN_NOT_FOUND,
         what: "login request",
         id: id.to_string(),
     };

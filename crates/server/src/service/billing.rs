@@ -4,6 +4,7 @@
 //! `service/meter.rs`, the arithmetic `domain::money`, the charges
 //! `store/charges.rs`.
 
+use runtime_api::codes;
 use std::collections::BTreeMap;
 
 use runtime_api::Sandbox;
@@ -45,7 +46,7 @@ pub(crate) fn day_of(st: &AppState, key_id: &str, now: i64) -> Result<Day, Serve
 
 fn spending_limit(limit: i64, used: i64, needed: i64) -> ApiError {
     ApiError::PaymentRequired {
-        code: "spending_limit_reached",
+        code: codes::SPENDING_LIMIT_REACHED,
         message: format!(
             "This key's daily spending limit ({limit} µ$) would be passed: {used} µ$ used or held in the last 24 hours, {needed} µ$ more needed."
         ),
@@ -80,7 +81,7 @@ pub(crate) fn check_spend(
         let needed = lease_cost;
         if needed > max {
             return Err(ApiError::Conflict {
-                code: "budget_exceeded",
+                code: codes::BUDGET_EXCEEDED,
                 message: format!(
                     "The lease of {lease_seconds} s could cost {needed} µ$ at full use, more than maxCostMicros ({max})."
                 ),

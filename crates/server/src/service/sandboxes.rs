@@ -4,6 +4,7 @@
 //! [`crate::service::lifecycle`]; the reaper and recovery are in
 //! [`crate::service::background`].
 
+use runtime_api::codes;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
@@ -108,7 +109,7 @@ pub(crate) async fn ensure_awake(st: &AppState, id: &str, timeout: Duration) -> 
             Running => return Ok(()),
             Paused if asked => {
                 return Err(ApiError::Failed {
-                    code: "wake_failed",
+                    code: codes::WAKE_FAILED,
                     message: format!("Sandbox {id} could not be woken; it stays paused."),
                 })
             }
@@ -567,7 +568,7 @@ pub(crate) async fn restart_stopped(
     if row.record.state == Stopped {
         if !row.record.persistent {
             return Err(ApiError::Conflict {
-                code: "not_persistent",
+                code: codes::NOT_PERSISTENT,
                 message: format!(
                     "Sandbox {id} is stopped and not persistent, so it has no disk to restart from."
                 ),
@@ -607,7 +608,7 @@ pub(crate) async fn pause(
     match row.record.state {
         Running if !row.record.pausable => {
             return Err(ApiError::Conflict {
-                code: "not_pausable",
+                code: codes::NOT_PAUSABLE,
                 message: format!("Sandbox {id} was created with pausable: false."),
                 details: Some(json!({ "sandboxId": id })),
             })
@@ -637,7 +638,7 @@ pub(crate) async fn pause(
             .contains(id);
     if failed {
         return Err(ApiError::Failed {
-            code: "pause_failed",
+            code: codes::PAUSE_FAILED,
             message: format!("Sandbox {id} could not be paused; it runs on."),
         });
     }
@@ -690,7 +691,7 @@ pub(crate) async fn wake(
     let row = find(st, key, id)?;
     if asked && row.record.state == Paused {
         return Err(ApiError::Failed {
-            code: "wake_failed",
+            code: codes::WAKE_FAILED,
             message: format!("Sandbox {id} could not be woken; it stays paused."),
         });
     }

@@ -1,5 +1,6 @@
 //! Finding the snapshots a key may see, and where their captures live.
 
+use runtime_api::codes;
 use std::path::PathBuf;
 
 use serde_json::json;
@@ -15,7 +16,7 @@ pub(crate) fn visible(key: &KeyInfo, row: &SnapshotRow) -> bool {
 
 pub(crate) fn not_found(id: &str) -> ApiError {
     ApiError::NotFound {
-        code: "snapshot_not_found",
+        code: codes::SNAPSHOT_NOT_FOUND,
         what: "snapshot",
         id: id.to_string(),
     }
@@ -38,7 +39,7 @@ pub(crate) fn find_ready(st: &AppState, key: &KeyInfo, id: &str) -> ApiResult<Sn
         .map_err(|_| ApiError::invalid("snapshot", format!("there is no snapshot {id}")))?;
     if row.record.state != "ready" {
         return Err(ApiError::Conflict {
-            code: "snapshot_not_ready",
+            code: codes::SNAPSHOT_NOT_READY,
             message: format!("Snapshot {id} is {}, not ready.", row.record.state),
             details: Some(json!({ "snapshotId": id, "state": row.record.state })),
         });
