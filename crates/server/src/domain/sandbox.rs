@@ -82,6 +82,19 @@ pub(crate) fn new_record(s: Settings, id: String, env: &[(String, String)], now:
     }
 }
 
+/// What follows from a record's state, applied on every write: `status`
+/// (or `deleted`), and no money held unless it runs (its lease is what holds).
+pub(crate) fn follow_state(r: &mut Sandbox, deleted: bool) {
+    r.status = if deleted {
+        "deleted".into()
+    } else {
+        r.state.status().into()
+    };
+    if r.state != SandboxState::Running {
+        r.held_micros = 0;
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -123,5 +136,43 @@ mod tests {
             r.last_active_at.as_deref(),
             Some("1970-01-01T00:00:00.000Z")
         );
+    }
+
+    #[test]
+    fn status_and_holds_follow_the_state() {
+        let mut r = new_record(
+            Settings {
+                name: None,
+                labels: BTreeMap::new(),
+                funding: "paid".into(),
+                vcpu: 1,
+                memory_mib: 512,
+                disk_mib: 3072,
+                cpu: "shared".into(),
+                cpu_floor_millis: 50,
+                pausable: true,
+                timeout_seconds: None,
+                idle_pause_seconds: 0,
+                auto_wake: true,
+                persistent: false,
+                on_lease_end: "pause".into(),
+                user: "sandbox".into(),
+                max_total_cost_micros: None,
+                max_cost_micros: None,
+            },
+            "s".into(),
+            &[],
+            0,
+        );
+        r.state = SandboxState::Running;
+        r.held_micros = 7;
+        follow_state(&mut r, false);
+        assert_eq!((r.status.as_str(), r.held_micros), ("active", 7));
+        r.state = SandboxState::Paused;
+        follow_state(&mut r, false);
+        assert_eq!((r.status.as_str(), r.held_micros), ("paused", 0));
+        r.state = SandboxState::Stopped;
+        follow_state(&mut r, true);
+        assert_eq!(r.status, "deleted");
     }
 }
