@@ -13,7 +13,7 @@ use axum::http::{HeaderMap, Request, StatusCode};
 use base64::Engine;
 use fake::{FakeHost, Step};
 use http_body_util::BodyExt;
-use runtime_server::{create_key, ensure_admin_key, open_store, router, AppState, Config};
+use runtime_server::{create_key, ensure_admin_key, open_store, router, AppState, Clock, Config};
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 use tower::ServiceExt;
@@ -34,6 +34,13 @@ fn tmpdir() -> PathBuf {
 impl T {
     fn new() -> T {
         Self::with(|_| {})
+    }
+
+    /// A server whose clock follows tokio's: under `start_paused` its leases,
+    /// idle pauses and retention move only with `tokio::time::advance`.
+    fn on_paused_time() -> T {
+        let now = time::OffsetDateTime::now_utc().unix_timestamp() * 1000;
+        Self::with(|c| c.clock = Clock::following_tokio(now))
     }
 
     fn with(tweak: impl FnOnce(&mut Config)) -> T {
@@ -1891,9 +1898,9 @@ async fn snapshot_then_get_list_create_from_it_and_delete() {
     assert!(!t.dir.join("snapshots").join(&sid).exists());
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn lease_end_pauses_stops_or_deletes_as_asked() {
-    let t = T::new();
+    let t = T::on_paused_time();
     let paused = t.running(json!({"timeoutSeconds": 60})).await;
     let stopped = t
         .running(json!({"timeoutSeconds": 60, "onLeaseEnd": "stop"}))
@@ -1901,34 +1908,54 @@ async fn lease_end_pauses_stops_or_deletes_as_asked() {
     let deleted = t
         .running(json!({"timeoutSeconds": 60, "onLeaseEnd": "delete"}))
         .await;
-    let kept = t.running(json!({"timeoutSeconds": 60})).await;
-    for id in [&paused, &stopped, &deleted] {
-        t.set_field(id, "endsAt", "2001-01-01T00:00:00Z");
-    }
+    let kept = t.running(json!({"timeoutSeconds": 600})).await;
     t.state.start_background();
+    tokio::time::advance(Duration::from_secs(30)).await;
+    for id in [&paused, &stopped, &deleted, &kept] {
+        assert_eq!(
+            t.sandbox(id).await["state"],
+            "running",
+            "30 s into a 60 s lease"
+        );
+    }
+    tokio::time::advance(Duration::from_secs(31)).await;
     let v = t.wait_state(&paused, "paused").await;
     assert!(v["pausedAt"].is_string());
     let v = t.wait_state(&stopped, "stopped").await;
     assert_eq!(v["stopReason"], "timeout");
     t.wait_state(&deleted, "gone").await;
     assert_eq!(t.sandbox(&kept).await["state"], "running");
-    // The wake gives it a new lease, so it is not paused again at once.
+    // The wake gives it a new lease, so it is not paused again at once...
     let (s, v) = t.act(&paused, "wake", json!({})).await;
     assert_eq!((s, v["state"].as_str()), (StatusCode::OK, Some("running")));
-    tokio::time::sleep(Duration::from_millis(1500)).await;
+    tokio::time::advance(Duration::from_secs(50)).await;
     assert_eq!(t.sandbox(&paused).await["state"], "running");
+    // ...but once that lease ends too.
+    tokio::time::advance(Duration::from_secs(15)).await;
+    t.wait_state(&paused, "paused").await;
     t.state.shutdown().await;
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn an_idle_sandbox_pauses_itself() {
-    let t = T::new();
+    let t = T::on_paused_time();
     let idle = t.running(json!({"idlePauseSeconds": 60})).await;
     let busy = t.running(json!({"idlePauseSeconds": 60})).await;
     let never = t.running(json!({})).await;
-    t.set_field(&idle, "lastActiveAt", "2001-01-01T00:00:00Z");
-    t.set_field(&never, "lastActiveAt", "2001-01-01T00:00:00Z");
     t.state.start_background();
+    // The busy one is called every 20 s; the others not at all.
+    for _ in 0..4 {
+        tokio::time::advance(Duration::from_secs(20)).await;
+        t.host.script("hello", vec![Step::Exit(0)]);
+        let (s, _) = t
+            .json(
+                "POST",
+                &format!("/v1/sandboxes/{busy}:exec"),
+                Some(json!({"command": "hello"})),
+            )
+            .await;
+        assert_eq!(s, StatusCode::OK);
+    }
     t.wait_state(&idle, "paused").await;
     assert_eq!(t.sandbox(&busy).await["state"], "running");
     assert_eq!(t.sandbox(&never).await["state"], "running");
@@ -1942,7 +1969,7 @@ async fn an_idle_sandbox_pauses_itself() {
         )
         .await;
     assert_eq!(s, StatusCode::OK);
-    tokio::time::sleep(Duration::from_millis(1500)).await;
+    tokio::time::advance(Duration::from_secs(50)).await;
     assert_eq!(t.sandbox(&idle).await["state"], "running");
     t.state.shutdown().await;
 }
@@ -2271,9 +2298,9 @@ async fn interpreter_starts_each_language_in_its_own_driver() {
     assert!(v["id"].as_str().unwrap().starts_with("ctx-"), "{v}");
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_paused_sandbox_is_deleted_when_its_retention_ends() {
-    let t = T::new();
+    let t = T::on_paused_time();
     let id = t.running(json!({})).await;
     let kept = t.running(json!({})).await;
     let (s, v) = t.act(&id, "retention", json!({"days": 0})).await;
@@ -2298,8 +2325,10 @@ async fn a_paused_sandbox_is_deleted_when_its_retention_ends() {
     let expires = runtime_server_iso_ms(v["pausedExpiresAt"].as_str().unwrap());
     assert_eq!(expires - paused, 2 * 86_400_000, "{v}");
     assert!(t.sandbox(&kept).await["pausedExpiresAt"].is_null());
-    t.set_field(&id, "pausedExpiresAt", "2001-01-01T00:00:00Z");
     t.state.start_background();
+    tokio::time::advance(Duration::from_secs(2 * 86_400 - 60)).await;
+    assert_eq!(t.sandbox(&id).await["state"], "paused", "a minute before");
+    tokio::time::advance(Duration::from_secs(61)).await;
     t.wait_state(&id, "gone").await;
     assert_eq!(t.sandbox(&kept).await["state"], "paused");
     t.state.shutdown().await;
