@@ -1,0 +1,282 @@
+"""The interpreter drivers of guest/interp over their line protocol, started on
+this host as the server starts them in the guest (see driver_harness.py):
+ready, state kept between runs, stdout and stderr, output without a final
+newline, the last value, errors that keep the context, output that imitates a
+protocol line, SIGINT that stops a run and keeps the state.
+
+One driver per language for the module (the JVM and R start slowly); each
+test uses its own names, so what it asserts does not depend on the others. A
+driver that died, or that a failed test used, is started again for the next
+test."""
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from driver_harness import Driver
+
+LANGUAGES = ["python", "bash", "go", "javascript", "typescript", "r", "java"]
+
+# How long an interrupted run may take to end: the server kills the driver
+# after INTERRUPT_GRACE (10 s) and its state is gone.
+INTERRUPT_GRACE = 10
+
+
+@pytest.fixture(scope="module")
+def drivers(tmp_path_factory):
+    started: dict[str, Driver] = {}
+    yield started, tmp_path_factory.mktemp("cwd")
+    for d in started.values():
+        d.close()
+
+
+@pytest.fixture
+def pool(drivers, request):
+    """The module's driver of a language, started on first use."""
+    started, cwd = drivers
+    used = set()
+
+    def get(language: str) -> Driver:
+        d = started.get(language)
+        if d is None or not d.alive():
+            if d is not None:
+                d.close()
+            d = started[language] = Driver(language, cwd)
+        used.add(language)
+        return d
+
+    yield get
+    rep = getattr(request.node, "rep_call", None)
+    if rep is None or rep.failed:  # it may be out of step with its runs
+        for language in used:
+            started.pop(language).close()
+
+
+# Where the code's output arrives: R prints plain lines (the server takes
+# them as stdout), the others send `stdout` events.
+STDOUT = {lang: "stdout" for lang in LANGUAGES} | {"r": "plain"}
+
+
+def ok(run, stdout="", stderr=""):
+    """A run that ended `ok` with exactly this output and no other event."""
+    assert run.end["status"] == "ok", run
+    assert run.kinds() <= {STDOUT[run.language], "stderr"}, run
+    assert (run.stdout, run.stderr) == (stdout, stderr), run
+
+
+# A run that prints "ok": the context still answers.
+AFTER = {
+    "python": "print('ok')",
+    "bash": "echo ok",
+    "go": 'import "fmt"\nfmt.Println("ok")',
+    "javascript": "console.log('ok');",
+    "typescript": "console.log('ok');",
+    "r": 'cat("ok\\n")',
+    "java": 'System.out.println("ok");',
+}
+
+
+@pytest.mark.parametrize("language", LANGUAGES)
+def test_ready(pool, language):
+    d = pool(language)
+    assert d.ready == {"k": "ready", "pid": d.proc.pid, "language": language}
+
+
+STATE = {
+    "python": ("counter_a = 41", "print(counter_a + 1)"),
+    "bash": ("counter_a=41", "echo $((counter_a + 1))"),
+    "go": ("counter_a := 41", 'import "fmt"\nfmt.Println(counter_a + 1)'),
+    "javascript": ("let counter_a = 41;", "console.log(counter_a + 1);"),
+    "typescript": ("let counter_a: number = 41;", "console.log(counter_a + 1);"),
+    "r": ("counter_a <- 41", 'cat(counter_a + 1, "\\n", sep = "")'),
+    "java": ("int counter_a = 41;", "System.out.println(counter_a + 1);"),
+}
+
+
+@pytest.mark.parametrize("language", LANGUAGES)
+def test_state_persists(pool, language):
+    d = pool(language)
+    first, second = STATE[language]
+    ok(d.run(first))
+    ok(d.run(second), stdout="42\n")
+
+
+OUTPUT = {
+    "python": 'import sys\nprint("to out")\nprint("to err", file=sys.stderr)',
+    "bash": "echo to out\necho to err >&2",
+    "go": 'import (\n\t"fmt"\n\t"os"\n)\nfmt.Println("to out")\nfmt.Fprintln(os.Stderr, "to err")',
+    "javascript": 'console.log("to out"); console.error("to err");',
+    "typescript": 'const out_b: string = "to out"; console.log(out_b); console.error("to err");',
+    "r": 'cat("to out\\n"); message("to err")',
+    "java": 'System.out.println("to out"); System.err.println("to err");',
+}
+
+
+@pytest.mark.parametrize("language", LANGUAGES)
+def test_stdout_and_stderr(pool, language):
+    r = pool(language).run(OUTPUT[language])
+    ok(r, stdout="to out\n", stderr="to err\n")
+    assert {e["k"] for e in r.events if e["text"].strip() == "to err"} == {"stderr"}, r
+
+
+NO_NEWLINE = {
+    "python": 'print("no newline", end="")',
+    "bash": "printf 'no newline'",
+    "go": 'import "fmt"\nfmt.Print("no newline")',
+    "javascript": 'void process.stdout.write("no newline");',
+    "typescript": 'void process.stdout.write("no newline");',
+    "r": 'cat("no newline")',
+    "java": 'System.out.print("no newline");',
+}
+
+
+@pytest.mark.parametrize("language", ["python", "bash", "go", "javascript", "typescript", "java"])
+def test_output_without_newline(pool, language):
+    """The run's `end` still starts a line of its own: the server takes a
+    line for a protocol line only when it starts with the nonce."""
+    d = pool(language)
+    ok(d.run(NO_NEWLINE[language]), stdout="no newline")
+    ok(d.run(AFTER[language]), stdout="ok\n")
+
+
+# The last value: code, and its `text/plain` (None: the language has none).
+RESULT = {
+    "python": ("6 * 7", "42"),
+    "bash": ("echo 42", None),
+    "go": ("6 * 7", "42"),
+    "javascript": ("[6 * 7, 'x']", "[ 42, 'x' ]"),
+    "typescript": ("(6 * 7) as number", "42"),
+    "r": ("6 * 7", "[1] 42"),
+    "java": ('"ab" + 6 * 7', '"ab42"'),
+}
+
+
+@pytest.mark.parametrize("language", LANGUAGES)
+def test_result(pool, language):
+    code, text = RESULT[language]
+    r = pool(language).run(code)
+    assert r.end["status"] == "ok", r
+    if text is None:
+        assert r.of("result") == [] and r.stdout == "42\n", r
+    else:
+        assert r.of("result") == [{"k": "result", "main": True, "data": {"text/plain": text}}], r
+        assert r.stdout == "" and r.stderr == "", r
+
+
+# (define, fail, read back, the error's name and value)
+ERROR = {
+    "python": ("kept_c = 'c'", "print('before')\n1 / 0", "print(kept_c)",
+               "ZeroDivisionError", "division by zero"),
+    "bash": ("kept_c=c", "echo before\n(exit 3)", "echo $kept_c", "ExitStatus", "exit status 3"),
+    "go": ('var kept_c = "c"', 'import "fmt"\nfmt.Println("before")\npanic("boom")',
+           'import "fmt"\nfmt.Println(kept_c)', "Panic", "boom"),
+    "javascript": ("var kept_c = 'c';", "console.log('before'); throw new RangeError('boom');",
+                   "console.log(kept_c);", "RangeError", "boom"),
+    "typescript": ("var kept_c: string = 'c';",
+                   "console.log('before'); throw new RangeError('boom');",
+                   "console.log(kept_c);", "RangeError", "boom"),
+    "r": ('kept_c <- "c"', 'cat("before\\n"); stop("boom")', 'cat(kept_c, "\\n", sep = "")',
+          "simpleError", "boom"),
+    "java": ('String kept_c = "c";',
+             'System.out.println("before"); if (true) throw new IllegalStateException("boom");',
+             "System.out.println(kept_c);", "java.lang.IllegalStateException", "boom"),
+}
+
+
+@pytest.mark.parametrize("language", LANGUAGES)
+def test_error_keeps_context(pool, language):
+    d = pool(language)
+    define, fail, read, name, value = ERROR[language]
+    ok(d.run(define))
+    r = d.run(fail)
+    assert r.end["status"] == "error", r
+    assert [(e["name"], e["value"]) for e in r.of("error")] == [(name, value)], r
+    assert r.stdout == "before\n", r
+    assert r.kinds() <= {STDOUT[language], "stderr", "error"}, r
+    ok(d.run(read), stdout="c\n")
+
+
+def forge_code(language: str, text: str) -> str:
+    """Code that has a child process write `text` to the driver's fd 1 (for
+    bash and Go the shell and the program are that child), then prints
+    "after\\n" itself."""
+    q = json.dumps(text)
+    sh = "printf '%s' '" + text.replace("'", "'\\''") + "'"
+    return {
+        "python": f"import subprocess\nsubprocess.run({json.dumps(['sh', '-c', sh])}, check=True)\n"
+                  "print('after')",
+        "bash": f"{sh}\necho after",
+        "go": f'import (\n\t"fmt"\n\t"os"\n)\nos.Stdout.WriteString({q})\nfmt.Println("after")',
+        "javascript": f"require('child_process').execFileSync('sh', ['-c', {json.dumps(sh)}], "
+                      "{stdio: 'inherit'});\nconsole.log('after');",
+        "typescript": "import { execFileSync } from 'child_process';\n"
+                      f"execFileSync('sh', ['-c', {json.dumps(sh)}], {{stdio: 'inherit'}});\n"
+                      "console.log('after');",
+        "r": f"system({json.dumps(sh)})\ncat('after\\n')",
+    }[language]
+
+
+@pytest.mark.parametrize("language", ["python", "bash", "go"])
+def test_output_imitating_protocol_lines(pool, language):
+    """Lines with the real nonce that a child process prints are output: they
+    neither end the run (not even an `end` with the run's id) nor add events;
+    a last one without a newline does not swallow the driver's next line."""
+    d = pool(language)
+    rid = "exec_" + "f" * 32
+    n = d.nonce
+    text = (f'{n} {{"k":"end"}}\n'
+            f'{n} {{"k":"end","id":"{rid}","status":"ok"}}\n'
+            f'{n} {{"k":"error","name":"Forged","value":"x","traceback":""}}\n'
+            f'{n} {{"k":"result","main":true,"data":{{"text/plain":"forged"}}}}\n'
+            f'{n} {{"k":"stdout","text":"forged"}}\n'
+            "no newline ")
+    r = d.run(forge_code(language, text), rid=rid)
+    assert r.end == {"k": "end", "id": rid, "status": "ok"}, r
+    assert r.stdout == text + "after\n", r
+    assert r.kinds() == {"stdout"}, r
+    ok(d.run(AFTER[language]), stdout="ok\n")
+
+
+# (define, a long run that prints "sleeping" first, read back, the error)
+SIGINT = {
+    "python": ("kept_d = 7", "import time\nprint('sleeping')\ntime.sleep(60)", "print(kept_d)",
+               ("KeyboardInterrupt", "")),
+    "bash": ("kept_d=7", "echo sleeping\nsleep 60\necho not reached", "echo $kept_d",
+             ("KeyboardInterrupt", "interrupted")),
+    "go": ("kept_d := 7", 'import (\n\t"fmt"\n\t"time"\n)\nfmt.Println("sleeping")\n'
+                          "time.Sleep(60 * time.Second)",
+           'import "fmt"\nfmt.Println(kept_d)', ("KeyboardInterrupt", "interrupted")),
+    # A busy loop (vm breakOnSigint) in JavaScript, an awaited promise in TypeScript.
+    "javascript": ("var kept_d = 7;", "console.log('sleeping'); for (;;) {}",
+                   "console.log(kept_d);",
+                   ("Error", "Script execution was interrupted by `SIGINT`")),
+    "typescript": ("var kept_d: number = 7;",
+                   "console.log('sleeping');\nnew Promise<void>((r) => setTimeout(r, 60000));",
+                   "console.log(kept_d);",
+                   ("Interrupted", "Script execution was interrupted by `SIGINT`")),
+    "r": ("kept_d <- 7", 'cat("sleeping\\n")\nSys.sleep(60)', 'cat(kept_d, "\\n", sep = "")',
+          ("Interrupt", "interrupted")),
+    "java": ("int kept_d = 7;", 'System.out.println("sleeping"); Thread.sleep(60000);',
+             "System.out.println(kept_d);", ("Interrupted", "stopped")),
+}
+
+
+def interrupted(d: Driver, define: str, slow: str, read: str, error: tuple[str, str],
+                printed: str = "sleeping\n", expect: str = "7\n"):
+    """Defines a variable, interrupts a run once it printed, reads the
+    variable back."""
+    ok(d.run(define))
+    r = d.run(slow, interrupt_on=printed, timeout=30)
+    assert time.monotonic() - d.interrupted_at < INTERRUPT_GRACE, r
+    assert r.end["status"] == "error", r
+    assert [(e["name"], e["value"]) for e in r.of("error")] == [error], r
+    assert r.stdout == printed, r
+    assert d.alive()
+    ok(d.run(read), stdout=expect)
+
+
+@pytest.mark.parametrize("language", ["python", "go", "javascript", "r"])
+def test_sigint_stops_the_run_and_keeps_state(pool, language):
+    interrupted(pool(language), *SIGINT[language])
