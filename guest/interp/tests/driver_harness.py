@@ -174,9 +174,10 @@ class Driver:
         os.killpg(self.proc.pid, signal.SIGINT)
 
     def run(self, code: str, timeout: float = 90, interrupt_on: str | None = None,
-            rid: str | None = None) -> Run:
+            interrupts: int = 1, rid: str | None = None) -> Run:
         """One run: its events up to (not including) its `end`. With
-        `interrupt_on`, SIGINT goes to the group once that text was printed."""
+        `interrupt_on`, SIGINT goes to the group once that text was printed
+        (`interrupts` times, 0.3 s apart)."""
         rid = rid or "exec_" + uuid.uuid4().hex
         started = time.monotonic()
         self.proc.stdin.write(run_line(code, rid))
@@ -193,6 +194,8 @@ class Driver:
                 sent = True
                 self.interrupted_at = time.monotonic()
                 self.interrupt()
+                for k in range(1, interrupts):
+                    threading.Timer(0.3 * k, self.interrupt).start()
 
     def close(self):
         pid = self.proc.pid

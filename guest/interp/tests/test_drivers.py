@@ -277,6 +277,32 @@ def interrupted(d: Driver, define: str, slow: str, read: str, error: tuple[str, 
     ok(d.run(read), stdout=expect)
 
 
-@pytest.mark.parametrize("language", ["python", "go", "javascript", "r"])
+@pytest.mark.parametrize("language", ["python", "bash", "go", "javascript", "r"])
 def test_sigint_stops_the_run_and_keeps_state(pool, language):
     interrupted(pool(language), *SIGINT[language])
+
+
+def test_bash_sigint_while_bash_expands_a_command(pool):
+    """SIGINT that comes while bash itself works on a command (here a slow
+    expansion) runs bash's trap only after that command, a long sleep."""
+    interrupted(pool("bash"), "kept_e=7",
+                'big=$(printf "%030000d" 0)\necho sleeping\nsleep 60 ${big//0/}', "echo $kept_e",
+                ("KeyboardInterrupt", "interrupted"))
+
+
+def test_bash_second_sigint_keeps_runs_in_step(pool):
+    """A second SIGINT while the driver waits for the interrupted cell to end
+    (a timeout, then an interrupt; here the cell traps the first) still
+    waits for it, so the next run does not take that cell's status."""
+    d = pool("bash")
+    r = d.run("trap 'echo trapped' INT\necho sleeping\nsleep 60\nsleep 60\necho done",
+              interrupt_on="sleeping\n", interrupts=2, timeout=30)
+    assert [(e["name"], e["value"]) for e in r.of("error")] == [("KeyboardInterrupt", "interrupted")], r
+    assert r.stdout.startswith("sleeping\ntrapped\n") and r.stdout.endswith("trapped\ndone\n"), r
+    ok(d.run("sleep 1; echo slept"), stdout="slept\n")
+
+
+def test_bash_cell_reads_no_commands(pool):
+    """A cell's stdin is /dev/null: bash's own stdin carries the driver's
+    commands, which a cell must not read."""
+    ok(pool("bash").run('read -r line_f; echo "got:$line_f"'), stdout="got:\n")
