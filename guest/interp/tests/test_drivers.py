@@ -277,9 +277,20 @@ def interrupted(d: Driver, define: str, slow: str, read: str, error: tuple[str, 
     ok(d.run(read), stdout=expect)
 
 
-@pytest.mark.parametrize("language", ["python", "bash", "go", "javascript", "r"])
+@pytest.mark.parametrize("language", ["python", "bash", "go", "javascript", "r", "java"])
 def test_sigint_stops_the_run_and_keeps_state(pool, language):
     interrupted(pool(language), *SIGINT[language])
+
+
+def test_java_sigint_while_a_snippet_compiles(pool):
+    """SIGINT while jshell compiles the next snippet of a cell, when no code
+    runs that JShell.stop() could stop, still stops that snippet once it
+    runs; the snippets after it do not run."""
+    block = "".join(f"    long v{i} = {i}L * {i};\n" for i in range(300))
+    interrupted(pool("java"), "int kept_g = 7;",
+                'System.out.println("sleeping");\n{\n' + block + '    Thread.sleep(60000);\n}\n'
+                'System.out.println("not reached");',
+                "System.out.println(kept_g);", ("Interrupted", "stopped"))
 
 
 def test_bash_sigint_while_bash_expands_a_command(pool):
