@@ -9,7 +9,8 @@
 // `NONCE {json}\n`; console output and process.stdout/stderr writes of the code
 // travel as JSON events (a child process writing to fd 1 directly shows up as
 // plain lines, which the server takes as stdout). SIGINT stops the running
-// code (vm breakOnSigint, or abandons an awaited promise).
+// code (vm breakOnSigint, or abandons an awaited promise), also when it comes
+// while the cell is transpiled or compiled or as its script ends.
 'use strict';
 const fs = require('fs');
 const vm = require('vm');
@@ -123,12 +124,39 @@ function transpile(code, n) {
   return { code: out.outputText.replace(/^export \{\};\s*$/m, '') };
 }
 
+// SIGINT. The vm module catches it only while a script runs (breakOnSigint);
+// around that it removes the process's 'SIGINT' listeners, so one that comes
+// just before or as the script ends reached no one, or killed the driver.
+// Instead node's SIGINT watchdog helper (what the REPL uses) runs for the
+// driver's life: it takes every SIGINT, passes it to the running script's
+// watchdog, and otherwise keeps it pending for the driver to ask about.
+let watchdog = null;
+try {
+  const b = process.binding('contextify');
+  if (typeof b.watchdogHasPendingSigint === 'function') {
+    if (b.startSigintWatchdog()) watchdog = b;
+    else b.stopSigintWatchdog();
+  }
+} catch (e) { /* older or newer node: the 'SIGINT' listener below */ }
+// Whether SIGINT came since the last call (and forgets it).
+function sigintCame() {
+  if (!watchdog) return false;
+  watchdog.startSigintWatchdog();
+  return watchdog.stopSigintWatchdog();
+}
+function interruptedError() {
+  const e = new Error('Script execution was interrupted by `SIGINT`');
+  e.name = 'Interrupted';
+  e.stack = e.name + ': ' + e.message;
+  return e;
+}
 let interrupt = null;
-process.on('SIGINT', () => { if (interrupt) interrupt(); });
+if (!watchdog) process.on('SIGINT', () => { if (interrupt) interrupt(); });
 
 async function runCell(req) {
   let status = 'ok';
   const events = [];
+  sigintCame();  // one that came between runs is not for this one
   try {
     let code = req.code;
     if (ts) {
@@ -139,13 +167,20 @@ async function runCell(req) {
       code = unmodule(code);
     }
     const script = new vm.Script(code, { filename: 'cell-' + req.n + (ts ? '.ts' : '.js') });
+    if (sigintCame()) throw interruptedError();
     let value = script.runInContext(context, { breakOnSigint: true, displayErrors: false });
+    if (sigintCame()) throw interruptedError();
     if (value && typeof value.then === 'function') {
-      value = await new Promise((resolve, reject) => {
-        interrupt = () => { const e = new Error('Script execution was interrupted by `SIGINT`');
-                            e.name = 'Interrupted'; reject(e); };
-        value.then(resolve, reject);
-      });
+      let poll = null;
+      try {
+        value = await new Promise((resolve, reject) => {
+          interrupt = () => reject(interruptedError());
+          if (watchdog) poll = setInterval(() => { if (watchdog.watchdogHasPendingSigint()) interrupt(); }, 20);
+          value.then(resolve, reject);
+        });
+      } finally {
+        clearInterval(poll);
+      }
     }
     if (value !== undefined) {
       context._ = value;

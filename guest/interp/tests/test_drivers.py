@@ -253,7 +253,10 @@ SIGINT = {
                    "console.log(kept_d);",
                    ("Error", "Script execution was interrupted by `SIGINT`")),
     "typescript": ("var kept_d: number = 7;",
-                   "console.log('sleeping');\nnew Promise<void>((r) => setTimeout(r, 60000));",
+                   "new Promise<void>((r) => {\n"
+                   "  setTimeout(() => console.log('sleeping'), 20);\n"
+                   "  setTimeout(r, 60000);\n"
+                   "});",
                    "console.log(kept_d);",
                    ("Interrupted", "Script execution was interrupted by `SIGINT`")),
     "r": ("kept_d <- 7", 'cat("sleeping\\n")\nSys.sleep(60)', 'cat(kept_d, "\\n", sep = "")',
@@ -277,9 +280,38 @@ def interrupted(d: Driver, define: str, slow: str, read: str, error: tuple[str, 
     ok(d.run(read), stdout=expect)
 
 
-@pytest.mark.parametrize("language", ["python", "bash", "go", "javascript", "r", "java"])
+@pytest.mark.parametrize("language", LANGUAGES)
 def test_sigint_stops_the_run_and_keeps_state(pool, language):
     interrupted(pool(language), *SIGINT[language])
+
+
+@pytest.mark.parametrize("language", ["javascript", "typescript"])
+def test_js_sigint_as_the_script_ends(pool, language):
+    """SIGINT that comes as a cell's script returns a promise (the vm module
+    listens for it only while the script runs) still ends the run, as an
+    interrupted script or an abandoned promise."""
+    d = pool(language)
+    for _ in range(20):
+        r = d.run("console.log('sleeping');\nnew Promise((r) => setTimeout(r, 60000));",
+                  interrupt_on="sleeping\n", timeout=20)
+        assert time.monotonic() - d.interrupted_at < INTERRUPT_GRACE, r
+        assert r.end["status"] == "error" and r.stdout == "sleeping\n", r
+        assert [(e["name"], e["value"]) for e in r.of("error")] in (
+            [("Error", "Script execution was interrupted by `SIGINT`")],
+            [("Interrupted", "Script execution was interrupted by `SIGINT`")]), r
+    ok(d.run(AFTER[language]), stdout="ok\n")
+
+
+@pytest.mark.parametrize("language", ["python", "bash", "go", "javascript", "typescript", "java"])
+def test_sigint_between_runs_is_not_for_the_next(pool, language):
+    """A SIGINT that comes while no run is in progress (a timeout that fired
+    as the run ended) neither kills the driver nor stops the next run."""
+    d = pool(language)
+    ok(d.run(AFTER[language]), stdout="ok\n")
+    d.interrupt()
+    time.sleep(0.5)
+    assert d.alive()
+    ok(d.run(AFTER[language]), stdout="ok\n")
 
 
 def test_java_sigint_while_a_snippet_compiles(pool):
