@@ -4,7 +4,8 @@
 # Protocol lines go to the original stdout, each `NONCE {json}\n`; fds 1 and 2
 # are replaced by pipes read by threads, so everything the code (or a child
 # process) prints travels as JSON `stdout`/`stderr` events and cannot forge a
-# protocol line. SIGINT (a timeout or an interrupt) raises KeyboardInterrupt.
+# protocol line. SIGINT (a timeout or an interrupt) raises KeyboardInterrupt
+# while a run is in progress; between runs it is ignored.
 import ast, base64, codecs, io, json, linecache, os, select, signal, subprocess, sys, threading, time, traceback, warnings
 
 MODE = sys.argv[1] if len(sys.argv) > 1 else "python"
@@ -573,14 +574,21 @@ def run_go(rid, code, n):
     return "ok", events
 
 
+def between_runs(signum, frame):
+    """SIGINT while no run is in progress (a timeout that fired as the run
+    ended) is not for the next run; raised as KeyboardInterrupt it would have
+    ended the driver, or cut a protocol line in two."""
+
+
 def main():
     emit({"k": "ready", "pid": os.getpid(), "language": MODE})
+    fn = {"bash": run_bash, "go": run_go}.get(MODE, run_python)
+    # The handler while a run is in progress: KeyboardInterrupt, or whatever
+    # the code installed (it stays for the next runs).
+    handler = signal.signal(signal.SIGINT, between_runs)
     n = 0
     while True:
-        try:
-            line = _inp.readline()
-        except KeyboardInterrupt:
-            continue
+        line = _inp.readline()
         if not line:
             return
         try:
@@ -589,9 +597,13 @@ def main():
             continue
         n += 1
         try:
-            fn = {"bash": run_bash, "go": run_go}.get(MODE, run_python)
-            status, events = fn(req.get("id"), req.get("code", ""), n)
+            try:
+                signal.signal(signal.SIGINT, handler)
+                status, events = fn(req.get("id"), req.get("code", ""), n)
+            finally:
+                handler = signal.signal(signal.SIGINT, between_runs)
         except KeyboardInterrupt as e:
+            signal.signal(signal.SIGINT, between_runs)
             status, events = "error", [error_event(e, 0)]
         for ev in events:
             emit(ev)

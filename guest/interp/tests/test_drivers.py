@@ -11,6 +11,7 @@ test."""
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import pytest
@@ -349,3 +350,48 @@ def test_bash_cell_reads_no_commands(pool):
     """A cell's stdin is /dev/null: bash's own stdin carries the driver's
     commands, which a cell must not read."""
     ok(pool("bash").run('read -r line_f; echo "got:$line_f"'), stdout="got:\n")
+
+
+# The name of the error a run that SIGINT stopped reports.
+INTERRUPT_NAMES = {
+    "python": {"KeyboardInterrupt"}, "bash": {"KeyboardInterrupt"}, "go": {"KeyboardInterrupt"},
+    "javascript": {"Error", "Interrupted"}, "typescript": {"Error", "Interrupted"},
+    "r": {"Interrupt"}, "java": {"Interrupted"},
+}
+
+
+@pytest.mark.parametrize("language", ["python", "bash", "go", "javascript", "typescript", "java"])
+def test_sigint_at_any_moment(pool, language):
+    """SIGINT every few milliseconds, wherever it falls (while the driver
+    waits for a run, runs it or writes its events), ends at most the run in
+    progress: every run still ends, with its output or an interrupt error,
+    and the driver and its state stay. (The text of a print that SIGINT cut
+    may come with the next run's output: Java's stopped thread leaves it in
+    System.out's buffer.)"""
+    d = pool(language)
+    define, read = STATE[language]
+    ok(d.run(define.replace("counter_a", "kept_h")))
+    stop = threading.Event()
+
+    def storm():
+        while not stop.wait(0.005):
+            d.interrupt()
+
+    t = threading.Thread(target=storm)
+    t.start()
+    try:
+        for _ in range(30):
+            r = d.run(AFTER[language], timeout=INTERRUPT_GRACE)
+            assert all(part in ("", "o", "ok") for part in r.stdout.split("ok\n")), r
+            if r.end["status"] == "ok":
+                assert r.kinds() <= {STDOUT[language]} and r.stdout.endswith("ok\n"), r
+            else:
+                assert r.end["status"] == "error", r
+                assert r.kinds() <= {STDOUT[language], "error"}, r
+                assert [e["name"] for e in r.of("error")] in ([n] for n in INTERRUPT_NAMES[language]), r
+    finally:
+        stop.set()
+        t.join()
+    time.sleep(0.3)
+    assert d.alive()
+    ok(d.run(read.replace("counter_a", "kept_h")), stdout="42\n")
