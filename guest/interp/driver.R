@@ -6,7 +6,9 @@
 # persists. Protocol lines go to stdout as `NONCE {json}`; what the code
 # prints goes there too as plain lines (the server takes them as stdout);
 # messages and warnings become `stderr` events. SIGINT raises an `interrupt`
-# condition, which stops the cell and keeps the state.
+# condition, which stops the cell and keeps the state; the driver holds
+# interrupts everywhere but in the code's evaluation, and drops one that
+# came between runs.
 local({
   con <- file("stdin", "r")
   nonce <- readLines(con, n = 1)
@@ -28,11 +30,11 @@ local({
     }, "")
     paste0("{", paste(parts, collapse = ","), "}")
   }
-  emit <- function(json) {
+  emit <- function(json) suspendInterrupts({
     flush(stdout())
     cat(nonce, " ", json, "\n", sep = "")
     flush(stdout())
-  }
+  })
   field <- function(line, name) {
     # A key of the server's JSON line: outside its strings every quote is
     # unescaped, inside them every quote follows a backslash.
@@ -52,7 +54,7 @@ local({
       status <<- "error"
       events <<- c(events, obj(k = "error", name = name, value = value, traceback = tb))
     }
-    tryCatch(
+    allowInterrupts(tryCatch(
       withCallingHandlers({
         exprs <- parse(text = code, keep.source = FALSE, srcfile = NULL)
         for (e in exprs) {
@@ -78,21 +80,27 @@ local({
         tb <- paste0("Error", if (!is.null(call)) paste0(" in ", paste(deparse(call), collapse = " ")) else "",
                      ": ", conditionMessage(e))
         err(class(e)[1], conditionMessage(e), tb)
-      })
+      }))
     flush(stdout())
     for (ev in events) emit(ev)
     emit(obj(k = "end", id = id, status = status))
   }
   emit(obj(k = "ready", pid = Sys.getpid(), language = "r"))
   n <- 0
-  repeat {
-    line <- tryCatch(readLines(con, n = 1), interrupt = function(i) NA)
+  # Interrupts are held but while the code runs (allowInterrupts in run):
+  # elsewhere one would end the driver or cut a protocol line.
+  suspendInterrupts(repeat {
+    line <- readLines(con, n = 1)
     if (length(line) == 0) break
-    if (is.na(line)) next
+    # One that came while no run was in progress is not for this run.
+    tryCatch(allowInterrupts(Sys.sleep(0)), interrupt = function(i) NULL)
     id <- tryCatch(field(line, "id"), error = function(e) NULL)
     code <- tryCatch(field(line, "code"), error = function(e) NULL)
     if (is.null(id) || is.null(code)) next
     n <- n + 1
-    tryCatch(run(id, code, n), interrupt = function(i) emit(obj(k = "end", id = id, status = "error")))
-  }
+    tryCatch(run(id, code, n), interrupt = function(i) {
+      emit(obj(k = "error", name = "Interrupt", value = "interrupted", traceback = ""))
+      emit(obj(k = "end", id = id, status = "error"))
+    })
+  })
 })

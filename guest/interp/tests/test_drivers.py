@@ -303,7 +303,7 @@ def test_js_sigint_as_the_script_ends(pool, language):
     ok(d.run(AFTER[language]), stdout="ok\n")
 
 
-@pytest.mark.parametrize("language", ["python", "bash", "go", "javascript", "typescript", "java"])
+@pytest.mark.parametrize("language", LANGUAGES)
 def test_sigint_between_runs_is_not_for_the_next(pool, language):
     """A SIGINT that comes while no run is in progress (a timeout that fired
     as the run ended) neither kills the driver nor stops the next run."""
@@ -360,7 +360,7 @@ INTERRUPT_NAMES = {
 }
 
 
-@pytest.mark.parametrize("language", ["python", "bash", "go", "javascript", "typescript", "java"])
+@pytest.mark.parametrize("language", LANGUAGES)
 def test_sigint_at_any_moment(pool, language):
     """SIGINT every few milliseconds, wherever it falls (while the driver
     waits for a run, runs it or writes its events), ends at most the run in
