@@ -3,8 +3,9 @@
 # (line-buffered stdout, so output streams while a cell runs); the first stdin
 # line is a per-process nonce, each later line one run {"id","code"}. Code is
 # evaluated expression by expression in the global environment, so state
-# persists. Protocol lines go to stdout as `NONCE {json}`; what the code
-# prints goes there too as plain lines (the server takes them as stdout);
+# persists. Protocol lines go to stdout as `NONCE {json}`; fd 1 is a FIFO
+# read by a forked relay, so what the code (or a child process) prints
+# travels as `stdout` events and cannot forge or break a protocol line;
 # messages and warnings become `stderr` events. SIGINT raises an `interrupt`
 # condition, which stops the cell and keeps the state; the driver holds
 # interrupts everywhere but in the code's evaluation, and drops one that
@@ -30,10 +31,125 @@ local({
     }, "")
     paste0("{", paste(parts, collapse = ","), "}")
   }
+  # What starts the driver's protocol lines on fd 1: the nonce, or the relay's
+  # mark (below).
+  mark <- paste0(nonce, " ")
   emit <- function(json) suspendInterrupts({
     flush(stdout())
-    cat(nonce, " ", json, "\n", sep = "")
+    cat(mark, json, "\n", sep = "")
     flush(stdout())
+  })
+  # Output. The code's output and the protocol lines share stdout, and the
+  # server takes a line for a protocol line when it starts with the nonce:
+  # output without a final newline (`cat("x")`) would glue the next protocol
+  # line to itself, and a line printed with the nonce (by the code or a child
+  # process) would pass for one. So fd 1 becomes a FIFO that a forked relay
+  # reads: it sends what comes as `stdout` events, and passes the driver's
+  # own lines, which start with a secret mark, on as protocol lines. Without
+  # /proc or FIFOs, output goes to stdout as it is.
+  relay <- function(out, path, mark) {
+    nonce_sp <- charToRaw(paste0(nonce, " "))
+    markb <- charToRaw(mark)
+    nl <- as.raw(10)
+    ffd <- rawToChar(as.raw(c(0xef, 0xbf, 0xbd)))
+    json_text <- function(b) {
+      if (any(b == as.raw(0))) {  # NUL cannot be in a string
+        z <- c(0, which(b == as.raw(0)), length(b) + 1)
+        pieces <- vapply(seq_len(length(z) - 1), function(k)
+          if (z[k + 1] - z[k] > 1) json_text(b[(z[k] + 1):(z[k + 1] - 1)]) else "", "")
+        return(paste(pieces, collapse = "\\u0000"))
+      }
+      s <- rawToChar(b)
+      if (!validUTF8(s)) s <- iconv(s, "UTF-8", "UTF-8", sub = ffd)
+      for (p in list(c("\\", "\\\\"), c("\"", "\\\""), c("\n", "\\n"), c("\r", "\\r"), c("\t", "\\t")))
+        s <- gsub(p[1], p[2], s, fixed = TRUE, useBytes = TRUE)
+      m <- gregexpr("[\001-\010\013\014\016-\037]", s, useBytes = TRUE)
+      if (m[[1]][1] > 0)
+        regmatches(s, m) <- list(vapply(regmatches(s, m)[[1]], function(ch)
+          sprintf("\\u%04x", as.integer(charToRaw(ch))), ""))
+      s
+    }
+    send <- function(b) if (length(b)) {
+      writeBin(c(nonce_sp, charToRaw('{"k":"stdout","text":"'), charToRaw(json_text(b)),
+                 charToRaw('"}'), nl), out)
+      flush(out)
+    }
+    # The bytes of b to keep for later: a tail that may begin the mark, and
+    # before it the start of a UTF-8 sequence that has not come whole.
+    held <- function(b) {
+      n <- length(b)
+      keep <- 0
+      for (k in seq_len(min(length(markb) - 1, n))) if (identical(b[(n - k + 1):n], markb[1:k])) keep <- k
+      end <- n - keep
+      for (k in seq_len(min(3, end))) {
+        v <- as.integer(b[end - k + 1])
+        if (v < 0x80) break
+        if (v >= 0xc0) {
+          need <- if (v >= 0xf0) 4 else if (v >= 0xe0) 3 else 2
+          if (k < need) keep <- keep + k
+          break
+        }
+      }
+      keep
+    }
+    r <- fifo(path, "rb", blocking = TRUE)
+    unlink(path)
+    buf <- raw(0)
+    repeat {
+      chunk <- readBin(r, "raw", 65536)
+      if (!length(chunk)) break  # every writer has gone
+      buf <- c(buf, chunk)
+      repeat {
+        i <- grepRaw(markb, buf, fixed = TRUE)
+        if (!length(i)) break
+        start <- i + length(markb)
+        j <- if (start <= length(buf)) which(buf[start:length(buf)] == nl)[1] else NA
+        if (is.na(j)) break  # the rest of the line has not come yet
+        send(buf[seq_len(i - 1)])
+        writeBin(c(nonce_sp, buf[start:(start + j - 1)]), out)
+        flush(out)
+        buf <- buf[-seq_len(start + j - 1)]
+      }
+      if (!length(grepRaw(markb, buf, fixed = TRUE))) {
+        keep <- held(buf)
+        send(buf[seq_len(length(buf) - keep)])
+        buf <- buf[seq_len(keep) + length(buf) - keep]
+      }
+    }
+    send(buf)
+  }
+  stdout_fifo <- NULL
+  local({
+    pipe <- Sys.readlink("/proc/self/fd/1")
+    if (!capabilities("fifo") || !nzchar(pipe)) return()
+    rnd <- file("/dev/urandom", "rb", raw = TRUE)
+    secret <- paste(as.character(readBin(rnd, "raw", 16)), collapse = "")
+    close(rnd)
+    path <- tempfile("runtime-stdout-")
+    out <- file("/proc/self/fd/1", "ab", raw = TRUE)
+    flush(stdout())
+    parallel:::closeStdout(FALSE)
+    # The lowest free descriptor, 1, becomes the FIFO (read and write, so it
+    # never blocks to open; blocking, so writers wait when it is full).
+    f <- tryCatch(fifo(path, "w+b", blocking = TRUE), error = function(e) NULL)
+    if (is.null(f) || Sys.readlink("/proc/self/fd/1") != normalizePath(path)) {
+      # Put stdout back: the lowest free descriptor again.
+      if (!is.null(f)) close(f)
+      fds <- list.files("/proc/self/fd", full.names = TRUE)
+      stdout_fifo <<- file(fds[which(Sys.readlink(fds) == pipe)[1]], "ab", raw = TRUE)
+      close(out)
+      return()
+    }
+    child <- parallel:::mcfork(estranged = TRUE)
+    if (inherits(child, "masterProcess")) {
+      parallel:::closeStdout(TRUE)  # not a writer of the FIFO itself
+      suspendInterrupts(tryCatch(relay(out, path, paste0("\001", secret, "\002")),
+                                 error = function(e) NULL))
+      parallel:::mcexit(0L)
+    }
+    close(out)
+    stdout_fifo <<- f  # open for the driver's life
+    mark <<- paste0("\001", secret, "\002")
   })
   field <- function(line, name) {
     # A key of the server's JSON line: outside its strings every quote is

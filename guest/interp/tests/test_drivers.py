@@ -55,9 +55,9 @@ def pool(drivers, request):
             started.pop(language).close()
 
 
-# Where the code's output arrives: R prints plain lines (the server takes
-# them as stdout), the others send `stdout` events.
-STDOUT = {lang: "stdout" for lang in LANGUAGES} | {"r": "plain"}
+# Where the code's output arrives: `stdout` events (plain lines would count
+# as stdout too).
+STDOUT = {lang: "stdout" for lang in LANGUAGES}
 
 
 def ok(run, stdout="", stderr=""):
@@ -133,13 +133,27 @@ NO_NEWLINE = {
 }
 
 
-@pytest.mark.parametrize("language", ["python", "bash", "go", "javascript", "typescript", "java"])
+@pytest.mark.parametrize("language", ["python", "bash", "go", "javascript", "typescript", "r", "java"])
 def test_output_without_newline(pool, language):
     """The run's `end` still starts a line of its own: the server takes a
     line for a protocol line only when it starts with the nonce."""
     d = pool(language)
     ok(d.run(NO_NEWLINE[language]), stdout="no newline")
     ok(d.run(AFTER[language]), stdout="ok\n")
+
+
+def test_r_output_is_relayed_exactly(pool):
+    """R's fd 1 goes through the driver's relay: bytes arrive as they were
+    written, UTF-8 cut between two writes whole, invalid bytes as U+FFFD,
+    control characters and NUL escaped, long output complete."""
+    d = pool("r")
+    euro = "rawToChar(as.raw(c(0xe2, 0x82)))"
+    code = (f"cat({euro}); flush(stdout()); Sys.sleep(0.3); cat(rawToChar(as.raw(0xac)), '\\n', sep = '')\n"
+            "cat(rawToChar(as.raw(c(0x61, 0xff, 0x62, 0x0a))))\n"
+            "cat('tab\\there\\001\\n')\n"
+            "invisible(system(\"printf 'nul\\\\000byte\\\\n'\"))\n"
+            "cat(strrep('x', 200000), '\\n', sep = '')")
+    ok(d.run(code), stdout="\u20ac\n" "a\ufffdb\n" "tab\there\x01\n" "nul\x00byte\n" + "x" * 200000 + "\n")
 
 
 # The last value: code, and its `text/plain` (None: the language has none).
@@ -219,7 +233,7 @@ def forge_code(language: str, text: str) -> str:
     }[language]
 
 
-@pytest.mark.parametrize("language", ["python", "bash", "go"])
+@pytest.mark.parametrize("language", ["python", "bash", "go", "r"])
 def test_output_imitating_protocol_lines(pool, language):
     """Lines with the real nonce that a child process prints are output: they
     neither end the run (not even an `end` with the run's id) nor add events;
