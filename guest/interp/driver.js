@@ -5,16 +5,163 @@
 // declarations persist across runs. TypeScript is transpiled cell by cell with
 // the image's `typescript` package (types are erased, not checked), then runs
 // as JavaScript. Static `import` declarations become `require` calls bound
-// with `var`, so a module imported in one cell stays there for the next. Protocol lines go to fd 1 as
-// `NONCE {json}\n`; console output and process.stdout/stderr writes of the code
-// travel as JSON events (a child process writing to fd 1 directly shows up as
-// plain lines, which the server takes as stdout). SIGINT stops the running
-// code (vm breakOnSigint, or abandons an awaited promise), also when it comes
-// while the cell is transpiled or compiled or as its script ends.
+// with `var`, so a module imported in one cell stays there for the next.
+// Protocol lines go to the original stdout as `NONCE {json}\n`; fds 1 and 2
+// are FIFOs read by a worker thread, so what the code or a child process
+// writes there travels as JSON `stdout` and `stderr` events and cannot forge
+// or cut a protocol line. SIGINT stops the running code (vm breakOnSigint, or
+// abandons an awaited promise), also when it comes while the cell is
+// transpiled or compiled or as its script ends.
 'use strict';
 const fs = require('fs');
 const vm = require('vm');
 const util = require('util');
+
+// Output. Protocol lines go to a descriptor of their own (opened anew on the
+// original stdout). Fds 1 and 2 become FIFOs that a worker thread reads, and
+// process.stdout and process.stderr write to them at once: what the code and
+// its child processes print travels as events, in the order written. Before
+// a run ends the driver writes a marker to both and waits until the worker
+// has passed it. Without /proc or mkfifo, process.stdout and process.stderr
+// writes travel as events as before, and a child process writing to fd 1
+// writes to the protocol stream itself.
+const SHARED = new Int32Array(new SharedArrayBuffer(12)); // emit lock, markers passed on fds 1 and 2
+const MARKER = Buffer.from('\0' + require('crypto').randomBytes(16).toString('hex') + '\0');
+let PROTO = 1;
+let RAW_STDERR = 2; // the original stderr: what the server must get as it is
+let READERS = null; // the FIFOs' read ends, once fds 1 and 2 are FIFOs
+
+function writeAll(fd, data) {
+  let off = 0;
+  while (off < data.length) {
+    try {
+      off += fs.writeSync(fd, data, off);
+    } catch (e) {
+      if (e.code !== 'EAGAIN') throw e;
+      Atomics.wait(SHARED, 0, -1, 1); // full and non-blocking: a millisecond
+    }
+  }
+}
+
+function isolate() {
+  const { O_WRONLY, O_RDONLY, O_APPEND, O_NONBLOCK } = fs.constants;
+  const opened = [];
+  let dir = null;
+  try {
+    const proto = fs.openSync('/proc/self/fd/1', O_WRONLY | O_APPEND);
+    opened.push(proto);
+    const err = fs.openSync('/proc/self/fd/2', O_WRONLY | O_APPEND);
+    opened.push(err);
+    dir = fs.mkdtempSync(require('path').join(require('os').tmpdir(), '.runtime-js-'));
+    const paths = [dir + '/1', dir + '/2'];
+    require('child_process').execFileSync('mkfifo', ['-m', '600', ...paths], { stdio: 'ignore' });
+    const readers = paths.map((p) => { const fd = fs.openSync(p, O_RDONLY | O_NONBLOCK); opened.push(fd); return fd; });
+    for (const [i, fd] of [[0, 1], [1, 2]]) {
+      fs.closeSync(fd);
+      // The lowest free descriptor: fd again, now the FIFO's write end.
+      const w = fs.openSync(paths[i], O_WRONLY);
+      if (w !== fd) {
+        writeAll(err, Buffer.from(`runtime: fd ${fd} could not be replaced\n`));
+        process.exit(1);
+      }
+    }
+    for (const p of paths) fs.unlinkSync(p);
+    fs.rmdirSync(dir);
+    PROTO = proto;
+    RAW_STDERR = err;
+    READERS = readers;
+  } catch (e) {
+    for (const fd of opened) { try { fs.closeSync(fd); } catch (_) { /* gone */ } }
+    if (dir) fs.rmSync(dir, { recursive: true, force: true });
+    return;
+  }
+  // A write goes to the descriptor at once, with no state in the stream: a
+  // script that SIGINT terminates halfway through one leaves nothing behind.
+  const { Writable } = require('stream');
+  for (const [name, fd] of [['stdout', 1], ['stderr', 2]]) {
+    const out = new Writable();
+    out.write = function (chunk, encoding, cb) {
+      if (typeof encoding === 'function') { cb = encoding; encoding = undefined; }
+      writeAll(fd, typeof chunk === 'string' ? Buffer.from(chunk, encoding || 'utf8') : Buffer.from(chunk));
+      if (typeof cb === 'function') process.nextTick(cb);
+      return true;
+    };
+    out.fd = fd;
+    out.isTTY = false;
+    Object.defineProperty(process, name, { configurable: true, enumerable: true, get: () => out });
+  }
+}
+isolate();
+
+// The worker thread that turns what comes through the FIFOs into events.
+const RELAY = `
+const { workerData } = require('worker_threads');
+const fs = require('fs');
+const net = require('net');
+const { nonce, proto, readers, marker, shared } = workerData;
+const S = new Int32Array(shared);
+const M = Buffer.from(marker);
+function emit(obj) {
+  const data = Buffer.from(nonce + ' ' + JSON.stringify(obj) + '\\n');
+  while (Atomics.compareExchange(S, 0, 0, 1) !== 0) Atomics.wait(S, 0, 1, 10);
+  try {
+    let off = 0;
+    while (off < data.length) off += fs.writeSync(proto, data, off);
+  } finally {
+    Atomics.store(S, 0, 0);
+    Atomics.notify(S, 0);
+  }
+}
+readers.forEach((fd, i) => {
+  const kind = i === 0 ? 'stdout' : 'stderr';
+  const decoder = new TextDecoder();
+  let buf = Buffer.alloc(0);
+  const out = (b, final) => {
+    const text = decoder.decode(b, { stream: !final });
+    if (text) emit({ k: kind, text });
+  };
+  const pipe = new net.Socket({ fd, readable: true, writable: false });
+  pipe.on('data', (chunk) => {
+    buf = buf.length ? Buffer.concat([buf, chunk]) : chunk;
+    let j;
+    while ((j = buf.indexOf(M)) >= 0) {
+      out(buf.subarray(0, j), true);
+      buf = buf.subarray(j + M.length);
+      Atomics.add(S, 1 + i, 1);
+      Atomics.notify(S, 1 + i);
+    }
+    let keep = 0; // a tail that may begin the marker
+    for (let k = Math.min(M.length - 1, buf.length); k > 0; k--) {
+      if (M.subarray(0, k).equals(buf.subarray(buf.length - k))) { keep = k; break; }
+    }
+    out(buf.subarray(0, buf.length - keep), false);
+    buf = buf.subarray(buf.length - keep);
+  });
+  pipe.on('error', () => {});
+});
+`;
+
+function startRelay() {
+  if (!READERS) return;
+  const { Worker } = require('worker_threads');
+  const worker = new Worker(RELAY, {
+    eval: true,
+    workerData: { nonce: NONCE, proto: PROTO, readers: READERS, marker: MARKER, shared: SHARED.buffer },
+  });
+  worker.on('error', (e) => { writeAll(RAW_STDERR, Buffer.from('runtime: output relay failed: ' + e + '\n')); process.exit(1); });
+  worker.unref();
+}
+
+// Waits until the worker has passed on what fds 1 and 2 got so far.
+function passOutput() {
+  if (!READERS) return;
+  for (const i of [0, 1]) {
+    const want = Atomics.load(SHARED, 1 + i) + 1;
+    writeAll(1 + i, MARKER);
+    const until = Date.now() + 10000;
+    while (Atomics.load(SHARED, 1 + i) < want && Date.now() < until) Atomics.wait(SHARED, 1 + i, want - 1, 100);
+  }
+}
 
 const LANGUAGE = process.argv[1] === 'typescript' ? 'typescript' : 'javascript';
 let ts = null;
@@ -31,13 +178,13 @@ let pending = '';
 
 function emit(obj) {
   const data = Buffer.from(NONCE + ' ' + JSON.stringify(obj) + '\n');
-  let off = 0;
-  while (off < data.length) {
-    try {
-      off += fs.writeSync(1, data, off);
-    } catch (e) {
-      if (e.code !== 'EAGAIN') throw e;
-    }
+  if (!READERS) return writeAll(PROTO, data); // (also from a script SIGINT may terminate)
+  while (Atomics.compareExchange(SHARED, 0, 0, 1) !== 0) Atomics.wait(SHARED, 0, 1, 10);
+  try {
+    writeAll(PROTO, data);
+  } finally {
+    Atomics.store(SHARED, 0, 0);
+    Atomics.notify(SHARED, 0);
   }
 }
 
@@ -193,6 +340,7 @@ async function runCell(req) {
     interrupt = null;
   }
   await new Promise((r) => setImmediate(r));
+  passOutput();
   for (const ev of events) emit(ev);
   emit({ k: 'end', id: req.id, status });
 }
@@ -216,11 +364,15 @@ process.stdin.on('data', (chunk) => {
     pending = pending.slice(i + 1);
     if (NONCE === null) {
       NONCE = line.trim();
-      capture(process.stdout, 'stdout');
-      capture(process.stderr, 'stderr');
       if (LANGUAGE === 'typescript' && !ts) {
-        process.stderr.write('the typescript package is not installed\n');
+        writeAll(RAW_STDERR, Buffer.from('the typescript package is not installed\n'));
         process.exit(1);
+      }
+      if (READERS) {
+        startRelay();
+      } else {
+        capture(process.stdout, 'stdout');
+        capture(process.stderr, 'stderr');
       }
       emit({ k: 'ready', pid: process.pid, language: LANGUAGE });
       continue;

@@ -156,6 +156,20 @@ def test_r_output_is_relayed_exactly(pool):
     ok(d.run(code), stdout="\u20ac\n" "a\ufffdb\n" "tab\there\x01\n" "nul\x00byte\n" + "x" * 200000 + "\n")
 
 
+def test_js_output_is_relayed_exactly(pool):
+    """JavaScript's fds 1 and 2 go through the driver's worker thread: a
+    child process that writes more than a pipe holds while the script waits
+    for it does not block, UTF-8 cut between two writes arrives whole, and
+    the child's stderr arrives before the run's end."""
+    d = pool("javascript")
+    code = ("const cp = require('child_process');\n"
+            "cp.execFileSync('sh', ['-c', 'head -c 300000 /dev/zero | tr \"\\\\000\" x; echo'], {stdio: 'inherit'});\n"
+            "process.stdout.write(Buffer.from([0xe2, 0x82])); process.stdout.write(Buffer.from([0xac, 0x0a]));\n"
+            "cp.execFileSync('sh', ['-c', 'echo to err >&2'], {stdio: 'inherit'});\n"
+            "void 0;")
+    ok(d.run(code), stdout="x" * 300000 + "\n\u20ac\n", stderr="to err\n")
+
+
 # The last value: code, and its `text/plain` (None: the language has none).
 RESULT = {
     "python": ("6 * 7", "42"),
@@ -233,7 +247,7 @@ def forge_code(language: str, text: str) -> str:
     }[language]
 
 
-@pytest.mark.parametrize("language", ["python", "bash", "go", "r"])
+@pytest.mark.parametrize("language", ["python", "bash", "go", "javascript", "typescript", "r"])
 def test_output_imitating_protocol_lines(pool, language):
     """Lines with the real nonce that a child process prints are output: they
     neither end the run (not even an `end` with the run's id) nor add events;
