@@ -230,7 +230,9 @@ def test_error_keeps_context(pool, language):
 def forge_code(language: str, text: str) -> str:
     """Code that has a child process write `text` to the driver's fd 1 (for
     bash and Go the shell and the program are that child), then prints
-    "after\\n" itself."""
+    "after\\n" itself. Java prints it with System.out: the JVM cannot put
+    anything else on its fd 1, so a child started with inheritIO() writes to
+    the protocol stream itself."""
     q = json.dumps(text)
     sh = "printf '%s' '" + text.replace("'", "'\\''") + "'"
     return {
@@ -244,10 +246,11 @@ def forge_code(language: str, text: str) -> str:
                       f"execFileSync('sh', ['-c', {json.dumps(sh)}], {{stdio: 'inherit'}});\n"
                       "console.log('after');",
         "r": f"system({json.dumps(sh)})\ncat('after\\n')",
+        "java": f'System.out.print({q});\nSystem.out.println("after");',
     }[language]
 
 
-@pytest.mark.parametrize("language", ["python", "bash", "go", "javascript", "typescript", "r"])
+@pytest.mark.parametrize("language", LANGUAGES)
 def test_output_imitating_protocol_lines(pool, language):
     """Lines with the real nonce that a child process prints are output: they
     neither end the run (not even an `end` with the run's id) nor add events;
