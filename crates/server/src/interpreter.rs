@@ -3,9 +3,9 @@
 //!
 //! Each (sandbox, context) is one long-lived guest process started through
 //! [`Host::exec`](runtime_host::Host::exec) with a stdin pipe: a small driver
-//! (`interp/driver.py` for Python, Bash and Go, `interp/driver.js` for
-//! JavaScript and TypeScript, `interp/driver.R` for R,
-//! `interp/RuntimeJShell.java` for Java) that reads one JSON line per run
+//! (`guest/interp/driver.py` for Python, Bash and Go, `guest/interp/driver.js`
+//! for JavaScript and TypeScript, `guest/interp/driver.R` for R,
+//! `guest/interp/RuntimeJShell.java` for Java) that reads one JSON line per run
 //! (`{"id","code"}`) and answers
 //! with protocol lines on its stdout, each `NONCE {json}` where the nonce is
 //! random per process and sent as its first stdin line. The driver events
@@ -47,10 +47,10 @@ use crate::service::sandboxes::{find, find_running};
 use crate::store::SandboxRow;
 use crate::AppState;
 
-const PY_DRIVER: &str = include_str!("interp/driver.py");
-const JS_DRIVER: &str = include_str!("interp/driver.js");
-const R_DRIVER: &str = include_str!("interp/driver.R");
-const JAVA_DRIVER: &str = include_str!("interp/RuntimeJShell.java");
+const PY_DRIVER: &str = include_str!("../../../guest/interp/driver.py");
+const JS_DRIVER: &str = include_str!("../../../guest/interp/driver.js");
+const R_DRIVER: &str = include_str!("../../../guest/interp/driver.R");
+const JAVA_DRIVER: &str = include_str!("../../../guest/interp/RuntimeJShell.java");
 
 /// The languages of the contract, all installed in the default image.
 const LANGUAGES: &[&str] = &[

@@ -6,7 +6,7 @@
 // at the first error. Protocol lines go to the original stdout as
 // `NONCE {json}`; System.out and System.err of the code become `stdout` and
 // `stderr` events. SIGINT stops the running snippet (JShell.stop) and keeps
-// the state.
+// the state; the snippets of the cell after it do not run.
 import java.io.*;
 import java.nio.charset.StandardCharsets;
 import java.util.*;
@@ -17,6 +17,9 @@ public class RuntimeJShell {
     static String nonce = "";
     static volatile boolean running = false;
     static volatile boolean stopped = false;
+    /** Guards `cell` and the changes of `running` against the SIGINT handler. */
+    static final Object CELL = new Object();
+    static long cell = 0;
 
     static String q(String s) {
         StringBuilder b = new StringBuilder("\"");
@@ -121,21 +124,45 @@ public class RuntimeJShell {
         // Warm the compiler so the first cell does not pay for it alone.
         js.eval("Object $runtime_warm = null;");
         sun.misc.Signal.handle(new sun.misc.Signal("INT"), sig -> {
-            if (running) { stopped = true; js.stop(); }
+            long mine;
+            synchronized (CELL) {
+                if (!running || stopped) return;  // the first signal of the cell acts
+                mine = cell;
+                stopped = true;
+            }
+            // JShell.stop() stops only code that runs: a signal that comes while
+            // a snippet is analyzed or compiled would be lost, so stop again until
+            // the cell has ended.
+            while (true) {
+                synchronized (CELL) {
+                    if (!running || cell != mine) return;
+                    js.stop();
+                }
+                try { Thread.sleep(250); } catch (InterruptedException e) { return; }
+            }
         });
         emit("{\"k\":\"ready\",\"pid\":" + ProcessHandle.current().pid() + ",\"language\":\"java\"}");
         String line;
         while ((line = in.readLine()) != null) {
             String id = field(line, "id"), code = field(line, "code");
             if (id == null || code == null) continue;
-            stopped = false;
-            running = true;
+            synchronized (CELL) {
+                cell++;
+                stopped = false;
+                running = true;
+            }
             List<String> events = new ArrayList<>();
             String status = "ok";
             String value = null;
             try {
                 String rest = code;
                 while (!rest.isBlank()) {
+                    if (stopped) {  // interrupted between two snippets
+                        events.add(errorEvent("Interrupted", "stopped", ""));
+                        status = "error";
+                        value = null;
+                        break;
+                    }
                     SourceCodeAnalysis.CompletionInfo ci = sca.analyzeCompletion(rest);
                     if (ci.completeness() == SourceCodeAnalysis.Completeness.EMPTY) break;
                     String src;
@@ -178,7 +205,7 @@ public class RuntimeJShell {
                 status = "error";
                 value = null;
             } finally {
-                running = false;
+                synchronized (CELL) { running = false; }
             }
             out.flush();
             err.flush();

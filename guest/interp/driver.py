@@ -4,8 +4,9 @@
 # Protocol lines go to the original stdout, each `NONCE {json}\n`; fds 1 and 2
 # are replaced by pipes read by threads, so everything the code (or a child
 # process) prints travels as JSON `stdout`/`stderr` events and cannot forge a
-# protocol line. SIGINT (a timeout or an interrupt) raises KeyboardInterrupt.
-import ast, base64, codecs, io, json, linecache, os, subprocess, sys, threading, traceback, warnings
+# protocol line. SIGINT (a timeout or an interrupt) raises KeyboardInterrupt
+# while a run is in progress; between runs it is ignored.
+import ast, base64, codecs, io, json, linecache, os, select, signal, subprocess, sys, threading, time, traceback, warnings
 
 MODE = sys.argv[1] if len(sys.argv) > 1 else "python"
 _inp = os.fdopen(os.dup(0), "rb", buffering=0)
@@ -219,31 +220,72 @@ def bash():
     return _bash
 
 
+def bash_status(b, n, interrupted):
+    """The status of cell n as bash prints it when the cell ends (b"" if
+    bash is gone), and whether SIGINT came meanwhile. The signal reaches
+    bash's whole group, but bash may drop the rest of the command line it
+    was reading or running (the status, or a line sent after it), and one
+    that comes while bash itself is busy (expanding the next command,
+    looking it up) only runs its trap once that command ends, which may be
+    never. So after an interrupt bash gets a line that prints the status,
+    and while none comes, the group gets SIGINT again each second and bash
+    another such line; the status lines of a cell after its first are left
+    for the next runs, which skip them."""
+    probe = b"printf '%%s %%s\\n' %d 130 >&%d\n" % (n, b.status_fd)
+    probed = False
+    while True:
+        try:
+            if interrupted:
+                if not probed:
+                    probed = True
+                    b.stdin.write(probe)
+                    b.stdin.flush()
+                if not select.select([_status_r], [], [], 1.0)[0]:
+                    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+                    try:
+                        os.killpg(os.getpgrp(), signal.SIGINT)
+                    finally:
+                        signal.signal(signal.SIGINT, old)
+                    time.sleep(0.05)  # bash takes the signal before the line
+                    b.stdin.write(probe)
+                    b.stdin.flush()
+                    continue
+            line = _status_r.readline()
+            if not line:
+                return b"", interrupted
+            cell, _, status = line.partition(b" ")
+            if cell == b"%d" % n:
+                return status, interrupted
+        except KeyboardInterrupt:
+            interrupted = True
+
+
 def run_bash(rid, code, n):
     b = bash()
     path = os.path.join(_cells, "cell-%d.sh" % n)
     with open(path, "w") as f:
         f.write(code if code.endswith("\n") else code + "\n")
-    line = b""
+    interrupted = False
     try:
-        b.stdin.write(("trap 'return 130 2>/dev/null' INT; source %s; printf '%%s\\n' \"$?\" >&%d\n" % (path, b.status_fd)).encode())
-        b.stdin.flush()
-        line = _status_r.readline()
-    except KeyboardInterrupt as e:
-        # The signal reached bash's whole group too: wait for the cell's end.
-        try:
-            line = _status_r.readline()
-        except KeyboardInterrupt:
-            pass
-        flush_all()
+        # The cell's stdin is /dev/null: bash reads its commands from its own.
+        b.stdin.write(("trap 'return 130 2>/dev/null' INT; source %s </dev/null; printf '%%s %%s\\n' %d \"$?\" >&%d\n"
+                       % (path, n, b.status_fd)).encode())
+        while True:
+            try:
+                b.stdin.flush()
+                break
+            except KeyboardInterrupt:
+                interrupted = True
+        status, interrupted = bash_status(b, n, interrupted)
+    except BrokenPipeError:
+        status = b""
+    flush_all()
+    if not status:
+        return "error", [{"k": "error", "name": "BashExited", "value": "bash exited", "traceback": ""}]
+    if interrupted:
         return "error", [{"k": "error", "name": "KeyboardInterrupt", "value": "interrupted",
                           "traceback": ""}]
-    except BrokenPipeError:
-        pass
-    flush_all()
-    if not line:
-        return "error", [{"k": "error", "name": "BashExited", "value": "bash exited", "traceback": ""}]
-    rc = int(line.strip() or 0)
+    rc = int(status.strip() or 0)
     if rc != 0:
         return "error", [{"k": "error", "name": "ExitStatus", "value": "exit status %d" % rc,
                           "traceback": ""}]
@@ -532,14 +574,21 @@ def run_go(rid, code, n):
     return "ok", events
 
 
+def between_runs(signum, frame):
+    """SIGINT while no run is in progress (a timeout that fired as the run
+    ended) is not for the next run; raised as KeyboardInterrupt it would have
+    ended the driver, or cut a protocol line in two."""
+
+
 def main():
     emit({"k": "ready", "pid": os.getpid(), "language": MODE})
+    fn = {"bash": run_bash, "go": run_go}.get(MODE, run_python)
+    # The handler while a run is in progress: KeyboardInterrupt, or whatever
+    # the code installed (it stays for the next runs).
+    handler = signal.signal(signal.SIGINT, between_runs)
     n = 0
     while True:
-        try:
-            line = _inp.readline()
-        except KeyboardInterrupt:
-            continue
+        line = _inp.readline()
         if not line:
             return
         try:
@@ -548,9 +597,13 @@ def main():
             continue
         n += 1
         try:
-            fn = {"bash": run_bash, "go": run_go}.get(MODE, run_python)
-            status, events = fn(req.get("id"), req.get("code", ""), n)
+            try:
+                signal.signal(signal.SIGINT, handler)
+                status, events = fn(req.get("id"), req.get("code", ""), n)
+            finally:
+                handler = signal.signal(signal.SIGINT, between_runs)
         except KeyboardInterrupt as e:
+            signal.signal(signal.SIGINT, between_runs)
             status, events = "error", [error_event(e, 0)]
         for ev in events:
             emit(ev)
