@@ -38,6 +38,7 @@ use runtime_host::{ExecControl, ExecEvent, ExecSpec, RunAs};
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
+use crate::domain::process::{SIGINT, SIGKILL};
 use crate::domain::time::iso;
 use crate::error::{ApiError, ApiResult};
 use crate::http::extract::{json_object, no_fields, Fields};
@@ -125,7 +126,7 @@ impl Context {
     /// Kills the kernel's process group (restart, delete).
     async fn kill(&self) {
         if let Some(c) = self.control() {
-            let _ = c.send(ExecControl::Signal(9)).await;
+            let _ = c.send(ExecControl::Signal(SIGKILL)).await;
         }
     }
 }
@@ -284,7 +285,7 @@ async fn start_kernel(st: &AppState, row: &SandboxRow, ctx: &Context) -> ApiResu
     })
     .await;
     if ready != Ok(true) {
-        let _ = k.control.send(ExecControl::Signal(9)).await;
+        let _ = k.control.send(ExecControl::Signal(SIGKILL)).await;
         tracing::warn!(sandbox_id = %row.record.id, context = %ctx.id, output = %said, "interpreter failed to start");
         return Err(ApiError::Failed {
             code: "interpreter_start_failed",
@@ -395,7 +396,7 @@ pub async fn handle(
                     if busy {
                         if let Some(c) = cx.control() {
                             cx.interrupted.store(true, Ordering::SeqCst);
-                            sent = c.send(ExecControl::Signal(2)).await.is_ok();
+                            sent = c.send(ExecControl::Signal(SIGINT)).await.is_ok();
                         }
                     }
                     Reply::ok(json!({ "id": cx.id, "interrupted": sent }))
@@ -725,13 +726,13 @@ async fn run_cell(
                 Ok(m) => m,
                 Err(_) if !timed_out => {
                     timed_out = true;
-                    let _ = kernel.control.send(ExecControl::Signal(2)).await;
+                    let _ = kernel.control.send(ExecControl::Signal(SIGINT)).await;
                     deadline = Some(tokio::time::Instant::now() + INTERRUPT_GRACE);
                     continue;
                 }
                 Err(_) => {
                     // The driver did not stop: its state is gone.
-                    let _ = kernel.control.send(ExecControl::Signal(9)).await;
+                    let _ = kernel.control.send(ExecControl::Signal(SIGKILL)).await;
                     killed = true;
                     break;
                 }
@@ -741,7 +742,7 @@ async fn run_cell(
         if sink.gone && req.interrupt_on_disconnect && !disconnect_sent {
             disconnect_sent = true;
             cx.interrupted.store(true, Ordering::SeqCst);
-            let _ = kernel.control.send(ExecControl::Signal(2)).await;
+            let _ = kernel.control.send(ExecControl::Signal(SIGINT)).await;
         }
         match msg {
             Msg::Died(x) => {

@@ -27,7 +27,7 @@
 //! an attach that fails ends the process as `lost`. An unstreamed exec in
 //! flight keeps waiting across the pause and answers after the wake.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -35,13 +35,14 @@ use axum::body::{Body, Bytes};
 use axum::http::{header, HeaderValue};
 use axum::response::Response;
 use base64::Engine;
-use runtime_api::{codes, ExecResult};
+use runtime_api::codes;
 use runtime_host::{ExecControl, ExecEvent, ExecHandle, ExecSpec, ExitStatus, RunAs, TermSize};
-use serde_json::{json, Map, Value};
+use serde_json::{json, Value};
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 
 use crate::domain::lifecycle::SandboxState;
+use crate::domain::process::{exec_result, signal_number, Exit, Output, SIGKILL, SIGTERM};
 use crate::domain::time::iso;
 use crate::error::{ApiError, ApiResult};
 use crate::http::extract::{json_object, query_object, Fields};
@@ -51,8 +52,6 @@ use crate::service::sandboxes::{find, find_running};
 use crate::store::{ProcEnd, ProcRow, SandboxRow, Store};
 use crate::AppState;
 
-/// Kept per stream for the JSON answer of an unstreamed exec.
-pub const JSON_KEEP: usize = 64 * 1024;
 const DEFAULT_EXEC_TIMEOUT_MS: i64 = 60_000;
 const MAX_TIMEOUT_MS: i64 = 86_400_000;
 
@@ -86,7 +85,7 @@ impl Table {
                 s.exit.is_none() && s.link != Link::Attached
             };
             if detached {
-                p.finish(store, p.lost_status(), true);
+                p.finish(store, p.lost());
                 p.bump();
             }
         }
@@ -152,76 +151,6 @@ impl Table {
     }
 }
 
-struct Chunk {
-    offset: u64,
-    stderr: bool,
-    data: Vec<u8>,
-}
-
-/// Output with offsets, keeping the last `cap` bytes.
-struct OutBuf {
-    chunks: VecDeque<Chunk>,
-    start: u64,
-    end: u64,
-    size: usize,
-    cap: usize,
-}
-
-impl OutBuf {
-    fn push(&mut self, stderr: bool, data: Vec<u8>) {
-        let len = data.len();
-        self.chunks.push_back(Chunk {
-            offset: self.end,
-            stderr,
-            data,
-        });
-        self.end += len as u64;
-        self.size += len;
-        while self.size > self.cap {
-            let excess = self.size - self.cap;
-            let Some(front) = self.chunks.front_mut() else {
-                break;
-            };
-            if front.data.len() <= excess {
-                self.size -= front.data.len();
-                self.chunks.pop_front();
-            } else {
-                front.data.drain(..excess);
-                front.offset += excess as u64;
-                self.size -= excess;
-            }
-        }
-        self.start = self.chunks.front().map_or(self.end, |c| c.offset);
-    }
-}
-
-#[derive(Default)]
-struct Kept {
-    data: Vec<u8>,
-    total: u64,
-}
-
-impl Kept {
-    fn add(&mut self, b: &[u8]) {
-        let room = JSON_KEEP.saturating_sub(self.data.len());
-        self.data.extend_from_slice(&b[..room.min(b.len())]);
-        self.total += b.len() as u64;
-    }
-
-    fn truncated(&self) -> bool {
-        self.total > self.data.len() as u64
-    }
-
-    /// The kept bytes as text, cut at a character boundary when truncated.
-    fn text(&self) -> String {
-        let mut d = &self.data[..];
-        if self.truncated() {
-            d = &d[..d.len() - incomplete_tail(d)];
-        }
-        String::from_utf8_lossy(d).into_owned()
-    }
-}
-
 /// How the server is linked to a running process.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Link {
@@ -233,16 +162,8 @@ enum Link {
     Detached,
 }
 
-#[derive(Clone)]
-struct Exit {
-    status: ExitStatus,
-    lost: bool,
-}
-
 struct ProcState {
-    buf: OutBuf,
-    carry: [Vec<u8>; 2],
-    kept: [Kept; 2],
+    out: Output,
     exit: Option<Exit>,
     ended_ms: Option<i64>,
     stdin_offset: u64,
@@ -275,24 +196,6 @@ pub struct Proc {
     writes: tokio::sync::Mutex<()>,
 }
 
-/// Bytes at the end of `d` that start a UTF-8 character not yet complete.
-fn incomplete_tail(d: &[u8]) -> usize {
-    for k in 1..=3.min(d.len()) {
-        let b = d[d.len() - k];
-        if b & 0xC0 == 0x80 {
-            continue; // continuation byte: look further back
-        }
-        let need = match b {
-            0xC0..=0xDF => 2,
-            0xE0..=0xEF => 3,
-            0xF0..=0xF7 => 4,
-            _ => return 0,
-        };
-        return if need > k { k } else { 0 };
-    }
-    0
-}
-
 impl Proc {
     fn state(&self) -> MutexGuard<'_, ProcState> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
@@ -321,45 +224,32 @@ impl Proc {
         if s.generation != generation {
             return false;
         }
-        let i = usize::from(stderr);
-        s.kept[i].add(&bytes);
-        let mut data = std::mem::take(&mut s.carry[i]);
-        data.extend_from_slice(&bytes);
-        let keep = incomplete_tail(&data);
-        s.carry[i] = data.split_off(data.len() - keep);
-        if !data.is_empty() {
-            s.buf.push(stderr, data);
-        }
+        s.out.ingest(stderr, &bytes);
         true
     }
 
     /// Records the end, in memory and in the store.
-    fn finish(&self, store: &Store, status: ExitStatus, lost: bool) {
+    fn finish(&self, store: &Store, exit: Exit) {
         let end = {
             let mut s = self.state();
             if s.exit.is_some() {
                 return;
             }
-            for i in 0..2 {
-                let rest = std::mem::take(&mut s.carry[i]);
-                if !rest.is_empty() {
-                    s.buf.push(i == 1, rest);
-                }
-            }
+            s.out.close();
             let ended_ms = now_ms();
             let end = ProcEnd {
-                state: if lost { "lost" } else { "exited" },
-                exit_code: status.code,
-                signal: status.signal,
-                timed_out: status.timed_out,
-                out_of_memory: status.out_of_memory,
-                duration_ms: status.duration_ms,
+                state: exit.state(),
+                exit_code: exit.code,
+                signal: exit.signal,
+                timed_out: exit.timed_out,
+                out_of_memory: exit.out_of_memory,
+                duration_ms: exit.duration_ms,
                 ended_ms,
-                output_bytes: s.buf.end,
+                output_bytes: s.out.end(),
             };
-            s.exit = Some(Exit { status, lost });
+            s.exit = Some(exit);
             s.ended_ms = Some(ended_ms);
-            s.persisted = s.buf.end;
+            s.persisted = s.out.end();
             end
         };
         if let Err(e) = store.process_ended(&self.id, &end) {
@@ -371,69 +261,31 @@ impl Proc {
     fn flush_output(&self, store: &Store) {
         let end = {
             let mut s = self.state();
-            if s.exit.is_some() || s.persisted == s.buf.end {
+            if s.exit.is_some() || s.persisted == s.out.end() {
                 return;
             }
-            s.persisted = s.buf.end;
-            s.buf.end
+            s.persisted = s.out.end();
+            s.out.end()
         };
         if let Err(e) = store.process_output(&self.id, end) {
             tracing::error!(process_id = %self.id, error = %e, "recording the process's output count failed");
         }
     }
 
-    fn lost_status(&self) -> ExitStatus {
-        ExitStatus {
-            code: None,
-            signal: None,
-            timed_out: false,
-            duration_ms: (now_ms() - self.started_ms).max(0) as u64,
-            out_of_memory: false,
-        }
+    fn lost(&self) -> Exit {
+        Exit::lost((now_ms() - self.started_ms).max(0) as u64)
     }
 
     /// Events from `cursor` on, the new cursor, and the exit once all output is read.
-    fn read_from(&self, mut cursor: u64) -> (Vec<Value>, u64, Option<Exit>) {
+    fn read_from(&self, cursor: u64) -> (Vec<Value>, u64, Option<Exit>) {
         let s = self.state();
-        let mut events = Vec::new();
-        if cursor < s.buf.start {
-            events.push(json!({"type": "truncated", "droppedBytes": s.buf.start - cursor, "resumeAt": s.buf.start}));
-            cursor = s.buf.start;
-        }
-        for c in &s.buf.chunks {
-            let end = c.offset + c.data.len() as u64;
-            if end <= cursor {
-                continue;
-            }
-            let skip = cursor.saturating_sub(c.offset) as usize;
-            let bytes = &c.data[skip..];
-            let mut ev = Map::new();
-            ev.insert(
-                "type".into(),
-                json!(if c.stderr { "stderr" } else { "stdout" }),
-            );
-            ev.insert("offset".into(), json!(c.offset + skip as u64));
-            match std::str::from_utf8(bytes) {
-                Ok(text) => {
-                    ev.insert("data".into(), json!(text));
-                    if self.base64_always {
-                        ev.insert("base64".into(), json!(b64(bytes)));
-                    }
-                }
-                Err(_) => {
-                    ev.insert("data".into(), json!(String::from_utf8_lossy(bytes)));
-                    ev.insert("base64".into(), json!(b64(bytes)));
-                }
-            }
-            events.push(Value::Object(ev));
-            cursor = end;
-        }
-        let exit = if cursor >= s.buf.end {
+        let read = s.out.buf().read(cursor);
+        let exit = if read.cursor >= s.out.end() {
             s.exit.clone()
         } else {
             None
         };
-        (events, cursor, exit)
+        (read.events(self.base64_always), read.cursor, exit)
     }
 
     fn info(&self) -> Value {
@@ -441,11 +293,11 @@ impl Proc {
         let (state, code, timed_out, duration, signal) = match &s.exit {
             None => ("running", None, false, None, None),
             Some(e) => (
-                if e.lost { "lost" } else { "exited" },
-                e.status.code,
-                e.status.timed_out,
-                Some(e.status.duration_ms),
-                e.status.signal,
+                e.state(),
+                e.code,
+                e.timed_out,
+                Some(e.duration_ms),
+                e.signal,
             ),
         };
         json!({
@@ -466,27 +318,9 @@ impl Proc {
             "stdinOpen": self.stdin_pipe && !s.stdin_closed && s.exit.is_none(),
             "pty": self.pty,
             "outputEncoding": if self.base64_always { "base64" } else { "utf8" },
-            "outputBytes": s.buf.end,
+            "outputBytes": s.out.end(),
         })
     }
-}
-
-fn b64(b: &[u8]) -> String {
-    base64::engine::general_purpose::STANDARD.encode(b)
-}
-
-fn exit_event(e: &Exit) -> Value {
-    let mut v = json!({
-        "type": "exit",
-        "exitCode": e.status.code,
-        "state": if e.lost { "lost" } else { "exited" },
-        "timedOut": e.status.timed_out,
-        "durationMs": e.status.duration_ms,
-    });
-    if e.status.out_of_memory {
-        v["outOfMemory"] = json!({});
-    }
-    v
 }
 
 /// What exec and spawn both take.
@@ -505,19 +339,9 @@ impl Proc {
     /// when it ended without one).
     pub(crate) fn read_raw(&self, cursor: u64) -> (Vec<u8>, u64, Option<Option<i32>>) {
         let s = self.state();
-        let mut cursor = cursor.max(s.buf.start);
-        let mut out = Vec::new();
-        for c in &s.buf.chunks {
-            let end = c.offset + c.data.len() as u64;
-            if end <= cursor {
-                continue;
-            }
-            let skip = cursor.saturating_sub(c.offset) as usize;
-            out.extend_from_slice(&c.data[skip..]);
-            cursor = end;
-        }
-        let exit = (cursor >= s.buf.end)
-            .then(|| s.exit.as_ref().map(|e| e.status.code))
+        let (out, cursor) = s.out.buf().read_raw(cursor);
+        let exit = (cursor >= s.out.end())
+            .then(|| s.exit.as_ref().map(|e| e.code))
             .flatten();
         (out, cursor, exit)
     }
@@ -525,7 +349,7 @@ impl Proc {
     /// Where output now ends (a terminal taking up a process starts here,
     /// less what it replays).
     pub(crate) fn output_start(&self) -> u64 {
-        self.state().buf.start
+        self.state().out.buf().start()
     }
 
     pub(crate) fn subscribe(&self) -> watch::Receiver<u64> {
@@ -777,15 +601,7 @@ fn parse_command(
 
 fn new_state(st: &AppState, output_bytes: u64, stdin_offset: u64, stdin_closed: bool) -> ProcState {
     ProcState {
-        buf: OutBuf {
-            chunks: VecDeque::new(),
-            start: output_bytes,
-            end: output_bytes,
-            size: 0,
-            cap: st.config().output_buffer_bytes,
-        },
-        carry: [Vec::new(), Vec::new()],
-        kept: [Kept::default(), Kept::default()],
+        out: Output::new(st.config().output_buffer_bytes, output_bytes),
         exit: None,
         ended_ms: None,
         stdin_offset,
@@ -875,6 +691,18 @@ async fn start(
     Ok(proc)
 }
 
+/// The host's exit status as the process's end.
+fn exit_of(status: ExitStatus) -> Exit {
+    Exit {
+        code: status.code,
+        signal: status.signal,
+        timed_out: status.timed_out,
+        duration_ms: status.duration_ms,
+        out_of_memory: status.out_of_memory,
+        lost: false,
+    }
+}
+
 /// Moves the host's events into the process until it ends, or until its
 /// handle closes during a pause (it is then `Detached`); writes the output
 /// count to the store at most every second, when it detaches and when the
@@ -904,7 +732,7 @@ fn pump(st: &AppState, p: Arc<Proc>, generation: u64, mut events: mpsc::Receiver
                 Some(ExecEvent::Stderr(b)) => p.ingest(generation, true, b),
                 Some(ExecEvent::Exited(status)) => {
                     if p.state().generation == generation {
-                        p.finish(store, status, false);
+                        p.finish(store, exit_of(status));
                         p.bump();
                     }
                     return;
@@ -925,7 +753,7 @@ fn pump(st: &AppState, p: Arc<Proc>, generation: u64, mut events: mpsc::Receiver
                         p.flush_output(store);
                     } else {
                         tracing::warn!(process_id = %p.id, "lost the process's event stream");
-                        p.finish(store, p.lost_status(), true);
+                        p.finish(store, p.lost());
                     }
                     p.bump();
                     return;
@@ -983,7 +811,7 @@ pub(crate) async fn reattach(st: &AppState, sandbox_id: &str) {
             }
             Err(e) => {
                 tracing::warn!(sandbox_id, process_id = %p.id, error = %e, "taking up the process after a pause failed");
-                p.finish(st.store(), p.lost_status(), true);
+                p.finish(st.store(), p.lost());
             }
         }
         p.bump();
@@ -1042,13 +870,11 @@ pub async fn recover(st: &AppState) -> Result<(), crate::ServerError> {
         }
         if row.state != "running" {
             state.exit = Some(Exit {
-                status: ExitStatus {
-                    code: row.exit_code,
-                    signal: row.signal,
-                    timed_out: row.timed_out,
-                    duration_ms: row.duration_ms.unwrap_or(0),
-                    out_of_memory: row.out_of_memory,
-                },
+                code: row.exit_code,
+                signal: row.signal,
+                timed_out: row.timed_out,
+                duration_ms: row.duration_ms.unwrap_or(0),
+                out_of_memory: row.out_of_memory,
                 lost: row.state == "lost",
             });
             state.ended_ms = Some(row.ended_ms.unwrap_or(row.started_ms));
@@ -1081,7 +907,7 @@ pub async fn recover(st: &AppState) -> Result<(), crate::ServerError> {
                 pump(st, proc, 0, events);
             }
             None if detached => {}
-            None if row.state == "running" => proc.finish(st.store(), proc.lost_status(), true),
+            None if row.state == "running" => proc.finish(st.store(), proc.lost()),
             None => {}
         }
     }
@@ -1125,39 +951,13 @@ pub async fn exec(st: AppState, ctx: Ctx, id: String, body: Bytes) -> ApiResult<
                 break;
             }
             // The host missed its own timeout; end the group ourselves.
-            let _ = proc
-                .control()
-                .send(ExecControl::Signal(libc_sigkill()))
-                .await;
+            let _ = proc.control().send(ExecControl::Signal(SIGKILL)).await;
             killed = true;
         }
     }
     let s = proc.state();
-    let (code, timed_out, duration, oom) = match &s.exit {
-        Some(e) => (
-            e.status.code,
-            e.status.timed_out,
-            e.status.duration_ms,
-            e.status.out_of_memory,
-        ),
-        None => (None, true, guard_ms, false),
-    };
-    let result = ExecResult {
-        exit_code: code,
-        stdout: s.kept[0].text(),
-        stderr: s.kept[1].text(),
-        timed_out,
-        stdout_truncated: s.kept[0].truncated(),
-        stderr_truncated: s.kept[1].truncated(),
-        duration_ms: duration,
-        process_id: proc.id.clone(),
-        out_of_memory: oom.then(|| json!({})),
-    };
+    let result = exec_result(&s.out, s.exit.as_ref(), guard_ms, proc.id.clone());
     Reply::ok(serde_json::to_value(result).unwrap_or(Value::Null))
-}
-
-const fn libc_sigkill() -> i32 {
-    9
 }
 
 struct Follow {
@@ -1204,7 +1004,7 @@ fn follow_response(st: &AppState, proc: Arc<Proc>, cursor: u64, send_start: bool
             let (mut events, cursor, exit) = f.proc.read_from(f.cursor);
             f.cursor = cursor;
             if let Some(e) = exit {
-                events.push(exit_event(&e));
+                events.push(e.event());
                 f.done = true;
             }
             if !events.is_empty() {
@@ -1303,7 +1103,7 @@ pub async fn output(st: AppState, ctx: Ctx, id: String, pid: String) -> ApiResul
     }
     let (mut events, _, exit) = proc.read_from(cursor);
     if let Some(e) = exit {
-        events.push(exit_event(&e));
+        events.push(e.event());
     }
     let mut resp = Response::new(Body::from(lines(&events)));
     resp.headers_mut().insert(
@@ -1311,28 +1111,6 @@ pub async fn output(st: AppState, ctx: Ctx, id: String, pid: String) -> ApiResul
         HeaderValue::from_static("application/x-ndjson"),
     );
     Ok(Reply::Raw(resp))
-}
-
-fn signal_number(v: &Value) -> Option<i32> {
-    if let Some(n) = v.as_i64() {
-        return (1..=64).contains(&n).then_some(n as i32);
-    }
-    let s = v.as_str()?;
-    let name = s.strip_prefix("SIG").unwrap_or(s);
-    Some(match name {
-        "HUP" => 1,
-        "INT" => 2,
-        "QUIT" => 3,
-        "KILL" => 9,
-        "USR1" => 10,
-        "USR2" => 12,
-        "TERM" => 15,
-        "CONT" => 18,
-        "STOP" => 19,
-        "TSTP" => 20,
-        "WINCH" => 28,
-        _ => return None,
-    })
 }
 
 pub async fn action(
@@ -1424,7 +1202,7 @@ pub async fn action(
         }
         "signal" => {
             let sig = match f.raw("signal") {
-                None => Some(15),
+                None => Some(SIGTERM),
                 Some(v) => {
                     let n = signal_number(v);
                     if n.is_none() {
@@ -1446,7 +1224,7 @@ pub async fn action(
             let delivered = proc.state().exit.is_none()
                 && proc
                     .control()
-                    .send(ExecControl::Signal(sig.unwrap_or(15)))
+                    .send(ExecControl::Signal(sig.unwrap_or(SIGTERM)))
                     .await
                     .is_ok();
             Reply::ok(json!({ "id": pid, "signal": sig, "delivered": delivered }))
@@ -1478,38 +1256,5 @@ pub async fn action(
             method: "POST".into(),
             path: format!("/v1/sandboxes/{id}/processes/{pid}:{verb}"),
         }),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn incomplete_utf8_tails() {
-        assert_eq!(incomplete_tail(b"abc"), 0);
-        assert_eq!(incomplete_tail("é".as_bytes()), 0);
-        assert_eq!(incomplete_tail(&"é".as_bytes()[..1]), 1);
-        assert_eq!(incomplete_tail(&"€".as_bytes()[..2]), 2);
-        assert_eq!(incomplete_tail(&"😀".as_bytes()[..3]), 3);
-        assert_eq!(incomplete_tail(b"\xff"), 0);
-    }
-
-    #[test]
-    fn buffer_keeps_the_last_bytes() {
-        let mut b = OutBuf {
-            chunks: VecDeque::new(),
-            start: 0,
-            end: 0,
-            size: 0,
-            cap: 10,
-        };
-        b.push(false, vec![1; 6]);
-        b.push(true, vec![2; 6]);
-        assert_eq!((b.start, b.end, b.size), (2, 12, 10));
-        assert_eq!(
-            b.chunks.front().map(|c| (c.offset, c.data.len())),
-            Some((2, 4))
-        );
     }
 }

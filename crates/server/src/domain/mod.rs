@@ -6,5 +6,6 @@ pub(crate) mod access;
 pub(crate) mod lease;
 pub(crate) mod lifecycle;
 pub(crate) mod names;
+pub(crate) mod process;
 pub(crate) mod snapshot;
 pub(crate) mod time;

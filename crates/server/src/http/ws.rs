@@ -23,6 +23,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::mpsc;
 
 use crate::domain::access::KeyInfo;
+use crate::domain::process::SIGHUP;
 use crate::error::{ApiError, ApiResult};
 use crate::http::extract::{query_object, Fields};
 use crate::procs::{self, Proc};
@@ -153,12 +154,8 @@ async fn run_terminal(st: AppState, proc: Arc<Proc>, owned: bool, mut socket: We
 /// terminal emulator's would; a process it only took up keeps running.
 async fn hang_up(proc: &Proc, owned: bool) {
     if owned {
-        proc.signal(libc_sighup()).await;
+        proc.signal(SIGHUP).await;
     }
-}
-
-const fn libc_sighup() -> i32 {
-    1
 }
 
 /// `GET …/tunnel`: port forwarding to the guest's loopback.
