@@ -120,13 +120,21 @@ impl OutBuf {
             let Some(front) = self.chunks.front_mut() else {
                 break;
             };
-            if front.data.len() <= excess {
+            // Never keep the rest of a character whose start was dropped.
+            let rest = front.data.get(excess..).unwrap_or_default();
+            let cut = excess
+                + rest
+                    .iter()
+                    .take(3)
+                    .take_while(|b| **b & 0xC0 == 0x80)
+                    .count();
+            if front.data.len() <= cut {
                 self.size -= front.data.len();
                 self.chunks.pop_front();
             } else {
-                front.data.drain(..excess);
-                front.offset += excess as u64;
-                self.size -= excess;
+                front.data.drain(..cut);
+                front.offset += cut as u64;
+                self.size -= cut;
             }
         }
         self.start = self.chunks.front().map_or(self.end, |c| c.offset);
@@ -441,6 +449,28 @@ mod tests {
             b.read(0).pieces[0].bytes,
             &(15..25).collect::<Vec<u8>>()[..]
         );
+    }
+
+    #[test]
+    fn dropping_the_oldest_bytes_never_cuts_a_character() {
+        let mut b = OutBuf::new(5, 0);
+        b.push(false, "éééé".as_bytes().to_vec());
+        // Three bytes over the cap end inside the second `é`: it goes whole.
+        assert_eq!((b.start, b.end), (4, 8));
+        let r = b.read(0);
+        assert_eq!(r.missed.map(|m| m.dropped), Some(4));
+        assert_eq!(std::str::from_utf8(r.pieces[0].bytes), Ok("éé"));
+        // A chunk whose rest is only such bytes goes entirely.
+        let mut b = OutBuf::new(3, 0);
+        b.push(false, "é".as_bytes().to_vec());
+        b.push(true, b"abc".to_vec());
+        assert_eq!(b.start, 2);
+        assert_eq!(b.chunks.len(), 1);
+        // Bytes that are not UTF-8 lose at most three more.
+        let mut b = OutBuf::new(2, 0);
+        b.push(false, vec![0x80; 8]);
+        assert_eq!((b.start, b.end), (8, 8));
+        assert!(b.chunks.is_empty());
     }
 
     #[test]
