@@ -427,6 +427,7 @@ pub(crate) async fn start_terminal(
         stream: false,
         base64_always: false,
         kind: "spawn",
+        user: Some(user),
     };
     start(st, row, req, true).await
 }
@@ -459,6 +460,7 @@ pub(crate) async fn start_background(
         stream: false,
         base64_always: false,
         kind: "spawn",
+        user: Some(user),
     };
     start(st, row, req, false).await
 }
@@ -476,14 +478,12 @@ struct CommandReq {
     base64_always: bool,
     /// `exec` or `spawn`.
     kind: &'static str,
+    /// The user the request named (else the sandbox's).
+    user: Option<RunAs>,
 }
 
-fn parse_command(
-    row: &SandboxRow,
-    secret_env: Vec<(String, String)>,
-    body: &[u8],
-    spawn: bool,
-) -> ApiResult<CommandReq> {
+/// Checks an exec or spawn body; [`in_sandbox`] completes it.
+fn parse_command(body: &[u8], spawn: bool) -> ApiResult<CommandReq> {
     let obj = json_object(body)?;
     let mut f = Fields::new(&obj);
     let command = f.string("command");
@@ -528,9 +528,7 @@ fn parse_command(
         (None, None) => {}
     }
     let timeout_ms = f.int("timeoutMs", 1, MAX_TIMEOUT_MS);
-    let user = f
-        .one_of("user", &["sandbox", "root"])
-        .unwrap_or_else(|| row.record.user.clone());
+    let user = f.one_of("user", &["sandbox", "root"]).map(|u| run_as(&u));
     if f.bool("traceFiles") == Some(true) {
         f.issue(
             "traceFiles",
@@ -571,21 +569,14 @@ fn parse_command(
         (None, false, true) => Some(MAX_TIMEOUT_MS),
         (None, true, _) => None,
     };
-    let mut merged = secret_env;
-    merged.extend(row.env.iter().cloned());
-    merged.extend(env);
     let command = argv.join(" ");
     let stdin = stdin_pipe || stdin_data.is_some();
     Ok(CommandReq {
         spec: ExecSpec {
             argv,
             cwd,
-            env: merged,
-            user: if user == "root" {
-                RunAs::Root
-            } else {
-                RunAs::Sandbox
-            },
+            env,
+            user: user.unwrap_or(RunAs::Sandbox),
             timeout: timeout_ms.map(|t| Duration::from_millis(t as u64)),
             stdin,
             pty,
@@ -596,7 +587,31 @@ fn parse_command(
         stream,
         base64_always,
         kind: if spawn { "spawn" } else { "exec" },
+        user,
     })
+}
+
+/// A checked command as it runs in `row`: the secrets' placeholders, then
+/// the sandbox's env, then the request's; the sandbox's user unless named.
+fn in_sandbox(
+    mut req: CommandReq,
+    row: &SandboxRow,
+    secret_env: Vec<(String, String)>,
+) -> CommandReq {
+    let mut env = secret_env;
+    env.extend(row.env.iter().cloned());
+    env.append(&mut req.spec.env);
+    req.spec.env = env;
+    req.spec.user = req.user.unwrap_or_else(|| run_as(&row.record.user));
+    req
+}
+
+fn run_as(user: &str) -> RunAs {
+    if user == "root" {
+        RunAs::Root
+    } else {
+        RunAs::Sandbox
+    }
 }
 
 fn new_state(st: &AppState, output_bytes: u64, stdin_offset: u64, stdin_closed: bool) -> ProcState {
@@ -915,8 +930,10 @@ pub async fn recover(st: &AppState) -> Result<(), crate::ServerError> {
 }
 
 pub async fn exec(st: AppState, ctx: Ctx, id: String, body: Bytes) -> ApiResult<Reply> {
+    // Checked before the sandbox is found, so a bad request wakes nothing.
+    let req = parse_command(&body, false)?;
     let row = find_running(&st, &ctx.key, &id).await?;
-    let req = parse_command(&row, crate::net::secret_env(&st, &id), &body, false)?;
+    let req = in_sandbox(req, &row, crate::net::secret_env(&st, &id));
     let stream = req.stream;
     let guard_ms = req
         .spec
@@ -1057,8 +1074,9 @@ pub fn replay_stream(st: &AppState, sandbox_id: &str, pid: &str) -> ApiResult<Re
 }
 
 pub async fn spawn(st: AppState, ctx: Ctx, id: String, body: Bytes) -> ApiResult<Reply> {
+    let req = parse_command(&body, true)?;
     let row = find_running(&st, &ctx.key, &id).await?;
-    let req = parse_command(&row, crate::net::secret_env(&st, &id), &body, true)?;
+    let req = in_sandbox(req, &row, crate::net::secret_env(&st, &id));
     let pipe = req.spec.stdin && req.stdin_data.is_none();
     let proc = start(&st, &row, req, pipe).await?;
     Ok(Reply::Json(axum::http::StatusCode::CREATED, proc.info()))
