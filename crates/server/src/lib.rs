@@ -33,7 +33,6 @@ mod interpreter;
 pub mod keys;
 mod net;
 mod previews;
-mod procs;
 mod sandboxes;
 mod secrets;
 mod service;
@@ -129,7 +128,7 @@ struct Inner {
     /// Serializes name checks with inserts.
     create_lock: tokio::sync::Mutex<()>,
     inflight: idempotency::Inflight,
-    procs: procs::Table,
+    procs: service::processes::Table,
     /// Sandboxes whose last pause failed (they ran on), for the `:pause`
     /// answer: a sandbox running again may also have paused and been woken.
     pause_failed: Mutex<HashSet<String>>,
@@ -155,7 +154,7 @@ impl AppState {
                 lifecycle: Mutex::new(HashMap::new()),
                 create_lock: tokio::sync::Mutex::new(()),
                 inflight: idempotency::Inflight::default(),
-                procs: procs::Table::default(),
+                procs: service::processes::Table::new(config.clock),
                 pause_failed: Mutex::new(HashSet::new()),
                 uploads: files::Uploads::new(uploads_dir),
                 previews: previews::Live::default(),
@@ -322,7 +321,7 @@ pub fn router(state: AppState) -> axum::Router {
 pub async fn recover(state: &AppState) -> Result<(), ServerError> {
     service::sandboxes::recover(state).await?;
     images::recover(state).await?;
-    procs::recover(state).await
+    service::processes::recover(state).await
 }
 
 /// Recovers sandboxes, serves until `shutdown` resolves, then drains.

@@ -26,7 +26,6 @@ const PENDING: &[&str] = &[
     "keys.rs",
     "net.rs",
     "previews.rs",
-    "procs.rs",
     "sandboxes.rs",
     "secrets.rs",
     "snapshots.rs",

@@ -27,6 +27,31 @@ pub(crate) const SIGTERM: i32 = 15;
 /// Kept per stream for the JSON answer of an unstreamed exec.
 pub(crate) const JSON_KEEP: usize = 64 * 1024;
 
+/// The longest `timeoutMs` a command may ask for (a day).
+pub(crate) const MAX_TIMEOUT_MS: i64 = 86_400_000;
+/// An unstreamed exec that names no timeout ends after a minute.
+pub(crate) const DEFAULT_EXEC_TIMEOUT_MS: i64 = 60_000;
+/// How long past its timeout an unstreamed exec waits for the host's own
+/// end before it kills the process itself.
+pub(crate) const EXEC_GUARD_MS: u64 = 30_000;
+
+/// The timeout a command runs with: the one it asked for; else a minute for
+/// an unstreamed exec, a day for a streamed one, none for a spawn.
+pub(crate) fn timeout_ms(asked: Option<i64>, spawn: bool, stream: bool) -> Option<i64> {
+    match (asked, spawn, stream) {
+        (Some(t), _, _) => Some(t),
+        (None, false, false) => Some(DEFAULT_EXEC_TIMEOUT_MS),
+        (None, false, true) => Some(MAX_TIMEOUT_MS),
+        (None, true, _) => None,
+    }
+}
+
+/// How long an unstreamed exec waits for the exit of a command with
+/// `timeout_ms` before it ends the process group itself.
+pub(crate) fn exec_guard_ms(timeout_ms: Option<u64>) -> u64 {
+    timeout_ms.unwrap_or(MAX_TIMEOUT_MS as u64) + EXEC_GUARD_MS
+}
+
 /// A signal as a request names it: its number (1-64), or its name with or
 /// without `SIG` (the common ones).
 pub(crate) fn signal_number(v: &Value) -> Option<i32> {
@@ -444,7 +469,7 @@ mod tests {
         // A chunk larger than the cap keeps only its last bytes.
         b.push(false, (0..25).collect());
         assert_eq!((b.start(), b.end), (27, 37));
-        assert_eq!(b.chunks.iter().count(), 1);
+        assert_eq!(b.chunks.len(), 1);
         assert_eq!(
             b.read(0).pieces[0].bytes,
             &(15..25).collect::<Vec<u8>>()[..]
@@ -621,6 +646,17 @@ mod tests {
         assert_eq!(lost.state(), "lost");
         assert_eq!(lost.event()["exitCode"], Value::Null);
         assert!(lost.event().get("outOfMemory").is_none());
+    }
+
+    #[test]
+    fn timeouts_by_kind_of_command() {
+        assert_eq!(timeout_ms(Some(5), false, false), Some(5));
+        assert_eq!(timeout_ms(Some(5), true, false), Some(5));
+        assert_eq!(timeout_ms(None, false, false), Some(60_000));
+        assert_eq!(timeout_ms(None, false, true), Some(MAX_TIMEOUT_MS));
+        assert_eq!(timeout_ms(None, true, false), None);
+        assert_eq!(exec_guard_ms(Some(1_000)), 31_000);
+        assert_eq!(exec_guard_ms(None), 86_430_000);
     }
 
     #[test]

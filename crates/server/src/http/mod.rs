@@ -6,8 +6,9 @@
 mod error;
 pub(crate) mod extract;
 pub(crate) mod login;
+pub(crate) mod reply;
 pub(crate) mod route;
-mod routes;
+pub(crate) mod routes;
 pub(crate) mod tls;
 pub(crate) mod ws;
 

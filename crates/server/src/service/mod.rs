@@ -3,4 +3,6 @@
 
 pub(crate) mod clock;
 pub(crate) mod lifecycle;
+pub(crate) mod processes;
 pub(crate) mod sandboxes;
+pub(crate) mod tunnels;
