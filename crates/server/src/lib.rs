@@ -29,7 +29,6 @@ mod files;
 mod http;
 mod idempotency;
 mod images;
-mod interpreter;
 pub mod keys;
 mod net;
 mod previews;
@@ -129,6 +128,8 @@ struct Inner {
     create_lock: tokio::sync::Mutex<()>,
     inflight: idempotency::Inflight,
     procs: service::processes::Table,
+    /// The interpreter's contexts and their kernels.
+    interpreter: service::interpreter::Contexts,
     /// Sandboxes whose last pause failed (they ran on), for the `:pause`
     /// answer: a sandbox running again may also have paused and been woken.
     pause_failed: Mutex<HashSet<String>>,
@@ -155,6 +156,7 @@ impl AppState {
                 create_lock: tokio::sync::Mutex::new(()),
                 inflight: idempotency::Inflight::default(),
                 procs: service::processes::Table::new(config.clock),
+                interpreter: service::interpreter::Contexts::default(),
                 pause_failed: Mutex::new(HashSet::new()),
                 uploads: files::Uploads::new(uploads_dir),
                 previews: previews::Live::default(),

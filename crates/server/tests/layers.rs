@@ -22,7 +22,6 @@ const PENDING: &[&str] = &[
     "files.rs",
     "idempotency.rs",
     "images.rs",
-    "interpreter.rs",
     "keys.rs",
     "net.rs",
     "previews.rs",

@@ -2,6 +2,7 @@
 //! HTTP types (axum, `StatusCode`, `Bytes`).
 
 pub(crate) mod clock;
+pub(crate) mod interpreter;
 pub(crate) mod lifecycle;
 pub(crate) mod processes;
 pub(crate) mod sandboxes;

@@ -1,6 +1,7 @@
 //! The handlers of each resource, reached from [`dispatch`]: each parses
 //! its request, calls the service and renders the answer.
 
+mod interpreter;
 pub(crate) mod processes;
 
 use axum::body::Bytes;
@@ -9,8 +10,7 @@ use crate::error::{ApiError, ApiResult};
 use crate::http::route::Route;
 use crate::http::{Ctx, Reply};
 use crate::{
-    billing, files, images, interpreter, net, previews, sandboxes, secrets, snapshots, volumes,
-    AppState,
+    billing, files, images, net, previews, sandboxes, secrets, snapshots, volumes, AppState,
 };
 
 pub(super) async fn dispatch(st: AppState, ctx: Ctx, r: Route, body: Bytes) -> ApiResult<Reply> {
