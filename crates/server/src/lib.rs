@@ -27,10 +27,8 @@ mod error;
 mod files;
 mod http;
 mod images;
-mod interpreter;
 mod net;
 mod previews;
-mod procs;
 mod secrets;
 mod service;
 mod store;
@@ -125,7 +123,9 @@ struct Inner {
     /// Serializes name checks with inserts.
     create_lock: tokio::sync::Mutex<()>,
     inflight: http::idempotency::Inflight,
-    procs: procs::Table,
+    procs: service::processes::Table,
+    /// The interpreter's contexts and their kernels.
+    interpreter: service::interpreter::Contexts,
     /// Sandboxes whose last pause failed (they ran on), for the `:pause`
     /// answer: a sandbox running again may also have paused and been woken.
     pause_failed: Mutex<HashSet<String>>,
@@ -151,7 +151,8 @@ impl AppState {
                 lifecycle: Mutex::new(HashMap::new()),
                 create_lock: tokio::sync::Mutex::new(()),
                 inflight: http::idempotency::Inflight::default(),
-                procs: procs::Table::default(),
+                procs: service::processes::Table::new(config.clock),
+                interpreter: service::interpreter::Contexts::default(),
                 pause_failed: Mutex::new(HashSet::new()),
                 uploads: files::Uploads::new(uploads_dir),
                 previews: previews::Live::default(),
@@ -318,7 +319,7 @@ pub fn router(state: AppState) -> axum::Router {
 pub async fn recover(state: &AppState) -> Result<(), ServerError> {
     service::background::recover(state).await?;
     images::recover(state).await?;
-    procs::recover(state).await
+    service::processes::recover(state).await
 }
 
 /// Recovers sandboxes, serves until `shutdown` resolves, then drains.

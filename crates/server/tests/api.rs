@@ -1324,6 +1324,26 @@ async fn without_auto_wake_a_paused_sandbox_answers_409() {
 }
 
 #[tokio::test]
+async fn a_bad_exec_or_spawn_on_a_paused_sandbox_is_refused_without_waking_it() {
+    let t = T::new();
+    let id = t.running(json!({})).await;
+    t.act(&id, "pause", json!({})).await;
+    for (path, body) in [
+        (format!("/v1/sandboxes/{id}:exec"), json!({"command": 5})),
+        (
+            format!("/v1/sandboxes/{id}/processes"),
+            json!({"argv": [], "pty": 1}),
+        ),
+    ] {
+        let (s, v) = t.json("POST", &path, Some(body)).await;
+        assert_eq!(s, StatusCode::BAD_REQUEST, "{v}");
+        assert_error(&v, 400, "invalid_request");
+    }
+    assert!(t.host.woken.lock().unwrap().is_empty());
+    assert_eq!(t.sandbox(&id).await["state"], "paused");
+}
+
+#[tokio::test]
 async fn delete_while_paused_destroys_the_saved_state() {
     let t = T::new();
     let id = t.running(json!({})).await;

@@ -20,10 +20,8 @@ use std::path::{Path, PathBuf};
 const PENDING: &[&str] = &[
     "files.rs",
     "images.rs",
-    "interpreter.rs",
     "net.rs",
     "previews.rs",
-    "procs.rs",
     "secrets.rs",
     "volumes.rs",
 ];

@@ -3,10 +3,12 @@
 //! at the bottom of its file.
 
 pub(crate) mod access;
+pub(crate) mod interpreter;
 pub(crate) mod lease;
 pub(crate) mod lifecycle;
 pub(crate) mod money;
 pub(crate) mod names;
+pub(crate) mod process;
 pub(crate) mod sandbox;
 pub(crate) mod snapshot;
 pub(crate) mod time;

@@ -18,9 +18,10 @@ use serde_json::Value;
 use tokio::sync::watch;
 
 use crate::error::{ApiError, ApiResult};
+use crate::http::routes::processes;
 use crate::http::{deferred_body, json_bytes, Reply};
 use crate::store::StoredAnswer;
-use crate::{procs, AppState};
+use crate::AppState;
 
 pub struct Request {
     pub idem_key: String,
@@ -106,7 +107,7 @@ fn replay(st: &AppState, stored: StoredAnswer) -> ApiResult<Response> {
             .get("processId")
             .and_then(Value::as_str)
             .unwrap_or_default();
-        procs::replay_stream(st, sandbox_id, pid)?
+        processes::replay_stream(st, sandbox_id, pid)?
     } else {
         let mut body = body;
         if let Value::Object(m) = &mut body {

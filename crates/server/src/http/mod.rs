@@ -7,8 +7,9 @@ mod error;
 pub(crate) mod extract;
 pub(crate) mod idempotency;
 pub(crate) mod login;
+pub(crate) mod reply;
 pub(crate) mod route;
-mod routes;
+pub(crate) mod routes;
 pub(crate) mod tls;
 pub(crate) mod ws;
 

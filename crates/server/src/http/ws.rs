@@ -17,16 +17,17 @@ use std::sync::Arc;
 use axum::extract::ws::{Message, WebSocket, WebSocketUpgrade};
 use axum::response::Response;
 use bytes::Bytes;
-use runtime_host::{RunAs, TermSize};
+use runtime_host::TermSize;
 use serde_json::{json, Value};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::mpsc;
 
 use crate::domain::access::KeyInfo;
+use crate::domain::process::SIGHUP;
 use crate::error::{ApiError, ApiResult};
 use crate::http::extract::{query_object, Fields};
-use crate::procs::{self, Proc};
-use crate::service::sandboxes::find_running;
+use crate::service::processes::{self, run_as, Proc, Terminal, TerminalCommand};
+use crate::service::tunnels;
 use crate::AppState;
 
 /// What the client may send past the last credit (its own constant).
@@ -51,39 +52,17 @@ pub async fn terminal(
     let rows = f.q_int("rows", 1, 1000).unwrap_or(24) as u16;
     let command = f.string("command");
     let cwd = f.string("cwd");
-    let user = f.one_of("user", &["sandbox", "root"]);
+    let user = f.one_of("user", &["sandbox", "root"]).map(|u| run_as(&u));
     let process_id = f.string("processId");
     f.finish()?;
-    let row = find_running(&st, &key, &id).await?;
-    let size = TermSize { cols, rows };
-    let (proc, owned) = match process_id {
-        Some(pid) => {
-            let p = procs::process(&st, &id, &pid)?;
-            if !p.is_pty() || p.exited() {
-                return Err(ApiError::Conflict {
-                    code: "process_not_a_terminal",
-                    message: format!("Process {pid} is not a running terminal process."),
-                    details: Some(json!({"processId": pid})),
-                });
-            }
-            p.resize(size).await;
-            (p, false)
-        }
-        None => {
-            let argv = match command {
-                Some(c) => vec!["bash".into(), "-c".into(), c],
-                None => vec!["bash".into(), "-l".into()],
-            };
-            let user = match user.as_deref().unwrap_or(row.record.user.as_str()) {
-                "root" => RunAs::Root,
-                _ => RunAs::Sandbox,
-            };
-            (
-                procs::start_terminal(&st, &row, argv, cwd, user, size).await?,
-                true,
-            )
-        }
+    let cmd = TerminalCommand {
+        size: TermSize { cols, rows },
+        command,
+        cwd,
+        user,
+        process_id,
     };
+    let Terminal { proc, owned } = processes::open_terminal(&st, &key, &id, cmd).await?;
     Ok(upgrade.on_upgrade(move |socket| run_terminal(st, proc, owned, socket)))
 }
 
@@ -121,7 +100,7 @@ async fn run_terminal(st: AppState, proc: Arc<Proc>, owned: bool, mut socket: We
             }
             msg = socket.recv() => match msg {
                 Some(Ok(Message::Binary(b))) => {
-                    proc.type_in(st.store(), b.to_vec()).await;
+                    processes::type_in(&st, &proc, b.to_vec()).await;
                 }
                 Some(Ok(Message::Text(t))) => match serde_json::from_str::<Value>(t.as_str()) {
                     Ok(v) if v["type"] == "resize" => {
@@ -132,7 +111,7 @@ async fn run_terminal(st: AppState, proc: Arc<Proc>, owned: bool, mut socket: We
                     }
                     Ok(v) if v.is_object() => {}
                     _ => {
-                        proc.type_in(st.store(), t.as_bytes().to_vec()).await;
+                        processes::type_in(&st, &proc, t.as_bytes().to_vec()).await;
                     }
                 },
                 Some(Ok(_)) => {}
@@ -153,12 +132,8 @@ async fn run_terminal(st: AppState, proc: Arc<Proc>, owned: bool, mut socket: We
 /// terminal emulator's would; a process it only took up keeps running.
 async fn hang_up(proc: &Proc, owned: bool) {
     if owned {
-        proc.signal(libc_sighup()).await;
+        proc.signal(SIGHUP).await;
     }
-}
-
-const fn libc_sighup() -> i32 {
-    1
 }
 
 /// `GET …/tunnel`: port forwarding to the guest's loopback.
@@ -168,7 +143,7 @@ pub async fn tunnel(
     id: String,
     upgrade: WebSocketUpgrade,
 ) -> ApiResult<Response> {
-    find_running(&st, &key, &id).await?;
+    tunnels::open(&st, &key, &id).await?;
     Ok(upgrade.on_upgrade(move |socket| run_tunnel(st, key, id, socket)))
 }
 
@@ -330,12 +305,7 @@ async fn open_conn(
     mut rx: mpsc::UnboundedReceiver<ToGuest>,
     ev: mpsc::Sender<Event>,
 ) {
-    // A paused sandbox is woken by a connection, as by any call.
-    let io = match find_running(&st, &key, &id).await {
-        Ok(_) => st.host().connect(&id, port).await.map_err(ApiError::from),
-        Err(e) => Err(e),
-    };
-    let io = match io {
+    let io = match tunnels::connect(&st, &key, &id, port).await {
         Ok(io) => io,
         Err(e) => {
             let why = match e {

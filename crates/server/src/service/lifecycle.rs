@@ -248,7 +248,7 @@ async fn run(st: &AppState, row: SandboxRow, op: Op) {
             if ev == Event::PauseFailed {
                 // It runs on: take up any process whose handle closed.
                 st.inner.procs.pause_failed(&id);
-                crate::procs::reattach(st, &id).await;
+                crate::service::processes::recover::reattach(st, &id).await;
             }
             let now = iso(st.now_ms());
             let out = record(st, &id, SandboxState::Pausing, ev, |r| match ev {
@@ -276,7 +276,7 @@ async fn run(st: &AppState, row: SandboxRow, op: Op) {
             let result = st.host().wake(&machine_spec(st, &row.record)).await;
             if result.is_ok() {
                 // Before it is `running`, so a call that woke it finds them attached.
-                crate::procs::reattach(st, &id).await;
+                crate::service::processes::recover::reattach(st, &id).await;
             }
             let ev = match &result {
                 Ok(()) => Event::Woken,
@@ -371,7 +371,7 @@ async fn start_image_command(st: &AppState, row: &SandboxRow, restored_snapshot:
     let Some((argv, cwd, user)) = crate::images::start_of(st, image) else {
         return;
     };
-    match crate::procs::start_background(st, row, argv, cwd, user).await {
+    match crate::service::processes::start::start_background(st, row, argv, cwd, user).await {
         Ok(p) => {
             tracing::info!(process_id = %p.id(), "image start command running")
         }

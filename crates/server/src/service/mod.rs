@@ -4,8 +4,11 @@
 pub(crate) mod background;
 pub(crate) mod billing;
 pub(crate) mod clock;
+pub(crate) mod interpreter;
 pub mod keys;
 pub(crate) mod lifecycle;
 pub(crate) mod meter;
+pub(crate) mod processes;
 pub(crate) mod sandboxes;
 pub(crate) mod snapshots;
+pub(crate) mod tunnels;

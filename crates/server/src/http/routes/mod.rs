@@ -1,12 +1,15 @@
 //! The handlers of each resource, reached from [`dispatch`]: each parses
 //! its request, calls the service and renders the answer.
 
+mod interpreter;
+pub(crate) mod processes;
+
 use axum::body::Bytes;
 
 use crate::error::{ApiError, ApiResult};
 use crate::http::route::Route;
 use crate::http::{Ctx, Reply};
-use crate::{files, images, interpreter, net, previews, procs, secrets, volumes, AppState};
+use crate::{files, images, net, previews, secrets, volumes, AppState};
 
 mod account;
 mod sandboxes;
@@ -19,7 +22,7 @@ pub(super) async fn dispatch(st: AppState, ctx: Ctx, r: Route, body: Bytes) -> A
         Route::GetSandbox(id) => sandboxes::get(st, ctx, id).await,
         Route::DeleteSandbox(id) => sandboxes::delete(st, ctx, id).await,
         Route::SandboxAction(id, verb) => match verb.as_str() {
-            "exec" => procs::exec(st, ctx, id, body).await,
+            "exec" => processes::exec(st, ctx, id, body).await,
             _ => sandboxes::action(st, ctx, id, verb, body).await,
         },
         Route::FileContentGet(id) => files::read(st, ctx, id).await,
@@ -30,11 +33,11 @@ pub(super) async fn dispatch(st: AppState, ctx: Ctx, r: Route, body: Bytes) -> A
         Route::UploadBegin(id) => files::upload_begin(st, ctx, id, body).await,
         Route::UploadChunk(id, u) => files::upload_chunk(st, ctx, id, u, body).await,
         Route::UploadAction(id, u, verb) => files::upload_action(st, ctx, id, u, verb, body).await,
-        Route::ProcSpawn(id) => procs::spawn(st, ctx, id, body).await,
-        Route::ProcList(id) => procs::list(st, ctx, id).await,
-        Route::ProcGet(id, pid) => procs::get(st, ctx, id, pid).await,
-        Route::ProcOutput(id, pid) => procs::output(st, ctx, id, pid).await,
-        Route::ProcAction(id, pid, verb) => procs::action(st, ctx, id, pid, verb, body).await,
+        Route::ProcSpawn(id) => processes::spawn(st, ctx, id, body).await,
+        Route::ProcList(id) => processes::list(st, ctx, id).await,
+        Route::ProcGet(id, pid) => processes::get(st, ctx, id, pid).await,
+        Route::ProcOutput(id, pid) => processes::output(st, ctx, id, pid).await,
+        Route::ProcAction(id, pid, verb) => processes::action(st, ctx, id, pid, verb, body).await,
         Route::ListSnapshots => snapshots::list(st, ctx).await,
         Route::GetSnapshot(id) => snapshots::get(st, ctx, id).await,
         Route::DeleteSnapshot(id) => snapshots::delete(st, ctx, id).await,
