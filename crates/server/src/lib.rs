@@ -25,7 +25,6 @@
 mod billing;
 mod domain;
 mod error;
-mod files;
 mod http;
 mod idempotency;
 mod images;
@@ -131,7 +130,7 @@ struct Inner {
     /// Sandboxes whose last pause failed (they ran on), for the `:pause`
     /// answer: a sandbox running again may also have paused and been woken.
     pause_failed: Mutex<HashSet<String>>,
-    uploads: files::Uploads,
+    uploads: service::uploads::Uploads,
     previews: previews::Live,
     /// The key that seals secret values, read or made on first use.
     sealer: std::sync::OnceLock<secrets::Sealer>,
@@ -155,7 +154,7 @@ impl AppState {
                 inflight: idempotency::Inflight::default(),
                 procs: procs::Table::default(),
                 pause_failed: Mutex::new(HashSet::new()),
-                uploads: files::Uploads::new(uploads_dir),
+                uploads: service::uploads::Uploads::new(uploads_dir),
                 previews: previews::Live::default(),
                 sealer: std::sync::OnceLock::new(),
                 nets: net::Nets::new(runtime_egress::Egress::new(config.egress.clone())),

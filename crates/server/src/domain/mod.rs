@@ -3,6 +3,7 @@
 //! at the bottom of its file.
 
 pub(crate) mod access;
+pub(crate) mod files;
 pub(crate) mod lease;
 pub(crate) mod lifecycle;
 pub(crate) mod names;

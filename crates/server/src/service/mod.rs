@@ -3,6 +3,8 @@
 
 pub(crate) mod background;
 pub(crate) mod clock;
+pub(crate) mod files;
 pub(crate) mod lifecycle;
 pub(crate) mod sandboxes;
 pub(crate) mod snapshots;
+pub(crate) mod uploads;

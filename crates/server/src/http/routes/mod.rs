@@ -6,10 +6,9 @@ use axum::body::Bytes;
 use crate::error::{ApiError, ApiResult};
 use crate::http::route::Route;
 use crate::http::{Ctx, Reply};
-use crate::{
-    billing, files, images, interpreter, net, previews, procs, secrets, volumes, AppState,
-};
+use crate::{billing, images, interpreter, net, previews, procs, secrets, volumes, AppState};
 
+mod files;
 mod sandboxes;
 mod snapshots;
 
