@@ -33,7 +33,6 @@ pub mod keys;
 mod net;
 mod previews;
 mod procs;
-mod secrets;
 mod service;
 mod store;
 mod volumes;
@@ -133,7 +132,7 @@ struct Inner {
     uploads: service::uploads::Uploads,
     previews: previews::Live,
     /// The key that seals secret values, read or made on first use.
-    sealer: std::sync::OnceLock<secrets::Sealer>,
+    sealer: std::sync::OnceLock<domain::secret::Sealer>,
     nets: net::Nets,
     meter: billing::Meter,
     logins: http::login::Pending,
@@ -189,11 +188,11 @@ impl AppState {
         &self.inner.host
     }
 
-    fn sealer(&self) -> Result<&secrets::Sealer, ApiError> {
+    fn sealer(&self) -> Result<&domain::secret::Sealer, ApiError> {
         if let Some(s) = self.inner.sealer.get() {
             return Ok(s);
         }
-        let s = secrets::Sealer::open(&self.config().data_dir)?;
+        let s = service::secrets::open_sealer(&self.config().data_dir)?;
         Ok(self.inner.sealer.get_or_init(|| s))
     }
 

@@ -19,9 +19,9 @@ use tokio::sync::watch;
 use crate::error::{ApiError, ApiResult};
 use crate::http::extract::{json_object, Fields};
 use crate::http::{Ctx, Reply};
-use crate::secrets;
 use crate::service::clock::now_iso;
 use crate::service::sandboxes::find;
+use crate::service::secrets;
 use crate::{AppState, Inner};
 
 const KIND: &str = "sandbox-net";
@@ -268,7 +268,10 @@ fn secrets_for(st: &AppState, chosen: Option<&[String]>) -> Vec<Secret> {
             rules: s
                 .rules
                 .into_iter()
-                .map(|(methods, paths)| SecretRule { methods, paths })
+                .map(|r| SecretRule {
+                    methods: r.methods,
+                    paths: r.paths,
+                })
                 .collect(),
             placeholder: s.placeholder,
         })

@@ -26,7 +26,6 @@ const PENDING: &[&str] = &[
     "net.rs",
     "previews.rs",
     "procs.rs",
-    "secrets.rs",
     "volumes.rs",
 ];
 

@@ -8,5 +8,6 @@ pub(crate) mod lease;
 pub(crate) mod lifecycle;
 pub(crate) mod names;
 pub(crate) mod sandbox;
+pub(crate) mod secret;
 pub(crate) mod snapshot;
 pub(crate) mod time;

@@ -6,5 +6,6 @@ pub(crate) mod clock;
 pub(crate) mod files;
 pub(crate) mod lifecycle;
 pub(crate) mod sandboxes;
+pub(crate) mod secrets;
 pub(crate) mod snapshots;
 pub(crate) mod uploads;

@@ -6,10 +6,11 @@ use axum::body::Bytes;
 use crate::error::{ApiError, ApiResult};
 use crate::http::route::Route;
 use crate::http::{Ctx, Reply};
-use crate::{billing, images, interpreter, net, previews, procs, secrets, volumes, AppState};
+use crate::{billing, images, interpreter, net, previews, procs, volumes, AppState};
 
 mod files;
 mod sandboxes;
+mod secrets;
 mod snapshots;
 
 pub(super) async fn dispatch(st: AppState, ctx: Ctx, r: Route, body: Bytes) -> ApiResult<Reply> {
