@@ -30,7 +30,6 @@ mod idempotency;
 mod images;
 mod interpreter;
 pub mod keys;
-mod net;
 mod previews;
 mod procs;
 mod service;
@@ -133,7 +132,7 @@ struct Inner {
     previews: previews::Live,
     /// The key that seals secret values, read or made on first use.
     sealer: std::sync::OnceLock<domain::secret::Sealer>,
-    nets: net::Nets,
+    nets: service::network::Nets,
     meter: billing::Meter,
     logins: http::login::Pending,
     tasks: TaskTracker,
@@ -156,7 +155,9 @@ impl AppState {
                 uploads: service::uploads::Uploads::new(uploads_dir),
                 previews: previews::Live::default(),
                 sealer: std::sync::OnceLock::new(),
-                nets: net::Nets::new(runtime_egress::Egress::new(config.egress.clone())),
+                nets: service::network::Nets::new(runtime_egress::Egress::new(
+                    config.egress.clone(),
+                )),
                 meter: billing::Meter::default(),
                 logins: http::login::Pending::default(),
                 tasks: TaskTracker::new(),
@@ -167,7 +168,9 @@ impl AppState {
             }),
         };
         st.host()
-            .set_outbound(Arc::new(net::Handler(Arc::downgrade(&st.inner))));
+            .set_outbound(Arc::new(service::network::Handler(Arc::downgrade(
+                &st.inner,
+            ))));
         st
     }
 
@@ -197,7 +200,7 @@ impl AppState {
     }
 
     fn secrets_changed(&self) {
-        net::secrets_changed(self);
+        service::network::secrets_changed(self);
     }
 
     fn notify_change(&self) {

@@ -47,6 +47,7 @@ use crate::error::{ApiError, ApiResult};
 use crate::http::extract::{json_object, query_object, Fields};
 use crate::http::{Ctx, Reply};
 use crate::service::clock::now_ms;
+use crate::service::network::secret_env;
 use crate::service::sandboxes::{find, find_running};
 use crate::store::{ProcEnd, ProcRow, SandboxRow, Store};
 use crate::AppState;
@@ -583,7 +584,7 @@ pub(crate) async fn start_terminal(
     user: RunAs,
     size: TermSize,
 ) -> ApiResult<Arc<Proc>> {
-    let mut env = crate::net::secret_env(st, &row.record.id);
+    let mut env = secret_env(st, &row.record.id);
     env.extend(row.env.iter().cloned());
     env.push(("TERM".into(), "xterm-256color".into()));
     let command = argv.join(" ");
@@ -616,7 +617,7 @@ pub(crate) async fn start_background(
     cwd: Option<String>,
     user: RunAs,
 ) -> ApiResult<Arc<Proc>> {
-    let mut env = crate::net::secret_env(st, &row.record.id);
+    let mut env = secret_env(st, &row.record.id);
     env.extend(row.env.iter().cloned());
     let command = argv.join(" ");
     let req = CommandReq {
@@ -1090,7 +1091,7 @@ pub async fn recover(st: &AppState) -> Result<(), crate::ServerError> {
 
 pub async fn exec(st: AppState, ctx: Ctx, id: String, body: Bytes) -> ApiResult<Reply> {
     let row = find_running(&st, &ctx.key, &id).await?;
-    let req = parse_command(&row, crate::net::secret_env(&st, &id), &body, false)?;
+    let req = parse_command(&row, secret_env(&st, &id), &body, false)?;
     let stream = req.stream;
     let guard_ms = req
         .spec
@@ -1258,7 +1259,7 @@ pub fn replay_stream(st: &AppState, sandbox_id: &str, pid: &str) -> ApiResult<Re
 
 pub async fn spawn(st: AppState, ctx: Ctx, id: String, body: Bytes) -> ApiResult<Reply> {
     let row = find_running(&st, &ctx.key, &id).await?;
-    let req = parse_command(&row, crate::net::secret_env(&st, &id), &body, true)?;
+    let req = parse_command(&row, secret_env(&st, &id), &body, true)?;
     let pipe = req.spec.stdin && req.stdin_data.is_none();
     let proc = start(&st, &row, req, pipe).await?;
     Ok(Reply::Json(axum::http::StatusCode::CREATED, proc.info()))

@@ -7,6 +7,7 @@ pub(crate) mod files;
 pub(crate) mod lease;
 pub(crate) mod lifecycle;
 pub(crate) mod names;
+pub(crate) mod network;
 pub(crate) mod sandbox;
 pub(crate) mod secret;
 pub(crate) mod snapshot;

@@ -6,9 +6,10 @@ use axum::body::Bytes;
 use crate::error::{ApiError, ApiResult};
 use crate::http::route::Route;
 use crate::http::{Ctx, Reply};
-use crate::{billing, images, interpreter, net, previews, procs, volumes, AppState};
+use crate::{billing, images, interpreter, previews, procs, volumes, AppState};
 
 mod files;
+mod network;
 mod sandboxes;
 mod secrets;
 mod snapshots;
@@ -62,8 +63,8 @@ pub(super) async fn dispatch(st: AppState, ctx: Ctx, r: Route, body: Bytes) -> A
         Route::PreviewAction(id, port, verb) => {
             previews::action(st, ctx, id, port, verb, body).await
         }
-        Route::GetNetwork(id) => net::get(st, ctx, id).await,
-        Route::PutNetwork(id) => net::put(st, ctx, id, body).await,
+        Route::GetNetwork(id) => network::get(st, ctx, id).await,
+        Route::PutNetwork(id) => network::put(st, ctx, id, body).await,
         Route::ListSecrets => secrets::list(st, ctx).await,
         Route::PutSecret(name) => secrets::put(st, ctx, name, body).await,
         Route::DeleteSecret(name) => secrets::delete(st, ctx, name).await,
