@@ -30,7 +30,6 @@ mod idempotency;
 mod images;
 mod interpreter;
 pub mod keys;
-mod previews;
 mod procs;
 mod service;
 mod store;
@@ -129,7 +128,7 @@ struct Inner {
     /// answer: a sandbox running again may also have paused and been woken.
     pause_failed: Mutex<HashSet<String>>,
     uploads: service::uploads::Uploads,
-    previews: previews::Live,
+    previews: service::previews::live::Live,
     /// The key that seals secret values, read or made on first use.
     sealer: std::sync::OnceLock<domain::secret::Sealer>,
     nets: service::network::Nets,
@@ -153,7 +152,7 @@ impl AppState {
                 procs: procs::Table::default(),
                 pause_failed: Mutex::new(HashSet::new()),
                 uploads: service::uploads::Uploads::new(uploads_dir),
-                previews: previews::Live::default(),
+                previews: service::previews::live::Live::default(),
                 sealer: std::sync::OnceLock::new(),
                 nets: service::network::Nets::new(runtime_egress::Egress::new(
                     config.egress.clone(),

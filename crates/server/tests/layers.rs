@@ -23,7 +23,6 @@ const PENDING: &[&str] = &[
     "images.rs",
     "interpreter.rs",
     "keys.rs",
-    "previews.rs",
     "procs.rs",
     "volumes.rs",
 ];

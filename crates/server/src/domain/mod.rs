@@ -8,6 +8,7 @@ pub(crate) mod lease;
 pub(crate) mod lifecycle;
 pub(crate) mod names;
 pub(crate) mod network;
+pub(crate) mod preview;
 pub(crate) mod sandbox;
 pub(crate) mod secret;
 pub(crate) mod snapshot;

@@ -6,6 +6,7 @@ pub(crate) mod clock;
 pub(crate) mod files;
 pub(crate) mod lifecycle;
 pub(crate) mod network;
+pub(crate) mod previews;
 pub(crate) mod sandboxes;
 pub(crate) mod secrets;
 pub(crate) mod snapshots;

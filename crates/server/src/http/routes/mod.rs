@@ -6,10 +6,11 @@ use axum::body::Bytes;
 use crate::error::{ApiError, ApiResult};
 use crate::http::route::Route;
 use crate::http::{Ctx, Reply};
-use crate::{billing, images, interpreter, previews, procs, volumes, AppState};
+use crate::{billing, images, interpreter, procs, volumes, AppState};
 
 mod files;
 mod network;
+mod previews;
 mod sandboxes;
 mod secrets;
 mod snapshots;
