@@ -102,7 +102,8 @@ impl Preview {
         let Ok(expiry_s) = exp.parse::<i64>() else {
             return false;
         };
-        if expiry_s * 1000 <= now_ms {
+        // An expiry past the clock's range was never minted.
+        if expiry_s.checked_mul(1000).is_none_or(|ms| ms <= now_ms) {
             return false;
         }
         let want = self.mac(expiry_s);
@@ -270,6 +271,17 @@ mod tests {
         assert!(!p.check(exp, NOW));
         assert!(!p.check("x.y", NOW));
         assert!(!p.check("", NOW));
+    }
+
+    #[test]
+    fn a_token_with_an_expiry_past_the_clocks_range_is_refused() {
+        let p = preview(b"one");
+        let (t, _) = p.mint(None, None, NOW);
+        let (_, mac) = t.split_once('.').unwrap_or_default();
+        for exp in [i64::MAX, i64::MAX / 999, i64::MIN] {
+            assert!(!p.check(&format!("{exp}.{mac}"), NOW), "{exp}");
+            assert!(!p.check(&format!("{exp}.{}", p.mac(exp)), NOW), "{exp}");
+        }
     }
 
     #[test]
