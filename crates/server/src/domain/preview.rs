@@ -167,9 +167,15 @@ pub(crate) fn valid_origin(o: &str) -> bool {
     else {
         return false;
     };
-    let host = rest.split(':').next().unwrap_or("");
+    let (host, port) = match rest.split_once(':') {
+        Some((h, p)) => (h, Some(p)),
+        None => (rest, None),
+    };
+    let port_ok =
+        port.is_none_or(|p| p.bytes().all(|b| b.is_ascii_digit()) && parse_port(p).is_some());
     let host = host.strip_prefix("*.").unwrap_or(host);
-    !host.is_empty()
+    port_ok
+        && !host.is_empty()
         && !rest.contains('/')
         && host
             .bytes()
@@ -366,6 +372,22 @@ mod tests {
         assert!(!valid_origin("https://a.com/path"));
         assert!(!valid_origin("https://"));
         assert!(!valid_origin("https://a b.com"));
+    }
+
+    #[test]
+    fn an_origins_port_is_a_port_number() {
+        assert!(valid_origin("https://a.example.com:8443"));
+        assert!(valid_origin("https://*.example.com:65535"));
+        for bad in [
+            "https://a.com:abc",
+            "https://a.com:",
+            "https://a.com:0",
+            "https://a.com:65536",
+            "https://a.com:80:81",
+            "https://a.com:+80",
+        ] {
+            assert!(!valid_origin(bad), "{bad} passed");
+        }
     }
 
     #[test]
