@@ -1054,7 +1054,7 @@ pub async fn recover(st: &AppState) -> Result<(), crate::ServerError> {
         }
         if let Some(vm) = d.build_vm.take() {
             let _ = st.host().destroy(&vm).await;
-            crate::net::sandbox_gone(st, &vm);
+            crate::service::network::sandbox_gone(st, &vm);
         }
         d.state = "failed".into();
         d.error = Some(
@@ -1190,11 +1190,11 @@ async fn run_build(st: &AppState, id: &str) -> Result<(), String> {
     let vm = format!("{}", uuid::Uuid::new_v4());
     // The build machine has the network of a sandbox with default rules
     // and no egress secrets.
-    let net = crate::net::CreateNet {
+    let net = crate::domain::network::CreateNet {
         rules: None,
         secrets: Some(Vec::new()),
     };
-    crate::net::store_create(st, &vm, &net).map_err(|e| e.to_string())?;
+    crate::service::network::store_create(st, &vm, &net).map_err(|e| e.to_string())?;
     update(st, id, |d| d.build_vm = Some(vm.clone()));
     let spec = runtime_host::MachineSpec {
         id: vm.clone(),
@@ -1204,7 +1204,7 @@ async fn run_build(st: &AppState, id: &str) -> Result<(), String> {
         // system to its disk, and a sandbox's disk may not be smaller.
         disk_mib: 3072,
         hostname: "build".into(),
-        guest_ca_pem: crate::net::guest_ca_pem(st, &vm),
+        guest_ca_pem: crate::service::network::guest_ca_pem(st, &vm),
         volumes: Vec::new(),
         image: base_layer.map(|k| runtime_host::ImageDisk {
             disk: layer_disk(st, &k),
@@ -1238,7 +1238,7 @@ async fn run_build(st: &AppState, id: &str) -> Result<(), String> {
     }
     .await;
     let _ = st.host().destroy(&vm).await;
-    crate::net::sandbox_gone(st, &vm);
+    crate::service::network::sandbox_gone(st, &vm);
     update(st, id, |d| d.build_vm = None);
     result
 }

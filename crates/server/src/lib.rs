@@ -24,12 +24,8 @@
 
 mod domain;
 mod error;
-mod files;
 mod http;
 mod images;
-mod net;
-mod previews;
-mod secrets;
 mod service;
 mod store;
 mod volumes;
@@ -129,11 +125,11 @@ struct Inner {
     /// Sandboxes whose last pause failed (they ran on), for the `:pause`
     /// answer: a sandbox running again may also have paused and been woken.
     pause_failed: Mutex<HashSet<String>>,
-    uploads: files::Uploads,
-    previews: previews::Live,
+    uploads: service::uploads::Uploads,
+    previews: service::previews::live::Live,
     /// The key that seals secret values, read or made on first use.
-    sealer: std::sync::OnceLock<secrets::Sealer>,
-    nets: net::Nets,
+    sealer: std::sync::OnceLock<domain::secret::Sealer>,
+    nets: service::network::Nets,
     meter: service::meter::Meter,
     logins: http::login::Pending,
     tasks: TaskTracker,
@@ -154,10 +150,12 @@ impl AppState {
                 procs: service::processes::Table::new(config.clock),
                 interpreter: service::interpreter::Contexts::default(),
                 pause_failed: Mutex::new(HashSet::new()),
-                uploads: files::Uploads::new(uploads_dir),
-                previews: previews::Live::default(),
+                uploads: service::uploads::Uploads::new(uploads_dir),
+                previews: service::previews::live::Live::default(),
                 sealer: std::sync::OnceLock::new(),
-                nets: net::Nets::new(runtime_egress::Egress::new(config.egress.clone())),
+                nets: service::network::Nets::new(runtime_egress::Egress::new(
+                    config.egress.clone(),
+                )),
                 meter: service::meter::Meter::default(),
                 logins: http::login::Pending::default(),
                 tasks: TaskTracker::new(),
@@ -168,7 +166,9 @@ impl AppState {
             }),
         };
         st.host()
-            .set_outbound(Arc::new(net::Handler(Arc::downgrade(&st.inner))));
+            .set_outbound(Arc::new(service::network::Handler(Arc::downgrade(
+                &st.inner,
+            ))));
         st
     }
 
@@ -189,16 +189,16 @@ impl AppState {
         &self.inner.host
     }
 
-    fn sealer(&self) -> Result<&secrets::Sealer, ApiError> {
+    fn sealer(&self) -> Result<&domain::secret::Sealer, ApiError> {
         if let Some(s) = self.inner.sealer.get() {
             return Ok(s);
         }
-        let s = secrets::Sealer::open(&self.config().data_dir)?;
+        let s = service::secrets::open_sealer(&self.config().data_dir)?;
         Ok(self.inner.sealer.get_or_init(|| s))
     }
 
     fn secrets_changed(&self) {
-        net::secrets_changed(self);
+        service::network::secrets_changed(self);
     }
 
     fn notify_change(&self) {

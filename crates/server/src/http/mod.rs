@@ -7,6 +7,7 @@ mod error;
 pub(crate) mod extract;
 pub(crate) mod idempotency;
 pub(crate) mod login;
+mod preview_proxy;
 pub(crate) mod reply;
 pub(crate) mod route;
 pub(crate) mod routes;
@@ -28,7 +29,7 @@ use crate::domain::access::{sha256_hex, KeyInfo};
 use crate::error::{ApiError, ApiResult};
 use crate::http::extract::parse_query;
 use crate::http::route::{body_limit, reveals_contents, route, Route};
-use crate::{previews, AppState};
+use crate::AppState;
 
 /// What a handler answers.
 pub enum Reply {
@@ -67,9 +68,9 @@ pub fn router(state: AppState) -> axum::Router {
 }
 
 async fn handle(State(st): State<AppState>, req: Request) -> Response {
-    if let Some((port, sandbox)) = previews::target(&st, req.headers()) {
+    if let Some((port, sandbox)) = preview_proxy::target(&st, req.headers()) {
         let span = tracing::info_span!("preview", sandbox_id = %sandbox, port);
-        return previews::serve(st, req, port, sandbox)
+        return preview_proxy::serve(st, req, port, sandbox)
             .instrument(span)
             .await;
     }

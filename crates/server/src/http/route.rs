@@ -260,7 +260,7 @@ pub fn route(method: &Method, raw_path: &str) -> ApiResult<Route> {
 /// The largest body a route reads.
 pub(super) fn body_limit(r: &Route) -> usize {
     match r {
-        Route::FileContentPut(_) | Route::UploadChunk(..) => crate::files::CHUNK_BYTES,
+        Route::FileContentPut(_) | Route::UploadChunk(..) => crate::domain::files::CHUNK_BYTES,
         _ => 8 << 20,
     }
 }

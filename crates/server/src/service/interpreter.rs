@@ -253,7 +253,7 @@ fn argv_for(language: &str) -> Vec<String> {
 async fn start_kernel(st: &AppState, row: &SandboxRow, ctx: &Context) -> ApiResult<Kernel> {
     // OpenBLAS's detected kernel dies with SIGILL under the TCG CPU model.
     let mut env = vec![("OPENBLAS_CORETYPE".to_string(), "Prescott".to_string())];
-    env.extend(crate::net::secret_env(st, &row.record.id));
+    env.extend(crate::service::network::secret_env(st, &row.record.id));
     env.extend(row.env.iter().cloned());
     env.extend(ctx.env.iter().cloned());
     env.push(("PYTHONUNBUFFERED".into(), "1".into()));

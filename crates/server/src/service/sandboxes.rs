@@ -278,8 +278,8 @@ pub(crate) fn delete_sandbox(st: &AppState, id: &str, reason: &str) -> ApiResult
     st.notify_change();
     st.inner.procs.sandbox_gone(st.store(), id);
     st.inner.uploads.sandbox_gone(id);
-    crate::previews::sandbox_gone(st, id);
-    crate::net::sandbox_gone(st, id);
+    crate::service::previews::live::sandbox_gone(st, id);
+    crate::service::network::sandbox_gone(st, id);
     let st2 = st.clone();
     let id2 = id.to_string();
     st.spawn(async move {
@@ -312,7 +312,7 @@ pub(crate) struct NewSandbox {
     /// The shape fields the request named (a snapshot's shape must match them).
     pub shape_given: Vec<(&'static str, u32)>,
     pub floor_given: bool,
-    pub net: crate::net::CreateNet,
+    pub net: crate::domain::network::CreateNet,
     pub volumes: Vec<crate::volumes::Attachment>,
     pub image: Option<String>,
 }
@@ -441,7 +441,7 @@ pub(crate) async fn create(
                     deleted: None,
                 };
                 let volumes = crate::volumes::resolve(st, key, &volumes).await?;
-                crate::net::store_create(st, &row.record.id, &net)?;
+                crate::service::network::store_create(st, &row.record.id, &net)?;
                 crate::volumes::keep(st, &row.record.id, &volumes)?;
                 st.store().insert_sandbox(&row)?;
                 tracing::info!(sandbox_id = %row.record.id, "sandbox created");

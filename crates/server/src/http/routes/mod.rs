@@ -9,10 +9,14 @@ use axum::body::Bytes;
 use crate::error::{ApiError, ApiResult};
 use crate::http::route::Route;
 use crate::http::{Ctx, Reply};
-use crate::{files, images, net, previews, secrets, volumes, AppState};
+use crate::{images, volumes, AppState};
 
 mod account;
+mod files;
+mod network;
+mod previews;
 mod sandboxes;
+mod secrets;
 mod snapshots;
 
 pub(super) async fn dispatch(st: AppState, ctx: Ctx, r: Route, body: Bytes) -> ApiResult<Reply> {
@@ -64,8 +68,8 @@ pub(super) async fn dispatch(st: AppState, ctx: Ctx, r: Route, body: Bytes) -> A
         Route::PreviewAction(id, port, verb) => {
             previews::action(st, ctx, id, port, verb, body).await
         }
-        Route::GetNetwork(id) => net::get(st, ctx, id).await,
-        Route::PutNetwork(id) => net::put(st, ctx, id, body).await,
+        Route::GetNetwork(id) => network::get(st, ctx, id).await,
+        Route::PutNetwork(id) => network::put(st, ctx, id, body).await,
         Route::ListSecrets => secrets::list(st, ctx).await,
         Route::PutSecret(name) => secrets::put(st, ctx, name, body).await,
         Route::DeleteSecret(name) => secrets::delete(st, ctx, name).await,

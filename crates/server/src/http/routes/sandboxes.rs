@@ -118,7 +118,9 @@ fn parse_create(st: &AppState, body: &[u8]) -> ApiResult<NewSandbox> {
     if snapshot.is_some() && image.is_some() {
         f.issue("snapshot", "give image or snapshot, not both");
     }
-    let net = crate::net::parse_create(st, &mut f);
+    let net = super::network::parse_create(&mut f, || {
+        crate::service::secrets::names(st).unwrap_or_default()
+    });
     f.refuse(
         "spreadFrom",
         "is not supported by this server (one machine)",

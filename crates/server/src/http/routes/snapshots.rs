@@ -33,7 +33,9 @@ pub(super) async fn fork(st: AppState, ctx: Ctx, id: String, body: Bytes) -> Api
     // Accepted and without effect: no snapshot is kept after a fork here.
     let _ = f.bool("keepSnapshot");
     let _ = f.one_of("funding", &["trial", "paid"]);
-    let net = crate::net::parse_create(&st, &mut f);
+    let net = super::network::parse_create(&mut f, || {
+        crate::service::secrets::names(&st).unwrap_or_default()
+    });
     f.finish()?;
     let req = Fork {
         count,

@@ -32,7 +32,7 @@ pub(super) fn env_in(
     row: &SandboxRow,
     own: Vec<(String, String)>,
 ) -> Vec<(String, String)> {
-    let mut env = crate::net::secret_env(st, &row.record.id);
+    let mut env = crate::service::network::secret_env(st, &row.record.id);
     env.extend(row.env.iter().cloned());
     env.extend(own);
     env

@@ -65,7 +65,7 @@ pub(crate) struct Fork {
     pub count: usize,
     pub name: Option<String>,
     pub labels: Option<BTreeMap<String, String>>,
-    pub net: crate::net::CreateNet,
+    pub net: crate::domain::network::CreateNet,
 }
 
 /// `:fork`: `count` new sandboxes from a capture of `id`'s memory, each
@@ -133,7 +133,12 @@ pub(crate) async fn fork(
                 env: src.env.clone(),
                 deleted: None,
             };
-            crate::net::copy_settings(st, &src.record.id, &row.record.id, net.secrets.clone())?;
+            crate::service::network::copy_settings(
+                st,
+                &src.record.id,
+                &row.record.id,
+                net.secrets.clone(),
+            )?;
             st.store().insert_sandbox(&row)?;
             out.push(row);
         }
