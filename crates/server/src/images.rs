@@ -18,13 +18,16 @@ use std::time::Duration;
 
 use axum::body::Bytes;
 use axum::http::StatusCode;
-use base64::Engine;
 use runtime_host::RunAs;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
-use crate::domain::access::sha256_hex;
 use crate::domain::access::KeyInfo;
+use crate::domain::image::steps::{self, BuildState, StepOutput, Steps};
+use crate::domain::image::{
+    dockerfile, recipe, start_argv, valid_tag, Image, ImageError, ImageRef, ImageState, ImageUser,
+    InlineFile, LogLine, LogStream, Source, Step, StepState,
+};
 use crate::domain::time::iso;
 use crate::error::{ApiError, ApiResult};
 use crate::http::extract::{json_object, no_fields, query_object, Fields};
@@ -38,69 +41,12 @@ const SCOPE: &str = "images";
 const MAX_LOG_LINES: usize = 5000;
 const STEP_TIMEOUT: Duration = Duration::from_secs(1800);
 
+/// An image with its log, as one document.
 #[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct Step {
-    pub index: usize,
-    /// As the user wrote it (`RUN …`, `pip install …`).
-    pub instruction: String,
-    pub key: String,
-    /// `pending|running|cached|done|failed`.
-    pub state: String,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub script: Option<String>,
-    pub root: bool,
-    pub env: Vec<(String, String)>,
-    pub workdir: Option<String>,
-    pub seconds: Option<f64>,
-}
-
-#[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct LogLine {
-    pub seq: u64,
-    pub step: Option<usize>,
-    pub stream: String,
-    pub text: String,
-}
-
-#[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct ImageDoc {
-    pub id: String,
-    pub key_id: String,
-    pub name: Option<String>,
-    pub version: u32,
-    pub tags: Vec<String>,
-    pub labels: std::collections::BTreeMap<String, String>,
-    pub state: String,
-    pub error: Option<String>,
-    pub source: String,
-    pub base: Option<String>,
-    /// The key of the layer the steps start from.
-    pub base_key: String,
-    pub steps: Vec<Step>,
-    pub env: Vec<(String, String)>,
-    pub workdir: Option<String>,
-    pub user: String,
-    pub start: Option<Value>,
-    pub created_at: String,
-    pub created_ms: i64,
-    pub ready_at: Option<String>,
-    pub build_seconds: Option<f64>,
-    pub log: Vec<LogLine>,
-    /// The build machine while one runs (ended by a restart's recovery).
-    #[serde(default)]
-    pub build_vm: Option<String>,
-}
-
-impl ImageDoc {
-    /// The key of the final disk (the base's when there are no steps).
-    pub fn disk_key(&self) -> String {
-        self.steps
-            .last()
-            .map_or_else(|| self.base_key.clone(), |s| s.key.clone())
-    }
+struct ImageDoc {
+    #[serde(flatten)]
+    image: Image,
+    log: Vec<LogLine>,
 }
 
 fn not_found(id: &str) -> ApiError {
@@ -124,17 +70,15 @@ fn root_key() -> String {
     format!("base-{}", runtime_host::artifacts::rootfs_key())
 }
 
-type Pick = Box<dyn Fn(&ImageDoc) -> bool>;
-
 fn visible(key: &KeyInfo, d: &ImageDoc) -> bool {
-    key.account_wide || key.read_only || d.key_id == key.id
+    crate::domain::access::visible(key, &d.image.key_id)
 }
 
 fn save(st: &AppState, d: &ImageDoc) -> ApiResult<()> {
     st.store().doc_put(
         KIND,
         SCOPE,
-        &d.id,
+        &d.image.id,
         &serde_json::to_value(d).unwrap_or(Value::Null),
     )?;
     Ok(())
@@ -154,32 +98,21 @@ fn all(st: &AppState) -> ApiResult<Vec<ImageDoc>> {
         .into_iter()
         .filter_map(|(_, _, d)| serde_json::from_value(d).ok())
         .collect();
-    out.sort_by(|a, b| (b.created_ms, &b.id).cmp(&(a.created_ms, &a.id)));
+    out.sort_by(|a, b| (b.image.created_ms, &b.image.id).cmp(&(a.image.created_ms, &a.image.id)));
     Ok(out)
 }
 
 /// An image by id, `name`, `name:tag` or `name@version`, as `key` sees it.
-pub fn resolve(st: &AppState, key: &KeyInfo, r: &str) -> ApiResult<ImageDoc> {
+fn resolve(st: &AppState, key: &KeyInfo, r: &str) -> ApiResult<ImageDoc> {
     if let Some(d) = load(st, r)? {
         if visible(key, &d) {
             return Ok(d);
         }
     }
-    let (name, pick): (&str, Pick) = if let Some((n, v)) = r.split_once('@') {
-        let v: u32 = v.parse().map_err(|_| not_found(r))?;
-        (n, Box::new(move |d: &ImageDoc| d.version == v))
-    } else if let Some((n, t)) = r.split_once(':') {
-        let t = t.to_string();
-        (n, Box::new(move |d: &ImageDoc| d.tags.contains(&t)))
-    } else {
-        (
-            r,
-            Box::new(|d: &ImageDoc| d.tags.iter().any(|t| t == "latest")),
-        )
-    };
+    let wanted = ImageRef::parse(r).ok_or_else(|| not_found(r))?;
     all(st)?
         .into_iter()
-        .find(|d| visible(key, d) && d.name.as_deref() == Some(name) && pick(d))
+        .find(|d| visible(key, d) && wanted.picks(&d.image))
         .ok_or_else(|| not_found(r))
 }
 
@@ -191,11 +124,11 @@ pub struct ForSandbox {
 
 /// The image a create names, which must be ready.
 pub fn for_create(st: &AppState, key: &KeyInfo, r: &str) -> ApiResult<ForSandbox> {
-    let d = resolve(st, key, r)?;
-    if d.state != "ready" {
+    let d = resolve(st, key, r)?.image;
+    if d.state != ImageState::Ready {
         return Err(ApiError::Conflict {
             code: "image_not_ready",
-            message: format!("Image {} is {}, not ready.", d.id, d.state),
+            message: format!("Image {} is {}, not ready.", d.id, d.state.as_str()),
             details: Some(json!({"imageId": d.id, "state": d.state})),
         });
     }
@@ -209,47 +142,39 @@ pub fn for_create(st: &AppState, key: &KeyInfo, r: &str) -> ApiResult<ForSandbox
 /// command (a string run by bash, or an argv), in the image's workdir, as
 /// the image's user.
 pub fn start_of(st: &AppState, id: &str) -> Option<(Vec<String>, Option<String>, RunAs)> {
-    let d = load(st, id).ok().flatten()?;
-    let argv = match d.start.as_ref()?.get("command")? {
-        Value::String(c) if !c.trim().is_empty() => vec!["bash".into(), "-lc".into(), c.clone()],
-        Value::Array(a) if !a.is_empty() && a.iter().all(Value::is_string) => a
-            .iter()
-            .filter_map(|v| v.as_str().map(String::from))
-            .collect(),
-        _ => return None,
-    };
-    let user = if d.user == "root" {
-        RunAs::Root
-    } else {
-        RunAs::Sandbox
+    let d = load(st, id).ok().flatten()?.image;
+    let argv = start_argv(d.start.as_ref())?;
+    let user = match d.user {
+        ImageUser::Root => RunAs::Root,
+        ImageUser::User => RunAs::Sandbox,
     };
     Some((argv, d.workdir.clone(), user))
 }
 
 /// The disk a sandbox on image `id` boots on.
 pub fn disk_of(st: &AppState, id: &str) -> Option<runtime_host::ImageDisk> {
-    let d = load(st, id).ok().flatten()?;
-    let key = d.disk_key();
-    if key == d.base_key && d.base.is_none() {
+    let d = load(st, id).ok().flatten()?.image;
+    if d.is_plain_base() {
         return None;
     }
+    let key = d.disk_key();
     Some(runtime_host::ImageDisk {
-        disk: layer_disk(st, &key),
-        key: key.chars().take(32).collect(),
+        disk: layer_disk(st, key),
+        key: steps::short_key(key),
     })
 }
 
 fn answer(d: &ImageDoc) -> Value {
+    let (d, log) = (&d.image, &d.log);
     let steps: Vec<Value> = d
         .steps
         .iter()
         .map(|s| {
             json!({"index": s.index, "instruction": s.instruction, "state": s.state,
-                   "cached": s.state == "cached", "seconds": s.seconds})
+                   "cached": s.state == StepState::Cached, "seconds": s.seconds})
         })
         .collect();
-    let log: Vec<String> = d
-        .log
+    let log: Vec<String> = log
         .iter()
         .map(|l| match l.step {
             Some(i) => format!("[{}] {}", i + 1, l.text),
@@ -264,444 +189,6 @@ fn answer(d: &ImageDoc) -> Value {
         "readyAt": d.ready_at, "buildSeconds": d.build_seconds, "log": log.join("\n"),
         "region": "local",
     })
-}
-
-// ---- parsing ----------------------------------------------------------
-
-/// The build state a step runs in, and what the image keeps of it.
-#[derive(Clone)]
-struct State {
-    env: Vec<(String, String)>,
-    workdir: Option<String>,
-    user: String,
-}
-
-/// A RUN, CMD or ENTRYPOINT argument as one shell command: the exec form
-/// (a JSON array) quoted word by word, the shell form as it is; `None` for
-/// an exec form that is not a JSON array of strings.
-fn shell_form(rest: &str) -> Option<String> {
-    if !rest.starts_with('[') {
-        return Some(rest.to_string());
-    }
-    let parts: Vec<String> = serde_json::from_str(rest).ok()?;
-    Some(
-        parts
-            .iter()
-            .map(|p| sh_quote(p))
-            .collect::<Vec<_>>()
-            .join(" "),
-    )
-}
-
-fn sh_quote(s: &str) -> String {
-    format!("'{}'", s.replace('\'', "'\\''"))
-}
-
-fn set_env(env: &mut Vec<(String, String)>, k: &str, v: &str) {
-    env.retain(|(n, _)| n != k);
-    env.push((k.to_string(), v.to_string()));
-}
-
-struct Builder {
-    steps: Vec<Step>,
-    state: State,
-    prev: String,
-}
-
-impl Builder {
-    fn push(&mut self, instruction: String, script: String) {
-        let root = self.state.user == "root";
-        let canonical = json!([
-            self.prev,
-            instruction,
-            script,
-            self.state.env,
-            self.state.workdir,
-            self.state.user
-        ]);
-        let key = sha256_hex(canonical.to_string().as_bytes());
-        self.prev = key.clone();
-        self.steps.push(Step {
-            index: self.steps.len(),
-            instruction,
-            key,
-            state: "pending".into(),
-            script: Some(script),
-            root,
-            env: self.state.env.clone(),
-            workdir: self.state.workdir.clone(),
-            seconds: None,
-        });
-    }
-
-    fn file(&mut self, path: &str, data: &[u8], mode: Option<u32>) {
-        let b64 = base64::engine::general_purpose::STANDARD.encode(data);
-        let owner = if self.state.user == "root" {
-            "0:0"
-        } else {
-            "1000:1000"
-        };
-        let dir = match path.rfind('/') {
-            Some(0) | None => "/".to_string(),
-            Some(i) => path[..i].to_string(),
-        };
-        let script = format!(
-            "mkdir -p {d} && printf '%s' {b} | base64 -d > {p} && chmod {m:o} {p} && chown {owner} {p}",
-            d = sh_quote(&dir),
-            b = sh_quote(&b64),
-            p = sh_quote(path),
-            m = mode.unwrap_or(0o644),
-        );
-        // Root writes the file, then gives it to the build's user.
-        let user = std::mem::replace(&mut self.state.user, "root".into());
-        let instruction = format!(
-            "COPY {path} ({} bytes, sha256 {})",
-            data.len(),
-            &sha256_hex(data)[..12]
-        );
-        self.push(instruction, script);
-        self.state.user = user;
-    }
-
-    fn workdir(&mut self, dir: &str) {
-        let user = std::mem::replace(&mut self.state.user, "root".into());
-        let owner = if user == "root" { "0:0" } else { "1000:1000" };
-        self.push(
-            format!("WORKDIR {dir}"),
-            format!("mkdir -p {d} && chown {owner} {d}", d = sh_quote(dir)),
-        );
-        self.state.user = user;
-        self.state.workdir = Some(dir.to_string());
-    }
-}
-
-fn valid_abs(p: &str) -> bool {
-    p.starts_with('/') && !p.split('/').any(|c| c == "..") && !p.chars().any(char::is_control)
-}
-
-/// One file of `files`/`recipe.files`: `{path, content, encoding?, mode?}`.
-fn inline_file(v: &Value) -> Result<(String, Vec<u8>, Option<u32>), String> {
-    let path = v["path"].as_str().ok_or("a file needs a path")?.to_string();
-    let content = v["content"].as_str().ok_or("a file needs content")?;
-    let data = match v["encoding"].as_str() {
-        Some("base64") => base64::engine::general_purpose::STANDARD
-            .decode(content)
-            .map_err(|_| format!("{path}: content is not base64"))?,
-        None | Some("utf-8") | Some("utf8") => content.as_bytes().to_vec(),
-        Some(e) => return Err(format!("{path}: unknown encoding {e}")),
-    };
-    let mode = match &v["mode"] {
-        Value::Null => None,
-        m => Some(crate::http::extract::parse_mode(m).ok_or(format!("{path}: bad mode"))?),
-    };
-    Ok((path, data, mode))
-}
-
-fn strings(v: &Value, what: &str) -> Result<Vec<String>, String> {
-    match v {
-        Value::Null => Ok(Vec::new()),
-        Value::Array(a) => a
-            .iter()
-            .map(|x| {
-                x.as_str()
-                    .map(str::to_string)
-                    .ok_or(format!("{what} must be strings"))
-            })
-            .collect(),
-        _ => Err(format!("{what} must be a list of strings")),
-    }
-}
-
-fn pkg_ok(p: &str) -> bool {
-    !p.is_empty() && !p.starts_with('-') && !p.chars().any(|c| c.is_whitespace() || c.is_control())
-}
-
-fn parse_recipe(b: &mut Builder, r: &Value) -> Result<(), String> {
-    let obj = r.as_object().ok_or("recipe must be an object")?;
-    for k in obj.keys() {
-        if !matches!(
-            k.as_str(),
-            "base" | "apt" | "pip" | "npm" | "commands" | "env" | "files" | "workdir"
-        ) {
-            return Err(format!("recipe.{k} is not a recipe field"));
-        }
-    }
-    if let Some(env) = obj.get("env").and_then(Value::as_object) {
-        for (k, v) in env {
-            let v = v
-                .as_str()
-                .ok_or(format!("recipe.env.{k} must be a string"))?;
-            set_env(&mut b.state.env, k, v);
-        }
-    }
-    if let Some(w) = obj.get("workdir").and_then(Value::as_str) {
-        if !valid_abs(w) {
-            return Err("recipe.workdir must be an absolute path".into());
-        }
-        b.workdir(w);
-    }
-    let user = std::mem::replace(&mut b.state.user, "root".into());
-    let apt = strings(obj.get("apt").unwrap_or(&Value::Null), "recipe.apt")?;
-    if !apt.is_empty() {
-        if !apt.iter().all(|p| pkg_ok(p)) {
-            return Err("recipe.apt: package names only".into());
-        }
-        let list: Vec<String> = apt.iter().map(|p| sh_quote(p)).collect();
-        b.push(
-            format!("apt install {}", apt.join(" ")),
-            format!("apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends {} && rm -rf /var/lib/apt/lists/*", list.join(" ")),
-        );
-    }
-    let pip = strings(obj.get("pip").unwrap_or(&Value::Null), "recipe.pip")?;
-    if !pip.is_empty() {
-        if !pip.iter().all(|p| pkg_ok(p)) {
-            return Err("recipe.pip: requirement specifiers only".into());
-        }
-        let list: Vec<String> = pip.iter().map(|p| sh_quote(p)).collect();
-        b.push(
-            format!("pip install {}", pip.join(" ")),
-            format!(
-                "pip install --no-cache-dir --break-system-packages {}",
-                list.join(" ")
-            ),
-        );
-    }
-    let npm = strings(obj.get("npm").unwrap_or(&Value::Null), "recipe.npm")?;
-    if !npm.is_empty() {
-        if !npm.iter().all(|p| pkg_ok(p)) {
-            return Err("recipe.npm: package names only".into());
-        }
-        let list: Vec<String> = npm.iter().map(|p| sh_quote(p)).collect();
-        b.push(
-            format!("npm install -g {}", npm.join(" ")),
-            format!("npm install -g --no-audit --no-fund {}", list.join(" ")),
-        );
-    }
-    b.state.user = user;
-    match obj.get("files") {
-        None | Some(Value::Null) => {}
-        Some(Value::Array(files)) => {
-            for f in files {
-                let (path, data, mode) = inline_file(f)?;
-                if !valid_abs(&path) {
-                    return Err(format!("recipe.files: {path} must be an absolute path"));
-                }
-                b.file(&path, &data, mode);
-            }
-        }
-        Some(Value::Object(files)) => {
-            for (path, content) in files {
-                let content = content
-                    .as_str()
-                    .ok_or(format!("recipe.files: {path} must be text"))?;
-                if !valid_abs(path) {
-                    return Err(format!("recipe.files: {path} must be an absolute path"));
-                }
-                b.file(path, content.as_bytes(), None);
-            }
-        }
-        Some(_) => {
-            return Err("recipe.files must be {path: text} or a list of {path, content}".into())
-        }
-    }
-    for c in strings(
-        obj.get("commands").unwrap_or(&Value::Null),
-        "recipe.commands",
-    )? {
-        b.push(format!("RUN {c}"), c);
-    }
-    Ok(())
-}
-
-/// Dockerfile instructions: FROM, RUN, COPY (inline `files`), ENV, WORKDIR,
-/// USER, ARG (with `buildArgs`); CMD and ENTRYPOINT are read as `start`.
-fn parse_dockerfile(
-    b: &mut Builder,
-    text: &str,
-    files: &[(String, Vec<u8>, Option<u32>)],
-    args: &[(String, String)],
-    base: &mut Option<String>,
-    start: &mut Option<Value>,
-) -> Result<(), String> {
-    let mut logical = Vec::new();
-    let mut cur = String::new();
-    for line in text.lines() {
-        let t = line.trim();
-        if cur.is_empty() && (t.is_empty() || t.starts_with('#')) {
-            continue;
-        }
-        if let Some(head) = t.strip_suffix('\\') {
-            cur.push_str(head);
-            cur.push(' ');
-            continue;
-        }
-        cur.push_str(t);
-        logical.push(std::mem::take(&mut cur));
-    }
-    if !cur.is_empty() {
-        logical.push(cur);
-    }
-    let mut argv: Vec<(String, String)> = Vec::new();
-    let subst = |s: &str, argv: &[(String, String)], env: &[(String, String)]| {
-        let mut out = s.to_string();
-        for (k, v) in env.iter().chain(argv.iter()) {
-            out = out
-                .replace(&format!("${{{k}}}"), v)
-                .replace(&format!("${k}"), v);
-        }
-        out
-    };
-    let mut seen_from = false;
-    for (n, l) in logical.iter().enumerate() {
-        let (op, rest) = l
-            .split_once(char::is_whitespace)
-            .unwrap_or((l.as_str(), ""));
-        let rest = rest.trim();
-        let op = op.to_ascii_uppercase();
-        let at = |m: &str| format!("Dockerfile instruction {} ({op}): {m}", n + 1);
-        if !seen_from && op != "FROM" && op != "ARG" {
-            return Err(at("the first instruction must be FROM"));
-        }
-        match op.as_str() {
-            "FROM" => {
-                if seen_from {
-                    return Err(at("multi-stage builds are not supported"));
-                }
-                seen_from = true;
-                let r = subst(rest, &argv, &[]);
-                let r = r.split_whitespace().next().unwrap_or("");
-                if !matches!(
-                    r,
-                    "runtime" | "default" | "runtime:latest" | "default:latest"
-                ) {
-                    *base = Some(r.to_string());
-                }
-            }
-            "ARG" => {
-                let (k, default) = match rest.split_once('=') {
-                    Some((k, v)) => (k.trim(), Some(v.trim().trim_matches('"'))),
-                    None => (rest, None),
-                };
-                let v = args
-                    .iter()
-                    .find(|(a, _)| a == k)
-                    .map(|(_, v)| v.clone())
-                    .or(default.map(str::to_string))
-                    .unwrap_or_default();
-                argv.retain(|(a, _)| a != k);
-                argv.push((k.to_string(), v));
-            }
-            "ENV" => {
-                let rest = subst(rest, &argv, &b.state.env);
-                if rest.contains('=') {
-                    for pair in rest.split_whitespace() {
-                        let (k, v) = pair
-                            .split_once('=')
-                            .ok_or_else(|| at("expected KEY=VALUE"))?;
-                        set_env(&mut b.state.env, k, v.trim_matches('"'));
-                    }
-                } else {
-                    let (k, v) = rest
-                        .split_once(char::is_whitespace)
-                        .ok_or_else(|| at("expected KEY VALUE"))?;
-                    set_env(&mut b.state.env, k, v.trim().trim_matches('"'));
-                }
-            }
-            "WORKDIR" => {
-                let w = subst(rest, &argv, &b.state.env);
-                let w = if w.starts_with('/') {
-                    w
-                } else {
-                    format!(
-                        "{}/{w}",
-                        b.state
-                            .workdir
-                            .as_deref()
-                            .unwrap_or("")
-                            .trim_end_matches('/')
-                    )
-                };
-                if !valid_abs(&w) {
-                    return Err(at("must be a path without .."));
-                }
-                b.workdir(&w);
-            }
-            "USER" => {
-                let u = subst(rest, &argv, &b.state.env);
-                b.state.user = match u.as_str() {
-                    "root" | "0" | "0:0" => "root".into(),
-                    "user" | "1000" | "1000:1000" | "sandbox" => "user".into(),
-                    other => {
-                        return Err(at(&format!(
-                            "user {other}: only root and user (1000) exist"
-                        )))
-                    }
-                };
-            }
-            "RUN" => {
-                let cmd = shell_form(rest).ok_or_else(|| at("bad JSON form"))?;
-                // ARG values are in the step's environment, as in Docker.
-                let prefix: String = argv
-                    .iter()
-                    .map(|(k, v)| format!("{k}={} ", sh_quote(v)))
-                    .collect();
-                let script = if prefix.is_empty() {
-                    cmd.clone()
-                } else {
-                    format!("export {prefix}; {cmd}")
-                };
-                b.push(format!("RUN {cmd}"), script);
-            }
-            "COPY" | "ADD" => {
-                let parts: Vec<String> = subst(rest, &argv, &b.state.env)
-                    .split_whitespace()
-                    .filter(|p| !p.starts_with("--"))
-                    .map(str::to_string)
-                    .collect();
-                if parts.len() < 2 {
-                    return Err(at("expected COPY <src>... <dest>"));
-                }
-                let (dest, srcs) = parts.split_last().unwrap_or((&parts[0], &[]));
-                let base_dir = b.state.workdir.clone().unwrap_or_else(|| "/".into());
-                for src in srcs {
-                    let src = src.trim_start_matches("./");
-                    let (_, data, mode) = files
-                        .iter()
-                        .find(|(p, _, _)| p.trim_start_matches("./").trim_start_matches('/') == src)
-                        .ok_or_else(|| at(&format!("{src} is not among the build's files")))?;
-                    let target = if dest.ends_with('/') || srcs.len() > 1 {
-                        format!(
-                            "{}/{}",
-                            dest.trim_end_matches('/'),
-                            src.rsplit('/').next().unwrap_or(src)
-                        )
-                    } else {
-                        dest.clone()
-                    };
-                    let target = if target.starts_with('/') {
-                        target
-                    } else {
-                        format!("{}/{target}", base_dir.trim_end_matches('/'))
-                    };
-                    if !valid_abs(&target) {
-                        return Err(at("the destination must be a path without .."));
-                    }
-                    b.file(&target, data, *mode);
-                }
-            }
-            "CMD" | "ENTRYPOINT" => {
-                let cmd = shell_form(rest).ok_or_else(|| at("bad JSON form"))?;
-                *start = Some(json!({"command": cmd}));
-            }
-            "LABEL" | "EXPOSE" | "MAINTAINER" | "SHELL" | "STOPSIGNAL" | "HEALTHCHECK"
-            | "VOLUME" => {}
-            _ => return Err(at("not a supported instruction")),
-        }
-    }
-    if !seen_from {
-        return Err("a Dockerfile needs FROM".into());
-    }
-    Ok(())
 }
 
 // ---- routes -----------------------------------------------------------
@@ -757,42 +244,21 @@ pub async fn create(st: AppState, ctx: Ctx, body: Bytes) -> ApiResult<Reply> {
             Vec::new()
         }
     };
-    if tags
-        .iter()
-        .any(|t| t.is_empty() || t.len() > 128 || t.contains([':', '@', '/', ' ']))
-    {
+    if !tags.iter().all(|t| valid_tag(t)) {
         f.issue(
             "tags",
             "each tag is 1-128 characters without ':', '@', '/' or spaces",
         );
     }
     f.finish()?;
-    let mut base_ref: Option<String> = None;
     let mut start = start.filter(|s| !s.is_null());
-    let mut b = Builder {
-        steps: Vec::new(),
-        state: State {
-            env: Vec::new(),
-            workdir: None,
-            user: "root".into(),
-        },
-        prev: String::new(),
-    };
-    // The base first: its key starts the chain and its state carries over.
-    if let Some(r) = &recipe {
-        if let Some(base) = r.get("base").and_then(Value::as_str) {
-            if !matches!(base, "default" | "runtime") {
-                base_ref = Some(base.to_string());
-            }
-        }
-    }
-    let file_list: Vec<(String, Vec<u8>, Option<u32>)> = match &files {
+    let file_list: Vec<InlineFile> = match &files {
         None | Some(Value::Null) => Vec::new(),
         Some(Value::Array(a)) => a
             .iter()
-            .map(inline_file)
+            .map(InlineFile::parse)
             .collect::<Result<_, _>>()
-            .map_err(|m| ApiError::invalid("files", m))?,
+            .map_err(|e| ApiError::invalid("files", e.to_string()))?,
         Some(_) => {
             return Err(ApiError::invalid(
                 "files",
@@ -800,71 +266,76 @@ pub async fn create(st: AppState, ctx: Ctx, body: Bytes) -> ApiResult<Reply> {
             ))
         }
     };
-    let mut df_start = None;
-    if let Some(text) = &dockerfile {
+    let invalid_dockerfile = |e: ImageError| ApiError::invalid("dockerfile", e.to_string());
+    // The base first: its key starts the chain and its state carries over.
+    let base_ref = match (&recipe, &dockerfile) {
+        (Some(r), _) => recipe::base(r),
         // Read FROM before the rest: a dry parse finds the base.
-        let mut probe = Builder {
-            steps: Vec::new(),
-            state: b.state.clone(),
-            prev: String::new(),
-        };
-        parse_dockerfile(
-            &mut probe,
-            text,
-            &file_list,
-            &build_args,
-            &mut base_ref,
-            &mut df_start,
-        )
-        .map_err(|m| ApiError::invalid("dockerfile", m))?;
-    }
-    let (base_key, base_id) = match &base_ref {
-        None => (root_key(), None),
+        (None, Some(text)) => {
+            let mut probe = Steps::new(
+                "",
+                BuildState {
+                    env: Vec::new(),
+                    workdir: None,
+                    user: ImageUser::Root,
+                },
+            );
+            dockerfile::parse(&mut probe, text, &file_list, &build_args)
+                .map_err(invalid_dockerfile)?
+                .base
+        }
+        (None, None) => None,
+    };
+    let (base_key, base_id, state) = match &base_ref {
+        None => (
+            root_key(),
+            None,
+            // On the server's own image, a Dockerfile starts as root (as
+            // Docker does) and a recipe as the sandbox user.
+            BuildState {
+                env: Vec::new(),
+                workdir: None,
+                user: if dockerfile.is_some() {
+                    ImageUser::Root
+                } else {
+                    ImageUser::User
+                },
+            },
+        ),
         Some(r) => {
+            // On one of ours, both go on as the user it ended with, like
+            // its env and workdir.
             let d = for_create(&st, &ctx.key, r)?;
-            let doc = load(&st, &d.id)?.ok_or_else(|| not_found(r))?;
-            b.state.env = doc.env.clone();
-            b.state.workdir = doc.workdir.clone();
-            b.state.user = doc.user.clone();
-            (doc.disk_key(), Some(doc.id))
+            let doc = load(&st, &d.id)?.ok_or_else(|| not_found(r))?.image;
+            let state = BuildState {
+                env: doc.env.clone(),
+                workdir: doc.workdir.clone(),
+                user: doc.user,
+            };
+            (doc.disk_key().to_string(), Some(doc.id), state)
         }
     };
-    b.prev = base_key.clone();
-    // On the server's own image, a Dockerfile starts as root (as Docker
-    // does) and a recipe as the sandbox user; on one of ours, both go on as
-    // the user it ended with, like its env and workdir.
-    if base_id.is_none() {
-        b.state.user = if dockerfile.is_some() {
-            "root".into()
-        } else {
-            "user".into()
-        };
-    }
+    let mut b = Steps::new(base_key.clone(), state);
     for (k, v) in &env {
-        set_env(&mut b.state.env, k, v);
+        b.state.set_env(k, v);
     }
     let source = if let Some(text) = &dockerfile {
-        let mut ignored = None;
-        parse_dockerfile(
-            &mut b,
-            text,
-            &file_list,
-            &build_args,
-            &mut ignored,
-            &mut df_start,
-        )
-        .map_err(|m| ApiError::invalid("dockerfile", m))?;
+        let parsed =
+            dockerfile::parse(&mut b, text, &file_list, &build_args).map_err(invalid_dockerfile)?;
         if start.is_none() {
-            start = df_start;
+            start = parsed.start;
         }
-        "dockerfile"
+        Source::Dockerfile
     } else {
-        parse_recipe(&mut b, recipe.as_ref().unwrap_or(&Value::Null))
-            .map_err(|m| ApiError::invalid("recipe", m))?;
-        "recipe"
+        recipe::parse(&mut b, recipe.as_ref().unwrap_or(&Value::Null))
+            .map_err(|e| ApiError::invalid("recipe", e.to_string()))?;
+        Source::Recipe
     };
-    if b.steps.len() > 200 {
-        return Err(ApiError::invalid("recipe", "at most 200 steps"));
+    if b.steps.len() > steps::MAX_STEPS {
+        return Err(ApiError::invalid(
+            "recipe",
+            ImageError::TooManySteps.to_string(),
+        ));
     }
     let now = now_ms();
     let version = {
@@ -873,8 +344,8 @@ pub async fn create(st: AppState, ctx: Ctx, body: Bytes) -> ApiResult<Reply> {
             Some(n) => {
                 all(&st)?
                     .iter()
-                    .filter(|d| d.name.as_deref() == Some(n.as_str()))
-                    .map(|d| d.version)
+                    .filter(|d| d.image.name.as_deref() == Some(n.as_str()))
+                    .map(|d| d.image.version)
                     .max()
                     .unwrap_or(0)
                     + 1
@@ -883,37 +354,35 @@ pub async fn create(st: AppState, ctx: Ctx, body: Bytes) -> ApiResult<Reply> {
         }
     };
     let d = ImageDoc {
-        id: uuid::Uuid::new_v4().to_string(),
-        key_id: ctx.key.id.clone(),
-        tags: if name.is_some() { tags } else { Vec::new() },
-        name,
-        version,
-        labels,
-        state: "queued".into(),
-        error: None,
-        source: source.into(),
-        base: base_id,
-        base_key,
-        steps: b.steps,
-        env: b.state.env,
-        workdir: b.state.workdir,
-        user: if b.state.user == "root" {
-            "root".into()
-        } else {
-            "user".into()
+        image: Image {
+            id: uuid::Uuid::new_v4().to_string(),
+            key_id: ctx.key.id.clone(),
+            tags: if name.is_some() { tags } else { Vec::new() },
+            name,
+            version,
+            labels,
+            state: ImageState::Queued,
+            error: None,
+            source,
+            base: base_id,
+            base_key,
+            steps: b.steps,
+            env: b.state.env,
+            workdir: b.state.workdir,
+            user: b.state.user,
+            start,
+            created_at: iso(now),
+            created_ms: now,
+            ready_at: None,
+            build_seconds: None,
+            build_vm: None,
         },
-        start,
-        created_at: iso(now),
-        created_ms: now,
-        ready_at: None,
-        build_seconds: None,
         log: Vec::new(),
-        build_vm: None,
     };
     save(&st, &d)?;
-    tracing::info!(image_id = %d.id, steps = d.steps.len(), "image queued");
+    tracing::info!(image_id = %d.image.id, steps = d.image.steps.len(), "image queued");
     let st2 = st.clone();
-    let id = d.id.clone();
+    let id = d.image.id.clone();
     st.spawn(async move { build(st2, id).await });
     Ok(Reply::Json(StatusCode::CREATED, answer(&d)))
 }
@@ -958,7 +427,7 @@ pub async fn logs(st: AppState, ctx: Ctx, id: String) -> ApiResult<Reply> {
         .collect();
     let next = d.log.last().map_or(after, |l| l.seq.max(after));
     Reply::ok(json!({"lines": lines, "nextAfter": next,
-                     "done": !matches!(d.state.as_str(), "queued" | "building")}))
+                     "done": !d.image.state.in_progress()}))
 }
 
 pub async fn list(st: AppState, ctx: Ctx) -> ApiResult<Reply> {
@@ -972,11 +441,15 @@ pub async fn list(st: AppState, ctx: Ctx) -> ApiResult<Reply> {
     let mut rows: Vec<ImageDoc> = all(&st)?
         .into_iter()
         .filter(|d| visible(&ctx.key, d))
-        .filter(|d| name.as_ref().is_none_or(|n| d.name.as_ref() == Some(n)))
-        .filter(|d| state.as_ref().is_none_or(|s| &d.state == s))
+        .filter(|d| {
+            name.as_ref()
+                .is_none_or(|n| d.image.name.as_ref() == Some(n))
+        })
+        .filter(|d| state.as_ref().is_none_or(|s| d.image.state.as_str() == s))
         .collect();
-    let next =
-        crate::http::extract::page_after(&mut rows, cursor.as_deref(), limit, |d| d.id.as_str())?;
+    let next = crate::http::extract::page_after(&mut rows, cursor.as_deref(), limit, |d| {
+        d.image.id.as_str()
+    })?;
     let data: Vec<Value> = rows.iter().map(answer).collect();
     Reply::ok(json!({"data": data, "nextCursor": next}))
 }
@@ -986,9 +459,9 @@ pub async fn list(st: AppState, ctx: Ctx) -> ApiResult<Reply> {
 pub async fn delete(st: AppState, ctx: Ctx, id: String) -> ApiResult<Reply> {
     let _g = st.inner.create_lock.lock().await;
     let d = load(&st, &id)?
-        .filter(|d| d.key_id == ctx.key.id || ctx.key.account_wide)
+        .filter(|d| d.image.key_id == ctx.key.id || ctx.key.account_wide)
         .ok_or_else(|| not_found(&id))?;
-    if matches!(d.state.as_str(), "queued" | "building") {
+    if d.image.state.in_progress() {
         return Err(ApiError::Conflict {
             code: "image_building",
             message: format!("Image {id} is still building."),
@@ -1048,29 +521,30 @@ pub async fn recover(st: &AppState) -> Result<(), crate::ServerError> {
             return Ok(());
         }
     };
-    for mut d in docs {
-        if !matches!(d.state.as_str(), "queued" | "building") {
+    for mut doc in docs {
+        let d = &mut doc.image;
+        if !d.state.in_progress() {
             continue;
         }
         if let Some(vm) = d.build_vm.take() {
             let _ = st.host().destroy(&vm).await;
             crate::net::sandbox_gone(st, &vm);
         }
-        d.state = "failed".into();
+        d.state = ImageState::Failed;
         d.error = Some(
             "the server restarted during the build; build again (finished steps are cached)".into(),
         );
         for s in &mut d.steps {
-            if s.state == "running" {
-                s.state = "failed".into();
+            if s.state == StepState::Running {
+                s.state = StepState::Failed;
             }
         }
-        let _ = save(st, &d);
+        let _ = save(st, &doc);
     }
     Ok(())
 }
 
-fn log(st: &AppState, id: &str, step: Option<usize>, stream: &str, text: &str) {
+fn log(st: &AppState, id: &str, step: Option<usize>, stream: LogStream, text: &str) {
     let Ok(Some(mut d)) = load(st, id) else {
         return;
     };
@@ -1082,16 +556,16 @@ fn log(st: &AppState, id: &str, step: Option<usize>, stream: &str, text: &str) {
         d.log.push(LogLine {
             seq,
             step,
-            stream: stream.into(),
+            stream,
             text: line.to_string(),
         });
     }
     let _ = save(st, &d);
 }
 
-fn update(st: &AppState, id: &str, f: impl FnOnce(&mut ImageDoc)) {
+fn update(st: &AppState, id: &str, f: impl FnOnce(&mut Image)) {
     if let Ok(Some(mut d)) = load(st, id) {
-        f(&mut d);
+        f(&mut d.image);
         let _ = save(st, &d);
     }
 }
@@ -1106,29 +580,31 @@ async fn build(st: AppState, id: String) {
                 &st,
                 &id,
                 None,
-                "system",
+                LogStream::System,
                 &format!("image ready in {secs:.1} s"),
             );
             let _g = st.inner.create_lock.lock().await;
-            let Ok(Some(mut d)) = load(&st, &id) else {
+            let Ok(Some(mut doc)) = load(&st, &id) else {
                 return;
             };
+            let d = &mut doc.image;
             // Tags move to the newest ready version of the name.
             if let Ok(others) = all(&st) {
-                for mut o in others {
+                for mut other in others {
+                    let o = &mut other.image;
                     if o.id != d.id && o.name.is_some() && o.name == d.name {
                         let before = o.tags.len();
                         o.tags.retain(|t| !d.tags.contains(t));
                         if o.tags.len() != before {
-                            let _ = save(&st, &o);
+                            let _ = save(&st, &other);
                         }
                     }
                 }
             }
-            d.state = "ready".into();
+            d.state = ImageState::Ready;
             d.ready_at = Some(iso(now_ms()));
             d.build_seconds = Some(secs);
-            let _ = save(&st, &d);
+            let _ = save(&st, &doc);
             tracing::info!(image_id = %id, secs, "image ready");
         }
         Err(message) => {
@@ -1136,16 +612,16 @@ async fn build(st: AppState, id: String) {
                 &st,
                 &id,
                 None,
-                "system",
+                LogStream::System,
                 &format!("build failed: {message}"),
             );
             update(&st, &id, |d| {
-                d.state = "failed".into();
+                d.state = ImageState::Failed;
                 d.error = Some(message.clone());
                 d.build_seconds = Some(secs);
                 for s in &mut d.steps {
-                    if s.state == "running" {
-                        s.state = "failed".into();
+                    if s.state == StepState::Running {
+                        s.state = StepState::Failed;
                     }
                 }
             });
@@ -1155,8 +631,12 @@ async fn build(st: AppState, id: String) {
 }
 
 async fn run_build(st: &AppState, id: &str) -> Result<(), String> {
-    let d = load(st, id).ok().flatten().ok_or("the image went away")?;
-    update(st, id, |d| d.state = "building".into());
+    let d = load(st, id)
+        .ok()
+        .flatten()
+        .ok_or("the image went away")?
+        .image;
+    update(st, id, |d| d.state = ImageState::Building);
     // The longest prefix already kept.
     let mut from = d
         .steps
@@ -1175,13 +655,13 @@ async fn run_build(st: &AppState, id: &str) -> Result<(), String> {
             st,
             id,
             Some(s.index),
-            "system",
+            LogStream::System,
             &format!("{} (cached)", s.instruction),
         );
     }
     update(st, id, |d| {
         for s in d.steps.iter_mut().take(from) {
-            s.state = "cached".into();
+            s.state = StepState::Cached;
         }
     });
     if from == d.steps.len() {
@@ -1208,7 +688,7 @@ async fn run_build(st: &AppState, id: &str) -> Result<(), String> {
         volumes: Vec::new(),
         image: base_layer.map(|k| runtime_host::ImageDisk {
             disk: layer_disk(st, &k),
-            key: k.chars().take(32).collect(),
+            key: steps::short_key(&k),
         }),
         // The first step's machine may come from the default template.
         no_template: from > 0 || d.base.is_some(),
@@ -1217,7 +697,7 @@ async fn run_build(st: &AppState, id: &str) -> Result<(), String> {
         st,
         id,
         None,
-        "system",
+        LogStream::System,
         &format!(
             "build machine starting ({} of {} steps cached)",
             from,
@@ -1246,8 +726,8 @@ async fn run_build(st: &AppState, id: &str) -> Result<(), String> {
 async fn run_step(st: &AppState, id: &str, vm: &str, s: &Step) -> Result<(), String> {
     use runtime_host::{ExecEvent, ExecSpec, RunAs};
     let started = std::time::Instant::now();
-    update(st, id, |d| d.steps[s.index].state = "running".into());
-    log(st, id, Some(s.index), "system", &s.instruction);
+    update(st, id, |d| d.steps[s.index].state = StepState::Running);
+    log(st, id, Some(s.index), LogStream::System, &s.instruction);
     let script = format!("set -e\n{}\nsync", s.script.as_deref().unwrap_or("true"));
     let mut env = s.env.clone();
     env.push(("DEBIAN_FRONTEND".into(), "noninteractive".into()));
@@ -1268,18 +748,12 @@ async fn run_step(st: &AppState, id: &str, vm: &str, s: &Step) -> Result<(), Str
             s.instruction
         )
     })?;
-    let mut tail: Vec<String> = Vec::new();
-    let mut pending = String::new();
+    let mut out = StepOutput::default();
     let status = loop {
         match h.events.recv().await {
             Some(ExecEvent::Stdout(b)) | Some(ExecEvent::Stderr(b)) => {
-                pending.push_str(&String::from_utf8_lossy(&b));
-                if let Some(i) = pending.rfind('\n') {
-                    let done: String = pending.drain(..=i).collect();
-                    log(st, id, Some(s.index), "output", &done);
-                    tail.extend(done.lines().map(str::to_string));
-                    let n = tail.len().saturating_sub(20);
-                    tail.drain(..n);
+                if let Some(done) = out.push(&b) {
+                    log(st, id, Some(s.index), LogStream::Output, &done);
                 }
             }
             Some(ExecEvent::Exited(x)) => break x,
@@ -1292,11 +766,8 @@ async fn run_step(st: &AppState, id: &str, vm: &str, s: &Step) -> Result<(), Str
             }
         }
     };
-    if !pending.is_empty() {
-        log(st, id, Some(s.index), "output", &pending);
-        tail.extend(pending.lines().map(str::to_string));
-        let n = tail.len().saturating_sub(20);
-        tail.drain(..n);
+    if let Some(rest) = out.finish() {
+        log(st, id, Some(s.index), LogStream::Output, &rest);
     }
     if status.code != Some(0) {
         let why = match (status.code, status.timed_out) {
@@ -1308,12 +779,12 @@ async fn run_step(st: &AppState, id: &str, vm: &str, s: &Step) -> Result<(), Str
             "step {} ({}) {why}; its last output:\n{}",
             s.index + 1,
             s.instruction,
-            tail.join("\n")
+            out.tail().join("\n")
         ));
     }
     // Keep the disk as this step's layer.
     let dir = layers(st).join(&s.key);
-    let partial = layers(st).join(format!("{}.partial", s.key));
+    let partial = layers(st).join(steps::partial_layer(&s.key));
     let _ = std::fs::remove_dir_all(&partial);
     std::fs::create_dir_all(layers(st)).map_err(|e| e.to_string())?;
     st.host()
@@ -1338,7 +809,7 @@ async fn run_step(st: &AppState, id: &str, vm: &str, s: &Step) -> Result<(), Str
     std::fs::rename(&partial, &dir).map_err(|e| e.to_string())?;
     let secs = started.elapsed().as_secs_f64();
     update(st, id, |d| {
-        d.steps[s.index].state = "done".into();
+        d.steps[s.index].state = StepState::Done;
         d.steps[s.index].seconds = Some(secs);
     });
     Ok(())

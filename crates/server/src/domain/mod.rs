@@ -3,6 +3,7 @@
 //! at the bottom of its file.
 
 pub(crate) mod access;
+pub(crate) mod image;
 pub(crate) mod interpreter;
 pub(crate) mod lease;
 pub(crate) mod lifecycle;
