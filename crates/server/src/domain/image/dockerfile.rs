@@ -171,7 +171,12 @@ pub(crate) fn parse(
                         .iter()
                         .find(|f| f.path.trim_start_matches("./").trim_start_matches('/') == src)
                         .ok_or_else(|| at(Problem::NotAmongFiles(src.to_string())))?;
-                    let target = if dest.ends_with('/') || srcs.len() > 1 {
+                    // `dir/`, `.` and `dir/.` name a directory to copy into.
+                    let into_dir = dest.ends_with('/')
+                        || dest == "."
+                        || dest.ends_with("/.")
+                        || srcs.len() > 1;
+                    let target = if into_dir {
                         format!(
                             "{}/{}",
                             dest.trim_end_matches('/'),
@@ -630,5 +635,26 @@ mod tests {
         assert_eq!(e(""), "a Dockerfile needs FROM");
         assert_eq!(e("# only a comment\n"), "a Dockerfile needs FROM");
         assert_eq!(e("ARG A=1"), "a Dockerfile needs FROM");
+    }
+
+    #[test]
+    fn copy_to_dot_copies_into_the_workdir() {
+        // `COPY app.py .` is Docker's usual form: the file goes into the
+        // directory, not onto the directory's own path.
+        let files = [file("app.py", "A")];
+        let (b, _) = build(
+            "FROM runtime\nWORKDIR /srv\nCOPY app.py .\nCOPY app.py /opt/.",
+            &files,
+            &[],
+        )
+        .unwrap();
+        assert_eq!(
+            b.steps[1].instruction,
+            "COPY /srv/./app.py (1 bytes, sha256 559aead08264)"
+        );
+        assert_eq!(
+            b.steps[2].instruction,
+            "COPY /opt/./app.py (1 bytes, sha256 559aead08264)"
+        );
     }
 }
