@@ -235,14 +235,47 @@ fn logical_lines(text: &str) -> Vec<String> {
     logical
 }
 
-/// `$NAME` and `${NAME}` replaced by the build's variables (ENV before ARG).
+/// `$NAME` and `${NAME}` replaced by the build's variables (ENV before
+/// ARG), each name read whole and each value put in as it is; an unknown
+/// name stays as written.
 fn substitute(s: &str, argv: &[(String, String)], env: &[(String, String)]) -> String {
-    let mut out = s.to_string();
-    for (k, v) in env.iter().chain(argv.iter()) {
-        out = out
-            .replace(&format!("${{{k}}}"), v)
-            .replace(&format!("${k}"), v);
+    let value = |name: &str| {
+        env.iter()
+            .chain(argv.iter())
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.as_str())
+    };
+    let mut out = String::with_capacity(s.len());
+    let mut rest = s;
+    while let Some(i) = rest.find('$') {
+        out.push_str(&rest[..i]);
+        let after = &rest[i + 1..];
+        let (name, len) = if let Some(braced) = after.strip_prefix('{') {
+            match braced.find('}') {
+                Some(end) => (&braced[..end], end + 2),
+                None => ("", 0),
+            }
+        } else {
+            let end = after
+                .char_indices()
+                .find(|(k, c)| {
+                    !(c.is_ascii_alphanumeric() || *c == '_') || (*k == 0 && c.is_ascii_digit())
+                })
+                .map_or(after.len(), |(k, _)| k);
+            (&after[..end], end)
+        };
+        match value(name).filter(|_| !name.is_empty()) {
+            Some(v) => {
+                out.push_str(v);
+                rest = &after[len..];
+            }
+            None => {
+                out.push('$');
+                rest = after;
+            }
+        }
     }
+    out.push_str(rest);
     out
 }
 
@@ -656,5 +689,18 @@ mod tests {
             b.steps[2].instruction,
             "COPY /opt/./app.py (1 bytes, sha256 559aead08264)"
         );
+    }
+
+    #[test]
+    fn a_variable_is_replaced_whole_and_once() {
+        // `$V` is not the start of `$VERSION`, and a value is not read again
+        // for more variables.
+        let b = ok("FROM runtime\nARG V=1\nARG VERSION=2.0\nENV A=$VERSION B=${V}x C=$Vx");
+        assert_eq!(env(&b), [("A", "2.0"), ("B", "1x"), ("C", "$Vx")]);
+        let b = ok("FROM runtime\nENV A=$B\nENV B=x\nENV C=${A}");
+        assert_eq!(env(&b), [("A", "$B"), ("B", "x"), ("C", "$B")]);
+        // ENV wins over ARG; unknown names and a lone `$` stay as written.
+        let b = ok("FROM runtime\nARG N=arg\nENV N=env\nENV M=$N/$NOPE/${NOPE}/$/${");
+        assert_eq!(env(&b), [("N", "env"), ("M", "env/$NOPE/${NOPE}/$/${")]);
     }
 }
