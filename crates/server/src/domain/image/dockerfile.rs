@@ -211,14 +211,15 @@ pub(crate) fn parse(
     Ok(out)
 }
 
-/// The instructions of `text`: blank lines and comments dropped, lines
-/// ending in `\` joined with the next.
+/// The instructions of `text`: blank lines and comment lines dropped (also
+/// inside a continued instruction), lines ending in `\` joined with the
+/// next.
 fn logical_lines(text: &str) -> Vec<String> {
     let mut logical = Vec::new();
     let mut cur = String::new();
     for line in text.lines() {
         let t = line.trim();
-        if cur.is_empty() && (t.is_empty() || t.starts_with('#')) {
+        if t.is_empty() || t.starts_with('#') {
             continue;
         }
         if let Some(head) = t.strip_suffix('\\') {
@@ -702,5 +703,16 @@ mod tests {
         // ENV wins over ARG; unknown names and a lone `$` stay as written.
         let b = ok("FROM runtime\nARG N=arg\nENV N=env\nENV M=$N/$NOPE/${NOPE}/$/${");
         assert_eq!(env(&b), [("N", "env"), ("M", "env/$NOPE/${NOPE}/$/${")]);
+    }
+
+    #[test]
+    fn comments_and_blank_lines_inside_a_continuation_are_dropped() {
+        // As in Docker: a comment line inside a continued instruction is
+        // not part of it, and a blank line does not end it.
+        let b = ok("FROM runtime\nRUN apt-get update \\\n    # the tools\n    && apt-get install -y jq \\\n\n    && true");
+        assert_eq!(
+            instructions(&b),
+            ["RUN apt-get update  && apt-get install -y jq  && true"]
+        );
     }
 }
