@@ -19,7 +19,6 @@ use std::time::Duration;
 use axum::body::Bytes;
 use axum::http::StatusCode;
 use runtime_host::RunAs;
-use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
 use crate::domain::access::KeyInfo;
@@ -35,19 +34,9 @@ use crate::http::{Ctx, Reply};
 use crate::service::clock::now_ms;
 use crate::AppState;
 
-const KIND: &str = "image";
-const SCOPE: &str = "images";
 /// Most log lines an image keeps (the newest are dropped past it).
 const MAX_LOG_LINES: usize = 5000;
 const STEP_TIMEOUT: Duration = Duration::from_secs(1800);
-
-/// An image with its log, as one document.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-struct ImageDoc {
-    #[serde(flatten)]
-    image: Image,
-    log: Vec<LogLine>,
-}
 
 fn not_found(id: &str) -> ApiError {
     ApiError::NotFound {
@@ -70,40 +59,24 @@ fn root_key() -> String {
     format!("base-{}", runtime_host::artifacts::rootfs_key())
 }
 
-fn visible(key: &KeyInfo, d: &ImageDoc) -> bool {
-    crate::domain::access::visible(key, &d.image.key_id)
+fn visible(key: &KeyInfo, d: &Image) -> bool {
+    crate::domain::access::visible(key, &d.key_id)
 }
 
-fn save(st: &AppState, d: &ImageDoc) -> ApiResult<()> {
-    st.store().doc_put(
-        KIND,
-        SCOPE,
-        &d.image.id,
-        &serde_json::to_value(d).unwrap_or(Value::Null),
-    )?;
-    Ok(())
+fn load(st: &AppState, id: &str) -> ApiResult<Option<Image>> {
+    Ok(st.store().get_image(id)?)
 }
 
-fn load(st: &AppState, id: &str) -> ApiResult<Option<ImageDoc>> {
-    Ok(st
-        .store()
-        .doc_get(KIND, SCOPE, id)?
-        .and_then(|d| serde_json::from_value(d).ok()))
+fn all(st: &AppState) -> ApiResult<Vec<Image>> {
+    Ok(st.store().images()?)
 }
 
-fn all(st: &AppState) -> ApiResult<Vec<ImageDoc>> {
-    let mut out: Vec<ImageDoc> = st
-        .store()
-        .doc_list(KIND, Some(SCOPE))?
-        .into_iter()
-        .filter_map(|(_, _, d)| serde_json::from_value(d).ok())
-        .collect();
-    out.sort_by(|a, b| (b.image.created_ms, &b.image.id).cmp(&(a.image.created_ms, &a.image.id)));
-    Ok(out)
+fn log_of(st: &AppState, id: &str) -> ApiResult<Vec<LogLine>> {
+    Ok(st.store().image_log(id)?)
 }
 
 /// An image by id, `name`, `name:tag` or `name@version`, as `key` sees it.
-fn resolve(st: &AppState, key: &KeyInfo, r: &str) -> ApiResult<ImageDoc> {
+fn resolve(st: &AppState, key: &KeyInfo, r: &str) -> ApiResult<Image> {
     if let Some(d) = load(st, r)? {
         if visible(key, &d) {
             return Ok(d);
@@ -112,8 +85,19 @@ fn resolve(st: &AppState, key: &KeyInfo, r: &str) -> ApiResult<ImageDoc> {
     let wanted = ImageRef::parse(r).ok_or_else(|| not_found(r))?;
     all(st)?
         .into_iter()
-        .find(|d| visible(key, d) && wanted.picks(&d.image))
+        .find(|d| visible(key, d) && wanted.picks(d))
         .ok_or_else(|| not_found(r))
+}
+
+/// An image for `start_of` and `disk_of`, which have no error to answer.
+fn load_quietly(st: &AppState, id: &str) -> Option<Image> {
+    match st.store().get_image(id) {
+        Ok(d) => d,
+        Err(e) => {
+            tracing::warn!(image_id = id, error = %e, "reading an image failed");
+            None
+        }
+    }
 }
 
 /// What a sandbox started from the image needs: its disk and environment.
@@ -124,7 +108,7 @@ pub struct ForSandbox {
 
 /// The image a create names, which must be ready.
 pub fn for_create(st: &AppState, key: &KeyInfo, r: &str) -> ApiResult<ForSandbox> {
-    let d = resolve(st, key, r)?.image;
+    let d = resolve(st, key, r)?;
     if d.state != ImageState::Ready {
         return Err(ApiError::Conflict {
             code: "image_not_ready",
@@ -142,7 +126,7 @@ pub fn for_create(st: &AppState, key: &KeyInfo, r: &str) -> ApiResult<ForSandbox
 /// command (a string run by bash, or an argv), in the image's workdir, as
 /// the image's user.
 pub fn start_of(st: &AppState, id: &str) -> Option<(Vec<String>, Option<String>, RunAs)> {
-    let d = load(st, id).ok().flatten()?.image;
+    let d = load_quietly(st, id)?;
     let argv = start_argv(d.start.as_ref())?;
     let user = match d.user {
         ImageUser::Root => RunAs::Root,
@@ -153,7 +137,7 @@ pub fn start_of(st: &AppState, id: &str) -> Option<(Vec<String>, Option<String>,
 
 /// The disk a sandbox on image `id` boots on.
 pub fn disk_of(st: &AppState, id: &str) -> Option<runtime_host::ImageDisk> {
-    let d = load(st, id).ok().flatten()?.image;
+    let d = load_quietly(st, id)?;
     if d.is_plain_base() {
         return None;
     }
@@ -164,8 +148,7 @@ pub fn disk_of(st: &AppState, id: &str) -> Option<runtime_host::ImageDisk> {
     })
 }
 
-fn answer(d: &ImageDoc) -> Value {
-    let (d, log) = (&d.image, &d.log);
+fn answer(d: &Image, log: &[LogLine]) -> Value {
     let steps: Vec<Value> = d
         .steps
         .iter()
@@ -306,7 +289,7 @@ pub async fn create(st: AppState, ctx: Ctx, body: Bytes) -> ApiResult<Reply> {
             // On one of ours, both go on as the user it ended with, like
             // its env and workdir.
             let d = for_create(&st, &ctx.key, r)?;
-            let doc = load(&st, &d.id)?.ok_or_else(|| not_found(r))?.image;
+            let doc = load(&st, &d.id)?.ok_or_else(|| not_found(r))?;
             let state = BuildState {
                 env: doc.env.clone(),
                 workdir: doc.workdir.clone(),
@@ -338,60 +321,44 @@ pub async fn create(st: AppState, ctx: Ctx, body: Bytes) -> ApiResult<Reply> {
         ));
     }
     let now = now_ms();
-    let version = {
-        let _g = st.inner.create_lock.lock().await;
-        match &name {
-            Some(n) => {
-                all(&st)?
-                    .iter()
-                    .filter(|d| d.image.name.as_deref() == Some(n.as_str()))
-                    .map(|d| d.image.version)
-                    .max()
-                    .unwrap_or(0)
-                    + 1
-            }
-            None => 1,
-        }
+    let mut d = Image {
+        id: uuid::Uuid::new_v4().to_string(),
+        key_id: ctx.key.id.clone(),
+        tags: if name.is_some() { tags } else { Vec::new() },
+        name,
+        // The store gives it the next of its name.
+        version: 0,
+        labels,
+        state: ImageState::Queued,
+        error: None,
+        source,
+        base: base_id,
+        base_key,
+        steps: b.steps,
+        env: b.state.env,
+        workdir: b.state.workdir,
+        user: b.state.user,
+        start,
+        created_at: iso(now),
+        created_ms: now,
+        ready_at: None,
+        build_seconds: None,
+        build_vm: None,
     };
-    let d = ImageDoc {
-        image: Image {
-            id: uuid::Uuid::new_v4().to_string(),
-            key_id: ctx.key.id.clone(),
-            tags: if name.is_some() { tags } else { Vec::new() },
-            name,
-            version,
-            labels,
-            state: ImageState::Queued,
-            error: None,
-            source,
-            base: base_id,
-            base_key,
-            steps: b.steps,
-            env: b.state.env,
-            workdir: b.state.workdir,
-            user: b.state.user,
-            start,
-            created_at: iso(now),
-            created_ms: now,
-            ready_at: None,
-            build_seconds: None,
-            build_vm: None,
-        },
-        log: Vec::new(),
-    };
-    save(&st, &d)?;
-    tracing::info!(image_id = %d.image.id, steps = d.image.steps.len(), "image queued");
+    st.store().insert_image(&mut d)?;
+    tracing::info!(image_id = %d.id, version = d.version, steps = d.steps.len(), "image queued");
     let st2 = st.clone();
-    let id = d.image.id.clone();
+    let id = d.id.clone();
     st.spawn(async move { build(st2, id).await });
-    Ok(Reply::Json(StatusCode::CREATED, answer(&d)))
+    Ok(Reply::Json(StatusCode::CREATED, answer(&d, &[])))
 }
 
 pub async fn get(st: AppState, ctx: Ctx, id: String) -> ApiResult<Reply> {
     let d = load(&st, &id)?
         .filter(|d| visible(&ctx.key, d))
         .ok_or_else(|| not_found(&id))?;
-    Reply::ok(answer(&d))
+    let log = log_of(&st, &d.id)?;
+    Reply::ok(answer(&d, &log))
 }
 
 pub async fn resolve_route(st: AppState, ctx: Ctx) -> ApiResult<Reply> {
@@ -401,7 +368,9 @@ pub async fn resolve_route(st: AppState, ctx: Ctx) -> ApiResult<Reply> {
         .find(|(k, _)| k == "ref")
         .map(|(_, v)| v.clone())
         .ok_or_else(|| ApiError::invalid("ref", "is required"))?;
-    Reply::ok(answer(&resolve(&st, &ctx.key, &r)?))
+    let d = resolve(&st, &ctx.key, &r)?;
+    let log = log_of(&st, &d.id)?;
+    Reply::ok(answer(&d, &log))
 }
 
 pub async fn logs(st: AppState, ctx: Ctx, id: String) -> ApiResult<Reply> {
@@ -419,15 +388,15 @@ pub async fn logs(st: AppState, ctx: Ctx, id: String) -> ApiResult<Reply> {
             feature: "following build logs",
         });
     }
-    let lines: Vec<Value> = d
-        .log
+    let log = log_of(&st, &d.id)?;
+    let lines: Vec<Value> = log
         .iter()
         .filter(|l| l.seq > after)
         .map(|l| json!({"seq": l.seq, "step": l.step, "stream": l.stream, "text": l.text}))
         .collect();
-    let next = d.log.last().map_or(after, |l| l.seq.max(after));
+    let next = log.last().map_or(after, |l| l.seq.max(after));
     Reply::ok(json!({"lines": lines, "nextAfter": next,
-                     "done": !d.image.state.in_progress()}))
+                     "done": !d.state.in_progress()}))
 }
 
 pub async fn list(st: AppState, ctx: Ctx) -> ApiResult<Reply> {
@@ -438,19 +407,18 @@ pub async fn list(st: AppState, ctx: Ctx) -> ApiResult<Reply> {
     let limit = f.q_int("limit", 1, 100).unwrap_or(50) as usize;
     let cursor = f.string("cursor").filter(|c| !c.is_empty());
     f.finish()?;
-    let mut rows: Vec<ImageDoc> = all(&st)?
+    let mut rows: Vec<Image> = all(&st)?
         .into_iter()
         .filter(|d| visible(&ctx.key, d))
-        .filter(|d| {
-            name.as_ref()
-                .is_none_or(|n| d.image.name.as_ref() == Some(n))
-        })
-        .filter(|d| state.as_ref().is_none_or(|s| d.image.state.as_str() == s))
+        .filter(|d| name.as_ref().is_none_or(|n| d.name.as_ref() == Some(n)))
+        .filter(|d| state.as_ref().is_none_or(|s| d.state.as_str() == s))
         .collect();
-    let next = crate::http::extract::page_after(&mut rows, cursor.as_deref(), limit, |d| {
-        d.image.id.as_str()
-    })?;
-    let data: Vec<Value> = rows.iter().map(answer).collect();
+    let next =
+        crate::http::extract::page_after(&mut rows, cursor.as_deref(), limit, |d| d.id.as_str())?;
+    let mut data: Vec<Value> = Vec::with_capacity(rows.len());
+    for d in &rows {
+        data.push(answer(d, &log_of(&st, &d.id)?));
+    }
     Reply::ok(json!({"data": data, "nextCursor": next}))
 }
 
@@ -459,9 +427,9 @@ pub async fn list(st: AppState, ctx: Ctx) -> ApiResult<Reply> {
 pub async fn delete(st: AppState, ctx: Ctx, id: String) -> ApiResult<Reply> {
     let _g = st.inner.create_lock.lock().await;
     let d = load(&st, &id)?
-        .filter(|d| d.image.key_id == ctx.key.id || ctx.key.account_wide)
+        .filter(|d| d.key_id == ctx.key.id || ctx.key.account_wide)
         .ok_or_else(|| not_found(&id))?;
-    if d.image.state.in_progress() {
+    if d.state.in_progress() {
         return Err(ApiError::Conflict {
             code: "image_building",
             message: format!("Image {id} is still building."),
@@ -483,7 +451,7 @@ pub async fn delete(st: AppState, ctx: Ctx, id: String) -> ApiResult<Reply> {
             details: Some(json!({"sandboxId": user.record.id})),
         });
     }
-    st.store().doc_delete(KIND, SCOPE, Some(&id))?;
+    st.store().delete_image(&id)?;
     Reply::ok(json!({"id": id, "kind": "image", "status": "deleted"}))
 }
 
@@ -514,59 +482,61 @@ pub async fn action(
 /// After a restart: builds that were under way failed (their finished steps
 /// stay cached, so building again resumes there); their machines end.
 pub async fn recover(st: &AppState) -> Result<(), crate::ServerError> {
-    let docs = match all(st) {
+    let images = match all(st) {
         Ok(d) => d,
         Err(e) => {
             tracing::warn!(error = %e, "reading images failed");
             return Ok(());
         }
     };
-    for mut doc in docs {
-        let d = &mut doc.image;
-        if !d.state.in_progress() {
-            continue;
-        }
-        if let Some(vm) = d.build_vm.take() {
-            let _ = st.host().destroy(&vm).await;
-            crate::net::sandbox_gone(st, &vm);
-        }
-        d.state = ImageState::Failed;
-        d.error = Some(
-            "the server restarted during the build; build again (finished steps are cached)".into(),
-        );
-        for s in &mut d.steps {
-            if s.state == StepState::Running {
-                s.state = StepState::Failed;
+    for d in images.into_iter().filter(|d| d.state.in_progress()) {
+        if let Some(vm) = &d.build_vm {
+            if let Err(e) = st.host().destroy(vm).await {
+                tracing::warn!(image_id = %d.id, vm = %vm, error = %e, "ending a build machine failed");
             }
+            crate::net::sandbox_gone(st, vm);
         }
-        let _ = save(st, &doc);
+        update(st, &d.id, |d| {
+            d.build_vm = None;
+            d.state = ImageState::Failed;
+            d.error = Some(
+                "the server restarted during the build; build again (finished steps are cached)"
+                    .into(),
+            );
+            fail_running_steps(d);
+        });
     }
     Ok(())
 }
 
-fn log(st: &AppState, id: &str, step: Option<usize>, stream: LogStream, text: &str) {
-    let Ok(Some(mut d)) = load(st, id) else {
-        return;
-    };
-    for line in text.lines() {
-        if d.log.len() >= MAX_LOG_LINES {
-            break;
+fn fail_running_steps(d: &mut Image) {
+    for s in &mut d.steps {
+        if s.state == StepState::Running {
+            s.state = StepState::Failed;
         }
-        let seq = d.log.last().map_or(1, |l| l.seq + 1);
-        d.log.push(LogLine {
-            seq,
-            step,
-            stream,
-            text: line.to_string(),
-        });
     }
-    let _ = save(st, &d);
 }
 
+/// Appends `text`'s lines to an image's log (a failure is logged: the
+/// build goes on).
+fn log(st: &AppState, id: &str, step: Option<usize>, stream: LogStream, text: &str) {
+    let lines: Vec<&str> = text.lines().collect();
+    if let Err(e) = st
+        .store()
+        .append_image_log(id, step, stream, &lines, MAX_LOG_LINES)
+    {
+        tracing::warn!(image_id = id, error = %e, "writing an image's log failed");
+    }
+}
+
+/// Changes an image's record (a failure is logged: the build goes on).
 fn update(st: &AppState, id: &str, f: impl FnOnce(&mut Image)) {
-    if let Ok(Some(mut d)) = load(st, id) {
-        f(&mut d.image);
-        let _ = save(st, &d);
+    let r = st.store().update_image(id, |d| {
+        f(d);
+        true
+    });
+    if let Err(e) = r {
+        tracing::warn!(image_id = id, error = %e, "recording an image's build failed");
     }
 }
 
@@ -584,27 +554,34 @@ async fn build(st: AppState, id: String) {
                 &format!("image ready in {secs:.1} s"),
             );
             let _g = st.inner.create_lock.lock().await;
-            let Ok(Some(mut doc)) = load(&st, &id) else {
-                return;
+            let d = match load(&st, &id) {
+                Ok(Some(d)) => d,
+                Ok(None) => return,
+                Err(e) => {
+                    tracing::warn!(image_id = %id, error = %e, "reading a built image failed");
+                    return;
+                }
             };
-            let d = &mut doc.image;
             // Tags move to the newest ready version of the name.
-            if let Ok(others) = all(&st) {
-                for mut other in others {
-                    let o = &mut other.image;
-                    if o.id != d.id && o.name.is_some() && o.name == d.name {
-                        let before = o.tags.len();
-                        o.tags.retain(|t| !d.tags.contains(t));
-                        if o.tags.len() != before {
-                            let _ = save(&st, &other);
+            if d.name.is_some() {
+                match all(&st) {
+                    Ok(others) => {
+                        for o in others.iter().filter(|o| o.id != d.id && o.name == d.name) {
+                            if o.tags.iter().any(|t| d.tags.contains(t)) {
+                                update(&st, &o.id, |o| o.tags.retain(|t| !d.tags.contains(t)));
+                            }
                         }
+                    }
+                    Err(e) => {
+                        tracing::warn!(image_id = %id, error = %e, "moving tags to a built image failed")
                     }
                 }
             }
-            d.state = ImageState::Ready;
-            d.ready_at = Some(iso(now_ms()));
-            d.build_seconds = Some(secs);
-            let _ = save(&st, &doc);
+            update(&st, &id, |d| {
+                d.state = ImageState::Ready;
+                d.ready_at = Some(iso(now_ms()));
+                d.build_seconds = Some(secs);
+            });
             tracing::info!(image_id = %id, secs, "image ready");
         }
         Err(message) => {
@@ -619,11 +596,7 @@ async fn build(st: AppState, id: String) {
                 d.state = ImageState::Failed;
                 d.error = Some(message.clone());
                 d.build_seconds = Some(secs);
-                for s in &mut d.steps {
-                    if s.state == StepState::Running {
-                        s.state = StepState::Failed;
-                    }
-                }
+                fail_running_steps(d);
             });
             tracing::warn!(image_id = %id, %message, "image build failed");
         }
@@ -631,11 +604,7 @@ async fn build(st: AppState, id: String) {
 }
 
 async fn run_build(st: &AppState, id: &str) -> Result<(), String> {
-    let d = load(st, id)
-        .ok()
-        .flatten()
-        .ok_or("the image went away")?
-        .image;
+    let d = load(st, id).ok().flatten().ok_or("the image went away")?;
     update(st, id, |d| d.state = ImageState::Building);
     // The longest prefix already kept.
     let mut from = d

@@ -4,9 +4,9 @@
 //!
 //! A volume is `data_dir/volumes/<id>.ext4`, a sparse raw file holding an
 //! ext4 file system (made on the host once, owned inside by the sandbox
-//! user); its record is a document in the store (kind `volume`). A create
-//! names up to four `{volumeId, path, mode}`; they are kept per sandbox
-//! (kind `sandbox_volumes`) and become the [`MachineSpec`] drives of every
+//! user); its record is a row of the store's `volumes`. A create names up
+//! to four `{volumeId, path, mode}`; they are kept per sandbox (table
+//! `volume_attachments`) and become the [`MachineSpec`] drives of every
 //! start, wake and recovery. `rw`: the volume itself, one live sandbox at a
 //! time. `snapshot`: the machine's own copy taken at boot (after a running
 //! writer's guest flushed its writes), written freely and discarded with it.
@@ -18,87 +18,25 @@
 //! (`volume_attached`): a copy would share the drive, or restore a machine
 //! whose devices differ.
 
-use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 use axum::body::Bytes;
 use axum::http::StatusCode;
-use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
 use crate::domain::access::KeyInfo;
-use crate::domain::lifecycle::SandboxState;
 use crate::domain::time::iso;
+pub(crate) use crate::domain::volume::Attachment;
+use crate::domain::volume::{
+    hold_of, overlap, path_problem, AttachMode, Hold, Volume, MAX_ATTACH, MAX_SIZE_MIB,
+    MIN_SIZE_MIB,
+};
 use crate::error::{ApiError, ApiResult};
 use crate::http::extract::{checked_labels, checked_name};
 use crate::http::extract::{json_object, no_fields, query_object, Fields};
 use crate::http::{Ctx, Reply};
 use crate::service::clock::now_ms;
 use crate::AppState;
-
-/// Most volumes one sandbox attaches.
-pub const MAX_ATTACH: usize = 4;
-pub const MIN_SIZE_MIB: i64 = 16;
-pub const MAX_SIZE_MIB: i64 = 1 << 20;
-const KIND: &str = "volume";
-const SCOPE: &str = "volumes";
-const ATTACH: &str = "sandbox_volumes";
-
-/// A volume as stored; the answer adds its attachments and usage.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-struct VolumeDoc {
-    id: String,
-    key_id: String,
-    name: Option<String>,
-    labels: BTreeMap<String, String>,
-    #[serde(rename = "sizeMiB")]
-    size_mib: u32,
-    created_at: String,
-    created_ms: i64,
-}
-
-/// One volume of a sandbox, as its create named it.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
-#[serde(rename_all = "camelCase")]
-pub struct Attachment {
-    pub volume_id: String,
-    pub path: String,
-    /// `rw` or `snapshot`.
-    pub mode: String,
-}
-
-/// Directories a volume may not be mounted on or under: the system's own.
-const SYSTEM_DIRS: &[&str] = &[
-    "proc", "sys", "dev", "etc", "bin", "sbin", "lib", "lib32", "lib64", "libx32", "usr", "boot",
-    "run", "var", "root",
-];
-
-/// Why a guest mount point is refused, if it is.
-pub fn path_problem(path: &str) -> Option<&'static str> {
-    if !path.starts_with('/') {
-        return Some("must be an absolute path");
-    }
-    if path.len() > 255 || path.chars().any(|c| c.is_control() || c == '\\') {
-        return Some("must be at most 255 characters without control characters");
-    }
-    let parts: Vec<&str> = path[1..].split('/').collect();
-    if parts
-        .iter()
-        .any(|p| p.is_empty() || *p == "." || *p == "..")
-    {
-        return Some("must be a normalized path (no empty, . or .. parts, no trailing /)");
-    }
-    if SYSTEM_DIRS.contains(&parts[0]) {
-        return Some(
-            "may not be a system directory or under one (/proc, /sys, /dev, /etc, /usr, /var, ...)",
-        );
-    }
-    if parts.len() == 1 && matches!(parts[0], "workspace" | "tmp" | "home") {
-        return Some("may not replace /workspace, /tmp or /home; use a directory below them");
-    }
-    None
-}
 
 fn file(st: &AppState, id: &str) -> PathBuf {
     st.config()
@@ -115,28 +53,19 @@ fn not_found(id: &str) -> ApiError {
     }
 }
 
-fn visible(key: &KeyInfo, d: &VolumeDoc) -> bool {
-    key.account_wide || key.read_only || d.key_id == key.id
+fn visible(key: &KeyInfo, d: &Volume) -> bool {
+    crate::domain::access::visible(key, &d.key_id)
 }
 
-fn all(st: &AppState) -> ApiResult<Vec<VolumeDoc>> {
-    let mut out = Vec::new();
-    for (_, _, doc) in st.store().doc_list(KIND, Some(SCOPE))? {
-        if let Ok(d) = serde_json::from_value::<VolumeDoc>(doc) {
-            out.push(d);
-        }
-    }
-    out.sort_by(|a, b| (b.created_ms, &b.id).cmp(&(a.created_ms, &a.id)));
-    Ok(out)
+fn all(st: &AppState) -> ApiResult<Vec<Volume>> {
+    Ok(st.store().volumes()?)
 }
 
 /// A volume by id, or by name among this key's.
-fn find(st: &AppState, key: &KeyInfo, which: &str) -> ApiResult<VolumeDoc> {
-    if let Some(doc) = st.store().doc_get(KIND, SCOPE, which)? {
-        if let Ok(d) = serde_json::from_value::<VolumeDoc>(doc) {
-            if visible(key, &d) {
-                return Ok(d);
-            }
+fn find(st: &AppState, key: &KeyInfo, which: &str) -> ApiResult<Volume> {
+    if let Some(d) = st.store().get_volume(which)? {
+        if visible(key, &d) {
+            return Ok(d);
         }
     }
     all(st)?
@@ -145,35 +74,23 @@ fn find(st: &AppState, key: &KeyInfo, which: &str) -> ApiResult<VolumeDoc> {
         .ok_or_else(|| not_found(which))
 }
 
-/// The volumes kept for a sandbox (empty without any).
-pub fn attachments(st: &AppState, sandbox_id: &str) -> Vec<Attachment> {
-    st.store()
-        .doc_get(ATTACH, sandbox_id, "")
-        .ok()
-        .flatten()
-        .and_then(|d| serde_json::from_value(d).ok())
-        .unwrap_or_default()
-}
-
 /// The drives of a sandbox's machine, in the order of its create.
 pub fn drives(st: &AppState, sandbox_id: &str) -> Vec<runtime_host::VolumeDrive> {
-    attachments(st, sandbox_id)
-        .into_iter()
+    // Only an unreadable store leaves them out (and says so).
+    let list = match st.store().attachments_of(sandbox_id) {
+        Ok(l) => l,
+        Err(e) => {
+            tracing::error!(sandbox_id, error = %e, "reading a sandbox's volumes failed");
+            Vec::new()
+        }
+    };
+    list.into_iter()
         .map(|a| runtime_host::VolumeDrive {
             file: file(st, &a.volume_id),
-            snapshot: a.mode == "snapshot",
+            snapshot: a.mode == AttachMode::Snapshot,
             path: a.path,
         })
         .collect()
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Hold {
-    /// The sandbox may run again: it keeps the volume.
-    Active,
-    /// It has ended and its machine is going away.
-    Releasing,
-    Free,
 }
 
 async fn hold(st: &AppState, sandbox_id: &str) -> ApiResult<Hold> {
@@ -181,12 +98,8 @@ async fn hold(st: &AppState, sandbox_id: &str) -> ApiResult<Hold> {
         return Ok(Hold::Free);
     };
     let r = &row.record;
-    if row.deleted.is_none() && (r.state != SandboxState::Stopped || r.persistent) {
-        return Ok(if r.state == SandboxState::Stopping {
-            Hold::Releasing
-        } else {
-            Hold::Active
-        });
+    if let Some(h) = hold_of(row.deleted.is_some(), r.state, r.persistent) {
+        return Ok(h);
     }
     // Ended: free once no lifecycle change is under way and no machine runs.
     let lock = st.lifecycle_lock(sandbox_id);
@@ -201,11 +114,12 @@ async fn hold(st: &AppState, sandbox_id: &str) -> ApiResult<Hold> {
 /// sandboxes that let go (whose records are dropped on the way).
 async fn holders(st: &AppState) -> ApiResult<Vec<(String, String, Attachment, Hold)>> {
     let mut out = Vec::new();
-    for (sandbox_id, _, doc) in st.store().doc_list(ATTACH, None)? {
-        let list: Vec<Attachment> = serde_json::from_value(doc).unwrap_or_default();
+    for (sandbox_id, list) in st.store().all_attachments(None)? {
         let h = hold(st, &sandbox_id).await?;
         if h == Hold::Free {
-            let _ = st.store().doc_delete(ATTACH, &sandbox_id, None);
+            if let Err(e) = st.store().drop_attachments(&sandbox_id) {
+                tracing::warn!(sandbox_id = %sandbox_id, error = %e, "forgetting a sandbox's volumes failed");
+            }
             continue;
         }
         for a in list {
@@ -215,7 +129,7 @@ async fn holders(st: &AppState) -> ApiResult<Vec<(String, String, Attachment, Ho
     Ok(out)
 }
 
-fn answer(st: &AppState, d: &VolumeDoc, held: &[(String, String, Attachment, Hold)]) -> Value {
+fn answer(st: &AppState, d: &Volume, held: &[(String, String, Attachment, Hold)]) -> Value {
     use std::os::unix::fs::MetadataExt;
     let used = std::fs::metadata(file(st, &d.id))
         .map(|m| m.blocks() * 512)
@@ -224,7 +138,7 @@ fn answer(st: &AppState, d: &VolumeDoc, held: &[(String, String, Attachment, Hol
         .iter()
         .filter(|(v, ..)| v == &d.id)
         .map(|(_, s, a, h)| {
-            json!({"sandboxId": s, "path": a.path, "mode": a.mode,
+            json!({"sandboxId": s, "path": a.path, "mode": a.mode.as_str(),
                    "state": if *h == Hold::Active { "attached" } else { "releasing" }})
         })
         .collect();
@@ -274,7 +188,7 @@ pub async fn create(st: AppState, ctx: Ctx, body: Bytes) -> ApiResult<Reply> {
         }
     }
     let now = now_ms();
-    let d = VolumeDoc {
+    let d = Volume {
         id: uuid::Uuid::new_v4().to_string(),
         key_id: ctx.key.id.clone(),
         name,
@@ -301,12 +215,7 @@ pub async fn create(st: AppState, ctx: Ctx, body: Bytes) -> ApiResult<Reply> {
         code: "volume_create_failed",
         message: format!("The volume's file could not be made: {e}"),
     })?;
-    st.store().doc_put(
-        KIND,
-        SCOPE,
-        &d.id,
-        &serde_json::to_value(&d).unwrap_or(Value::Null),
-    )?;
+    st.store().insert_volume(&d)?;
     tracing::info!(volume_id = %d.id, size_mib = size, "volume created");
     Ok(Reply::Json(StatusCode::CREATED, answer(&st, &d, &[])))
 }
@@ -327,7 +236,7 @@ pub async fn list(st: AppState, ctx: Ctx) -> ApiResult<Reply> {
     f.finish()?;
     let _ = state;
     let held = holders(&st).await?;
-    let mut rows: Vec<VolumeDoc> = all(&st)?
+    let mut rows: Vec<Volume> = all(&st)?
         .into_iter()
         .filter(|d| visible(&ctx.key, d))
         .filter(|d| name.as_ref().is_none_or(|n| d.name.as_ref() == Some(n)))
@@ -367,7 +276,7 @@ pub async fn delete(st: AppState, ctx: Ctx, id: String) -> ApiResult<Reply> {
             details: Some(json!({"volumeId": d.id, "sandboxId": sandbox_id})),
         });
     }
-    st.store().doc_delete(KIND, SCOPE, Some(&d.id))?;
+    st.store().delete_volume(&d.id)?;
     if let Err(e) = std::fs::remove_file(file(&st, &d.id)) {
         if e.kind() != std::io::ErrorKind::NotFound {
             tracing::warn!(volume_id = %d.id, error = %e, "removing the volume's file failed");
@@ -439,23 +348,21 @@ pub fn parse_create(f: &mut Fields<'_>) -> Vec<Attachment> {
             f.issue(&field("path"), why);
         }
         let mode = match o.get("mode") {
-            None | Some(Value::Null) => "rw",
-            Some(Value::String(m)) if m == "rw" || m == "snapshot" => m.as_str(),
-            Some(_) => {
+            None | Some(Value::Null) => AttachMode::Rw,
+            Some(m) => m.as_str().and_then(AttachMode::parse).unwrap_or_else(|| {
                 f.issue(&field("mode"), "must be rw or snapshot");
-                "rw"
-            }
+                AttachMode::Rw
+            }),
         };
         out.push(Attachment {
             volume_id: volume_id.to_string(),
             path: path.to_string(),
-            mode: mode.to_string(),
+            mode,
         });
     }
     for (i, a) in out.iter().enumerate() {
         for b in &out[..i] {
-            let nested = |x: &str, y: &str| x.starts_with(&format!("{y}/"));
-            if a.path == b.path || nested(&a.path, &b.path) || nested(&b.path, &a.path) {
+            if overlap(&a.path, &b.path) {
                 f.issue(
                     &format!("volumes[{i}].path"),
                     "overlaps the path of another volume",
@@ -492,10 +399,10 @@ pub async fn resolve(
         });
     }
     let held = holders(st).await?;
-    for a in out.iter().filter(|a| a.mode == "rw") {
+    for a in out.iter().filter(|a| a.mode == AttachMode::Rw) {
         if let Some((_, sandbox_id, _, h)) = held
             .iter()
-            .find(|(v, _, b, _)| v == &a.volume_id && b.mode == "rw")
+            .find(|(v, _, b, _)| v == &a.volume_id && b.mode == AttachMode::Rw)
         {
             return Err(match h {
                 Hold::Releasing => ApiError::Conflict {
@@ -520,11 +427,10 @@ pub async fn resolve(
     }
     // A snapshot view is a copy of the file: what a running writer has
     // written must be in the file first, not only in its guest's memory.
-    for a in out.iter().filter(|a| a.mode == "snapshot") {
-        for (_, sandbox_id, _, _) in held
-            .iter()
-            .filter(|(v, _, b, h)| v == &a.volume_id && b.mode == "rw" && *h == Hold::Active)
-        {
+    for a in out.iter().filter(|a| a.mode == AttachMode::Snapshot) {
+        for (_, sandbox_id, _, _) in held.iter().filter(|(v, _, b, h)| {
+            v == &a.volume_id && b.mode == AttachMode::Rw && *h == Hold::Active
+        }) {
             flush(st, sandbox_id).await;
         }
     }
@@ -563,18 +469,13 @@ pub fn keep(st: &AppState, sandbox_id: &str, list: &[Attachment]) -> ApiResult<(
     if list.is_empty() {
         return Ok(());
     }
-    st.store().doc_put(
-        ATTACH,
-        sandbox_id,
-        "",
-        &serde_json::to_value(list).unwrap_or(Value::Null),
-    )?;
+    st.store().set_attachments(sandbox_id, list)?;
     Ok(())
 }
 
 /// Refuses a copy of a sandbox with volumes (fork, memory snapshot).
 pub fn refuse_copy(st: &AppState, sandbox_id: &str, what: &str) -> ApiResult<()> {
-    if attachments(st, sandbox_id).is_empty() {
+    if st.store().attachments_of(sandbox_id)?.is_empty() {
         return Ok(());
     }
     Err(ApiError::Conflict {

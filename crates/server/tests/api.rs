@@ -2787,3 +2787,51 @@ async fn an_image_built_on_one_of_ours_keeps_its_user_and_env() {
     let recipe = built(&t, json!({"recipe": {"files": {"/etc/x": "y"}}})).await;
     assert_eq!(recipe["user"], "user", "{recipe}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_builds_of_one_name_get_distinct_versions() {
+    // Each create is its own task on a multi-threaded runtime, so nothing
+    // but the server orders them: each name's versions must be 1..N, once
+    // each. (Before the store assigned versions, about one round in three
+    // gave two images one version.)
+    let t = T::new();
+    const N: usize = 48;
+    for round in 0..8 {
+        let name = format!("race{round}");
+        let mut tasks = Vec::new();
+        for _ in 0..N {
+            let state = t.state.clone();
+            let admin = t.admin.clone();
+            let body = json!({"name": name, "recipe": {}}).to_string();
+            tasks.push(tokio::spawn(async move {
+                let req = Request::builder()
+                    .method("POST")
+                    .uri("/v1/images")
+                    .header("authorization", format!("Bearer {admin}"))
+                    .header("content-type", "application/json")
+                    .body(Body::from(body))
+                    .unwrap();
+                let resp = router(state).oneshot(req).await.unwrap();
+                let status = resp.status();
+                let b = resp.into_body().collect().await.unwrap().to_bytes();
+                let v: Value = serde_json::from_slice(&b).unwrap();
+                assert_eq!(status, StatusCode::CREATED, "{v}");
+                v["version"].as_u64().unwrap()
+            }));
+        }
+        let mut versions = Vec::new();
+        for task in tasks {
+            versions.push(task.await.unwrap());
+        }
+        versions.sort_unstable();
+        assert_eq!(versions, (1..=N as u64).collect::<Vec<_>>(), "{name}");
+        // Each version resolves to one image of that version.
+        for v in [1, N as u64] {
+            let (s, img) = t
+                .json("GET", &format!("/v1/images/resolve?ref={name}@{v}"), None)
+                .await;
+            assert_eq!(s, StatusCode::OK, "{img}");
+            assert_eq!(img["version"], v, "{img}");
+        }
+    }
+}

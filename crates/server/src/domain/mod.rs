@@ -13,3 +13,4 @@ pub(crate) mod process;
 pub(crate) mod sandbox;
 pub(crate) mod snapshot;
 pub(crate) mod time;
+pub(crate) mod volume;
