@@ -83,9 +83,10 @@ fn resolve(st: &AppState, key: &KeyInfo, r: &str) -> ApiResult<Image> {
         }
     }
     let wanted = ImageRef::parse(r).ok_or_else(|| not_found(r))?;
-    all(st)?
-        .into_iter()
-        .find(|d| visible(key, d) && wanted.picks(d))
+    let all = all(st)?;
+    wanted
+        .pick(all.iter().filter(|d| visible(key, d)))
+        .cloned()
         .ok_or_else(|| not_found(r))
 }
 

@@ -2739,7 +2739,11 @@ async fn image_requests_are_checked_before_any_build() {
 async fn built(t: &T, body: Value) -> Value {
     let (s, v) = t.json("POST", "/v1/images", Some(body.clone())).await;
     assert_eq!(s, StatusCode::CREATED, "{body} -> {v}");
-    let id = v["id"].as_str().unwrap().to_string();
+    finished(t, v["id"].as_str().unwrap()).await
+}
+
+/// Waits until image `id` is no longer queued or building.
+async fn finished(t: &T, id: &str) -> Value {
     for _ in 0..200 {
         let (_, v) = t.json("GET", &format!("/v1/images/{id}"), None).await;
         if !matches!(v["state"].as_str(), Some("queued" | "building")) {
@@ -2834,4 +2838,66 @@ async fn concurrent_builds_of_one_name_get_distinct_versions() {
             assert_eq!(img["version"], v, "{img}");
         }
     }
+}
+
+#[tokio::test]
+async fn a_name_resolves_to_its_ready_version_while_a_new_one_builds_or_after_it_failed() {
+    let t = T::new();
+    let v1 = built(&t, json!({"name": "app", "recipe": {}})).await;
+    assert_eq!(v1["state"], "ready", "{v1}");
+    // A new version that fails keeps the name on the ready one (its tags
+    // move only when it is ready).
+    let v2 = built(&t, json!({"name": "app", "recipe": {"commands": ["nope"]}})).await;
+    assert_eq!(
+        (v2["state"].as_str(), v2["version"].as_u64()),
+        (Some("failed"), Some(2)),
+        "{v2}"
+    );
+    for r in ["app", "app:latest"] {
+        let (s, v) = t
+            .json("GET", &format!("/v1/images/resolve?ref={r}"), None)
+            .await;
+        assert_eq!((s, &v["id"]), (StatusCode::OK, &v1["id"]), "{r}: {v}");
+    }
+    let sbx = t.running(json!({"image": "app"})).await;
+    let (_, v) = t.json("GET", &format!("/v1/sandboxes/{sbx}"), None).await;
+    assert_eq!(v["image"], v1["id"], "{v}");
+    // So does one still building; once ready, the name is its.
+    t.host.scripts.lock().unwrap().insert(
+        "set -e\nslow\nsync".into(),
+        vec![Step::Sleep(400), Step::Exit(0)],
+    );
+    let (s, v3) = t
+        .json(
+            "POST",
+            "/v1/images",
+            Some(json!({"name": "app", "recipe": {"commands": ["slow"]}})),
+        )
+        .await;
+    assert_eq!(s, StatusCode::CREATED, "{v3}");
+    let (_, v) = t.json("GET", "/v1/images/resolve?ref=app", None).await;
+    assert_eq!(v["id"], v1["id"], "{v}");
+    let v3 = finished(&t, v3["id"].as_str().unwrap()).await;
+    assert_eq!(v3["state"], "ready", "{v3}");
+    let (_, v) = t.json("GET", "/v1/images/resolve?ref=app", None).await;
+    assert_eq!(v["id"], v3["id"], "{v}");
+    // A name with no ready version yet still names its build (not ready).
+    t.host.scripts.lock().unwrap().insert(
+        "set -e\nslower\nsync".into(),
+        vec![Step::Sleep(2000), Step::Exit(0)],
+    );
+    let (_, fresh) = t
+        .json(
+            "POST",
+            "/v1/images",
+            Some(json!({"name": "fresh", "recipe": {"commands": ["slower"]}})),
+        )
+        .await;
+    let (_, v) = t.json("GET", "/v1/images/resolve?ref=fresh", None).await;
+    assert_eq!(v["id"], fresh["id"], "{v}");
+    let (s, v) = t
+        .json("POST", "/v1/sandboxes", Some(json!({"image": "fresh"})))
+        .await;
+    assert_eq!(s, StatusCode::CONFLICT, "{v}");
+    assert_error(&v, 409, "image_not_ready");
 }

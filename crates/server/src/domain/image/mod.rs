@@ -215,6 +215,25 @@ impl ImageRef {
         })
     }
 
+    /// The image this reference names among `images` (newest first). A
+    /// tag names its newest ready image: a new version's tags move to it
+    /// only once it is ready, so one building or failed leaves the name
+    /// where it was. Without a ready one, the newest (which a create then
+    /// refuses as not ready).
+    pub(crate) fn pick<'a>(
+        &self,
+        images: impl IntoIterator<Item = &'a Image>,
+    ) -> Option<&'a Image> {
+        let mut newest = None;
+        for d in images.into_iter().filter(|d| self.picks(d)) {
+            if d.state == ImageState::Ready || matches!(self.pick, Pick::Version(_)) {
+                return Some(d);
+            }
+            newest = newest.or(Some(d));
+        }
+        newest
+    }
+
     pub(crate) fn picks(&self, d: &Image) -> bool {
         d.name.as_deref() == Some(self.name.as_str())
             && match &self.pick {
@@ -395,6 +414,33 @@ mod tests {
         let mut unnamed = image("app", 1, &["latest"]);
         unnamed.name = None;
         assert!(!ImageRef::parse("app").unwrap().picks(&unnamed));
+    }
+
+    #[test]
+    fn a_tag_names_its_newest_ready_image() {
+        let mut v3 = image("app", 3, &["latest"]);
+        v3.state = ImageState::Building;
+        let mut v2 = image("app", 2, &["latest"]);
+        v2.state = ImageState::Failed;
+        let v1 = image("app", 1, &["latest", "stable"]);
+        let all = [v3.clone(), v2.clone(), v1.clone()];
+        let pick = |r: &str| ImageRef::parse(r).unwrap().pick(&all).map(|d| d.version);
+        assert_eq!(pick("app"), Some(1));
+        assert_eq!(pick("app:stable"), Some(1));
+        // A version is that version, ready or not.
+        assert_eq!(pick("app@3"), Some(3));
+        assert_eq!(pick("app@2"), Some(2));
+        assert_eq!(pick("app@4"), None);
+        assert_eq!(pick("web"), None);
+        // No ready one: the newest.
+        let building = [v3, v2];
+        assert_eq!(
+            ImageRef::parse("app")
+                .unwrap()
+                .pick(&building)
+                .map(|d| d.version),
+            Some(3)
+        );
     }
 
     #[test]
