@@ -24,8 +24,8 @@ use serde_json::{json, Value};
 use crate::domain::access::KeyInfo;
 use crate::domain::image::steps::{self, BuildState, StepOutput, Steps};
 use crate::domain::image::{
-    dockerfile, recipe, start_argv, valid_tag, Image, ImageError, ImageRef, ImageState, ImageUser,
-    InlineFile, LogLine, LogStream, Source, Step, StepState,
+    dockerfile, recipe, start_argv, tags_on_ready, valid_tag, Image, ImageError, ImageRef,
+    ImageState, ImageUser, InlineFile, LogLine, LogStream, Source, Step, StepState,
 };
 use crate::domain::time::iso;
 use crate::error::{ApiError, ApiResult};
@@ -564,14 +564,15 @@ async fn build(st: AppState, id: String) {
                 }
             };
             // Tags move to the newest ready version of the name.
+            let mut tags = d.tags.clone();
             if d.name.is_some() {
                 match all(&st) {
                     Ok(others) => {
-                        for o in others.iter().filter(|o| o.id != d.id && o.name == d.name) {
-                            if o.tags.iter().any(|t| d.tags.contains(t)) {
-                                update(&st, &o.id, |o| o.tags.retain(|t| !d.tags.contains(t)));
-                            }
+                        let (kept, changed) = tags_on_ready(&d, &others);
+                        for (other, t) in changed {
+                            update(&st, &other, |o| o.tags = t);
                         }
+                        tags = kept;
                     }
                     Err(e) => {
                         tracing::warn!(image_id = %id, error = %e, "moving tags to a built image failed")
@@ -579,6 +580,7 @@ async fn build(st: AppState, id: String) {
                 }
             }
             update(&st, &id, |d| {
+                d.tags = tags;
                 d.state = ImageState::Ready;
                 d.ready_at = Some(iso(now_ms()));
                 d.build_seconds = Some(secs);

@@ -2901,3 +2901,50 @@ async fn a_name_resolves_to_its_ready_version_while_a_new_one_builds_or_after_it
     assert_eq!(s, StatusCode::CONFLICT, "{v}");
     assert_error(&v, 409, "image_not_ready");
 }
+
+#[tokio::test]
+async fn tags_go_to_the_newest_ready_version_whatever_order_builds_end_in() {
+    let t = T::new();
+    let hold = |cmd: &str, ms: u64| {
+        t.host.scripts.lock().unwrap().insert(
+            format!("set -e\n{cmd}\nsync"),
+            vec![Step::Sleep(ms), Step::Exit(0)],
+        );
+    };
+    hold("short", 50);
+    hold("long", 500);
+    for (first, second) in [("short", "long"), ("long", "short")] {
+        let name = format!("app-{first}");
+        let create = |cmd: &str| json!({"name": name, "recipe": {"commands": [cmd]}});
+        let (_, older) = t.json("POST", "/v1/images", Some(create(first))).await;
+        let (_, newer) = t.json("POST", "/v1/images", Some(create(second))).await;
+        assert_eq!(
+            (older["version"].as_u64(), newer["version"].as_u64()),
+            (Some(1), Some(2))
+        );
+        for id in [&older["id"], &newer["id"]] {
+            assert_eq!(finished(&t, id.as_str().unwrap()).await["state"], "ready");
+        }
+        // Whichever ended last, `latest` is version 2's.
+        let (_, v) = t
+            .json("GET", &format!("/v1/images/resolve?ref={name}"), None)
+            .await;
+        assert_eq!(v["id"], newer["id"], "{first} first: {v}");
+        let (_, v) = t
+            .json(
+                "GET",
+                &format!("/v1/images/{}", newer["id"].as_str().unwrap()),
+                None,
+            )
+            .await;
+        assert_eq!(v["tags"], json!(["latest"]), "{first} first: {v}");
+        let (_, v) = t
+            .json(
+                "GET",
+                &format!("/v1/images/{}", older["id"].as_str().unwrap()),
+                None,
+            )
+            .await;
+        assert_eq!(v["tags"], json!([]), "{first} first: {v}");
+    }
+}

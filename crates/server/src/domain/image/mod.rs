@@ -244,6 +244,43 @@ impl ImageRef {
     }
 }
 
+/// Where tags go when `ready` becomes ready: the tags it keeps (those a
+/// newer ready version of its name has stay there), and the new tags of
+/// each other image of its name that changes (older versions give those
+/// tags up). A tag so names the newest ready version that has it, whatever
+/// order the builds end in.
+pub(crate) fn tags_on_ready(
+    ready: &Image,
+    others: &[Image],
+) -> (Vec<String>, Vec<(String, Vec<String>)>) {
+    let same_name = |o: &&Image| o.id != ready.id && o.name.is_some() && o.name == ready.name;
+    let kept: Vec<String> = ready
+        .tags
+        .iter()
+        .filter(|t| {
+            !others.iter().filter(same_name).any(|o| {
+                o.version > ready.version && o.state == ImageState::Ready && o.tags.contains(t)
+            })
+        })
+        .cloned()
+        .collect();
+    let changed = others
+        .iter()
+        .filter(same_name)
+        .filter(|o| o.version < ready.version && o.tags.iter().any(|t| kept.contains(t)))
+        .map(|o| {
+            let tags = o
+                .tags
+                .iter()
+                .filter(|t| !kept.contains(t))
+                .cloned()
+                .collect();
+            (o.id.clone(), tags)
+        })
+        .collect();
+    (kept, changed)
+}
+
 /// A tag: 1-128 characters without `:`, `@`, `/` or spaces.
 pub(crate) fn valid_tag(t: &str) -> bool {
     !t.is_empty() && t.len() <= 128 && !t.contains([':', '@', '/', ' '])
@@ -441,6 +478,48 @@ mod tests {
                 .map(|d| d.version),
             Some(3)
         );
+    }
+
+    #[test]
+    fn a_ready_build_takes_its_tags_from_older_versions_only() {
+        let mut v1 = image("app", 1, &["latest", "stable"]);
+        let mut v2 = image("app", 2, &["latest"]);
+        v2.state = ImageState::Building;
+        let v3 = image("app", 3, &["latest", "edge"]);
+        let other = image("web", 1, &["latest"]);
+        let mut unnamed = image("x", 1, &["latest"]);
+        unnamed.name = None;
+        // v3 ends first: it keeps its tags, and the older ones give them up
+        // (v2 while it still builds).
+        let all = [
+            v1.clone(),
+            v2.clone(),
+            v3.clone(),
+            other.clone(),
+            unnamed.clone(),
+        ];
+        let (kept, changed) = tags_on_ready(&v3, &all);
+        assert_eq!(kept, ["latest", "edge"]);
+        assert_eq!(
+            changed,
+            [
+                ("app-1".to_string(), vec!["stable".to_string()]),
+                ("app-2".to_string(), vec![])
+            ]
+        );
+        // v2 ends after v3 (which kept `latest`): it does not take it, and
+        // v1 keeps what v2 does not take.
+        v2.state = ImageState::Ready;
+        v1.tags = vec!["latest".into(), "stable".into()];
+        let (kept, changed) = tags_on_ready(&v2, &[v1.clone(), v2.clone(), v3.clone()]);
+        assert!(kept.is_empty());
+        assert!(changed.is_empty());
+        // A newer one still building does not hold its tags back.
+        let mut v3b = v3;
+        v3b.state = ImageState::Building;
+        let (kept, changed) = tags_on_ready(&v2, &[v1, v2.clone(), v3b]);
+        assert_eq!(kept, ["latest"]);
+        assert_eq!(changed, [("app-1".to_string(), vec!["stable".to_string()])]);
     }
 
     #[test]
