@@ -2863,10 +2863,8 @@ async fn a_name_resolves_to_its_ready_version_while_a_new_one_builds_or_after_it
     let (_, v) = t.json("GET", &format!("/v1/sandboxes/{sbx}"), None).await;
     assert_eq!(v["image"], v1["id"], "{v}");
     // So does one still building; once ready, the name is its.
-    t.host.scripts.lock().unwrap().insert(
-        "set -e\nslow\nsync".into(),
-        vec![Step::Sleep(400), Step::Exit(0)],
-    );
+    t.host
+        .script("set -e\nslow\nsync", vec![Step::Sleep(400), Step::Exit(0)]);
     let (s, v3) = t
         .json(
             "POST",
@@ -2882,8 +2880,8 @@ async fn a_name_resolves_to_its_ready_version_while_a_new_one_builds_or_after_it
     let (_, v) = t.json("GET", "/v1/images/resolve?ref=app", None).await;
     assert_eq!(v["id"], v3["id"], "{v}");
     // A name with no ready version yet still names its build (not ready).
-    t.host.scripts.lock().unwrap().insert(
-        "set -e\nslower\nsync".into(),
+    t.host.script(
+        "set -e\nslower\nsync",
         vec![Step::Sleep(2000), Step::Exit(0)],
     );
     let (_, fresh) = t
@@ -2905,9 +2903,10 @@ async fn a_name_resolves_to_its_ready_version_while_a_new_one_builds_or_after_it
 #[tokio::test]
 async fn tags_go_to_the_newest_ready_version_whatever_order_builds_end_in() {
     let t = T::new();
+    // A build step's command is its script between `set -e` and `sync`.
     let hold = |cmd: &str, ms: u64| {
-        t.host.scripts.lock().unwrap().insert(
-            format!("set -e\n{cmd}\nsync"),
+        t.host.script(
+            &format!("set -e\n{cmd}\nsync"),
             vec![Step::Sleep(ms), Step::Exit(0)],
         );
     };
