@@ -32,7 +32,6 @@ mod previews;
 mod secrets;
 mod service;
 mod store;
-mod volumes;
 
 use std::collections::{HashMap, HashSet};
 use std::future::Future;

@@ -23,7 +23,6 @@ const PENDING: &[&str] = &[
     "net.rs",
     "previews.rs",
     "secrets.rs",
-    "volumes.rs",
 ];
 
 /// Files at the root that belong to every layer.

@@ -333,7 +333,7 @@ pub(crate) fn machine_spec(st: &AppState, s: &Sandbox) -> MachineSpec {
         disk_mib: s.disk_mib,
         hostname: format!("sbx-{}", s.id.chars().take(8).collect::<String>()),
         guest_ca_pem: crate::net::guest_ca_pem(st, &s.id),
-        volumes: crate::volumes::drives(st, &s.id),
+        volumes: crate::service::volumes::drives(st, &s.id),
         image: s
             .image
             .as_deref()

@@ -12,3 +12,4 @@ pub(crate) mod processes;
 pub(crate) mod sandboxes;
 pub(crate) mod snapshots;
 pub(crate) mod tunnels;
+pub(crate) mod volumes;

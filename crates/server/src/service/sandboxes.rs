@@ -313,7 +313,7 @@ pub(crate) struct NewSandbox {
     pub shape_given: Vec<(&'static str, u32)>,
     pub floor_given: bool,
     pub net: crate::net::CreateNet,
-    pub volumes: Vec<crate::volumes::Attachment>,
+    pub volumes: Vec<crate::service::volumes::Attachment>,
     pub image: Option<String>,
 }
 
@@ -440,9 +440,9 @@ pub(crate) async fn create(
                     env,
                     deleted: None,
                 };
-                let volumes = crate::volumes::resolve(st, key, &volumes).await?;
+                let volumes = crate::service::volumes::resolve(st, key, &volumes).await?;
                 crate::net::store_create(st, &row.record.id, &net)?;
-                crate::volumes::keep(st, &row.record.id, &volumes)?;
+                crate::service::volumes::keep(st, &row.record.id, &volumes)?;
                 st.store().insert_sandbox(&row)?;
                 tracing::info!(sandbox_id = %row.record.id, "sandbox created");
                 drive(st, &row.record.id, Op::Start { from })?;

@@ -9,11 +9,12 @@ use axum::body::Bytes;
 use crate::error::{ApiError, ApiResult};
 use crate::http::route::Route;
 use crate::http::{Ctx, Reply};
-use crate::{files, images, net, previews, secrets, volumes, AppState};
+use crate::{files, images, net, previews, secrets, AppState};
 
 mod account;
 mod sandboxes;
 mod snapshots;
+pub(crate) mod volumes;
 
 pub(super) async fn dispatch(st: AppState, ctx: Ctx, r: Route, body: Bytes) -> ApiResult<Reply> {
     match r {
