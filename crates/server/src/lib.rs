@@ -26,7 +26,6 @@ mod domain;
 mod error;
 mod files;
 mod http;
-mod images;
 mod net;
 mod previews;
 mod secrets;
@@ -317,7 +316,7 @@ pub fn router(state: AppState) -> axum::Router {
 /// longer knows them) and reloads the records of those that ended.
 pub async fn recover(state: &AppState) -> Result<(), ServerError> {
     service::background::recover(state).await?;
-    images::recover(state).await?;
+    service::images::recover(state).await?;
     service::processes::recover(state).await
 }
 

@@ -337,7 +337,7 @@ pub(crate) fn machine_spec(st: &AppState, s: &Sandbox) -> MachineSpec {
         image: s
             .image
             .as_deref()
-            .and_then(|i| crate::images::disk_of(st, i)),
+            .and_then(|i| crate::service::images::disk_of(st, i)),
         no_template: false,
     }
 }
@@ -368,7 +368,7 @@ async fn start_image_command(st: &AppState, row: &SandboxRow, restored_snapshot:
     let Some(image) = row.record.image.as_deref() else {
         return;
     };
-    let Some((argv, cwd, user)) = crate::images::start_of(st, image) else {
+    let Some((argv, cwd, user)) = crate::service::images::start_of(st, image) else {
         return;
     };
     match crate::service::processes::start::start_background(st, row, argv, cwd, user).await {

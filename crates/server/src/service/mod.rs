@@ -4,6 +4,7 @@
 pub(crate) mod background;
 pub(crate) mod billing;
 pub(crate) mod clock;
+pub(crate) mod images;
 pub(crate) mod interpreter;
 pub mod keys;
 pub(crate) mod lifecycle;

@@ -353,7 +353,7 @@ pub(crate) async fn create(
     );
     if let Some(r) = &image {
         // The image's environment first; the create's own variables win.
-        let img = crate::images::for_create(st, key, r)?;
+        let img = crate::service::images::for_create(st, key, r)?;
         let mut merged = img.env;
         merged.retain(|(k, _)| !env.iter().any(|(n, _)| n == k));
         merged.append(&mut env);

@@ -218,9 +218,8 @@ impl Store {
             )
             .map_err(store_err("append image log"))?;
         let room = max_lines.saturating_sub(count.max(0) as usize);
-        let mut seq = last.unwrap_or(0).max(0) as u64;
-        for text in lines.iter().take(room) {
-            seq += 1;
+        let first = last.unwrap_or(0).max(0) as u64 + 1;
+        for (seq, text) in (first..).zip(lines.iter().take(room)) {
             let line = LogLine {
                 seq,
                 step,

@@ -35,6 +35,17 @@ impl ImageState {
         }
     }
 
+    pub(crate) fn parse(s: &str) -> Option<ImageState> {
+        [
+            ImageState::Queued,
+            ImageState::Building,
+            ImageState::Ready,
+            ImageState::Failed,
+        ]
+        .into_iter()
+        .find(|st| st.as_str() == s)
+    }
+
     /// Queued or building: the build has not ended.
     pub(crate) fn in_progress(self) -> bool {
         matches!(self, ImageState::Queued | ImageState::Building)
@@ -583,6 +594,7 @@ mod tests {
             ImageState::Ready,
             ImageState::Failed,
         ] {
+            assert_eq!(ImageState::parse(st.as_str()), Some(st));
             assert_eq!(
                 serde_json::to_value(st).unwrap_or_default(),
                 json!(st.as_str())
@@ -609,6 +621,7 @@ mod tests {
             serde_json::to_value([LogStream::System, LogStream::Output]).unwrap_or_default(),
             json!(["system", "output"])
         );
+        assert_eq!(ImageState::parse("done"), None);
         assert!(ImageState::Queued.in_progress() && ImageState::Building.in_progress());
         assert!(!ImageState::Ready.in_progress() && !ImageState::Failed.in_progress());
     }

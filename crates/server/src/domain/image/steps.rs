@@ -161,6 +161,37 @@ pub(crate) fn shell_form(rest: &str) -> Option<String> {
     )
 }
 
+/// How a step's command ended, when that fails the build.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum StepEnd {
+    /// The step timeout passed.
+    TimedOut,
+    Exited(i32),
+    Killed(i32),
+}
+
+impl StepEnd {
+    /// `None` for a success: exit code 0.
+    pub(crate) fn of(code: Option<i32>, timed_out: bool, signal: Option<i32>) -> Option<StepEnd> {
+        match (code, timed_out) {
+            (Some(0), _) => None,
+            (_, true) => Some(StepEnd::TimedOut),
+            (Some(c), _) => Some(StepEnd::Exited(c)),
+            (None, _) => Some(StepEnd::Killed(signal.unwrap_or(0))),
+        }
+    }
+}
+
+impl std::fmt::Display for StepEnd {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            StepEnd::TimedOut => write!(f, "timed out"),
+            StepEnd::Exited(c) => write!(f, "exited with code {c}"),
+            StepEnd::Killed(s) => write!(f, "was killed by signal {s}"),
+        }
+    }
+}
+
 /// The tail of a step's output, cut into whole lines: what to log as it
 /// comes, and the last [`StepOutput::TAIL`] lines for a failure's message.
 #[derive(Debug, Default)]
@@ -349,6 +380,28 @@ mod tests {
         assert_eq!(short_key(&"a".repeat(64)), "a".repeat(32));
         assert_eq!(short_key("abc"), "abc");
         assert_eq!(partial_layer("k"), "k.partial");
+    }
+
+    #[test]
+    fn a_step_fails_unless_it_exits_with_zero() {
+        assert_eq!(StepEnd::of(Some(0), false, None), None);
+        // Exit code 0 wins, even past the timeout.
+        assert_eq!(StepEnd::of(Some(0), true, None), None);
+        let end = |c, t, s| StepEnd::of(c, t, s).map(|e| e.to_string());
+        assert_eq!(
+            end(Some(3), false, None).as_deref(),
+            Some("exited with code 3")
+        );
+        assert_eq!(end(None, true, Some(9)).as_deref(), Some("timed out"));
+        assert_eq!(end(Some(1), true, None).as_deref(), Some("timed out"));
+        assert_eq!(
+            end(None, false, Some(9)).as_deref(),
+            Some("was killed by signal 9")
+        );
+        assert_eq!(
+            end(None, false, None).as_deref(),
+            Some("was killed by signal 0")
+        );
     }
 
     #[test]

@@ -9,9 +9,10 @@ use axum::body::Bytes;
 use crate::error::{ApiError, ApiResult};
 use crate::http::route::Route;
 use crate::http::{Ctx, Reply};
-use crate::{files, images, net, previews, secrets, AppState};
+use crate::{files, net, previews, secrets, AppState};
 
 mod account;
+mod images;
 mod sandboxes;
 mod snapshots;
 pub(crate) mod volumes;
@@ -45,7 +46,7 @@ pub(super) async fn dispatch(st: AppState, ctx: Ctx, r: Route, body: Bytes) -> A
         Route::SnapshotAction(id, verb) => snapshots::action(st, ctx, id, verb, body).await,
         Route::CreateImage => images::create(st, ctx, body).await,
         Route::ListImages => images::list(st, ctx).await,
-        Route::ResolveImage => images::resolve_route(st, ctx).await,
+        Route::ResolveImage => images::resolve(st, ctx).await,
         Route::GetImage(id) => images::get(st, ctx, id).await,
         Route::ImageLogs(id) => images::logs(st, ctx, id).await,
         Route::DeleteImage(id) => images::delete(st, ctx, id).await,
