@@ -259,8 +259,14 @@ pub(super) fn move_docs(tx: &Transaction<'_>) -> Result<(), ServerError> {
             let log = doc
                 .as_object_mut()
                 .and_then(|m| m.remove("log"))
-                .unwrap_or_default();
-            let log: Vec<LogLine> = serde_json::from_value(log).unwrap_or_default();
+                .unwrap_or_else(|| serde_json::Value::Array(Vec::new()));
+            let log: Vec<LogLine> = match serde_json::from_value(log) {
+                Ok(l) => l,
+                Err(e) => {
+                    tracing::warn!(image_id = %name, error = %e, "an image's log does not read; the image moves without it");
+                    Vec::new()
+                }
+            };
             match serde_json::from_value::<Image>(doc) {
                 Ok(img) => docs.push((name, img, log)),
                 Err(e) => {
