@@ -25,10 +25,8 @@
 mod domain;
 mod error;
 mod http;
-mod images;
 mod service;
 mod store;
-mod volumes;
 
 use std::collections::{HashMap, HashSet};
 use std::future::Future;
@@ -318,7 +316,7 @@ pub fn router(state: AppState) -> axum::Router {
 /// longer knows them) and reloads the records of those that ended.
 pub async fn recover(state: &AppState) -> Result<(), ServerError> {
     service::background::recover(state).await?;
-    images::recover(state).await?;
+    service::images::recover(state).await?;
     service::processes::recover(state).await
 }
 

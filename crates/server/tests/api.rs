@@ -2739,7 +2739,11 @@ async fn image_requests_are_checked_before_any_build() {
 async fn built(t: &T, body: Value) -> Value {
     let (s, v) = t.json("POST", "/v1/images", Some(body.clone())).await;
     assert_eq!(s, StatusCode::CREATED, "{body} -> {v}");
-    let id = v["id"].as_str().unwrap().to_string();
+    finished(t, v["id"].as_str().unwrap()).await
+}
+
+/// Waits until image `id` is no longer queued or building.
+async fn finished(t: &T, id: &str) -> Value {
     for _ in 0..200 {
         let (_, v) = t.json("GET", &format!("/v1/images/{id}"), None).await;
         if !matches!(v["state"].as_str(), Some("queued" | "building")) {
@@ -2786,4 +2790,160 @@ async fn an_image_built_on_one_of_ours_keeps_its_user_and_env() {
     assert_eq!(plain["user"], "root", "{plain}");
     let recipe = built(&t, json!({"recipe": {"files": {"/etc/x": "y"}}})).await;
     assert_eq!(recipe["user"], "user", "{recipe}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_builds_of_one_name_get_distinct_versions() {
+    // Each create is its own task on a multi-threaded runtime, so nothing
+    // but the server orders them: each name's versions must be 1..N, once
+    // each. (Before the store assigned versions, about one round in three
+    // gave two images one version.)
+    let t = T::new();
+    const N: usize = 48;
+    for round in 0..8 {
+        let name = format!("race{round}");
+        let mut tasks = Vec::new();
+        for _ in 0..N {
+            let state = t.state.clone();
+            let admin = t.admin.clone();
+            let body = json!({"name": name, "recipe": {}}).to_string();
+            tasks.push(tokio::spawn(async move {
+                let req = Request::builder()
+                    .method("POST")
+                    .uri("/v1/images")
+                    .header("authorization", format!("Bearer {admin}"))
+                    .header("content-type", "application/json")
+                    .body(Body::from(body))
+                    .unwrap();
+                let resp = router(state).oneshot(req).await.unwrap();
+                let status = resp.status();
+                let b = resp.into_body().collect().await.unwrap().to_bytes();
+                let v: Value = serde_json::from_slice(&b).unwrap();
+                assert_eq!(status, StatusCode::CREATED, "{v}");
+                v["version"].as_u64().unwrap()
+            }));
+        }
+        let mut versions = Vec::new();
+        for task in tasks {
+            versions.push(task.await.unwrap());
+        }
+        versions.sort_unstable();
+        assert_eq!(versions, (1..=N as u64).collect::<Vec<_>>(), "{name}");
+        // Each version resolves to one image of that version.
+        for v in [1, N as u64] {
+            let (s, img) = t
+                .json("GET", &format!("/v1/images/resolve?ref={name}@{v}"), None)
+                .await;
+            assert_eq!(s, StatusCode::OK, "{img}");
+            assert_eq!(img["version"], v, "{img}");
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_name_resolves_to_its_ready_version_while_a_new_one_builds_or_after_it_failed() {
+    let t = T::new();
+    let v1 = built(&t, json!({"name": "app", "recipe": {}})).await;
+    assert_eq!(v1["state"], "ready", "{v1}");
+    // A new version that fails keeps the name on the ready one (its tags
+    // move only when it is ready).
+    let v2 = built(&t, json!({"name": "app", "recipe": {"commands": ["nope"]}})).await;
+    assert_eq!(
+        (v2["state"].as_str(), v2["version"].as_u64()),
+        (Some("failed"), Some(2)),
+        "{v2}"
+    );
+    for r in ["app", "app:latest"] {
+        let (s, v) = t
+            .json("GET", &format!("/v1/images/resolve?ref={r}"), None)
+            .await;
+        assert_eq!((s, &v["id"]), (StatusCode::OK, &v1["id"]), "{r}: {v}");
+    }
+    let sbx = t.running(json!({"image": "app"})).await;
+    let (_, v) = t.json("GET", &format!("/v1/sandboxes/{sbx}"), None).await;
+    assert_eq!(v["image"], v1["id"], "{v}");
+    // So does one still building; once ready, the name is its.
+    t.host
+        .script("set -e\nslow\nsync", vec![Step::Sleep(400), Step::Exit(0)]);
+    let (s, v3) = t
+        .json(
+            "POST",
+            "/v1/images",
+            Some(json!({"name": "app", "recipe": {"commands": ["slow"]}})),
+        )
+        .await;
+    assert_eq!(s, StatusCode::CREATED, "{v3}");
+    let (_, v) = t.json("GET", "/v1/images/resolve?ref=app", None).await;
+    assert_eq!(v["id"], v1["id"], "{v}");
+    let v3 = finished(&t, v3["id"].as_str().unwrap()).await;
+    assert_eq!(v3["state"], "ready", "{v3}");
+    let (_, v) = t.json("GET", "/v1/images/resolve?ref=app", None).await;
+    assert_eq!(v["id"], v3["id"], "{v}");
+    // A name with no ready version yet still names its build (not ready).
+    t.host.script(
+        "set -e\nslower\nsync",
+        vec![Step::Sleep(2000), Step::Exit(0)],
+    );
+    let (_, fresh) = t
+        .json(
+            "POST",
+            "/v1/images",
+            Some(json!({"name": "fresh", "recipe": {"commands": ["slower"]}})),
+        )
+        .await;
+    let (_, v) = t.json("GET", "/v1/images/resolve?ref=fresh", None).await;
+    assert_eq!(v["id"], fresh["id"], "{v}");
+    let (s, v) = t
+        .json("POST", "/v1/sandboxes", Some(json!({"image": "fresh"})))
+        .await;
+    assert_eq!(s, StatusCode::CONFLICT, "{v}");
+    assert_error(&v, 409, "image_not_ready");
+}
+
+#[tokio::test]
+async fn tags_go_to_the_newest_ready_version_whatever_order_builds_end_in() {
+    let t = T::new();
+    // A build step's command is its script between `set -e` and `sync`.
+    let hold = |cmd: &str, ms: u64| {
+        t.host.script(
+            &format!("set -e\n{cmd}\nsync"),
+            vec![Step::Sleep(ms), Step::Exit(0)],
+        );
+    };
+    hold("short", 50);
+    hold("long", 500);
+    for (first, second) in [("short", "long"), ("long", "short")] {
+        let name = format!("app-{first}");
+        let create = |cmd: &str| json!({"name": name, "recipe": {"commands": [cmd]}});
+        let (_, older) = t.json("POST", "/v1/images", Some(create(first))).await;
+        let (_, newer) = t.json("POST", "/v1/images", Some(create(second))).await;
+        assert_eq!(
+            (older["version"].as_u64(), newer["version"].as_u64()),
+            (Some(1), Some(2))
+        );
+        for id in [&older["id"], &newer["id"]] {
+            assert_eq!(finished(&t, id.as_str().unwrap()).await["state"], "ready");
+        }
+        // Whichever ended last, `latest` is version 2's.
+        let (_, v) = t
+            .json("GET", &format!("/v1/images/resolve?ref={name}"), None)
+            .await;
+        assert_eq!(v["id"], newer["id"], "{first} first: {v}");
+        let (_, v) = t
+            .json(
+                "GET",
+                &format!("/v1/images/{}", newer["id"].as_str().unwrap()),
+                None,
+            )
+            .await;
+        assert_eq!(v["tags"], json!(["latest"]), "{first} first: {v}");
+        let (_, v) = t
+            .json(
+                "GET",
+                &format!("/v1/images/{}", older["id"].as_str().unwrap()),
+                None,
+            )
+            .await;
+        assert_eq!(v["tags"], json!([]), "{first} first: {v}");
+    }
 }

@@ -4,6 +4,7 @@
 
 pub(crate) mod access;
 pub(crate) mod files;
+pub(crate) mod image;
 pub(crate) mod interpreter;
 pub(crate) mod lease;
 pub(crate) mod lifecycle;
@@ -16,3 +17,4 @@ pub(crate) mod sandbox;
 pub(crate) mod secret;
 pub(crate) mod snapshot;
 pub(crate) mod time;
+pub(crate) mod volume;

@@ -333,11 +333,11 @@ pub(crate) fn machine_spec(st: &AppState, s: &Sandbox) -> MachineSpec {
         disk_mib: s.disk_mib,
         hostname: format!("sbx-{}", s.id.chars().take(8).collect::<String>()),
         guest_ca_pem: crate::service::network::guest_ca_pem(st, &s.id),
-        volumes: crate::volumes::drives(st, &s.id),
+        volumes: crate::service::volumes::drives(st, &s.id),
         image: s
             .image
             .as_deref()
-            .and_then(|i| crate::images::disk_of(st, i)),
+            .and_then(|i| crate::service::images::disk_of(st, i)),
         no_template: false,
     }
 }
@@ -368,7 +368,7 @@ async fn start_image_command(st: &AppState, row: &SandboxRow, restored_snapshot:
     let Some(image) = row.record.image.as_deref() else {
         return;
     };
-    let Some((argv, cwd, user)) = crate::images::start_of(st, image) else {
+    let Some((argv, cwd, user)) = crate::service::images::start_of(st, image) else {
         return;
     };
     match crate::service::processes::start::start_background(st, row, argv, cwd, user).await {

@@ -313,7 +313,7 @@ pub(crate) struct NewSandbox {
     pub shape_given: Vec<(&'static str, u32)>,
     pub floor_given: bool,
     pub net: crate::domain::network::CreateNet,
-    pub volumes: Vec<crate::volumes::Attachment>,
+    pub volumes: Vec<crate::service::volumes::Attachment>,
     pub image: Option<String>,
 }
 
@@ -353,7 +353,7 @@ pub(crate) async fn create(
     );
     if let Some(r) = &image {
         // The image's environment first; the create's own variables win.
-        let img = crate::images::for_create(st, key, r)?;
+        let img = crate::service::images::for_create(st, key, r)?;
         let mut merged = img.env;
         merged.retain(|(k, _)| !env.iter().any(|(n, _)| n == k));
         merged.append(&mut env);
@@ -440,9 +440,9 @@ pub(crate) async fn create(
                     env,
                     deleted: None,
                 };
-                let volumes = crate::volumes::resolve(st, key, &volumes).await?;
+                let volumes = crate::service::volumes::resolve(st, key, &volumes).await?;
                 crate::service::network::store_create(st, &row.record.id, &net)?;
-                crate::volumes::keep(st, &row.record.id, &volumes)?;
+                crate::service::volumes::keep(st, &row.record.id, &volumes)?;
                 st.store().insert_sandbox(&row)?;
                 tracing::info!(sandbox_id = %row.record.id, "sandbox created");
                 drive(st, &row.record.id, Op::Start { from })?;

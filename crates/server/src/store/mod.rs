@@ -1,5 +1,5 @@
 //! The embedded SQLite store: keys, sandboxes, snapshots, processes,
-//! idempotency records.
+//! idempotency records, images (`images.rs`) and volumes (`volumes.rs`).
 //!
 //! One connection behind a mutex; every call is short and never held across
 //! an `.await`. Schema version lives in `PRAGMA user_version`.
@@ -7,10 +7,12 @@
 mod charges;
 mod docs;
 mod idempotency;
+mod images;
 mod keys;
 mod processes;
 mod sandboxes;
 mod snapshots;
+mod volumes;
 
 use std::path::Path;
 use std::sync::{Mutex, MutexGuard};
@@ -19,7 +21,7 @@ use rusqlite::Connection;
 
 use crate::error::ServerError;
 
-const SCHEMA_VERSION: i64 = 5;
+const SCHEMA_VERSION: i64 = 6;
 
 const SCHEMA_V1: &str = "
 CREATE TABLE IF NOT EXISTS keys (
@@ -126,6 +128,51 @@ CREATE TABLE IF NOT EXISTS net_docs (
     PRIMARY KEY (kind, scope, name)
 );
 ";
+
+/// Images and volumes in tables of their own (v6), with the constraints of
+/// their names: an image's version is unique per name, a volume's name per
+/// key. The migration moves their `net_docs` documents (kinds `image`,
+/// `volume`, `sandbox_volumes`) here in the same transaction.
+const SCHEMA_V6: &str = "
+CREATE TABLE IF NOT EXISTS images (
+    id TEXT PRIMARY KEY,
+    key_id TEXT NOT NULL,
+    name TEXT,
+    version INTEGER NOT NULL,
+    state TEXT NOT NULL,
+    created_ms INTEGER NOT NULL,
+    record TEXT NOT NULL,
+    UNIQUE (name, version)
+);
+CREATE TABLE IF NOT EXISTS image_logs (
+    image_id TEXT NOT NULL,
+    seq INTEGER NOT NULL,
+    step INTEGER,
+    stream TEXT NOT NULL,
+    text TEXT NOT NULL,
+    PRIMARY KEY (image_id, seq)
+);
+CREATE TABLE IF NOT EXISTS volumes (
+    id TEXT PRIMARY KEY,
+    key_id TEXT NOT NULL,
+    name TEXT,
+    labels TEXT NOT NULL,
+    size_mib INTEGER NOT NULL,
+    created_at TEXT NOT NULL,
+    created_ms INTEGER NOT NULL,
+    UNIQUE (key_id, name)
+);
+CREATE TABLE IF NOT EXISTS volume_attachments (
+    sandbox_id TEXT NOT NULL,
+    position INTEGER NOT NULL,
+    volume_id TEXT NOT NULL,
+    path TEXT NOT NULL,
+    mode TEXT NOT NULL,
+    PRIMARY KEY (sandbox_id, position)
+);
+CREATE INDEX IF NOT EXISTS volume_attachments_volume ON volume_attachments(volume_id);
+";
+
 pub struct Store {
     conn: Mutex<Connection>,
 }
@@ -145,7 +192,7 @@ pub fn open_connection(data_dir: &Path) -> Result<Connection, ServerError> {
         path: data_dir.display().to_string(),
         source,
     })?;
-    let conn = Connection::open(data_dir.join("runtime.db")).map_err(store_err("open"))?;
+    let mut conn = Connection::open(data_dir.join("runtime.db")).map_err(store_err("open"))?;
     conn.busy_timeout(std::time::Duration::from_secs(10))
         .map_err(store_err("busy_timeout"))?;
     conn.pragma_update(None, "journal_mode", "WAL")
@@ -179,6 +226,14 @@ pub fn open_connection(data_dir: &Path) -> Result<Connection, ServerError> {
     if version < 5 {
         conn.execute_batch(SCHEMA_V5)
             .map_err(store_err("migrate v5"))?;
+    }
+    if version < 6 {
+        let tx = conn.transaction().map_err(store_err("begin v6"))?;
+        tx.execute_batch(SCHEMA_V6)
+            .map_err(store_err("migrate v6"))?;
+        images::move_docs(&tx)?;
+        volumes::move_docs(&tx)?;
+        tx.commit().map_err(store_err("commit v6"))?;
     }
     if version < SCHEMA_VERSION {
         conn.pragma_update(None, "user_version", SCHEMA_VERSION)

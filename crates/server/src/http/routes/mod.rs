@@ -9,15 +9,17 @@ use axum::body::Bytes;
 use crate::error::{ApiError, ApiResult};
 use crate::http::route::Route;
 use crate::http::{Ctx, Reply};
-use crate::{images, volumes, AppState};
+use crate::AppState;
 
 mod account;
 mod files;
-mod network;
+mod images;
+pub(crate) mod network;
 mod previews;
 mod sandboxes;
 mod secrets;
 mod snapshots;
+pub(crate) mod volumes;
 
 pub(super) async fn dispatch(st: AppState, ctx: Ctx, r: Route, body: Bytes) -> ApiResult<Reply> {
     match r {
@@ -48,7 +50,7 @@ pub(super) async fn dispatch(st: AppState, ctx: Ctx, r: Route, body: Bytes) -> A
         Route::SnapshotAction(id, verb) => snapshots::action(st, ctx, id, verb, body).await,
         Route::CreateImage => images::create(st, ctx, body).await,
         Route::ListImages => images::list(st, ctx).await,
-        Route::ResolveImage => images::resolve_route(st, ctx).await,
+        Route::ResolveImage => images::resolve(st, ctx).await,
         Route::GetImage(id) => images::get(st, ctx, id).await,
         Route::ImageLogs(id) => images::logs(st, ctx, id).await,
         Route::DeleteImage(id) => images::delete(st, ctx, id).await,

@@ -126,7 +126,7 @@ fn parse_create(st: &AppState, body: &[u8]) -> ApiResult<NewSandbox> {
         "is not supported by this server (one machine)",
     );
     f.refuse("tailscale", "is not supported by this server");
-    let volumes = crate::volumes::parse_create(&mut f);
+    let volumes = crate::http::routes::volumes::parse_create(&mut f);
     f.finish()?;
     Ok(NewSandbox {
         settings: Settings {

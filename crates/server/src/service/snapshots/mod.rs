@@ -85,7 +85,7 @@ pub(crate) async fn fork(
         net,
     } = req;
     let src = settled_source(st, key, id).await?;
-    crate::volumes::refuse_copy(st, id, "fork")?;
+    crate::service::volumes::refuse_copy(st, id, "fork")?;
     let lease = crate::domain::money::first_lease_seconds(src.record.timeout_seconds);
     let copies_cost = i64::try_from(count)
         .unwrap_or(i64::MAX)
@@ -224,7 +224,7 @@ pub(crate) async fn snapshot(
     let id = id.to_string();
     let src = settled_source(st, key, &id).await?;
     if mode == "memory" {
-        crate::volumes::refuse_copy(st, &id, "memory snapshot")?;
+        crate::service::volumes::refuse_copy(st, &id, "memory snapshot")?;
     }
     let now = st.now_ms();
     let snap = Snapshot {
