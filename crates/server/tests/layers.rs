@@ -354,3 +354,21 @@ fn the_scan_sees_what_it_checks() {
     assert_eq!(module_of("http/mod.rs"), "http");
     assert_eq!(module_of("domain/image/recipe.rs"), "domain::image::recipe");
 }
+
+#[test]
+fn every_error_code_is_a_constant_of_the_contract() {
+    // `code: "..."` outside tests: a code the contract crate does not name.
+    let t = tree();
+    let mut wrong = Vec::new();
+    for (rel, lines) in &t.files {
+        for (n, line) in lines {
+            if let Some(k) = line.find("code: \"") {
+                let rest = &line[k + 7..];
+                if rest.starts_with(|c: char| c.is_ascii_lowercase()) {
+                    wrong.push(format!("{rel}:{n}: use runtime_api::codes: {line}"));
+                }
+            }
+        }
+    }
+    assert!(wrong.is_empty(), "\n{}", wrong.join("\n"));
+}

@@ -28,6 +28,7 @@
 //! loses them (their next run starts a fresh process, `contextStarted:
 //! true`).
 
+use runtime_api::codes;
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -295,7 +296,7 @@ async fn start_kernel(st: &AppState, row: &SandboxRow, ctx: &Context) -> ApiResu
         let _ = k.control.send(ExecControl::Signal(SIGKILL)).await;
         tracing::warn!(sandbox_id = %row.record.id, context = %ctx.id, output = %said, "interpreter failed to start");
         return Err(ApiError::Failed {
-            code: "interpreter_start_failed",
+            code: codes::INTERPRETER_START_FAILED,
             message: format!(
                 "The {} interpreter of context {} did not start.",
                 ctx.language, ctx.id
@@ -307,7 +308,7 @@ async fn start_kernel(st: &AppState, row: &SandboxRow, ctx: &Context) -> ApiResu
 
 fn context_not_found(id: &str) -> ApiError {
     ApiError::NotFound {
-        code: "context_not_found",
+        code: codes::CONTEXT_NOT_FOUND,
         what: "interpreter context",
         id: id.to_string(),
     }
@@ -433,7 +434,7 @@ pub(crate) async fn create_context(
     let m = t.entry(row.record.id.clone()).or_default();
     if m.contains_key(&cid) {
         return Err(ApiError::Conflict {
-            code: "context_exists",
+            code: codes::CONTEXT_EXISTS,
             message: format!("Interpreter context {cid} already exists."),
             details: Some(json!({ "contextId": cid })),
         });
@@ -510,7 +511,7 @@ pub(crate) fn result(
 ) -> ApiResult<Value> {
     context(st, key, id, cid)?;
     Err(ApiError::NotFound {
-        code: "result_not_found",
+        code: codes::RESULT_NOT_FOUND,
         what: "result",
         id: name.to_string(),
     })

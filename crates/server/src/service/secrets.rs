@@ -8,6 +8,7 @@
 //! changes may set them, read-only keys see none, and every sandbox gets them
 //! all unless its create named a list (`secrets: [names]`, or `[]` for none).
 
+use runtime_api::codes;
 use std::path::Path;
 
 use rand::RngCore;
@@ -75,7 +76,7 @@ pub(crate) struct Opened {
 
 fn not_found(name: &str) -> ApiError {
     ApiError::NotFound {
-        code: "secret_not_found",
+        code: codes::SECRET_NOT_FOUND,
         what: "secret",
         id: name.to_string(),
     }
@@ -110,7 +111,7 @@ pub(crate) fn put(st: &AppState, p: Put) -> ApiResult<Value> {
     let existing = st.store().doc_get(KIND, "", &name)?;
     if existing.is_none() && st.store().doc_list(KIND, None)?.len() >= MAX_SECRETS {
         return Err(ApiError::Conflict {
-            code: "quota_exceeded",
+            code: codes::QUOTA_EXCEEDED,
             message: format!("At most {MAX_SECRETS} secrets."),
             details: None,
         });
@@ -120,7 +121,7 @@ pub(crate) fn put(st: &AppState, p: Put) -> ApiResult<Value> {
     for (_, other, doc) in st.store().doc_list(KIND, None)? {
         if other != name && doc["env"].as_str() == Some(env.as_str()) {
             return Err(ApiError::Conflict {
-                code: "env_taken",
+                code: codes::ENV_TAKEN,
                 message: format!("Secret {other} already uses the variable {env}."),
                 details: Some(json!({"field": "env"})),
             });

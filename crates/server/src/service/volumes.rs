@@ -19,6 +19,7 @@
 //!
 //! [`MachineSpec`]: runtime_host::MachineSpec
 
+use runtime_api::codes;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
@@ -69,7 +70,7 @@ fn file(st: &AppState, id: &str) -> PathBuf {
 
 fn not_found(id: &str) -> ApiError {
     ApiError::NotFound {
-        code: "volume_not_found",
+        code: codes::VOLUME_NOT_FOUND,
         what: "volume",
         id: id.to_string(),
     }
@@ -123,7 +124,7 @@ pub(crate) async fn create(
             .find(|d| visible(key, &d.key_id) && d.name.as_deref() == Some(n))
         {
             return Err(ApiError::Conflict {
-                code: "name_taken",
+                code: codes::NAME_TAKEN,
                 message: format!("A volume named {n} exists: {}.", other.id),
                 details: Some(json!({"volumeId": other.id})),
             });
@@ -155,7 +156,7 @@ pub(crate) async fn create(
         what: e.to_string(),
     })?;
     made.map_err(|e| ApiError::Failed {
-        code: "volume_create_failed",
+        code: codes::VOLUME_CREATE_FAILED,
         message: format!("The volume's file could not be made: {e}"),
     })?;
     st.store().insert_volume(&d)?;
@@ -203,7 +204,7 @@ pub(crate) async fn delete(st: &AppState, key: &KeyInfo, id: &str) -> ApiResult<
     let held = holders(st).await?;
     if let Some(h) = held.iter().find(|h| h.attachment.volume_id == d.id) {
         return Err(ApiError::Conflict {
-            code: "volume_in_use",
+            code: codes::VOLUME_IN_USE,
             message: format!(
                 "Volume {} is {} sandbox {}; delete that sandbox first.",
                 d.id,
@@ -323,7 +324,7 @@ pub(crate) async fn resolve(
             let sandbox_id = &h.sandbox_id;
             return Err(match h.hold {
                 Hold::Releasing => ApiError::Conflict {
-                    code: "volume_releasing",
+                    code: codes::VOLUME_RELEASING,
                     message: format!(
                         "Volume {} is being released by sandbox {sandbox_id}; try again in a moment.",
                         a.volume_id
@@ -331,7 +332,7 @@ pub(crate) async fn resolve(
                     details: Some(json!({"volumeId": a.volume_id, "sandboxId": sandbox_id})),
                 },
                 _ => ApiError::Conflict {
-                    code: "volume_in_use",
+                    code: codes::VOLUME_IN_USE,
                     message: format!(
                         "Volume {} is attached read-write to sandbox {sandbox_id}; one sandbox at a \
                          time may write it (attach it with mode \"snapshot\" for a private copy).",
@@ -405,7 +406,7 @@ pub(crate) fn refuse_copy(st: &AppState, sandbox_id: &str, what: &str) -> ApiRes
         return Ok(());
     }
     Err(ApiError::Conflict {
-        code: "volume_attached",
+        code: codes::VOLUME_ATTACHED,
         message: format!(
             "Sandbox {sandbox_id} has volumes attached; a {what} of it is not supported \
              (a copy would share the volume's drive)."

@@ -14,6 +14,7 @@
 mod build;
 mod layers;
 
+use runtime_api::codes;
 use std::collections::BTreeMap;
 
 use runtime_host::RunAs;
@@ -61,7 +62,7 @@ pub(crate) struct ImageView {
 
 fn not_found(id: &str) -> ApiError {
     ApiError::NotFound {
-        code: "image_not_found",
+        code: codes::IMAGE_NOT_FOUND,
         what: "image",
         id: id.to_string(),
     }
@@ -131,7 +132,7 @@ pub(crate) fn for_create(st: &AppState, key: &KeyInfo, r: &str) -> ApiResult<For
     let d = resolve(st, key, r)?;
     if d.state != ImageState::Ready {
         return Err(ApiError::Conflict {
-            code: "image_not_ready",
+            code: codes::IMAGE_NOT_READY,
             message: format!("Image {} is {}, not ready.", d.id, d.state.as_str()),
             details: Some(json!({"imageId": d.id, "state": d.state})),
         });
@@ -303,7 +304,7 @@ pub(crate) async fn delete(st: &AppState, key: &KeyInfo, id: &str) -> ApiResult<
         .ok_or_else(|| not_found(id))?;
     if d.state.in_progress() {
         return Err(ApiError::Conflict {
-            code: "image_building",
+            code: codes::IMAGE_BUILDING,
             message: format!("Image {id} is still building."),
             details: None,
         });
@@ -315,7 +316,7 @@ pub(crate) async fn delete(st: &AppState, key: &KeyInfo, id: &str) -> ApiResult<
         .find(|r| r.record.image.as_deref() == Some(id))
     {
         return Err(ApiError::Conflict {
-            code: "image_in_use",
+            code: codes::IMAGE_IN_USE,
             message: format!(
                 "Image {id} is used by sandbox {}; delete that sandbox first.",
                 user.record.id

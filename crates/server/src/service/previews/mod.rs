@@ -14,6 +14,7 @@
 pub(crate) mod live;
 
 use rand::RngCore;
+use runtime_api::codes;
 use runtime_host::{DuplexStream, HostError};
 use tokio_util::sync::CancellationToken;
 
@@ -73,7 +74,7 @@ fn save(st: &AppState, sandbox: &str, p: &Preview) -> ApiResult<()> {
 
 fn not_found(sandbox: &str, port: u16) -> ApiError {
     ApiError::NotFound {
-        code: "preview_not_found",
+        code: codes::PREVIEW_NOT_FOUND,
         what: "preview of port",
         id: format!("{port} of sandbox {sandbox}"),
     }

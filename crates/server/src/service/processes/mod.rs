@@ -288,7 +288,7 @@ pub(crate) async fn write(
     if !fresh.is_empty() {
         if closed {
             return Err(ApiError::Conflict {
-                code: "stdin_closed",
+                code: codes::STDIN_CLOSED,
                 message: format!("The input of process {pid} is closed."),
                 details: Some(json!({"offset": current})),
             });
@@ -424,7 +424,7 @@ pub(crate) async fn open_terminal(
         let p = process(st, id, &pid)?;
         if !p.is_pty() || p.exited() {
             return Err(ApiError::Conflict {
-                code: "process_not_a_terminal",
+                code: codes::PROCESS_NOT_A_TERMINAL,
                 message: format!("Process {pid} is not a running terminal process."),
                 details: Some(json!({"processId": pid})),
             });
