@@ -9,7 +9,7 @@ use runtime_proto::{encode, Decoder, Frame, Kind, Reply, Request};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::UnixStream;
 
-use crate::link::Link;
+use crate::link::{Acceptor, Link};
 
 pub(crate) struct Guest {
     sock: UnixStream,
@@ -19,30 +19,40 @@ pub(crate) struct Guest {
 impl Guest {
     /// A link to a new fake guest, the handshake done.
     pub(crate) async fn linked() -> (Link, Guest) {
+        Guest::linked_with(None).await
+    }
+
+    /// As [`Guest::linked`], the guest's outbound streams handed to
+    /// `acceptor`.
+    pub(crate) async fn linked_with(acceptor: Option<Acceptor>) -> (Link, Guest) {
         let (host_side, guest_side) = UnixStream::pair().unwrap();
-        let mut guest = Guest {
-            sock: guest_side,
-            dec: Decoder::new(),
-        };
-        let answer = tokio::spawn(async move {
-            let f = guest.frame().await.unwrap();
-            assert_eq!((f.stream, f.kind), (0, Kind::Control));
-            assert!(matches!(f.parse().unwrap(), Request::Hello { .. }));
-            guest
-                .reply(
-                    0,
-                    &Reply::Hello {
-                        version: 1,
-                        agent: "fake".into(),
-                    },
-                )
-                .await;
-            guest
-        });
-        let (link, _) = Link::over(host_side, Duration::from_secs(5), None)
+        let answer = tokio::spawn(Guest::new(guest_side).answer_hello());
+        let (link, _) = Link::over(host_side, Duration::from_secs(5), acceptor)
             .await
             .unwrap();
         (link, answer.await.unwrap())
+    }
+
+    fn new(sock: UnixStream) -> Guest {
+        Guest {
+            sock,
+            dec: Decoder::new(),
+        }
+    }
+
+    async fn answer_hello(mut self) -> Guest {
+        let f = self.frame().await.unwrap();
+        assert_eq!((f.stream, f.kind), (0, Kind::Control));
+        assert!(matches!(f.parse().unwrap(), Request::Hello { .. }));
+        self.reply(
+            0,
+            &Reply::Hello {
+                version: 1,
+                agent: "fake".into(),
+            },
+        )
+        .await;
+        self
     }
 
     /// The next frame from the host, of any stream.
