@@ -200,21 +200,6 @@ impl QemuHost {
         }
     }
 
-    pub(crate) async fn end_vm(&self, id: &str, vm: &Vm) {
-        let link = vm.link.lock().await.take();
-        qemu::kill(vm.pid).await;
-        if let Some(ram) = &vm.ram {
-            let _ = std::fs::remove_file(ram);
-        }
-        if let Some(l) = link {
-            // QEMU is gone: read what it had passed on before closing, so
-            // output written just before a pause is not lost.
-            l.drained(Duration::from_secs(2)).await;
-            l.close();
-        }
-        cgroup::remove(self.cgroups, id);
-    }
-
     fn take_vm(&self, id: &str) -> Option<Arc<Vm>> {
         self.vms.lock().ok().and_then(|mut m| m.remove(id))
     }
@@ -278,28 +263,15 @@ impl Host for QemuHost {
     }
 
     async fn stop(&self, id: &str, keep_disk: bool) -> Result<(), HostError> {
-        let vm = self.vms.lock().ok().and_then(|mut m| m.remove(id));
-        if let Some(vm) = vm {
-            if keep_disk || vm.volumes {
-                sync_guest(&vm).await;
-            }
-            if let Some(l) = vm.link.lock().await.take() {
-                l.close();
-            }
-            qemu::kill(vm.pid).await;
-            if let Some(ram) = &vm.ram {
-                let _ = std::fs::remove_file(ram);
-            }
-        } else {
-            let _ = std::fs::remove_file(self.own_ram(id));
-            let paths = self.paths(id);
-            if let Some(pid) = qemu::read_pid(&paths) {
-                if qemu::is_our_qemu(pid, &paths.dir) {
-                    qemu::kill(pid).await;
+        match self.take_vm(id) {
+            Some(vm) => {
+                if keep_disk || vm.volumes {
+                    sync_guest(&vm).await;
                 }
+                self.end_vm(id, &vm).await;
             }
+            None => self.end_untracked(id).await,
         }
-        cgroup::remove(self.cgroups, id);
         if !keep_disk {
             let _ = std::fs::remove_dir_all(self.paths(id).dir);
             // Its tunnels end with the link; their slots go with their pumps.

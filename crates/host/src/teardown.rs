@@ -1,0 +1,119 @@
+//! Ending machines: the one teardown every end of a machine goes through.
+
+use std::path::Path;
+use std::time::Duration;
+
+use crate::cgroup;
+use crate::link::Link;
+use crate::machine::{QemuHost, Vm};
+use crate::qemu;
+
+impl QemuHost {
+    /// The one way a machine ends: its QEMU killed (while the pid is still
+    /// the machine's), what QEMU had passed on read from the link before it
+    /// closes (so output written just before the end is not lost), then its
+    /// RAM file and its cgroup removed.
+    async fn end_machine(
+        &self,
+        id: &str,
+        dir: &Path,
+        pid: Option<u32>,
+        link: Option<Link>,
+        ram: Option<&Path>,
+    ) {
+        if let Some(pid) = pid.filter(|&p| qemu::may_be_ours(p, dir)) {
+            qemu::kill(pid).await;
+        }
+        if let Some(l) = link {
+            l.drained(Duration::from_secs(2)).await;
+            l.close();
+        }
+        self.release(id, ram);
+    }
+
+    /// What outlives a machine's QEMU: its RAM file and its cgroup (removed
+    /// once the QEMU is gone).
+    fn release(&self, id: &str, ram: Option<&Path>) {
+        if let Some(ram) = ram {
+            let _ = std::fs::remove_file(ram);
+        }
+        cgroup::remove(self.cgroups, id);
+    }
+
+    /// Ends machine `vm` of `id` (out of the registry already, or never in).
+    pub(crate) async fn end_vm(&self, id: &str, vm: &Vm) {
+        let link = vm.link.lock().await.take();
+        self.end_machine(id, &vm.paths.dir, Some(vm.pid), link, vm.ram.as_deref())
+            .await;
+    }
+
+    /// Ends machine `id` where this host holds none: the QEMU its pid file
+    /// names (an earlier server's, or a start cut short), its own RAM file,
+    /// its cgroup.
+    pub(crate) async fn end_untracked(&self, id: &str) {
+        let paths = self.paths(id);
+        let pid = qemu::read_pid(&paths);
+        let ram = self.own_ram(id);
+        self.end_machine(id, &paths.dir, pid, None, Some(&ram))
+            .await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+    use runtime_proto::{channel, Request, MAX_PAYLOAD};
+
+    use crate::fake_guest::Guest;
+    use crate::fake_qemu::{gone, FakeHost};
+    use crate::link::Incoming;
+    use crate::machine::Vm;
+    use crate::types::Host;
+
+    /// Machine `id` registered on a QEMU of its own (a fake), linked to
+    /// `link`.
+    fn running(f: &FakeHost, id: &str, link: Option<crate::link::Link>) -> u32 {
+        let pid = f.leave_qemu(id);
+        let vm = Vm {
+            paths: f.paths(id),
+            pid,
+            link: tokio::sync::Mutex::new(link),
+            volumes: false,
+            ram: None,
+        };
+        f.host
+            .vms
+            .lock()
+            .unwrap()
+            .insert(id.to_owned(), std::sync::Arc::new(vm));
+        pid
+    }
+
+    #[tokio::test]
+    async fn stop_delivers_what_the_guest_sent_before_its_end() {
+        let f = FakeHost::new("stop-drains");
+        let id = f.id("m");
+        let (link, mut guest) = Guest::linked().await;
+        let pid = running(&f, &id, Some(link.clone()));
+        let mut stream = link.open().unwrap();
+        stream.send(&Request::Ping).unwrap();
+        let (sid, _) = guest.request().await.unwrap();
+        // The guest's last output, then its end (as QEMU's when killed).
+        let total = 1 << 20;
+        let talk = tokio::spawn(async move {
+            for piece in vec![b'o'; total].chunks(MAX_PAYLOAD) {
+                guest.output(sid, channel::STDOUT, piece).await;
+            }
+        });
+        f.host.stop(&id, false).await.unwrap();
+        let _ = talk.await;
+        let mut got = 0;
+        while let Some(Incoming::Data { bytes, .. }) = stream.recv().await {
+            got += bytes.len();
+        }
+        assert_eq!(got, total, "output lost at the stop");
+        assert!(gone(pid));
+        assert!(!f.has_cgroup(&id));
+        assert!(!f.state.join(&id).exists());
+    }
+}
