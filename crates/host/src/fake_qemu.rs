@@ -1,7 +1,8 @@
 //! For unit tests: a [`QemuHost`] whose QEMU is a script (it writes its pid
-//! file and waits; its command line names its machine's directory as
-//! QEMU's does), and machines left "running" by hand as an earlier server
-//! would leave them.
+//! file, may create its sockets as plain files nothing answers on, and
+//! waits; its command line names its machine's directory as QEMU's does),
+//! and machines left "running" by hand as an earlier server would leave
+//! them.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -13,6 +14,7 @@ use crate::artifacts::Artifacts;
 use crate::cgroup;
 use crate::machine::{QemuConfig, QemuHost};
 use crate::qemu::{Accel, VmPaths};
+use crate::types::MachineSpec;
 
 /// What the fake QEMU does once spawned (it ignores its arguments).
 const SCRIPT: &str = r#"#!/bin/bash
@@ -20,8 +22,22 @@ const SCRIPT: &str = r#"#!/bin/bash
 # is one process (as QEMU is) and nothing else lands in its cgroup.
 here=${0%/*}
 echo $$ > qemu.pid
+if [ -e "$here/exit" ]; then exit 1; fi
+if [ -e "$here/sockets" ]; then : > agent.sock; : > qmp.sock; fi
 read -t 300 <> "$here/fifo"
 "#;
+
+/// How the fake QEMU behaves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Fake {
+    /// Creates its agent and QMP sockets as plain files: they are there,
+    /// but a connect to them fails.
+    Sockets,
+    /// Opens nothing and waits.
+    Silent,
+    /// Exits at once.
+    Exits,
+}
 
 pub(crate) struct FakeHost {
     pub(crate) host: QemuHost,
@@ -84,9 +100,35 @@ impl FakeHost {
         .unwrap()
     }
 
+    /// From now on, the fake QEMU behaves so.
+    pub(crate) fn set(&self, fake: Fake) {
+        for (flag, on) in [
+            ("sockets", fake == Fake::Sockets),
+            ("exit", fake == Fake::Exits),
+        ] {
+            let f = self.root.join(flag);
+            if on {
+                std::fs::write(f, b"").unwrap();
+            } else {
+                let _ = std::fs::remove_file(f);
+            }
+        }
+    }
+
     /// A machine id of this test (cgroups are shared by the whole host).
     pub(crate) fn id(&self, machine: &str) -> String {
         format!("{machine}-{}", self.name)
+    }
+
+    pub(crate) fn spec(&self, id: &str) -> MachineSpec {
+        MachineSpec {
+            id: id.to_owned(),
+            vcpu: 1,
+            memory_mib: 64,
+            disk_mib: 64,
+            hostname: "fake".into(),
+            ..MachineSpec::default()
+        }
     }
 
     pub(crate) fn paths(&self, id: &str) -> VmPaths {
@@ -141,6 +183,15 @@ impl FakeHost {
             .iter()
             .any(|d| d.exists())
     }
+
+    /// The pid in machine `id`'s pid file.
+    pub(crate) fn pid_of(&self, id: &str) -> u32 {
+        std::fs::read_to_string(self.state.join(id).join("qemu.pid"))
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap()
+    }
 }
 
 impl Drop for FakeHost {
@@ -190,4 +241,15 @@ pub(crate) fn gone(pid: u32) -> bool {
             .next()
             .is_some_and(|s| s.trim_start().starts_with('Z')),
     }
+}
+
+/// Waits (bounded) for process `pid` to be [`gone`].
+pub(crate) async fn gone_soon(pid: u32) -> bool {
+    for _ in 0..500 {
+        if gone(pid) {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    false
 }

@@ -209,6 +209,11 @@ impl QemuHost {
             m.insert(id.to_owned(), vm);
         }
     }
+
+    /// Registers a machine that is up (set up, its volumes mounted).
+    pub(crate) fn register(&self, id: &str, vm: Arc<Vm>) {
+        self.insert_vm(id, vm);
+    }
 }
 
 #[async_trait]
@@ -217,10 +222,7 @@ impl Host for QemuHost {
         if self.start_from_template(spec).await {
             return Ok(());
         }
-        let vm = self.boot(spec).await?;
-        if let Ok(mut m) = self.vms.lock() {
-            m.insert(spec.id.clone(), vm);
-        }
+        self.boot(spec).await?.register();
         Ok(())
     }
 
@@ -373,10 +375,10 @@ impl Host for QemuHost {
         let ram = paths.paused_ram();
         let plan = RamPlan::waking(ram.exists().then_some(ram.as_path()));
         let vm = self.launch(spec, paths.clone(), Some(file), plan).await?;
+        vm.register();
         // The machine has moved on from that state; keep only the newest.
         let _ = std::fs::remove_file(&state);
         let _ = std::fs::remove_file(&ram);
-        self.insert_vm(id, vm);
         Ok(())
     }
 
@@ -430,11 +432,11 @@ impl Host for QemuHost {
             from.starts_with(self.forks_dir()),
         );
         let vm = self.launch(spec, paths, incoming, plan).await?;
-        if let Err(e) = mount_volumes(&vm, spec).await {
-            self.end_vm(id, &vm).await;
+        if let Err(e) = mount_volumes(vm.vm(), spec).await {
+            vm.end().await;
             return Err(e);
         }
-        self.insert_vm(id, vm);
+        vm.register();
         Ok(())
     }
 

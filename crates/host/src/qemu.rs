@@ -342,7 +342,8 @@ fn ended(pid: u32) -> bool {
     }
 }
 
-fn sigkill(pid: u32) {
+/// SIGKILL, without waiting.
+pub(crate) fn sigkill(pid: u32) {
     // 0 and what does not fit would name process groups, not a process.
     let Ok(pid) = i32::try_from(pid) else { return };
     if pid <= 0 {

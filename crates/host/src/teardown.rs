@@ -1,6 +1,8 @@
-//! Ending machines: the one teardown every end of a machine goes through.
+//! Ending machines: the one teardown every end of a machine goes through,
+//! and machines not registered yet ([`Pending`]: ended when given up).
 
 use std::path::Path;
+use std::sync::Arc;
 use std::time::Duration;
 
 use crate::cgroup;
@@ -56,6 +58,63 @@ impl QemuHost {
         let ram = self.own_ram(id);
         self.end_machine(id, &paths.dir, pid, None, Some(&ram))
             .await;
+    }
+}
+
+/// A machine up, or coming up, but not in the registry: ended if dropped
+/// before it is [registered](Pending::register) or [ended](Pending::end)
+/// (a caller that gave up half-way), so no QEMU is left that nothing holds.
+pub(crate) struct Pending {
+    host: QemuHost,
+    id: String,
+    vm: Arc<Vm>,
+    armed: bool,
+}
+
+impl Pending {
+    pub(crate) fn new(host: &QemuHost, id: &str, vm: Vm) -> Pending {
+        Pending {
+            host: host.clone(),
+            id: id.to_owned(),
+            vm: Arc::new(vm),
+            armed: true,
+        }
+    }
+
+    pub(crate) fn vm(&self) -> &Arc<Vm> {
+        &self.vm
+    }
+
+    /// The machine is up: into the registry.
+    pub(crate) fn register(mut self) {
+        self.armed = false;
+        self.host.register(&self.id, Arc::clone(&self.vm));
+    }
+
+    /// Ends the machine (it failed to come up, or served its purpose).
+    pub(crate) async fn end(mut self) {
+        self.host.end_vm(&self.id, &self.vm).await;
+        self.armed = false;
+    }
+}
+
+impl Drop for Pending {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        tracing::warn!(sandbox_id = %self.id, "a machine given up before it was registered: ending it");
+        // Killed now, whether or not a runtime is left to wait for it.
+        if qemu::is_our_qemu(self.vm.pid, &self.vm.paths.dir) {
+            qemu::sigkill(self.vm.pid);
+        }
+        match tokio::runtime::Handle::try_current() {
+            Ok(rt) => {
+                let (host, id, vm) = (self.host.clone(), self.id.clone(), Arc::clone(&self.vm));
+                rt.spawn(async move { host.end_vm(&id, &vm).await });
+            }
+            Err(_) => self.host.release(&self.id, self.vm.ram.as_deref()),
+        }
     }
 }
 

@@ -89,9 +89,10 @@ impl QemuHost {
         };
         let started = Instant::now();
         let vm = self.boot(&spec).await?;
-        let result = self.keep_template(&id, &vm, &partial, &dir).await;
-        self.end_vm(&id, &vm).await;
-        let _ = std::fs::remove_dir_all(&vm.paths.dir);
+        let result = self.keep_template(&id, vm.vm(), &partial, &dir).await;
+        let vm_dir = vm.vm().paths.dir.clone();
+        vm.end().await;
+        let _ = std::fs::remove_dir_all(&vm_dir);
         if result.is_err() {
             let _ = std::fs::remove_dir_all(&partial);
         } else {
