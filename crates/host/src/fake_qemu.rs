@@ -1,14 +1,18 @@
 //! For unit tests: a [`QemuHost`] whose QEMU is a script (it writes its pid
 //! file, may create its sockets as plain files nothing answers on, and
 //! waits; its command line names its machine's directory as QEMU's does),
-//! and machines left "running" by hand as an earlier server would leave
-//! them.
+//! machines left "running" by hand as an earlier server would leave them,
+//! and a fake QMP server.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
+
+use serde_json::{json, Value};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 
 use crate::artifacts::Artifacts;
 use crate::cgroup;
@@ -252,4 +256,66 @@ pub(crate) async fn gone_soon(pid: u32) -> bool {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     false
+}
+
+/// A fake QMP server on `sock`: every command succeeds (`query-status`
+/// answers `status`, `query-migrate` "completed") except those in
+/// `refused`. Records the commands it was sent.
+pub(crate) struct FakeQmp {
+    seen: Arc<Mutex<Vec<String>>>,
+}
+
+impl FakeQmp {
+    pub(crate) fn serve(
+        sock: &Path,
+        status: &'static str,
+        refused: &'static [&'static str],
+    ) -> FakeQmp {
+        let _ = std::fs::remove_file(sock);
+        let listener = tokio::net::UnixListener::bind(sock).unwrap();
+        let seen: Arc<Mutex<Vec<String>>> = Arc::default();
+        let log = Arc::clone(&seen);
+        tokio::spawn(async move {
+            while let Ok((conn, _)) = listener.accept().await {
+                let log = Arc::clone(&log);
+                tokio::spawn(async move {
+                    let (rd, mut wr) = conn.into_split();
+                    let greeting = json!({"QMP": {"version": {}, "capabilities": []}});
+                    wr.write_all(format!("{greeting}\n").as_bytes())
+                        .await
+                        .unwrap();
+                    let mut lines = BufReader::new(rd).lines();
+                    while let Ok(Some(line)) = lines.next_line().await {
+                        let msg: Value = serde_json::from_str(&line).unwrap();
+                        let cmd = msg["execute"].as_str().unwrap_or_default().to_owned();
+                        log.lock().unwrap().push(cmd.clone());
+                        let answer = if refused.contains(&cmd.as_str()) {
+                            json!({"error": {"class": "GenericError", "desc": format!("{cmd} refused")}})
+                        } else {
+                            match cmd.as_str() {
+                                "query-status" => {
+                                    json!({"return": {"status": status, "running": status == "running"}})
+                                }
+                                "query-migrate" => json!({"return": {"status": "completed"}}),
+                                _ => json!({"return": {}}),
+                            }
+                        };
+                        if wr
+                            .write_all(format!("{answer}\n").as_bytes())
+                            .await
+                            .is_err()
+                        {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        FakeQmp { seen }
+    }
+
+    /// The commands sent so far, in order.
+    pub(crate) fn seen(&self) -> Vec<String> {
+        self.seen.lock().unwrap().clone()
+    }
 }

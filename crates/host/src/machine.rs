@@ -9,6 +9,7 @@ use async_trait::async_trait;
 use runtime_proto::{Reply, Request};
 
 use crate::artifacts::Artifacts;
+use crate::capture::CaptureFailed;
 use crate::cgroup::{self, Layout};
 use crate::convert::{exec_request, file_op_result, file_request, guest_err, user};
 use crate::disks::copy_sparse;
@@ -200,11 +201,11 @@ impl QemuHost {
         }
     }
 
-    fn take_vm(&self, id: &str) -> Option<Arc<Vm>> {
+    pub(crate) fn take_vm(&self, id: &str) -> Option<Arc<Vm>> {
         self.vms.lock().ok().and_then(|mut m| m.remove(id))
     }
 
-    fn insert_vm(&self, id: &str, vm: Arc<Vm>) {
+    pub(crate) fn insert_vm(&self, id: &str, vm: Arc<Vm>) {
         if let Ok(mut m) = self.vms.lock() {
             m.insert(id.to_owned(), vm);
         }
@@ -349,20 +350,22 @@ impl Host for QemuHost {
             sync_guest(&vm).await;
         }
         let _ = std::fs::remove_file(vm.paths.paused_ram());
-        match self.capture_for_pause(id, &vm).await {
+        let kept = match self.capture_for_pause(id, &vm).await {
             Ok(file) => {
-                std::fs::rename(&file, vm.paths.paused_state())
-                    .map_err(Self::io(id, "keep paused state"))?;
+                std::fs::rename(&file, vm.paths.paused_state()).map_err(|e| CaptureFailed {
+                    error: Self::io(id, "keep paused state")(e),
+                    stopped: true,
+                })
+            }
+            Err(failed) => Err(failed),
+        };
+        match kept {
+            Ok(()) => {
                 self.end_vm(id, &vm).await;
                 tracing::info!(sandbox_id = id, "paused");
                 Ok(())
             }
-            Err(e) => {
-                // Nothing is lost: the machine runs on.
-                let _ = self.resume(id, &vm).await;
-                self.insert_vm(id, vm);
-                Err(e)
-            }
+            Err(failed) => self.pause_failed(id, vm, failed).await,
         }
     }
 

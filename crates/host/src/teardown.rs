@@ -59,6 +59,22 @@ impl QemuHost {
         self.end_machine(id, &paths.dir, pid, None, Some(&ram))
             .await;
     }
+
+    /// A registered machine `vm` of `id` that a capture left stopped and
+    /// that cannot run on: of no use, and holding its memory. Out of the
+    /// registry and ended; later calls find no machine.
+    pub(crate) async fn end_stuck(&self, id: &str, vm: &Vm) {
+        tracing::warn!(
+            sandbox_id = id,
+            "the machine cannot run on after a capture: ending it"
+        );
+        if let Ok(mut m) = self.vms.lock() {
+            if m.get(id).is_some_and(|r| std::ptr::eq(Arc::as_ptr(r), vm)) {
+                m.remove(id);
+            }
+        }
+        self.end_vm(id, vm).await;
+    }
 }
 
 /// A machine up, or coming up, but not in the registry: ended if dropped

@@ -112,7 +112,10 @@ impl QemuHost {
     ) -> Result<(), HostError> {
         let _ = std::fs::remove_dir_all(partial);
         std::fs::create_dir_all(partial).map_err(Self::io(id, "create template dir"))?;
-        let file = self.capture_stopped(id, vm).await?;
+        let file = self
+            .capture_stopped(id, vm)
+            .await
+            .map_err(|failed| failed.error)?;
         if let Some(ram) = &vm.ram {
             copy_ram(ram, &partial.join("memory.ram"))
                 .await

@@ -765,6 +765,42 @@ async fn pause_and_wake_keep_memory_processes_and_files() {
     h.destroy(id).await.unwrap();
 }
 
+/// A pause whose state cannot be kept (here the rename onto `paused.state`
+/// fails) leaves the machine running and tracked, its memory and processes
+/// as they were; a later pause and wake work.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pause_that_cannot_keep_its_state_leaves_the_machine_running() {
+    let t = host();
+    let h = &t.host;
+    let id = "00000000-0000-4000-8000-00000000a011";
+    h.start(&spec(id))
+        .await
+        .unwrap_or_else(|e| panic!("start: {e:?}"));
+    run(h, id, &["bash", "-c", COUNTER], RunAs::Sandbox, None).await;
+    let pid = h.qemu_pid(id).unwrap();
+    let in_the_way = t.state.join(id).join("paused.state");
+    std::fs::create_dir_all(in_the_way.join("x")).unwrap();
+    let err = h.pause(id).await.unwrap_err();
+    assert!(
+        !matches!(err, HostError::NoSuchMachine { .. }),
+        "the machine ran on: {err:?}"
+    );
+    assert_eq!(h.qemu_pid(id), Some(pid), "the machine is tracked");
+    let before = counter(h, id).await;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert!(counter(h, id).await > before, "the guest runs");
+    for leftover in ["capture.state", "paused.ram"] {
+        assert!(!t.state.join(id).join(leftover).exists(), "{leftover}");
+    }
+    std::fs::remove_dir_all(&in_the_way).unwrap();
+    h.pause(id).await.unwrap();
+    h.wake(&spec(id))
+        .await
+        .unwrap_or_else(|e| panic!("wake: {e:?}"));
+    assert!(counter(h, id).await >= before);
+    h.destroy(id).await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn captures_restore_into_copies_that_diverge() {
     let t = host();
