@@ -60,6 +60,16 @@ impl QemuHost {
             .await;
     }
 
+    /// Ends whatever machine has `id`, registered or not: before its
+    /// directory is made afresh, which would leave a QEMU still in it
+    /// running with nothing left to find it by.
+    pub(crate) async fn end_any(&self, id: &str) {
+        if let Some(vm) = self.take_vm(id) {
+            self.end_vm(id, &vm).await;
+        }
+        self.end_untracked(id).await;
+    }
+
     /// A registered machine `vm` of `id` that a capture left stopped and
     /// that cannot run on: of no use, and holding its memory. Out of the
     /// registry and ended; later calls find no machine.
@@ -190,5 +200,16 @@ mod tests {
         assert!(gone(pid));
         assert!(!f.has_cgroup(&id));
         assert!(!f.state.join(&id).exists());
+    }
+
+    #[tokio::test]
+    async fn a_fresh_directory_ends_the_qemu_still_in_it() {
+        let f = FakeHost::new("fresh-dir");
+        let id = f.id("m");
+        let old = f.leave_qemu(&id);
+        f.set(crate::fake_qemu::Fake::Exits);
+        let _ = f.host.start(&f.spec(&id)).await;
+        assert!(gone(old), "QEMU {old} runs on without its directory");
+        assert!(!f.has_cgroup(&id));
     }
 }
