@@ -52,6 +52,11 @@ pub(crate) struct FakeHost {
 
 impl FakeHost {
     pub(crate) fn new(name: &str) -> FakeHost {
+        FakeHost::with(name, false)
+    }
+
+    /// With templates on.
+    pub(crate) fn with(name: &str, templates: bool) -> FakeHost {
         let name = format!("{name}-{}", std::process::id());
         let root = std::env::temp_dir().join(format!("rt-host-fake-{name}"));
         let _ = std::fs::remove_dir_all(&root);
@@ -80,7 +85,7 @@ impl FakeHost {
         }
         let state = root.join("vms");
         FakeHost {
-            host: FakeHost::host_on(&root, &state, &name, false),
+            host: FakeHost::host_on(&root, &state, &name, templates),
             root,
             state,
             name,
@@ -102,6 +107,12 @@ impl FakeHost {
             templates,
         })
         .unwrap()
+    }
+
+    /// Another host on the same state directory, as after a restart of the
+    /// server.
+    pub(crate) fn restart(&self) -> QemuHost {
+        FakeHost::host_on(&self.root, &self.state, &self.name, false)
     }
 
     /// From now on, the fake QEMU behaves so.

@@ -102,6 +102,7 @@ impl QemuHost {
             tunnels: Arc::default(),
         };
         host.drop_stale_templates();
+        host.drop_stale_machines();
         host.drop_stale_ram();
         Ok(host)
     }

@@ -366,6 +366,18 @@ pub(crate) async fn kill(pid: u32) {
     }
 }
 
+/// [`kill`] for where no runtime runs the wait (a host starting up, a guard
+/// dropped).
+pub(crate) fn kill_blocking(pid: u32) {
+    sigkill(pid);
+    for _ in 0..200 {
+        if ended(pid) {
+            return;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+}
+
 /// The last `max` bytes of the serial console, as text.
 pub(crate) fn console_tail(paths: &VmPaths, max: usize) -> String {
     let data = std::fs::read(paths.console()).unwrap_or_default();

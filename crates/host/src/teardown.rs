@@ -1,5 +1,6 @@
 //! Ending machines: the one teardown every end of a machine goes through,
-//! and machines not registered yet ([`Pending`]: ended when given up).
+//! machines not registered yet ([`Pending`]: ended when given up), and, at
+//! start, the QEMUs and cgroups nothing owns any more.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -9,6 +10,7 @@ use crate::cgroup;
 use crate::link::Link;
 use crate::machine::{QemuHost, Vm};
 use crate::qemu;
+use crate::templates::is_template_machine;
 
 impl QemuHost {
     /// The one way a machine ends: its QEMU killed (while the pid is still
@@ -84,6 +86,34 @@ impl QemuHost {
             }
         }
         self.end_vm(id, vm).await;
+    }
+
+    /// At start, what an earlier server left that nothing will claim: the
+    /// machine of a template whose build was cut short (ended, its directory
+    /// removed), and the cgroups of machines whose QEMU is gone (their RAM
+    /// files: [`QemuHost::drop_stale_ram`]).
+    pub(crate) fn drop_stale_machines(&self) {
+        let Ok(entries) = std::fs::read_dir(&self.cfg.state_dir) else {
+            return;
+        };
+        for e in entries.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            if name.starts_with('.') || !e.path().is_dir() {
+                continue;
+            }
+            let paths = self.paths(&name);
+            let pid = qemu::read_pid(&paths).filter(|&p| qemu::is_our_qemu(p, &paths.dir));
+            if is_template_machine(&name) {
+                if let Some(pid) = pid {
+                    tracing::info!(machine = %name, pid, "ending the machine of a template build cut short");
+                    qemu::kill_blocking(pid);
+                }
+                self.release(&name, Some(&self.own_ram(&name)));
+                let _ = std::fs::remove_dir_all(&paths.dir);
+            } else if pid.is_none() {
+                cgroup::remove(self.cgroups, &name);
+            }
+        }
     }
 }
 
@@ -200,6 +230,35 @@ mod tests {
         assert!(gone(pid));
         assert!(!f.has_cgroup(&id));
         assert!(!f.state.join(&id).exists());
+    }
+
+    #[tokio::test]
+    async fn a_new_host_ends_the_machine_of_a_template_build_cut_short() {
+        let f = FakeHost::new("template-left");
+        let id = format!("template-{}", f.id("m"));
+        let pid = f.leave_qemu(&id);
+        let ram = f.host.own_ram(&id);
+        std::fs::write(&ram, b"guest memory").unwrap();
+        let _host = f.restart();
+        assert!(gone(pid), "QEMU {pid} still runs");
+        assert!(!f.state.join(&id).exists());
+        assert!(!ram.exists());
+        assert!(!f.has_cgroup(&id));
+    }
+
+    #[tokio::test]
+    async fn a_new_host_removes_the_cgroups_of_machines_gone() {
+        let f = FakeHost::new("cgroup-left");
+        let id = f.id("m");
+        let pid = f.leave_qemu(&id);
+        // QEMU died with the server; its directory and cgroup stayed.
+        crate::fake_qemu::end(pid);
+        let _host = f.restart();
+        assert!(!f.has_cgroup(&id), "its cgroup is left");
+        assert!(
+            f.state.join(&id).exists(),
+            "its directory is the server's to remove"
+        );
     }
 
     #[tokio::test]
