@@ -1,5 +1,6 @@
-//! For unit tests: a fake agent on the other end of a socket pair, linked
-//! to the host's side by the real handshake.
+//! For unit tests: a fake agent on the other end of a socket pair (or
+//! behind a machine's agent socket), linked to the host's side by the real
+//! handshake.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -7,7 +8,7 @@ use std::time::Duration;
 
 use runtime_proto::{encode, Decoder, Frame, Kind, Reply, Request};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::UnixStream;
+use tokio::net::{UnixListener, UnixStream};
 
 use crate::link::{Acceptor, Link};
 
@@ -31,6 +32,15 @@ impl Guest {
             .await
             .unwrap();
         (link, answer.await.unwrap())
+    }
+
+    /// A fake guest behind `listener` (a machine's agent socket): it
+    /// answers the handshake of the first host to connect.
+    pub(crate) fn serving(listener: UnixListener) -> tokio::task::JoinHandle<Guest> {
+        tokio::spawn(async move {
+            let (sock, _) = listener.accept().await.unwrap();
+            Guest::new(sock).answer_hello().await
+        })
     }
 
     fn new(sock: UnixStream) -> Guest {

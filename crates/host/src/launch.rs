@@ -57,6 +57,9 @@ impl QemuHost {
         let own_file = StartingRam::new(matches!(plan, RamPlan::Own { .. }).then(|| own.clone()));
         let ram = self.prepare_ram(id, &own, plan).await?;
         disks::hand_to_qemu(spec, &paths)?;
+        // Until the machine is registered: a crash of the server meanwhile
+        // leaves a machine the next one ends rather than adopts.
+        std::fs::write(paths.starting(), b"").map_err(Self::io(id, "mark the machine starting"))?;
         let restore = incoming.is_some();
         let file_backed = ram.file_backed();
         let (pid, started) = self.spawn_qemu(spec, &paths, incoming, ram)?;

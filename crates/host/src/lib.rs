@@ -12,7 +12,7 @@
 //! - `launch`: the boot and restore sequence, from QEMU's spawn to a set-up guest, in named steps.
 //! - `capture`: capture, resume and state loading through QMP; the pause and capture flows.
 //! - `templates`: pre-booted templates per machine shape, built in the background and restored on start.
-//! - `teardown`: the one way a machine ends, machines not registered yet, and what an earlier server left.
+//! - `teardown`: the one way a machine ends, machines not registered yet, and what a crash of the server left (ended or adopted).
 //! - `disks`: a machine's directory, overlay, `snapshot` volume copies and drive files.
 //! - `ram`: where guests' RAM lives (tmpfs or disk), RAM plans, sparse RAM copies.
 //! - `guest_setup`: the guest's `Setup`, volume mounting (`mount_volumes.sh`), flushing its writes.

@@ -212,9 +212,16 @@ impl QemuHost {
         }
     }
 
-    /// Registers a machine that is up (set up, its volumes mounted).
+    /// Registers a machine that is up (set up, its volumes mounted): from
+    /// now on a crash of the server leaves it to be adopted, not ended.
     pub(crate) fn register(&self, id: &str, vm: Arc<Vm>) {
+        let starting = vm.paths.starting();
         self.insert_vm(id, vm);
+        if let Err(error) = std::fs::remove_file(&starting) {
+            if error.kind() != std::io::ErrorKind::NotFound {
+                tracing::warn!(sandbox_id = id, %error, "could not mark the machine started");
+            }
+        }
     }
 }
 
@@ -229,22 +236,36 @@ impl Host for QemuHost {
     }
 
     async fn recover(&self, spec: &MachineSpec) -> Result<bool, HostError> {
-        let paths = self.paths(&spec.id);
-        let Some(pid) = qemu::read_pid(&paths) else {
+        let id = spec.id.as_str();
+        if self.vm(id).is_ok() {
+            return Ok(true);
+        }
+        let paths = self.paths(id);
+        let found = qemu::read_pid(&paths).filter(|&pid| qemu::is_our_qemu(pid, &paths.dir));
+        let Some(pid) = found else {
+            // It ended under the earlier server: what it left goes too.
+            self.end_untracked(id).await;
             return Ok(false);
         };
-        if !qemu::is_our_qemu(pid, &paths.dir) {
+        if let Err(why) = self.settle_found(&paths).await {
+            tracing::warn!(
+                sandbox_id = id,
+                pid,
+                why,
+                "machine found but not adopted: ending it"
+            );
+            self.end_untracked(id).await;
             return Ok(false);
         }
         match Link::connect(
             &paths.agent_sock(),
             Duration::from_secs(10),
-            Some(self.acceptor(&spec.id)),
+            Some(self.acceptor(id)),
         )
         .await
         {
             Ok((link, _)) => {
-                let own = self.own_ram(&spec.id);
+                let own = self.own_ram(id);
                 let vm = Arc::new(Vm {
                     paths,
                     pid,
@@ -252,15 +273,13 @@ impl Host for QemuHost {
                     volumes: !spec.volumes.is_empty(),
                     ram: own.exists().then_some(own),
                 });
-                if let Ok(mut m) = self.vms.lock() {
-                    m.insert(spec.id.clone(), vm);
-                }
-                tracing::info!(sandbox_id = %spec.id, pid, "recovered running machine");
+                self.insert_vm(id, vm);
+                tracing::info!(sandbox_id = id, pid, "recovered running machine");
                 Ok(true)
             }
             Err(error) => {
-                tracing::warn!(sandbox_id = %spec.id, %error, "machine found but its agent does not answer");
-                qemu::kill(pid).await;
+                tracing::warn!(sandbox_id = id, %error, "machine found but its agent does not answer: ending it");
+                self.end_untracked(id).await;
                 Ok(false)
             }
         }
@@ -379,6 +398,9 @@ impl Host for QemuHost {
         let ram = paths.paused_ram();
         let plan = RamPlan::waking(ram.exists().then_some(ram.as_path()));
         let vm = self.launch(spec, paths.clone(), Some(file), plan).await?;
+        // Registered first: a crash between the two leaves a machine that
+        // is adopted (and its old state dropped), never a paused record
+        // without a state to wake from.
         vm.register();
         // The machine has moved on from that state; keep only the newest.
         let _ = std::fs::remove_file(&state);

@@ -76,6 +76,12 @@ impl VmPaths {
     pub fn paused_ram(&self) -> PathBuf {
         self.dir.join("paused.ram")
     }
+    /// There from before QEMU is spawned until the machine is registered
+    /// (set up, its volumes mounted): a QEMU found beside it after a crash
+    /// of the server never finished starting.
+    pub fn starting(&self) -> PathBuf {
+        self.dir.join("starting")
+    }
 }
 
 pub(crate) struct VmConfig<'a> {

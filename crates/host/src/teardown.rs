@@ -1,15 +1,19 @@
-//! Ending machines: the one teardown every end of a machine goes through,
-//! machines not registered yet ([`Pending`]: ended when given up), and, at
-//! start, the QEMUs and cgroups nothing owns any more.
+//! Ending machines, and what a crash of the server left behind: the one
+//! teardown every end of a machine goes through, machines not registered
+//! yet ([`Pending`]: ended when given up), and, at start and on recovery,
+//! the QEMUs, RAM files and cgroups nothing owns any more.
 
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
+use serde_json::{json, Value};
+
 use crate::cgroup;
 use crate::link::Link;
 use crate::machine::{QemuHost, Vm};
-use crate::qemu;
+use crate::qemu::{self, VmPaths};
+use crate::qmp::Qmp;
 use crate::templates::is_template_machine;
 
 impl QemuHost {
@@ -115,6 +119,67 @@ impl QemuHost {
             }
         }
     }
+
+    /// A QEMU an earlier server left running in `paths`: made fit to be
+    /// adopted (`Ok`), or why it must end instead. One that never finished
+    /// starting ends; one stopped for a capture runs on, unless it was
+    /// stopped for a pause whose state was kept (then the pause is
+    /// finished: it ends, its state stays); a saved state a wake got past
+    /// goes.
+    pub(crate) async fn settle_found(&self, paths: &VmPaths) -> Result<(), String> {
+        if paths.starting().exists() {
+            return Err("it never finished starting".into());
+        }
+        // No capture of the earlier server goes on.
+        let _ = std::fs::remove_file(paths.capture_state());
+        if !paths.qmp_sock().exists() {
+            return Ok(());
+        }
+        let Ok(mut q) = Qmp::connect(&paths.qmp_sock(), Duration::from_secs(5)).await else {
+            // Its agent tells whether it can be adopted.
+            return Ok(());
+        };
+        let status = q
+            .execute("query-status", json!({}))
+            .await
+            .ok()
+            .and_then(|s| s.get("status").and_then(Value::as_str).map(str::to_owned));
+        let saved = paths.paused_state().exists();
+        match status.as_deref() {
+            Some("paused" | "postmigrate" | "finish-migrate") if saved => {
+                Err("its pause was saved: finishing the pause".into())
+            }
+            Some("paused" | "postmigrate" | "finish-migrate") => {
+                // Stopped for a capture the earlier server did not finish.
+                let _ = std::fs::remove_file(paths.paused_ram());
+                let _ = q.execute("migrate_cancel", json!({})).await;
+                for _ in 0..100 {
+                    let st = q.execute("query-migrate", json!({})).await;
+                    let active = st.ok().is_some_and(|m| {
+                        matches!(
+                            m.get("status").and_then(Value::as_str),
+                            Some("setup" | "active" | "cancelling" | "device")
+                        )
+                    });
+                    if !active {
+                        break;
+                    }
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                q.execute("cont", json!({}))
+                    .await
+                    .map(|_| ())
+                    .map_err(|e| format!("it was left stopped and cannot run on: {e}"))
+            }
+            Some("running") if saved => {
+                // A wake that got through: the machine has moved on.
+                let _ = std::fs::remove_file(paths.paused_state());
+                let _ = std::fs::remove_file(paths.paused_ram());
+                Ok(())
+            }
+            _ => Ok(()),
+        }
+    }
 }
 
 /// A machine up, or coming up, but not in the registry: ended if dropped
@@ -180,7 +245,7 @@ mod tests {
     use runtime_proto::{channel, Request, MAX_PAYLOAD};
 
     use crate::fake_guest::Guest;
-    use crate::fake_qemu::{gone, FakeHost};
+    use crate::fake_qemu::{gone, FakeHost, FakeQmp};
     use crate::link::Incoming;
     use crate::machine::Vm;
     use crate::types::Host;
@@ -230,6 +295,98 @@ mod tests {
         assert!(gone(pid));
         assert!(!f.has_cgroup(&id));
         assert!(!f.state.join(&id).exists());
+    }
+
+    #[tokio::test]
+    async fn recover_ends_what_it_cannot_adopt_with_its_ram_and_cgroup() {
+        let f = FakeHost::new("recover-ends");
+        let id = f.id("m");
+        // Its agent's socket is gone: nothing answers.
+        let pid = f.leave_qemu(&id);
+        let ram = f.host.own_ram(&id);
+        std::fs::write(&ram, b"guest memory").unwrap();
+        let host = f.restart();
+        assert!(!host.recover(&f.spec(&id)).await.unwrap());
+        assert!(gone(pid), "QEMU {pid} still runs");
+        assert!(!ram.exists(), "its RAM file is left");
+        assert!(!f.has_cgroup(&id), "its cgroup is left");
+    }
+
+    #[tokio::test]
+    async fn recover_ends_a_machine_that_never_finished_starting() {
+        let f = FakeHost::new("recover-starting");
+        let id = f.id("m");
+        let pid = f.leave_qemu(&id);
+        let paths = f.paths(&id);
+        let _guest = Guest::serving(tokio::net::UnixListener::bind(paths.agent_sock()).unwrap());
+        // A crash of the server between QEMU's spawn and the machine's
+        // registration: never set up, its volumes never mounted.
+        std::fs::write(paths.dir.join("starting"), b"").unwrap();
+        let host = f.restart();
+        assert!(!host.recover(&f.spec(&id)).await.unwrap());
+        assert!(gone(pid), "QEMU {pid} still runs");
+        assert!(host.qemu_pid(&id).is_none());
+    }
+
+    #[tokio::test]
+    async fn recover_runs_on_a_machine_left_stopped_by_a_capture() {
+        let f = FakeHost::new("recover-stopped");
+        let id = f.id("m");
+        let pid = f.leave_qemu(&id);
+        let paths = f.paths(&id);
+        let qmp = FakeQmp::serve(&paths.qmp_sock(), "postmigrate", &[]);
+        let _guest = Guest::serving(tokio::net::UnixListener::bind(paths.agent_sock()).unwrap());
+        // The crash came during a pause's capture, before its state was kept.
+        std::fs::write(paths.capture_state(), b"half").unwrap();
+        std::fs::write(paths.paused_ram(), b"half").unwrap();
+        let host = f.restart();
+        assert!(host.recover(&f.spec(&id)).await.unwrap());
+        assert_eq!(host.qemu_pid(&id), Some(pid));
+        assert!(qmp.seen().contains(&"cont".to_owned()), "{:?}", qmp.seen());
+        assert!(!paths.capture_state().exists());
+        assert!(!paths.paused_ram().exists());
+    }
+
+    #[tokio::test]
+    async fn recover_finishes_a_pause_whose_state_was_kept() {
+        let f = FakeHost::new("recover-paused");
+        let id = f.id("m");
+        let pid = f.leave_qemu(&id);
+        let paths = f.paths(&id);
+        let qmp = FakeQmp::serve(&paths.qmp_sock(), "postmigrate", &[]);
+        let _guest = Guest::serving(tokio::net::UnixListener::bind(paths.agent_sock()).unwrap());
+        // The crash came after the state was kept, before QEMU ended.
+        std::fs::write(paths.paused_state(), b"state").unwrap();
+        let host = f.restart();
+        assert!(!host.recover(&f.spec(&id)).await.unwrap());
+        assert!(gone(pid), "QEMU {pid} still runs");
+        assert!(
+            paths.paused_state().exists(),
+            "the state to wake from stays"
+        );
+        assert!(!qmp.seen().contains(&"cont".to_owned()), "{:?}", qmp.seen());
+        assert!(!f.has_cgroup(&id));
+    }
+
+    #[tokio::test]
+    async fn recover_drops_the_state_a_wake_got_past() {
+        let f = FakeHost::new("recover-woken");
+        let id = f.id("m");
+        let pid = f.leave_qemu(&id);
+        let paths = f.paths(&id);
+        let _qmp = FakeQmp::serve(&paths.qmp_sock(), "running", &[]);
+        let _guest = Guest::serving(tokio::net::UnixListener::bind(paths.agent_sock()).unwrap());
+        // The crash came after the wake, before its state was removed.
+        std::fs::write(paths.paused_state(), b"state").unwrap();
+        std::fs::write(paths.paused_ram(), b"memory").unwrap();
+        let host = f.restart();
+        assert!(host.recover(&f.spec(&id)).await.unwrap());
+        assert_eq!(host.qemu_pid(&id), Some(pid));
+        assert!(
+            !paths.paused_state().exists(),
+            "a running machine with a state to wake from"
+        );
+        assert!(!paths.paused_ram().exists());
     }
 
     #[tokio::test]
