@@ -11,11 +11,29 @@ use runtime_proto::Request;
 use serde_json::json;
 
 use crate::disks::copy_sparse;
+use std::sync::Arc;
+
 use crate::machine::{QemuHost, Vm};
 use crate::qemu::{self, VmPaths};
 use crate::qmp::{Qmp, QmpError};
 use crate::ram::copy_ram;
 use crate::types::HostError;
+
+/// A capture that failed: why, and whether it left the machine stopped
+/// (`stopped`: it could not be run on again; otherwise it runs).
+pub(crate) struct CaptureFailed {
+    pub(crate) error: HostError,
+    pub(crate) stopped: bool,
+}
+
+impl CaptureFailed {
+    fn running(error: HostError) -> Self {
+        CaptureFailed {
+            error,
+            stopped: false,
+        }
+    }
+}
 
 impl QemuHost {
     /// Stops the VM's vCPUs and writes its device state to
@@ -23,8 +41,12 @@ impl QemuHost {
     /// machine with its own RAM file is saved without its RAM (reading it
     /// would allocate every page of the file): the caller copies the file
     /// while the machine is stopped. Any other machine's state holds its
-    /// whole memory.
-    pub(crate) async fn capture_stopped(&self, id: &str, vm: &Vm) -> Result<PathBuf, HostError> {
+    /// whole memory. On failure the machine runs on when it can.
+    pub(crate) async fn capture_stopped(
+        &self,
+        id: &str,
+        vm: &Vm,
+    ) -> Result<PathBuf, CaptureFailed> {
         let qerr = |e: QmpError| HostError::Capture {
             id: id.to_owned(),
             reason: e.to_string(),
@@ -36,10 +58,22 @@ impl QemuHost {
         if let Some(l) = &link {
             let _ = tokio::time::timeout(Duration::from_secs(5), l.call(&Request::Quiesce)).await;
         }
-        let mut q = Qmp::connect(&vm.paths.qmp_sock(), Duration::from_secs(10))
-            .await
-            .map_err(qerr)?;
-        q.execute("stop", json!({})).await.map_err(qerr)?;
+        let release = || {
+            if let Some(l) = &link {
+                l.release();
+            }
+        };
+        let mut q = match Qmp::connect(&vm.paths.qmp_sock(), Duration::from_secs(10)).await {
+            Ok(q) => q,
+            Err(e) => {
+                release();
+                return Err(CaptureFailed::running(qerr(e)));
+            }
+        };
+        if let Err(e) = q.execute("stop", json!({})).await {
+            release();
+            return Err(CaptureFailed::running(qerr(e)));
+        }
         let file = vm.paths.capture_state();
         let written = async {
             // Set each time: QEMU keeps capabilities from one migration to
@@ -73,14 +107,12 @@ impl QemuHost {
             Ok::<(), HostError>(())
         }
         .await;
-        if let Err(e) = written {
-            // Nothing is lost: the machine runs on.
-            let _ = q.execute("cont", json!({})).await;
-            if let Some(l) = &link {
-                l.release();
-            }
+        if let Err(error) = written {
+            // Nothing is lost: the machine runs on, if it can.
+            let stopped = q.execute("cont", json!({})).await.is_err();
+            release();
             let _ = std::fs::remove_file(&file);
-            return Err(e);
+            return Err(CaptureFailed { error, stopped });
         }
         tracing::info!(
             sandbox_id = id,
@@ -107,17 +139,54 @@ impl QemuHost {
 
     /// A pause's capture: the state and, for a machine with its own RAM
     /// file, a copy of that file as `paused.ram`; the machine stays stopped.
-    pub(crate) async fn capture_for_pause(&self, id: &str, vm: &Vm) -> Result<PathBuf, HostError> {
+    pub(crate) async fn capture_for_pause(
+        &self,
+        id: &str,
+        vm: &Vm,
+    ) -> Result<PathBuf, CaptureFailed> {
         let file = self.capture_stopped(id, vm).await?;
         if let Some(ram) = &vm.ram {
             // Only the pages the guest touched, holes kept: the paused
             // machine's memory takes the room it used.
             if let Err(e) = copy_ram(ram, &vm.paths.paused_ram()).await {
-                let _ = std::fs::remove_file(vm.paths.paused_ram());
-                return Err(Self::io(id, "keep paused memory")(e));
+                return Err(CaptureFailed {
+                    error: Self::io(id, "keep paused memory")(e),
+                    stopped: true,
+                });
             }
         }
         Ok(file)
+    }
+
+    /// A pause of `vm` that did not keep its state: nothing of it stays,
+    /// and the machine runs on, registered again (the error says why the
+    /// pause failed), or, when it cannot run on, is ended: then
+    /// [`HostError::NoSuchMachine`], the machine is gone.
+    pub(crate) async fn pause_failed(
+        &self,
+        id: &str,
+        vm: Arc<Vm>,
+        failed: CaptureFailed,
+    ) -> Result<(), HostError> {
+        let _ = std::fs::remove_file(vm.paths.capture_state());
+        let _ = std::fs::remove_file(vm.paths.paused_ram());
+        let runs = !failed.stopped
+            || {
+                match self.resume(id, &vm).await {
+                    Ok(()) => true,
+                    Err(error) => {
+                        tracing::warn!(sandbox_id = id, %error, "cannot run the machine on after a failed pause");
+                        false
+                    }
+                }
+            };
+        if runs {
+            self.insert_vm(id, vm);
+            return Err(failed.error);
+        }
+        tracing::warn!(sandbox_id = id, error = %failed.error, "the pause failed and the machine cannot run on: ending it");
+        self.end_vm(id, &vm).await;
+        Err(HostError::NoSuchMachine { id: id.to_owned() })
     }
 
     /// A capture of running machine `id` into `dest`: its disk, and with
@@ -141,7 +210,15 @@ impl QemuHost {
         // RAM, and a copy of the file (restored as a private
         // mapping shared by every machine started from it).
         let ram = vm.ram.as_ref().filter(|_| memory);
-        let file = self.capture_stopped(id, vm).await?;
+        let file = match self.capture_stopped(id, vm).await {
+            Ok(file) => file,
+            Err(failed) => {
+                if failed.stopped {
+                    self.end_stuck(id, vm).await;
+                }
+                return Err(failed.error);
+            }
+        };
         let r = async {
             if let Some(ram) = ram {
                 copy_ram(ram, &dest.join("memory.ram"))
@@ -159,7 +236,10 @@ impl QemuHost {
                 .map_err(Self::io(id, "copy disk"))
         }
         .await;
-        self.resume(id, vm).await?;
+        if let Err(e) = self.resume(id, vm).await {
+            self.end_stuck(id, vm).await;
+            return Err(e);
+        }
         r
     }
 
@@ -226,5 +306,110 @@ pub(crate) async fn resume_loaded(paths: &VmPaths) -> Result<(), QmpError> {
             });
         }
         tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+    use super::*;
+    use crate::fake_qemu::{gone, FakeHost, FakeQmp};
+    use crate::types::Host;
+
+    /// Machine `id` registered as running on a fake QEMU whose QMP refuses
+    /// `refused`, with a RAM file of its own: its pid and its QMP.
+    fn running(f: &FakeHost, id: &str, refused: &'static [&'static str]) -> (u32, FakeQmp) {
+        let pid = f.leave_qemu(id);
+        let paths = f.paths(id);
+        let qmp = FakeQmp::serve(&paths.qmp_sock(), "running", refused);
+        std::fs::write(paths.overlay(), b"disk").unwrap();
+        let ram = f.host.own_ram(id);
+        std::fs::write(&ram, b"guest memory").unwrap();
+        let vm = Vm {
+            paths,
+            pid,
+            link: tokio::sync::Mutex::new(None),
+            volumes: false,
+            ram: Some(ram),
+        };
+        f.host
+            .vms
+            .lock()
+            .unwrap()
+            .insert(id.to_owned(), Arc::new(vm));
+        (pid, qmp)
+    }
+
+    #[tokio::test]
+    async fn a_pause_that_cannot_keep_its_state_leaves_the_machine_running() {
+        let f = FakeHost::new("pause-rename");
+        let id = f.id("m");
+        let (pid, qmp) = running(&f, &id, &[]);
+        let paths = f.paths(&id);
+        // In the way of the rename.
+        std::fs::create_dir_all(paths.paused_state().join("x")).unwrap();
+        let e = f.host.pause(&id).await.unwrap_err();
+        assert!(
+            matches!(
+                e,
+                HostError::Io {
+                    op: "keep paused state",
+                    ..
+                }
+            ),
+            "{e:?}"
+        );
+        assert_eq!(
+            f.host.qemu_pid(&id),
+            Some(pid),
+            "the machine is no longer tracked"
+        );
+        assert!(!gone(pid));
+        let seen = qmp.seen();
+        let stopped = seen.iter().position(|c| c == "stop");
+        let resumed = seen.iter().rposition(|c| c == "cont");
+        assert!(
+            stopped.is_some() && resumed > stopped,
+            "not run on: {seen:?}"
+        );
+        assert!(!paths.capture_state().exists(), "the capture is left");
+        assert!(
+            !paths.paused_ram().exists(),
+            "the copy of its memory is left"
+        );
+        assert!(f.host.own_ram(&id).exists(), "its memory");
+    }
+
+    #[tokio::test]
+    async fn a_pause_that_can_neither_finish_nor_run_on_ends_the_machine() {
+        let f = FakeHost::new("pause-stuck");
+        let id = f.id("m");
+        let (pid, _qmp) = running(&f, &id, &["cont"]);
+        let paths = f.paths(&id);
+        std::fs::create_dir_all(paths.paused_state().join("x")).unwrap();
+        let e = f.host.pause(&id).await.unwrap_err();
+        assert!(matches!(e, HostError::NoSuchMachine { .. }), "{e:?}");
+        assert!(f.host.qemu_pid(&id).is_none());
+        assert!(gone(pid), "a stopped QEMU {pid} is left");
+        assert!(!f.has_cgroup(&id));
+        assert!(!f.host.own_ram(&id).exists());
+        assert!(!paths.capture_state().exists());
+        assert!(!paths.paused_ram().exists());
+    }
+
+    #[tokio::test]
+    async fn a_capture_after_which_the_machine_cannot_run_on_ends_it() {
+        let f = FakeHost::new("capture-stuck");
+        let id = f.id("m");
+        let (pid, _qmp) = running(&f, &id, &["cont"]);
+        let dest = f.state.join(".capture");
+        assert!(f.host.capture(&id, &dest, false).await.is_err());
+        assert!(
+            f.host.qemu_pid(&id).is_none(),
+            "a stopped machine is tracked as running"
+        );
+        assert!(gone(pid), "a stopped QEMU {pid} is left");
+        assert!(!f.has_cgroup(&id));
+        assert!(!dest.exists());
     }
 }

@@ -11,10 +11,12 @@ use crate::uid::vm_uid;
 
 impl QemuHost {
     /// A fresh, empty VM directory (owned by the VM's uid, so QEMU can
-    /// write its captures there).
+    /// write its captures there). A machine still there is ended first:
+    /// without its directory nothing would find its QEMU again.
     pub(crate) async fn fresh_dir(&self, spec: &MachineSpec) -> Result<VmPaths, HostError> {
         let id = spec.id.as_str();
         let paths = self.paths(id);
+        self.end_any(id).await;
         let _ = std::fs::remove_dir_all(&paths.dir);
         std::fs::create_dir_all(&paths.dir).map_err(Self::io(id, "create vm dir"))?;
         if let Some((uid, gid)) = vm_uid(id) {

@@ -1,5 +1,6 @@
-//! For unit tests: a fake agent on the other end of a socket pair, linked
-//! to the host's side by the real handshake.
+//! For unit tests: a fake agent on the other end of a socket pair (or
+//! behind a machine's agent socket), linked to the host's side by the real
+//! handshake.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -7,9 +8,9 @@ use std::time::Duration;
 
 use runtime_proto::{encode, Decoder, Frame, Kind, Reply, Request};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::UnixStream;
+use tokio::net::{UnixListener, UnixStream};
 
-use crate::link::Link;
+use crate::link::{Acceptor, Link};
 
 pub(crate) struct Guest {
     sock: UnixStream,
@@ -19,30 +20,49 @@ pub(crate) struct Guest {
 impl Guest {
     /// A link to a new fake guest, the handshake done.
     pub(crate) async fn linked() -> (Link, Guest) {
+        Guest::linked_with(None).await
+    }
+
+    /// As [`Guest::linked`], the guest's outbound streams handed to
+    /// `acceptor`.
+    pub(crate) async fn linked_with(acceptor: Option<Acceptor>) -> (Link, Guest) {
         let (host_side, guest_side) = UnixStream::pair().unwrap();
-        let mut guest = Guest {
-            sock: guest_side,
-            dec: Decoder::new(),
-        };
-        let answer = tokio::spawn(async move {
-            let f = guest.frame().await.unwrap();
-            assert_eq!((f.stream, f.kind), (0, Kind::Control));
-            assert!(matches!(f.parse().unwrap(), Request::Hello { .. }));
-            guest
-                .reply(
-                    0,
-                    &Reply::Hello {
-                        version: 1,
-                        agent: "fake".into(),
-                    },
-                )
-                .await;
-            guest
-        });
-        let (link, _) = Link::over(host_side, Duration::from_secs(5), None)
+        let answer = tokio::spawn(Guest::new(guest_side).answer_hello());
+        let (link, _) = Link::over(host_side, Duration::from_secs(5), acceptor)
             .await
             .unwrap();
         (link, answer.await.unwrap())
+    }
+
+    /// A fake guest behind `listener` (a machine's agent socket): it
+    /// answers the handshake of the first host to connect.
+    pub(crate) fn serving(listener: UnixListener) -> tokio::task::JoinHandle<Guest> {
+        tokio::spawn(async move {
+            let (sock, _) = listener.accept().await.unwrap();
+            Guest::new(sock).answer_hello().await
+        })
+    }
+
+    fn new(sock: UnixStream) -> Guest {
+        Guest {
+            sock,
+            dec: Decoder::new(),
+        }
+    }
+
+    async fn answer_hello(mut self) -> Guest {
+        let f = self.frame().await.unwrap();
+        assert_eq!((f.stream, f.kind), (0, Kind::Control));
+        assert!(matches!(f.parse().unwrap(), Request::Hello { .. }));
+        self.reply(
+            0,
+            &Reply::Hello {
+                version: 1,
+                agent: "fake".into(),
+            },
+        )
+        .await;
+        self
     }
 
     /// The next frame from the host, of any stream.

@@ -3,7 +3,6 @@
 //! made and the guest set up, in named steps.
 
 use std::path::Path;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tokio::net::UnixStream;
@@ -16,81 +15,112 @@ use crate::link::Link;
 use crate::machine::{QemuHost, Vm};
 use crate::qemu::{self, VmConfig, VmPaths};
 use crate::ram::{copy_ram, RamPlan, StartingRam};
+use crate::teardown::Pending;
 use crate::types::{BootStage, HostError, MachineSpec};
 use crate::uid;
 
 impl QemuHost {
     /// Boots a new machine of `spec`: a fresh directory, an overlay, its
-    /// volumes' copies, QEMU, then its volumes mounted.
-    pub(crate) async fn boot(&self, spec: &MachineSpec) -> Result<Arc<Vm>, HostError> {
+    /// volumes' copies, QEMU, then its volumes mounted. Not registered yet.
+    pub(crate) async fn boot(&self, spec: &MachineSpec) -> Result<Pending, HostError> {
         let paths = self.fresh_dir(spec).await?;
         self.new_overlay(spec, &paths).await?;
         self.copy_snapshot_volumes(spec, &paths).await?;
         let vm = self
             .launch(spec, paths, None, RamPlan::Own { fill: None })
             .await?;
-        if let Err(e) = mount_volumes(&vm, spec).await {
-            self.end_vm(&spec.id, &vm).await;
+        if let Err(e) = mount_volumes(vm.vm(), spec).await {
+            vm.end().await;
             return Err(e);
         }
         Ok(vm)
     }
 
     /// Starts QEMU in `paths` (its disk already there), either booting or
-    /// loading the state in `incoming`, and returns once the agent answered.
-    /// `ram` says where its RAM lives; with a file, `incoming` holds no RAM.
+    /// loading the state in `incoming`, and returns once the agent answered
+    /// and the guest is set up: a machine not registered yet. `ram` says
+    /// where its RAM lives; with a file, `incoming` holds no RAM. Whatever
+    /// fails once QEMU is spawned ends the machine.
     pub(crate) async fn launch(
         &self,
         spec: &MachineSpec,
         paths: VmPaths,
         incoming: Option<std::fs::File>,
         plan: RamPlan<'_>,
-    ) -> Result<Arc<Vm>, HostError> {
+    ) -> Result<Pending, HostError> {
         let id = spec.id.as_str();
         let own = self.own_ram(id);
         // A file left by an earlier QEMU of this id (before a pause) would
         // hand its old contents to a new boot.
         let _ = std::fs::remove_file(&own);
-        // Whatever fails from here, the RAM file goes with the machine.
+        // Whatever fails before QEMU runs, the RAM file goes.
         let own_file = StartingRam::new(matches!(plan, RamPlan::Own { .. }).then(|| own.clone()));
         let ram = self.prepare_ram(id, &own, plan).await?;
         disks::hand_to_qemu(spec, &paths)?;
+        // Until the machine is registered: a crash of the server meanwhile
+        // leaves a machine the next one ends rather than adopts.
+        std::fs::write(paths.starting(), b"").map_err(Self::io(id, "mark the machine starting"))?;
         let restore = incoming.is_some();
         let file_backed = ram.file_backed();
         let (pid, started) = self.spawn_qemu(spec, &paths, incoming, ram)?;
-        self.wait_for_sockets(id, pid, &paths, started).await?;
+        let vm = Pending::new(
+            self,
+            id,
+            Vm {
+                paths,
+                pid,
+                link: tokio::sync::Mutex::new(None),
+                volumes: !spec.volumes.is_empty(),
+                ram: own_file.file().cloned(),
+            },
+        );
+        // From here the machine owns its RAM file.
+        own_file.keep();
+        match self
+            .bring_up(spec, vm.vm(), restore, file_backed, started)
+            .await
+        {
+            Ok(()) => Ok(vm),
+            Err(e) => {
+                vm.end().await;
+                Err(e)
+            }
+        }
+    }
+
+    /// QEMU's sockets, a restore's state loaded, the agent's link, the
+    /// guest's setup.
+    async fn bring_up(
+        &self,
+        spec: &MachineSpec,
+        vm: &Vm,
+        restore: bool,
+        file_backed: bool,
+        started: Instant,
+    ) -> Result<(), HostError> {
+        let (id, pid, paths) = (spec.id.as_str(), vm.pid, &vm.paths);
+        self.wait_for_sockets(id, pid, paths, started).await?;
         let early = if restore {
-            Some(
-                self.load_state(id, pid, &paths, file_backed, started)
-                    .await?,
-            )
+            Some(self.load_state(id, paths, file_backed, started).await?)
         } else {
             None
         };
-        let link = self.connect_agent(id, pid, &paths, early, started).await?;
+        let link = self.connect_agent(id, pid, paths, early, started).await?;
         tracing::info!(
             sandbox_id = id,
             ms = started.elapsed().as_millis() as u64,
             "agent ready"
         );
-        let vm = Arc::new(Vm {
-            paths,
-            pid,
-            link: tokio::sync::Mutex::new(Some(link.clone())),
-            volumes: !spec.volumes.is_empty(),
-            ram: own_file.file().cloned(),
-        });
-        if let Err(e) = setup(&link, &spec.hostname, spec.guest_ca_pem.as_deref()).await {
-            qemu::kill(pid).await;
-            return Err(self.start_failed(id, BootStage::Agent, e.to_string()));
-        }
-        own_file.keep();
+        *vm.link.lock().await = Some(link.clone());
+        setup(&link, &spec.hostname, spec.guest_ca_pem.as_deref())
+            .await
+            .map_err(|e| self.start_failed(id, BootStage::Agent, e.to_string()))?;
         tracing::info!(
             sandbox_id = id,
             ms = started.elapsed().as_millis() as u64,
             "set up"
         );
-        Ok(vm)
+        Ok(())
     }
 
     /// The RAM the new QEMU maps as `plan` says: a file of its own is `own`,
@@ -182,7 +212,6 @@ impl QemuHost {
                 ));
             }
             if started.elapsed() > Duration::from_secs(10) {
-                qemu::kill(pid).await;
                 return Err(self.start_failed(
                     id,
                     BootStage::Spawn,
@@ -200,26 +229,21 @@ impl QemuHost {
     async fn load_state(
         &self,
         id: &str,
-        pid: u32,
         paths: &VmPaths,
         file_backed: bool,
         started: Instant,
     ) -> Result<UnixStream, HostError> {
+        let failed =
+            |e: &dyn std::fmt::Display| self.start_failed(id, BootStage::Restore, e.to_string());
         // Connected while the vCPUs are stopped: whatever the agent
         // sends right after the restore has somewhere to go.
         let early = UnixStream::connect(paths.agent_sock())
             .await
-            .map_err(|e| self.start_failed(id, BootStage::Restore, e.to_string()))?;
+            .map_err(|e| failed(&e))?;
         if file_backed {
-            if let Err(e) = load_without_ram(paths).await {
-                qemu::kill(pid).await;
-                return Err(self.start_failed(id, BootStage::Restore, e.to_string()));
-            }
+            load_without_ram(paths).await.map_err(|e| failed(&e))?;
         }
-        if let Err(e) = resume_loaded(paths).await {
-            qemu::kill(pid).await;
-            return Err(self.start_failed(id, BootStage::Restore, e.to_string()));
-        }
+        resume_loaded(paths).await.map_err(|e| failed(&e))?;
         tracing::info!(
             sandbox_id = id,
             ms = started.elapsed().as_millis() as u64,
@@ -229,8 +253,7 @@ impl QemuHost {
     }
 
     /// The link to the agent (over `early` when a restore connected
-    /// already), within what is left of the boot timeout; QEMU ended when
-    /// it never comes.
+    /// already), within what is left of the boot timeout.
     async fn connect_agent(
         &self,
         id: &str,
@@ -254,7 +277,6 @@ impl QemuHost {
                 r = &mut connect => match r {
                     Ok((link, _hello)) => return Ok(link),
                     Err(e) => {
-                        qemu::kill(pid).await;
                         let stage = if qemu::console_tail(paths, 1 << 20).contains("agent: ") {
                             BootStage::Agent
                         } else {
@@ -270,5 +292,94 @@ impl QemuHost {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+    use crate::fake_qemu::{gone, gone_soon, Fake, FakeHost};
+    use crate::types::{BootStage, Host, HostError};
+
+    #[tokio::test]
+    async fn a_restore_whose_agent_socket_cannot_be_reached_ends_its_qemu() {
+        let f = FakeHost::new("restore-connect");
+        f.set(Fake::Sockets);
+        let id = f.id("m");
+        // A paused machine: its disk and a state to wake from.
+        let paths = f.paths(&id);
+        std::fs::create_dir_all(&paths.dir).unwrap();
+        std::fs::write(paths.overlay(), b"").unwrap();
+        std::fs::write(paths.paused_state(), b"").unwrap();
+        let e = f.host.wake(&f.spec(&id)).await.unwrap_err();
+        assert!(
+            matches!(
+                e,
+                HostError::StartFailed {
+                    stage: BootStage::Restore,
+                    ..
+                }
+            ),
+            "{e:?}"
+        );
+        let pid = f.pid_of(&id);
+        assert!(gone(pid), "QEMU {pid} still runs");
+        assert!(!f.has_cgroup(&id), "its cgroup is left");
+        assert!(f.host.qemu_pid(&id).is_none());
+        assert!(
+            paths.paused_state().exists(),
+            "the state to wake from stays"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_start_that_fails_after_spawning_leaves_no_cgroup() {
+        let f = FakeHost::new("start-fails");
+        // Its agent never answers; it exits during start-up.
+        for (n, fake) in [Fake::Sockets, Fake::Exits].into_iter().enumerate() {
+            f.set(fake);
+            let id = f.id(&format!("m{n}"));
+            let e = f.host.start(&f.spec(&id)).await.unwrap_err();
+            assert!(matches!(e, HostError::StartFailed { .. }), "{e:?}");
+            let pid = f.pid_of(&id);
+            assert!(gone(pid), "{fake:?}: QEMU {pid} still runs");
+            assert!(!f.has_cgroup(&id), "{fake:?}: its cgroup is left");
+            assert!(
+                !f.host.own_ram(&id).exists(),
+                "{fake:?}: its RAM file is left"
+            );
+            assert!(f.host.qemu_pid(&id).is_none());
+        }
+    }
+
+    #[tokio::test]
+    async fn a_start_given_up_half_way_ends_its_qemu() {
+        let f = FakeHost::new("start-dropped");
+        f.set(Fake::Silent);
+        let id = f.id("m");
+        let spec = f.spec(&id);
+        let pidfile = f.paths(&id).pidfile();
+        let spawned = async {
+            // The whole pid: the file exists before it is written.
+            while !std::fs::read_to_string(&pidfile).is_ok_and(|p| p.ends_with('\n')) {
+                tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+            }
+        };
+        // Given up (the caller went away) while it waits for QEMU's sockets.
+        tokio::select! {
+            r = f.host.start(&spec) => panic!("the fake never opens its sockets: {r:?}"),
+            () = spawned => {}
+        }
+        let pid = f.pid_of(&id);
+        assert!(gone_soon(pid).await, "QEMU {pid} still runs");
+        for _ in 0..500 {
+            if !f.has_cgroup(&id) {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        assert!(!f.has_cgroup(&id), "its cgroup is left");
+        assert!(!f.host.own_ram(&id).exists(), "its RAM file is left");
+        assert!(f.host.qemu_pid(&id).is_none());
     }
 }

@@ -12,6 +12,7 @@
 //! - `launch`: the boot and restore sequence, from QEMU's spawn to a set-up guest, in named steps.
 //! - `capture`: capture, resume and state loading through QMP; the pause and capture flows.
 //! - `templates`: pre-booted templates per machine shape, built in the background and restored on start.
+//! - `teardown`: the one way a machine ends, machines not registered yet, and what a crash of the server left (ended or adopted).
 //! - `disks`: a machine's directory, overlay, `snapshot` volume copies and drive files.
 //! - `ram`: where guests' RAM lives (tmpfs or disk), RAM plans, sparse RAM copies.
 //! - `guest_setup`: the guest's `Setup`, volume mounting (`mount_volumes.sh`), flushing its writes.
@@ -33,6 +34,8 @@ mod cpu_time;
 mod disks;
 #[cfg(test)]
 mod fake_guest;
+#[cfg(test)]
+mod fake_qemu;
 mod guest_setup;
 mod inspect;
 mod launch;
@@ -42,6 +45,7 @@ mod pump;
 mod qemu;
 mod qmp;
 mod ram;
+mod teardown;
 mod templates;
 mod tunnel;
 mod types;

@@ -9,6 +9,7 @@ use async_trait::async_trait;
 use runtime_proto::{Reply, Request};
 
 use crate::artifacts::Artifacts;
+use crate::capture::CaptureFailed;
 use crate::cgroup::{self, Layout};
 use crate::convert::{exec_request, file_op_result, file_request, guest_err, user};
 use crate::disks::copy_sparse;
@@ -101,6 +102,7 @@ impl QemuHost {
             tunnels: Arc::default(),
         };
         host.drop_stale_templates();
+        host.drop_stale_machines();
         host.drop_stale_ram();
         Ok(host)
     }
@@ -200,28 +202,25 @@ impl QemuHost {
         }
     }
 
-    pub(crate) async fn end_vm(&self, id: &str, vm: &Vm) {
-        let link = vm.link.lock().await.take();
-        qemu::kill(vm.pid).await;
-        if let Some(ram) = &vm.ram {
-            let _ = std::fs::remove_file(ram);
-        }
-        if let Some(l) = link {
-            // QEMU is gone: read what it had passed on before closing, so
-            // output written just before a pause is not lost.
-            l.drained(Duration::from_secs(2)).await;
-            l.close();
-        }
-        cgroup::remove(self.cgroups, id);
-    }
-
-    fn take_vm(&self, id: &str) -> Option<Arc<Vm>> {
+    pub(crate) fn take_vm(&self, id: &str) -> Option<Arc<Vm>> {
         self.vms.lock().ok().and_then(|mut m| m.remove(id))
     }
 
-    fn insert_vm(&self, id: &str, vm: Arc<Vm>) {
+    pub(crate) fn insert_vm(&self, id: &str, vm: Arc<Vm>) {
         if let Ok(mut m) = self.vms.lock() {
             m.insert(id.to_owned(), vm);
+        }
+    }
+
+    /// Registers a machine that is up (set up, its volumes mounted): from
+    /// now on a crash of the server leaves it to be adopted, not ended.
+    pub(crate) fn register(&self, id: &str, vm: Arc<Vm>) {
+        let starting = vm.paths.starting();
+        self.insert_vm(id, vm);
+        if let Err(error) = std::fs::remove_file(&starting) {
+            if error.kind() != std::io::ErrorKind::NotFound {
+                tracing::warn!(sandbox_id = id, %error, "could not mark the machine started");
+            }
         }
     }
 }
@@ -232,30 +231,41 @@ impl Host for QemuHost {
         if self.start_from_template(spec).await {
             return Ok(());
         }
-        let vm = self.boot(spec).await?;
-        if let Ok(mut m) = self.vms.lock() {
-            m.insert(spec.id.clone(), vm);
-        }
+        self.boot(spec).await?.register();
         Ok(())
     }
 
     async fn recover(&self, spec: &MachineSpec) -> Result<bool, HostError> {
-        let paths = self.paths(&spec.id);
-        let Some(pid) = qemu::read_pid(&paths) else {
+        let id = spec.id.as_str();
+        if self.vm(id).is_ok() {
+            return Ok(true);
+        }
+        let paths = self.paths(id);
+        let found = qemu::read_pid(&paths).filter(|&pid| qemu::is_our_qemu(pid, &paths.dir));
+        let Some(pid) = found else {
+            // It ended under the earlier server: what it left goes too.
+            self.end_untracked(id).await;
             return Ok(false);
         };
-        if !qemu::is_our_qemu(pid, &paths.dir) {
+        if let Err(why) = self.settle_found(&paths).await {
+            tracing::warn!(
+                sandbox_id = id,
+                pid,
+                why,
+                "machine found but not adopted: ending it"
+            );
+            self.end_untracked(id).await;
             return Ok(false);
         }
         match Link::connect(
             &paths.agent_sock(),
             Duration::from_secs(10),
-            Some(self.acceptor(&spec.id)),
+            Some(self.acceptor(id)),
         )
         .await
         {
             Ok((link, _)) => {
-                let own = self.own_ram(&spec.id);
+                let own = self.own_ram(id);
                 let vm = Arc::new(Vm {
                     paths,
                     pid,
@@ -263,43 +273,28 @@ impl Host for QemuHost {
                     volumes: !spec.volumes.is_empty(),
                     ram: own.exists().then_some(own),
                 });
-                if let Ok(mut m) = self.vms.lock() {
-                    m.insert(spec.id.clone(), vm);
-                }
-                tracing::info!(sandbox_id = %spec.id, pid, "recovered running machine");
+                self.insert_vm(id, vm);
+                tracing::info!(sandbox_id = id, pid, "recovered running machine");
                 Ok(true)
             }
             Err(error) => {
-                tracing::warn!(sandbox_id = %spec.id, %error, "machine found but its agent does not answer");
-                qemu::kill(pid).await;
+                tracing::warn!(sandbox_id = id, %error, "machine found but its agent does not answer: ending it");
+                self.end_untracked(id).await;
                 Ok(false)
             }
         }
     }
 
     async fn stop(&self, id: &str, keep_disk: bool) -> Result<(), HostError> {
-        let vm = self.vms.lock().ok().and_then(|mut m| m.remove(id));
-        if let Some(vm) = vm {
-            if keep_disk || vm.volumes {
-                sync_guest(&vm).await;
-            }
-            if let Some(l) = vm.link.lock().await.take() {
-                l.close();
-            }
-            qemu::kill(vm.pid).await;
-            if let Some(ram) = &vm.ram {
-                let _ = std::fs::remove_file(ram);
-            }
-        } else {
-            let _ = std::fs::remove_file(self.own_ram(id));
-            let paths = self.paths(id);
-            if let Some(pid) = qemu::read_pid(&paths) {
-                if qemu::is_our_qemu(pid, &paths.dir) {
-                    qemu::kill(pid).await;
+        match self.take_vm(id) {
+            Some(vm) => {
+                if keep_disk || vm.volumes {
+                    sync_guest(&vm).await;
                 }
+                self.end_vm(id, &vm).await;
             }
+            None => self.end_untracked(id).await,
         }
-        cgroup::remove(self.cgroups, id);
         if !keep_disk {
             let _ = std::fs::remove_dir_all(self.paths(id).dir);
             // Its tunnels end with the link; their slots go with their pumps.
@@ -375,20 +370,22 @@ impl Host for QemuHost {
             sync_guest(&vm).await;
         }
         let _ = std::fs::remove_file(vm.paths.paused_ram());
-        match self.capture_for_pause(id, &vm).await {
+        let kept = match self.capture_for_pause(id, &vm).await {
             Ok(file) => {
-                std::fs::rename(&file, vm.paths.paused_state())
-                    .map_err(Self::io(id, "keep paused state"))?;
+                std::fs::rename(&file, vm.paths.paused_state()).map_err(|e| CaptureFailed {
+                    error: Self::io(id, "keep paused state")(e),
+                    stopped: true,
+                })
+            }
+            Err(failed) => Err(failed),
+        };
+        match kept {
+            Ok(()) => {
                 self.end_vm(id, &vm).await;
                 tracing::info!(sandbox_id = id, "paused");
                 Ok(())
             }
-            Err(e) => {
-                // Nothing is lost: the machine runs on.
-                let _ = self.resume(id, &vm).await;
-                self.insert_vm(id, vm);
-                Err(e)
-            }
+            Err(failed) => self.pause_failed(id, vm, failed).await,
         }
     }
 
@@ -401,10 +398,13 @@ impl Host for QemuHost {
         let ram = paths.paused_ram();
         let plan = RamPlan::waking(ram.exists().then_some(ram.as_path()));
         let vm = self.launch(spec, paths.clone(), Some(file), plan).await?;
+        // Registered first: a crash between the two leaves a machine that
+        // is adopted (and its old state dropped), never a paused record
+        // without a state to wake from.
+        vm.register();
         // The machine has moved on from that state; keep only the newest.
         let _ = std::fs::remove_file(&state);
         let _ = std::fs::remove_file(&ram);
-        self.insert_vm(id, vm);
         Ok(())
     }
 
@@ -458,11 +458,11 @@ impl Host for QemuHost {
             from.starts_with(self.forks_dir()),
         );
         let vm = self.launch(spec, paths, incoming, plan).await?;
-        if let Err(e) = mount_volumes(&vm, spec).await {
-            self.end_vm(id, &vm).await;
+        if let Err(e) = mount_volumes(vm.vm(), spec).await {
+            vm.end().await;
             return Err(e);
         }
-        self.insert_vm(id, vm);
+        vm.register();
         Ok(())
     }
 

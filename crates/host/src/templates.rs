@@ -88,10 +88,18 @@ impl QemuHost {
             ..shape
         };
         let started = Instant::now();
-        let vm = self.boot(&spec).await?;
-        let result = self.keep_template(&id, &vm, &partial, &dir).await;
-        self.end_vm(&id, &vm).await;
-        let _ = std::fs::remove_dir_all(&vm.paths.dir);
+        let vm = match self.boot(&spec).await {
+            Ok(vm) => vm,
+            Err(e) => {
+                // The machine is ended; its directory goes too.
+                let _ = std::fs::remove_dir_all(self.paths(&id).dir);
+                return Err(e);
+            }
+        };
+        let result = self.keep_template(&id, vm.vm(), &partial, &dir).await;
+        let vm_dir = vm.vm().paths.dir.clone();
+        vm.end().await;
+        let _ = std::fs::remove_dir_all(&vm_dir);
         if result.is_err() {
             let _ = std::fs::remove_dir_all(&partial);
         } else {
@@ -111,7 +119,10 @@ impl QemuHost {
     ) -> Result<(), HostError> {
         let _ = std::fs::remove_dir_all(partial);
         std::fs::create_dir_all(partial).map_err(Self::io(id, "create template dir"))?;
-        let file = self.capture_stopped(id, vm).await?;
+        let file = self
+            .capture_stopped(id, vm)
+            .await
+            .map_err(|failed| failed.error)?;
         if let Some(ram) = &vm.ram {
             copy_ram(ram, &partial.join("memory.ram"))
                 .await
@@ -150,6 +161,12 @@ fn template_id(key: &str) -> String {
     let mut h = std::collections::hash_map::DefaultHasher::new();
     key.hash(&mut h);
     format!("template-{:016x}", h.finish())
+}
+
+/// Whether the machine directory `name` is a template's machine (see
+/// [`template_id`]): no sandbox's, so nothing but its build owns it.
+pub(crate) fn is_template_machine(name: &str) -> bool {
+    name.starts_with("template-")
 }
 
 /// Whether the entry `name` of the templates directory is of other
@@ -225,6 +242,35 @@ mod tests {
         let hex = a.strip_prefix("template-").unwrap_or_default();
         assert_eq!(hex.len(), 16);
         assert!(hex.chars().all(|c| c.is_ascii_hexdigit()));
+        assert!(is_template_machine(&a));
+        assert!(!is_template_machine("00000000-0000-4000-8000-00000000a001"));
+    }
+
+    #[tokio::test]
+    async fn a_template_build_that_fails_leaves_nothing() {
+        use crate::fake_qemu::{Fake, FakeHost};
+        let f = FakeHost::with("template-fails", true);
+        f.set(Fake::Exits);
+        let id = f.id("m");
+        assert!(f.host.start(&f.spec(&id)).await.is_err());
+        for _ in 0..1000 {
+            if f.host.building.lock().unwrap().is_empty() {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        assert!(f.host.building.lock().unwrap().is_empty(), "still building");
+        let left: Vec<_> = std::fs::read_dir(&f.state)
+            .unwrap()
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|n| is_template_machine(n))
+            .collect();
+        assert!(left.is_empty(), "left behind: {left:?}");
+        let partial: Vec<_> = std::fs::read_dir(f.state.join(".templates"))
+            .map(|d| d.flatten().map(|e| e.file_name()).collect())
+            .unwrap_or_default();
+        assert!(partial.is_empty(), "left behind: {partial:?}");
     }
 
     #[test]
