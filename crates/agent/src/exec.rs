@@ -292,6 +292,21 @@ unsafe fn child(
             }
         }
         if plan.sandbox {
+            // The agent made the stdio pipes, so they belong to root with
+            // mode 0600: reopening one by path (`/dev/stdout`,
+            // `/proc/self/fd/1`, as `tee /dev/stderr` or the R driver do)
+            // would fail for the sandbox user. They are this child's alone,
+            // so they become its user's, as a container runtime does; any
+            // other file (`/dev/null`, the pty slave) is left as it is.
+            for fd in 0..3 {
+                let mut st: libc::stat = std::mem::zeroed();
+                if libc::fstat(fd, &mut st) == 0
+                    && st.st_mode & libc::S_IFMT == libc::S_IFIFO
+                    && libc::fchown(fd, SANDBOX_ID, SANDBOX_ID) < 0
+                {
+                    fail(fds.report, STAGE_USER);
+                }
+            }
             if libc::setgroups(0, std::ptr::null()) < 0
                 || libc::setgid(SANDBOX_ID) < 0
                 || libc::setuid(SANDBOX_ID) < 0
