@@ -2251,6 +2251,34 @@ async fn a_process_that_ended_while_the_server_was_down_is_exited() {
 }
 
 #[tokio::test]
+async fn a_run_after_a_pause_starts_its_context_afresh() {
+    let t = T::new();
+    t.host.drivers.lock().unwrap().insert("python".into());
+    let id = t.running(json!({})).await;
+    let path = format!("/v1/sandboxes/{id}/interpreter:run");
+    let (s, v) = t.json("POST", &path, Some(json!({"code": "one"}))).await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert_eq!(
+        (v["status"].as_str(), v["stdout"].as_str()),
+        (Some("ok"), Some("one"))
+    );
+    assert_eq!(v["contextStarted"], true);
+    let (_, v) = t.json("POST", &path, Some(json!({"code": "two"}))).await;
+    assert_eq!(
+        (v["status"].as_str(), v["contextStarted"].as_bool()),
+        (Some("ok"), Some(false))
+    );
+    // The pause closed the kernel's handle: the next run (which wakes the
+    // sandbox) starts a fresh one instead of answering `lost`.
+    t.act(&id, "pause", json!({})).await;
+    let (s, v) = t.json("POST", &path, Some(json!({"code": "three"}))).await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert_eq!(v["status"], "ok", "{v}");
+    assert_eq!(v["stdout"], "three");
+    assert_eq!(v["contextStarted"], true);
+}
+
+#[tokio::test]
 async fn interpreter_starts_each_language_in_its_own_driver() {
     let t = T::new();
     let id = t.running(json!({})).await;

@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 
 /// Largest `PUT …/files/content` body, and the chunk size of uploads.
-pub const CHUNK_BYTES: usize = 1 << 20;
+pub(crate) const CHUNK_BYTES: usize = 1 << 20;
 
 /// A path in the guest: absolute, without NUL.
 pub(crate) fn valid_path(p: &str) -> bool {

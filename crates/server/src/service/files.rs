@@ -35,17 +35,17 @@ pub(crate) async fn read(
 
 /// A file as written: its path, size and SHA-256.
 pub(crate) struct Written {
-    pub path: String,
-    pub size: usize,
-    pub sha256: String,
+    pub(crate) path: String,
+    pub(crate) size: usize,
+    pub(crate) sha256: String,
 }
 
 /// What `PUT …/files/content` asks.
 pub(crate) struct Write {
-    pub path: String,
-    pub mode: Option<u32>,
-    pub user: Option<String>,
-    pub data: Vec<u8>,
+    pub(crate) path: String,
+    pub(crate) mode: Option<u32>,
+    pub(crate) user: Option<String>,
+    pub(crate) data: Vec<u8>,
 }
 
 /// `PUT …/files/content`: writes the whole file.
@@ -71,12 +71,12 @@ pub(crate) async fn write(st: &AppState, key: &KeyInfo, id: &str, w: Write) -> A
 
 /// What `GET …/files/list` asks.
 pub(crate) struct List {
-    pub path: String,
-    pub depth: u32,
-    pub glob: Option<String>,
-    pub hidden: bool,
-    pub limit: u32,
-    pub user: Option<String>,
+    pub(crate) path: String,
+    pub(crate) depth: u32,
+    pub(crate) glob: Option<String>,
+    pub(crate) hidden: bool,
+    pub(crate) limit: u32,
+    pub(crate) user: Option<String>,
 }
 
 /// `GET …/files/list`: the entries under a path that match the glob (at

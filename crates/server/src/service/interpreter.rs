@@ -182,6 +182,12 @@ enum Msg {
 }
 
 impl Kernel {
+    /// Its handle closed while it waited between runs (a pause or a stop of
+    /// the sandbox, or its process ended): nothing reaches it any more.
+    fn gone(&self) -> bool {
+        self.control.is_closed() || self.events.is_closed()
+    }
+
     async fn next(&mut self) -> Msg {
         loop {
             if let Some(m) = self.queue.pop_front() {
@@ -545,6 +551,11 @@ async fn run_cell(
     let mut guard = cx.kernel.lock().await;
     let started = st.now_ms();
     let mut context_started = false;
+    if guard.as_ref().is_some_and(Kernel::gone) {
+        // Lost while idle: this run starts a fresh one.
+        *guard = None;
+        cx.set_control(None);
+    }
     if guard.is_none() {
         let k = start_kernel(st, row, cx).await?;
         context_started = true;

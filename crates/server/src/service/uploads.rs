@@ -33,13 +33,13 @@ struct Upload {
 type UploadSlot = (String, Arc<tokio::sync::Mutex<Upload>>);
 
 /// The uploads under way, and the directory their bytes wait in.
-pub struct Uploads {
+pub(crate) struct Uploads {
     dir: PathBuf,
     map: Mutex<HashMap<String, UploadSlot>>,
 }
 
 impl Uploads {
-    pub fn new(dir: PathBuf) -> Self {
+    pub(crate) fn new(dir: PathBuf) -> Self {
         Uploads {
             dir,
             map: Mutex::new(HashMap::new()),
@@ -51,7 +51,7 @@ impl Uploads {
     }
 
     /// Forgets a deleted sandbox's uploads and their files.
-    pub fn sandbox_gone(&self, sandbox_id: &str) {
+    pub(crate) fn sandbox_gone(&self, sandbox_id: &str) {
         let gone: Vec<String> = {
             let mut m = self.lock();
             let ids: Vec<String> = m
@@ -94,11 +94,11 @@ pub(crate) fn max_bytes(st: &AppState) -> u64 {
 /// What `POST …/uploads` asks: where the file goes, its size and SHA-256
 /// (lower-case hex).
 pub(crate) struct Begin {
-    pub path: String,
-    pub size: u64,
-    pub sha256: String,
-    pub mode: Option<u32>,
-    pub user: Option<String>,
+    pub(crate) path: String,
+    pub(crate) size: u64,
+    pub(crate) sha256: String,
+    pub(crate) mode: Option<u32>,
+    pub(crate) user: Option<String>,
 }
 
 /// `POST …/uploads`: makes room for the file and answers the upload's id.
@@ -168,9 +168,9 @@ pub(crate) async fn chunk(
 
 /// An upload written into the sandbox.
 pub(crate) struct Committed {
-    pub path: String,
-    pub size: u64,
-    pub sha256: String,
+    pub(crate) path: String,
+    pub(crate) size: u64,
+    pub(crate) sha256: String,
 }
 
 /// `POST …/uploads/{u}:commit`: checks that every byte arrived and matches

@@ -92,6 +92,9 @@ pub struct FakeHost {
     pub cpu: Mutex<HashMap<String, Duration>>,
     /// Every spec `start` was given, in order.
     pub specs: Mutex<Vec<MachineSpec>>,
+    /// Interpreter drivers the fake plays, by their last argv element
+    /// (`python`): each run's output is its code.
+    pub drivers: Mutex<HashSet<String>>,
 }
 
 impl FakeHost {
@@ -339,7 +342,27 @@ impl Host for FakeHost {
                 "slowfail: not found",
             ));
         }
-        if cmd == "cat" {
+        if self.drivers.lock().unwrap().contains(&cmd) {
+            tokio::spawn(async move {
+                // The first line is the nonce; then one run per line.
+                let mut nonce = None::<String>;
+                while let Some(c) = crx.recv().await {
+                    let ExecControl::Stdin(b) = c else { continue };
+                    let line = String::from_utf8_lossy(&b).trim_end().to_string();
+                    let Some(n) = nonce.clone() else {
+                        let ready = format!("{line} {{\"k\":\"ready\"}}\n");
+                        emit(&sink, ExecEvent::Stdout(ready.into_bytes())).await;
+                        nonce = Some(line);
+                        continue;
+                    };
+                    let run: serde_json::Value = serde_json::from_str(&line).unwrap_or_default();
+                    let out = serde_json::json!({"k": "stdout", "text": run["code"]});
+                    let end = serde_json::json!({"k": "end", "id": run["id"]});
+                    let said = format!("{n} {out}\n{n} {end}\n");
+                    emit(&sink, ExecEvent::Stdout(said.into_bytes())).await;
+                }
+            });
+        } else if cmd == "cat" {
             let seen = self.stdin_seen.clone();
             tokio::spawn(async move {
                 while let Some(c) = crx.recv().await {

@@ -19,6 +19,7 @@ use crate::service::clock::Clock;
 use crate::store::{ProcEnd, Store};
 use crate::AppState;
 
+/// The processes the server knows, running or ended (until forgotten).
 pub(crate) struct Table {
     map: Mutex<HashMap<String, Arc<Proc>>>,
     clock: Clock,
@@ -136,6 +137,7 @@ pub(super) enum Link {
     Detached,
 }
 
+/// What changes while a process runs.
 pub(super) struct ProcState {
     pub(super) out: Output,
     pub(super) exit: Option<Exit>,
