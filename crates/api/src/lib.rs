@@ -97,6 +97,9 @@ pub mod codes {
     pub const CONTEXT_EXISTS: &str = "context_exists";
     pub const INTERPRETER_START_FAILED: &str = "interpreter_start_failed";
     pub const PREVIEW_NOT_FOUND: &str = "preview_not_found";
+    pub const PREVIEW_TOKEN_REQUIRED: &str = "preview_token_required";
+    pub const PREVIEW_TOKEN_INVALID: &str = "preview_token_invalid";
+    pub const PREVIEW_UNREACHABLE: &str = "preview_unreachable";
     pub const SECRET_NOT_FOUND: &str = "secret_not_found";
     pub const ENV_TAKEN: &str = "env_taken";
     pub const LOGIN_NOT_FOUND: &str = "login_not_found";

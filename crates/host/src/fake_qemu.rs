@@ -105,6 +105,7 @@ impl FakeHost {
             accel: Accel::Tcg,
             boot_timeout: Duration::from_secs(5),
             templates,
+            egress: Default::default(),
         })
         .unwrap()
     }

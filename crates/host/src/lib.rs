@@ -3,7 +3,8 @@
 //! types beside it; it never speaks the guest protocol (`runtime-proto`),
 //! which stays inside this crate.
 //!
-//! Depends on `runtime-proto` only among workspace crates.
+//! Depends on `runtime-proto` (the guest protocol) and `runtime-egress` (the
+//! egress proxy it runs for its guests) among workspace crates.
 //!
 //! Modules:
 //! - `types`: the [`Host`] trait and the plain types the control plane sees.
@@ -22,6 +23,7 @@
 //! - `cpu_time`: a guest's vCPU time, from `/proc`.
 //! - `inspect`: test-only inspection of machines for `tests/vm.rs` (`#[doc(hidden)]`).
 //! - `qemu`: QEMU's command line, spawning and ending it; `qmp`: a minimal QMP client.
+//! - `network`: the egress proxy of the guests' outbound connections, per sandbox as the control plane sets it.
 //! - `link`: the multiplexed agent channel; `tunnel`: TCP tunnels over its streams.
 //! - `cgroup`: a cgroup per machine; `artifacts`: kernel and base image; `volume`: volume files.
 
@@ -41,6 +43,7 @@ mod inspect;
 mod launch;
 mod link;
 mod machine;
+mod network;
 mod pump;
 mod qemu;
 mod qmp;

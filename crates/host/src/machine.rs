@@ -15,6 +15,7 @@ use crate::convert::{exec_request, file_op_result, file_request, guest_err, user
 use crate::disks::copy_sparse;
 use crate::guest_setup::{mount_volumes, sync_guest};
 use crate::link::{Acceptor, Incoming, Link};
+use crate::network::Networks;
 use crate::pump::{self, pump};
 use crate::qemu::{self, Accel, VmPaths};
 use crate::ram::{self, RamPlan};
@@ -35,6 +36,9 @@ pub struct QemuConfig {
     /// Start sandboxes by restoring a pre-booted template of their shape
     /// (built in the background after the first boot of that shape).
     pub templates: bool,
+    /// The egress proxy of this host's guests (its test-only host map among
+    /// its settings).
+    pub egress: runtime_egress::EgressConfig,
 }
 
 /// A running machine: its QEMU and the link to its agent.
@@ -73,14 +77,36 @@ pub struct QemuHost {
     pub(crate) vms: Arc<Mutex<HashMap<String, Arc<Vm>>>>,
     /// Template keys being built now.
     pub(crate) building: Arc<Mutex<std::collections::HashSet<String>>>,
-    /// Receives the guests' outbound connections ([`Host::set_outbound`]).
-    pub(crate) outbound: Arc<Mutex<Option<Arc<dyn Outbound>>>>,
+    /// Each sandbox's network, as the egress proxy applies it.
+    pub(crate) networks: Arc<Networks>,
+    /// Receives the guests' outbound connections: the egress proxy
+    /// (`networks`), or a stand-in given to [`QemuHost::with_outbound`].
+    pub(crate) outbound: Arc<dyn Outbound>,
     /// Open tunnels per sandbox (both directions), for the cap.
     pub(crate) tunnels: Arc<Mutex<HashMap<String, Arc<std::sync::atomic::AtomicUsize>>>>,
 }
 
 impl QemuHost {
     pub fn new(cfg: QemuConfig) -> std::io::Result<QemuHost> {
+        let networks = Arc::new(Networks::new(cfg.egress.clone()));
+        Self::build(cfg, Arc::clone(&networks) as Arc<dyn Outbound>, networks)
+    }
+
+    /// A host whose guests' outbound connections go to `outbound` instead
+    /// of the egress proxy: for tests of the tunnels themselves.
+    pub fn with_outbound(
+        cfg: QemuConfig,
+        outbound: Arc<dyn Outbound>,
+    ) -> std::io::Result<QemuHost> {
+        let networks = Arc::new(Networks::new(cfg.egress.clone()));
+        Self::build(cfg, outbound, networks)
+    }
+
+    fn build(
+        cfg: QemuConfig,
+        outbound: Arc<dyn Outbound>,
+        networks: Arc<Networks>,
+    ) -> std::io::Result<QemuHost> {
         std::fs::create_dir_all(&cfg.state_dir)?;
         uid::let_qemu_reach(&cfg)?;
         let cgroups = cgroup::detect();
@@ -98,7 +124,8 @@ impl QemuHost {
             cgroups,
             vms: Arc::new(Mutex::new(HashMap::new())),
             building: Arc::new(Mutex::new(std::collections::HashSet::new())),
-            outbound: Arc::new(Mutex::new(None)),
+            networks,
+            outbound,
             tunnels: Arc::default(),
         };
         host.drop_stale_templates();
@@ -118,25 +145,20 @@ impl QemuHost {
     }
 
     /// Hands the guest's outbound connections of sandbox `id` to the
-    /// [`Outbound`] handler set now (refused without one, or beyond the cap).
+    /// [`Outbound`] handler (refused beyond the cap).
     pub(crate) fn acceptor(&self, id: &str) -> Acceptor {
         let outbound = Arc::clone(&self.outbound);
         let count = self.tunnel_count(id);
         let sandbox = id.to_owned();
-        Arc::new(move |stream: crate::link::Stream| {
-            let handler = outbound.lock().unwrap_or_else(|e| e.into_inner()).clone();
-            match (handler, Slot::take(&count)) {
-                (Some(handler), Some(slot)) => {
-                    handler.accept(&sandbox, tunnel::start(stream, slot))
-                }
-                (handler, _) => {
-                    if handler.is_some() {
-                        tracing::warn!(sandbox_id = %sandbox, "too many connections: refusing an outbound one");
-                    }
+        Arc::new(
+            move |stream: crate::link::Stream| match Slot::take(&count) {
+                Some(slot) => outbound.accept(&sandbox, tunnel::start(stream, slot)),
+                None => {
+                    tracing::warn!(sandbox_id = %sandbox, "too many connections: refusing an outbound one");
                     let _ = stream.send(&Request::Close);
                 }
-            }
-        })
+            },
+        )
     }
 
     pub(crate) fn paths(&self, id: &str) -> VmPaths {
@@ -306,6 +328,7 @@ impl Host for QemuHost {
     }
 
     async fn destroy(&self, id: &str) -> Result<(), HostError> {
+        self.networks.forget(id);
         self.stop(id, false).await
     }
 
@@ -356,8 +379,12 @@ impl Host for QemuHost {
         Some(self.forks_dir())
     }
 
-    fn set_outbound(&self, handler: Arc<dyn Outbound>) {
-        *self.outbound.lock().unwrap_or_else(|e| e.into_inner()) = Some(handler);
+    fn set_network(&self, id: &str, net: GuestNet) {
+        self.networks.set(id, net);
+    }
+
+    fn forget_network(&self, id: &str) {
+        self.networks.forget(id);
     }
 
     async fn pause(&self, id: &str) -> Result<(), HostError> {

@@ -66,6 +66,12 @@ fn agent_path() -> PathBuf {
 }
 
 fn host() -> TestHost {
+    host_with(None)
+}
+
+/// A host whose guests' outbound connections go to `outbound` (a stand-in
+/// for the egress proxy) when given.
+fn host_with(outbound: Option<Arc<dyn Outbound>>) -> TestHost {
     let arts =
         artifacts::ensure(&cache(), &agent_path()).expect("artifacts (run scripts/build.sh first)");
     let state = std::env::temp_dir().join(format!(
@@ -74,14 +80,19 @@ fn host() -> TestHost {
         rand_suffix()
     ));
     let (accel, _) = choose_accel();
-    let host = QemuHost::new(QemuConfig {
+    let cfg = QemuConfig {
         state_dir: state.clone(),
         qemu_binary: "qemu-system-x86_64".into(),
         artifacts: arts,
         accel,
         boot_timeout: Duration::from_secs(120),
         templates: false,
-    })
+        egress: Default::default(),
+    };
+    let host = match outbound {
+        Some(o) => QemuHost::with_outbound(cfg, o),
+        None => QemuHost::new(cfg),
+    }
     .unwrap();
     let ram = host.ram_dir().to_owned();
     TestHost {
@@ -461,6 +472,7 @@ async fn a_new_host_process_recovers_a_running_machine() {
         accel,
         boot_timeout: Duration::from_secs(60),
         templates: false,
+        egress: Default::default(),
     })
     .unwrap();
     assert!(h2.recover(&spec(id)).await.unwrap());
@@ -864,6 +876,7 @@ async fn a_machine_left_stopped_by_a_crash_mid_capture_is_recovered_running() {
         accel,
         boot_timeout: Duration::from_secs(60),
         templates: false,
+        egress: Default::default(),
     })
     .unwrap();
     assert!(
@@ -1069,6 +1082,7 @@ async fn starts_restore_a_template_with_fresh_entropy() {
         accel,
         boot_timeout: Duration::from_secs(120),
         templates: true,
+        egress: Default::default(),
     })
     .unwrap();
     cleanup.1 = h.ram_dir().to_owned();
@@ -1502,10 +1516,9 @@ async fn http_get(h: &QemuHost, id: &str, port: u16, path: &str) -> Vec<u8> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tunnels_carry_tcp_into_and_out_of_the_guest() {
-    let t = host();
-    let h = &t.host;
     let egress = Arc::new(TestEgress::default());
-    h.set_outbound(egress.clone());
+    let t = host_with(Some(egress.clone()));
+    let h = &t.host;
     let id = "00000000-0000-4000-8000-00000000d001";
     h.start(&MachineSpec {
         guest_ca_pem: Some(TEST_CA.into()),
@@ -1821,10 +1834,9 @@ async fn chat(handle: &mut ExecHandle, line: &str) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tunnels_survive_a_capture_and_end_with_a_pause() {
-    let t = host();
-    let h = &t.host;
     let egress = Arc::new(TestEgress::default());
-    h.set_outbound(egress.clone());
+    let t = host_with(Some(egress.clone()));
+    let h = &t.host;
     let id = "00000000-0000-4000-8000-00000000d002";
     h.start(&spec(id))
         .await

@@ -2,8 +2,10 @@
 //! idempotency, waits, the sandbox lifecycle and leases, over an embedded
 //! SQLite store. It drives machines only through [`runtime_host::Host`] and
 //! answers with the types of `runtime-api`; it never speaks the guest
-//! protocol. Workspace crates it uses: `runtime-api`, `runtime-host` (the
-//! trait and its types) and `runtime-egress`.
+//! protocol, nor runs the egress proxy (the host does, with the rules the
+//! server sets on it). Workspace crates it uses: `runtime-api`,
+//! `runtime-host` (the trait and its types) and `runtime-egress` (the types
+//! of rules and secrets).
 //!
 //! Four layers, each a directory, and the rule between them (kept by
 //! `tests/layers.rs`):
@@ -69,8 +71,6 @@ pub struct Config {
     pub preview_domain: String,
     /// The port in preview URLs; 0 = the port the server listens on.
     pub preview_port: u16,
-    /// The egress proxy's settings (its test-only host map among them).
-    pub egress: runtime_egress::EgressConfig,
     /// Serve HTTPS with this certificate chain and key (PEM files).
     pub tls: Option<(PathBuf, PathBuf)>,
     /// What running, paused and kept sandboxes cost (docs/billing.md).
@@ -92,7 +92,6 @@ impl Config {
             drain_timeout: Duration::from_secs(10),
             preview_domain: "localhost".into(),
             preview_port: 0,
-            egress: runtime_egress::EgressConfig::default(),
             tls: None,
             prices: Prices::default(),
             clock: Clock::System,
@@ -139,7 +138,7 @@ impl AppState {
         let uploads_dir = config.data_dir.join("uploads");
         // Partial uploads do not survive a restart.
         let _ = std::fs::remove_dir_all(&uploads_dir);
-        let st = AppState {
+        AppState {
             inner: Arc::new(Inner {
                 changes: watch::channel(0).0,
                 lifecycle: Mutex::new(HashMap::new()),
@@ -151,9 +150,7 @@ impl AppState {
                 uploads: service::uploads::Uploads::new(uploads_dir),
                 previews: service::previews::live::Live::default(),
                 sealer: std::sync::OnceLock::new(),
-                nets: service::network::Nets::new(runtime_egress::Egress::new(
-                    config.egress.clone(),
-                )),
+                nets: service::network::Nets::default(),
                 meter: service::meter::Meter::default(),
                 logins: http::login::Pending::default(),
                 tasks: TaskTracker::new(),
@@ -162,12 +159,7 @@ impl AppState {
                 store,
                 host,
             }),
-        };
-        st.host()
-            .set_outbound(Arc::new(service::network::Handler(Arc::downgrade(
-                &st.inner,
-            ))));
-        st
+        }
     }
 
     fn config(&self) -> &Config {

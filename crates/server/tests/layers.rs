@@ -370,3 +370,43 @@ fn every_error_code_is_a_constant_of_the_contract() {
     }
     assert!(wrong.is_empty(), "\n{}", wrong.join("\n"));
 }
+
+/// The values of `runtime_api::codes`, read from its source.
+fn contract_codes() -> Vec<String> {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../api/src/lib.rs");
+    let text = std::fs::read_to_string(path).expect("read the contract crate");
+    let start = text.find("pub mod codes {").expect("a codes module");
+    let body = &text[start..start + text[start..].find("\n}").expect("its end")];
+    body.lines()
+        .filter_map(|l| l.trim().strip_prefix("pub const "))
+        .filter_map(|l| l.split('"').nth(1))
+        .map(String::from)
+        .collect()
+}
+
+#[test]
+fn no_code_of_the_contract_is_written_as_a_literal() {
+    // Codes of one word ("busy", "conflict") are words of other strings too.
+    let codes: Vec<String> = contract_codes()
+        .into_iter()
+        .filter(|c| c.contains('_'))
+        .collect();
+    assert!(
+        codes.iter().any(|c| c == "preview_unreachable") && codes.len() > 40,
+        "the scan of runtime_api::codes found {codes:?}"
+    );
+    let t = tree();
+    let mut wrong = Vec::new();
+    for (rel, lines) in &t.files {
+        for (n, line) in lines {
+            for c in &codes {
+                if line.contains(&format!("\"{c}\"")) {
+                    wrong.push(format!(
+                        "{rel}:{n}: use runtime_api::codes for {c:?}: {line}"
+                    ));
+                }
+            }
+        }
+    }
+    assert!(wrong.is_empty(), "\n{}", wrong.join("\n"));
+}

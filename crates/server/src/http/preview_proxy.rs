@@ -12,6 +12,7 @@ use axum::extract::Request;
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use hyper_util::rt::TokioIo;
+use runtime_api::codes;
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
@@ -82,21 +83,21 @@ pub(crate) async fn serve(st: AppState, mut req: Request, port: u16, sandbox: St
             Ok(Admission::NotShared) => {
                 return preview_error(
                     StatusCode::NOT_FOUND,
-                    "preview_not_found",
+                    codes::PREVIEW_NOT_FOUND,
                     format!("Port {port} of sandbox {sandbox} is not shared."),
                 )
             }
             Ok(Admission::TokenRequired) => {
                 return preview_error(
                     StatusCode::UNAUTHORIZED,
-                    "preview_token_required",
+                    codes::PREVIEW_TOKEN_REQUIRED,
                     format!("This preview is private: send its token as the {TOKEN_HEADER} header or the {TOKEN_PARAM} query parameter."),
                 )
             }
             Ok(Admission::TokenInvalid) => {
                 return preview_error(
                     StatusCode::FORBIDDEN,
-                    "preview_token_invalid",
+                    codes::PREVIEW_TOKEN_INVALID,
                     "The preview token is wrong, expired or was rotated.".into(),
                 )
             }
@@ -145,7 +146,7 @@ async fn forward(
         previews::connect(st, sandbox, port).await.map_err(|_| {
             preview_error(
                 StatusCode::BAD_GATEWAY,
-                "preview_unreachable",
+                codes::PREVIEW_UNREACHABLE,
                 format!("Nothing listens on port {port} in the sandbox (a server must listen on 0.0.0.0 or localhost)."),
             )
         })?;
@@ -155,7 +156,7 @@ async fn forward(
         .map_err(|e| {
             preview_error(
                 StatusCode::BAD_GATEWAY,
-                "preview_unreachable",
+                codes::PREVIEW_UNREACHABLE,
                 format!("The sandbox's server did not answer: {e}"),
             )
         })?;
@@ -173,7 +174,7 @@ async fn forward(
     let mut resp = sender.send_request(req).await.map_err(|e| {
         preview_error(
             StatusCode::BAD_GATEWAY,
-            "preview_unreachable",
+            codes::PREVIEW_UNREACHABLE,
             format!("The sandbox's server closed the connection: {e}"),
         )
     })?;

@@ -332,7 +332,7 @@ pub(crate) fn machine_spec(st: &AppState, s: &Sandbox) -> MachineSpec {
         memory_mib: s.memory_mib,
         disk_mib: s.disk_mib,
         hostname: format!("sbx-{}", s.id.chars().take(8).collect::<String>()),
-        guest_ca_pem: crate::service::network::guest_ca_pem(st, &s.id),
+        guest_ca_pem: crate::service::network::prepare_guest(st, &s.id),
         volumes: crate::service::volumes::drives(st, &s.id),
         image: s
             .image

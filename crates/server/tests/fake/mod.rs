@@ -7,7 +7,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use runtime_host::{
     DuplexStream, EntryKind, ExecControl, ExecEvent, ExecHandle, ExecSpec, ExitStatus, FileEntry,
-    FileOp, FileOpResult, GuestFailure, Host, HostError, MachineSpec, Outbound, RunAs,
+    FileOp, FileOpResult, GuestFailure, GuestNet, Host, HostError, MachineSpec, RunAs,
 };
 use tokio::sync::{mpsc, watch};
 
@@ -87,7 +87,10 @@ pub struct FakeHost {
     /// The guest's loopback: guest port -> a TCP address on the host that
     /// stands for it ([`Host::connect`]).
     pub guest_ports: Mutex<HashMap<u16, std::net::SocketAddr>>,
-    pub outbound: Mutex<Option<Arc<dyn Outbound>>>,
+    /// The network each sandbox has now ([`Host::set_network`]), and every
+    /// id whose network was forgotten, in order.
+    pub networks: Mutex<HashMap<String, GuestNet>>,
+    pub forgotten: Mutex<Vec<String>>,
     /// The vCPU time `cpu_time` reports per sandbox (none: unknown).
     pub cpu: Mutex<HashMap<String, Duration>>,
     /// Every spec `start` was given, in order.
@@ -98,16 +101,10 @@ pub struct FakeHost {
 }
 
 impl FakeHost {
-    /// What a guest process connecting to the agent's proxy would get: the
-    /// other end of the connection handed to the outbound handler.
+    /// The network `id` has now, if any.
     #[allow(dead_code)]
-    pub fn open_outbound(&self, id: &str) -> DuplexStream {
-        let (ours, theirs) = tokio::io::duplex(64 << 10);
-        let handler = self.outbound.lock().unwrap().clone();
-        if let Some(h) = handler {
-            h.accept(id, theirs);
-        }
-        ours
+    pub fn network(&self, id: &str) -> Option<GuestNet> {
+        self.networks.lock().unwrap().get(id).cloned()
     }
 }
 
@@ -242,8 +239,13 @@ impl Host for FakeHost {
         Ok(ours)
     }
 
-    fn set_outbound(&self, handler: Arc<dyn Outbound>) {
-        *self.outbound.lock().unwrap() = Some(handler);
+    fn set_network(&self, id: &str, net: GuestNet) {
+        self.networks.lock().unwrap().insert(id.into(), net);
+    }
+
+    fn forget_network(&self, id: &str) {
+        self.networks.lock().unwrap().remove(id);
+        self.forgotten.lock().unwrap().push(id.into());
     }
 
     async fn pause(&self, id: &str) -> Result<(), HostError> {

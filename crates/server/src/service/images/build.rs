@@ -242,7 +242,7 @@ async fn run_build(st: &AppState, id: &str) -> Result<(), BuildError> {
         // system to its disk, and a sandbox's disk may not be smaller.
         disk_mib: 3072,
         hostname: "build".into(),
-        guest_ca_pem: crate::service::network::guest_ca_pem(st, &vm),
+        guest_ca_pem: crate::service::network::prepare_guest(st, &vm),
         volumes: Vec::new(),
         image: base_layer.map(|k| runtime_host::ImageDisk {
             disk: layers::disk(st, &k),

@@ -1,55 +1,63 @@
 //! A sandbox's network: the settings kept at create and fork (rules, the
 //! secrets it gets), its own CA (its key sealed), the placeholders of its
-//! secrets, and the hand-over of each outbound connection of its guest to
-//! the egress proxy (`runtime-egress`). The API's `GET`/`PUT …/network`
-//! are in [`rules`].
+//! secrets, and what its host's egress proxy is told to apply
+//! ([`runtime_host::Host::set_network`]). The proxy itself runs on the host
+//! that runs the guest: no byte of a guest's connection passes here. The
+//! API's `GET`/`PUT …/network` are in [`rules`].
 //!
-//! Rules and secrets reach open connections at once: each live sandbox has
-//! watch channels the proxy's connections follow.
+//! Rules and secrets reach open connections at once: each change is set on
+//! the host again, which its connections follow.
 
 pub(crate) mod rules;
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::sync::{Arc, Mutex, MutexGuard};
 
-use runtime_egress::{Egress, Policy, SandboxCa, SandboxNet, Secret, SecretRule, SecretValue};
-use runtime_host::{DuplexStream, Outbound};
+use runtime_egress::{Policy, SandboxCa, Secret, SecretRule, SecretValue};
+use runtime_host::GuestNet;
 use serde_json::json;
-use tokio::sync::watch;
 
 use crate::domain::network::{policy, CreateNet, Settings};
 use crate::domain::time::iso;
 use crate::error::{ApiError, ApiResult};
 use crate::service::secrets;
-use crate::{AppState, Inner};
+use crate::AppState;
 
 const KIND: &str = "sandbox-net";
 const CA_KIND: &str = "sandbox-ca";
 
-/// The live network state of the sandboxes that have one.
+/// The sandboxes whose network was set on the host, with what it was set
+/// from: so a change of the rules or of the secrets sets it again.
+#[derive(Default)]
 pub(crate) struct Nets {
-    egress: Egress,
-    live: Mutex<HashMap<String, Arc<Live>>>,
+    live: Mutex<HashMap<String, Live>>,
 }
 
+#[derive(Clone)]
 struct Live {
-    policy: watch::Sender<Arc<Policy>>,
-    secrets: watch::Sender<Arc<Vec<Secret>>>,
+    policy: Policy,
+    /// The secrets it gets: `None` every secret.
     chosen: Option<Vec<String>>,
     ca: Arc<SandboxCa>,
 }
 
 impl Nets {
-    pub(crate) fn new(egress: Egress) -> Self {
-        Nets {
-            egress,
-            live: Mutex::new(HashMap::new()),
-        }
-    }
-
-    fn lock(&self) -> MutexGuard<'_, HashMap<String, Arc<Live>>> {
+    fn lock(&self) -> MutexGuard<'_, HashMap<String, Live>> {
         self.live.lock().unwrap_or_else(|p| p.into_inner())
     }
+}
+
+/// Sets `l` as the network of `id` on the host (under the lock of
+/// [`Nets`], so the newest change is the last one set).
+fn set_on_host(st: &AppState, id: &str, l: &Live) {
+    st.host().set_network(
+        id,
+        GuestNet {
+            policy: l.policy.clone(),
+            secrets: secrets_for(st, l.chosen.as_deref()),
+            ca: Arc::clone(&l.ca),
+        },
+    );
 }
 
 /// The settings of `id` (the default ones when it has none).
@@ -104,8 +112,10 @@ pub(crate) fn replace_rules(
     s.rules = rules;
     s.updated_at = Some(iso(st.now_ms()));
     save(st, id, &s)?;
-    if let Some(l) = st.inner.nets.lock().get(id) {
-        l.policy.send_replace(Arc::new(policy));
+    let mut live = st.inner.nets.lock();
+    if let Some(l) = live.get_mut(id) {
+        l.policy = policy;
+        set_on_host(st, id, l);
     }
     Ok(s)
 }
@@ -152,12 +162,14 @@ fn ca(st: &AppState, id: &str) -> ApiResult<Arc<SandboxCa>> {
     Ok(Arc::new(ca))
 }
 
-/// The CA certificate the guest of `id` trusts (for its machine spec).
-pub(crate) fn guest_ca_pem(st: &AppState, id: &str) -> Option<String> {
+/// Sets the network of `id` on the host, unless it was set already, and
+/// answers the CA certificate its guest trusts: for its machine spec, so a
+/// machine never starts before its host knows its rules.
+pub(crate) fn prepare_guest(st: &AppState, id: &str) -> Option<String> {
     match live(st, id) {
-        Ok(l) => Some(l.ca.cert_pem().to_string()),
+        Ok(ca) => Some(ca.cert_pem().to_string()),
         Err(e) => {
-            tracing::error!(sandbox_id = id, error = %e, "the sandbox has no CA");
+            tracing::error!(sandbox_id = id, error = %e, "the sandbox has no network");
             None
         }
     }
@@ -186,33 +198,31 @@ fn secrets_for(st: &AppState, chosen: Option<&[String]>) -> Vec<Secret> {
         .collect()
 }
 
-/// The live state of a sandbox's network, loaded on first use.
-fn live(st: &AppState, id: &str) -> ApiResult<Arc<Live>> {
+/// The network of `id`, set on the host on first use: its CA.
+fn live(st: &AppState, id: &str) -> ApiResult<Arc<SandboxCa>> {
     if let Some(l) = st.inner.nets.lock().get(id) {
-        return Ok(l.clone());
+        return Ok(Arc::clone(&l.ca));
     }
     let s = load(st, id)?;
-    let l = Arc::new(Live {
-        policy: watch::channel(Arc::new(policy(&s.rules))).0,
-        secrets: watch::channel(Arc::new(secrets_for(st, s.secrets.as_deref()))).0,
+    let fresh = Live {
+        policy: policy(&s.rules),
         chosen: s.secrets,
         ca: ca(st, id)?,
+    };
+    let mut live = st.inner.nets.lock();
+    // Another caller may have set it meanwhile: the first one stands.
+    let l = live.entry(id.to_string()).or_insert_with(|| {
+        set_on_host(st, id, &fresh);
+        fresh
     });
-    Ok(st
-        .inner
-        .nets
-        .lock()
-        .entry(id.to_string())
-        .or_insert(l)
-        .clone())
+    Ok(Arc::clone(&l.ca))
 }
 
-/// Secrets changed: every live sandbox follows.
+/// Secrets changed: every sandbox whose network is set gets them anew.
 pub(crate) fn secrets_changed(st: &AppState) {
-    let lives: Vec<Arc<Live>> = st.inner.nets.lock().values().cloned().collect();
-    for l in lives {
-        let s = secrets_for(st, l.chosen.as_deref());
-        l.secrets.send_replace(Arc::new(s));
+    let live = st.inner.nets.lock();
+    for (id, l) in live.iter() {
+        set_on_host(st, id, l);
     }
 }
 
@@ -222,41 +232,13 @@ pub(crate) fn secret_env(st: &AppState, id: &str) -> Vec<(String, String)> {
     secrets::placeholders(st, chosen.as_deref())
 }
 
-/// Forgets a deleted sandbox's network (open connections end).
+/// Forgets a deleted sandbox's network (its open connections end).
 pub(crate) fn sandbox_gone(st: &AppState, id: &str) {
-    if let Some(l) = st.inner.nets.lock().remove(id) {
-        l.policy.send_replace(Arc::new(Policy::off()));
-    }
+    st.inner.nets.lock().remove(id);
+    st.host().forget_network(id);
     for kind in [KIND, CA_KIND] {
         if let Err(e) = st.store().doc_delete(kind, id, None) {
             tracing::warn!(sandbox_id = id, error = %e, "forgetting the sandbox's network failed");
         }
-    }
-}
-
-/// Hands each outbound connection of a guest to the egress proxy.
-pub(crate) struct Handler(pub(crate) Weak<Inner>);
-
-impl Outbound for Handler {
-    fn accept(&self, sandbox_id: &str, conn: DuplexStream) {
-        let Some(inner) = self.0.upgrade() else {
-            return;
-        };
-        let st = AppState { inner };
-        let l = match live(&st, sandbox_id) {
-            Ok(l) => l,
-            Err(e) => {
-                tracing::error!(sandbox_id, error = %e, "no network state: connection dropped");
-                return;
-            }
-        };
-        let net = SandboxNet {
-            sandbox_id: sandbox_id.to_string(),
-            policy: l.policy.subscribe(),
-            secrets: l.secrets.subscribe(),
-            ca: l.ca.clone(),
-        };
-        let egress = st.inner.nets.egress.clone();
-        st.spawn(async move { egress.serve(conn, net).await });
     }
 }
