@@ -22,7 +22,7 @@ use crate::link::Outbox;
 use crate::reaper::Reaper;
 use crate::sys::{cstring, cvt, errno, kill_session, lock, log, poll1, Fail};
 
-pub const SANDBOX_ID: u32 = 1000;
+pub(crate) const SANDBOX_ID: u32 = 1000;
 const BASE_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
 const WORKSPACE: &str = "/workspace";
 const PROXY: &str = "http://127.0.0.1:10800";
@@ -55,13 +55,13 @@ const MAX_DRAIN_AFTER_EXIT: Duration = Duration::from_secs(2);
 const READ_CHUNK: usize = 64 * 1024;
 
 /// What the reader thread forwards to a running process.
-pub enum Input {
+pub(crate) enum Input {
     Data(Vec<u8>),
     Close,
 }
 
 /// The handle the reader thread keeps for a running exec.
-pub struct ExecCtl {
+pub(crate) struct ExecCtl {
     pub input: mpsc::Sender<Input>,
     /// The process group (= session) id, 0 until started.
     pgid: AtomicI32,
@@ -69,7 +69,7 @@ pub struct ExecCtl {
 }
 
 impl ExecCtl {
-    pub fn new() -> (Arc<ExecCtl>, mpsc::Receiver<Input>) {
+    pub(crate) fn new() -> (Arc<ExecCtl>, mpsc::Receiver<Input>) {
         let (tx, rx) = mpsc::channel();
         (
             Arc::new(ExecCtl {
@@ -81,11 +81,11 @@ impl ExecCtl {
         )
     }
 
-    pub fn pgid(&self) -> i32 {
+    pub(crate) fn pgid(&self) -> i32 {
         self.pgid.load(Ordering::SeqCst)
     }
 
-    pub fn signal(&self, sig: i32) {
+    pub(crate) fn signal(&self, sig: i32) {
         let pgid = self.pgid();
         if pgid > 1 {
             // SAFETY: plain syscall; a negative pid addresses the process group.
@@ -93,7 +93,7 @@ impl ExecCtl {
         }
     }
 
-    pub fn resize(&self, size: PtySize) {
+    pub(crate) fn resize(&self, size: PtySize) {
         if let Some(master) = lock(&self.master).as_ref() {
             set_winsize(master.as_raw_fd(), size);
         }
@@ -584,7 +584,7 @@ fn spawn_thread(
 }
 
 /// Runs one exec request to its end: `Started`, output, `Exited` (or one `Failed`).
-pub fn run(
+pub(crate) fn run(
     agent: Arc<Agent>,
     stream: u32,
     req: ExecRequest,

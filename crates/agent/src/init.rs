@@ -169,7 +169,7 @@ fn workspace() {
     }
 }
 
-pub fn run() {
+pub(crate) fn run() {
     let t = Instant::now();
     let nodev = libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC;
     mount("proc", "/proc", "proc", nodev, None);

@@ -38,48 +38,48 @@ pub(crate) struct VmPaths {
 }
 
 impl VmPaths {
-    pub fn new(dir: PathBuf) -> Self {
+    pub(crate) fn new(dir: PathBuf) -> Self {
         VmPaths { dir }
     }
-    pub fn overlay(&self) -> PathBuf {
+    pub(crate) fn overlay(&self) -> PathBuf {
         self.dir.join("disk.qcow2")
     }
-    pub fn agent_sock(&self) -> PathBuf {
+    pub(crate) fn agent_sock(&self) -> PathBuf {
         self.dir.join("agent.sock")
     }
-    pub fn qmp_sock(&self) -> PathBuf {
+    pub(crate) fn qmp_sock(&self) -> PathBuf {
         self.dir.join("qmp.sock")
     }
-    pub fn console(&self) -> PathBuf {
+    pub(crate) fn console(&self) -> PathBuf {
         self.dir.join("console.log")
     }
-    pub fn qemu_log(&self) -> PathBuf {
+    pub(crate) fn qemu_log(&self) -> PathBuf {
         self.dir.join("qemu.log")
     }
     /// A `snapshot` volume's copy for this machine (the `i`th volume).
-    pub fn volume_copy(&self, i: usize) -> PathBuf {
+    pub(crate) fn volume_copy(&self, i: usize) -> PathBuf {
         self.dir.join(format!("volume-{i}.ext4"))
     }
-    pub fn pidfile(&self) -> PathBuf {
+    pub(crate) fn pidfile(&self) -> PathBuf {
         self.dir.join("qemu.pid")
     }
     /// Written by QEMU (as the VM's uid) when the machine is captured.
-    pub fn capture_state(&self) -> PathBuf {
+    pub(crate) fn capture_state(&self) -> PathBuf {
         self.dir.join("capture.state")
     }
     /// The memory and device state of a paused machine.
-    pub fn paused_state(&self) -> PathBuf {
+    pub(crate) fn paused_state(&self) -> PathBuf {
         self.dir.join("paused.state")
     }
     /// The RAM of a paused machine that had a RAM file of its own (its
     /// state then holds the devices only).
-    pub fn paused_ram(&self) -> PathBuf {
+    pub(crate) fn paused_ram(&self) -> PathBuf {
         self.dir.join("paused.ram")
     }
     /// There from before QEMU is spawned until the machine is registered
     /// (set up, its volumes mounted): a QEMU found beside it after a crash
     /// of the server never finished starting.
-    pub fn starting(&self) -> PathBuf {
+    pub(crate) fn starting(&self) -> PathBuf {
         self.dir.join("starting")
     }
 }

@@ -30,7 +30,7 @@ const CHUNK: usize = 64 * 1024;
 pub(crate) struct Slot(Arc<AtomicUsize>);
 
 impl Slot {
-    pub fn take(count: &Arc<AtomicUsize>) -> Option<Slot> {
+    pub(crate) fn take(count: &Arc<AtomicUsize>) -> Option<Slot> {
         count
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
                 (n < MAX_TUNNELS).then_some(n + 1)

@@ -105,7 +105,7 @@ pub enum ApiError {
     Internal { what: String },
 }
 
-pub type ApiResult<T> = Result<T, ApiError>;
+pub(crate) type ApiResult<T> = Result<T, ApiError>;
 
 impl ApiError {
     pub fn invalid(field: impl Into<String>, message: impl Into<String>) -> Self {

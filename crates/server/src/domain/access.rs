@@ -19,12 +19,12 @@ pub(crate) fn visible(key: &KeyInfo, owner_key_id: &str) -> bool {
     key.account_wide || key.read_only || owner_key_id == key.id
 }
 
-pub fn sha256_hex(data: &[u8]) -> String {
+pub(crate) fn sha256_hex(data: &[u8]) -> String {
     hex::encode(Sha256::digest(data))
 }
 
 /// A new API key `rtcloud_<uuid>_<43 base64url chars>` and its id.
-pub fn new_key() -> (String, String) {
+pub(crate) fn new_key() -> (String, String) {
     let id = uuid::Uuid::new_v4().to_string();
     let mut secret = [0u8; 32];
     rand::thread_rng().fill_bytes(&mut secret);

@@ -14,7 +14,7 @@ use crate::domain::time::parse_iso_ms;
 /// Exact amounts are counted in this fraction of a microdollar: seconds per
 /// hour × nanoseconds per second × MiB per GiB, so one second of any price
 /// per vCPU-hour (measured in ns) or per GiB-hour (sized in MiB) is whole.
-pub const UNITS_PER_MICRO: i128 = 3_600 * 1_000_000_000 * 1_024;
+pub(crate) const UNITS_PER_MICRO: i128 = 3_600 * 1_000_000_000 * 1_024;
 
 pub(crate) const NS: i128 = 1_000_000_000;
 
@@ -48,7 +48,7 @@ pub(crate) fn mib_units(mib: u32, price_gib_hour: u64) -> i128 {
 
 /// The CPU time one running second is billed for: the measured use, capped
 /// at every vCPU busy, and at least the floor (`cpu: "reserved"`: every vCPU).
-pub fn billed_cpu_ns(s: &Sandbox, used_ns: u64) -> u64 {
+pub(crate) fn billed_cpu_ns(s: &Sandbox, used_ns: u64) -> u64 {
     let all = u64::from(s.vcpu) * 1_000_000_000;
     let floor = if s.cpu == "reserved" {
         all
@@ -59,7 +59,7 @@ pub fn billed_cpu_ns(s: &Sandbox, used_ns: u64) -> u64 {
 }
 
 /// One running second of `s` with `used_ns` of vCPU time, in units.
-pub fn running_second(p: &Prices, s: &Sandbox, used_ns: u64) -> i128 {
+pub(crate) fn running_second(p: &Prices, s: &Sandbox, used_ns: u64) -> i128 {
     i128::from(billed_cpu_ns(s, used_ns)) * i128::from(p.cpu_vcpu_hour) * 1_024
         + mib_units(s.memory_mib, p.memory_gib_hour)
         + kept_disk_second(p, s)
@@ -87,28 +87,28 @@ pub(crate) fn second_in_state(p: &Prices, s: &Sandbox, used_ns: u64) -> i128 {
 }
 
 /// One running second with every vCPU busy (compute only), in units.
-pub fn full_second(p: &Prices, s: &Sandbox) -> i128 {
+pub(crate) fn full_second(p: &Prices, s: &Sandbox) -> i128 {
     i128::from(s.vcpu) * NS * i128::from(p.cpu_vcpu_hour) * 1_024
         + mib_units(s.memory_mib, p.memory_gib_hour)
 }
 
 /// `seconds` at full use, in microdollars rounded up.
-pub fn full_cost_micros(p: &Prices, s: &Sandbox, seconds: i64) -> i64 {
+pub(crate) fn full_cost_micros(p: &Prices, s: &Sandbox, seconds: i64) -> i64 {
     let units = full_second(p, s) * i128::from(seconds.max(0));
     i64::try_from((units + UNITS_PER_MICRO - 1) / UNITS_PER_MICRO).unwrap_or(i64::MAX)
 }
 
 /// A lease without an end is renewed each hour; this is its length.
-pub const OPEN_LEASE_SECONDS: i64 = 3_600;
+pub(crate) const OPEN_LEASE_SECONDS: i64 = 3_600;
 
 /// The length of the lease a create or wake starts.
-pub fn first_lease_seconds(timeout_seconds: Option<u32>) -> i64 {
+pub(crate) fn first_lease_seconds(timeout_seconds: Option<u32>) -> i64 {
     timeout_seconds.map_or(OPEN_LEASE_SECONDS, i64::from)
 }
 
 /// Seconds left in the current lease of a running sandbox: to `endsAt`, or
 /// to the next hourly renewal since it was ready when it has no end.
-pub fn lease_left_seconds(s: &Sandbox, now: i64) -> i64 {
+pub(crate) fn lease_left_seconds(s: &Sandbox, now: i64) -> i64 {
     match s.ends_at.as_deref().and_then(parse_iso_ms) {
         Some(end) => ((end - now).max(0) + 999) / 1000,
         None => {
@@ -121,7 +121,7 @@ pub fn lease_left_seconds(s: &Sandbox, now: i64) -> i64 {
 
 /// `heldMicros`: what the rest of the current lease could still cost at
 /// full use; 0 unless running.
-pub fn held_micros(p: &Prices, s: &Sandbox, now: i64) -> i64 {
+pub(crate) fn held_micros(p: &Prices, s: &Sandbox, now: i64) -> i64 {
     if s.state != SandboxState::Running {
         return 0;
     }
@@ -130,7 +130,7 @@ pub fn held_micros(p: &Prices, s: &Sandbox, now: i64) -> i64 {
 
 /// Adds `units` to a remainder below one microdollar: (whole microdollars
 /// to settle, new remainder).
-pub fn settle(remainder: i128, units: i128) -> (i64, i128) {
+pub(crate) fn settle(remainder: i128, units: i128) -> (i64, i128) {
     let total = remainder + units;
     (
         i64::try_from(total / UNITS_PER_MICRO).unwrap_or(i64::MAX),

@@ -4,7 +4,7 @@
 use time::OffsetDateTime;
 
 /// ISO 8601 UTC with milliseconds and `Z`.
-pub fn iso(ms: i64) -> String {
+pub(crate) fn iso(ms: i64) -> String {
     let t = OffsetDateTime::from_unix_timestamp_nanos(ms as i128 * 1_000_000)
         .unwrap_or(OffsetDateTime::UNIX_EPOCH);
     format!(
@@ -19,7 +19,7 @@ pub fn iso(ms: i64) -> String {
     )
 }
 
-pub fn parse_iso_ms(s: &str) -> Option<i64> {
+pub(crate) fn parse_iso_ms(s: &str) -> Option<i64> {
     let t = OffsetDateTime::parse(s, &time::format_description::well_known::Rfc3339).ok()?;
     Some((t.unix_timestamp_nanos() / 1_000_000) as i64)
 }

@@ -11,7 +11,7 @@ use crate::domain::names::{valid_env_name, valid_name};
 use crate::error::ApiError;
 
 /// Percent-decodes one path segment or query component (`plus` = space).
-pub fn percent_decode(s: &str, plus_is_space: bool) -> Option<String> {
+pub(crate) fn percent_decode(s: &str, plus_is_space: bool) -> Option<String> {
     let b = s.as_bytes();
     let mut out = Vec::with_capacity(b.len());
     let mut i = 0;
@@ -36,7 +36,7 @@ pub fn percent_decode(s: &str, plus_is_space: bool) -> Option<String> {
     String::from_utf8(out).ok()
 }
 
-pub fn parse_query(q: Option<&str>) -> Result<Vec<(String, String)>, ApiError> {
+pub(crate) fn parse_query(q: Option<&str>) -> Result<Vec<(String, String)>, ApiError> {
     let mut out = Vec::new();
     for part in q.unwrap_or("").split('&').filter(|p| !p.is_empty()) {
         let (k, v) = part.split_once('=').unwrap_or((part, ""));
@@ -55,7 +55,7 @@ pub fn parse_query(q: Option<&str>) -> Result<Vec<(String, String)>, ApiError> {
 
 /// Checks a JSON object field by field, collecting every issue, then
 /// refuses unknown fields. Each getter records its field as known.
-pub struct Fields<'a> {
+pub(crate) struct Fields<'a> {
     obj: &'a Map<String, Value>,
     prefix: String,
     known: HashSet<String>,
@@ -63,7 +63,7 @@ pub struct Fields<'a> {
 }
 
 impl<'a> Fields<'a> {
-    pub fn new(obj: &'a Map<String, Value>) -> Self {
+    pub(crate) fn new(obj: &'a Map<String, Value>) -> Self {
         Fields {
             obj,
             prefix: String::new(),
@@ -72,7 +72,7 @@ impl<'a> Fields<'a> {
         }
     }
 
-    pub fn issue(&mut self, field: &str, message: impl Into<String>) {
+    pub(crate) fn issue(&mut self, field: &str, message: impl Into<String>) {
         self.issues.push(Issue {
             field: format!("{}{field}", self.prefix),
             message: message.into(),
@@ -80,7 +80,7 @@ impl<'a> Fields<'a> {
     }
 
     /// The value, `None` when absent or null.
-    pub fn raw(&mut self, name: &str) -> Option<&'a Value> {
+    pub(crate) fn raw(&mut self, name: &str) -> Option<&'a Value> {
         self.known.insert(name.to_string());
         match self.obj.get(name) {
             None | Some(Value::Null) => None,
@@ -88,11 +88,11 @@ impl<'a> Fields<'a> {
         }
     }
 
-    pub fn present(&self, name: &str) -> bool {
+    pub(crate) fn present(&self, name: &str) -> bool {
         self.obj.contains_key(name)
     }
 
-    pub fn string(&mut self, name: &str) -> Option<String> {
+    pub(crate) fn string(&mut self, name: &str) -> Option<String> {
         match self.raw(name)? {
             Value::String(s) => Some(s.clone()),
             _ => {
@@ -102,7 +102,7 @@ impl<'a> Fields<'a> {
         }
     }
 
-    pub fn bool(&mut self, name: &str) -> Option<bool> {
+    pub(crate) fn bool(&mut self, name: &str) -> Option<bool> {
         match self.raw(name)? {
             Value::Bool(b) => Some(*b),
             _ => {
@@ -112,7 +112,7 @@ impl<'a> Fields<'a> {
         }
     }
 
-    pub fn int(&mut self, name: &str, min: i64, max: i64) -> Option<i64> {
+    pub(crate) fn int(&mut self, name: &str, min: i64, max: i64) -> Option<i64> {
         let v = self.raw(name)?;
         match v.as_i64() {
             Some(n) if (min..=max).contains(&n) => Some(n),
@@ -127,7 +127,7 @@ impl<'a> Fields<'a> {
         }
     }
 
-    pub fn one_of(&mut self, name: &str, allowed: &[&str]) -> Option<String> {
+    pub(crate) fn one_of(&mut self, name: &str, allowed: &[&str]) -> Option<String> {
         let s = self.string(name)?;
         if allowed.contains(&s.as_str()) {
             Some(s)
@@ -138,7 +138,11 @@ impl<'a> Fields<'a> {
     }
 
     /// A map of string to string.
-    pub fn string_map(&mut self, name: &str, max_entries: usize) -> Option<Vec<(String, String)>> {
+    pub(crate) fn string_map(
+        &mut self,
+        name: &str,
+        max_entries: usize,
+    ) -> Option<Vec<(String, String)>> {
         let v = self.raw(name)?;
         let Value::Object(m) = v else {
             self.issue(name, "must be an object of strings");
@@ -159,14 +163,14 @@ impl<'a> Fields<'a> {
     }
 
     /// Refuses with a named issue a field this server does not support.
-    pub fn refuse(&mut self, name: &str, why: &str) {
+    pub(crate) fn refuse(&mut self, name: &str, why: &str) {
         if self.raw(name).is_some() {
             self.issue(name, why.to_string());
         }
     }
 
     /// Records unknown fields, then answers every issue at once.
-    pub fn finish(mut self) -> Result<(), ApiError> {
+    pub(crate) fn finish(mut self) -> Result<(), ApiError> {
         let mut unknown: Vec<&String> = self
             .obj
             .keys()
@@ -192,7 +196,7 @@ impl<'a> Fields<'a> {
 /// The body as a JSON object; an empty body is `{}`.
 /// One page of `rows` (in list order) after the row whose id is `cursor`:
 /// keeps at most `limit` rows and answers the next page's cursor.
-pub fn page_after<T>(
+pub(crate) fn page_after<T>(
     rows: &mut Vec<T>,
     cursor: Option<&str>,
     limit: usize,
@@ -216,11 +220,11 @@ pub fn page_after<T>(
 
 /// A body that takes no field: empty, or a JSON object with none (any field
 /// is named in the error).
-pub fn no_fields(body: &[u8]) -> Result<(), ApiError> {
+pub(crate) fn no_fields(body: &[u8]) -> Result<(), ApiError> {
     Fields::new(&json_object(body)?).finish()
 }
 
-pub fn json_object(body: &[u8]) -> Result<Map<String, Value>, ApiError> {
+pub(crate) fn json_object(body: &[u8]) -> Result<Map<String, Value>, ApiError> {
     if body.iter().all(|b| b.is_ascii_whitespace()) {
         return Ok(Map::new());
     }
@@ -233,7 +237,7 @@ pub fn json_object(body: &[u8]) -> Result<Map<String, Value>, ApiError> {
 
 /// Query parameters as a JSON object of strings (repeated keys: last wins,
 /// except for the names in `lists`, which become arrays).
-pub fn query_object(q: &[(String, String)], lists: &[&str]) -> Map<String, Value> {
+pub(crate) fn query_object(q: &[(String, String)], lists: &[&str]) -> Map<String, Value> {
     let mut m = Map::new();
     for (k, v) in q {
         if lists.contains(&k.as_str()) {
@@ -252,7 +256,7 @@ pub fn query_object(q: &[(String, String)], lists: &[&str]) -> Map<String, Value
 
 /// Query getters: values arrive as strings.
 impl Fields<'_> {
-    pub fn q_int(&mut self, name: &str, min: i64, max: i64) -> Option<i64> {
+    pub(crate) fn q_int(&mut self, name: &str, min: i64, max: i64) -> Option<i64> {
         let s = self.string(name)?;
         match s.parse::<i64>() {
             Ok(n) if (min..=max).contains(&n) => Some(n),
@@ -267,7 +271,7 @@ impl Fields<'_> {
         }
     }
 
-    pub fn q_bool(&mut self, name: &str) -> Option<bool> {
+    pub(crate) fn q_bool(&mut self, name: &str) -> Option<bool> {
         match self.string(name)?.as_str() {
             "true" | "1" => Some(true),
             "false" | "0" => Some(false),
@@ -280,7 +284,7 @@ impl Fields<'_> {
 }
 
 /// Parses `Prefer: wait=N` (capped at 120 s).
-pub fn prefer_wait(headers: &axum::http::HeaderMap) -> Option<u64> {
+pub(crate) fn prefer_wait(headers: &axum::http::HeaderMap) -> Option<u64> {
     let v = headers.get("prefer")?.to_str().ok()?;
     v.split([',', ';'])
         .filter_map(|p| p.trim().strip_prefix("wait="))
@@ -289,7 +293,7 @@ pub fn prefer_wait(headers: &axum::http::HeaderMap) -> Option<u64> {
 }
 
 /// A mode as 3 or 4 octal digits (`"755"`), or an integer (0o755 = 493).
-pub fn parse_mode(v: &Value) -> Option<u32> {
+pub(crate) fn parse_mode(v: &Value) -> Option<u32> {
     match v {
         Value::String(s) if (1..=4).contains(&s.len()) => {
             u32::from_str_radix(s, 8).ok().filter(|m| *m <= 0o7777)

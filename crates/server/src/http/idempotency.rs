@@ -23,7 +23,7 @@ use crate::http::{deferred_body, json_bytes, Reply};
 use crate::store::StoredAnswer;
 use crate::AppState;
 
-pub struct Request {
+pub(crate) struct Request {
     pub idem_key: String,
     pub fingerprint: String,
 }
@@ -31,7 +31,7 @@ pub struct Request {
 type Slot = (String, String);
 
 #[derive(Default)]
-pub struct Inflight {
+pub(crate) struct Inflight {
     map: Mutex<HashMap<Slot, (String, watch::Receiver<bool>)>>,
 }
 
@@ -123,7 +123,7 @@ fn replay(st: &AppState, stored: StoredAnswer) -> ApiResult<Response> {
 
 /// Runs a change: once per idempotency key when one is given, in an owned
 /// task, answering late (`runtime-late-answer`) when it outlasts the limit.
-pub async fn execute<F>(
+pub(crate) async fn execute<F>(
     st: &AppState,
     key_id: &str,
     req: Option<Request>,

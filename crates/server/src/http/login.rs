@@ -46,7 +46,7 @@ struct LoginRequest {
 
 /// The login requests under way.
 #[derive(Default)]
-pub struct Pending {
+pub(crate) struct Pending {
     requests: Mutex<HashMap<String, LoginRequest>>,
 }
 
@@ -58,7 +58,7 @@ impl Pending {
     }
 }
 
-pub fn is_login_path(path: &str) -> bool {
+pub(crate) fn is_login_path(path: &str) -> bool {
     path.starts_with("/v1/login/") || path.starts_with("/login/")
 }
 
@@ -73,7 +73,7 @@ fn random_code() -> String {
     s
 }
 
-pub async fn handle(st: &AppState, req: Request) -> ApiResult<Response> {
+pub(crate) async fn handle(st: &AppState, req: Request) -> ApiResult<Response> {
     let (parts, body) = req.into_parts();
     let path = parts.uri.path().to_string();
     let body = axum::body::to_bytes(body, 64 << 10)
@@ -263,7 +263,7 @@ Check that the terminal shows this code:</p><p class=\"code\" id=\"code\">{code}
 }
 
 /// Dollars as typed ("5", "5.25", "$0.10") to microdollars.
-pub fn parse_dollars(s: &str) -> Option<i64> {
+pub(crate) fn parse_dollars(s: &str) -> Option<i64> {
     let s = s.trim().trim_start_matches('$').replace(',', "");
     let (whole, frac) = s.split_once('.').unwrap_or((&s, ""));
     if whole.is_empty() && frac.is_empty()

@@ -32,7 +32,7 @@ use crate::http::route::{body_limit, reveals_contents, route, Route};
 use crate::AppState;
 
 /// What a handler answers.
-pub enum Reply {
+pub(crate) enum Reply {
     /// A JSON answer; stored for idempotent replay when 2xx.
     Json(StatusCode, Value),
     /// Raw bytes or other non-JSON answers (never stored).
@@ -42,11 +42,11 @@ pub enum Reply {
 }
 
 impl Reply {
-    pub fn ok(v: Value) -> ApiResult<Reply> {
+    pub(crate) fn ok(v: Value) -> ApiResult<Reply> {
         Ok(Reply::Json(StatusCode::OK, v))
     }
 
-    pub fn into_response(self) -> Response {
+    pub(crate) fn into_response(self) -> Response {
         match self {
             Reply::Json(status, v) => (status, axum::Json(v)).into_response(),
             Reply::Raw(r) => r,
@@ -57,13 +57,13 @@ impl Reply {
 
 /// Who asks, and the parts of the request every handler may need.
 #[derive(Clone)]
-pub struct Ctx {
+pub(crate) struct Ctx {
     pub key: KeyInfo,
     pub headers: HeaderMap,
     pub query: Vec<(String, String)>,
 }
 
-pub fn router(state: AppState) -> axum::Router {
+pub(crate) fn router(state: AppState) -> axum::Router {
     axum::Router::new().fallback(handle).with_state(state)
 }
 
@@ -206,7 +206,7 @@ async fn serve(st: &AppState, req: Request, rid: &str) -> ApiResult<Response> {
 }
 
 /// A body that sends nothing until `fut` resolves, then its bytes.
-pub fn deferred_body<F>(fut: F) -> Body
+pub(crate) fn deferred_body<F>(fut: F) -> Body
 where
     F: std::future::Future<Output = Bytes> + Send + 'static,
 {
@@ -215,7 +215,7 @@ where
     }))
 }
 
-pub fn json_bytes(v: &impl serde::Serialize) -> Bytes {
+pub(crate) fn json_bytes(v: &impl serde::Serialize) -> Bytes {
     Bytes::from(serde_json::to_vec(v).unwrap_or_default())
 }
 

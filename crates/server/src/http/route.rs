@@ -11,7 +11,7 @@ use crate::error::{ApiError, ApiResult};
 use crate::http::extract::percent_decode;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Route {
+pub(crate) enum Route {
     CreateSandbox,
     ListSandboxes,
     GetSandbox(String),
@@ -89,7 +89,7 @@ fn segments(raw: &str) -> Option<(Vec<String>, Option<String>)> {
     Some((segs, verb))
 }
 
-pub fn route(method: &Method, raw_path: &str) -> ApiResult<Route> {
+pub(crate) fn route(method: &Method, raw_path: &str) -> ApiResult<Route> {
     let not_found = || ApiError::RouteNotFound {
         method: method.to_string(),
         path: raw_path.to_string(),
@@ -340,7 +340,7 @@ pub const ROUTE_SAMPLES: &[(&str, &str)] = &[
 
 /// Routes that show what is inside a sandbox (files, commands and their
 /// output, the interpreter), which read-only keys may not read.
-pub fn reveals_contents(r: &Route) -> bool {
+pub(crate) fn reveals_contents(r: &Route) -> bool {
     matches!(
         r,
         Route::FileContentGet(_)

@@ -22,7 +22,7 @@ use crate::error::ServerError;
 const HANDSHAKE: Duration = Duration::from_secs(10);
 
 /// The server's TLS settings from a PEM certificate chain and its key.
-pub fn load(cert: &Path, key: &Path) -> Result<Arc<ServerConfig>, ServerError> {
+pub(crate) fn load(cert: &Path, key: &Path) -> Result<Arc<ServerConfig>, ServerError> {
     let bad = |what: &Path, why: String| ServerError::Corrupt {
         what: format!("{}: {why}", what.display()),
     };
@@ -46,14 +46,14 @@ pub fn load(cert: &Path, key: &Path) -> Result<Arc<ServerConfig>, ServerError> {
 }
 
 /// A TCP listener whose connections come out of a TLS handshake.
-pub struct TlsListener {
+pub(crate) struct TlsListener {
     rx: mpsc::Receiver<(TlsStream<TcpStream>, SocketAddr)>,
     addr: SocketAddr,
     accept_loop: tokio::task::JoinHandle<()>,
 }
 
 impl TlsListener {
-    pub fn new(tcp: TcpListener, cfg: Arc<ServerConfig>) -> std::io::Result<Self> {
+    pub(crate) fn new(tcp: TcpListener, cfg: Arc<ServerConfig>) -> std::io::Result<Self> {
         let addr = tcp.local_addr()?;
         let (tx, rx) = mpsc::channel(64);
         let acceptor = TlsAcceptor::from(cfg);

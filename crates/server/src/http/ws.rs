@@ -39,7 +39,7 @@ const MAX_STREAMS: usize = 256;
 const CHUNK: usize = 64 << 10;
 
 /// `GET …/terminal?cols&rows&command&cwd&user&processId`.
-pub async fn terminal(
+pub(crate) async fn terminal(
     st: AppState,
     key: KeyInfo,
     id: String,
@@ -137,7 +137,7 @@ async fn hang_up(proc: &Proc, owned: bool) {
 }
 
 /// `GET …/tunnel`: port forwarding to the guest's loopback.
-pub async fn tunnel(
+pub(crate) async fn tunnel(
     st: AppState,
     key: KeyInfo,
     id: String,

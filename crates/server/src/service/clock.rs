@@ -43,11 +43,11 @@ impl Clock {
 
 /// The system's wall clock, for code that has no server state at hand (the
 /// operator's key commands).
-pub fn now_ms() -> i64 {
+pub(crate) fn now_ms() -> i64 {
     (OffsetDateTime::now_utc().unix_timestamp_nanos() / 1_000_000) as i64
 }
 
-pub fn now_iso() -> String {
+pub(crate) fn now_iso() -> String {
     iso(now_ms())
 }
 

@@ -7,7 +7,7 @@ use crate::domain::access::KeyInfo;
 use crate::error::ServerError;
 
 /// Inserts a key row (used by `create_key`, on its own connection).
-pub fn insert_key(
+pub(crate) fn insert_key(
     conn: &Connection,
     id: &str,
     name: Option<&str>,

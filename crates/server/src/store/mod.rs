@@ -186,7 +186,7 @@ pub(super) fn corrupt(what: impl Into<String>) -> ServerError {
 }
 
 /// Opens (creating or migrating) `data_dir/runtime.db`.
-pub fn open_connection(data_dir: &Path) -> Result<Connection, ServerError> {
+pub(crate) fn open_connection(data_dir: &Path) -> Result<Connection, ServerError> {
     std::fs::create_dir_all(data_dir).map_err(|source| ServerError::Io {
         op: "create data dir",
         path: data_dir.display().to_string(),
@@ -255,8 +255,8 @@ impl Store {
     }
 }
 
-pub use idempotency::StoredAnswer;
-pub use keys::insert_key;
-pub use processes::{ProcEnd, ProcRow};
-pub use sandboxes::SandboxRow;
-pub use snapshots::SnapshotRow;
+pub(crate) use idempotency::StoredAnswer;
+pub(crate) use keys::insert_key;
+pub(crate) use processes::{ProcEnd, ProcRow};
+pub(crate) use sandboxes::SandboxRow;
+pub(crate) use snapshots::SnapshotRow;

@@ -12,7 +12,7 @@ use runtime_host::{
 use tokio::sync::{mpsc, watch};
 
 #[derive(Debug, Clone)]
-pub enum Step {
+pub(crate) enum Step {
     Out(Vec<u8>),
     Err(Vec<u8>),
     Sleep(u64),
@@ -23,7 +23,7 @@ pub enum Step {
 /// pause closed its handle, a backlog the next `attach` delivers first (the
 /// real host keeps streams across a pause).
 #[derive(Default)]
-pub struct Sink {
+pub(crate) struct Sink {
     pub tx: Option<mpsc::Sender<ExecEvent>>,
     pub held: Option<Vec<ExecEvent>>,
 }
@@ -31,7 +31,7 @@ pub struct Sink {
 /// A process the fake runs, by token: its sandbox, where its events go now
 /// (a later server takes it up with `attach`), and how it ended.
 #[derive(Clone)]
-pub struct FakeProc {
+pub(crate) struct FakeProc {
     pub sandbox: String,
     pub events: Arc<Mutex<Sink>>,
     pub control: mpsc::Sender<ExecControl>,
@@ -58,7 +58,7 @@ async fn emit(to: &Arc<Mutex<Sink>>, ev: ExecEvent) {
 }
 
 #[derive(Default)]
-pub struct FakeHost {
+pub(crate) struct FakeHost {
     /// (sandbox, path) -> (bytes, mode); directories are in `dirs`.
     pub files: Mutex<HashMap<(String, String), (Vec<u8>, u32)>>,
     pub dirs: Mutex<HashSet<(String, String)>>,
@@ -103,7 +103,7 @@ pub struct FakeHost {
 impl FakeHost {
     /// The network `id` has now, if any.
     #[allow(dead_code)]
-    pub fn network(&self, id: &str) -> Option<GuestNet> {
+    pub(crate) fn network(&self, id: &str) -> Option<GuestNet> {
         self.networks.lock().unwrap().get(id).cloned()
     }
 }
@@ -140,7 +140,7 @@ impl FakeHost {
         }
     }
 
-    pub fn script(&self, command: &str, steps: Vec<Step>) {
+    pub(crate) fn script(&self, command: &str, steps: Vec<Step>) {
         self.scripts.lock().unwrap().insert(command.into(), steps);
     }
 
