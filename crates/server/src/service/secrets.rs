@@ -264,7 +264,10 @@ pub(crate) fn names(st: &AppState) -> ApiResult<Vec<String>> {
 /// The variables a sandbox's processes get: each of its secrets' placeholder.
 /// `chosen` is its create's `secrets` list (`None` = all).
 pub(crate) fn placeholders(st: &AppState, chosen: Option<&[String]>) -> Vec<(String, String)> {
-    let docs = st.store().doc_list(KIND, None).unwrap_or_default();
+    let docs = st.store().doc_list(KIND, None).unwrap_or_else(|e| {
+        tracing::error!(error = %e, "reading the secrets failed: no placeholders given");
+        Vec::new()
+    });
     docs.into_iter()
         .filter(|(_, n, _)| chosen.is_none_or(|c| c.contains(n)))
         .filter_map(|(_, n, d)| {
