@@ -968,6 +968,29 @@ async fn files_round_trip_and_map_guest_errors() {
         .json("GET", &format!("{base}/files/list?glob=*.txt"), None)
         .await;
     assert_eq!(v["data"][0]["name"], "a.txt");
+    // A glob that would cost a list too much is refused, by name.
+    let (s, v) = t
+        .json(
+            "GET",
+            &format!("{base}/files/list?glob={}", "*a".repeat(513)),
+            None,
+        )
+        .await;
+    assert_eq!(s, StatusCode::BAD_REQUEST, "{v}");
+    assert_eq!(v["error"]["details"]["issues"][0]["field"], "glob", "{v}");
+    // Stars cost nothing: the matcher does not backtrack.
+    let (s, v) = t
+        .json(
+            "GET",
+            &format!("{base}/files/list?glob={}b", "*a".repeat(200)),
+            None,
+        )
+        .await;
+    assert_eq!(
+        (s, v["data"].as_array().map(Vec::len)),
+        (StatusCode::OK, Some(0)),
+        "{v}"
+    );
 
     let (s, v) = t
         .json(

@@ -12,20 +12,63 @@ pub(crate) fn valid_path(p: &str) -> bool {
     p.starts_with('/') && !p.contains('\0')
 }
 
-/// Shell-style match: `*` and `?` within a segment, `**` across segments.
-pub(crate) fn glob_match(pat: &[u8], s: &[u8]) -> bool {
-    match pat.first() {
-        None => s.is_empty(),
-        Some(b'*') if pat.get(1) == Some(&b'*') => {
-            let rest = pat[2..].strip_prefix(b"/").unwrap_or(&pat[2..]);
-            (0..=s.len()).any(|i| glob_match(rest, &s[i..]))
+/// Longest glob a list takes (its matcher's work is its length times the
+/// name's).
+pub(crate) const MAX_GLOB: usize = 1024;
+
+/// One piece of a glob.
+#[derive(Clone, Copy)]
+enum Tok {
+    Byte(u8),
+    /// `?`: one byte but `/`.
+    One,
+    /// `*`: any run without `/`.
+    Star,
+    /// `**` (with the `/` after it, if any): any run.
+    Stars,
+}
+
+fn tokens(pat: &[u8]) -> Vec<Tok> {
+    let mut out = Vec::with_capacity(pat.len());
+    let mut i = 0;
+    while i < pat.len() {
+        match pat[i] {
+            b'*' if pat.get(i + 1) == Some(&b'*') => {
+                i += if pat.get(i + 2) == Some(&b'/') { 3 } else { 2 };
+                out.push(Tok::Stars);
+                continue;
+            }
+            b'*' => out.push(Tok::Star),
+            b'?' => out.push(Tok::One),
+            c => out.push(Tok::Byte(c)),
         }
-        Some(b'*') => (0..=s.len())
-            .take_while(|&i| i == 0 || s[i - 1] != b'/')
-            .any(|i| glob_match(&pat[1..], &s[i..])),
-        Some(b'?') => !s.is_empty() && s[0] != b'/' && glob_match(&pat[1..], &s[1..]),
-        Some(c) => s.first() == Some(c) && glob_match(&pat[1..], &s[1..]),
+        i += 1;
     }
+    out
+}
+
+/// Shell-style match: `*` and `?` within a segment, `**` across segments.
+/// Linear in the pattern times the name (one row of a table per piece of
+/// the pattern), whatever the stars: no pattern makes it backtrack.
+pub(crate) fn glob_match(pat: &[u8], s: &[u8]) -> bool {
+    let n = s.len();
+    // `next[j]`: the pieces after this one match `s[j..]`.
+    let mut next = vec![false; n + 1];
+    next[n] = true;
+    let mut row = vec![false; n + 1];
+    for tok in tokens(pat).into_iter().rev() {
+        for j in (0..=n).rev() {
+            let c = s.get(j).copied();
+            row[j] = match tok {
+                Tok::Byte(b) => c == Some(b) && next[j + 1],
+                Tok::One => c.is_some_and(|c| c != b'/') && next[j + 1],
+                Tok::Star => next[j] || (c.is_some_and(|c| c != b'/') && row[j + 1]),
+                Tok::Stars => next[j] || (c.is_some() && row[j + 1]),
+            };
+        }
+        std::mem::swap(&mut next, &mut row);
+    }
+    next[0]
 }
 
 /// How deep a list looks: as asked, else deep enough for its glob (a glob
@@ -77,6 +120,73 @@ pub(crate) fn covered(received: &BTreeMap<u64, u64>) -> u64 {
 mod tests {
     use super::*;
 
+    /// The matcher this one replaced: the definition, exponential in stars.
+    fn reference(pat: &[u8], s: &[u8]) -> bool {
+        match pat.first() {
+            None => s.is_empty(),
+            Some(b'*') if pat.get(1) == Some(&b'*') => {
+                let rest = pat[2..].strip_prefix(b"/").unwrap_or(&pat[2..]);
+                (0..=s.len()).any(|i| reference(rest, &s[i..]))
+            }
+            Some(b'*') => (0..=s.len())
+                .take_while(|&i| i == 0 || s[i - 1] != b'/')
+                .any(|i| reference(&pat[1..], &s[i..])),
+            Some(b'?') => !s.is_empty() && s[0] != b'/' && reference(&pat[1..], &s[1..]),
+            Some(c) => s.first() == Some(c) && reference(&pat[1..], &s[1..]),
+        }
+    }
+
+    /// Every word of up to `len` letters of `alphabet`.
+    fn words(alphabet: &[u8], len: usize) -> Vec<Vec<u8>> {
+        let mut all = vec![Vec::new()];
+        let mut last = vec![Vec::new()];
+        for _ in 0..len {
+            last = last
+                .iter()
+                .flat_map(|w| {
+                    alphabet.iter().map(move |c| {
+                        let mut w = w.clone();
+                        w.push(*c);
+                        w
+                    })
+                })
+                .collect();
+            all.extend(last.iter().cloned());
+        }
+        all
+    }
+
+    #[test]
+    fn the_linear_matcher_agrees_with_the_definition() {
+        let names = words(b"ab/", 5);
+        let mut checked = 0;
+        for pat in words(b"a/?*", 5) {
+            for name in &names {
+                assert_eq!(
+                    glob_match(&pat, name),
+                    reference(&pat, name),
+                    "{:?} on {:?}",
+                    String::from_utf8_lossy(&pat),
+                    String::from_utf8_lossy(name)
+                );
+                checked += 1;
+            }
+        }
+        assert!(checked > 100_000, "{checked}");
+    }
+
+    #[test]
+    fn many_stars_over_a_long_name_end() {
+        // Exponential for the old matcher (days); a table of 1024 x 256 here.
+        let pat = "*a".repeat(300) + "b";
+        let name = "a".repeat(255);
+        assert!(!glob_match(pat.as_bytes(), name.as_bytes()));
+        assert!(glob_match(
+            b"*a*a*a*a*a*a*a*a*a*a*b",
+            format!("{name}b").as_bytes()
+        ));
+    }
+
     #[test]
     fn globs() {
         assert!(glob_match(b"*.py", b"a.py"));
@@ -90,6 +200,13 @@ mod tests {
         assert!(!glob_match(b"", b"a"));
         assert!(glob_match(b"src/*.rs", b"src/lib.rs"));
         assert!(!glob_match(b"src/*.rs", b"src/a/lib.rs"));
+        assert!(glob_match(b"**", b"a/b/c"));
+        assert!(glob_match(b"a/**/z", b"a/z"));
+        assert!(glob_match(b"a/**/z", b"a/b/c/z"));
+        assert!(glob_match(b"*", b""));
+        assert!(!glob_match(b"?", b""));
+        assert!(glob_match(b"*a*b", b"xaxxb"));
+        assert!(!glob_match(b"*a*b", b"xaxxb/"));
     }
 
     #[test]

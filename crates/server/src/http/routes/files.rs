@@ -8,7 +8,7 @@ use runtime_host::{EntryKind, FileEntry, FileOp};
 use serde_json::{json, Value};
 
 use crate::domain::access::sha256_hex;
-use crate::domain::files::{list_depth, valid_path, CHUNK_BYTES};
+use crate::domain::files::{list_depth, valid_path, CHUNK_BYTES, MAX_GLOB};
 use crate::domain::time::iso;
 use crate::error::{ApiError, ApiResult};
 use crate::http::extract::{json_object, no_fields, parse_mode, query_object, Fields};
@@ -111,6 +111,9 @@ pub(super) async fn list(st: AppState, ctx: Ctx, id: String) -> ApiResult<Reply>
     let path = check_path(&mut f, "path", p);
     let depth = f.q_int("depth", 1, 64);
     let glob = f.string("glob").filter(|g| !g.is_empty());
+    if glob.as_ref().is_some_and(|g| g.len() > MAX_GLOB) {
+        f.issue("glob", format!("must be at most {MAX_GLOB} bytes"));
+    }
     let hidden = f.q_bool("hidden").unwrap_or(false);
     let limit = f.q_int("limit", 1, 100_000).unwrap_or(10_000) as u32;
     let user = f.one_of("user", USERS);
