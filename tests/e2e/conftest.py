@@ -118,6 +118,14 @@ class Server:
         self.stop()
         self.start()
 
+    def rss_kib(self) -> int:
+        """The server process's resident memory now, in KiB."""
+        assert self.proc is not None, "the server is not running"
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+        raise AssertionError("no VmRSS in the server's status")
+
     def admin_key(self) -> str:
         return (self.data_dir / "admin.key").read_text().strip()
 

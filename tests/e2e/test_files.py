@@ -154,6 +154,26 @@ def test_errors(sbx):
         sbx.files.rename("/workspace/no-such-src", "/workspace/dst")
 
 
+def test_reads_that_never_end_or_do_not_fit_are_refused_at_once(sbx, server):
+    # A device never ends; a sparse file is larger than a read takes. Each is
+    # refused before a byte is held, and the server's memory stays put.
+    rss_before = server.rss_kib()
+    for path in ("/dev/zero", "/dev/urandom"):
+        with pytest.raises(InvalidRequestError) as device:
+            sbx.files.read(path)
+        assert device.value.code == "invalid_request" and "not a regular file" in device.value.message
+    sbx.exec("truncate -s 300M /workspace/e2e-sparse", check=True)
+    with pytest.raises(RuntimeAPIError) as big:
+        sbx.files.read("/workspace/e2e-sparse")
+    assert (big.value.status, big.value.code) == (413, "file_too_large"), big.value
+    assert "256 MiB" in big.value.message
+    sbx.exec("rm /workspace/e2e-sparse", check=True)
+    assert server.rss_kib() - rss_before < 100 * 1024
+    # What fits is still read whole.
+    sbx.exec("head -c 3000000 /dev/urandom > /workspace/e2e-3m", check=True)
+    assert len(sbx.files.read("/workspace/e2e-3m")) == 3_000_000
+
+
 def test_write_outside_workspace_as_the_sandbox_user(sbx):
     sbx.files.write("/tmp/e2e-outside.txt", "tmp ok")
     assert sbx.exec("cat /tmp/e2e-outside.txt").stdout == "tmp ok"

@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
 
 use runtime_proto::{
-    channel, Entry, EntryType, FailCode, Frame, Reply, User, MAX_FRAME, MAX_PAYLOAD,
+    channel, Entry, EntryType, FailCode, Frame, Reply, User, MAX_FRAME, MAX_PAYLOAD, MAX_READ_BYTES,
 };
 
 use crate::exec::SANDBOX_ID;
@@ -96,7 +96,7 @@ fn entry(path: &str, md: &Metadata) -> Entry {
 
 pub(crate) fn read_file(out: &Outbox, stream: u32, path: &str) -> Result<(), Fail> {
     let p = check_path(path)?;
-    let mut file = File::open(p).map_err(|e| Fail::io(format_args!("open {path}"), &e))?;
+    let file = File::open(p).map_err(|e| Fail::io(format_args!("open {path}"), &e))?;
     let md = file
         .metadata()
         .map_err(|e| Fail::io(format_args!("stat {path}"), &e))?;
@@ -106,7 +106,26 @@ pub(crate) fn read_file(out: &Outbox, stream: u32, path: &str) -> Result<(), Fai
             format!("{path} is a directory"),
         ));
     }
+    // A device or a pipe never ends (`/dev/zero`), and a read is held whole.
+    if !md.is_file() {
+        return Err(Fail::new(
+            FailCode::BadRequest,
+            format!("{path} is not a regular file"),
+        ));
+    }
+    if md.len() > MAX_READ_BYTES {
+        return Err(Fail::new(
+            FailCode::TooLarge,
+            format!(
+                "{path} is {} bytes, more than a read takes ({} MiB): read it in parts with a command",
+                md.len(),
+                MAX_READ_BYTES >> 20
+            ),
+        ));
+    }
     out.reply(stream, &Reply::FileStart { size: md.len() });
+    // What it sends stops at the limit, even if the file grows meanwhile.
+    let mut file = file.take(MAX_READ_BYTES + 1);
     let mut buf = vec![0u8; MAX_PAYLOAD];
     loop {
         match file.read(&mut buf) {

@@ -55,6 +55,7 @@ pub mod codes {
     pub const IDEMPOTENCY_KEY_REUSED: &str = "idempotency_key_reused";
     pub const PAYLOAD_TOO_LARGE: &str = "payload_too_large";
     pub const FILE_NOT_FOUND: &str = "file_not_found";
+    pub const FILE_TOO_LARGE: &str = "file_too_large";
     pub const IS_A_DIRECTORY: &str = "is_a_directory";
     pub const NOT_A_DIRECTORY: &str = "not_a_directory";
     pub const PERMISSION_DENIED: &str = "permission_denied";

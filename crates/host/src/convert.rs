@@ -19,6 +19,7 @@ fn failure(code: FailCode) -> GuestFailure {
         FailCode::BadRequest => GuestFailure::BadRequest,
         FailCode::Io => GuestFailure::Io,
         FailCode::ConnectionRefused => GuestFailure::ConnectionRefused,
+        FailCode::TooLarge => GuestFailure::TooLarge,
     }
 }
 
@@ -189,6 +190,7 @@ mod tests {
             (FailCode::BadRequest, GuestFailure::BadRequest),
             (FailCode::Io, GuestFailure::Io),
             (FailCode::ConnectionRefused, GuestFailure::ConnectionRefused),
+            (FailCode::TooLarge, GuestFailure::TooLarge),
         ];
         for (code, want) in pairs {
             assert_eq!(failure(code), want, "{code:?}");

@@ -553,12 +553,28 @@ impl Host for QemuHost {
         })
         .map_err(|_| lost())?;
         let mut data = Vec::new();
+        let too_large = || HostError::Guest {
+            id: id.to_owned(),
+            failure: GuestFailure::TooLarge,
+            message: format!(
+                "{path} is larger than a read takes ({} MiB): read it in parts with a command",
+                MAX_READ_BYTES >> 20
+            ),
+        };
         loop {
             match s.recv().await.ok_or_else(lost)? {
-                Incoming::Reply(Reply::FileStart { size }) => {
-                    data.reserve(size.min(1 << 30) as usize)
+                // The guest's word is not trusted: the size it announces is
+                // checked, and so is what it sends.
+                Incoming::Reply(Reply::FileStart { size }) if size > MAX_READ_BYTES => {
+                    return Err(too_large())
                 }
-                Incoming::Data { bytes, .. } => data.extend_from_slice(&bytes),
+                Incoming::Reply(Reply::FileStart { size }) => data.reserve(size as usize),
+                Incoming::Data { bytes, .. } => {
+                    if (data.len() + bytes.len()) as u64 > MAX_READ_BYTES {
+                        return Err(too_large());
+                    }
+                    data.extend_from_slice(&bytes)
+                }
                 Incoming::Reply(Reply::Done) => return Ok(data),
                 Incoming::Reply(other) => return Err(guest_err(id, other)),
             }

@@ -197,7 +197,11 @@ pub enum GuestFailure {
     Io,
     /// Nothing listens on the guest port a connection asked for.
     ConnectionRefused,
+    /// A file larger than [`Host::read_file`] takes ([`MAX_READ_BYTES`]).
+    TooLarge,
 }
+
+pub use runtime_proto::MAX_READ_BYTES;
 
 /// Where a VM failed to come up.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -38,5 +38,9 @@ pub const GUEST_STREAM: u32 = 0x8000_0000;
 /// The guest port of the agent's proxy listener (`127.0.0.1` and `[::1]`).
 pub const PROXY_PORT: u16 = 10800;
 
+/// Largest file one [`Request::ReadFile`] returns: the host holds a read
+/// whole before it answers.
+pub const MAX_READ_BYTES: u64 = 256 << 20;
+
 /// The name of the virtio-serial port the agent opens (`/sys/class/virtio-ports/*/name`).
 pub const PORT_NAME: &str = "runtime.agent";

@@ -221,6 +221,8 @@ pub enum FailCode {
     Io,
     /// Nothing accepted the connection ([`Request::Connect`]).
     ConnectionRefused,
+    /// A file larger than a read takes ([`crate::MAX_READ_BYTES`]).
+    TooLarge,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

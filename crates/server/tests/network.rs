@@ -363,6 +363,25 @@ async fn previews_need_their_token_until_rotated_and_reach_the_guest_port() {
     assert_eq!(p["url"], format!("http://3000-{id}.localhost:8080/"));
     let token = p["token"].as_str().unwrap().to_string();
     assert!(p["urlWithToken"].as_str().unwrap().ends_with(&token));
+    // A read-only key sees the preview but gets no way in.
+    let ro = create_key(&t.dir, Some("watcher"), true, true).unwrap();
+    let (s, one) = t
+        .json_as(
+            &ro,
+            "GET",
+            &format!("/v1/sandboxes/{id}/previews/3000"),
+            None,
+        )
+        .await;
+    let (_, all) = t
+        .json_as(&ro, "GET", &format!("/v1/sandboxes/{id}/previews"), None)
+        .await;
+    assert_eq!(s, StatusCode::OK, "{one}");
+    for seen in [&one, &all["data"][0]] {
+        assert_eq!(seen["port"], 3000, "{seen}");
+        assert!(seen["token"].is_null(), "{seen}");
+        assert_eq!(seen["urlWithToken"], seen["url"], "{seen}");
+    }
 
     let host = format!("3000-{id}.localhost:8080");
     let visit = |path: &str, headers: Vec<(&'static str, String)>| {

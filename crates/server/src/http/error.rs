@@ -251,6 +251,7 @@ fn host_parts(e: &HostError) -> Parts {
                 GuestFailure::ConnectionRefused => {
                     (StatusCode::BAD_GATEWAY, codes::CONNECTION_REFUSED)
                 }
+                GuestFailure::TooLarge => (StatusCode::PAYLOAD_TOO_LARGE, codes::FILE_TOO_LARGE),
             };
             if status.is_server_error() {
                 return p(status, code, "Internal server error.".into());
@@ -557,6 +558,7 @@ mod tests {
                 502,
                 codes::CONNECTION_REFUSED,
             ),
+            (guest(GuestFailure::TooLarge), 413, codes::FILE_TOO_LARGE),
             (
                 ApiError::Host(HostError::NoSuchMachine { id: "s".into() }),
                 409,

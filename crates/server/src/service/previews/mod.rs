@@ -46,13 +46,15 @@ pub(crate) struct TokenAsk {
     pub(crate) cap_ms: Option<i64>,
 }
 
-fn shared(st: &AppState, sandbox: &str, p: &Preview, ask: TokenAsk) -> Shared {
+/// `mint`: whether a private preview's answer carries a token (never for a
+/// read-only key, whose look must not become a way in).
+fn shared(st: &AppState, sandbox: &str, p: &Preview, ask: TokenAsk, mint: bool) -> Shared {
     Shared {
         id: p.id.clone(),
         sandbox_id: sandbox.to_string(),
         port: p.port,
         public: p.public,
-        token: (!p.public).then(|| p.mint(ask.ttl_s, ask.cap_ms, st.now_ms())),
+        token: (!p.public && mint).then(|| p.mint(ask.ttl_s, ask.cap_ms, st.now_ms())),
         embed_origins: p.embed_origins.clone(),
         created_ms: p.created_ms,
     }
@@ -140,11 +142,11 @@ pub(crate) fn share(st: &AppState, key: &KeyInfo, id: &str, s: Share) -> ApiResu
         ttl_s: s.ttl_s,
         cap_ms: s.expires_cap_ms,
     };
-    Ok((shared(st, id, &p, ask), created))
+    Ok((shared(st, id, &p, ask, true), created))
 }
 
 /// `GET …/previews`: the sandbox's previews (tokens of the default
-/// lifetime).
+/// lifetime, none for a read-only key).
 pub(crate) fn list(st: &AppState, key: &KeyInfo, id: &str) -> ApiResult<Vec<Shared>> {
     find(st, key, id)?;
     Ok(st
@@ -152,11 +154,12 @@ pub(crate) fn list(st: &AppState, key: &KeyInfo, id: &str) -> ApiResult<Vec<Shar
         .doc_list(KIND, Some(id))?
         .iter()
         .filter_map(|(_, _, d)| Preview::from_doc(d))
-        .map(|p| shared(st, id, &p, TokenAsk::default()))
+        .map(|p| shared(st, id, &p, TokenAsk::default(), !key.read_only))
         .collect())
 }
 
-/// `GET …/previews/{port}`: the preview, with a token as asked.
+/// `GET …/previews/{port}`: the preview, with a token as asked (none for a
+/// read-only key).
 pub(crate) fn get(
     st: &AppState,
     key: &KeyInfo,
@@ -166,7 +169,7 @@ pub(crate) fn get(
 ) -> ApiResult<Shared> {
     find(st, key, id)?;
     let p = load(st, id, port)?.ok_or_else(|| not_found(id, port))?;
-    Ok(shared(st, id, &p, ask))
+    Ok(shared(st, id, &p, ask, !key.read_only))
 }
 
 /// `POST …/previews/{port}:rotate`: a new secret; earlier tokens are
@@ -177,7 +180,7 @@ pub(crate) fn rotate(st: &AppState, key: &KeyInfo, id: &str, port: u16) -> ApiRe
     rand::thread_rng().fill_bytes(&mut p.secret);
     save(st, id, &p)?;
     st.inner.previews.cut(id, port);
-    Ok(shared(st, id, &p, TokenAsk::default()))
+    Ok(shared(st, id, &p, TokenAsk::default(), true))
 }
 
 /// `DELETE …/previews/{port}`: stops sharing; open connections close.
