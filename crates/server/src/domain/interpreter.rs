@@ -131,12 +131,19 @@ pub(crate) enum Line {
     Plain(String),
 }
 
+/// Longest protocol line a driver may send (a result with a large image
+/// fits); a partial line beyond it is taken as plain output, so what the
+/// code prints cannot make the server hold it without a bound.
+pub(crate) const MAX_PROTOCOL_LINE: usize = 32 << 20;
+
 /// Splits a driver's stdout into protocol lines and plain output.
 #[derive(Debug)]
 pub(crate) struct Lines {
     prefix: Vec<u8>,
     /// Bytes not yet ending in a newline.
     line: Vec<u8>,
+    /// How much of `line` is known to hold no newline.
+    scanned: usize,
 }
 
 impl Lines {
@@ -144,14 +151,21 @@ impl Lines {
         Lines {
             prefix: format!("{nonce} ").into_bytes(),
             line: Vec::new(),
+            scanned: 0,
         }
     }
 
     /// Takes stdout bytes; `out` gets each whole line, and a partial line
-    /// at once when it cannot start a protocol line.
+    /// at once when it cannot start a protocol line (or is too long to be
+    /// one).
     pub(crate) fn push(&mut self, bytes: &[u8], out: &mut Vec<Line>) {
         self.line.extend_from_slice(bytes);
-        while let Some(i) = self.line.iter().position(|b| *b == b'\n') {
+        while let Some(i) = self.line[self.scanned..]
+            .iter()
+            .position(|b| *b == b'\n')
+            .map(|i| i + self.scanned)
+        {
+            self.scanned = 0;
             let rest = self.line.split_off(i + 1);
             let line = std::mem::replace(&mut self.line, rest);
             let body = &line[..line.len() - 1];
@@ -163,9 +177,13 @@ impl Lines {
                 None => Line::Plain(String::from_utf8_lossy(&line).into_owned()),
             });
         }
+        self.scanned = self.line.len();
         let n = self.line.len().min(self.prefix.len());
-        if !self.line.is_empty() && self.line[..n] != self.prefix[..n] {
+        if !self.line.is_empty()
+            && (self.line[..n] != self.prefix[..n] || self.line.len() > MAX_PROTOCOL_LINE)
+        {
             let line = std::mem::take(&mut self.line);
+            self.scanned = 0;
             out.push(Line::Plain(String::from_utf8_lossy(&line).into_owned()));
         }
     }
@@ -354,6 +372,30 @@ mod tests {
             l.push(c, &mut out);
         }
         out
+    }
+
+    #[test]
+    fn a_partial_protocol_line_is_held_only_up_to_its_bound() {
+        let mut l = Lines::new("abc");
+        let mut out = Vec::new();
+        // The code learned the nonce and prints it with no end of line.
+        l.push(b"abc {\"k\":\"stdout\",\"text\":\"", &mut out);
+        let chunk = vec![b'x'; 1 << 20];
+        for _ in 0..(MAX_PROTOCOL_LINE >> 20) - 1 {
+            l.push(&chunk, &mut out);
+        }
+        assert!(out.is_empty(), "held while it may still be a protocol line");
+        l.push(&chunk, &mut out);
+        assert!(l.line.is_empty(), "{} bytes still held", l.line.len());
+        match out.as_slice() {
+            [Line::Plain(t)] => assert!(t.len() > MAX_PROTOCOL_LINE),
+            other => panic!("{}", other.len()),
+        }
+        // What follows, mid-line, is plain at once; a new line may be one.
+        out.clear();
+        l.push(b"yyy\nabc {\"k\":\"ready\"}\n", &mut out);
+        assert_eq!(out[0], Line::Plain("yyy\n".into()));
+        assert!(matches!(out[1], Line::Event(_)), "{:?}", out[1]);
     }
 
     #[test]

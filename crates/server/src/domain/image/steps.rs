@@ -204,12 +204,38 @@ impl StepOutput {
     /// Lines of output a failed step's message carries.
     pub(crate) const TAIL: usize = 20;
 
+    /// Longest line kept: output that runs on without a newline is cut
+    /// into lines of this many bytes (at most), so nothing a step prints
+    /// grows without a bound.
+    pub(crate) const MAX_LINE: usize = 16 * 1024;
+
     /// Takes output bytes; answers the lines they complete (with their
     /// newlines), if any.
     pub(crate) fn push(&mut self, bytes: &[u8]) -> Option<String> {
         self.pending.push_str(&String::from_utf8_lossy(bytes));
-        let i = self.pending.rfind('\n')?;
-        let done: String = self.pending.drain(..=i).collect();
+        let mut done = match self.pending.rfind('\n') {
+            Some(i) => self.pending.drain(..=i).collect(),
+            None => String::new(),
+        };
+        while self.pending.len() > Self::MAX_LINE {
+            let mut cut = Self::MAX_LINE;
+            while !self.pending.is_char_boundary(cut) {
+                cut -= 1;
+            }
+            done.extend(self.pending.drain(..cut));
+            done.push('\n');
+        }
+        // A completed line may be long too.
+        if done.lines().any(|l| l.len() > Self::MAX_LINE) {
+            done = done
+                .lines()
+                .flat_map(|l| cut_line(l, Self::MAX_LINE))
+                .map(|l| format!("{l}\n"))
+                .collect();
+        }
+        if done.is_empty() {
+            return None;
+        }
         self.keep(&done);
         Some(done)
     }
@@ -236,9 +262,59 @@ impl StepOutput {
     }
 }
 
+/// `line` in pieces of at most `max` bytes, cut at character boundaries.
+fn cut_line(mut line: &str, max: usize) -> Vec<&str> {
+    let mut out = Vec::new();
+    while line.len() > max {
+        let mut cut = max;
+        while !line.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        out.push(&line[..cut]);
+        line = &line[cut..];
+    }
+    out.push(line);
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn output_without_newlines_is_cut_into_bounded_lines() {
+        let mut o = StepOutput::default();
+        let max = StepOutput::MAX_LINE;
+        let mut logged = String::new();
+        // `yes | tr -d '\n'`: a megabyte with no newline, in chunks.
+        for _ in 0..64 {
+            if let Some(d) = o.push(&[b'y'; 16 * 1024 + 7]) {
+                logged.push_str(&d);
+            }
+        }
+        assert!(o.pending.len() <= max, "{}", o.pending.len());
+        logged.push_str(&o.finish().unwrap_or_default());
+        assert_eq!(
+            logged.bytes().filter(|b| *b == b'y').count(),
+            64 * (16 * 1024 + 7)
+        );
+        assert!(logged.lines().all(|l| l.len() <= max));
+        assert!(o.tail().iter().all(|l| l.len() <= max));
+        // One long line that comes whole with its newline is cut as well.
+        let mut o = StepOutput::default();
+        let long = format!("{}\n", "é".repeat(max));
+        let d = o.push(long.as_bytes()).unwrap();
+        assert!(
+            d.lines().all(|l| l.len() <= max) && d.lines().count() == 2,
+            "{}",
+            d.len()
+        );
+        assert_eq!(d.replace('\n', ""), long.trim_end());
+        // Short lines are as they were.
+        let mut o = StepOutput::default();
+        assert_eq!(o.push(b"a\nb"), Some("a\n".into()));
+        assert_eq!(o.finish(), Some("b".into()));
+    }
 
     fn state(user: ImageUser) -> BuildState {
         BuildState {
