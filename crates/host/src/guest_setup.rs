@@ -68,7 +68,11 @@ pub(crate) async fn sync_guest(vm: &Vm) {
     }
 }
 
-/// Runs a command as root over `link` and collects its exit code and output.
+/// Most output [`run_root`] keeps.
+const ROOT_OUTPUT_BYTES: usize = 64 * 1024;
+
+/// Runs a command as root over `link` and collects its exit code and output
+/// (the first [`ROOT_OUTPUT_BYTES`]).
 async fn run_root(
     link: &Link,
     argv: Vec<String>,
@@ -96,7 +100,12 @@ async fn run_root(
     let mut output = Vec::new();
     while let Some(ev) = handle.events.recv().await {
         match ev {
-            ExecEvent::Stdout(b) | ExecEvent::Stderr(b) => output.extend_from_slice(&b),
+            // The guest disk's shell may be anyone's: its output is kept
+            // up to a bound (what a mount failure says fits).
+            ExecEvent::Stdout(b) | ExecEvent::Stderr(b) => {
+                let room = ROOT_OUTPUT_BYTES.saturating_sub(output.len());
+                output.extend_from_slice(&b[..b.len().min(room)]);
+            }
             ExecEvent::Exited(st) => return Ok((st.code, output)),
         }
     }

@@ -33,12 +33,16 @@ pub(crate) type Acceptor = Arc<dyn Fn(Stream) + Send + Sync>;
 /// connection before the host takes them up again ([`Link::open_at`]).
 #[derive(Default)]
 struct Orphans {
-    frames: HashMap<u32, Vec<Incoming>>,
+    /// Per stream, each frame with what it costs.
+    frames: HashMap<u32, Vec<(usize, Incoming)>>,
     bytes: usize,
 }
 
 /// What is kept for streams not taken up (the oldest beyond it is dropped).
 const ORPHAN_BYTES: usize = 4 << 20;
+
+/// What an orphan frame costs beyond its payload (its place in the map).
+const ORPHAN_OVERHEAD: usize = 128;
 
 /// Tunnels that ended on this connection: frames that cross their end (a
 /// last credit, a reset) are dropped, not kept as orphans.
@@ -65,40 +69,30 @@ impl Ended {
 }
 
 impl Orphans {
-    fn push(&mut self, stream: u32, inc: Incoming) {
-        let size = match &inc {
-            Incoming::Data { bytes, .. } => bytes.len(),
-            Incoming::Reply(_) => 64,
-        };
-        if size > ORPHAN_BYTES {
+    /// Keeps `inc`, which came in a frame of `payload` bytes: each frame
+    /// costs its size plus a fixed overhead (an empty one too), so what a
+    /// guest sends on streams nobody opened is bounded by what it holds.
+    fn push(&mut self, stream: u32, inc: Incoming, payload: usize) {
+        let cost = ORPHAN_OVERHEAD + payload;
+        if cost > ORPHAN_BYTES {
             return;
         }
-        while self.bytes + size > ORPHAN_BYTES {
+        while self.bytes + cost > ORPHAN_BYTES {
             let Some(&victim) = self.frames.keys().next() else {
                 break;
             };
             if let Some(list) = self.frames.remove(&victim) {
-                for i in list {
-                    self.bytes -= match i {
-                        Incoming::Data { bytes, .. } => bytes.len(),
-                        Incoming::Reply(_) => 64,
-                    };
-                }
+                self.bytes -= list.iter().map(|(c, _)| c).sum::<usize>();
             }
         }
-        self.bytes += size;
-        self.frames.entry(stream).or_default().push(inc);
+        self.bytes += cost;
+        self.frames.entry(stream).or_default().push((cost, inc));
     }
 
     fn take(&mut self, stream: u32) -> Vec<Incoming> {
         let list = self.frames.remove(&stream).unwrap_or_default();
-        for i in &list {
-            self.bytes -= match i {
-                Incoming::Data { bytes, .. } => bytes.len(),
-                Incoming::Reply(_) => 64,
-            };
-        }
-        list
+        self.bytes -= list.iter().map(|(c, _)| c).sum::<usize>();
+        list.into_iter().map(|(_, i)| i).collect()
     }
 }
 
@@ -297,6 +291,7 @@ impl Link {
                             break;
                         }
                     };
+                    let payload = frame.payload.len();
                     let incoming = match frame.kind {
                         Kind::Control => match frame.parse::<Reply>() {
                             Ok(r) => Incoming::Reply(r),
@@ -333,7 +328,7 @@ impl Link {
                                 .map(|e| e.set.contains(&frame.stream))
                                 .unwrap_or(false);
                             if !ended {
-                                o.push(frame.stream, incoming);
+                                o.push(frame.stream, incoming, payload);
                             }
                         }
                         None => {}
@@ -522,4 +517,57 @@ fn session_id(nanos: u64) -> u64 {
         }
     }
     x.max(1)
+}
+
+#[cfg(test)]
+mod tests {
+    use runtime_proto::{FailCode, Reply};
+
+    use super::*;
+    use crate::fake_guest::Guest;
+
+    #[tokio::test]
+    async fn what_a_guest_sends_on_streams_nobody_opened_is_bounded() {
+        let (link, mut guest) = Guest::linked().await;
+        let mut marker = link.open().unwrap();
+        let id = marker.id;
+        // Host ids (no guest bit) far from those the link hands out.
+        let other = |k: u32| ((id ^ 0x4000_0000).wrapping_add(k)) & !GUEST_STREAM;
+        // Large replies and empty data frames, on host ids never opened.
+        let big = Reply::Failed {
+            code: FailCode::Io,
+            message: "A".repeat(100 * 1024),
+        };
+        for stream in 1..=200u32 {
+            guest.reply(other(stream), &big).await;
+        }
+        for stream in 0..50_000u32 {
+            guest.output(other(1000 + stream), 1, &[]).await;
+        }
+        // Every frame before this one has been read.
+        guest.reply(id, &Reply::Done).await;
+        assert!(matches!(
+            marker.recv().await,
+            Some(Incoming::Reply(Reply::Done))
+        ));
+        let o = link.orphans.lock().unwrap();
+        let held: usize = o
+            .frames
+            .values()
+            .flatten()
+            .map(|(_, i)| match i {
+                Incoming::Data { bytes, .. } => bytes.len(),
+                Incoming::Reply(Reply::Failed { message, .. }) => message.len(),
+                Incoming::Reply(_) => 0,
+            })
+            .sum();
+        let count: usize = o.frames.values().map(Vec::len).sum();
+        assert!(o.bytes <= ORPHAN_BYTES, "{} accounted", o.bytes);
+        assert!(held <= ORPHAN_BYTES, "{held} bytes held");
+        assert!(
+            count <= ORPHAN_BYTES / ORPHAN_OVERHEAD,
+            "{count} frames held"
+        );
+        assert!(count > 0, "nothing kept at all");
+    }
 }

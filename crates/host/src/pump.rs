@@ -76,22 +76,34 @@ pub(crate) fn pump_after(
 /// The reply on `stream`, and the output that came before it (an attach:
 /// what the agent held across a pause may come before the answer); `None`
 /// when the link closed.
+/// Most output kept from before a process's reply ([`reply_after_output`]).
+const EARLY_BYTES: usize = 1 << 20;
+
 pub(crate) async fn reply_after_output(
     stream: &mut crate::link::Stream,
 ) -> Option<(Reply, Vec<ExecEvent>)> {
     let mut early = Vec::new();
+    let mut held = 0usize;
     loop {
-        match stream.recv().await? {
+        let ev = match stream.recv().await? {
             Incoming::Reply(r) => return Some((r, early)),
             Incoming::Data {
                 channel: channel::STDOUT,
                 bytes,
-            } => early.push(ExecEvent::Stdout(bytes)),
+            } => ExecEvent::Stdout(bytes),
             Incoming::Data {
                 channel: channel::STDERR,
                 bytes,
-            } => early.push(ExecEvent::Stderr(bytes)),
-            Incoming::Data { .. } => {}
+            } => ExecEvent::Stderr(bytes),
+            Incoming::Data { .. } => continue,
+        };
+        // The agent sends the reply first; a guest that does not is not
+        // believed beyond a bound.
+        if let ExecEvent::Stdout(b) | ExecEvent::Stderr(b) = &ev {
+            held += b.len();
+        }
+        if held <= EARLY_BYTES {
+            early.push(ev);
         }
     }
 }
