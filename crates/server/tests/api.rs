@@ -241,6 +241,49 @@ async fn keys_see_only_their_sandboxes() {
 }
 
 #[tokio::test]
+async fn a_sandbox_name_belongs_to_its_key_and_get_or_create_never_adopts_anothers() {
+    let t = T::new();
+    let b = create_key(&t.dir, Some("b"), false, false).unwrap();
+    let create = |key: String, body: Value| {
+        let t = &t;
+        async move {
+            t.json_as(
+                &key,
+                "POST",
+                "/v1/sandboxes",
+                Some(body),
+                &[("prefer", "wait=5")],
+            )
+            .await
+        }
+    };
+    let (s, theirs) = create(b.clone(), json!({"name": "worker"})).await;
+    assert_eq!(s, StatusCode::CREATED, "{theirs}");
+    // The account-wide admin key asks for "worker": it gets one of its own.
+    let (s, mine) = create(
+        t.admin.clone(),
+        json!({"name": "worker", "getOrCreate": true}),
+    )
+    .await;
+    assert_eq!(s, StatusCode::CREATED, "{mine}");
+    assert_ne!(mine["id"], theirs["id"]);
+    assert_ne!(mine["reused"], true, "{mine}");
+    // Each key's name is still taken for itself, and found by getOrCreate.
+    let (s, again) = create(
+        t.admin.clone(),
+        json!({"name": "worker", "getOrCreate": true}),
+    )
+    .await;
+    assert_eq!((s, &again["id"]), (StatusCode::OK, &mine["id"]), "{again}");
+    let (s, v) = create(b.clone(), json!({"name": "worker"})).await;
+    assert_eq!(s, StatusCode::CONFLICT, "{v}");
+    assert_error(&v, 409, "name_taken");
+    assert_eq!(v["error"]["details"]["sandboxId"], theirs["id"], "{v}");
+    let (s, v) = create(b.clone(), json!({"name": "worker", "getOrCreate": true})).await;
+    assert_eq!((s, &v["id"]), (StatusCode::OK, &theirs["id"]), "{v}");
+}
+
+#[tokio::test]
 async fn unknown_routes_and_malformed_json_use_the_one_error_body() {
     let t = T::new();
     let (s, v) = t.json("GET", "/v1/nothing", None).await;

@@ -142,14 +142,19 @@ pub(crate) async fn ensure_awake(st: &AppState, id: &str, timeout: Duration) -> 
     }
 }
 
-/// The live sandbox that holds `name`, if any: not stopped, or stopped and persistent.
+/// The live sandbox of key `owner` that holds `name`, if any: not
+/// stopped, or stopped and persistent. Names belong to the key that made
+/// the sandbox: another key's sandbox of the same name is not this one,
+/// whatever that key may see.
 pub(crate) fn name_holder(
     st: &AppState,
+    owner: &str,
     name: &str,
     except: Option<&str>,
 ) -> Result<Option<SandboxRow>, ServerError> {
     Ok(st.store().live_sandboxes()?.into_iter().find(|r| {
-        r.record.name.as_deref() == Some(name)
+        r.key_id == owner
+            && r.record.name.as_deref() == Some(name)
             && Some(r.record.id.as_str()) != except
             && (r.record.state != Stopped || r.record.persistent)
     }))
@@ -409,7 +414,7 @@ pub(crate) async fn create(
     let (id, reused) = {
         let _g = st.inner.create_lock.lock().await;
         let holder = match &record.name {
-            Some(n) => name_holder(st, n, None)?,
+            Some(n) => name_holder(st, &key.id, n, None)?,
             None => None,
         };
         match holder {
@@ -577,7 +582,7 @@ pub(crate) async fn restart_stopped(
         }
         let _g = st.inner.create_lock.lock().await;
         if let Some(n) = &row.record.name {
-            if let Some(h) = name_holder(st, n, Some(id))? {
+            if let Some(h) = name_holder(st, &row.key_id, n, Some(id))? {
                 let sandbox_id = visible(key, &h).then(|| h.record.id.clone());
                 return Err(ApiError::NameTaken {
                     name: n.clone(),
@@ -791,7 +796,7 @@ pub(crate) async fn update(
     }
     let _g = st.inner.create_lock.lock().await;
     if let Some(Some(n)) = &u.name {
-        if let Some(h) = name_holder(st, n, Some(id))? {
+        if let Some(h) = name_holder(st, &row.key_id, n, Some(id))? {
             let sandbox_id = visible(key, &h).then(|| h.record.id.clone());
             return Err(ApiError::NameTaken {
                 name: n.clone(),

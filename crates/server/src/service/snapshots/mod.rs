@@ -96,7 +96,7 @@ pub(crate) async fn fork(
     let copies: Vec<SandboxRow> = {
         let _g = st.inner.create_lock.lock().await;
         if let Some(n) = &name {
-            if let Some(h) = name_holder(st, n, None)? {
+            if let Some(h) = name_holder(st, &key.id, n, None)? {
                 let sandbox_id =
                     crate::service::sandboxes::visible(key, &h).then(|| h.record.id.clone());
                 return Err(ApiError::NameTaken {
