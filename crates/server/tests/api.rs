@@ -2995,6 +2995,65 @@ async fn a_name_resolves_to_its_ready_version_while_a_new_one_builds_or_after_it
 }
 
 #[tokio::test]
+async fn an_image_name_belongs_to_its_key_and_resolves_only_among_its_images() {
+    let t = T::new();
+    let b = create_key(&t.dir, Some("b"), false, false).unwrap();
+    let mine = built(
+        &t,
+        json!({"name": "app", "recipe": {"env": {"WHO": "admin"}}}),
+    )
+    .await;
+    // Key B builds an image of the same name: versions of its own, and the
+    // admin's keeps its tags.
+    let (s, v) = t
+        .json_as(
+            &b,
+            "POST",
+            "/v1/images",
+            Some(json!({"name": "app", "recipe": {"env": {"WHO": "b"}}})),
+            &[],
+        )
+        .await;
+    assert_eq!(s, StatusCode::CREATED, "{v}");
+    let theirs = finished(&t, v["id"].as_str().unwrap()).await;
+    assert_eq!(
+        (theirs["state"].as_str(), theirs["version"].as_u64()),
+        (Some("ready"), Some(1)),
+        "{theirs}"
+    );
+    let (_, again) = t
+        .json(
+            "GET",
+            &format!("/v1/images/{}", mine["id"].as_str().unwrap()),
+            None,
+        )
+        .await;
+    assert_eq!(again["tags"], json!(["latest"]), "{again}");
+    // Each key's "app" is its own, the admin's too (it sees B's by id).
+    for r in ["app", "app:latest", "app@1"] {
+        let (_, v) = t
+            .json("GET", &format!("/v1/images/resolve?ref={r}"), None)
+            .await;
+        assert_eq!(v["id"], mine["id"], "{r}: {v}");
+        let (_, v) = t
+            .json_as(&b, "GET", &format!("/v1/images/resolve?ref={r}"), None, &[])
+            .await;
+        assert_eq!(v["id"], theirs["id"], "{r}: {v}");
+    }
+    let sbx = t.running(json!({"image": "app"})).await;
+    let (_, v) = t.json("GET", &format!("/v1/sandboxes/{sbx}"), None).await;
+    assert_eq!(v["image"], mine["id"], "{v}");
+    let (s, v) = t
+        .json(
+            "GET",
+            &format!("/v1/images/{}", theirs["id"].as_str().unwrap()),
+            None,
+        )
+        .await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+}
+
+#[tokio::test]
 async fn tags_go_to_the_newest_ready_version_whatever_order_builds_end_in() {
     let t = T::new();
     // A build step's command is its script between `set -e` and `sync`.

@@ -1,5 +1,5 @@
 //! The `images` table: one row per image, its record as JSON beside the
-//! columns it is found and constrained by (`UNIQUE(name, version)`), and
+//! columns it is found and constrained by (`UNIQUE(key_id, name, version)` since v7), and
 //! `image_logs`, a build's log one line a row.
 
 use rusqlite::{params, Connection, OptionalExtension, Transaction};
@@ -77,15 +77,15 @@ fn insert_log_line(conn: &Connection, image_id: &str, l: &LogLine) -> Result<(),
 impl Store {
     /// Inserts a new image. Its version is the next of its name (1 for an
     /// unnamed image), assigned inside the insert's transaction, and
-    /// `UNIQUE(name, version)` refuses a duplicate.
+    /// `UNIQUE(key_id, name, version)` refuses a duplicate.
     pub(crate) fn insert_image(&self, img: &mut Image) -> Result<(), ServerError> {
         let mut conn = self.conn();
         let tx = conn.transaction().map_err(store_err("begin"))?;
         img.version = match &img.name {
             Some(n) => tx
                 .query_row(
-                    "SELECT COALESCE(MAX(version), 0) + 1 FROM images WHERE name = ?1",
-                    params![n],
+                    "SELECT COALESCE(MAX(version), 0) + 1 FROM images WHERE key_id = ?1 AND name = ?2",
+                    params![img.key_id, n],
                     |r| r.get(0),
                 )
                 .map_err(store_err("next image version"))?,
@@ -314,6 +314,7 @@ pub(super) mod tests {
 
     use super::*;
     use crate::domain::image::ImageState;
+    use crate::store::SCHEMA_VERSION;
 
     /// A data dir holding a v5 database (images and volumes still in
     /// `net_docs`) with `docs` as (kind, scope, name, doc).
@@ -378,7 +379,7 @@ pub(super) mod tests {
     }
 
     #[test]
-    fn a_v5_database_opens_as_v6_with_every_image_and_its_log() {
+    fn a_v5_database_opens_as_the_newest_schema_with_every_image_and_its_log() {
         let dir = v5_database(&[
             ("image", "images", "a", old_doc("a", Some("app"), 1, &[], 1)),
             (
@@ -403,7 +404,7 @@ pub(super) mod tests {
             .conn()
             .query_row("PRAGMA user_version", [], |r| r.get(0))
             .unwrap();
-        assert_eq!(version, 6);
+        assert_eq!(version, SCHEMA_VERSION);
         let all = store.images().unwrap();
         let got: Vec<(&str, u32)> = all.iter().map(|i| (i.id.as_str(), i.version)).collect();
         assert_eq!(got, [("d", 1), ("c", 2), ("b", 3), ("a", 1)]);
@@ -465,9 +466,19 @@ pub(super) mod tests {
         unnamed.id = "u2".into();
         store.insert_image(&mut unnamed).unwrap();
         assert_eq!(unnamed.version, 1);
-        // The constraint refuses a second app@3.
+        // The constraint refuses a second app@3 of the same key.
         img.id = "dup".into();
         assert!(insert_row(&store.conn(), &img).is_err());
+        // Another key's "app" is another name: its versions start at 1, and
+        // its app@3 may be.
+        let mut theirs: Image =
+            serde_json::from_value(old_doc("t1", Some("app"), 0, &[], 5)).unwrap();
+        theirs.key_id = format!("{}-other", img.key_id);
+        store.insert_image(&mut theirs).unwrap();
+        assert_eq!(theirs.version, 1);
+        theirs.id = "t3".into();
+        theirs.version = 3;
+        insert_row(&store.conn(), &theirs).unwrap();
         // An update keeps the id, name and version; a delete takes the log too.
         let after = store
             .update_image("n", |i| {

@@ -21,7 +21,7 @@ use rusqlite::Connection;
 
 use crate::error::ServerError;
 
-const SCHEMA_VERSION: i64 = 6;
+pub(super) const SCHEMA_VERSION: i64 = 7;
 
 const SCHEMA_V1: &str = "
 CREATE TABLE IF NOT EXISTS keys (
@@ -129,6 +129,26 @@ CREATE TABLE IF NOT EXISTS net_docs (
 );
 ";
 
+/// Image names and versions belong to a key (v7): the same name may be
+/// two keys' images, each with its own versions. SQLite changes a
+/// constraint by copying the table.
+const SCHEMA_V7: &str = "
+CREATE TABLE images_v7 (
+    id TEXT PRIMARY KEY,
+    key_id TEXT NOT NULL,
+    name TEXT,
+    version INTEGER NOT NULL,
+    state TEXT NOT NULL,
+    created_ms INTEGER NOT NULL,
+    record TEXT NOT NULL,
+    UNIQUE (key_id, name, version)
+);
+INSERT INTO images_v7 (id, key_id, name, version, state, created_ms, record)
+    SELECT id, key_id, name, version, state, created_ms, record FROM images;
+DROP TABLE images;
+ALTER TABLE images_v7 RENAME TO images;
+";
+
 /// Images and volumes in tables of their own (v6), with the constraints of
 /// their names: an image's version is unique per name, a volume's name per
 /// key. The migration moves their `net_docs` documents (kinds `image`,
@@ -234,6 +254,12 @@ pub(crate) fn open_connection(data_dir: &Path) -> Result<Connection, ServerError
         images::move_docs(&tx)?;
         volumes::move_docs(&tx)?;
         tx.commit().map_err(store_err("commit v6"))?;
+    }
+    if version < 7 {
+        let tx = conn.transaction().map_err(store_err("begin v7"))?;
+        tx.execute_batch(SCHEMA_V7)
+            .map_err(store_err("migrate v7"))?;
+        tx.commit().map_err(store_err("commit v7"))?;
     }
     if version < SCHEMA_VERSION {
         conn.pragma_update(None, "user_version", SCHEMA_VERSION)

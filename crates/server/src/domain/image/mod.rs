@@ -264,7 +264,10 @@ pub(crate) fn tags_on_ready(
     ready: &Image,
     others: &[Image],
 ) -> (Vec<String>, Vec<(String, Vec<String>)>) {
-    let same_name = |o: &&Image| o.id != ready.id && o.name.is_some() && o.name == ready.name;
+    // A name is its key's: another key's image of the same name is another image.
+    let same_name = |o: &&Image| {
+        o.id != ready.id && o.key_id == ready.key_id && o.name.is_some() && o.name == ready.name
+    };
     let kept: Vec<String> = ready
         .tags
         .iter()

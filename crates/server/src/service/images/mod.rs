@@ -68,7 +68,9 @@ fn not_found(id: &str) -> ApiError {
     }
 }
 
-/// An image by id, `name`, `name:tag` or `name@version`, as `key` sees it.
+/// An image by id (one `key` sees), or by `name`, `name:tag` or
+/// `name@version` among `key`'s own images: names belong to the key that
+/// made them, so an account-wide key uses another key's image by id only.
 pub(crate) fn resolve(st: &AppState, key: &KeyInfo, r: &str) -> ApiResult<Image> {
     if let Some(d) = st.store().get_image(r)? {
         if visible(key, &d.key_id) {
@@ -78,7 +80,7 @@ pub(crate) fn resolve(st: &AppState, key: &KeyInfo, r: &str) -> ApiResult<Image>
     let wanted = ImageRef::parse(r).ok_or_else(|| not_found(r))?;
     let all = st.store().images()?;
     wanted
-        .pick(all.iter().filter(|d| visible(key, &d.key_id)))
+        .pick(all.iter().filter(|d| d.key_id == key.id))
         .cloned()
         .ok_or_else(|| not_found(r))
 }
