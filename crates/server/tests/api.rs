@@ -2546,6 +2546,34 @@ async fn volumes_create_attach_exclusively_and_delete_only_when_free() {
         .await;
     assert_eq!(s, StatusCode::CONFLICT, "{v}");
     assert_error(&v, 409, "name_taken");
+    // Another key's "data" is its own; the admin's "data" still names the
+    // admin's, and key B's names B's.
+    let b = create_key(&t.dir, Some("b"), false, false).unwrap();
+    let (s, theirs) = t
+        .json_as(
+            &b,
+            "POST",
+            "/v1/volumes",
+            Some(json!({"sizeMiB": 64, "name": "data"})),
+            &[],
+        )
+        .await;
+    assert_eq!(s, StatusCode::CREATED, "{theirs}");
+    assert_ne!(theirs["id"], vol["id"]);
+    for (key, want) in [(&t.admin, &vol["id"]), (&b, &theirs["id"])] {
+        let (s, v) = t.json_as(key, "GET", "/v1/volumes/data", None, &[]).await;
+        assert_eq!((s, &v["id"]), (StatusCode::OK, want), "{v}");
+    }
+    let (s, _) = t
+        .json_as(
+            &b,
+            "DELETE",
+            &format!("/v1/volumes/{}", theirs["id"].as_str().unwrap()),
+            None,
+            &[],
+        )
+        .await;
+    assert_eq!(s, StatusCode::OK);
 
     // Paths and modes are checked before anything starts, each by name.
     let bad = json!({"volumes": [

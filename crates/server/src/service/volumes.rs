@@ -76,7 +76,9 @@ fn not_found(id: &str) -> ApiError {
     }
 }
 
-/// A volume by id, or by name among those `key` sees.
+/// A volume by id (one `key` sees), or by name among `key`'s own: a name
+/// belongs to the key that made the volume, so an account-wide key uses
+/// another key's volume by id only.
 pub(crate) fn find(st: &AppState, key: &KeyInfo, which: &str) -> ApiResult<Volume> {
     if let Some(d) = st.store().get_volume(which)? {
         if visible(key, &d.key_id) {
@@ -86,7 +88,7 @@ pub(crate) fn find(st: &AppState, key: &KeyInfo, which: &str) -> ApiResult<Volum
     st.store()
         .volumes()?
         .into_iter()
-        .find(|d| visible(key, &d.key_id) && d.name.as_deref() == Some(which))
+        .find(|d| d.key_id == key.id && d.name.as_deref() == Some(which))
         .ok_or_else(|| not_found(which))
 }
 
@@ -109,7 +111,7 @@ pub(crate) fn view(st: &AppState, d: Volume, held: &[Holder]) -> VolumeView {
 }
 
 /// Makes a volume: its file first, then its record. Names are unique among
-/// the volumes the key sees (409 `name_taken`).
+/// the key's own volumes (409 `name_taken`).
 pub(crate) async fn create(
     st: &AppState,
     key: &KeyInfo,
@@ -121,7 +123,7 @@ pub(crate) async fn create(
             .store()
             .volumes()?
             .into_iter()
-            .find(|d| visible(key, &d.key_id) && d.name.as_deref() == Some(n))
+            .find(|d| d.key_id == key.id && d.name.as_deref() == Some(n))
         {
             return Err(ApiError::Conflict {
                 code: codes::NAME_TAKEN,
