@@ -203,11 +203,27 @@ fn live(st: &AppState, id: &str) -> ApiResult<Arc<SandboxCa>> {
     if let Some(l) = st.inner.nets.lock().get(id) {
         return Ok(Arc::clone(&l.ca));
     }
-    let s = load(st, id)?;
-    let fresh = Live {
-        policy: policy(&s.rules),
-        chosen: s.secrets,
-        ca: ca(st, id)?,
+    // No record (never made, or a deleted sandbox's): no network at all.
+    let fresh = match st.store().doc_get(KIND, id, "")? {
+        Some(d) => {
+            let s = Settings::from_doc(&d);
+            Live {
+                policy: policy(&s.rules),
+                chosen: s.secrets,
+                ca: ca(st, id)?,
+            }
+        }
+        None => {
+            tracing::warn!(
+                sandbox_id = id,
+                "no network settings kept: the sandbox gets no network"
+            );
+            Live {
+                policy: Policy::off(),
+                chosen: Some(Vec::new()),
+                ca: ca(st, id)?,
+            }
+        }
     };
     let mut live = st.inner.nets.lock();
     // Another caller may have set it meanwhile: the first one stands.
