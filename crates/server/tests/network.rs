@@ -582,6 +582,81 @@ async fn the_host_gets_each_sandboxs_network_before_it_starts_and_every_change()
 }
 
 #[tokio::test]
+async fn a_secret_belongs_to_the_key_that_set_it_and_reaches_only_its_sandboxes() {
+    let t = T::new(|_| {});
+    let b = create_key(&t.dir, Some("b"), false, false).unwrap();
+    let put = |key: String, value: &'static str| {
+        let t = &t;
+        async move {
+            t.json_as(
+                &key,
+                "PUT",
+                "/v1/egress-secrets/TOKEN",
+                Some(json!({"value": value, "hosts": ["api.example.com"]})),
+            )
+            .await
+        }
+    };
+    let (s, admins) = put(t.admin.clone(), "admin-value").await;
+    assert_eq!(s, StatusCode::OK, "{admins}");
+    // Key B sees none of the admin's, and cannot delete it.
+    let (_, list) = t.json_as(&b, "GET", "/v1/egress-secrets", None).await;
+    assert_eq!(list["secrets"], json!([]), "{list}");
+    let (s, _) = t
+        .json_as(&b, "DELETE", "/v1/egress-secrets/TOKEN", None)
+        .await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+    // Its TOKEN is its own: another placeholder, the admin's value kept.
+    let (s, bs) = put(b.clone(), "b-value").await;
+    assert_eq!(s, StatusCode::OK, "{bs}");
+    assert_ne!(bs["placeholder"], admins["placeholder"]);
+    // B's sandbox gets B's secret only; a create naming one B lacks is refused.
+    let sbx_b = {
+        let mut req = Request::builder()
+            .method("POST")
+            .uri("/v1/sandboxes")
+            .header("authorization", format!("Bearer {b}"))
+            .header("prefer", "wait=10")
+            .body(Body::from(json!({}).to_string()))
+            .unwrap();
+        req.headers_mut().insert(
+            "idempotency-key",
+            uuid::Uuid::new_v4().to_string().parse().unwrap(),
+        );
+        let (s, _, body) = t.raw(req).await;
+        let v: Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(s, StatusCode::CREATED, "{v}");
+        v["id"].as_str().unwrap().to_string()
+    };
+    let net = t.host.network(&sbx_b).expect("no network set");
+    let values: Vec<String> = net
+        .secrets
+        .iter()
+        .map(|s| format!("{} {}", s.name, s.placeholder))
+        .collect();
+    assert_eq!(
+        values,
+        [format!("TOKEN {}", bs["placeholder"].as_str().unwrap())]
+    );
+    let sbx_admin = t.running(json!({})).await;
+    let net = t.host.network(&sbx_admin).unwrap();
+    assert_eq!(net.secrets.len(), 1);
+    assert_eq!(
+        net.secrets[0].placeholder,
+        admins["placeholder"].as_str().unwrap()
+    );
+    // B deletes its own; the admin's stays, and the admin's sandbox keeps it.
+    let (s, _) = t
+        .json_as(&b, "DELETE", "/v1/egress-secrets/TOKEN", None)
+        .await;
+    assert_eq!(s, StatusCode::OK);
+    assert!(t.host.network(&sbx_b).unwrap().secrets.is_empty());
+    assert_eq!(t.host.network(&sbx_admin).unwrap().secrets.len(), 1);
+    let (_, list) = t.json("GET", "/v1/egress-secrets", None).await;
+    assert_eq!(list["secrets"][0]["name"], "TOKEN", "{list}");
+}
+
+#[tokio::test]
 async fn the_api_and_previews_are_served_over_tls_with_the_operators_certificate() {
     let dir = std::env::temp_dir().join(format!("rt-tls-test-{}", uuid::Uuid::new_v4()));
     std::fs::create_dir_all(&dir).unwrap();

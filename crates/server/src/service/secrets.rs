@@ -4,9 +4,11 @@
 //! hosts. Values are sealed (see [`Sealer`]) with a key kept in the data
 //! dir (`secrets.key`, mode 0600) and never returned by any call.
 //!
-//! Secrets belong to the server's one account: every key that may make
-//! changes may set them, read-only keys see none, and every sandbox gets them
-//! all unless its create named a list (`secrets: [names]`, or `[]` for none).
+//! Secrets belong to the key that set them (its id is their scope in the
+//! store): a key sets, lists and deletes only its own, read-only keys see
+//! none, and a sandbox gets its own key's secrets, all of them unless its
+//! create named a list (`secrets: [names]`, or `[]` for none). Two keys may
+//! each have a secret of one name.
 
 use runtime_api::codes;
 use std::path::Path;
@@ -106,10 +108,11 @@ pub(crate) struct Put {
 /// `PUT /v1/egress-secrets/{name}`: sets the secret (its placeholder and
 /// creation time kept when it exists); every live sandbox follows. Answers
 /// its public view.
-pub(crate) fn put(st: &AppState, p: Put) -> ApiResult<Value> {
+pub(crate) fn put(st: &AppState, key: &KeyInfo, p: Put) -> ApiResult<Value> {
     let name = p.name;
-    let existing = st.store().doc_get(KIND, "", &name)?;
-    if existing.is_none() && st.store().doc_list(KIND, None)?.len() >= MAX_SECRETS {
+    let scope = key.id.as_str();
+    let existing = st.store().doc_get(KIND, scope, &name)?;
+    if existing.is_none() && st.store().doc_list(KIND, Some(scope))?.len() >= MAX_SECRETS {
         return Err(ApiError::Conflict {
             code: codes::QUOTA_EXCEEDED,
             message: format!("At most {MAX_SECRETS} secrets."),
@@ -118,7 +121,7 @@ pub(crate) fn put(st: &AppState, p: Put) -> ApiResult<Value> {
     }
     let env = p.env.unwrap_or_else(|| name.clone());
     // Two secrets in one variable would hide one of them.
-    for (_, other, doc) in st.store().doc_list(KIND, None)? {
+    for (_, other, doc) in st.store().doc_list(KIND, Some(scope))? {
         if other != name && doc["env"].as_str() == Some(env.as_str()) {
             return Err(ApiError::Conflict {
                 code: codes::ENV_TAKEN,
@@ -154,7 +157,7 @@ pub(crate) fn put(st: &AppState, p: Put) -> ApiResult<Value> {
         "updatedAt": now,
         "sealed": sealed,
     });
-    st.store().doc_put(KIND, "", &name, &doc)?;
+    st.store().doc_put(KIND, scope, &name, &doc)?;
     st.secrets_changed();
     Ok(view(&doc))
 }
@@ -168,7 +171,7 @@ pub(crate) fn list(
     after: Option<&str>,
 ) -> ApiResult<(Vec<Value>, Option<String>)> {
     no_read_only(key)?;
-    let all = st.store().doc_list(KIND, None)?;
+    let all = st.store().doc_list(KIND, Some(&key.id))?;
     let rest: Vec<&Value> = all
         .iter()
         .filter(|(_, n, _)| after.is_none_or(|a| n.as_str() > a))
@@ -189,16 +192,16 @@ pub(crate) fn list(
 /// sandbox follows.
 pub(crate) fn delete(st: &AppState, key: &KeyInfo, name: &str) -> ApiResult<()> {
     no_read_only(key)?;
-    if st.store().doc_delete(KIND, "", Some(name))? == 0 {
+    if st.store().doc_delete(KIND, &key.id, Some(name))? == 0 {
         return Err(not_found(name));
     }
     st.secrets_changed();
     Ok(())
 }
 
-/// Every secret, opened, for the egress proxy and the guests' environment.
-pub(crate) fn all_opened(st: &AppState) -> Vec<Opened> {
-    let docs = match st.store().doc_list(KIND, None) {
+/// Every secret of key `owner`, opened, for the egress proxy.
+pub(crate) fn all_opened(st: &AppState, owner: &str) -> Vec<Opened> {
+    let docs = match st.store().doc_list(KIND, Some(owner)) {
         Ok(d) => d,
         Err(e) => {
             tracing::error!(error = %e, "reading secrets failed");
@@ -251,20 +254,24 @@ pub(crate) fn all_opened(st: &AppState) -> Vec<Opened> {
     out
 }
 
-/// The names of the secrets that exist now.
-pub(crate) fn names(st: &AppState) -> ApiResult<Vec<String>> {
+/// The names of key `owner`'s secrets.
+pub(crate) fn names(st: &AppState, owner: &str) -> ApiResult<Vec<String>> {
     Ok(st
         .store()
-        .doc_list(KIND, None)?
+        .doc_list(KIND, Some(owner))?
         .into_iter()
         .map(|(_, n, _)| n)
         .collect())
 }
 
-/// The variables a sandbox's processes get: each of its secrets' placeholder.
-/// `chosen` is its create's `secrets` list (`None` = all).
-pub(crate) fn placeholders(st: &AppState, chosen: Option<&[String]>) -> Vec<(String, String)> {
-    let docs = st.store().doc_list(KIND, None).unwrap_or_else(|e| {
+/// The variables a sandbox of key `owner` gets: each of its secrets'
+/// placeholder. `chosen` is its create's `secrets` list (`None` = all).
+pub(crate) fn placeholders(
+    st: &AppState,
+    owner: &str,
+    chosen: Option<&[String]>,
+) -> Vec<(String, String)> {
+    let docs = st.store().doc_list(KIND, Some(owner)).unwrap_or_else(|e| {
         tracing::error!(error = %e, "reading the secrets failed: no placeholders given");
         Vec::new()
     });

@@ -90,3 +90,43 @@ impl Store {
             .map_err(store_err("delete doc"))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use rusqlite::{params, Connection};
+    use serde_json::json;
+
+    use crate::store::images::tests::v5_database;
+    use crate::store::Store;
+
+    #[test]
+    fn secrets_kept_before_keys_owned_them_go_to_the_admin_key() {
+        let dir = v5_database(&[
+            ("secret", "", "OLD", json!({"name": "OLD"})),
+            ("preview", "sbx", "3000", json!({"port": 3000})),
+        ]);
+        {
+            let conn = Connection::open(dir.join("runtime.db")).unwrap();
+            for (id, ro, wide, at) in [
+                ("k-viewer", 1, 1, "2026-01-01"),
+                ("k-admin", 0, 1, "2026-01-02"),
+                ("k-user", 0, 0, "2026-01-03"),
+            ] {
+                conn.execute(
+                    "INSERT INTO keys (id, name, hash, read_only, account_wide, created_at) VALUES (?1, ?1, ?1, ?2, ?3, ?4)",
+                    params![id, ro, wide, at],
+                )
+                .unwrap();
+            }
+        }
+        let store = Store::open(&dir).unwrap();
+        assert!(store.doc_get("secret", "", "OLD").unwrap().is_none());
+        assert_eq!(
+            store.doc_get("secret", "k-admin", "OLD").unwrap(),
+            Some(json!({"name": "OLD"}))
+        );
+        assert!(store.doc_get("preview", "sbx", "3000").unwrap().is_some());
+        drop(store);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

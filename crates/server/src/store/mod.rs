@@ -21,7 +21,7 @@ use rusqlite::Connection;
 
 use crate::error::ServerError;
 
-pub(super) const SCHEMA_VERSION: i64 = 7;
+pub(super) const SCHEMA_VERSION: i64 = 8;
 
 const SCHEMA_V1: &str = "
 CREATE TABLE IF NOT EXISTS keys (
@@ -149,6 +149,18 @@ DROP TABLE images;
 ALTER TABLE images_v7 RENAME TO images;
 ";
 
+/// Secrets belong to a key (v8): their scope in `net_docs` is its id. Those
+/// kept before (scope empty) go to the first account-wide key that may
+/// change things, the admin's; with no such key they stay unowned, which
+/// no key lists or gives to a sandbox.
+const SCHEMA_V8: &str = "
+UPDATE net_docs SET scope = (
+    SELECT id FROM keys WHERE account_wide = 1 AND read_only = 0 AND revoked_at IS NULL
+    ORDER BY created_at, id LIMIT 1)
+WHERE kind = 'secret' AND scope = ''
+  AND EXISTS (SELECT 1 FROM keys WHERE account_wide = 1 AND read_only = 0 AND revoked_at IS NULL);
+";
+
 /// Images and volumes in tables of their own (v6), with the constraints of
 /// their names: an image's version is unique per name, a volume's name per
 /// key. The migration moves their `net_docs` documents (kinds `image`,
@@ -260,6 +272,10 @@ pub(crate) fn open_connection(data_dir: &Path) -> Result<Connection, ServerError
         tx.execute_batch(SCHEMA_V7)
             .map_err(store_err("migrate v7"))?;
         tx.commit().map_err(store_err("commit v7"))?;
+    }
+    if version < 8 {
+        conn.execute_batch(SCHEMA_V8)
+            .map_err(store_err("migrate v8"))?;
     }
     if version < SCHEMA_VERSION {
         conn.pragma_update(None, "user_version", SCHEMA_VERSION)

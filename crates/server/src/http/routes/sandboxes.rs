@@ -11,6 +11,7 @@ use axum::http::StatusCode;
 use base64::Engine;
 use serde_json::{json, Value};
 
+use crate::domain::access::KeyInfo;
 use crate::domain::lifecycle::SandboxState;
 use crate::domain::names::valid_env_name;
 use crate::domain::sandbox::Settings;
@@ -40,7 +41,7 @@ fn wait_of(ctx: &Ctx) -> Option<Duration> {
     prefer_wait(&ctx.headers).map(Duration::from_secs)
 }
 
-fn parse_create(st: &AppState, body: &[u8]) -> ApiResult<NewSandbox> {
+fn parse_create(st: &AppState, key: &KeyInfo, body: &[u8]) -> ApiResult<NewSandbox> {
     let obj = json_object(body)?;
     let mut f = Fields::new(&obj);
     let name = checked_name(&mut f);
@@ -119,7 +120,7 @@ fn parse_create(st: &AppState, body: &[u8]) -> ApiResult<NewSandbox> {
         f.issue("snapshot", "give image or snapshot, not both");
     }
     let net = super::network::parse_create(&mut f, || {
-        crate::service::secrets::names(st).unwrap_or_default()
+        crate::service::secrets::names(st, &key.id).unwrap_or_default()
     });
     f.refuse(
         "spreadFrom",
@@ -160,7 +161,7 @@ fn parse_create(st: &AppState, body: &[u8]) -> ApiResult<NewSandbox> {
 }
 
 pub(super) async fn create(st: AppState, ctx: Ctx, body: Bytes) -> ApiResult<Reply> {
-    let req = parse_create(&st, &body)?;
+    let req = parse_create(&st, &ctx.key, &body)?;
     let made = svc::create(&st, &ctx.key, req, wait_of(&ctx)).await?;
     let status = if made.reused {
         StatusCode::OK

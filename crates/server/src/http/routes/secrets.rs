@@ -14,7 +14,7 @@ use crate::service::secrets;
 use crate::AppState;
 
 /// `PUT /v1/egress-secrets/{name}`.
-pub(super) async fn put(st: AppState, _ctx: Ctx, name: String, body: Bytes) -> ApiResult<Reply> {
+pub(super) async fn put(st: AppState, ctx: Ctx, name: String, body: Bytes) -> ApiResult<Reply> {
     let obj = json_object(&body)?;
     let mut f = Fields::new(&obj);
     if !valid_env_name(&name) {
@@ -87,7 +87,7 @@ pub(super) async fn put(st: AppState, _ctx: Ctx, name: String, body: Bytes) -> A
         env,
         rules,
     };
-    Reply::ok(secrets::put(&st, p)?)
+    Reply::ok(secrets::put(&st, &ctx.key, p)?)
 }
 
 fn strings(f: &mut Fields<'_>, field: &str, min: usize, max: usize) -> Vec<String> {

@@ -34,7 +34,7 @@ pub(super) async fn fork(st: AppState, ctx: Ctx, id: String, body: Bytes) -> Api
     let _ = f.bool("keepSnapshot");
     let _ = f.one_of("funding", &["trial", "paid"]);
     let net = super::network::parse_create(&mut f, || {
-        crate::service::secrets::names(&st).unwrap_or_default()
+        crate::service::secrets::names(&st, &ctx.key.id).unwrap_or_default()
     });
     f.finish()?;
     let req = Fork {

@@ -36,7 +36,9 @@ pub(crate) struct Nets {
 #[derive(Clone)]
 struct Live {
     policy: Policy,
-    /// The secrets it gets: `None` every secret.
+    /// The key whose secrets it gets (`None`: no sandbox record, no secrets).
+    owner: Option<String>,
+    /// Which of them: `None` every one.
     chosen: Option<Vec<String>>,
     ca: Arc<SandboxCa>,
 }
@@ -54,7 +56,7 @@ fn set_on_host(st: &AppState, id: &str, l: &Live) {
         id,
         GuestNet {
             policy: l.policy.clone(),
-            secrets: secrets_for(st, l.chosen.as_deref()),
+            secrets: secrets_for(st, l.owner.as_deref(), l.chosen.as_deref()),
             ca: Arc::clone(&l.ca),
         },
     );
@@ -175,8 +177,11 @@ pub(crate) fn prepare_guest(st: &AppState, id: &str) -> Option<String> {
     }
 }
 
-fn secrets_for(st: &AppState, chosen: Option<&[String]>) -> Vec<Secret> {
-    secrets::all_opened(st)
+fn secrets_for(st: &AppState, owner: Option<&str>, chosen: Option<&[String]>) -> Vec<Secret> {
+    let Some(owner) = owner else {
+        return Vec::new();
+    };
+    secrets::all_opened(st, owner)
         .into_iter()
         .filter(|s| chosen.is_none_or(|c| c.contains(&s.name)))
         .map(|s| Secret {
@@ -209,6 +214,7 @@ fn live(st: &AppState, id: &str) -> ApiResult<Arc<SandboxCa>> {
             let s = Settings::from_doc(&d);
             Live {
                 policy: policy(&s.rules),
+                owner: owner(st, id),
                 chosen: s.secrets,
                 ca: ca(st, id)?,
             }
@@ -220,6 +226,7 @@ fn live(st: &AppState, id: &str) -> ApiResult<Arc<SandboxCa>> {
             );
             Live {
                 policy: Policy::off(),
+                owner: None,
                 chosen: Some(Vec::new()),
                 ca: ca(st, id)?,
             }
@@ -244,8 +251,23 @@ pub(crate) fn secrets_changed(st: &AppState) {
 
 /// The variables a sandbox's processes get for its secrets (placeholders).
 pub(crate) fn secret_env(st: &AppState, id: &str) -> Vec<(String, String)> {
+    let Some(owner) = owner(st, id) else {
+        return Vec::new();
+    };
     let chosen = load(st, id).unwrap_or_default().secrets;
-    secrets::placeholders(st, chosen.as_deref())
+    secrets::placeholders(st, &owner, chosen.as_deref())
+}
+
+/// The key that made sandbox `id`, whose secrets it gets (`None` for a
+/// machine that is no sandbox, such as an image build's).
+fn owner(st: &AppState, id: &str) -> Option<String> {
+    match st.store().get_sandbox(id) {
+        Ok(row) => row.map(|r| r.key_id),
+        Err(e) => {
+            tracing::error!(sandbox_id = id, error = %e, "reading the sandbox's key failed: no secrets");
+            None
+        }
+    }
 }
 
 /// Forgets a deleted sandbox's network (its open connections end).
