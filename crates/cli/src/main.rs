@@ -371,6 +371,34 @@ async fn shutdown_signal() {
     }
 }
 
+/// Raises the open-file limit to its hard limit: every connection, tunnel,
+/// machine and disk holds descriptors, and the default soft limit (often
+/// 1024) would run out under load long before memory does.
+fn raise_open_files() {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit and setrlimit on a local struct.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) != 0 {
+            return;
+        }
+        if lim.rlim_cur < lim.rlim_max {
+            let wanted = libc::rlimit {
+                rlim_cur: lim.rlim_max,
+                rlim_max: lim.rlim_max,
+            };
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &wanted) != 0 {
+                eprintln!(
+                    "runtime: could not raise the open-file limit from {}",
+                    lim.rlim_cur
+                );
+            }
+        }
+    }
+}
+
 async fn serve(
     listen: SocketAddr,
     data_dir: PathBuf,
@@ -379,6 +407,7 @@ async fn serve(
     prices: runtime_server::Prices,
     net: NetArgs,
 ) -> anyhow::Result<()> {
+    raise_open_files();
     std::fs::create_dir_all(&data_dir)
         .with_context(|| format!("creating {}", data_dir.display()))?;
     let arts = tokio::task::spawn_blocking(build_artifacts).await??;

@@ -28,8 +28,6 @@ pub enum ServerError {
     KeyNotFound { which: String },
     #[error("{count} keys are named {which}; give the key's id")]
     KeyAmbiguous { which: String, count: usize },
-    #[error("serving HTTP failed")]
-    Serve(#[source] std::io::Error),
 }
 
 /// A request's failure. [`ApiError::parts`] is the one mapping to status and code.

@@ -77,6 +77,11 @@ pub struct Config {
     pub prices: Prices,
     /// Where the service reads the time (tests run on tokio's paused time).
     pub clock: Clock,
+    /// A request head must arrive whole within this (from a connection's
+    /// start or its last answer: idle keep-alive connections close too).
+    pub header_read_timeout: Duration,
+    /// Most HTTP connections open at once; the next wait in the backlog.
+    pub max_connections: usize,
 }
 
 impl Config {
@@ -95,6 +100,8 @@ impl Config {
             tls: None,
             prices: Prices::default(),
             clock: Clock::System,
+            header_read_timeout: Duration::from_secs(30),
+            max_connections: 4096,
         }
     }
 }
@@ -332,13 +339,18 @@ pub async fn run(
     recover(&state).await?;
     state.start_background();
     let app = router(state.clone());
+    let limits = http::serve::Limits {
+        header_read: state.config().header_read_timeout,
+        max_connections: state.config().max_connections,
+        drain: state.config().drain_timeout.max(Duration::from_secs(30)),
+    };
     let cancel = state.inner.cancel.clone();
     let stop = async move {
         shutdown.await;
         // Ends long streams so the graceful shutdown can finish.
         cancel.cancel();
     };
-    let result = match tls {
+    match tls {
         Some(cfg) => {
             let listener =
                 http::tls::TlsListener::new(listener, cfg).map_err(|source| ServerError::Io {
@@ -346,17 +358,10 @@ pub async fn run(
                     path: "the TLS listener".into(),
                     source,
                 })?;
-            axum::serve(listener, app)
-                .with_graceful_shutdown(stop)
-                .await
+            http::serve::serve(listener, app, limits, stop).await
         }
-        None => {
-            axum::serve(listener, app)
-                .with_graceful_shutdown(stop)
-                .await
-        }
+        None => http::serve::serve(listener, app, limits, stop).await,
     }
-    .map_err(ServerError::Serve);
     state.shutdown().await;
-    result
+    Ok(())
 }

@@ -656,6 +656,112 @@ async fn a_secret_belongs_to_the_key_that_set_it_and_reaches_only_its_sandboxes(
     assert_eq!(list["secrets"][0]["name"], "TOKEN", "{list}");
 }
 
+/// A server on a loopback port with `tweak`ed limits; its port, and what
+/// stops it.
+async fn serving(
+    tweak: impl FnOnce(&mut Config),
+) -> (u16, tokio::sync::oneshot::Sender<()>, String) {
+    let dir = std::env::temp_dir().join(format!("rt-serve-test-{}", uuid::Uuid::new_v4()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let admin = ensure_admin_key(&dir).unwrap().unwrap();
+    let mut config = Config::new(&dir);
+    tweak(&mut config);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    tokio::spawn(runtime_server::run(
+        listener,
+        config,
+        Arc::new(FakeHost::default()),
+        async move {
+            let _ = stop_rx.await;
+        },
+    ));
+    (port, stop_tx, admin)
+}
+
+/// Reads until the peer closes (or `within` passes): whether it closed.
+async fn closed_within(c: &mut tokio::net::TcpStream, within: Duration) -> bool {
+    let mut b = [0u8; 4096];
+    let deadline = tokio::time::Instant::now() + within;
+    loop {
+        match tokio::time::timeout_at(deadline, c.read(&mut b)).await {
+            Ok(Ok(0)) | Ok(Err(_)) => return true,
+            Ok(Ok(_)) => {}
+            Err(_) => return false,
+        }
+    }
+}
+
+#[tokio::test]
+async fn slow_request_heads_and_idle_connections_are_cut_off() {
+    let (port, _stop, admin) = serving(|c| c.header_read_timeout = Duration::from_secs(1)).await;
+    // Slowloris: a head that never ends.
+    let mut slow = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .unwrap();
+    slow.write_all(b"GET /v1/me HTTP/1.1\r\nhost: x\r\nx-a: 1\r\n")
+        .await
+        .unwrap();
+    assert!(
+        closed_within(&mut slow, Duration::from_secs(5)).await,
+        "a slow head was kept"
+    );
+    // A connection that says nothing.
+    let mut idle = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .unwrap();
+    assert!(
+        closed_within(&mut idle, Duration::from_secs(5)).await,
+        "an idle connection was kept"
+    );
+    // A request that comes whole is answered, and the kept-alive
+    // connection closes once idle.
+    let mut ok = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .unwrap();
+    ok.write_all(
+        format!("GET /v1/me HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {admin}\r\n\r\n")
+            .as_bytes(),
+    )
+    .await
+    .unwrap();
+    let mut head = [0u8; 12];
+    ok.read_exact(&mut head).await.unwrap();
+    assert_eq!(&head, b"HTTP/1.1 200");
+    assert!(
+        closed_within(&mut ok, Duration::from_secs(5)).await,
+        "an idle keep-alive connection was kept"
+    );
+}
+
+#[tokio::test]
+async fn connections_beyond_the_cap_wait_until_one_closes() {
+    let (port, _stop, admin) = serving(|c| c.max_connections = 1).await;
+    let first = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .unwrap();
+    // Let the server take the first one.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let mut second = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .unwrap();
+    second
+        .write_all(format!("GET /v1/me HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {admin}\r\nconnection: close\r\n\r\n").as_bytes())
+        .await
+        .unwrap();
+    let mut head = [0u8; 12];
+    let early =
+        tokio::time::timeout(Duration::from_millis(500), second.read_exact(&mut head)).await;
+    assert!(early.is_err(), "answered beyond the cap");
+    drop(first);
+    tokio::time::timeout(Duration::from_secs(5), second.read_exact(&mut head))
+        .await
+        .expect("not answered once a slot was free")
+        .unwrap();
+    assert_eq!(&head, b"HTTP/1.1 200");
+}
+
 #[tokio::test]
 async fn the_api_and_previews_are_served_over_tls_with_the_operators_certificate() {
     let dir = std::env::temp_dir().join(format!("rt-tls-test-{}", uuid::Uuid::new_v4()));

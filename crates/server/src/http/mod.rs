@@ -11,6 +11,7 @@ mod preview_proxy;
 pub(crate) mod reply;
 pub(crate) mod route;
 pub(crate) mod routes;
+pub(crate) mod serve;
 pub(crate) mod tls;
 pub(crate) mod ws;
 
