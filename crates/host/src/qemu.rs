@@ -202,8 +202,15 @@ pub(crate) fn command_line(cfg: &VmConfig<'_>) -> Vec<OsString> {
         push("-run-with");
         push(&format!("user={uid}:{gid}"));
     }
+    // Appended to (not truncated at open), so the bound below can cut it
+    // while QEMU writes on.
+    push("-chardev");
+    push(&format!(
+        "file,id=serial0,path={},append=on",
+        p.console().display()
+    ));
     push("-serial");
-    push(&format!("file:{}", p.console().display()));
+    push("chardev:serial0");
     push("-kernel");
     a.push(cfg.kernel.as_os_str().to_owned());
     a.push(OsString::from("-initrd"));
@@ -289,8 +296,23 @@ pub(crate) fn spawn(cfg: &VmConfig<'_>) -> std::io::Result<u32> {
             Ok(())
         });
     }
+    // A fresh console for each QEMU (it appends).
+    let _ = std::fs::remove_file(cfg.paths.console());
     let child = cmd.spawn()?;
     let pid = child.id();
+    // The guest writes its serial console as fast as it likes: the file is
+    // kept within its bound for as long as this QEMU lives.
+    let (console, dir) = (cfg.paths.console(), cfg.paths.dir.clone());
+    std::thread::spawn(move || {
+        while may_be_ours(pid, &dir) {
+            std::thread::sleep(std::time::Duration::from_secs(2));
+            if let Err(e) = bound_console(&console) {
+                if e.kind() != std::io::ErrorKind::NotFound {
+                    tracing::debug!(error = %e, "bounding the console failed");
+                }
+            }
+        }
+    });
     // The child is reaped by a thread so it never lingers as a zombie while
     // this server runs; after a restart init reaps it.
     std::thread::spawn(move || {
@@ -384,9 +406,77 @@ pub(crate) fn kill_blocking(pid: u32) {
     }
 }
 
-/// The last `max` bytes of the serial console, as text.
+/// Largest the serial console file grows before it is cut.
+pub(crate) const CONSOLE_MAX: u64 = 4 << 20;
+/// What a cut keeps: the console's last bytes.
+const CONSOLE_KEEP: u64 = 256 << 10;
+
+/// Cuts the console file at `path` to its last [`CONSOLE_KEEP`] bytes once
+/// it is over [`CONSOLE_MAX`]; `true` when it did. QEMU appends, so it goes
+/// on writing at the new end (what it writes during the cut may be lost).
+pub(crate) fn bound_console(path: &Path) -> std::io::Result<bool> {
+    use std::io::{Read, Seek, SeekFrom, Write};
+    let mut f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)?;
+    let len = f.metadata()?.len();
+    if len <= CONSOLE_MAX {
+        return Ok(false);
+    }
+    f.seek(SeekFrom::Start(len - CONSOLE_KEEP))?;
+    let mut tail = Vec::with_capacity(CONSOLE_KEEP as usize);
+    Read::by_ref(&mut f).take(CONSOLE_KEEP).read_to_end(&mut tail)?;
+    f.set_len(0)?;
+    f.seek(SeekFrom::Start(0))?;
+    f.write_all(b"[runtime: earlier console output cut]\n")?;
+    f.write_all(&tail)?;
+    Ok(true)
+}
+
+/// The last `max` bytes of the serial console, as text (only those are read).
 pub(crate) fn console_tail(paths: &VmPaths, max: usize) -> String {
-    let data = std::fs::read(paths.console()).unwrap_or_default();
-    let start = data.len().saturating_sub(max);
-    String::from_utf8_lossy(&data[start..]).into_owned()
+    use std::io::{Read, Seek, SeekFrom};
+    let Ok(mut f) = std::fs::File::open(paths.console()) else {
+        return String::new();
+    };
+    let len = f.metadata().map(|m| m.len()).unwrap_or(0);
+    let start = len.saturating_sub(max as u64);
+    let mut data = Vec::new();
+    if f.seek(SeekFrom::Start(start)).is_ok() {
+        let _ = f.take(max as u64).read_to_end(&mut data);
+    }
+    String::from_utf8_lossy(&data).into_owned()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_console_is_cut_to_its_tail_beyond_its_bound_and_read_from_the_end() {
+        let dir = std::env::temp_dir().join(format!("rt-console-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let paths = VmPaths::new(dir.clone());
+        let path = paths.console();
+        std::fs::write(&path, vec![b'a'; CONSOLE_MAX as usize]).unwrap();
+        assert!(!bound_console(&path).unwrap(), "cut at its bound");
+        // Over it: what stays is a mark and the last bytes, the newest last.
+        let mut f = std::fs::OpenOptions::new()
+            .append(true)
+            .open(&path)
+            .unwrap();
+        std::io::Write::write_all(&mut f, b"bz").unwrap();
+        assert!(bound_console(&path).unwrap());
+        let kept = std::fs::read(&path).unwrap();
+        assert!(kept.len() as u64 <= CONSOLE_KEEP + 64, "{}", kept.len());
+        assert!(kept.starts_with(b"[runtime: earlier console output cut]\n"));
+        assert!(kept.ends_with(b"abz"));
+        // A writer that appends goes on at the new end.
+        std::io::Write::write_all(&mut f, b"!").unwrap();
+        assert!(console_tail(&paths, 4).ends_with("abz!"));
+        assert_eq!(console_tail(&paths, 2), "z!");
+        let _ = std::fs::remove_dir_all(&dir);
+        assert_eq!(console_tail(&paths, 10), "");
+    }
 }
