@@ -507,10 +507,15 @@ async fn handle(state: Arc<HttpState>, mut req: Request<Incoming>) -> Response<B
     *lock(&state.current) = Some(opened.target.clone());
     let (mut parts, body) = req.into_parts();
     strip_hop_by_hop(&mut parts.headers);
-    if !parts.headers.contains_key(header::HOST) {
-        if let Ok(v) = HeaderValue::from_str(auth.as_str()) {
+    // The rules judged the URL's host: the destination hears the same one
+    // (a proxy replaces the Host of an absolute-form request, RFC 9112
+    // 3.2.2), so a Host naming a denied site on a shared address goes
+    // nowhere.
+    match HeaderValue::from_str(auth.as_str()) {
+        Ok(v) => {
             parts.headers.insert(header::HOST, v);
         }
+        Err(_) => return text(StatusCode::BAD_REQUEST, None, "the URL's host is not valid"),
     }
     parts.uri = origin_form(&parts.uri);
     let (mut sender, conn) =

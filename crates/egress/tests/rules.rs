@@ -265,6 +265,24 @@ async fn live_change_closes_a_keep_alive_http_connection() {
 }
 
 #[tokio::test]
+async fn a_plain_http_request_reaches_the_host_of_its_url_whatever_its_host_header() {
+    let (addr, log) = http_server().await;
+    let sbx = Sandbox::new(
+        cfg(&[("example.com", addr)]),
+        policy(r#"{"internet":true,"deny":["evil.example.net"]}"#),
+    );
+    let mut g = sbx.guest();
+    // Allowed URL, a denied site in Host (vhost fronting on a shared address).
+    g.write_all(b"GET http://example.com/a HTTP/1.1\r\nHost: evil.example.net\r\n\r\n")
+        .await
+        .unwrap();
+    assert_eq!(read_answer(&mut g).await.unwrap().status, 200);
+    let seen = log.lock().unwrap();
+    assert_eq!(seen.len(), 1);
+    assert_eq!(seen[0].headers["host"], "example.com");
+}
+
+#[tokio::test]
 async fn sni_must_pass_the_rules_too() {
     let ca = TestCa::new("test destinations");
     let (addr, log) =

@@ -426,7 +426,9 @@ pub(crate) fn bound_console(path: &Path) -> std::io::Result<bool> {
     }
     f.seek(SeekFrom::Start(len - CONSOLE_KEEP))?;
     let mut tail = Vec::with_capacity(CONSOLE_KEEP as usize);
-    Read::by_ref(&mut f).take(CONSOLE_KEEP).read_to_end(&mut tail)?;
+    Read::by_ref(&mut f)
+        .take(CONSOLE_KEEP)
+        .read_to_end(&mut tail)?;
     f.set_len(0)?;
     f.seek(SeekFrom::Start(0))?;
     f.write_all(b"[runtime: earlier console output cut]\n")?;
