@@ -117,9 +117,15 @@ pub(crate) async fn serve(st: AppState, mut req: Request, port: u16, sandbox: St
         Err(r) => return r,
     };
     if let Some(t) = set_cookie {
-        if let Ok(v) =
-            HeaderValue::from_str(&format!("{COOKIE}={t}; Path=/; HttpOnly; SameSite=Lax"))
-        {
+        // Under TLS the token never travels in the clear.
+        let secure = if st.config().tls.is_some() {
+            "; Secure"
+        } else {
+            ""
+        };
+        if let Ok(v) = HeaderValue::from_str(&format!(
+            "{COOKIE}={t}; Path=/; HttpOnly; SameSite=Lax{secure}"
+        )) {
             resp.headers_mut().append(header::SET_COOKIE, v);
         }
     }
