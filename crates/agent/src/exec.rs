@@ -157,6 +157,13 @@ fn plan(req: &ExecRequest) -> Result<Plan, Fail> {
     .chain(NETWORK_ENV)
     .map(|(k, v)| (k.to_string(), v.to_string()))
     .collect();
+    // `npm install -g` as the sandbox user: into ~/.local (its bin is on
+    // PATH). An environment variable rather than ~/.npmrc, which npm would
+    // also read as the project config of every command run in /workspace
+    // (root's included); `sudo` drops it, so root's prefix stays /usr/local.
+    if req.user == User::Sandbox {
+        env.push(("NPM_CONFIG_PREFIX".into(), format!("{WORKSPACE}/.local")));
+    }
     // Node warns on every start about a missing extra CA file.
     if Path::new(crate::agent::CA_FILE).exists() {
         env.push(("NODE_EXTRA_CA_CERTS".into(), crate::agent::CA_FILE.into()));

@@ -392,7 +392,7 @@ fn sandbox_user_is_uid_1000_without_groups() {
     let mut req = exec_req(&[
         "bash",
         "-c",
-        "id -u; id -g; id -G; echo $HOME $USER $LOGNAME; echo $PATH",
+        "id -u; id -g; id -G; echo $HOME $USER $LOGNAME; echo $PATH; echo $NPM_CONFIG_PREFIX",
     ]);
     req.user = User::Sandbox;
     let out = a.exec(req);
@@ -410,7 +410,8 @@ fn sandbox_user_is_uid_1000_without_groups() {
         out.stdout(),
         format!(
             "1000\n1000\n1000\n/workspace {name} {name}\n\
-             /workspace/.local/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin\n"
+             /workspace/.local/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin\n\
+             /workspace/.local\n"
         )
     );
 }
