@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs the host packages `runtime` needs: QEMU 10 (bookworm-backports), the
 # tools that build the guest (kernel source and its build deps, debootstrap,
-# e2fsprogs), the Python used by the end-to-end suite and the headless Chromium
+# e2fsprogs, npm and python3-venv: the image build fetches Node.js, Bun and uv
+# with them), the Python used by the end-to-end suite and the headless Chromium
 # its login test drives. Idempotent; needs root.
 # The backports source is derived from the machine's own Debian source so that
 # no mirror host is written down here.
@@ -46,6 +47,12 @@ log "installing guest build tools"
 apt-get install -y -qq --no-install-recommends \
   debootstrap e2fsprogs xz-utils bc bison flex libelf-dev libssl-dev cpio rsync kmod \
   python3-venv sqlite3 >/dev/null
+# npm fetches the guest's Node.js, npm, Corepack, Bun and TypeScript (npm
+# pack); a machine that has npm already (another Node.js) keeps its own.
+if ! command -v npm >/dev/null; then
+  log "installing npm"
+  apt-get install -y -qq --no-install-recommends npm >/dev/null
+fi
 log "installing chromium (the end-to-end suite drives the login page in it, headless)"
 apt-get install -y -qq --no-install-recommends chromium >/dev/null
 log "done: $(qemu-system-x86_64 --version | head -1)"
