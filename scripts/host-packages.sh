@@ -3,7 +3,9 @@
 # tools that build the guest (kernel source and its build deps, debootstrap,
 # e2fsprogs, npm and python3-venv: the image build fetches Node.js, Bun and uv
 # with them), the Python used by the end-to-end suite and the headless Chromium
-# its login test drives. Idempotent; needs root.
+# its login test drives, and the interpreters (node with TypeScript, R, a JDK,
+# Go) that the interpreter drivers' tests start on this host, as the default
+# image has them. Idempotent; needs root.
 # The backports source is derived from the machine's own Debian source so that
 # no mirror host is written down here.
 set -euo pipefail
@@ -55,4 +57,7 @@ if ! command -v npm >/dev/null; then
 fi
 log "installing chromium (the end-to-end suite drives the login page in it, headless)"
 apt-get install -y -qq --no-install-recommends chromium >/dev/null
+log "installing the interpreters the drivers' tests run on this host (guest/interp/tests)"
+apt-get install -y -qq --no-install-recommends \
+  nodejs node-typescript r-base-core default-jdk-headless golang-go >/dev/null
 log "done: $(qemu-system-x86_64 --version | head -1)"

@@ -83,6 +83,16 @@ def test_users(sbx):
     assert sbx.exec("sudo -n id -u").stdout == "0\n"
 
 
+def test_the_sandbox_user_reopens_its_own_stdio(sbx):
+    # The agent makes the pipes as root: the user's process must still open
+    # /dev/stdout and /dev/stderr by name (tee, loggers, the R driver do).
+    result = sbx.exec("echo out > /dev/stdout; echo err | tee /dev/stderr >/dev/null")
+    assert (result.exit_code, result.stdout, result.stderr) == (0, "out\n", "err\n"), result
+    assert sbx.exec("cat > /dev/stdout", stdin="piped\n").stdout == "piped\n"
+    # /dev/null stays root's, readable and writable by all.
+    assert sbx.exec("stat -c '%u %a' /dev/null").stdout == "0 666\n"
+
+
 def test_streamed_output_arrives_while_the_command_runs(sbx):
     """The command prints, then waits for a file that only the callback
     creates: it can finish only if the first chunk is delivered while it runs."""

@@ -24,7 +24,7 @@ enum StreamState {
     Write(mpsc::Sender<WriteMsg>),
 }
 
-pub struct Agent {
+pub(crate) struct Agent {
     pub out: Arc<Outbox>,
     pub reaper: Arc<Reaper>,
     streams: Mutex<HashMap<u32, StreamState>>,
@@ -41,12 +41,12 @@ const FINISHED_KEPT: Duration = Duration::from_secs(3600);
 
 impl Agent {
     /// Drops the state of a stream whose request has finished.
-    pub fn forget(&self, stream: u32) {
+    pub(crate) fn forget(&self, stream: u32) {
         lock(&self.streams).remove(&stream);
     }
 
     /// Remembers how the exec on `stream` ended.
-    pub fn finished(&self, stream: u32, exited: Reply) {
+    pub(crate) fn finished(&self, stream: u32, exited: Reply) {
         let mut f = lock(&self.finished);
         f.retain(|_, (_, at)| at.elapsed() < FINISHED_KEPT);
         f.insert(stream, (exited, std::time::Instant::now()));
@@ -392,9 +392,9 @@ fn setup(
 }
 
 /// The sandbox's CA, on its own (`NODE_EXTRA_CA_CERTS`).
-pub const CA_FILE: &str = "/usr/local/share/ca-certificates/runtime-egress.crt";
+pub(crate) const CA_FILE: &str = "/usr/local/share/ca-certificates/runtime-egress.crt";
 /// The bundle every TLS client reads (`SSL_CERT_FILE` and friends).
-pub const CA_BUNDLE: &str = "/etc/ssl/certs/ca-certificates.crt";
+pub(crate) const CA_BUNDLE: &str = "/etc/ssl/certs/ca-certificates.crt";
 /// The image's own bundle, kept on first use so the CA is replaced, never appended twice.
 const SYSTEM_BUNDLE: &str = "/etc/ssl/certs/ca-certificates.crt.system";
 
@@ -491,7 +491,7 @@ fn add_entropy(bytes: &[u8]) -> std::io::Result<()> {
 
 /// Opens the channel (retrying until it exists) and serves it. Returns only
 /// in test mode, when the socket is gone.
-pub fn serve(socket: Option<&Path>, reaper: &Arc<Reaper>, proxy_port: Option<u16>) {
+pub(crate) fn serve(socket: Option<&Path>, reaper: &Arc<Reaper>, proxy_port: Option<u16>) {
     let mut logged = false;
     let link = loop {
         match Link::open(socket) {

@@ -22,7 +22,7 @@ use crate::link::Outbox;
 use crate::reaper::Reaper;
 use crate::sys::{cstring, cvt, errno, kill_session, lock, log, poll1, Fail};
 
-pub const SANDBOX_ID: u32 = 1000;
+pub(crate) const SANDBOX_ID: u32 = 1000;
 const BASE_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
 /// The sandbox user's: what `pip install`, `npm install -g` and `bun add -g`
 /// put there comes first.
@@ -64,13 +64,13 @@ const MAX_DRAIN_AFTER_EXIT: Duration = Duration::from_secs(2);
 const READ_CHUNK: usize = 64 * 1024;
 
 /// What the reader thread forwards to a running process.
-pub enum Input {
+pub(crate) enum Input {
     Data(Vec<u8>),
     Close,
 }
 
 /// The handle the reader thread keeps for a running exec.
-pub struct ExecCtl {
+pub(crate) struct ExecCtl {
     pub input: mpsc::Sender<Input>,
     /// The process group (= session) id, 0 until started.
     pgid: AtomicI32,
@@ -78,7 +78,7 @@ pub struct ExecCtl {
 }
 
 impl ExecCtl {
-    pub fn new() -> (Arc<ExecCtl>, mpsc::Receiver<Input>) {
+    pub(crate) fn new() -> (Arc<ExecCtl>, mpsc::Receiver<Input>) {
         let (tx, rx) = mpsc::channel();
         (
             Arc::new(ExecCtl {
@@ -90,11 +90,11 @@ impl ExecCtl {
         )
     }
 
-    pub fn pgid(&self) -> i32 {
+    pub(crate) fn pgid(&self) -> i32 {
         self.pgid.load(Ordering::SeqCst)
     }
 
-    pub fn signal(&self, sig: i32) {
+    pub(crate) fn signal(&self, sig: i32) {
         let pgid = self.pgid();
         if pgid > 1 {
             // SAFETY: plain syscall; a negative pid addresses the process group.
@@ -102,7 +102,7 @@ impl ExecCtl {
         }
     }
 
-    pub fn resize(&self, size: PtySize) {
+    pub(crate) fn resize(&self, size: PtySize) {
         if let Some(master) = lock(&self.master).as_ref() {
             set_winsize(master.as_raw_fd(), size);
         }
@@ -331,6 +331,21 @@ unsafe fn child(
             }
         }
         if plan.sandbox {
+            // The agent made the stdio pipes, so they belong to root with
+            // mode 0600: reopening one by path (`/dev/stdout`,
+            // `/proc/self/fd/1`, as `tee /dev/stderr` or the R driver do)
+            // would fail for the sandbox user. They are this child's alone,
+            // so they become its user's, as a container runtime does; any
+            // other file (`/dev/null`, the pty slave) is left as it is.
+            for fd in 0..3 {
+                let mut st: libc::stat = std::mem::zeroed();
+                if libc::fstat(fd, &mut st) == 0
+                    && st.st_mode & libc::S_IFMT == libc::S_IFIFO
+                    && libc::fchown(fd, SANDBOX_ID, SANDBOX_ID) < 0
+                {
+                    fail(fds.report, STAGE_USER);
+                }
+            }
             if libc::setgroups(0, std::ptr::null()) < 0
                 || libc::setgid(SANDBOX_ID) < 0
                 || libc::setuid(SANDBOX_ID) < 0
@@ -608,7 +623,7 @@ fn spawn_thread(
 }
 
 /// Runs one exec request to its end: `Started`, output, `Exited` (or one `Failed`).
-pub fn run(
+pub(crate) fn run(
     agent: Arc<Agent>,
     stream: u32,
     req: ExecRequest,

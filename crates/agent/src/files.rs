@@ -24,7 +24,7 @@ use crate::sys::{cstring, Fail};
 const LIST_HARD_CAP: usize = 100_000;
 
 /// Takes the file-system identity of `user` for the calling thread only.
-pub fn become_user(user: User) -> Result<(), Fail> {
+pub(crate) fn become_user(user: User) -> Result<(), Fail> {
     if user == User::Root {
         return Ok(());
     }
@@ -94,7 +94,7 @@ fn entry(path: &str, md: &Metadata) -> Entry {
     }
 }
 
-pub fn read_file(out: &Outbox, stream: u32, path: &str) -> Result<(), Fail> {
+pub(crate) fn read_file(out: &Outbox, stream: u32, path: &str) -> Result<(), Fail> {
     let p = check_path(path)?;
     let mut file = File::open(p).map_err(|e| Fail::io(format_args!("open {path}"), &e))?;
     let md = file
@@ -145,7 +145,7 @@ fn mkdir_p(dir: &Path) -> io::Result<()> {
     }
 }
 
-pub enum WriteMsg {
+pub(crate) enum WriteMsg {
     Data(Vec<u8>),
     End,
 }
@@ -166,7 +166,7 @@ impl Drop for TempFile {
 /// Receives the file's bytes until `End`, then places it atomically.
 /// After a failure the rest of the bytes are consumed and dropped, so the
 /// one reply comes after `EndWrite` in every case.
-pub fn write_file(
+pub(crate) fn write_file(
     path: &str,
     mode: Option<u32>,
     input: &mpsc::Receiver<WriteMsg>,
@@ -244,7 +244,7 @@ fn write_file_inner(
     Ok(())
 }
 
-pub fn stat(path: &str) -> Result<Reply, Fail> {
+pub(crate) fn stat(path: &str) -> Result<Reply, Fail> {
     let p = check_path(path)?;
     match fs::symlink_metadata(p) {
         Ok(md) => Ok(Reply::Stat {
@@ -264,7 +264,7 @@ fn join(dir: &str, name: &OsStr) -> String {
     }
 }
 
-pub fn list(path: &str, depth: u32, hidden: bool, limit: u32) -> Result<Reply, Fail> {
+pub(crate) fn list(path: &str, depth: u32, hidden: bool, limit: u32) -> Result<Reply, Fail> {
     let p = check_path(path)?;
     let md = fs::metadata(p).map_err(|e| Fail::io(format_args!("list {path}"), &e))?;
     if !md.is_dir() {
@@ -327,7 +327,7 @@ pub fn list(path: &str, depth: u32, hidden: bool, limit: u32) -> Result<Reply, F
     Ok(Reply::Listing { entries, truncated })
 }
 
-pub fn mkdir(path: &str, parents: bool) -> Result<Reply, Fail> {
+pub(crate) fn mkdir(path: &str, parents: bool) -> Result<Reply, Fail> {
     let p = check_path(path)?;
     let r = if parents {
         mkdir_p(p)
@@ -338,7 +338,7 @@ pub fn mkdir(path: &str, parents: bool) -> Result<Reply, Fail> {
     Ok(Reply::Done)
 }
 
-pub fn remove(path: &str, recursive: bool) -> Result<Reply, Fail> {
+pub(crate) fn remove(path: &str, recursive: bool) -> Result<Reply, Fail> {
     let p = check_path(path)?;
     if normalize(path) == "/" {
         return Err(Fail::new(FailCode::InvalidPath, "refusing to remove /"));
@@ -363,7 +363,7 @@ pub fn remove(path: &str, recursive: bool) -> Result<Reply, Fail> {
     Ok(Reply::Removed { removed: true })
 }
 
-pub fn rename(from: &str, to: &str, overwrite: bool) -> Result<Reply, Fail> {
+pub(crate) fn rename(from: &str, to: &str, overwrite: bool) -> Result<Reply, Fail> {
     let (f, t) = (check_path(from)?, check_path(to)?);
     let ctx = || format!("rename {from} to {to}");
     if overwrite {
@@ -405,7 +405,7 @@ pub fn rename(from: &str, to: &str, overwrite: bool) -> Result<Reply, Fail> {
     }
 }
 
-pub fn chmod(path: &str, mode: u32) -> Result<Reply, Fail> {
+pub(crate) fn chmod(path: &str, mode: u32) -> Result<Reply, Fail> {
     let p = check_path(path)?;
     fs::set_permissions(p, fs::Permissions::from_mode(mode & 0o7777))
         .map_err(|e| Fail::io(format_args!("chmod {path}"), &e))?;

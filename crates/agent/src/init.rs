@@ -169,7 +169,7 @@ fn workspace() {
     }
 }
 
-pub fn run() {
+pub(crate) fn run() {
     let t = Instant::now();
     let nodev = libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC;
     mount("proc", "/proc", "proc", nodev, None);
@@ -203,9 +203,19 @@ pub fn run() {
         libc::MS_NOSUID | libc::MS_NOEXEC,
         Some("newinstance,ptmxmode=0666,mode=0620,gid=5"),
     );
-    if std::fs::symlink_metadata("/dev/ptmx").is_err() {
-        if let Err(e) = std::os::unix::fs::symlink("pts/ptmx", "/dev/ptmx") {
-            log!("symlink /dev/ptmx: {e}");
+    // The links udev or systemd would make: /dev/ptmx, and the stdio names
+    // shells, `tee /dev/stderr` and `<(...)` reach through.
+    for (link, target) in [
+        ("/dev/ptmx", "pts/ptmx"),
+        ("/dev/fd", "/proc/self/fd"),
+        ("/dev/stdin", "/proc/self/fd/0"),
+        ("/dev/stdout", "/proc/self/fd/1"),
+        ("/dev/stderr", "/proc/self/fd/2"),
+    ] {
+        if std::fs::symlink_metadata(link).is_err() {
+            if let Err(e) = std::os::unix::fs::symlink(target, link) {
+                log!("symlink {link}: {e}");
+            }
         }
     }
     let tmpfs = libc::MS_NOSUID | libc::MS_NODEV;

@@ -29,14 +29,14 @@ const STALL_DROP: Duration = Duration::from_secs(30);
 
 static DROPPED: RateLimit = RateLimit::new(Duration::from_secs(10), 5);
 
-pub struct Link {
+pub(crate) struct Link {
     fd: OwnedFd,
     /// Test mode: the socket to reconnect to after the host hangs up.
     socket: Option<PathBuf>,
 }
 
 impl Link {
-    pub fn open(socket: Option<&Path>) -> io::Result<Link> {
+    pub(crate) fn open(socket: Option<&Path>) -> io::Result<Link> {
         let fd: OwnedFd = match socket {
             Some(path) => UnixStream::connect(path)?.into(),
             None => {
@@ -56,18 +56,18 @@ impl Link {
         })
     }
 
-    pub fn fd(&self) -> RawFd {
+    pub(crate) fn fd(&self) -> RawFd {
         self.fd.as_raw_fd()
     }
 
-    pub fn is_socket(&self) -> bool {
+    pub(crate) fn is_socket(&self) -> bool {
         self.socket.is_some()
     }
 
     /// Test mode: connects again to the socket and puts the new connection
     /// under the same fd number (so the writer follows). False when the
     /// socket is gone for good.
-    pub fn reconnect(&self) -> bool {
+    pub(crate) fn reconnect(&self) -> bool {
         let Some(path) = &self.socket else {
             return false;
         };
@@ -93,7 +93,7 @@ impl Link {
 
     /// Writes all of `buf`, or drops it if the host is gone or stalled too
     /// long (frames written while nobody listens may be lost).
-    pub fn write_all(&self, buf: &[u8]) {
+    pub(crate) fn write_all(&self, buf: &[u8]) {
         let fd = self.fd.as_raw_fd();
         let mut off = 0;
         let mut progress = Instant::now();
@@ -183,7 +183,7 @@ struct Queues {
 
 /// Outgoing frames, drained by the one writer thread.
 #[derive(Default)]
-pub struct Outbox {
+pub(crate) struct Outbox {
     queues: Mutex<Queues>,
     ready: Condvar,
     space: Condvar,
@@ -191,7 +191,7 @@ pub struct Outbox {
 
 impl Outbox {
     /// A reply that may overtake queued output. Never blocks.
-    pub fn reply_now(&self, stream: u32, reply: &Reply) {
+    pub(crate) fn reply_now(&self, stream: u32, reply: &Reply) {
         if let Some(bytes) = encode_reply(stream, reply) {
             lock(&self.queues).urgent.push_back(bytes);
             self.ready.notify_one();
@@ -199,14 +199,14 @@ impl Outbox {
     }
 
     /// A reply ordered after everything this stream sent before it.
-    pub fn reply(&self, stream: u32, reply: &Reply) {
+    pub(crate) fn reply(&self, stream: u32, reply: &Reply) {
         if let Some(bytes) = encode_reply(stream, reply) {
             self.push_ordered(bytes);
         }
     }
 
     /// Data, split into frames; waits while too much output is buffered.
-    pub fn data(&self, stream: u32, channel: u8, bytes: &[u8]) {
+    pub(crate) fn data(&self, stream: u32, channel: u8, bytes: &[u8]) {
         for chunk in bytes.chunks(MAX_PAYLOAD) {
             match Frame::data(stream, channel, chunk.to_vec()) {
                 Ok(frame) => {
@@ -222,7 +222,7 @@ impl Outbox {
     /// A reply ordered after this stream's earlier frames, without waiting
     /// for space: for the reader thread, which must never block (tunnel
     /// resets; bounded by what the host sends).
-    pub fn reply_late(&self, stream: u32, reply: &Reply) {
+    pub(crate) fn reply_late(&self, stream: u32, reply: &Reply) {
         if let Some(bytes) = encode_reply(stream, reply) {
             let mut q = lock(&self.queues);
             q.ordered_bytes += bytes.len();
@@ -234,7 +234,7 @@ impl Outbox {
 
     /// Drops the queued (or held) frames of these streams: tunnels of a host
     /// connection that is gone must not reach the next one.
-    pub fn purge(&self, streams: &std::collections::HashSet<u32>) {
+    pub(crate) fn purge(&self, streams: &std::collections::HashSet<u32>) {
         if streams.is_empty() {
             return;
         }
@@ -269,7 +269,7 @@ impl Outbox {
 
     /// `reply` once everything queued before it is written, then hold
     /// ordered output until [`Outbox::release`].
-    pub fn hold_after(&self, stream: u32, reply: &Reply) {
+    pub(crate) fn hold_after(&self, stream: u32, reply: &Reply) {
         if let Some(bytes) = encode_reply(stream, reply) {
             lock(&self.queues).ordered.push_back(Item::Hold(bytes));
             self.ready.notify_one();
@@ -277,7 +277,7 @@ impl Outbox {
     }
 
     /// Lets held output flow again (a host said `Hello`).
-    pub fn release(&self) {
+    pub(crate) fn release(&self) {
         lock(&self.queues).held = false;
         self.ready.notify_one();
     }
@@ -311,7 +311,7 @@ impl Outbox {
     }
 
     /// The writer thread's loop.
-    pub fn run_writer(&self, link: &Link) -> ! {
+    pub(crate) fn run_writer(&self, link: &Link) -> ! {
         loop {
             let batch = self.next_batch();
             link.write_all(&batch);

@@ -15,26 +15,26 @@ use std::time::Duration;
 use crate::sys::{errno, lock, log};
 
 #[derive(Default)]
-pub struct State {
+pub(crate) struct State {
     waiters: HashMap<i32, mpsc::Sender<i32>>,
     /// Bumped by every fork, so the reaper does not sleep through a new child.
     generation: u64,
 }
 
-pub struct Reaper {
+pub(crate) struct Reaper {
     state: Mutex<State>,
     forked: Condvar,
 }
 
 /// Held across a fork. No other thread forks meanwhile.
-pub struct ForkGuard<'a> {
+pub(crate) struct ForkGuard<'a> {
     reaper: &'a Reaper,
     state: MutexGuard<'a, State>,
 }
 
 impl ForkGuard<'_> {
     /// Registers a freshly forked child; its raw wait status arrives on the receiver.
-    pub fn register(&mut self, pid: i32) -> mpsc::Receiver<i32> {
+    pub(crate) fn register(&mut self, pid: i32) -> mpsc::Receiver<i32> {
         let (tx, rx) = mpsc::channel();
         self.state.waiters.insert(pid, tx);
         self.state.generation += 1;
@@ -44,7 +44,7 @@ impl ForkGuard<'_> {
 }
 
 impl Reaper {
-    pub fn start() -> Arc<Reaper> {
+    pub(crate) fn start() -> Arc<Reaper> {
         let reaper = Arc::new(Reaper {
             state: Mutex::new(State::default()),
             forked: Condvar::new(),
@@ -64,7 +64,7 @@ impl Reaper {
         }
     }
 
-    pub fn fork_lock(&self) -> ForkGuard<'_> {
+    pub(crate) fn fork_lock(&self) -> ForkGuard<'_> {
         ForkGuard {
             reaper: self,
             state: lock(&self.state),

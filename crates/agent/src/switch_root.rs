@@ -34,7 +34,7 @@ fn mount(
 }
 
 /// Whether `/` is the initramfs (ramfs or tmpfs).
-pub fn in_initramfs() -> bool {
+pub(crate) fn in_initramfs() -> bool {
     let root = match cstr("/") {
         Ok(r) => r,
         Err(_) => return false,
@@ -50,7 +50,7 @@ pub fn in_initramfs() -> bool {
 }
 
 /// Mounts the root disk and moves `/` onto it.
-pub fn switch_to_disk(device: &str) -> Result<(), String> {
+pub(crate) fn switch_to_disk(device: &str) -> Result<(), String> {
     let _ = std::fs::create_dir_all("/dev");
     // The kernel does not mount devtmpfs for an initramfs.
     let _ = mount("devtmpfs", "/dev", "devtmpfs", 0, "");

@@ -18,15 +18,15 @@ macro_rules! log {
 pub(crate) use log;
 
 /// Locks a mutex, ignoring poisoning: a panicked thread must not take the agent down.
-pub fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-pub fn errno() -> i32 {
+pub(crate) fn errno() -> i32 {
     io::Error::last_os_error().raw_os_error().unwrap_or(0)
 }
 
-pub fn cvt(r: libc::c_int) -> io::Result<libc::c_int> {
+pub(crate) fn cvt(r: libc::c_int) -> io::Result<libc::c_int> {
     if r < 0 {
         Err(io::Error::last_os_error())
     } else {
@@ -34,12 +34,12 @@ pub fn cvt(r: libc::c_int) -> io::Result<libc::c_int> {
     }
 }
 
-pub fn cstring(s: &str) -> io::Result<CString> {
+pub(crate) fn cstring(s: &str) -> io::Result<CString> {
     CString::new(s).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))
 }
 
 /// Polls one fd; returns the `revents` (0 on timeout).
-pub fn poll1(fd: RawFd, events: i16, timeout_ms: i32) -> io::Result<i16> {
+pub(crate) fn poll1(fd: RawFd, events: i16, timeout_ms: i32) -> io::Result<i16> {
     let mut p = libc::pollfd {
         fd,
         events,
@@ -55,13 +55,13 @@ pub fn poll1(fd: RawFd, events: i16, timeout_ms: i32) -> io::Result<i16> {
 
 /// A request that failed, ready to become [`Reply::Failed`].
 #[derive(Debug)]
-pub struct Fail {
+pub(crate) struct Fail {
     pub code: FailCode,
     pub message: String,
 }
 
 impl Fail {
-    pub fn new(code: FailCode, message: impl Into<String>) -> Fail {
+    pub(crate) fn new(code: FailCode, message: impl Into<String>) -> Fail {
         Fail {
             code,
             message: message.into(),
@@ -69,14 +69,14 @@ impl Fail {
     }
 
     /// An OS error, its code mapped from errno; `context` says what was done.
-    pub fn io(context: impl std::fmt::Display, e: &io::Error) -> Fail {
+    pub(crate) fn io(context: impl std::fmt::Display, e: &io::Error) -> Fail {
         Fail {
             code: code_for(e),
             message: format!("{context}: {e}"),
         }
     }
 
-    pub fn reply(self) -> Reply {
+    pub(crate) fn reply(self) -> Reply {
         Reply::Failed {
             code: self.code,
             message: self.message,
@@ -84,7 +84,7 @@ impl Fail {
     }
 }
 
-pub fn code_for(e: &io::Error) -> FailCode {
+pub(crate) fn code_for(e: &io::Error) -> FailCode {
     match e.raw_os_error() {
         Some(libc::ENOENT) => FailCode::FileNotFound,
         Some(libc::EISDIR) => FailCode::IsADirectory,
@@ -99,14 +99,14 @@ pub fn code_for(e: &io::Error) -> FailCode {
 
 /// Lets through at most `burst` messages per `period`; for anything the guest
 /// or the host can trigger in a loop.
-pub struct RateLimit {
+pub(crate) struct RateLimit {
     period: Duration,
     burst: u32,
     state: Mutex<(Option<Instant>, u32, u64)>,
 }
 
 impl RateLimit {
-    pub const fn new(period: Duration, burst: u32) -> RateLimit {
+    pub(crate) const fn new(period: Duration, burst: u32) -> RateLimit {
         RateLimit {
             period,
             burst,
@@ -116,7 +116,7 @@ impl RateLimit {
 
     /// `Some(suppressed)` when this message may be logged (with the number
     /// suppressed since the last one), `None` when it must be dropped.
-    pub fn allow(&self) -> Option<u64> {
+    pub(crate) fn allow(&self) -> Option<u64> {
         let mut st = lock(&self.state);
         let now = Instant::now();
         match st.0 {
@@ -154,7 +154,7 @@ pub(crate) use log_limited;
 
 /// Sends `sig` to the process group `sid` and to every other process of the
 /// session `sid` (a shell on a pty puts its jobs in their own groups).
-pub fn kill_session(sid: i32, sig: i32) {
+pub(crate) fn kill_session(sid: i32, sig: i32) {
     if sid <= 1 {
         return;
     }

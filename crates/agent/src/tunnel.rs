@@ -23,7 +23,7 @@ use crate::agent::Agent;
 use crate::sys::{errno, lock, log, log_limited, poll1, Fail, RateLimit};
 
 /// Tunnels open at once, both directions together; more are refused.
-pub const MAX_TUNNELS: usize = 512;
+pub(crate) const MAX_TUNNELS: usize = 512;
 /// Bytes read from a socket per frame.
 const CHUNK: usize = 64 * 1024;
 /// How long a connection into the guest may take.
@@ -46,7 +46,7 @@ struct St {
     write_done: bool,
 }
 
-pub struct Tunnel {
+pub(crate) struct Tunnel {
     id: u32,
     sock: TcpStream,
     st: Mutex<St>,
@@ -61,7 +61,7 @@ impl Tunnel {
 
 /// Every open tunnel, by stream id.
 #[derive(Default)]
-pub struct Tunnels {
+pub(crate) struct Tunnels {
     map: Mutex<HashMap<u32, Arc<Tunnel>>>,
     next: AtomicU32,
     /// Connects under way, and whether the host gave up on them (`Close`).
@@ -73,7 +73,7 @@ impl Tunnels {
         lock(&self.map).get(&id).cloned()
     }
 
-    pub fn contains(&self, id: u32) -> bool {
+    pub(crate) fn contains(&self, id: u32) -> bool {
         lock(&self.map).contains_key(&id)
     }
 
@@ -107,7 +107,7 @@ impl Tunnels {
     }
 
     /// Resets every tunnel (a new host connection): returns their ids.
-    pub fn reset_all(&self) -> HashSet<u32> {
+    pub(crate) fn reset_all(&self) -> HashSet<u32> {
         let all: Vec<Arc<Tunnel>> = lock(&self.map).drain().map(|(_, t)| t).collect();
         let ids = all.iter().map(|t| t.id).collect();
         for t in all {
@@ -318,7 +318,7 @@ fn new_tunnel(id: u32, sock: TcpStream) -> Arc<Tunnel> {
 
 /// [`Request::Connect`](runtime_proto::Request::Connect) on `stream`: on its
 /// own thread (a connect may take a while).
-pub fn connect(agent: &Arc<Agent>, stream: u32, port: u16) {
+pub(crate) fn connect(agent: &Arc<Agent>, stream: u32, port: u16) {
     if agent.tunnels.full() {
         let fail = Fail::new(FailCode::Io, "too many connections");
         agent.out.reply_late(stream, &fail.reply());
@@ -379,7 +379,7 @@ pub fn connect(agent: &Arc<Agent>, stream: u32, port: u16) {
 }
 
 /// Data from the host for a tunnel.
-pub fn data(agent: &Agent, stream: u32, bytes: Vec<u8>) {
+pub(crate) fn data(agent: &Agent, stream: u32, bytes: Vec<u8>) {
     let Some(t) = agent.tunnels.get(stream) else {
         unknown(agent, stream);
         return;
@@ -413,7 +413,7 @@ fn unknown(agent: &Agent, stream: u32) {
 }
 
 /// The host's `Credit`.
-pub fn credit(agent: &Agent, stream: u32, bytes: u32) {
+pub(crate) fn credit(agent: &Agent, stream: u32, bytes: u32) {
     let Some(t) = agent.tunnels.get(stream) else {
         unknown(agent, stream);
         return;
@@ -430,7 +430,7 @@ pub fn credit(agent: &Agent, stream: u32, bytes: u32) {
 }
 
 /// The host's `Eof`.
-pub fn eof(agent: &Agent, stream: u32) {
+pub(crate) fn eof(agent: &Agent, stream: u32) {
     let Some(t) = agent.tunnels.get(stream) else {
         unknown(agent, stream);
         return;
@@ -440,7 +440,7 @@ pub fn eof(agent: &Agent, stream: u32) {
 }
 
 /// The host's `Close`.
-pub fn close(agent: &Agent, stream: u32) {
+pub(crate) fn close(agent: &Agent, stream: u32) {
     if let Some(t) = agent.tunnels.get(stream) {
         abort_and_forget(agent, &t, false);
     } else if let Some(cancelled) = lock(&agent.tunnels.connecting).get_mut(&stream) {
@@ -450,7 +450,7 @@ pub fn close(agent: &Agent, stream: u32) {
 
 /// Accepts connections to the proxy port on `addr`, each a guest-opened
 /// tunnel. Returns once the listener runs (or could not bind).
-pub fn listen(agent: &Arc<Agent>, addr: SocketAddr) {
+pub(crate) fn listen(agent: &Arc<Agent>, addr: SocketAddr) {
     let listener = match TcpListener::bind(addr) {
         Ok(l) => l,
         Err(e) => {

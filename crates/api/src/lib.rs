@@ -70,6 +70,39 @@ pub mod codes {
     pub const HOST_UNAVAILABLE: &str = "host_unavailable";
     pub const GUEST_ERROR: &str = "guest_error";
     pub const INTERNAL: &str = "internal_error";
+    pub const CONNECTION_REFUSED: &str = "connection_refused";
+    pub const BUSY: &str = "busy";
+    pub const NOT_PERSISTENT: &str = "not_persistent";
+    pub const NOT_PAUSABLE: &str = "not_pausable";
+    pub const PAUSE_FAILED: &str = "pause_failed";
+    pub const WAKE_FAILED: &str = "wake_failed";
+    pub const BUDGET_EXCEEDED: &str = "budget_exceeded";
+    pub const SPENDING_LIMIT_REACHED: &str = "spending_limit_reached";
+    pub const QUOTA_EXCEEDED: &str = "quota_exceeded";
+    pub const SNAPSHOT_NOT_FOUND: &str = "snapshot_not_found";
+    pub const SNAPSHOT_NOT_READY: &str = "snapshot_not_ready";
+    pub const IMAGE_NOT_FOUND: &str = "image_not_found";
+    pub const IMAGE_NOT_READY: &str = "image_not_ready";
+    pub const IMAGE_IN_USE: &str = "image_in_use";
+    pub const IMAGE_BUILDING: &str = "image_building";
+    pub const VOLUME_NOT_FOUND: &str = "volume_not_found";
+    pub const VOLUME_IN_USE: &str = "volume_in_use";
+    pub const VOLUME_ATTACHED: &str = "volume_attached";
+    pub const VOLUME_RELEASING: &str = "volume_releasing";
+    pub const VOLUME_CREATE_FAILED: &str = "volume_create_failed";
+    pub const STDIN_CLOSED: &str = "stdin_closed";
+    pub const PROCESS_NOT_A_TERMINAL: &str = "process_not_a_terminal";
+    pub const RESULT_NOT_FOUND: &str = "result_not_found";
+    pub const CONTEXT_NOT_FOUND: &str = "context_not_found";
+    pub const CONTEXT_EXISTS: &str = "context_exists";
+    pub const INTERPRETER_START_FAILED: &str = "interpreter_start_failed";
+    pub const PREVIEW_NOT_FOUND: &str = "preview_not_found";
+    pub const PREVIEW_TOKEN_REQUIRED: &str = "preview_token_required";
+    pub const PREVIEW_TOKEN_INVALID: &str = "preview_token_invalid";
+    pub const PREVIEW_UNREACHABLE: &str = "preview_unreachable";
+    pub const SECRET_NOT_FOUND: &str = "secret_not_found";
+    pub const ENV_TAKEN: &str = "env_taken";
+    pub const LOGIN_NOT_FOUND: &str = "login_not_found";
 }
 
 /// The sandbox record (create, get, list items, lifecycle verbs).
@@ -82,8 +115,7 @@ pub struct Sandbox {
     pub labels: BTreeMap<String, String>,
     /// `pending|active|paused|stopping|stopped`, derived from `state`.
     pub status: String,
-    /// `starting|running|pausing|paused|resuming|stopping|stopped`.
-    pub state: String,
+    pub state: SandboxState,
     pub region: String,
     pub funding: String,
     pub vcpu: u32,
@@ -121,14 +153,65 @@ pub struct Sandbox {
     pub image: Option<String>,
 }
 
-/// `status` for a `state`.
-pub fn status_for_state(state: &str) -> &'static str {
-    match state {
-        "starting" => "pending",
-        "running" => "active",
-        "pausing" | "paused" | "resuming" => "paused",
-        "stopping" => "stopping",
-        _ => "stopped",
+/// Where a sandbox is in its lifecycle: the same lowercase strings on the
+/// wire and in the store. Which state may follow which is the server's rule
+/// (its `domain::lifecycle`); this is only the name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SandboxState {
+    Starting,
+    Running,
+    Pausing,
+    Paused,
+    Resuming,
+    Stopping,
+    Stopped,
+}
+
+impl SandboxState {
+    /// Every state, in lifecycle order.
+    pub const ALL: [SandboxState; 7] = [
+        SandboxState::Starting,
+        SandboxState::Running,
+        SandboxState::Pausing,
+        SandboxState::Paused,
+        SandboxState::Resuming,
+        SandboxState::Stopping,
+        SandboxState::Stopped,
+    ];
+
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            SandboxState::Starting => "starting",
+            SandboxState::Running => "running",
+            SandboxState::Pausing => "pausing",
+            SandboxState::Paused => "paused",
+            SandboxState::Resuming => "resuming",
+            SandboxState::Stopping => "stopping",
+            SandboxState::Stopped => "stopped",
+        }
+    }
+
+    /// The state named `s` on the wire, if any.
+    pub fn parse(s: &str) -> Option<SandboxState> {
+        SandboxState::ALL.into_iter().find(|x| x.as_str() == s)
+    }
+
+    /// The coarser `status` of the record: `pending|active|paused|stopping|stopped`.
+    pub const fn status(self) -> &'static str {
+        match self {
+            SandboxState::Starting => "pending",
+            SandboxState::Running => "active",
+            SandboxState::Pausing | SandboxState::Paused | SandboxState::Resuming => "paused",
+            SandboxState::Stopping => "stopping",
+            SandboxState::Stopped => "stopped",
+        }
+    }
+}
+
+impl std::fmt::Display for SandboxState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
     }
 }
 
@@ -141,7 +224,7 @@ pub struct DeletedSandbox {
     pub name: Option<String>,
     pub labels: BTreeMap<String, String>,
     pub status: String,
-    pub state: String,
+    pub state: SandboxState,
     pub deleted_at: String,
     pub ended_at: Option<String>,
 }
@@ -180,6 +263,27 @@ pub struct FileEntry {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn states_keep_their_wire_strings() {
+        for s in SandboxState::ALL {
+            let wire = serde_json::to_value(s).unwrap_or_default();
+            assert_eq!(wire, Value::String(s.as_str().to_string()));
+            assert_eq!(SandboxState::parse(s.as_str()), Some(s));
+            assert_eq!(serde_json::from_value::<SandboxState>(wire).ok(), Some(s));
+        }
+        let names: Vec<&str> = SandboxState::ALL.iter().map(|s| s.as_str()).collect();
+        assert_eq!(
+            names,
+            ["starting", "running", "pausing", "paused", "resuming", "stopping", "stopped"]
+        );
+        assert_eq!(SandboxState::parse("deleted"), None);
+        let statuses: Vec<&str> = SandboxState::ALL.iter().map(|s| s.status()).collect();
+        assert_eq!(
+            statuses,
+            ["pending", "active", "paused", "paused", "paused", "stopping", "stopped"]
+        );
+    }
 
     #[test]
     fn error_body_omits_absent_fields() {

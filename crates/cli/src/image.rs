@@ -72,7 +72,11 @@ fn string(v: &toml::Value, field: &str) -> anyhow::Result<Value> {
 
 /// The body of `POST /v1/images` for a recipe file's text; `name` and
 /// `tags` given on the command line win over the file's.
-pub fn body_from_toml(text: &str, name: Option<&str>, tags: &[String]) -> anyhow::Result<Value> {
+pub(crate) fn body_from_toml(
+    text: &str,
+    name: Option<&str>,
+    tags: &[String],
+) -> anyhow::Result<Value> {
     let table: toml::Table = toml::from_str(text).context("not a valid TOML recipe")?;
     let mut recipe = Map::new();
     let mut body = Map::new();
@@ -136,13 +140,13 @@ fn files(v: &toml::Value) -> anyhow::Result<Value> {
 /// Where the API is and the key to call it with: `--url`/`RUNTIME_API_URL`
 /// (default this machine's `runtime serve`), `--key`/`RUNTIME_API_KEY`,
 /// else the key `runtime login` saved for that server.
-pub struct Target {
+pub(crate) struct Target {
     pub url: String,
     pub key: String,
 }
 
 impl Target {
-    pub fn new(url: &str, key: Option<String>) -> anyhow::Result<Target> {
+    pub(crate) fn new(url: &str, key: Option<String>) -> anyhow::Result<Target> {
         let url = login::origin(url.trim());
         let key = match key.filter(|k| !k.trim().is_empty()) {
             Some(k) => k.trim().to_string(),
@@ -219,7 +223,7 @@ fn report_steps(image: &Value, seen: &mut Vec<String>) {
 
 /// Builds the image `body` describes and waits for it; the final image on
 /// success, an error naming the failed step and its output otherwise.
-pub fn build(target: &Target, body: &Value) -> anyhow::Result<Value> {
+pub(crate) fn build(target: &Target, body: &Value) -> anyhow::Result<Value> {
     let started = Instant::now();
     let (status, created) = target.call("POST", "/v1/images", Some(body))?;
     if status != 201 && status != 200 {

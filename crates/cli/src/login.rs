@@ -23,7 +23,7 @@ use sha2::{Digest, Sha256};
 const DEFAULT_AUTH: &str = "https://withruntime.com";
 
 /// `scheme://netloc` of a URL, as Python's `urlsplit` gives it.
-pub fn origin(url: &str) -> String {
+pub(crate) fn origin(url: &str) -> String {
     let (scheme, rest) = url.split_once("://").unwrap_or(("", url));
     let netloc = rest.split(['/', '?', '#']).next().unwrap_or("");
     format!("{scheme}://{netloc}")
@@ -36,7 +36,7 @@ fn request(api: &str, method: &str, path: &str, body: &Value) -> anyhow::Result<
 
 /// One HTTP/1.1 request over a fresh connection, with a bearer key if
 /// given; (status, JSON body, `null` when the body is not JSON).
-pub fn call(
+pub(crate) fn call(
     api: &str,
     method: &str,
     path: &str,
@@ -106,7 +106,7 @@ fn computer_name() -> String {
 }
 
 /// Where `withruntime` looks for the saved key of `api`.
-pub fn saved_path(api: &str) -> PathBuf {
+pub(crate) fn saved_path(api: &str) -> PathBuf {
     let auth =
         origin(&std::env::var("RUNTIME_AUTH_URL").unwrap_or_else(|_| DEFAULT_AUTH.to_string()));
     let root = std::env::var_os("XDG_CONFIG_HOME")
@@ -119,7 +119,7 @@ pub fn saved_path(api: &str) -> PathBuf {
 
 /// The key `runtime login` saved for `api`'s origin, if there is one (read
 /// as the client reads it: only a private file naming that origin).
-pub fn saved_key(api: &str) -> Option<String> {
+pub(crate) fn saved_key(api: &str) -> Option<String> {
     use std::os::unix::fs::{MetadataExt, PermissionsExt};
     let api = origin(api.trim());
     let path = saved_path(&api);
@@ -163,7 +163,7 @@ fn save(api: &str, key: &str) -> anyhow::Result<PathBuf> {
     Ok(path)
 }
 
-pub fn run(url: &str, computer: Option<String>, open_browser: bool) -> anyhow::Result<()> {
+pub(crate) fn run(url: &str, computer: Option<String>, open_browser: bool) -> anyhow::Result<()> {
     let api = origin(url.trim());
     let computer = computer.unwrap_or_else(computer_name);
     let (status, v) = request(

@@ -109,6 +109,13 @@ impl NetArgs {
         if let (Some(cert), Some(key)) = (&self.tls_cert, &self.tls_key) {
             c.tls = Some((cert.clone(), key.clone()));
         }
+        Ok(())
+    }
+
+    /// The egress proxy's settings: the default ones, with the test-only
+    /// host map and roots when given.
+    fn egress(&self) -> anyhow::Result<runtime_egress::EgressConfig> {
+        let mut e = runtime_egress::EgressConfig::default();
         for m in &self.egress_test_map {
             let (name, addr) = m
                 .split_once('=')
@@ -116,21 +123,19 @@ impl NetArgs {
             let addr: SocketAddr = addr
                 .parse()
                 .with_context(|| format!("--egress-test-map {m}: {addr} is not IP:PORT"))?;
-            c.egress.test_hosts.push((name.to_ascii_lowercase(), addr));
+            e.test_hosts.push((name.to_ascii_lowercase(), addr));
         }
         for path in &self.egress_test_root {
             let pem = std::fs::read_to_string(path)
                 .with_context(|| format!("reading {}", path.display()))?;
             let ders = pem_certificates(&pem);
             anyhow::ensure!(!ders.is_empty(), "{} holds no certificate", path.display());
-            c.egress
-                .extra_roots
-                .extend(ders.into_iter().map(Into::into));
+            e.extra_roots.extend(ders.into_iter().map(Into::into));
         }
-        if !c.egress.test_hosts.is_empty() || !c.egress.extra_roots.is_empty() {
+        if !e.test_hosts.is_empty() || !e.extra_roots.is_empty() {
             eprintln!("runtime: WARNING: test-only egress settings are on (--egress-test-*)");
         }
-        Ok(())
+        Ok(e)
     }
 }
 
@@ -385,6 +390,7 @@ async fn serve(
         accel,
         boot_timeout: Duration::from_secs(boot_timeout),
         templates,
+        egress: net.egress()?,
     };
     if accel == Accel::Kvm {
         match probe_boot(qemu_cfg.clone()).await {

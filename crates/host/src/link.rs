@@ -146,27 +146,27 @@ impl Drop for Stream {
 impl Stream {
     /// This stream (a tunnel) is finished: what the guest still sends on it
     /// is dropped.
-    pub fn ended(&self) {
+    pub(crate) fn ended(&self) {
         if let Ok(mut e) = self.link.ended.lock() {
             e.add(self.id);
         }
     }
 
-    pub fn send(&self, req: &Request) -> Result<(), LinkError> {
+    pub(crate) fn send(&self, req: &Request) -> Result<(), LinkError> {
         self.sender().send(req)
     }
 
-    pub fn send_data(&self, bytes: &[u8]) -> Result<(), LinkError> {
+    pub(crate) fn send_data(&self, bytes: &[u8]) -> Result<(), LinkError> {
         self.sender().send_data(bytes)
     }
 
     /// The next reply, skipping nothing; `None` if the link closed.
-    pub async fn recv(&mut self) -> Option<Incoming> {
+    pub(crate) async fn recv(&mut self) -> Option<Incoming> {
         self.rx.recv().await
     }
 
     /// The next control reply (data frames are not expected here).
-    pub async fn reply(&mut self) -> Result<Reply, LinkError> {
+    pub(crate) async fn reply(&mut self) -> Result<Reply, LinkError> {
         loop {
             match self.rx.recv().await {
                 Some(Incoming::Reply(r)) => return Ok(r),
@@ -177,7 +177,7 @@ impl Stream {
     }
 
     /// A handle that can send on this stream from another task.
-    pub fn sender(&self) -> StreamSender {
+    pub(crate) fn sender(&self) -> StreamSender {
         StreamSender {
             id: self.id,
             link: self.link.clone(),
@@ -193,17 +193,17 @@ pub(crate) struct StreamSender {
 
 impl StreamSender {
     /// As [`Stream::ended`].
-    pub fn ended(&self) {
+    pub(crate) fn ended(&self) {
         if let Ok(mut e) = self.link.ended.lock() {
             e.add(self.id);
         }
     }
 
-    pub fn send(&self, req: &Request) -> Result<(), LinkError> {
+    pub(crate) fn send(&self, req: &Request) -> Result<(), LinkError> {
         self.link
             .send_frame(Frame::control(self.id, req).map_err(LinkError::Encode)?)
     }
-    pub fn send_data(&self, bytes: &[u8]) -> Result<(), LinkError> {
+    pub(crate) fn send_data(&self, bytes: &[u8]) -> Result<(), LinkError> {
         for piece in bytes.chunks(MAX_PAYLOAD) {
             let frame =
                 Frame::data(self.id, channel::INPUT, piece.to_vec()).map_err(LinkError::Encode)?;
@@ -217,7 +217,7 @@ impl Link {
     /// Connects to the agent socket and completes the handshake, resending
     /// Hello until it is answered: the first frames after a (re)connect can be
     /// lost on virtio-serial.
-    pub async fn connect(
+    pub(crate) async fn connect(
         sock: &Path,
         timeout: Duration,
         acceptor: Option<Acceptor>,
@@ -230,7 +230,7 @@ impl Link {
 
     /// The handshake on a socket already connected (a restore connects
     /// before the vCPUs run, so the agent never writes to nobody).
-    pub async fn over(
+    pub(crate) async fn over(
         stream: UnixStream,
         timeout: Duration,
         acceptor: Option<Acceptor>,
@@ -417,7 +417,7 @@ impl Link {
         self.writer.send(buf).map_err(|_| LinkError::Closed)
     }
 
-    pub fn open(&self) -> Result<Stream, LinkError> {
+    pub(crate) fn open(&self) -> Result<Stream, LinkError> {
         if self.closed.is_cancelled() {
             return Err(LinkError::Closed);
         }
@@ -448,7 +448,7 @@ impl Link {
 
     /// A stream with a given id: one opened by an earlier connection whose
     /// process still runs in the guest.
-    pub fn open_at(&self, id: u32) -> Result<Stream, LinkError> {
+    pub(crate) fn open_at(&self, id: u32) -> Result<Stream, LinkError> {
         if self.closed.is_cancelled() || id == 0 {
             return Err(LinkError::Closed);
         }
@@ -472,23 +472,23 @@ impl Link {
     }
 
     /// One request, one reply.
-    pub async fn call(&self, req: &Request) -> Result<Reply, LinkError> {
+    pub(crate) async fn call(&self, req: &Request) -> Result<Reply, LinkError> {
         let mut s = self.open()?;
         s.send(req)?;
         s.reply().await
     }
 
-    pub fn is_closed(&self) -> bool {
+    pub(crate) fn is_closed(&self) -> bool {
         self.closed.is_cancelled()
     }
 
-    pub fn close(&self) {
+    pub(crate) fn close(&self) {
         self.closed.cancel();
     }
 
     /// Lets the agent's held output flow again after a quiesce (a `Hello` of
     /// this same session, so tunnels go on; its answer goes nowhere).
-    pub fn release(&self) {
+    pub(crate) fn release(&self) {
         let hello = Request::Hello {
             version: VERSION,
             session: self.session,
@@ -500,7 +500,7 @@ impl Link {
 
     /// Waits (bounded) until the reader has seen the end of the socket, so
     /// every frame the peer wrote before it went away has been delivered.
-    pub async fn drained(&self, timeout: Duration) {
+    pub(crate) async fn drained(&self, timeout: Duration) {
         let _ = tokio::time::timeout(timeout, self.closed.cancelled()).await;
     }
 }

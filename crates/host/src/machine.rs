@@ -1,25 +1,27 @@
 //! [`QemuHost`]: the [`Host`] trait on QEMU microVMs.
 
 use std::collections::HashMap;
-use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use async_trait::async_trait;
-use runtime_proto::{
-    channel, Entry, EntryType, ExecRequest, FailCode, PtySize, Reply, Request, User,
-};
-use tokio::sync::mpsc;
+use runtime_proto::{Reply, Request};
 
 use crate::artifacts::Artifacts;
+use crate::capture::CaptureFailed;
 use crate::cgroup::{self, Layout};
-use crate::link::{Acceptor, Incoming, Link, LinkError};
-use crate::qemu::{self, Accel, VmConfig, VmPaths};
-use crate::qmp::{Qmp, QmpError};
+use crate::convert::{exec_request, file_op_result, file_request, guest_err, user};
+use crate::disks::copy_sparse;
+use crate::guest_setup::{mount_volumes, sync_guest};
+use crate::link::{Acceptor, Incoming, Link};
+use crate::network::Networks;
+use crate::pump::{self, pump};
+use crate::qemu::{self, Accel, VmPaths};
+use crate::ram::{self, RamPlan};
 use crate::tunnel::{self, Slot};
 use crate::types::*;
-use serde_json::json;
+use crate::uid;
 
 /// How a [`QemuHost`] runs its machines.
 #[derive(Debug, Clone)]
@@ -34,29 +36,23 @@ pub struct QemuConfig {
     /// Start sandboxes by restoring a pre-booted template of their shape
     /// (built in the background after the first boot of that shape).
     pub templates: bool,
+    /// The egress proxy of this host's guests (its test-only host map among
+    /// its settings).
+    pub egress: runtime_egress::EgressConfig,
 }
 
-/// Which RAM a machine about to start gets (see [`qemu::Ram`]).
-enum RamPlan<'a> {
-    /// A file of its own, empty or filled with a copy of this RAM file.
-    Own { fill: Option<&'a Path> },
-    /// A private mapping of a fork's frozen RAM file.
-    CopyOf(&'a Path),
-    /// Anonymous memory, for a state that holds the whole memory.
-    Anon,
-}
-
-struct Vm {
-    paths: VmPaths,
-    pid: u32,
-    link: tokio::sync::Mutex<Option<Link>>,
+/// A running machine: its QEMU and the link to its agent.
+pub(crate) struct Vm {
+    pub(crate) paths: VmPaths,
+    pub(crate) pid: u32,
+    pub(crate) link: tokio::sync::Mutex<Option<Link>>,
     /// It has volume drives: what the guest wrote to them is flushed before
     /// the machine is paused or ended, so it never lives only in its memory.
-    volumes: bool,
+    pub(crate) volumes: bool,
     /// Its own RAM file (mapped shared), or `None`: a fork's copy (a private
     /// mapping of its source's frozen file) or anonymous memory. Only a
     /// machine with its own file is captured without its RAM in the state.
-    ram: Option<PathBuf>,
+    pub(crate) ram: Option<PathBuf>,
 }
 
 impl Drop for Vm {
@@ -74,164 +70,47 @@ impl Drop for Vm {
 /// Cheap to clone: clones share their machines.
 #[derive(Clone)]
 pub struct QemuHost {
-    cfg: Arc<QemuConfig>,
-    /// Guests' RAM files: tmpfs where the host has one (see [`ram_dir`]).
-    ram_dir: Arc<PathBuf>,
-    cgroups: Layout,
-    vms: Arc<Mutex<HashMap<String, Arc<Vm>>>>,
+    pub(crate) cfg: Arc<QemuConfig>,
+    /// Guests' RAM files: tmpfs where the host has one (see `ram::choose_dir`).
+    pub(crate) ram_dir: Arc<PathBuf>,
+    pub(crate) cgroups: Layout,
+    pub(crate) vms: Arc<Mutex<HashMap<String, Arc<Vm>>>>,
     /// Template keys being built now.
-    building: Arc<Mutex<std::collections::HashSet<String>>>,
-    /// Receives the guests' outbound connections ([`Host::set_outbound`]).
-    outbound: Arc<Mutex<Option<Arc<dyn Outbound>>>>,
+    pub(crate) building: Arc<Mutex<std::collections::HashSet<String>>>,
+    /// Each sandbox's network, as the egress proxy applies it.
+    pub(crate) networks: Arc<Networks>,
+    /// Receives the guests' outbound connections: the egress proxy
+    /// (`networks`), or a stand-in given to [`QemuHost::with_outbound`].
+    pub(crate) outbound: Arc<dyn Outbound>,
     /// Open tunnels per sandbox (both directions), for the cap.
-    tunnels: Arc<Mutex<HashMap<String, Arc<std::sync::atomic::AtomicUsize>>>>,
-}
-
-/// Picks KVM where it is real hardware virtualisation, TCG otherwise. A
-/// software KVM (PVM, as on nested cloud machines) crashes stock guest
-/// kernels, so it counts as no KVM.
-pub fn choose_accel() -> (Accel, String) {
-    if !Path::new("/dev/kvm").exists() {
-        return (Accel::Tcg, "no /dev/kvm".into());
-    }
-    if Path::new("/sys/module/kvm_pvm").exists() {
-        return (Accel::Tcg, "/dev/kvm is the PVM software hypervisor".into());
-    }
-    match std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open("/dev/kvm")
-    {
-        Ok(_) => (Accel::Kvm, "/dev/kvm usable".into()),
-        Err(e) => (Accel::Tcg, format!("/dev/kvm not usable: {e}")),
-    }
-}
-
-/// Boots a throwaway machine with `cfg` (its accelerator, a short timeout)
-/// and ends it: `Ok` when its agent answered. `serve` uses it to keep KVM
-/// only where a guest really boots under it.
-pub async fn probe_boot(cfg: QemuConfig) -> Result<Duration, HostError> {
-    let state = cfg.state_dir.join("probe");
-    let host = QemuHost::new(QemuConfig {
-        state_dir: state.clone(),
-        boot_timeout: Duration::from_secs(30),
-        ..cfg
-    })
-    .map_err(|source| HostError::Io {
-        id: "probe".into(),
-        op: "probe dir",
-        source,
-    })?;
-    let spec = MachineSpec {
-        id: "probe".into(),
-        vcpu: 1,
-        memory_mib: 256,
-        disk_mib: 3072,
-        hostname: "probe".into(),
-        guest_ca_pem: None,
-        volumes: Vec::new(),
-        image: None,
-        no_template: false,
-    };
-    let started = Instant::now();
-    let r = host.start(&spec).await;
-    let _ = host.destroy("probe").await;
-    let _ = std::fs::remove_dir_all(state);
-    r.map(|_| started.elapsed())
-}
-
-/// The first ancestor directory of `p` that others cannot traverse.
-fn unreachable_ancestor(p: &Path) -> Option<PathBuf> {
-    use std::os::unix::fs::PermissionsExt;
-    let mut dir = p.parent();
-    while let Some(d) = dir {
-        if let Ok(m) = std::fs::metadata(d) {
-            if m.permissions().mode() & 0o001 == 0 {
-                return Some(d.to_owned());
-            }
-        }
-        dir = d.parent();
-    }
-    None
-}
-
-/// A uid/gid of its own for each VM's QEMU, when the server runs as root.
-fn vm_uid(id: &str) -> Option<(u32, u32)> {
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
-        return None;
-    }
-    let mut h: u32 = 2166136261;
-    for b in id.bytes() {
-        h = (h ^ u32::from(b)).wrapping_mul(16777619);
-    }
-    let uid = 2_000_000_000 + (h % 100_000_000);
-    Some((uid, uid))
-}
-
-fn failure(code: FailCode) -> GuestFailure {
-    match code {
-        FailCode::FileNotFound => GuestFailure::FileNotFound,
-        FailCode::IsADirectory => GuestFailure::IsADirectory,
-        FailCode::NotADirectory => GuestFailure::NotADirectory,
-        FailCode::PermissionDenied => GuestFailure::PermissionDenied,
-        FailCode::AlreadyExists => GuestFailure::AlreadyExists,
-        FailCode::DirectoryNotEmpty => GuestFailure::DirectoryNotEmpty,
-        FailCode::InvalidPath => GuestFailure::InvalidPath,
-        FailCode::CommandNotFound => GuestFailure::CommandNotFound,
-        FailCode::BadRequest => GuestFailure::BadRequest,
-        FailCode::Io => GuestFailure::Io,
-        FailCode::ConnectionRefused => GuestFailure::ConnectionRefused,
-    }
-}
-
-fn user(u: RunAs) -> User {
-    match u {
-        RunAs::Sandbox => User::Sandbox,
-        RunAs::Root => User::Root,
-    }
-}
-
-fn entry(e: Entry) -> FileEntry {
-    FileEntry {
-        name: e.name,
-        path: e.path,
-        kind: match e.kind {
-            EntryType::File => EntryKind::File,
-            EntryType::Directory => EntryKind::Directory,
-            EntryType::Symlink => EntryKind::Symlink,
-            EntryType::Other => EntryKind::Other,
-        },
-        size: e.size,
-        mode: e.mode,
-        modified: e.modified,
-    }
+    pub(crate) tunnels: Arc<Mutex<HashMap<String, Arc<std::sync::atomic::AtomicUsize>>>>,
 }
 
 impl QemuHost {
     pub fn new(cfg: QemuConfig) -> std::io::Result<QemuHost> {
+        let networks = Arc::new(Networks::new(cfg.egress.clone()));
+        Self::build(cfg, Arc::clone(&networks) as Arc<dyn Outbound>, networks)
+    }
+
+    /// A host whose guests' outbound connections go to `outbound` instead
+    /// of the egress proxy: for tests of the tunnels themselves.
+    pub fn with_outbound(
+        cfg: QemuConfig,
+        outbound: Arc<dyn Outbound>,
+    ) -> std::io::Result<QemuHost> {
+        let networks = Arc::new(Networks::new(cfg.egress.clone()));
+        Self::build(cfg, outbound, networks)
+    }
+
+    fn build(
+        cfg: QemuConfig,
+        outbound: Arc<dyn Outbound>,
+        networks: Arc<Networks>,
+    ) -> std::io::Result<QemuHost> {
         std::fs::create_dir_all(&cfg.state_dir)?;
-        // SAFETY: geteuid has no preconditions.
-        if unsafe { libc::geteuid() } == 0 {
-            // QEMU drops to a uid of its own and reopens its disks by path
-            // after a migration (pause, fork): it must reach them.
-            use std::os::unix::fs::PermissionsExt;
-            std::fs::set_permissions(&cfg.state_dir, std::fs::Permissions::from_mode(0o711))?;
-            for p in [&cfg.state_dir, &cfg.artifacts.base] {
-                if let Some(dir) = unreachable_ancestor(p) {
-                    return Err(std::io::Error::other(format!(
-                        "{} is not reachable by other users (no o+x), but QEMU runs as an unprivileged \
-                         user and must reach {}: choose a data or cache directory outside a private home \
-                         (the defaults for root are /var/lib/runtime and /var/cache/runtime), or chmod o+x {}",
-                        dir.display(),
-                        p.display(),
-                        dir.display()
-                    )));
-                }
-            }
-        }
+        uid::let_qemu_reach(&cfg)?;
         let cgroups = cgroup::detect();
-        let ram = ram_dir(&cfg.state_dir);
+        let ram = ram::choose_dir(&cfg.state_dir);
         std::fs::create_dir_all(&ram)?;
         {
             use std::os::unix::fs::PermissionsExt;
@@ -245,57 +124,19 @@ impl QemuHost {
             cgroups,
             vms: Arc::new(Mutex::new(HashMap::new())),
             building: Arc::new(Mutex::new(std::collections::HashSet::new())),
-            outbound: Arc::new(Mutex::new(None)),
+            networks,
+            outbound,
             tunnels: Arc::default(),
         };
         host.drop_stale_templates();
+        host.drop_stale_machines();
         host.drop_stale_ram();
         Ok(host)
-    }
-
-    /// The RAM file a machine maps shared (its own memory).
-    fn own_ram(&self, id: &str) -> PathBuf {
-        self.ram_dir.join(format!("{id}.ram"))
-    }
-
-    /// Where forks keep their capture while the copies start: on the disk
-    /// of the data directory, not the memory file system. A copy that is
-    /// itself captured later reads its whole memory, which in a file on
-    /// tmpfs would allocate (and hold) every page never written; in the
-    /// page cache of a disk file those are clean and reclaimable.
-    fn forks_dir(&self) -> PathBuf {
-        self.cfg.state_dir.join(".forks")
     }
 
     /// The directory of the guests' RAM files.
     pub fn ram_dir(&self) -> &Path {
         &self.ram_dir
-    }
-
-    /// RAM files of machines that no longer run (a crash of the server, a
-    /// killed QEMU), and the captures of forks cut short, would hold host
-    /// memory and disk for nothing.
-    fn drop_stale_ram(&self) {
-        if let Ok(forks) = std::fs::read_dir(self.forks_dir()) {
-            for f in forks.flatten() {
-                let _ = std::fs::remove_dir_all(f.path());
-            }
-        }
-        let Ok(entries) = std::fs::read_dir(&*self.ram_dir) else {
-            return;
-        };
-        for e in entries.flatten() {
-            let name = e.file_name().to_string_lossy().into_owned();
-            let Some(id) = name.strip_suffix(".ram") else {
-                continue;
-            };
-            let paths = self.paths(id);
-            let alive =
-                qemu::read_pid(&paths).is_some_and(|pid| qemu::is_our_qemu(pid, &paths.dir));
-            if !alive {
-                let _ = std::fs::remove_file(e.path());
-            }
-        }
     }
 
     fn tunnel_count(&self, id: &str) -> Arc<std::sync::atomic::AtomicUsize> {
@@ -304,118 +145,27 @@ impl QemuHost {
     }
 
     /// Hands the guest's outbound connections of sandbox `id` to the
-    /// [`Outbound`] handler set now (refused without one, or beyond the cap).
-    fn acceptor(&self, id: &str) -> Acceptor {
+    /// [`Outbound`] handler (refused beyond the cap).
+    pub(crate) fn acceptor(&self, id: &str) -> Acceptor {
         let outbound = Arc::clone(&self.outbound);
         let count = self.tunnel_count(id);
         let sandbox = id.to_owned();
-        Arc::new(move |stream: crate::link::Stream| {
-            let handler = outbound.lock().unwrap_or_else(|e| e.into_inner()).clone();
-            match (handler, Slot::take(&count)) {
-                (Some(handler), Some(slot)) => {
-                    handler.accept(&sandbox, tunnel::start(stream, slot))
-                }
-                (handler, _) => {
-                    if handler.is_some() {
-                        tracing::warn!(sandbox_id = %sandbox, "too many connections: refusing an outbound one");
-                    }
+        Arc::new(
+            move |stream: crate::link::Stream| match Slot::take(&count) {
+                Some(slot) => outbound.accept(&sandbox, tunnel::start(stream, slot)),
+                None => {
+                    tracing::warn!(sandbox_id = %sandbox, "too many connections: refusing an outbound one");
                     let _ = stream.send(&Request::Close);
                 }
-            }
-        })
-    }
-
-    fn templates_dir(&self) -> PathBuf {
-        self.cfg.state_dir.join(".templates")
-    }
-
-    /// Templates are keyed by the artifacts (kernel, image, agent) and the
-    /// machine's shape: a restore needs exactly the machine it was taken on.
-    fn template_key(&self, spec: &MachineSpec) -> String {
-        let image = match &spec.image {
-            Some(i) => format!("-img-{}", i.key),
-            None => String::new(),
-        };
-        // `r2`: the RAM is a backend named `ram`, the template's a file
-        // beside a state without it (captures made before are of another
-        // machine and never restored).
-        format!(
-            "{}-{}-r2-{}c-{}m-{}d{image}",
-            self.cfg.artifacts.key,
-            qemu::cpu_model(self.cfg.accel),
-            spec.vcpu,
-            spec.memory_mib,
-            spec.disk_mib
+            },
         )
     }
 
-    fn drop_stale_templates(&self) {
-        let Ok(entries) = std::fs::read_dir(self.templates_dir()) else {
-            return;
-        };
-        let prefix = format!("{}-", self.cfg.artifacts.key);
-        for e in entries.flatten() {
-            let name = e.file_name().to_string_lossy().into_owned();
-            if !name.starts_with(&prefix) || name.ends_with(".partial") {
-                let _ = std::fs::remove_dir_all(e.path());
-            }
-        }
-    }
-
-    /// Boots a machine of this shape, captures it (memory and disk) once its
-    /// agent answers, and keeps that as the shape's template.
-    async fn build_template(&self, key: String, shape: MachineSpec) -> Result<(), HostError> {
-        let dir = self.templates_dir().join(&key);
-        let partial = self.templates_dir().join(format!("{key}.partial"));
-        // Unique per key (shapes of one image differ only in the middle).
-        let id = {
-            use std::hash::{Hash, Hasher};
-            let mut h = std::collections::hash_map::DefaultHasher::new();
-            key.hash(&mut h);
-            format!("template-{:016x}", h.finish())
-        };
-        // The template is shared: no sandbox's CA (each start installs its own).
-        let spec = MachineSpec {
-            id: id.clone(),
-            hostname: "sandbox".into(),
-            guest_ca_pem: None,
-            volumes: Vec::new(),
-            ..shape
-        };
-        let started = Instant::now();
-        let vm = self.boot(&spec).await?;
-        let result = async {
-            let _ = std::fs::remove_dir_all(&partial);
-            std::fs::create_dir_all(&partial).map_err(Self::io(&id, "create template dir"))?;
-            let file = self.capture_stopped(&id, &vm).await?;
-            if let Some(ram) = &vm.ram {
-                copy_ram(ram, &partial.join("memory.ram"))
-                    .await
-                    .map_err(Self::io(&id, "keep template memory"))?;
-            }
-            std::fs::rename(&file, partial.join("memory.state"))
-                .map_err(Self::io(&id, "keep template"))?;
-            copy_sparse(&vm.paths.overlay(), &partial.join("disk.qcow2"))
-                .await
-                .map_err(Self::io(&id, "copy template disk"))?;
-            std::fs::rename(&partial, &dir).map_err(Self::io(&id, "keep template"))
-        }
-        .await;
-        self.end_vm(&id, &vm).await;
-        let _ = std::fs::remove_dir_all(&vm.paths.dir);
-        if result.is_err() {
-            let _ = std::fs::remove_dir_all(&partial);
-        } else {
-            tracing::info!(template = %key, ms = started.elapsed().as_millis() as u64, "template ready");
-        }
-        result
-    }
-
-    fn paths(&self, id: &str) -> VmPaths {
+    pub(crate) fn paths(&self, id: &str) -> VmPaths {
         VmPaths::new(self.cfg.state_dir.join(id))
     }
 
-    fn vm(&self, id: &str) -> Result<Arc<Vm>, HostError> {
+    pub(crate) fn vm(&self, id: &str) -> Result<Arc<Vm>, HostError> {
         self.vms
             .lock()
             .ok()
@@ -424,7 +174,7 @@ impl QemuHost {
     }
 
     /// The VM's link, reconnecting if it dropped (QEMU keeps the socket).
-    async fn link(&self, id: &str) -> Result<Link, HostError> {
+    pub(crate) async fn link(&self, id: &str) -> Result<Link, HostError> {
         let vm = self.vm(id)?;
         let mut guard = vm.link.lock().await;
         if let Some(l) = guard.as_ref() {
@@ -446,7 +196,10 @@ impl QemuHost {
         Ok(l)
     }
 
-    fn io<'a>(id: &'a str, op: &'static str) -> impl FnOnce(std::io::Error) -> HostError + 'a {
+    pub(crate) fn io<'a>(
+        id: &'a str,
+        op: &'static str,
+    ) -> impl FnOnce(std::io::Error) -> HostError + 'a {
         move |source| HostError::Io {
             id: id.to_owned(),
             op,
@@ -454,7 +207,7 @@ impl QemuHost {
         }
     }
 
-    fn start_failed(&self, id: &str, stage: BootStage, reason: String) -> HostError {
+    pub(crate) fn start_failed(&self, id: &str, stage: BootStage, reason: String) -> HostError {
         let paths = self.paths(id);
         let mut tail = qemu::console_tail(&paths, 4096);
         if let Ok(q) = std::fs::read_to_string(paths.qemu_log()) {
@@ -471,802 +224,70 @@ impl QemuHost {
         }
     }
 
-    /// A fresh VM directory (owned by the VM's uid, so QEMU can write its
-    /// captures there) with an empty overlay on the base image.
-    async fn fresh_dir(&self, spec: &MachineSpec) -> Result<VmPaths, HostError> {
-        let id = spec.id.as_str();
-        let paths = self.paths(id);
-        let _ = std::fs::remove_dir_all(&paths.dir);
-        std::fs::create_dir_all(&paths.dir).map_err(Self::io(id, "create vm dir"))?;
-        if let Some((uid, gid)) = vm_uid(id) {
-            std::os::unix::fs::chown(&paths.dir, Some(uid), Some(gid))
-                .map_err(Self::io(id, "chown vm dir"))?;
-        }
-        Ok(paths)
-    }
-
-    async fn new_overlay(&self, spec: &MachineSpec, paths: &VmPaths) -> Result<(), HostError> {
-        let id = spec.id.as_str();
-        let out = tokio::process::Command::new("qemu-img")
-            .args(["create", "-q", "-f", "qcow2", "-F", "qcow2", "-b"])
-            .arg(
-                spec.image
-                    .as_ref()
-                    .map_or(&self.cfg.artifacts.base, |i| &i.disk),
-            )
-            .arg(paths.overlay())
-            .arg(format!("{}M", spec.disk_mib))
-            .output()
-            .await
-            .map_err(Self::io(id, "create overlay"))?;
-        if !out.status.success() {
-            return Err(self.start_failed(
-                id,
-                BootStage::Disk,
-                format!("qemu-img: {}", String::from_utf8_lossy(&out.stderr).trim()),
-            ));
-        }
-        Ok(())
-    }
-
-    async fn boot(&self, spec: &MachineSpec) -> Result<Arc<Vm>, HostError> {
-        let paths = self.fresh_dir(spec).await?;
-        self.new_overlay(spec, &paths).await?;
-        self.copy_snapshot_volumes(spec, &paths).await?;
-        let vm = self
-            .launch(spec, paths, None, RamPlan::Own { fill: None })
-            .await?;
-        if let Err(e) = mount_volumes(&vm, spec).await {
-            self.end_vm(&spec.id, &vm).await;
-            return Err(e);
-        }
-        Ok(vm)
-    }
-
-    /// Each `snapshot` volume's own sparse copy, in the VM's directory: the
-    /// copy-on-write view the machine writes to and that goes with it.
-    async fn copy_snapshot_volumes(
-        &self,
-        spec: &MachineSpec,
-        paths: &VmPaths,
-    ) -> Result<(), HostError> {
-        let id = spec.id.as_str();
-        for (i, v) in spec.volumes.iter().enumerate() {
-            if v.snapshot {
-                copy_sparse(&v.file, &paths.volume_copy(i))
-                    .await
-                    .map_err(|e| {
-                        self.start_failed(id, BootStage::Disk, format!("copy of volume: {e}"))
-                    })?;
-            }
-        }
-        Ok(())
-    }
-
-    /// Starts QEMU in `paths` (its disk already there), either booting or
-    /// loading the state in `incoming`, and returns once the agent answered.
-    /// `ram` says where its RAM lives; with a file, `incoming` holds no RAM.
-    async fn launch(
-        &self,
-        spec: &MachineSpec,
-        paths: VmPaths,
-        incoming: Option<std::fs::File>,
-        plan: RamPlan<'_>,
-    ) -> Result<Arc<Vm>, HostError> {
-        use std::os::fd::AsRawFd;
-        let id = spec.id.as_str();
-        let own = self.own_ram(id);
-        // A file left by an earlier QEMU of this id (before a pause) would
-        // hand its old contents to a new boot.
-        let _ = std::fs::remove_file(&own);
-        let owns = matches!(plan, RamPlan::Own { .. });
-        // Whatever fails from here, the RAM file goes with the machine.
-        struct RamGuard<'a>(Option<&'a Path>);
-        impl Drop for RamGuard<'_> {
-            fn drop(&mut self) {
-                if let Some(f) = self.0 {
-                    let _ = std::fs::remove_file(f);
-                }
-            }
-        }
-        let mut ram_guard = RamGuard(owns.then_some(own.as_path()));
-        let ram = match plan {
-            RamPlan::Own { fill } => {
-                if let Some(from) = fill {
-                    copy_ram(from, &own).await.map_err(|e| {
-                        self.start_failed(id, BootStage::Restore, format!("copy of memory: {e}"))
-                    })?;
-                }
-                qemu::Ram::Own(&own)
-            }
-            RamPlan::CopyOf(file) => qemu::Ram::CopyOf(file),
-            RamPlan::Anon => qemu::Ram::Anon,
-        };
-        if let Some((uid, gid)) = vm_uid(id) {
-            // QEMU reopens its disk as its own uid after a migration.
-            std::os::unix::fs::chown(paths.overlay(), Some(uid), Some(gid))
-                .map_err(Self::io(id, "chown disk"))?;
-            for file in drive_files(spec, &paths) {
-                std::os::unix::fs::chown(&file, Some(uid), Some(gid))
-                    .map_err(Self::io(id, "chown volume"))?;
-            }
-        }
-        let volumes = drive_files(spec, &paths);
-        let cfg = VmConfig {
-            qemu: &self.cfg.qemu_binary,
-            kernel: &self.cfg.artifacts.kernel,
-            initrd: &self.cfg.artifacts.initrd,
-            accel: self.cfg.accel,
-            vcpu: spec.vcpu,
-            memory_mib: spec.memory_mib,
-            paths: &paths,
-            run_as: vm_uid(id),
-            incoming: incoming.as_ref().map(|f| f.as_raw_fd()),
-            volumes: &volumes,
-            ram,
-        };
-        // Sockets of an earlier QEMU (before a pause) must not pass for ours.
-        let _ = std::fs::remove_file(paths.agent_sock());
-        let _ = std::fs::remove_file(paths.qmp_sock());
-        let started = Instant::now();
-        let pid = qemu::spawn(&cfg)
-            .map_err(|e| self.start_failed(id, BootStage::Spawn, e.to_string()))?;
-        drop(incoming);
-        let limits = cgroup::Limits {
-            memory_mib: spec.memory_mib,
-            vcpu: spec.vcpu,
-        };
-        if let Err(error) = cgroup::place(self.cgroups, id, pid, &limits) {
-            tracing::warn!(sandbox_id = id, %error, "could not place QEMU in a cgroup");
-        }
-        tracing::info!(
-            sandbox_id = id,
-            pid,
-            restore = cfg.incoming.is_some(),
-            "launching"
-        );
-        // The sockets appear once QEMU has parsed its options.
-        let sock = paths.agent_sock();
-        while !sock.exists() || !paths.qmp_sock().exists() {
-            if !qemu::is_our_qemu(pid, &paths.dir) {
-                return Err(self.start_failed(
-                    id,
-                    BootStage::Spawn,
-                    "QEMU exited during start-up".into(),
-                ));
-            }
-            if started.elapsed() > Duration::from_secs(10) {
-                qemu::kill(pid).await;
-                return Err(self.start_failed(
-                    id,
-                    BootStage::Spawn,
-                    "QEMU did not open its sockets".into(),
-                ));
-            }
-            tokio::time::sleep(Duration::from_millis(2)).await;
-        }
-        let mut early = None;
-        if cfg.incoming.is_some() {
-            // Connected while the vCPUs are stopped: whatever the agent
-            // sends right after the restore has somewhere to go.
-            early = Some(
-                tokio::net::UnixStream::connect(&sock)
-                    .await
-                    .map_err(|e| self.start_failed(id, BootStage::Restore, e.to_string()))?,
-            );
-            if cfg.ram.file_backed() {
-                if let Err(e) = load_without_ram(&paths).await {
-                    qemu::kill(pid).await;
-                    return Err(self.start_failed(id, BootStage::Restore, e.to_string()));
-                }
-            }
-            if let Err(e) = resume_loaded(&paths).await {
-                qemu::kill(pid).await;
-                return Err(self.start_failed(id, BootStage::Restore, e.to_string()));
-            }
-            tracing::info!(
-                sandbox_id = id,
-                ms = started.elapsed().as_millis() as u64,
-                "state loaded"
-            );
-        }
-        let remaining = self.cfg.boot_timeout.saturating_sub(started.elapsed());
-        let connect = async {
-            let acceptor = Some(self.acceptor(id));
-            match early {
-                Some(stream) => Link::over(stream, remaining, acceptor).await,
-                None => Link::connect(&sock, remaining, acceptor).await,
-            }
-        };
-        tokio::pin!(connect);
-        let link = loop {
-            tokio::select! {
-                r = &mut connect => match r {
-                    Ok((link, _hello)) => break link,
-                    Err(e) => {
-                        qemu::kill(pid).await;
-                        let stage = if qemu::console_tail(&paths, 1 << 20).contains("agent: ") {
-                            BootStage::Agent
-                        } else {
-                            BootStage::Kernel
-                        };
-                        return Err(self.start_failed(id, stage, format!("no answer from the agent: {e}")));
-                    }
-                },
-                _ = tokio::time::sleep(Duration::from_millis(100)) => {
-                    if !qemu::is_our_qemu(pid, &paths.dir) {
-                        return Err(self.start_failed(id, BootStage::Kernel, "QEMU exited before the agent answered".into()));
-                    }
-                }
-            }
-        };
-        tracing::info!(
-            sandbox_id = id,
-            ms = started.elapsed().as_millis() as u64,
-            "agent ready"
-        );
-        let vm = Arc::new(Vm {
-            paths,
-            pid,
-            link: tokio::sync::Mutex::new(Some(link.clone())),
-            volumes: !spec.volumes.is_empty(),
-            ram: owns.then(|| own.clone()),
-        });
-        if let Err(e) = setup(&link, &spec.hostname, spec.guest_ca_pem.as_deref()).await {
-            qemu::kill(pid).await;
-            return Err(self.start_failed(id, BootStage::Agent, e.to_string()));
-        }
-        ram_guard.0 = None;
-        tracing::info!(
-            sandbox_id = id,
-            ms = started.elapsed().as_millis() as u64,
-            "set up"
-        );
-        Ok(vm)
-    }
-
-    /// Stops the VM's vCPUs and writes its device state to
-    /// `<vm dir>/capture.state`; the VM stays stopped (QEMU alive). A
-    /// machine with its own RAM file is saved without its RAM (reading it
-    /// would allocate every page of the file): the caller copies the file
-    /// while the machine is stopped. Any other machine's state holds its
-    /// whole memory.
-    async fn capture_stopped(&self, id: &str, vm: &Vm) -> Result<PathBuf, HostError> {
-        let qerr = |e: QmpError| HostError::Capture {
-            id: id.to_owned(),
-            reason: e.to_string(),
-        };
-        let started = Instant::now();
-        // The agent finishes writing what it queued and holds the rest, so
-        // no frame is half-way through the port when the vCPUs stop.
-        let link = vm.link.lock().await.clone();
-        if let Some(l) = &link {
-            let _ = tokio::time::timeout(Duration::from_secs(5), l.call(&Request::Quiesce)).await;
-        }
-        let mut q = Qmp::connect(&vm.paths.qmp_sock(), Duration::from_secs(10))
-            .await
-            .map_err(qerr)?;
-        q.execute("stop", json!({})).await.map_err(qerr)?;
-        let file = vm.paths.capture_state();
-        let written = async {
-            // Set each time: QEMU keeps capabilities from one migration to
-            // the next.
-            q.execute(
-                "migrate-set-capabilities",
-                json!({"capabilities": [
-                    {"capability": "x-ignore-shared", "state": vm.ram.is_some()}
-                ]}),
-            )
-            .await
-            .map_err(qerr)?;
-            let _ = std::fs::remove_file(&file);
-            // Opened here and handed over: QEMU's own uid may not reach the
-            // data directory.
-            let out = std::fs::OpenOptions::new()
-                .write(true)
-                .create_new(true)
-                .mode(0o600)
-                .open(&file)
-                .map_err(Self::io(id, "create capture file"))?;
-            q.send_fd("capture", std::os::fd::AsRawFd::as_raw_fd(&out))
-                .await
-                .map_err(qerr)?;
-            q.execute("migrate", json!({"uri": "fd:capture"}))
-                .await
-                .map_err(qerr)?;
-            q.wait_migration(Duration::from_secs(300))
-                .await
-                .map_err(qerr)?;
-            Ok::<(), HostError>(())
-        }
-        .await;
-        if let Err(e) = written {
-            // Nothing is lost: the machine runs on.
-            let _ = q.execute("cont", json!({})).await;
-            if let Some(l) = &link {
-                l.release();
-            }
-            let _ = std::fs::remove_file(&file);
-            return Err(e);
-        }
-        tracing::info!(
-            sandbox_id = id,
-            ms = started.elapsed().as_millis() as u64,
-            "captured"
-        );
-        Ok(file)
-    }
-
-    async fn resume(&self, id: &str, vm: &Vm) -> Result<(), HostError> {
-        let qerr = |e: QmpError| HostError::Capture {
-            id: id.to_owned(),
-            reason: e.to_string(),
-        };
-        let mut q = Qmp::connect(&vm.paths.qmp_sock(), Duration::from_secs(10))
-            .await
-            .map_err(qerr)?;
-        q.execute("cont", json!({})).await.map_err(qerr)?;
-        if let Some(l) = vm.link.lock().await.as_ref() {
-            l.release();
-        }
-        Ok(())
-    }
-
-    async fn end_vm(&self, id: &str, vm: &Vm) {
-        let link = vm.link.lock().await.take();
-        qemu::kill(vm.pid).await;
-        if let Some(ram) = &vm.ram {
-            let _ = std::fs::remove_file(ram);
-        }
-        if let Some(l) = link {
-            // QEMU is gone: read what it had passed on before closing, so
-            // output written just before a pause is not lost.
-            l.drained(Duration::from_secs(2)).await;
-            l.close();
-        }
-        cgroup::remove(self.cgroups, id);
-    }
-
-    fn take_vm(&self, id: &str) -> Option<Arc<Vm>> {
+    pub(crate) fn take_vm(&self, id: &str) -> Option<Arc<Vm>> {
         self.vms.lock().ok().and_then(|mut m| m.remove(id))
     }
 
-    fn insert_vm(&self, id: &str, vm: Arc<Vm>) {
+    pub(crate) fn insert_vm(&self, id: &str, vm: Arc<Vm>) {
         if let Ok(mut m) = self.vms.lock() {
             m.insert(id.to_owned(), vm);
         }
     }
-}
 
-/// A fork's copy (`-incoming defer`): loads the state, which was saved
-/// without the RAM its file already holds.
-async fn load_without_ram(paths: &VmPaths) -> Result<(), QmpError> {
-    let mut q = Qmp::connect(&paths.qmp_sock(), Duration::from_secs(10)).await?;
-    q.execute(
-        "migrate-set-capabilities",
-        json!({"capabilities": [{"capability": "x-ignore-shared", "state": true}]}),
-    )
-    .await?;
-    q.execute("migrate-incoming", json!({"uri": qemu::INCOMING_URI}))
-        .await?;
-    Ok(())
-}
-
-/// After `-incoming`: waits for the state to load, then runs the vCPUs.
-async fn resume_loaded(paths: &VmPaths) -> Result<(), QmpError> {
-    let mut q = Qmp::connect(&paths.qmp_sock(), Duration::from_secs(10)).await?;
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(300);
-    loop {
-        let st = q.execute("query-status", json!({})).await?;
-        match st.get("status").and_then(|s| s.as_str()) {
-            Some("inmigrate") => {}
-            Some("running") => return Ok(()),
-            Some(_) => {
-                q.execute("cont", json!({})).await?;
-                return Ok(());
-            }
-            None => {}
-        }
-        if tokio::time::Instant::now() >= deadline {
-            return Err(QmpError::Timeout {
-                command: "incoming migration".into(),
-            });
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-}
-
-/// Turns an exec stream into an [`ExecHandle`]: guest frames become events,
-/// controls become frames.
-fn pump(stream: crate::link::Stream, pid: u32) -> ExecHandle {
-    pump_after(stream, pid, Vec::new())
-}
-
-/// [`pump`], with output that arrived before the reply that started it (an
-/// attach receives what the agent held across a pause first).
-fn pump_after(mut stream: crate::link::Stream, pid: u32, early: Vec<ExecEvent>) -> ExecHandle {
-    let token = u64::from(stream.id);
-    let (ev_tx, ev_rx) = mpsc::channel(64);
-    let (ctl_tx, mut ctl_rx) = mpsc::channel::<ExecControl>(64);
-    let sender = stream.sender();
-    tokio::spawn(async move {
-        for ev in early {
-            if ev_tx.send(ev).await.is_err() {
-                break;
+    /// Registers a machine that is up (set up, its volumes mounted): from
+    /// now on a crash of the server leaves it to be adopted, not ended.
+    pub(crate) fn register(&self, id: &str, vm: Arc<Vm>) {
+        let starting = vm.paths.starting();
+        self.insert_vm(id, vm);
+        if let Err(error) = std::fs::remove_file(&starting) {
+            if error.kind() != std::io::ErrorKind::NotFound {
+                tracing::warn!(sandbox_id = id, %error, "could not mark the machine started");
             }
         }
-        let mut ctl_open = true;
-        loop {
-            tokio::select! {
-                inc = stream.recv() => {
-                    let ev = match inc {
-                        Some(Incoming::Data { channel: channel::STDOUT, bytes }) => ExecEvent::Stdout(bytes),
-                        Some(Incoming::Data { channel: channel::STDERR, bytes }) => ExecEvent::Stderr(bytes),
-                        Some(Incoming::Data { .. }) => continue,
-                        Some(Incoming::Reply(Reply::Exited { exit_code, signal, timed_out, duration_ms, out_of_memory })) => {
-                            let _ = ev_tx.send(ExecEvent::Exited(ExitStatus { code: exit_code, signal, timed_out, duration_ms, out_of_memory })).await;
-                            break;
-                        }
-                        Some(Incoming::Reply(_)) => continue,
-                        None => break,
-                    };
-                    if ev_tx.send(ev).await.is_err() {
-                        // Nobody listens any more; keep draining so the
-                        // stream's route does not pile up.
-                        continue;
-                    }
-                }
-                ctl = ctl_rx.recv(), if ctl_open => {
-                    let r = match ctl {
-                        Some(ExecControl::Stdin(b)) => sender.send_data(&b),
-                        Some(ExecControl::CloseStdin) => sender.send(&Request::CloseStdin),
-                        Some(ExecControl::Signal(s)) => sender.send(&Request::Signal { signal: s }),
-                        Some(ExecControl::Resize(t)) => sender.send(&Request::Resize { size: PtySize { cols: t.cols, rows: t.rows } }),
-                        None => { ctl_open = false; Ok(()) }
-                    };
-                    if r.is_err() { break; }
-                }
-            }
-        }
-    });
-    ExecHandle {
-        pid,
-        token,
-        events: ev_rx,
-        control: ctl_tx,
-    }
-}
-
-/// The directory of the guests' RAM files. `RUNTIME_RAM_DIR` chooses it;
-/// otherwise `/dev/shm` (tmpfs: the pages are the memory itself, never
-/// written back to a disk), one directory per state directory so that
-/// servers side by side never meet. A `/dev/shm` smaller than half the
-/// host's memory (a container's default is 64 MiB) would end guests with
-/// SIGBUS once full: then a directory beside the state directory, where the
-/// files are ordinary files (the kernel writes their pages back to the disk
-/// now and then).
-fn ram_dir(state_dir: &Path) -> PathBuf {
-    use sha2::Digest;
-    if let Some(dir) = std::env::var_os("RUNTIME_RAM_DIR").filter(|d| !d.is_empty()) {
-        return PathBuf::from(dir);
-    }
-    let shm = Path::new("/dev/shm");
-    let room = statvfs_bytes(shm).unwrap_or(0);
-    if room < host_memory_bytes() / 2 {
-        tracing::warn!(
-            shm_bytes = room,
-            "/dev/shm is missing or small: guest RAM files go to the data directory's disk \
-             (set RUNTIME_RAM_DIR to a tmpfs to keep them in memory)"
-        );
-        return state_dir.join(".ram");
-    }
-    let abs = std::fs::canonicalize(state_dir).unwrap_or_else(|_| state_dir.to_owned());
-    let digest = sha2::Sha256::digest(abs.as_os_str().as_encoded_bytes());
-    shm.join(format!("runtime-{}", &hex::encode(digest)[..16]))
-}
-
-/// The size of the file system at `path`, in bytes.
-fn statvfs_bytes(path: &Path) -> Option<u64> {
-    use std::os::unix::ffi::OsStrExt;
-    let c = std::ffi::CString::new(path.as_os_str().as_bytes()).ok()?;
-    // SAFETY: a valid C string and a zeroed out-parameter.
-    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
-    // SAFETY: as above.
-    if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
-        return None;
-    }
-    Some(st.f_blocks.saturating_mul(st.f_frsize))
-}
-
-/// MemTotal of /proc/meminfo, in bytes.
-fn host_memory_bytes() -> u64 {
-    std::fs::read_to_string("/proc/meminfo")
-        .ok()
-        .and_then(|m| {
-            m.lines()
-                .find(|l| l.starts_with("MemTotal:"))
-                .and_then(|l| l.split_whitespace().nth(1))
-                .and_then(|kb| kb.parse::<u64>().ok())
-        })
-        .map_or(0, |kb| kb * 1024)
-}
-
-/// Copies a RAM file: only its data (the pages the guest touched), holes
-/// stay holes. `cp --sparse=always` would also look for zeros in the data,
-/// several times slower.
-async fn copy_ram(from: &Path, to: &Path) -> std::io::Result<()> {
-    let (from, to) = (from.to_owned(), to.to_owned());
-    tokio::task::spawn_blocking(move || {
-        use std::os::fd::AsRawFd;
-        use std::os::unix::fs::FileExt;
-        let src = std::fs::File::open(&from)?;
-        let len = src.metadata()?.len();
-        let dst = std::fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .open(&to)?;
-        dst.set_len(len)?;
-        let mut buf = vec![0u8; 4 << 20];
-        let mut at: u64 = 0;
-        while at < len {
-            // SAFETY: lseek on an open descriptor; no memory is involved.
-            let data = unsafe { libc::lseek(src.as_raw_fd(), at as libc::off_t, libc::SEEK_DATA) };
-            if data < 0 {
-                let e = std::io::Error::last_os_error();
-                if e.raw_os_error() == Some(libc::ENXIO) {
-                    break; // no data after `at`
-                }
-                return Err(e);
-            }
-            // SAFETY: as above.
-            let hole = unsafe { libc::lseek(src.as_raw_fd(), data, libc::SEEK_HOLE) };
-            if hole < 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            let (mut pos, end) = (data as u64, hole as u64);
-            while pos < end {
-                let n = buf.len().min((end - pos) as usize);
-                src.read_exact_at(&mut buf[..n], pos)?;
-                dst.write_all_at(&buf[..n], pos)?;
-                pos += n as u64;
-            }
-            at = end;
-        }
-        Ok(())
-    })
-    .await
-    .map_err(std::io::Error::other)?
-}
-
-/// Copies a disk image keeping its holes (and sharing extents where the
-/// file system can).
-async fn copy_sparse(from: &Path, to: &Path) -> std::io::Result<()> {
-    let st = tokio::process::Command::new("cp")
-        .args(["--sparse=always", "--reflink=auto"])
-        .arg(from)
-        .arg(to)
-        .status()
-        .await?;
-    if st.success() {
-        Ok(())
-    } else {
-        Err(std::io::Error::other(format!(
-            "cp {} failed: {st}",
-            from.display()
-        )))
-    }
-}
-
-/// The files QEMU opens as the volume drives, in the spec's order: the
-/// volume itself (`rw`) or the machine's copy of it (`snapshot`).
-fn drive_files(spec: &MachineSpec, paths: &VmPaths) -> Vec<PathBuf> {
-    spec.volumes
-        .iter()
-        .enumerate()
-        .map(|(i, v)| {
-            if v.snapshot {
-                paths.volume_copy(i)
-            } else {
-                v.file.clone()
-            }
-        })
-        .collect()
-}
-
-/// Finds each volume's device by its serial (`vol<i>`, not by probe order)
-/// and mounts it, `nosuid,nodev`. Arguments: pairs of serial and path.
-const MOUNT_SCRIPT: &str = r#"set -eu
-while [ $# -gt 1 ]; do
-  serial=$1; dir=$2; shift 2
-  dev=
-  for _ in $(seq 100); do
-    for b in /sys/block/vd*; do
-      if [ "$(cat "$b/serial" 2>/dev/null)" = "$serial" ]; then dev=/dev/${b##*/}; fi
-    done
-    [ -n "$dev" ] && [ -b "$dev" ] && break
-    sleep 0.1
-  done
-  [ -n "$dev" ] || { echo "no device with serial $serial" >&2; exit 1; }
-  mkdir -p "$dir"
-  mount -t ext4 -o nosuid,nodev "$dev" "$dir"
-done
-"#;
-
-async fn mount_volumes(vm: &Vm, spec: &MachineSpec) -> Result<(), HostError> {
-    if spec.volumes.is_empty() {
-        return Ok(());
-    }
-    let id = spec.id.as_str();
-    let failed = |reason: String| HostError::StartFailed {
-        id: id.to_owned(),
-        stage: BootStage::Disk,
-        reason,
-        console_tail: String::new(),
-    };
-    let link = vm
-        .link
-        .lock()
-        .await
-        .clone()
-        .ok_or_else(|| HostError::LinkLost { id: id.to_owned() })?;
-    let mut argv = vec![
-        "/bin/sh".to_owned(),
-        "-c".to_owned(),
-        MOUNT_SCRIPT.to_owned(),
-        "mount-volumes".to_owned(),
-    ];
-    for (i, v) in spec.volumes.iter().enumerate() {
-        argv.push(format!("vol{i}"));
-        argv.push(v.path.clone());
-    }
-    let (code, output) = run_root(&link, argv, Duration::from_secs(60))
-        .await
-        .map_err(|e| failed(format!("mounting volumes: {e}")))?;
-    if code != Some(0) {
-        return Err(failed(format!(
-            "mounting volumes failed: {}",
-            String::from_utf8_lossy(&output).trim()
-        )));
-    }
-    Ok(())
-}
-
-/// Asks the guest to write its dirty pages to its disks (bounded wait).
-async fn sync_guest(vm: &Vm) {
-    if let Some(l) = vm.link.lock().await.as_ref() {
-        let _ = tokio::time::timeout(Duration::from_secs(30), l.call(&Request::Sync)).await;
-    }
-}
-
-/// Runs a command as root over `link` and collects its exit code and output.
-async fn run_root(
-    link: &Link,
-    argv: Vec<String>,
-    timeout: Duration,
-) -> Result<(Option<i32>, Vec<u8>), String> {
-    let mut stream = link.open().map_err(|e| e.to_string())?;
-    let req = ExecRequest {
-        argv,
-        cwd: None,
-        env: Vec::new(),
-        user: User::Root,
-        timeout_ms: Some(timeout.as_millis() as u64),
-        stdin: false,
-        pty: None,
-        kill_group_on_exit: true,
-    };
-    stream
-        .send(&Request::Exec(req))
-        .map_err(|e| e.to_string())?;
-    let pid = match stream.reply().await.map_err(|e| e.to_string())? {
-        Reply::Started { pid } => pid,
-        other => return Err(format!("unexpected reply {other:?}")),
-    };
-    let mut handle = pump(stream, pid);
-    let mut output = Vec::new();
-    while let Some(ev) = handle.events.recv().await {
-        match ev {
-            ExecEvent::Stdout(b) | ExecEvent::Stderr(b) => output.extend_from_slice(&b),
-            ExecEvent::Exited(st) => return Ok((st.code, output)),
-        }
-    }
-    Err("lost the link".into())
-}
-
-async fn setup(link: &Link, hostname: &str, ca_pem: Option<&str>) -> Result<(), LinkError> {
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0);
-    let mut entropy = vec![0u8; 64];
-    if let Ok(mut f) = std::fs::File::open("/dev/urandom") {
-        use std::io::Read;
-        let _ = f.read_exact(&mut entropy);
-    }
-    link.call(&Request::Setup {
-        hostname: hostname.to_owned(),
-        unix_time_ms: now,
-        entropy,
-        ca_pem: ca_pem.map(str::to_owned),
-    })
-    .await?;
-    Ok(())
-}
-
-fn guest_err(id: &str, r: Reply) -> HostError {
-    match r {
-        Reply::Failed { code, message } => HostError::Guest {
-            id: id.to_owned(),
-            failure: failure(code),
-            message,
-        },
-        other => HostError::Guest {
-            id: id.to_owned(),
-            failure: GuestFailure::Io,
-            message: format!("unexpected reply {other:?}"),
-        },
     }
 }
 
 #[async_trait]
 impl Host for QemuHost {
     async fn start(&self, spec: &MachineSpec) -> Result<(), HostError> {
-        // A template's machine has no volume drives, and a restored machine
-        // must have exactly the devices it was captured with: boot instead.
-        if self.cfg.templates && spec.volumes.is_empty() && !spec.no_template {
-            let key = self.template_key(spec);
-            let dir = self.templates_dir().join(&key);
-            if dir.join("memory.state").exists() {
-                match self.restore(spec, &dir).await {
-                    Ok(()) => return Ok(()),
-                    Err(error) => {
-                        tracing::warn!(sandbox_id = %spec.id, %error, "restoring the template failed; booting");
-                        let _ = std::fs::remove_dir_all(&dir);
-                    }
-                }
-            } else if self
-                .building
-                .lock()
-                .map(|mut b| b.insert(key.clone()))
-                .unwrap_or(false)
-            {
-                let me = self.clone();
-                let shape = spec.clone();
-                tokio::spawn(async move {
-                    if let Err(error) = me.build_template(key.clone(), shape).await {
-                        tracing::warn!(template = %key, %error, "building the template failed");
-                    }
-                    if let Ok(mut b) = me.building.lock() {
-                        b.remove(&key);
-                    }
-                });
-            }
+        if self.start_from_template(spec).await {
+            return Ok(());
         }
-        let vm = self.boot(spec).await?;
-        if let Ok(mut m) = self.vms.lock() {
-            m.insert(spec.id.clone(), vm);
-        }
+        self.boot(spec).await?.register();
         Ok(())
     }
 
     async fn recover(&self, spec: &MachineSpec) -> Result<bool, HostError> {
-        let paths = self.paths(&spec.id);
-        let Some(pid) = qemu::read_pid(&paths) else {
+        let id = spec.id.as_str();
+        if self.vm(id).is_ok() {
+            return Ok(true);
+        }
+        let paths = self.paths(id);
+        let found = qemu::read_pid(&paths).filter(|&pid| qemu::is_our_qemu(pid, &paths.dir));
+        let Some(pid) = found else {
+            // It ended under the earlier server: what it left goes too.
+            self.end_untracked(id).await;
             return Ok(false);
         };
-        if !qemu::is_our_qemu(pid, &paths.dir) {
+        if let Err(why) = self.settle_found(&paths).await {
+            tracing::warn!(
+                sandbox_id = id,
+                pid,
+                why,
+                "machine found but not adopted: ending it"
+            );
+            self.end_untracked(id).await;
             return Ok(false);
         }
         match Link::connect(
             &paths.agent_sock(),
             Duration::from_secs(10),
-            Some(self.acceptor(&spec.id)),
+            Some(self.acceptor(id)),
         )
         .await
         {
             Ok((link, _)) => {
-                let own = self.own_ram(&spec.id);
+                let own = self.own_ram(id);
                 let vm = Arc::new(Vm {
                     paths,
                     pid,
@@ -1274,43 +295,28 @@ impl Host for QemuHost {
                     volumes: !spec.volumes.is_empty(),
                     ram: own.exists().then_some(own),
                 });
-                if let Ok(mut m) = self.vms.lock() {
-                    m.insert(spec.id.clone(), vm);
-                }
-                tracing::info!(sandbox_id = %spec.id, pid, "recovered running machine");
+                self.insert_vm(id, vm);
+                tracing::info!(sandbox_id = id, pid, "recovered running machine");
                 Ok(true)
             }
             Err(error) => {
-                tracing::warn!(sandbox_id = %spec.id, %error, "machine found but its agent does not answer");
-                qemu::kill(pid).await;
+                tracing::warn!(sandbox_id = id, %error, "machine found but its agent does not answer: ending it");
+                self.end_untracked(id).await;
                 Ok(false)
             }
         }
     }
 
     async fn stop(&self, id: &str, keep_disk: bool) -> Result<(), HostError> {
-        let vm = self.vms.lock().ok().and_then(|mut m| m.remove(id));
-        if let Some(vm) = vm {
-            if keep_disk || vm.volumes {
-                sync_guest(&vm).await;
-            }
-            if let Some(l) = vm.link.lock().await.take() {
-                l.close();
-            }
-            qemu::kill(vm.pid).await;
-            if let Some(ram) = &vm.ram {
-                let _ = std::fs::remove_file(ram);
-            }
-        } else {
-            let _ = std::fs::remove_file(self.own_ram(id));
-            let paths = self.paths(id);
-            if let Some(pid) = qemu::read_pid(&paths) {
-                if qemu::is_our_qemu(pid, &paths.dir) {
-                    qemu::kill(pid).await;
+        match self.take_vm(id) {
+            Some(vm) => {
+                if keep_disk || vm.volumes {
+                    sync_guest(&vm).await;
                 }
+                self.end_vm(id, &vm).await;
             }
+            None => self.end_untracked(id).await,
         }
-        cgroup::remove(self.cgroups, id);
         if !keep_disk {
             let _ = std::fs::remove_dir_all(self.paths(id).dir);
             // Its tunnels end with the link; their slots go with their pumps.
@@ -1322,12 +328,13 @@ impl Host for QemuHost {
     }
 
     async fn destroy(&self, id: &str) -> Result<(), HostError> {
+        self.networks.forget(id);
         self.stop(id, false).await
     }
 
     async fn cpu_time(&self, id: &str) -> Option<Duration> {
         let vm = self.vm(id).ok()?;
-        vcpu_time(vm.pid)
+        crate::cpu_time::vcpu_time(vm.pid)
     }
 
     async fn connect(&self, id: &str, port: u16) -> Result<DuplexStream, HostError> {
@@ -1372,8 +379,12 @@ impl Host for QemuHost {
         Some(self.forks_dir())
     }
 
-    fn set_outbound(&self, handler: Arc<dyn Outbound>) {
-        *self.outbound.lock().unwrap_or_else(|e| e.into_inner()) = Some(handler);
+    fn set_network(&self, id: &str, net: GuestNet) {
+        self.networks.set(id, net);
+    }
+
+    fn forget_network(&self, id: &str) {
+        self.networks.forget(id);
     }
 
     async fn pause(&self, id: &str) -> Result<(), HostError> {
@@ -1386,33 +397,22 @@ impl Host for QemuHost {
             sync_guest(&vm).await;
         }
         let _ = std::fs::remove_file(vm.paths.paused_ram());
-        let saved = async {
-            let file = self.capture_stopped(id, &vm).await?;
-            if let Some(ram) = &vm.ram {
-                // Only the pages the guest touched, holes kept: the paused
-                // machine's memory takes the room it used.
-                if let Err(e) = copy_ram(ram, &vm.paths.paused_ram()).await {
-                    let _ = std::fs::remove_file(vm.paths.paused_ram());
-                    return Err(Self::io(id, "keep paused memory")(e));
-                }
-            }
-            Ok(file)
-        }
-        .await;
-        match saved {
+        let kept = match self.capture_for_pause(id, &vm).await {
             Ok(file) => {
-                std::fs::rename(&file, vm.paths.paused_state())
-                    .map_err(Self::io(id, "keep paused state"))?;
+                std::fs::rename(&file, vm.paths.paused_state()).map_err(|e| CaptureFailed {
+                    error: Self::io(id, "keep paused state")(e),
+                    stopped: true,
+                })
+            }
+            Err(failed) => Err(failed),
+        };
+        match kept {
+            Ok(()) => {
                 self.end_vm(id, &vm).await;
                 tracing::info!(sandbox_id = id, "paused");
                 Ok(())
             }
-            Err(e) => {
-                // Nothing is lost: the machine runs on.
-                let _ = self.resume(id, &vm).await;
-                self.insert_vm(id, vm);
-                Err(e)
-            }
+            Err(failed) => self.pause_failed(id, vm, failed).await,
         }
     }
 
@@ -1423,82 +423,25 @@ impl Host for QemuHost {
         let file =
             std::fs::File::open(&state).map_err(|_| HostError::NotPaused { id: id.to_owned() })?;
         let ram = paths.paused_ram();
-        let plan = if ram.exists() {
-            RamPlan::Own { fill: Some(&ram) }
-        } else {
-            RamPlan::Anon
-        };
+        let plan = RamPlan::waking(ram.exists().then_some(ram.as_path()));
         let vm = self.launch(spec, paths.clone(), Some(file), plan).await?;
+        // Registered first: a crash between the two leaves a machine that
+        // is adopted (and its old state dropped), never a paused record
+        // without a state to wake from.
+        vm.register();
         // The machine has moved on from that state; keep only the newest.
         let _ = std::fs::remove_file(&state);
         let _ = std::fs::remove_file(&ram);
-        self.insert_vm(id, vm);
         Ok(())
     }
 
     async fn capture(&self, id: &str, dest: &Path, memory: bool) -> Result<(), HostError> {
         std::fs::create_dir_all(dest).map_err(Self::io(id, "create capture dir"))?;
         let running = self.vm(id).ok();
-        let paths = self.paths(id);
-        let result = async {
-            match &running {
-                Some(vm) => {
-                    if !memory {
-                        // Only the disk is kept: flush the guest's page cache first.
-                        if let Ok(link) = self.link(id).await {
-                            let _ = tokio::time::timeout(
-                                Duration::from_secs(30),
-                                link.call(&Request::Sync),
-                            )
-                            .await;
-                        }
-                    }
-                    // A machine with its own RAM file: the state without the
-                    // RAM, and a copy of the file (restored as a private
-                    // mapping shared by every machine started from it).
-                    let ram = vm.ram.as_ref().filter(|_| memory);
-                    let file = self.capture_stopped(id, vm).await?;
-                    let r = async {
-                        if let Some(ram) = ram {
-                            copy_ram(ram, &dest.join("memory.ram"))
-                                .await
-                                .map_err(Self::io(id, "copy memory"))?;
-                        }
-                        if memory {
-                            std::fs::rename(&file, dest.join("memory.state"))
-                                .map_err(Self::io(id, "move capture"))?;
-                        } else {
-                            let _ = std::fs::remove_file(&file);
-                        }
-                        copy_sparse(&paths.overlay(), &dest.join("disk.qcow2"))
-                            .await
-                            .map_err(Self::io(id, "copy disk"))
-                    }
-                    .await;
-                    self.resume(id, vm).await?;
-                    r
-                }
-                None => {
-                    let state = paths.paused_state();
-                    if !state.exists() {
-                        return Err(HostError::NotPaused { id: id.to_owned() });
-                    }
-                    if memory {
-                        std::fs::hard_link(&state, dest.join("memory.state"))
-                            .map_err(Self::io(id, "link paused state"))?;
-                        let ram = paths.paused_ram();
-                        if ram.exists() {
-                            std::fs::hard_link(&ram, dest.join("memory.ram"))
-                                .map_err(Self::io(id, "link paused memory"))?;
-                        }
-                    }
-                    copy_sparse(&paths.overlay(), &dest.join("disk.qcow2"))
-                        .await
-                        .map_err(Self::io(id, "copy disk"))
-                }
-            }
-        }
-        .await;
+        let result = match &running {
+            Some(vm) => self.capture_running(id, vm, dest, memory).await,
+            None => self.capture_paused(id, dest, memory).await,
+        };
         if result.is_err() {
             let _ = std::fs::remove_dir_all(dest);
         }
@@ -1536,21 +479,17 @@ impl Host for QemuHost {
         // it privately (sharing the pages none of them writes); anything
         // else started from it gets a file of its own.
         let ram = from.join("memory.ram");
-        let plan = if incoming.is_none() {
-            RamPlan::Own { fill: None }
-        } else if !ram.exists() {
-            RamPlan::Anon
-        } else if from.starts_with(self.forks_dir()) {
-            RamPlan::CopyOf(&ram)
-        } else {
-            RamPlan::Own { fill: Some(&ram) }
-        };
+        let plan = RamPlan::restoring(
+            incoming.is_some(),
+            ram.exists().then_some(ram.as_path()),
+            from.starts_with(self.forks_dir()),
+        );
         let vm = self.launch(spec, paths, incoming, plan).await?;
-        if let Err(e) = mount_volumes(&vm, spec).await {
-            self.end_vm(id, &vm).await;
+        if let Err(e) = mount_volumes(vm.vm(), spec).await {
+            vm.end().await;
             return Err(e);
         }
-        self.insert_vm(id, vm);
+        vm.register();
         Ok(())
     }
 
@@ -1558,20 +497,9 @@ impl Host for QemuHost {
         let link = self.link(id).await?;
         let lost = || HostError::LinkLost { id: id.to_owned() };
         let mut stream = link.open().map_err(|_| lost())?;
-        let req = ExecRequest {
-            argv: spec.argv,
-            cwd: spec.cwd,
-            env: spec.env,
-            user: user(spec.user),
-            timeout_ms: spec.timeout.map(|t| t.as_millis() as u64),
-            stdin: spec.stdin,
-            pty: spec.pty.map(|t| PtySize {
-                cols: t.cols,
-                rows: t.rows,
-            }),
-            kill_group_on_exit: spec.kill_group_on_exit,
-        };
-        stream.send(&Request::Exec(req)).map_err(|_| lost())?;
+        stream
+            .send(&Request::Exec(exec_request(spec)))
+            .map_err(|_| lost())?;
         let pid = match stream.reply().await.map_err(|_| lost())? {
             Reply::Started { pid } => pid,
             other => return Err(guest_err(id, other)),
@@ -1590,46 +518,27 @@ impl Host for QemuHost {
         let mut stream = link.open_at(sid).map_err(|_| lost())?;
         stream.send(&Request::Attach).map_err(|_| lost())?;
         // Output the agent held across a pause may come before the answer.
-        let mut early = Vec::new();
-        let reply = loop {
-            match stream.recv().await.ok_or_else(lost)? {
-                Incoming::Reply(r) => break r,
-                Incoming::Data {
-                    channel: channel::STDOUT,
-                    bytes,
-                } => early.push(ExecEvent::Stdout(bytes)),
-                Incoming::Data {
-                    channel: channel::STDERR,
-                    bytes,
-                } => early.push(ExecEvent::Stderr(bytes)),
-                Incoming::Data { .. } => {}
-            }
-        };
+        let (reply, early) = pump::reply_after_output(&mut stream)
+            .await
+            .ok_or_else(lost)?;
         match reply {
-            Reply::Started { pid } => Ok(pump_after(stream, pid, early)),
+            Reply::Started { pid } => Ok(pump::pump_after(stream, pid, early)),
             Reply::Exited {
                 exit_code,
                 signal,
                 timed_out,
                 duration_ms,
                 out_of_memory,
-            } => {
-                let (ev_tx, ev_rx) = mpsc::channel(1);
-                let (ctl_tx, _) = mpsc::channel(1);
-                let _ = ev_tx.try_send(ExecEvent::Exited(ExitStatus {
+            } => Ok(pump::exited(
+                token,
+                ExitStatus {
                     code: exit_code,
                     signal,
                     timed_out,
                     duration_ms,
                     out_of_memory,
-                }));
-                Ok(ExecHandle {
-                    pid: 0,
-                    token,
-                    events: ev_rx,
-                    control: ctl_tx,
-                })
-            }
+                },
+            )),
             other => Err(guest_err(id, other)),
         }
     }
@@ -1683,109 +592,11 @@ impl Host for QemuHost {
 
     async fn file_op(&self, id: &str, op: FileOp, u: RunAs) -> Result<FileOpResult, HostError> {
         let link = self.link(id).await?;
-        let user = user(u);
-        let req = match op {
-            FileOp::Stat { path } => Request::Stat { path, user },
-            FileOp::List {
-                path,
-                depth,
-                hidden,
-                limit,
-            } => Request::List {
-                path,
-                depth,
-                hidden,
-                limit,
-                user,
-            },
-            FileOp::Mkdir { path, parents } => Request::Mkdir {
-                path,
-                parents,
-                user,
-            },
-            FileOp::Remove { path, recursive } => Request::Remove {
-                path,
-                recursive,
-                user,
-            },
-            FileOp::Rename {
-                from,
-                to,
-                overwrite,
-            } => Request::Rename {
-                from,
-                to,
-                overwrite,
-                user,
-            },
-            FileOp::Chmod { path, mode } => Request::Chmod { path, mode, user },
-        };
-        match link
+        let req = file_request(op, user(u));
+        let reply = link
             .call(&req)
             .await
-            .map_err(|_| HostError::LinkLost { id: id.to_owned() })?
-        {
-            Reply::Stat { entry: e } => Ok(FileOpResult::Stat(e.map(entry))),
-            Reply::Listing { entries, truncated } => Ok(FileOpResult::Listing {
-                entries: entries.into_iter().map(entry).collect(),
-                truncated,
-            }),
-            Reply::Removed { removed } => Ok(FileOpResult::Removed(removed)),
-            Reply::Done => Ok(FileOpResult::Done),
-            other => Err(guest_err(id, other)),
-        }
-    }
-}
-
-/// CPU time of the vCPU threads of a QEMU process (threads named
-/// `CPU n/TCG` or `CPU n/KVM`): what the guest used, not QEMU's own work.
-fn vcpu_time(pid: u32) -> Option<Duration> {
-    // SAFETY: sysconf has no preconditions.
-    let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
-    let ticks = if ticks > 0 { ticks as u64 } else { 100 };
-    let mut total: u64 = 0;
-    for t in std::fs::read_dir(format!("/proc/{pid}/task"))
-        .ok()?
-        .flatten()
-    {
-        let comm = std::fs::read_to_string(t.path().join("comm")).unwrap_or_default();
-        if !comm.starts_with("CPU ") {
-            continue;
-        }
-        let stat = std::fs::read_to_string(t.path().join("stat")).unwrap_or_default();
-        // Fields after the ")" that ends the name: utime is the 12th, stime the 13th.
-        let rest = stat.rsplit(')').next().unwrap_or("");
-        let f: Vec<&str> = rest.split_whitespace().collect();
-        let (u, s) = (
-            f.get(11).and_then(|v| v.parse::<u64>().ok()),
-            f.get(12).and_then(|v| v.parse::<u64>().ok()),
-        );
-        total += u.unwrap_or(0) + s.unwrap_or(0);
-    }
-    Some(Duration::from_nanos(
-        total.saturating_mul(1_000_000_000 / ticks),
-    ))
-}
-
-impl QemuHost {
-    /// The RAM file a running machine maps as its own, if it has one (a
-    /// fork's copy maps its source's frozen file instead).
-    pub fn ram_file(&self, id: &str) -> Option<PathBuf> {
-        self.vm(id).ok()?.ram.clone()
-    }
-
-    /// The memory limit of a VM's cgroup in bytes, if cgroups are in use.
-    pub fn memory_limit(&self, id: &str) -> Option<u64> {
-        cgroup::memory_limit(self.cgroups, id)
-    }
-
-    /// The pid of a VM's QEMU.
-    pub fn qemu_pid(&self, id: &str) -> Option<u32> {
-        self.vm(id).ok().map(|v| v.pid)
-    }
-
-    /// The serial console so far.
-    pub fn console(&self, id: &str) -> String {
-        qemu::console_tail(&self.paths(id), 1 << 20)
+            .map_err(|_| HostError::LinkLost { id: id.to_owned() })?;
+        file_op_result(id, reply)
     }
 }

@@ -38,43 +38,49 @@ pub(crate) struct VmPaths {
 }
 
 impl VmPaths {
-    pub fn new(dir: PathBuf) -> Self {
+    pub(crate) fn new(dir: PathBuf) -> Self {
         VmPaths { dir }
     }
-    pub fn overlay(&self) -> PathBuf {
+    pub(crate) fn overlay(&self) -> PathBuf {
         self.dir.join("disk.qcow2")
     }
-    pub fn agent_sock(&self) -> PathBuf {
+    pub(crate) fn agent_sock(&self) -> PathBuf {
         self.dir.join("agent.sock")
     }
-    pub fn qmp_sock(&self) -> PathBuf {
+    pub(crate) fn qmp_sock(&self) -> PathBuf {
         self.dir.join("qmp.sock")
     }
-    pub fn console(&self) -> PathBuf {
+    pub(crate) fn console(&self) -> PathBuf {
         self.dir.join("console.log")
     }
-    pub fn qemu_log(&self) -> PathBuf {
+    pub(crate) fn qemu_log(&self) -> PathBuf {
         self.dir.join("qemu.log")
     }
     /// A `snapshot` volume's copy for this machine (the `i`th volume).
-    pub fn volume_copy(&self, i: usize) -> PathBuf {
+    pub(crate) fn volume_copy(&self, i: usize) -> PathBuf {
         self.dir.join(format!("volume-{i}.ext4"))
     }
-    pub fn pidfile(&self) -> PathBuf {
+    pub(crate) fn pidfile(&self) -> PathBuf {
         self.dir.join("qemu.pid")
     }
     /// Written by QEMU (as the VM's uid) when the machine is captured.
-    pub fn capture_state(&self) -> PathBuf {
+    pub(crate) fn capture_state(&self) -> PathBuf {
         self.dir.join("capture.state")
     }
     /// The memory and device state of a paused machine.
-    pub fn paused_state(&self) -> PathBuf {
+    pub(crate) fn paused_state(&self) -> PathBuf {
         self.dir.join("paused.state")
     }
     /// The RAM of a paused machine that had a RAM file of its own (its
     /// state then holds the devices only).
-    pub fn paused_ram(&self) -> PathBuf {
+    pub(crate) fn paused_ram(&self) -> PathBuf {
         self.dir.join("paused.ram")
+    }
+    /// There from before QEMU is spawned until the machine is registered
+    /// (set up, its volumes mounted): a QEMU found beside it after a crash
+    /// of the server never finished starting.
+    pub(crate) fn starting(&self) -> PathBuf {
+        self.dir.join("starting")
     }
 }
 
@@ -313,34 +319,68 @@ pub(crate) fn read_pid(paths: &VmPaths) -> Option<u32> {
         .ok()
 }
 
-/// SIGKILL, then wait (bounded) for the process to disappear.
-pub(crate) async fn kill(pid: u32) {
+/// Whether `pid` may still be the machine in `dir`: its QEMU, or a zombie
+/// (a QEMU that exited and whose threads may still hold its files).
+pub(crate) fn may_be_ours(pid: u32, dir: &Path) -> bool {
+    is_our_qemu(pid, dir) || state(pid) == Some('Z')
+}
+
+/// The state letter of `pid` in `/proc/<pid>/stat` (`None`: no such process).
+fn state(pid: u32) -> Option<char> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat.rsplit(')').next()?.trim_start().chars().next()
+}
+
+/// Whether `pid` has ended: gone, or a zombie left alone. The leader of a
+/// killed QEMU turns zombie while its other threads are still exiting and
+/// holding the files (the image locks): only a zombie left alone counts.
+fn ended(pid: u32) -> bool {
+    if !Path::new(&format!("/proc/{pid}")).exists() {
+        return true;
+    }
+    let threads = std::fs::read_dir(format!("/proc/{pid}/task"))
+        .map(|d| d.count())
+        .unwrap_or(0);
+    match state(pid) {
+        None => true,
+        Some('Z') => threads <= 1,
+        Some(_) => false,
+    }
+}
+
+/// SIGKILL, without waiting.
+pub(crate) fn sigkill(pid: u32) {
+    // 0 and what does not fit would name process groups, not a process.
+    let Ok(pid) = i32::try_from(pid) else { return };
+    if pid <= 0 {
+        return;
+    }
     // SAFETY: kill has no memory-safety preconditions.
     unsafe {
-        libc::kill(pid as i32, libc::SIGKILL);
+        libc::kill(pid, libc::SIGKILL);
     }
+}
+
+/// SIGKILL, then wait (bounded) for the process to disappear.
+pub(crate) async fn kill(pid: u32) {
+    sigkill(pid);
     for _ in 0..200 {
-        if !Path::new(&format!("/proc/{pid}")).exists() {
+        if ended(pid) {
             return;
         }
-        // A zombie still has /proc/<pid>; its state tells. The leader of
-        // a killed QEMU turns zombie while its other threads are still
-        // exiting and holding the files (the image locks): only a zombie
-        // left alone counts as gone.
-        if let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-            let zombie = stat
-                .rsplit(')')
-                .next()
-                .map(|s| s.trim_start().starts_with('Z'))
-                .unwrap_or(false);
-            let threads = std::fs::read_dir(format!("/proc/{pid}/task"))
-                .map(|d| d.count())
-                .unwrap_or(0);
-            if zombie && threads <= 1 {
-                return;
-            }
-        }
         tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+}
+
+/// [`kill`] for where no runtime runs the wait (a host starting up, a guard
+/// dropped).
+pub(crate) fn kill_blocking(pid: u32) {
+    sigkill(pid);
+    for _ in 0..200 {
+        if ended(pid) {
+            return;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
     }
 }
 

@@ -28,7 +28,7 @@ pub(crate) struct Qmp {
 
 impl Qmp {
     /// Connects (retrying while QEMU starts) and leaves capabilities negotiation.
-    pub async fn connect(sock: &Path, timeout: Duration) -> Result<Qmp, QmpError> {
+    pub(crate) async fn connect(sock: &Path, timeout: Duration) -> Result<Qmp, QmpError> {
         let deadline = tokio::time::Instant::now() + timeout;
         let stream = loop {
             match UnixStream::connect(sock).await {
@@ -61,7 +61,11 @@ impl Qmp {
     }
 
     /// Runs a command and returns its `return` value; events are skipped.
-    pub async fn execute(&mut self, command: &str, arguments: Value) -> Result<Value, QmpError> {
+    pub(crate) async fn execute(
+        &mut self,
+        command: &str,
+        arguments: Value,
+    ) -> Result<Value, QmpError> {
         let msg = json!({"execute": command, "arguments": arguments});
         let mut buf = serde_json::to_vec(&msg)?;
         buf.push(b'\n');
@@ -96,7 +100,11 @@ impl Qmp {
     /// Hands QEMU an open file under `name` (QMP `getfd`, the descriptor
     /// passed with SCM_RIGHTS), so an unprivileged QEMU can write a file the
     /// server opened.
-    pub async fn send_fd(&mut self, name: &str, fd: std::os::fd::RawFd) -> Result<(), QmpError> {
+    pub(crate) async fn send_fd(
+        &mut self,
+        name: &str,
+        fd: std::os::fd::RawFd,
+    ) -> Result<(), QmpError> {
         use std::os::fd::AsRawFd;
         let msg = json!({"execute": "getfd", "arguments": {"fdname": name}});
         let mut buf = serde_json::to_vec(&msg)?;
@@ -145,7 +153,7 @@ impl Qmp {
     }
 
     /// Polls `query-migrate` until the migration completes or fails.
-    pub async fn wait_migration(&mut self, timeout: Duration) -> Result<Value, QmpError> {
+    pub(crate) async fn wait_migration(&mut self, timeout: Duration) -> Result<Value, QmpError> {
         let deadline = tokio::time::Instant::now() + timeout;
         loop {
             let r = self.execute("query-migrate", json!({})).await?;

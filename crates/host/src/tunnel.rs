@@ -30,7 +30,7 @@ const CHUNK: usize = 64 * 1024;
 pub(crate) struct Slot(Arc<AtomicUsize>);
 
 impl Slot {
-    pub fn take(count: &Arc<AtomicUsize>) -> Option<Slot> {
+    pub(crate) fn take(count: &Arc<AtomicUsize>) -> Option<Slot> {
         count
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
                 (n < MAX_TUNNELS).then_some(n + 1)
@@ -162,94 +162,32 @@ mod tests {
     use std::time::Duration;
 
     use runtime_proto::flow::WINDOW;
-    use runtime_proto::{encode, Decoder, Frame, Kind, Request, GUEST_STREAM, MAX_PAYLOAD};
+    use runtime_proto::{Frame, Kind, Request, GUEST_STREAM, MAX_PAYLOAD};
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    use tokio::net::UnixStream;
     use tokio::sync::mpsc;
 
     use super::*;
+    use crate::fake_guest::Guest;
     use crate::link::Link;
 
-    /// A fake agent on the other end of a socket pair.
-    struct Guest {
-        sock: UnixStream,
-        dec: Decoder,
-    }
-
-    impl Guest {
-        async fn frame(&mut self) -> Option<Frame> {
-            let mut buf = vec![0u8; 64 * 1024];
-            loop {
-                if let Some(f) = self.dec.next_frame().unwrap() {
-                    return Some(f);
-                }
-                let n = self.sock.read(&mut buf).await.ok()?;
-                if n == 0 {
-                    return None;
-                }
-                self.dec.feed(&buf[..n]);
-            }
-        }
-
-        /// The next control request, data frames skipped.
-        async fn request(&mut self) -> Option<(u32, Request)> {
-            loop {
-                let f = self.frame().await?;
-                if f.kind == Kind::Control {
-                    return Some((f.stream, f.parse().unwrap()));
-                }
-            }
-        }
-
-        async fn send(&mut self, f: Frame) {
-            let mut out = Vec::new();
-            encode(&f, &mut out);
-            self.sock.write_all(&out).await.unwrap();
-        }
-
-        async fn reply(&mut self, stream: u32, r: &Reply) {
-            self.send(Frame::control(stream, r).unwrap()).await;
-        }
-
-        async fn data(&mut self, stream: u32, n: usize) {
-            for piece in vec![b'x'; n].chunks(MAX_PAYLOAD) {
-                self.send(Frame::data(stream, channel::INPUT, piece.to_vec()).unwrap())
-                    .await;
-            }
+    /// `n` bytes from the guest on tunnel `stream`.
+    async fn data(guest: &mut Guest, stream: u32, n: usize) {
+        for piece in vec![b'x'; n].chunks(MAX_PAYLOAD) {
+            guest
+                .send(Frame::data(stream, channel::INPUT, piece.to_vec()).unwrap())
+                .await;
         }
     }
 
     /// A link to a fake guest that opens one outbound tunnel: the host's end
     /// of it, and the guest.
     async fn outbound_tunnel() -> (Link, DuplexStream, Guest, u32) {
-        let (host_side, guest_side) = UnixStream::pair().unwrap();
         let (tx, mut rx) = mpsc::unbounded_channel();
         let count = Arc::new(AtomicUsize::new(0));
         let acceptor: crate::link::Acceptor = Arc::new(move |s| {
             let _ = tx.send(start(s, Slot::take(&count).unwrap()));
         });
-        let mut guest = Guest {
-            sock: guest_side,
-            dec: Decoder::new(),
-        };
-        let answer = tokio::spawn(async move {
-            let (_, req) = guest.request().await.unwrap();
-            assert!(matches!(req, Request::Hello { .. }));
-            guest
-                .reply(
-                    0,
-                    &Reply::Hello {
-                        version: 1,
-                        agent: "fake".into(),
-                    },
-                )
-                .await;
-            guest
-        });
-        let (link, _) = Link::over(host_side, Duration::from_secs(5), Some(acceptor))
-            .await
-            .unwrap();
-        let mut guest = answer.await.unwrap();
+        let (link, mut guest) = Guest::linked_with(Some(acceptor)).await;
         let id = GUEST_STREAM | 5;
         guest.reply(id, &Reply::Outbound).await;
         let conn = rx.recv().await.unwrap();
@@ -269,7 +207,7 @@ mod tests {
         let (_link, mut conn, mut guest, id) = outbound_tunnel().await;
         // The caller reads nothing: at most the pipe's worth is credited
         // back, so this is more than the guest may ever send.
-        guest.data(id, WINDOW as usize + PIPE + 1).await;
+        data(&mut guest, id, WINDOW as usize + PIPE + 1).await;
         tokio::time::timeout(Duration::from_secs(10), async {
             loop {
                 let (s, req) = guest.request().await.unwrap();
@@ -291,7 +229,7 @@ mod tests {
     #[tokio::test]
     async fn a_caller_that_does_not_read_stops_the_credits() {
         let (_link, conn, mut guest, id) = outbound_tunnel().await;
-        guest.data(id, WINDOW as usize).await;
+        data(&mut guest, id, WINDOW as usize).await;
         // Credits come only for what reached the caller's pipe (it reads
         // nothing): at most the pipe's size.
         let mut credited = 0u64;
@@ -315,7 +253,7 @@ mod tests {
     #[tokio::test]
     async fn half_close_both_ways_ends_quietly() {
         let (link, mut conn, mut guest, id) = outbound_tunnel().await;
-        guest.data(id, 10).await;
+        data(&mut guest, id, 10).await;
         guest.reply(id, &Reply::Eof).await;
         let mut got = Vec::new();
         conn.read_to_end(&mut got).await.unwrap();

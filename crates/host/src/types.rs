@@ -322,14 +322,32 @@ pub trait Host: Send + Sync + 'static {
     /// port forwarding), carried over the agent channel with flow control.
     /// The stream ends when either side closes or the machine stops.
     async fn connect(&self, id: &str, port: u16) -> Result<DuplexStream, HostError>;
-    /// Who receives the connections guest processes open through the agent's
-    /// proxy (`127.0.0.1:10800` in the guest): the raw bytes the guest
-    /// process sent to the proxy (HTTP proxy or SOCKS5 requests), for the
-    /// egress proxy to judge. Without a handler they are closed at once.
-    fn set_outbound(&self, handler: Arc<dyn Outbound>);
+    /// What the host's egress proxy applies to the connections the guest of
+    /// `id` opens through the agent's proxy (`127.0.0.1:10800` in the
+    /// guest): set before its machine starts, and again on each change,
+    /// which open connections follow at once. Until it is set, the guest's
+    /// connections are closed.
+    fn set_network(&self, id: &str, net: GuestNet);
+    /// Forgets `id`'s network: its open connections end, new ones close.
+    fn forget_network(&self, id: &str);
 }
 
-/// Receives each outbound connection of a guest ([`Host::set_outbound`]).
+/// One sandbox's network as its host's egress proxy applies it
+/// ([`Host::set_network`]).
+#[derive(Debug, Clone)]
+pub struct GuestNet {
+    /// What may be reached.
+    pub policy: runtime_egress::Policy,
+    /// The secrets the proxy puts into the requests to their hosts.
+    pub secrets: Vec<runtime_egress::Secret>,
+    /// Signs the certificates shown for those hosts; the guest trusts it
+    /// ([`MachineSpec::guest_ca_pem`]).
+    pub ca: Arc<runtime_egress::SandboxCa>,
+}
+
+/// Receives each outbound connection of a guest, once the host's tunnel
+/// has it: the host's egress proxy, or a stand-in in the tunnel's tests
+/// ([`QemuHost::with_outbound`](crate::QemuHost::with_outbound)).
 pub trait Outbound: Send + Sync + 'static {
     /// Called once per connection, for the sandbox `sandbox_id`; must not
     /// block (spawn the work).

@@ -66,6 +66,12 @@ fn agent_path() -> PathBuf {
 }
 
 fn host() -> TestHost {
+    host_with(None)
+}
+
+/// A host whose guests' outbound connections go to `outbound` (a stand-in
+/// for the egress proxy) when given.
+fn host_with(outbound: Option<Arc<dyn Outbound>>) -> TestHost {
     let arts =
         artifacts::ensure(&cache(), &agent_path()).expect("artifacts (run scripts/build.sh first)");
     let state = std::env::temp_dir().join(format!(
@@ -74,14 +80,19 @@ fn host() -> TestHost {
         rand_suffix()
     ));
     let (accel, _) = choose_accel();
-    let host = QemuHost::new(QemuConfig {
+    let cfg = QemuConfig {
         state_dir: state.clone(),
         qemu_binary: "qemu-system-x86_64".into(),
         artifacts: arts,
         accel,
         boot_timeout: Duration::from_secs(120),
         templates: false,
-    })
+        egress: Default::default(),
+    };
+    let host = match outbound {
+        Some(o) => QemuHost::with_outbound(cfg, o),
+        None => QemuHost::new(cfg),
+    }
     .unwrap();
     let ram = host.ram_dir().to_owned();
     TestHost {
@@ -461,6 +472,7 @@ async fn a_new_host_process_recovers_a_running_machine() {
         accel,
         boot_timeout: Duration::from_secs(60),
         templates: false,
+        egress: Default::default(),
     })
     .unwrap();
     assert!(h2.recover(&spec(id)).await.unwrap());
@@ -765,6 +777,119 @@ async fn pause_and_wake_keep_memory_processes_and_files() {
     h.destroy(id).await.unwrap();
 }
 
+/// A pause whose state cannot be kept (here the rename onto `paused.state`
+/// fails) leaves the machine running and tracked, its memory and processes
+/// as they were; a later pause and wake work.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pause_that_cannot_keep_its_state_leaves_the_machine_running() {
+    let t = host();
+    let h = &t.host;
+    let id = "00000000-0000-4000-8000-00000000a011";
+    h.start(&spec(id))
+        .await
+        .unwrap_or_else(|e| panic!("start: {e:?}"));
+    run(h, id, &["bash", "-c", COUNTER], RunAs::Sandbox, None).await;
+    let pid = h.qemu_pid(id).unwrap();
+    let in_the_way = t.state.join(id).join("paused.state");
+    std::fs::create_dir_all(in_the_way.join("x")).unwrap();
+    let err = h.pause(id).await.unwrap_err();
+    assert!(
+        !matches!(err, HostError::NoSuchMachine { .. }),
+        "the machine ran on: {err:?}"
+    );
+    assert_eq!(h.qemu_pid(id), Some(pid), "the machine is tracked");
+    let before = counter(h, id).await;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert!(counter(h, id).await > before, "the guest runs");
+    for leftover in ["capture.state", "paused.ram"] {
+        assert!(!t.state.join(id).join(leftover).exists(), "{leftover}");
+    }
+    std::fs::remove_dir_all(&in_the_way).unwrap();
+    h.pause(id).await.unwrap();
+    h.wake(&spec(id))
+        .await
+        .unwrap_or_else(|e| panic!("wake: {e:?}"));
+    assert!(counter(h, id).await >= before);
+    h.destroy(id).await.unwrap();
+}
+
+/// Talks to QEMU's monitor: each command's answer, in order.
+fn qmp(sock: &std::path::Path, commands: &[&str]) -> Vec<String> {
+    use std::io::{BufRead, Write};
+    let s = std::os::unix::net::UnixStream::connect(sock).unwrap();
+    let mut rd = std::io::BufReader::new(s.try_clone().unwrap());
+    let mut wr = s;
+    let mut line = String::new();
+    rd.read_line(&mut line).unwrap();
+    let mut answers = Vec::new();
+    for c in std::iter::once("qmp_capabilities").chain(commands.iter().copied()) {
+        writeln!(wr, "{{\"execute\": \"{c}\"}}").unwrap();
+        loop {
+            line.clear();
+            rd.read_line(&mut line).unwrap();
+            if !line.contains("\"event\"") {
+                break;
+            }
+        }
+        answers.push(line.trim().to_owned());
+    }
+    answers.remove(0);
+    answers
+}
+
+/// A server that died during a capture (a pause, a snapshot) left its
+/// machine stopped: the next one runs it on and adopts it, memory and all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_machine_left_stopped_by_a_crash_mid_capture_is_recovered_running() {
+    let t = host();
+    let id = "00000000-0000-4000-8000-00000000a012";
+    t.host
+        .start(&spec(id))
+        .await
+        .unwrap_or_else(|e| panic!("start: {e:?}"));
+    run(
+        &t.host,
+        id,
+        &["bash", "-c", "echo kept > /tmp/mem-only"],
+        RunAs::Sandbox,
+        None,
+    )
+    .await;
+    let pid = t.host.qemu_pid(id).unwrap();
+    let sock = t.state.join(id).join("qmp.sock");
+    let answers = qmp(&sock, &["stop", "query-status"]);
+    assert!(answers[1].contains("\"paused\""), "{answers:?}");
+    std::fs::write(t.state.join(id).join("capture.state"), b"cut short").unwrap();
+    let TestHost {
+        host,
+        state,
+        _cleanup,
+    } = t;
+    drop(host);
+
+    let (accel, _) = choose_accel();
+    let arts = artifacts::ensure(&cache(), &agent_path()).unwrap();
+    let h2 = QemuHost::new(QemuConfig {
+        state_dir: state.clone(),
+        qemu_binary: "qemu-system-x86_64".into(),
+        artifacts: arts,
+        accel,
+        boot_timeout: Duration::from_secs(60),
+        templates: false,
+        egress: Default::default(),
+    })
+    .unwrap();
+    assert!(
+        h2.recover(&spec(id)).await.unwrap(),
+        "the machine is adopted"
+    );
+    assert_eq!(h2.qemu_pid(id), Some(pid));
+    let (out, _, _) = run(&h2, id, &["cat", "/tmp/mem-only"], RunAs::Sandbox, None).await;
+    assert_eq!(out, "kept\n");
+    assert!(!state.join(id).join("capture.state").exists());
+    h2.destroy(id).await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn captures_restore_into_copies_that_diverge() {
     let t = host();
@@ -957,6 +1082,7 @@ async fn starts_restore_a_template_with_fresh_entropy() {
         accel,
         boot_timeout: Duration::from_secs(120),
         templates: true,
+        egress: Default::default(),
     })
     .unwrap();
     cleanup.1 = h.ram_dir().to_owned();
@@ -1390,10 +1516,9 @@ async fn http_get(h: &QemuHost, id: &str, port: u16, path: &str) -> Vec<u8> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tunnels_carry_tcp_into_and_out_of_the_guest() {
-    let t = host();
-    let h = &t.host;
     let egress = Arc::new(TestEgress::default());
-    h.set_outbound(egress.clone());
+    let t = host_with(Some(egress.clone()));
+    let h = &t.host;
     let id = "00000000-0000-4000-8000-00000000d001";
     h.start(&MachineSpec {
         guest_ca_pem: Some(TEST_CA.into()),
@@ -1709,10 +1834,9 @@ async fn chat(handle: &mut ExecHandle, line: &str) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tunnels_survive_a_capture_and_end_with_a_pause() {
-    let t = host();
-    let h = &t.host;
     let egress = Arc::new(TestEgress::default());
-    h.set_outbound(egress.clone());
+    let t = host_with(Some(egress.clone()));
+    let h = &t.host;
     let id = "00000000-0000-4000-8000-00000000d002";
     h.start(&spec(id))
         .await

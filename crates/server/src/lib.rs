@@ -1,29 +1,34 @@
 //! The control plane: the Runtime Cloud HTTP API (axum), keys, validation,
-//! idempotency, waits, the sandbox state machine and leases, over an embedded
+//! idempotency, waits, the sandbox lifecycle and leases, over an embedded
 //! SQLite store. It drives machines only through [`runtime_host::Host`] and
 //! answers with the types of `runtime-api`; it never speaks the guest
-//! protocol and depends on no other workspace crate.
+//! protocol, nor runs the egress proxy (the host does, with the rules the
+//! server sets on it). Workspace crates it uses: `runtime-api`,
+//! `runtime-host` (the trait and its types) and `runtime-egress` (the types
+//! of rules and secrets).
+//!
+//! Four layers, each a directory, and the rule between them (kept by
+//! `tests/layers.rs`):
+//!
+//! ```text
+//! http/     the only code that names axum, StatusCode, Bytes: one route table
+//!    │      (route.rs), extractors, the one error mapping, and routes/ with one
+//!    ▼      file per resource that parses a request, calls a service, renders
+//! service/  orchestration over the store, the Host and owned tasks; the
+//!    │  \   lifecycle driver (lifecycle.rs) and the clock
+//!    ▼   ▼
+//! domain/ ◀ store/   pure types and rules (no I/O, `now` a parameter) ◀ typed
+//!                    rows and migrations, no business rules
+//! ```
+//! `http → service → {domain, store}`, `store → domain`; `domain` imports
+//! nothing of the crate; `error.rs` (the error enums) serves every layer.
+//! Every file is in a layer; no two modules import each other in a circle.
 
-mod billing;
+mod domain;
 mod error;
-mod files;
 mod http;
-mod idempotency;
-mod images;
-mod interpreter;
-pub mod keys;
-mod login;
-mod net;
-mod previews;
-mod procs;
-mod sandboxes;
-mod secrets;
-mod snapshots;
+mod service;
 mod store;
-mod tls;
-mod util;
-mod volumes;
-mod ws;
 
 use std::collections::{HashMap, HashSet};
 use std::future::Future;
@@ -36,9 +41,11 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-pub use billing::Prices;
+pub use domain::money::Prices;
 pub use error::{ApiError, ServerError};
-pub use http::ROUTE_SAMPLES;
+pub use http::route::ROUTE_SAMPLES;
+pub use service::clock::Clock;
+pub use service::keys;
 pub use store::Store;
 
 /// The server's settings, loaded once by the CLI and passed down.
@@ -64,12 +71,12 @@ pub struct Config {
     pub preview_domain: String,
     /// The port in preview URLs; 0 = the port the server listens on.
     pub preview_port: u16,
-    /// The egress proxy's settings (its test-only host map among them).
-    pub egress: runtime_egress::EgressConfig,
     /// Serve HTTPS with this certificate chain and key (PEM files).
     pub tls: Option<(PathBuf, PathBuf)>,
     /// What running, paused and kept sandboxes cost (docs/billing.md).
     pub prices: Prices,
+    /// Where the service reads the time (tests run on tokio's paused time).
+    pub clock: Clock,
 }
 
 impl Config {
@@ -85,9 +92,9 @@ impl Config {
             drain_timeout: Duration::from_secs(10),
             preview_domain: "localhost".into(),
             preview_port: 0,
-            egress: runtime_egress::EgressConfig::default(),
             tls: None,
             prices: Prices::default(),
+            clock: Clock::System,
         }
     }
 }
@@ -108,18 +115,20 @@ struct Inner {
     lifecycle: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     /// Serializes name checks with inserts.
     create_lock: tokio::sync::Mutex<()>,
-    inflight: idempotency::Inflight,
-    procs: procs::Table,
+    inflight: http::idempotency::Inflight,
+    procs: service::processes::Table,
+    /// The interpreter's contexts and their kernels.
+    interpreter: service::interpreter::Contexts,
     /// Sandboxes whose last pause failed (they ran on), for the `:pause`
     /// answer: a sandbox running again may also have paused and been woken.
     pause_failed: Mutex<HashSet<String>>,
-    uploads: files::Uploads,
-    previews: previews::Live,
+    uploads: service::uploads::Uploads,
+    previews: service::previews::live::Live,
     /// The key that seals secret values, read or made on first use.
-    sealer: std::sync::OnceLock<secrets::Sealer>,
-    nets: net::Nets,
-    meter: billing::Meter,
-    logins: login::Pending,
+    sealer: std::sync::OnceLock<domain::secret::Sealer>,
+    nets: service::network::Nets,
+    meter: service::meter::Meter,
+    logins: http::login::Pending,
     tasks: TaskTracker,
     cancel: CancellationToken,
 }
@@ -129,34 +138,37 @@ impl AppState {
         let uploads_dir = config.data_dir.join("uploads");
         // Partial uploads do not survive a restart.
         let _ = std::fs::remove_dir_all(&uploads_dir);
-        let st = AppState {
+        AppState {
             inner: Arc::new(Inner {
                 changes: watch::channel(0).0,
                 lifecycle: Mutex::new(HashMap::new()),
                 create_lock: tokio::sync::Mutex::new(()),
-                inflight: idempotency::Inflight::default(),
-                procs: procs::Table::default(),
+                inflight: http::idempotency::Inflight::default(),
+                procs: service::processes::Table::new(config.clock),
+                interpreter: service::interpreter::Contexts::default(),
                 pause_failed: Mutex::new(HashSet::new()),
-                uploads: files::Uploads::new(uploads_dir),
-                previews: previews::Live::default(),
+                uploads: service::uploads::Uploads::new(uploads_dir),
+                previews: service::previews::live::Live::default(),
                 sealer: std::sync::OnceLock::new(),
-                nets: net::Nets::new(runtime_egress::Egress::new(config.egress.clone())),
-                meter: billing::Meter::default(),
-                logins: login::Pending::default(),
+                nets: service::network::Nets::default(),
+                meter: service::meter::Meter::default(),
+                logins: http::login::Pending::default(),
                 tasks: TaskTracker::new(),
                 cancel: CancellationToken::new(),
                 config,
                 store,
                 host,
             }),
-        };
-        st.host()
-            .set_outbound(Arc::new(net::Handler(Arc::downgrade(&st.inner))));
-        st
+        }
     }
 
     fn config(&self) -> &Config {
         &self.inner.config
+    }
+
+    /// Now, in milliseconds since the epoch, by the configured clock.
+    pub(crate) fn now_ms(&self) -> i64 {
+        self.inner.config.clock.now_ms()
     }
 
     fn store(&self) -> &Store {
@@ -167,16 +179,16 @@ impl AppState {
         &self.inner.host
     }
 
-    fn sealer(&self) -> Result<&secrets::Sealer, ApiError> {
+    fn sealer(&self) -> Result<&domain::secret::Sealer, ApiError> {
         if let Some(s) = self.inner.sealer.get() {
             return Ok(s);
         }
-        let s = secrets::Sealer::open(&self.config().data_dir)?;
+        let s = service::secrets::open_sealer(&self.config().data_dir)?;
         Ok(self.inner.sealer.get_or_init(|| s))
     }
 
     fn secrets_changed(&self) {
-        net::secrets_changed(self);
+        service::network::secrets_changed(self);
     }
 
     fn notify_change(&self) {
@@ -203,15 +215,15 @@ impl AppState {
     /// Starts the lease reaper and housekeeping. `run` calls it; tests may.
     pub fn start_background(&self) {
         let st = self.clone();
-        self.spawn(async move { sandboxes::reaper(st).await });
+        self.spawn(async move { service::background::reaper(st).await });
         let st = self.clone();
-        self.spawn(async move { billing::run(st).await });
+        self.spawn(async move { service::meter::run(st).await });
     }
 
     /// One tick of the meter (one second of every sandbox). The background
     /// runs it each second; tests call it to move time on.
     pub async fn meter_tick(&self) -> Result<(), ServerError> {
-        billing::tick(self).await
+        service::meter::tick(self).await
     }
 
     /// Ends streams and background tasks, waiting up to the drain timeout.
@@ -272,15 +284,15 @@ pub fn create_key(
     account_wide: bool,
 ) -> Result<String, ServerError> {
     let conn = store::open_connection(data_dir)?;
-    let (id, key) = util::new_key();
+    let (id, key) = domain::access::new_key();
     store::insert_key(
         &conn,
         &id,
         name,
-        &util::sha256_hex(key.as_bytes()),
+        &domain::access::sha256_hex(key.as_bytes()),
         read_only,
         account_wide,
-        &util::now_iso(),
+        &service::clock::now_iso(),
     )?;
     Ok(key)
 }
@@ -295,9 +307,9 @@ pub fn router(state: AppState) -> axum::Router {
 /// Then takes up the processes of the running ones (`lost` when the host no
 /// longer knows them) and reloads the records of those that ended.
 pub async fn recover(state: &AppState) -> Result<(), ServerError> {
-    sandboxes::recover(state).await?;
-    images::recover(state).await?;
-    procs::recover(state).await
+    service::background::recover(state).await?;
+    service::images::recover(state).await?;
+    service::processes::recover(state).await
 }
 
 /// Recovers sandboxes, serves until `shutdown` resolves, then drains.
@@ -312,7 +324,7 @@ pub async fn run(
         config.preview_port = listener.local_addr().map(|a| a.port()).unwrap_or(0);
     }
     let tls = match &config.tls {
-        Some((cert, key)) => Some(tls::load(cert, key)?),
+        Some((cert, key)) => Some(http::tls::load(cert, key)?),
         None => None,
     };
     let store = open_store(&config.data_dir)?;
@@ -329,7 +341,7 @@ pub async fn run(
     let result = match tls {
         Some(cfg) => {
             let listener =
-                tls::TlsListener::new(listener, cfg).map_err(|source| ServerError::Io {
+                http::tls::TlsListener::new(listener, cfg).map_err(|source| ServerError::Io {
                     op: "listen",
                     path: "the TLS listener".into(),
                     source,

@@ -13,7 +13,7 @@ use axum::http::{HeaderMap, Request, StatusCode};
 use base64::Engine;
 use fake::{FakeHost, Step};
 use http_body_util::BodyExt;
-use runtime_server::{create_key, ensure_admin_key, open_store, router, AppState, Config};
+use runtime_server::{create_key, ensure_admin_key, open_store, router, AppState, Clock, Config};
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 use tower::ServiceExt;
@@ -34,6 +34,13 @@ fn tmpdir() -> PathBuf {
 impl T {
     fn new() -> T {
         Self::with(|_| {})
+    }
+
+    /// A server whose clock follows tokio's: under `start_paused` its leases,
+    /// idle pauses and retention move only with `tokio::time::advance`.
+    fn on_paused_time() -> T {
+        let now = time::OffsetDateTime::now_utc().unix_timestamp() * 1000;
+        Self::with(|c| c.clock = Clock::following_tokio(now))
     }
 
     fn with(tweak: impl FnOnce(&mut Config)) -> T {
@@ -1317,6 +1324,26 @@ async fn without_auto_wake_a_paused_sandbox_answers_409() {
 }
 
 #[tokio::test]
+async fn a_bad_exec_or_spawn_on_a_paused_sandbox_is_refused_without_waking_it() {
+    let t = T::new();
+    let id = t.running(json!({})).await;
+    t.act(&id, "pause", json!({})).await;
+    for (path, body) in [
+        (format!("/v1/sandboxes/{id}:exec"), json!({"command": 5})),
+        (
+            format!("/v1/sandboxes/{id}/processes"),
+            json!({"argv": [], "pty": 1}),
+        ),
+    ] {
+        let (s, v) = t.json("POST", &path, Some(body)).await;
+        assert_eq!(s, StatusCode::BAD_REQUEST, "{v}");
+        assert_error(&v, 400, "invalid_request");
+    }
+    assert!(t.host.woken.lock().unwrap().is_empty());
+    assert_eq!(t.sandbox(&id).await["state"], "paused");
+}
+
+#[tokio::test]
 async fn delete_while_paused_destroys_the_saved_state() {
     let t = T::new();
     let id = t.running(json!({})).await;
@@ -1891,9 +1918,9 @@ async fn snapshot_then_get_list_create_from_it_and_delete() {
     assert!(!t.dir.join("snapshots").join(&sid).exists());
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn lease_end_pauses_stops_or_deletes_as_asked() {
-    let t = T::new();
+    let t = T::on_paused_time();
     let paused = t.running(json!({"timeoutSeconds": 60})).await;
     let stopped = t
         .running(json!({"timeoutSeconds": 60, "onLeaseEnd": "stop"}))
@@ -1901,34 +1928,54 @@ async fn lease_end_pauses_stops_or_deletes_as_asked() {
     let deleted = t
         .running(json!({"timeoutSeconds": 60, "onLeaseEnd": "delete"}))
         .await;
-    let kept = t.running(json!({"timeoutSeconds": 60})).await;
-    for id in [&paused, &stopped, &deleted] {
-        t.set_field(id, "endsAt", "2001-01-01T00:00:00Z");
-    }
+    let kept = t.running(json!({"timeoutSeconds": 600})).await;
     t.state.start_background();
+    tokio::time::advance(Duration::from_secs(30)).await;
+    for id in [&paused, &stopped, &deleted, &kept] {
+        assert_eq!(
+            t.sandbox(id).await["state"],
+            "running",
+            "30 s into a 60 s lease"
+        );
+    }
+    tokio::time::advance(Duration::from_secs(31)).await;
     let v = t.wait_state(&paused, "paused").await;
     assert!(v["pausedAt"].is_string());
     let v = t.wait_state(&stopped, "stopped").await;
     assert_eq!(v["stopReason"], "timeout");
     t.wait_state(&deleted, "gone").await;
     assert_eq!(t.sandbox(&kept).await["state"], "running");
-    // The wake gives it a new lease, so it is not paused again at once.
+    // The wake gives it a new lease, so it is not paused again at once...
     let (s, v) = t.act(&paused, "wake", json!({})).await;
     assert_eq!((s, v["state"].as_str()), (StatusCode::OK, Some("running")));
-    tokio::time::sleep(Duration::from_millis(1500)).await;
+    tokio::time::advance(Duration::from_secs(50)).await;
     assert_eq!(t.sandbox(&paused).await["state"], "running");
+    // ...but once that lease ends too.
+    tokio::time::advance(Duration::from_secs(15)).await;
+    t.wait_state(&paused, "paused").await;
     t.state.shutdown().await;
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn an_idle_sandbox_pauses_itself() {
-    let t = T::new();
+    let t = T::on_paused_time();
     let idle = t.running(json!({"idlePauseSeconds": 60})).await;
     let busy = t.running(json!({"idlePauseSeconds": 60})).await;
     let never = t.running(json!({})).await;
-    t.set_field(&idle, "lastActiveAt", "2001-01-01T00:00:00Z");
-    t.set_field(&never, "lastActiveAt", "2001-01-01T00:00:00Z");
     t.state.start_background();
+    // The busy one is called every 20 s; the others not at all.
+    for _ in 0..4 {
+        tokio::time::advance(Duration::from_secs(20)).await;
+        t.host.script("hello", vec![Step::Exit(0)]);
+        let (s, _) = t
+            .json(
+                "POST",
+                &format!("/v1/sandboxes/{busy}:exec"),
+                Some(json!({"command": "hello"})),
+            )
+            .await;
+        assert_eq!(s, StatusCode::OK);
+    }
     t.wait_state(&idle, "paused").await;
     assert_eq!(t.sandbox(&busy).await["state"], "running");
     assert_eq!(t.sandbox(&never).await["state"], "running");
@@ -1942,7 +1989,7 @@ async fn an_idle_sandbox_pauses_itself() {
         )
         .await;
     assert_eq!(s, StatusCode::OK);
-    tokio::time::sleep(Duration::from_millis(1500)).await;
+    tokio::time::advance(Duration::from_secs(50)).await;
     assert_eq!(t.sandbox(&idle).await["state"], "running");
     t.state.shutdown().await;
 }
@@ -2204,6 +2251,34 @@ async fn a_process_that_ended_while_the_server_was_down_is_exited() {
 }
 
 #[tokio::test]
+async fn a_run_after_a_pause_starts_its_context_afresh() {
+    let t = T::new();
+    t.host.drivers.lock().unwrap().insert("python".into());
+    let id = t.running(json!({})).await;
+    let path = format!("/v1/sandboxes/{id}/interpreter:run");
+    let (s, v) = t.json("POST", &path, Some(json!({"code": "one"}))).await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert_eq!(
+        (v["status"].as_str(), v["stdout"].as_str()),
+        (Some("ok"), Some("one"))
+    );
+    assert_eq!(v["contextStarted"], true);
+    let (_, v) = t.json("POST", &path, Some(json!({"code": "two"}))).await;
+    assert_eq!(
+        (v["status"].as_str(), v["contextStarted"].as_bool()),
+        (Some("ok"), Some(false))
+    );
+    // The pause closed the kernel's handle: the next run (which wakes the
+    // sandbox) starts a fresh one instead of answering `lost`.
+    t.act(&id, "pause", json!({})).await;
+    let (s, v) = t.json("POST", &path, Some(json!({"code": "three"}))).await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert_eq!(v["status"], "ok", "{v}");
+    assert_eq!(v["stdout"], "three");
+    assert_eq!(v["contextStarted"], true);
+}
+
+#[tokio::test]
 async fn interpreter_starts_each_language_in_its_own_driver() {
     let t = T::new();
     let id = t.running(json!({})).await;
@@ -2271,9 +2346,9 @@ async fn interpreter_starts_each_language_in_its_own_driver() {
     assert!(v["id"].as_str().unwrap().starts_with("ctx-"), "{v}");
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_paused_sandbox_is_deleted_when_its_retention_ends() {
-    let t = T::new();
+    let t = T::on_paused_time();
     let id = t.running(json!({})).await;
     let kept = t.running(json!({})).await;
     let (s, v) = t.act(&id, "retention", json!({"days": 0})).await;
@@ -2298,8 +2373,10 @@ async fn a_paused_sandbox_is_deleted_when_its_retention_ends() {
     let expires = runtime_server_iso_ms(v["pausedExpiresAt"].as_str().unwrap());
     assert_eq!(expires - paused, 2 * 86_400_000, "{v}");
     assert!(t.sandbox(&kept).await["pausedExpiresAt"].is_null());
-    t.set_field(&id, "pausedExpiresAt", "2001-01-01T00:00:00Z");
     t.state.start_background();
+    tokio::time::advance(Duration::from_secs(2 * 86_400 - 60)).await;
+    assert_eq!(t.sandbox(&id).await["state"], "paused", "a minute before");
+    tokio::time::advance(Duration::from_secs(61)).await;
     t.wait_state(&id, "gone").await;
     assert_eq!(t.sandbox(&kept).await["state"], "paused");
     t.state.shutdown().await;
@@ -2690,7 +2767,11 @@ async fn image_requests_are_checked_before_any_build() {
 async fn built(t: &T, body: Value) -> Value {
     let (s, v) = t.json("POST", "/v1/images", Some(body.clone())).await;
     assert_eq!(s, StatusCode::CREATED, "{body} -> {v}");
-    let id = v["id"].as_str().unwrap().to_string();
+    finished(t, v["id"].as_str().unwrap()).await
+}
+
+/// Waits until image `id` is no longer queued or building.
+async fn finished(t: &T, id: &str) -> Value {
     for _ in 0..200 {
         let (_, v) = t.json("GET", &format!("/v1/images/{id}"), None).await;
         if !matches!(v["state"].as_str(), Some("queued" | "building")) {
@@ -2737,4 +2818,160 @@ async fn an_image_built_on_one_of_ours_keeps_its_user_and_env() {
     assert_eq!(plain["user"], "root", "{plain}");
     let recipe = built(&t, json!({"recipe": {"files": {"/etc/x": "y"}}})).await;
     assert_eq!(recipe["user"], "user", "{recipe}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_builds_of_one_name_get_distinct_versions() {
+    // Each create is its own task on a multi-threaded runtime, so nothing
+    // but the server orders them: each name's versions must be 1..N, once
+    // each. (Before the store assigned versions, about one round in three
+    // gave two images one version.)
+    let t = T::new();
+    const N: usize = 48;
+    for round in 0..8 {
+        let name = format!("race{round}");
+        let mut tasks = Vec::new();
+        for _ in 0..N {
+            let state = t.state.clone();
+            let admin = t.admin.clone();
+            let body = json!({"name": name, "recipe": {}}).to_string();
+            tasks.push(tokio::spawn(async move {
+                let req = Request::builder()
+                    .method("POST")
+                    .uri("/v1/images")
+                    .header("authorization", format!("Bearer {admin}"))
+                    .header("content-type", "application/json")
+                    .body(Body::from(body))
+                    .unwrap();
+                let resp = router(state).oneshot(req).await.unwrap();
+                let status = resp.status();
+                let b = resp.into_body().collect().await.unwrap().to_bytes();
+                let v: Value = serde_json::from_slice(&b).unwrap();
+                assert_eq!(status, StatusCode::CREATED, "{v}");
+                v["version"].as_u64().unwrap()
+            }));
+        }
+        let mut versions = Vec::new();
+        for task in tasks {
+            versions.push(task.await.unwrap());
+        }
+        versions.sort_unstable();
+        assert_eq!(versions, (1..=N as u64).collect::<Vec<_>>(), "{name}");
+        // Each version resolves to one image of that version.
+        for v in [1, N as u64] {
+            let (s, img) = t
+                .json("GET", &format!("/v1/images/resolve?ref={name}@{v}"), None)
+                .await;
+            assert_eq!(s, StatusCode::OK, "{img}");
+            assert_eq!(img["version"], v, "{img}");
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_name_resolves_to_its_ready_version_while_a_new_one_builds_or_after_it_failed() {
+    let t = T::new();
+    let v1 = built(&t, json!({"name": "app", "recipe": {}})).await;
+    assert_eq!(v1["state"], "ready", "{v1}");
+    // A new version that fails keeps the name on the ready one (its tags
+    // move only when it is ready).
+    let v2 = built(&t, json!({"name": "app", "recipe": {"commands": ["nope"]}})).await;
+    assert_eq!(
+        (v2["state"].as_str(), v2["version"].as_u64()),
+        (Some("failed"), Some(2)),
+        "{v2}"
+    );
+    for r in ["app", "app:latest"] {
+        let (s, v) = t
+            .json("GET", &format!("/v1/images/resolve?ref={r}"), None)
+            .await;
+        assert_eq!((s, &v["id"]), (StatusCode::OK, &v1["id"]), "{r}: {v}");
+    }
+    let sbx = t.running(json!({"image": "app"})).await;
+    let (_, v) = t.json("GET", &format!("/v1/sandboxes/{sbx}"), None).await;
+    assert_eq!(v["image"], v1["id"], "{v}");
+    // So does one still building; once ready, the name is its.
+    t.host
+        .script("set -e\nslow\nsync", vec![Step::Sleep(400), Step::Exit(0)]);
+    let (s, v3) = t
+        .json(
+            "POST",
+            "/v1/images",
+            Some(json!({"name": "app", "recipe": {"commands": ["slow"]}})),
+        )
+        .await;
+    assert_eq!(s, StatusCode::CREATED, "{v3}");
+    let (_, v) = t.json("GET", "/v1/images/resolve?ref=app", None).await;
+    assert_eq!(v["id"], v1["id"], "{v}");
+    let v3 = finished(&t, v3["id"].as_str().unwrap()).await;
+    assert_eq!(v3["state"], "ready", "{v3}");
+    let (_, v) = t.json("GET", "/v1/images/resolve?ref=app", None).await;
+    assert_eq!(v["id"], v3["id"], "{v}");
+    // A name with no ready version yet still names its build (not ready).
+    t.host.script(
+        "set -e\nslower\nsync",
+        vec![Step::Sleep(2000), Step::Exit(0)],
+    );
+    let (_, fresh) = t
+        .json(
+            "POST",
+            "/v1/images",
+            Some(json!({"name": "fresh", "recipe": {"commands": ["slower"]}})),
+        )
+        .await;
+    let (_, v) = t.json("GET", "/v1/images/resolve?ref=fresh", None).await;
+    assert_eq!(v["id"], fresh["id"], "{v}");
+    let (s, v) = t
+        .json("POST", "/v1/sandboxes", Some(json!({"image": "fresh"})))
+        .await;
+    assert_eq!(s, StatusCode::CONFLICT, "{v}");
+    assert_error(&v, 409, "image_not_ready");
+}
+
+#[tokio::test]
+async fn tags_go_to_the_newest_ready_version_whatever_order_builds_end_in() {
+    let t = T::new();
+    // A build step's command is its script between `set -e` and `sync`.
+    let hold = |cmd: &str, ms: u64| {
+        t.host.script(
+            &format!("set -e\n{cmd}\nsync"),
+            vec![Step::Sleep(ms), Step::Exit(0)],
+        );
+    };
+    hold("short", 50);
+    hold("long", 500);
+    for (first, second) in [("short", "long"), ("long", "short")] {
+        let name = format!("app-{first}");
+        let create = |cmd: &str| json!({"name": name, "recipe": {"commands": [cmd]}});
+        let (_, older) = t.json("POST", "/v1/images", Some(create(first))).await;
+        let (_, newer) = t.json("POST", "/v1/images", Some(create(second))).await;
+        assert_eq!(
+            (older["version"].as_u64(), newer["version"].as_u64()),
+            (Some(1), Some(2))
+        );
+        for id in [&older["id"], &newer["id"]] {
+            assert_eq!(finished(&t, id.as_str().unwrap()).await["state"], "ready");
+        }
+        // Whichever ended last, `latest` is version 2's.
+        let (_, v) = t
+            .json("GET", &format!("/v1/images/resolve?ref={name}"), None)
+            .await;
+        assert_eq!(v["id"], newer["id"], "{first} first: {v}");
+        let (_, v) = t
+            .json(
+                "GET",
+                &format!("/v1/images/{}", newer["id"].as_str().unwrap()),
+                None,
+            )
+            .await;
+        assert_eq!(v["tags"], json!(["latest"]), "{first} first: {v}");
+        let (_, v) = t
+            .json(
+                "GET",
+                &format!("/v1/images/{}", older["id"].as_str().unwrap()),
+                None,
+            )
+            .await;
+        assert_eq!(v["tags"], json!([]), "{first} first: {v}");
+    }
 }

@@ -13,9 +13,9 @@ use runtime_proto::{
     channel, encode, Decoder, ExecRequest, FailCode, Frame, Kind, Reply, Request, User, MAX_PAYLOAD,
 };
 
-pub const TIMEOUT: Duration = Duration::from_secs(20);
+pub(crate) const TIMEOUT: Duration = Duration::from_secs(20);
 
-pub struct Agent {
+pub(crate) struct Agent {
     child: Child,
     listener: UnixListener,
     conn: UnixStream,
@@ -31,7 +31,7 @@ pub struct Agent {
 
 /// What an exec produced.
 #[derive(Debug)]
-pub struct Output {
+pub(crate) struct Output {
     pub pid: Option<u32>,
     pub stdout: Vec<u8>,
     pub stderr: Vec<u8>,
@@ -40,13 +40,13 @@ pub struct Output {
 }
 
 impl Output {
-    pub fn stdout(&self) -> String {
+    pub(crate) fn stdout(&self) -> String {
         String::from_utf8_lossy(&self.stdout).into_owned()
     }
-    pub fn stderr(&self) -> String {
+    pub(crate) fn stderr(&self) -> String {
         String::from_utf8_lossy(&self.stderr).into_owned()
     }
-    pub fn exit_code(&self) -> Option<i32> {
+    pub(crate) fn exit_code(&self) -> Option<i32> {
         match &self.end {
             Reply::Exited { exit_code, .. } => *exit_code,
             other => panic!("not exited: {other:?}"),
@@ -54,7 +54,7 @@ impl Output {
     }
 }
 
-pub fn exec_req(argv: &[&str]) -> ExecRequest {
+pub(crate) fn exec_req(argv: &[&str]) -> ExecRequest {
     ExecRequest {
         argv: argv.iter().map(|s| s.to_string()).collect(),
         cwd: None,
@@ -85,12 +85,12 @@ fn accept(listener: &UnixListener) -> UnixStream {
 }
 
 impl Agent {
-    pub fn start() -> Agent {
+    pub(crate) fn start() -> Agent {
         Agent::start_with(&[])
     }
 
     /// With extra arguments (e.g. `--proxy-port`).
-    pub fn start_with(args: &[&str]) -> Agent {
+    pub(crate) fn start_with(args: &[&str]) -> Agent {
         static N: AtomicU32 = AtomicU32::new(0);
         let dir = std::env::temp_dir().join(format!(
             "agent-test-{}-{}",
@@ -123,30 +123,30 @@ impl Agent {
         }
     }
 
-    pub fn agent_pid(&self) -> u32 {
+    pub(crate) fn agent_pid(&self) -> u32 {
         self.child.id()
     }
 
     /// Drops the connection and takes the agent's next one (a host restart).
-    pub fn reconnect(&mut self) {
+    pub(crate) fn reconnect(&mut self) {
         self.conn.shutdown(std::net::Shutdown::Both).unwrap();
         self.conn = accept(&self.listener);
         self.dec = Decoder::new();
         self.pending.clear();
     }
 
-    pub fn new_stream(&mut self) -> u32 {
+    pub(crate) fn new_stream(&mut self) -> u32 {
         self.next_stream += 2;
         self.next_stream
     }
 
-    pub fn send(&mut self, stream: u32, req: &Request) {
+    pub(crate) fn send(&mut self, stream: u32, req: &Request) {
         let mut buf = Vec::new();
         encode(&Frame::control(stream, req).unwrap(), &mut buf);
         self.conn.write_all(&buf).unwrap();
     }
 
-    pub fn send_raw_control(&mut self, stream: u32, json: &[u8]) {
+    pub(crate) fn send_raw_control(&mut self, stream: u32, json: &[u8]) {
         let mut buf = Vec::new();
         encode(
             &Frame {
@@ -160,11 +160,11 @@ impl Agent {
         self.conn.write_all(&buf).unwrap();
     }
 
-    pub fn send_raw_bytes(&mut self, bytes: &[u8]) {
+    pub(crate) fn send_raw_bytes(&mut self, bytes: &[u8]) {
         self.conn.write_all(bytes).unwrap();
     }
 
-    pub fn send_data(&mut self, stream: u32, bytes: &[u8]) {
+    pub(crate) fn send_data(&mut self, stream: u32, bytes: &[u8]) {
         for chunk in bytes.chunks(MAX_PAYLOAD) {
             let mut buf = Vec::new();
             encode(
@@ -191,7 +191,7 @@ impl Agent {
     }
 
     /// The next frame on `stream`; frames of other streams are kept for later.
-    pub fn recv(&mut self, stream: u32) -> Frame {
+    pub(crate) fn recv(&mut self, stream: u32) -> Frame {
         if let Some(i) = self.pending.iter().position(|f| f.stream == stream) {
             return self.pending.remove(i).unwrap();
         }
@@ -210,7 +210,7 @@ impl Agent {
     }
 
     /// The next control message on `stream` (data frames there are an error).
-    pub fn reply(&mut self, stream: u32) -> Reply {
+    pub(crate) fn reply(&mut self, stream: u32) -> Reply {
         let f = self.recv(stream);
         assert_eq!(
             f.kind,
@@ -220,13 +220,13 @@ impl Agent {
         f.parse().unwrap()
     }
 
-    pub fn request(&mut self, req: &Request) -> Reply {
+    pub(crate) fn request(&mut self, req: &Request) -> Reply {
         let s = self.new_stream();
         self.send(s, req);
         self.reply(s)
     }
 
-    pub fn hello(&mut self) -> Reply {
+    pub(crate) fn hello(&mut self) -> Reply {
         self.send(
             0,
             &Request::Hello {
@@ -238,7 +238,7 @@ impl Agent {
     }
 
     /// A hello naming a host session (tunnels survive only the same one).
-    pub fn hello_session(&mut self, session: u64) -> Reply {
+    pub(crate) fn hello_session(&mut self, session: u64) -> Reply {
         self.send(
             0,
             &Request::Hello {
@@ -250,7 +250,7 @@ impl Agent {
     }
 
     /// The next frame on any stream (pending ones first).
-    pub fn next_any(&mut self) -> Frame {
+    pub(crate) fn next_any(&mut self) -> Frame {
         if let Some(f) = self.pending.pop_front() {
             return f;
         }
@@ -258,7 +258,7 @@ impl Agent {
     }
 
     /// Sends an exec; returns its stream and pid (panics on Failed).
-    pub fn spawn(&mut self, req: ExecRequest) -> (u32, u32) {
+    pub(crate) fn spawn(&mut self, req: ExecRequest) -> (u32, u32) {
         let s = self.new_stream();
         self.send(s, &Request::Exec(req));
         match self.reply(s) {
@@ -268,7 +268,7 @@ impl Agent {
     }
 
     /// Collects output on `stream` until `Exited` (or `Failed`).
-    pub fn collect(&mut self, stream: u32, pid: Option<u32>) -> Output {
+    pub(crate) fn collect(&mut self, stream: u32, pid: Option<u32>) -> Output {
         let mut out = Output {
             pid,
             stdout: vec![],
@@ -300,17 +300,23 @@ impl Agent {
         }
     }
 
-    pub fn exec(&mut self, req: ExecRequest) -> Output {
+    pub(crate) fn exec(&mut self, req: ExecRequest) -> Output {
         let s = self.new_stream();
         self.send(s, &Request::Exec(req));
         self.collect(s, None)
     }
 
-    pub fn run(&mut self, argv: &[&str]) -> Output {
+    pub(crate) fn run(&mut self, argv: &[&str]) -> Output {
         self.exec(exec_req(argv))
     }
 
-    pub fn write_file(&mut self, path: &str, bytes: &[u8], mode: Option<u32>, user: User) -> Reply {
+    pub(crate) fn write_file(
+        &mut self,
+        path: &str,
+        bytes: &[u8],
+        mode: Option<u32>,
+        user: User,
+    ) -> Reply {
         let s = self.new_stream();
         self.send(
             s,
@@ -326,7 +332,11 @@ impl Agent {
     }
 
     /// Reads a file: its bytes, or the failure.
-    pub fn read_file(&mut self, path: &str, user: User) -> Result<Vec<u8>, (FailCode, String)> {
+    pub(crate) fn read_file(
+        &mut self,
+        path: &str,
+        user: User,
+    ) -> Result<Vec<u8>, (FailCode, String)> {
         let s = self.new_stream();
         self.send(
             s,
@@ -383,13 +393,13 @@ impl Drop for Agent {
 }
 
 /// True while any process of group `pgid` exists (zombies included).
-pub fn group_alive(pgid: u32) -> bool {
+pub(crate) fn group_alive(pgid: u32) -> bool {
     // SAFETY: signal 0 only checks for existence.
     unsafe { libc::kill(-(pgid as i32), 0) == 0 }
 }
 
 /// Waits up to a few seconds for `cond`.
-pub fn eventually(mut cond: impl FnMut() -> bool) -> bool {
+pub(crate) fn eventually(mut cond: impl FnMut() -> bool) -> bool {
     let deadline = Instant::now() + Duration::from_secs(5);
     while Instant::now() < deadline {
         if cond() {
@@ -400,7 +410,7 @@ pub fn eventually(mut cond: impl FnMut() -> bool) -> bool {
     cond()
 }
 
-pub fn kill_group(pgid: u32) {
+pub(crate) fn kill_group(pgid: u32) {
     // SAFETY: plain syscall.
     unsafe { libc::kill(-(pgid as i32), libc::SIGKILL) };
 }

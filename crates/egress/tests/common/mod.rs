@@ -23,27 +23,27 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, DuplexStream
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
-pub const WAIT: Duration = Duration::from_secs(10);
+pub(crate) const WAIT: Duration = Duration::from_secs(10);
 
 /// What a destination received.
 #[derive(Debug, Clone)]
-pub struct Seen {
+pub(crate) struct Seen {
     pub method: String,
     pub uri: String,
     pub headers: HeaderMap,
     pub body: Bytes,
 }
 
-pub type Log = Arc<Mutex<Vec<Seen>>>;
+pub(crate) type Log = Arc<Mutex<Vec<Seen>>>;
 
 /// A CA for test destinations, and certificates it signs.
-pub struct TestCa {
+pub(crate) struct TestCa {
     cert: rcgen::Certificate,
     issuer: rcgen::Issuer<'static, KeyPair>,
 }
 
 impl TestCa {
-    pub fn new(name: &str) -> Self {
+    pub(crate) fn new(name: &str) -> Self {
         let key = KeyPair::generate().unwrap();
         let mut p = CertificateParams::default();
         p.distinguished_name.push(DnType::CommonName, name);
@@ -55,11 +55,11 @@ impl TestCa {
         }
     }
 
-    pub fn pem(&self) -> String {
+    pub(crate) fn pem(&self) -> String {
         self.cert.pem()
     }
 
-    pub fn der(&self) -> CertificateDer<'static> {
+    pub(crate) fn der(&self) -> CertificateDer<'static> {
         self.cert.der().clone()
     }
 
@@ -121,7 +121,7 @@ async fn record(log: Log, mut req: Request<Incoming>) -> Response<Full<Bytes>> {
 }
 
 /// A plain HTTP destination that records every request.
-pub async fn http_server() -> (SocketAddr, Log) {
+pub(crate) async fn http_server() -> (SocketAddr, Log) {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let log: Log = Arc::default();
@@ -147,7 +147,7 @@ pub async fn http_server() -> (SocketAddr, Log) {
 }
 
 /// An HTTPS destination with a certificate for `names` signed by `ca`.
-pub async fn https_server(ca: &TestCa, names: &[&str]) -> (SocketAddr, Log) {
+pub(crate) async fn https_server(ca: &TestCa, names: &[&str]) -> (SocketAddr, Log) {
     let cfg = ca.server_config(names);
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
@@ -179,7 +179,7 @@ pub async fn https_server(ca: &TestCa, names: &[&str]) -> (SocketAddr, Log) {
 }
 
 /// A TCP destination that echoes what it gets; counts connections.
-pub async fn echo_server() -> (SocketAddr, Arc<Mutex<usize>>) {
+pub(crate) async fn echo_server() -> (SocketAddr, Arc<Mutex<usize>>) {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let count = Arc::new(Mutex::new(0));
@@ -200,20 +200,20 @@ pub async fn echo_server() -> (SocketAddr, Arc<Mutex<usize>>) {
 }
 
 /// One sandbox behind a proxy.
-pub struct Sandbox {
+pub(crate) struct Sandbox {
     pub egress: Egress,
     pub policy: watch::Sender<Arc<Policy>>,
     pub secrets: watch::Sender<Arc<Vec<Secret>>>,
     pub ca: Arc<SandboxCa>,
 }
 
-pub fn policy(json: &str) -> Policy {
+pub(crate) fn policy(json: &str) -> Policy {
     let rules: Rules = serde_json::from_str(json).unwrap();
     rules.validate().unwrap()
 }
 
 impl Sandbox {
-    pub fn new(cfg: EgressConfig, policy: Policy) -> Self {
+    pub(crate) fn new(cfg: EgressConfig, policy: Policy) -> Self {
         let _ = tracing_subscriber::fmt()
             .with_env_filter("runtime_egress=debug")
             .with_writer(|| LogWriter)
@@ -227,7 +227,7 @@ impl Sandbox {
     }
 
     /// A new connection from the guest, served by the proxy.
-    pub fn guest(&self) -> DuplexStream {
+    pub(crate) fn guest(&self) -> DuplexStream {
         let (guest, host) = tokio::io::duplex(64 * 1024);
         let net = SandboxNet {
             sandbox_id: "sbx-test".into(),
@@ -240,21 +240,21 @@ impl Sandbox {
         guest
     }
 
-    pub fn set_policy(&self, p: Policy) {
+    pub(crate) fn set_policy(&self, p: Policy) {
         self.policy.send_replace(Arc::new(p));
     }
 }
 
 /// A proxy answer read by hand.
 #[derive(Debug)]
-pub struct Answer {
+pub(crate) struct Answer {
     pub status: u16,
     pub head: String,
     pub body: String,
 }
 
 impl Answer {
-    pub fn header(&self, name: &str) -> Option<String> {
+    pub(crate) fn header(&self, name: &str) -> Option<String> {
         self.head.lines().find_map(|l| {
             let (k, v) = l.split_once(':')?;
             k.eq_ignore_ascii_case(name).then(|| v.trim().to_string())
@@ -263,7 +263,7 @@ impl Answer {
 }
 
 /// Reads one HTTP answer (head and a Content-Length body) from `io`.
-pub async fn read_answer<IO: AsyncRead + Unpin>(io: &mut IO) -> Result<Answer> {
+pub(crate) async fn read_answer<IO: AsyncRead + Unpin>(io: &mut IO) -> Result<Answer> {
     let mut head = Vec::new();
     while !head.ends_with(b"\r\n\r\n") {
         let mut b = [0u8; 1];
@@ -301,7 +301,7 @@ pub async fn read_answer<IO: AsyncRead + Unpin>(io: &mut IO) -> Result<Answer> {
 }
 
 /// `CONNECT target` on a new guest connection; the stream on 200.
-pub async fn connect(sbx: &Sandbox, target: &str) -> Result<(Answer, DuplexStream)> {
+pub(crate) async fn connect(sbx: &Sandbox, target: &str) -> Result<(Answer, DuplexStream)> {
     let mut g = sbx.guest();
     g.write_all(format!("CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n\r\n").as_bytes())
         .await?;
@@ -310,7 +310,7 @@ pub async fn connect(sbx: &Sandbox, target: &str) -> Result<(Answer, DuplexStrea
 }
 
 /// SOCKS5 CONNECT to a domain name; the reply code and the stream.
-pub async fn socks(sbx: &Sandbox, host: &str, port: u16) -> Result<(u8, DuplexStream)> {
+pub(crate) async fn socks(sbx: &Sandbox, host: &str, port: u16) -> Result<(u8, DuplexStream)> {
     let mut g = sbx.guest();
     g.write_all(&[5, 1, 0]).await?;
     let mut r = [0u8; 2];
@@ -342,7 +342,7 @@ pub async fn socks(sbx: &Sandbox, host: &str, port: u16) -> Result<(u8, DuplexSt
 }
 
 /// A TLS client over `io` trusting only `roots`, sending `sni` (or no SNI).
-pub async fn tls<IO: AsyncRead + AsyncWrite + Unpin>(
+pub(crate) async fn tls<IO: AsyncRead + AsyncWrite + Unpin>(
     io: IO,
     name: &str,
     roots: &[CertificateDer<'static>],
@@ -370,7 +370,7 @@ pub async fn tls<IO: AsyncRead + AsyncWrite + Unpin>(
 }
 
 /// An HTTP/1.1 client over `io`.
-pub async fn client<IO: AsyncRead + AsyncWrite + Unpin + Send + 'static>(
+pub(crate) async fn client<IO: AsyncRead + AsyncWrite + Unpin + Send + 'static>(
     io: IO,
 ) -> Result<hyper::client::conn::http1::SendRequest<Full<Bytes>>> {
     let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(io)).await?;
@@ -380,13 +380,13 @@ pub async fn client<IO: AsyncRead + AsyncWrite + Unpin + Send + 'static>(
     Ok(sender)
 }
 
-pub struct Got {
+pub(crate) struct Got {
     pub status: StatusCode,
     pub headers: HeaderMap,
     pub body: String,
 }
 
-pub async fn send(
+pub(crate) async fn send(
     sender: &mut hyper::client::conn::http1::SendRequest<Full<Bytes>>,
     req: Request<Full<Bytes>>,
 ) -> Result<Got> {
@@ -404,7 +404,7 @@ pub async fn send(
     })
 }
 
-pub fn get(uri: &str, host: &str) -> Request<Full<Bytes>> {
+pub(crate) fn get(uri: &str, host: &str) -> Request<Full<Bytes>> {
     Request::get(uri)
         .header("host", host)
         .body(Full::new(Bytes::new()))
@@ -412,7 +412,7 @@ pub fn get(uri: &str, host: &str) -> Request<Full<Bytes>> {
 }
 
 /// Whether the stream is closed (EOF or error) within [`WAIT`].
-pub async fn closed<IO: AsyncRead + Unpin>(io: &mut IO) -> bool {
+pub(crate) async fn closed<IO: AsyncRead + Unpin>(io: &mut IO) -> bool {
     let mut b = [0u8; 64];
     matches!(
         tokio::time::timeout(WAIT, io.read(&mut b)).await,
@@ -421,7 +421,7 @@ pub async fn closed<IO: AsyncRead + Unpin>(io: &mut IO) -> bool {
 }
 
 /// Everything until the stream closes; `None` if it stays open past [`WAIT`].
-pub async fn read_to_close<IO: AsyncRead + Unpin>(io: &mut IO) -> Option<Vec<u8>> {
+pub(crate) async fn read_to_close<IO: AsyncRead + Unpin>(io: &mut IO) -> Option<Vec<u8>> {
     let mut out = Vec::new();
     match tokio::time::timeout(WAIT, io.read_to_end(&mut out)).await {
         Ok(_) => Some(out),
@@ -431,9 +431,9 @@ pub async fn read_to_close<IO: AsyncRead + Unpin>(io: &mut IO) -> Option<Vec<u8>
 
 /// Everything logged in this test binary, for tests that check what a log
 /// never holds.
-pub static LOGS: Mutex<Vec<u8>> = Mutex::new(Vec::new());
+pub(crate) static LOGS: Mutex<Vec<u8>> = Mutex::new(Vec::new());
 
-pub struct LogWriter;
+pub(crate) struct LogWriter;
 
 impl std::io::Write for LogWriter {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
@@ -448,6 +448,6 @@ impl std::io::Write for LogWriter {
     }
 }
 
-pub fn logs() -> String {
+pub(crate) fn logs() -> String {
     String::from_utf8_lossy(&LOGS.lock().unwrap_or_else(|e| e.into_inner())).into_owned()
 }

@@ -7,12 +7,12 @@ use std::time::Duration;
 use async_trait::async_trait;
 use runtime_host::{
     DuplexStream, EntryKind, ExecControl, ExecEvent, ExecHandle, ExecSpec, ExitStatus, FileEntry,
-    FileOp, FileOpResult, GuestFailure, Host, HostError, MachineSpec, Outbound, RunAs,
+    FileOp, FileOpResult, GuestFailure, GuestNet, Host, HostError, MachineSpec, RunAs,
 };
 use tokio::sync::{mpsc, watch};
 
 #[derive(Debug, Clone)]
-pub enum Step {
+pub(crate) enum Step {
     Out(Vec<u8>),
     Err(Vec<u8>),
     Sleep(u64),
@@ -23,7 +23,7 @@ pub enum Step {
 /// pause closed its handle, a backlog the next `attach` delivers first (the
 /// real host keeps streams across a pause).
 #[derive(Default)]
-pub struct Sink {
+pub(crate) struct Sink {
     pub tx: Option<mpsc::Sender<ExecEvent>>,
     pub held: Option<Vec<ExecEvent>>,
 }
@@ -31,7 +31,7 @@ pub struct Sink {
 /// A process the fake runs, by token: its sandbox, where its events go now
 /// (a later server takes it up with `attach`), and how it ended.
 #[derive(Clone)]
-pub struct FakeProc {
+pub(crate) struct FakeProc {
     pub sandbox: String,
     pub events: Arc<Mutex<Sink>>,
     pub control: mpsc::Sender<ExecControl>,
@@ -58,7 +58,7 @@ async fn emit(to: &Arc<Mutex<Sink>>, ev: ExecEvent) {
 }
 
 #[derive(Default)]
-pub struct FakeHost {
+pub(crate) struct FakeHost {
     /// (sandbox, path) -> (bytes, mode); directories are in `dirs`.
     pub files: Mutex<HashMap<(String, String), (Vec<u8>, u32)>>,
     pub dirs: Mutex<HashSet<(String, String)>>,
@@ -87,24 +87,24 @@ pub struct FakeHost {
     /// The guest's loopback: guest port -> a TCP address on the host that
     /// stands for it ([`Host::connect`]).
     pub guest_ports: Mutex<HashMap<u16, std::net::SocketAddr>>,
-    pub outbound: Mutex<Option<Arc<dyn Outbound>>>,
+    /// The network each sandbox has now ([`Host::set_network`]), and every
+    /// id whose network was forgotten, in order.
+    pub networks: Mutex<HashMap<String, GuestNet>>,
+    pub forgotten: Mutex<Vec<String>>,
     /// The vCPU time `cpu_time` reports per sandbox (none: unknown).
     pub cpu: Mutex<HashMap<String, Duration>>,
     /// Every spec `start` was given, in order.
     pub specs: Mutex<Vec<MachineSpec>>,
+    /// Interpreter drivers the fake plays, by their last argv element
+    /// (`python`): each run's output is its code.
+    pub drivers: Mutex<HashSet<String>>,
 }
 
 impl FakeHost {
-    /// What a guest process connecting to the agent's proxy would get: the
-    /// other end of the connection handed to the outbound handler.
+    /// The network `id` has now, if any.
     #[allow(dead_code)]
-    pub fn open_outbound(&self, id: &str) -> DuplexStream {
-        let (ours, theirs) = tokio::io::duplex(64 << 10);
-        let handler = self.outbound.lock().unwrap().clone();
-        if let Some(h) = handler {
-            h.accept(id, theirs);
-        }
-        ours
+    pub(crate) fn network(&self, id: &str) -> Option<GuestNet> {
+        self.networks.lock().unwrap().get(id).cloned()
     }
 }
 
@@ -140,7 +140,7 @@ impl FakeHost {
         }
     }
 
-    pub fn script(&self, command: &str, steps: Vec<Step>) {
+    pub(crate) fn script(&self, command: &str, steps: Vec<Step>) {
         self.scripts.lock().unwrap().insert(command.into(), steps);
     }
 
@@ -239,8 +239,13 @@ impl Host for FakeHost {
         Ok(ours)
     }
 
-    fn set_outbound(&self, handler: Arc<dyn Outbound>) {
-        *self.outbound.lock().unwrap() = Some(handler);
+    fn set_network(&self, id: &str, net: GuestNet) {
+        self.networks.lock().unwrap().insert(id.into(), net);
+    }
+
+    fn forget_network(&self, id: &str) {
+        self.networks.lock().unwrap().remove(id);
+        self.forgotten.lock().unwrap().push(id.into());
     }
 
     async fn pause(&self, id: &str) -> Result<(), HostError> {
@@ -339,7 +344,27 @@ impl Host for FakeHost {
                 "slowfail: not found",
             ));
         }
-        if cmd == "cat" {
+        if self.drivers.lock().unwrap().contains(&cmd) {
+            tokio::spawn(async move {
+                // The first line is the nonce; then one run per line.
+                let mut nonce = None::<String>;
+                while let Some(c) = crx.recv().await {
+                    let ExecControl::Stdin(b) = c else { continue };
+                    let line = String::from_utf8_lossy(&b).trim_end().to_string();
+                    let Some(n) = nonce.clone() else {
+                        let ready = format!("{line} {{\"k\":\"ready\"}}\n");
+                        emit(&sink, ExecEvent::Stdout(ready.into_bytes())).await;
+                        nonce = Some(line);
+                        continue;
+                    };
+                    let run: serde_json::Value = serde_json::from_str(&line).unwrap_or_default();
+                    let out = serde_json::json!({"k": "stdout", "text": run["code"]});
+                    let end = serde_json::json!({"k": "end", "id": run["id"]});
+                    let said = format!("{n} {out}\n{n} {end}\n");
+                    emit(&sink, ExecEvent::Stdout(said.into_bytes())).await;
+                }
+            });
+        } else if cmd == "cat" {
             let seen = self.stdin_seen.clone();
             tokio::spawn(async move {
                 while let Some(c) = crx.recv().await {

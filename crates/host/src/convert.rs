@@ -1,0 +1,350 @@
+//! Between the guest protocol's types (`runtime-proto`) and the host's
+//! ([`crate::types`]): requests built from the host's specs, and replies
+//! turned into the host's results and errors.
+
+use runtime_proto::{Entry, EntryType, ExecRequest, FailCode, PtySize, Reply, Request, User};
+
+use crate::types::*;
+
+fn failure(code: FailCode) -> GuestFailure {
+    match code {
+        FailCode::FileNotFound => GuestFailure::FileNotFound,
+        FailCode::IsADirectory => GuestFailure::IsADirectory,
+        FailCode::NotADirectory => GuestFailure::NotADirectory,
+        FailCode::PermissionDenied => GuestFailure::PermissionDenied,
+        FailCode::AlreadyExists => GuestFailure::AlreadyExists,
+        FailCode::DirectoryNotEmpty => GuestFailure::DirectoryNotEmpty,
+        FailCode::InvalidPath => GuestFailure::InvalidPath,
+        FailCode::CommandNotFound => GuestFailure::CommandNotFound,
+        FailCode::BadRequest => GuestFailure::BadRequest,
+        FailCode::Io => GuestFailure::Io,
+        FailCode::ConnectionRefused => GuestFailure::ConnectionRefused,
+    }
+}
+
+pub(crate) fn user(u: RunAs) -> User {
+    match u {
+        RunAs::Sandbox => User::Sandbox,
+        RunAs::Root => User::Root,
+    }
+}
+
+pub(crate) fn pty_size(t: TermSize) -> PtySize {
+    PtySize {
+        cols: t.cols,
+        rows: t.rows,
+    }
+}
+
+fn entry(e: Entry) -> FileEntry {
+    FileEntry {
+        name: e.name,
+        path: e.path,
+        kind: match e.kind {
+            EntryType::File => EntryKind::File,
+            EntryType::Directory => EntryKind::Directory,
+            EntryType::Symlink => EntryKind::Symlink,
+            EntryType::Other => EntryKind::Other,
+        },
+        size: e.size,
+        mode: e.mode,
+        modified: e.modified,
+    }
+}
+
+/// A reply that is not the one expected, as the error of machine `id`.
+pub(crate) fn guest_err(id: &str, r: Reply) -> HostError {
+    match r {
+        Reply::Failed { code, message } => HostError::Guest {
+            id: id.to_owned(),
+            failure: failure(code),
+            message,
+        },
+        other => HostError::Guest {
+            id: id.to_owned(),
+            failure: GuestFailure::Io,
+            message: format!("unexpected reply {other:?}"),
+        },
+    }
+}
+
+pub(crate) fn exec_request(spec: ExecSpec) -> ExecRequest {
+    ExecRequest {
+        argv: spec.argv,
+        cwd: spec.cwd,
+        env: spec.env,
+        user: user(spec.user),
+        timeout_ms: spec.timeout.map(|t| t.as_millis() as u64),
+        stdin: spec.stdin,
+        pty: spec.pty.map(pty_size),
+        kill_group_on_exit: spec.kill_group_on_exit,
+    }
+}
+
+/// The request for a file operation, done as `user`.
+pub(crate) fn file_request(op: FileOp, user: User) -> Request {
+    match op {
+        FileOp::Stat { path } => Request::Stat { path, user },
+        FileOp::List {
+            path,
+            depth,
+            hidden,
+            limit,
+        } => Request::List {
+            path,
+            depth,
+            hidden,
+            limit,
+            user,
+        },
+        FileOp::Mkdir { path, parents } => Request::Mkdir {
+            path,
+            parents,
+            user,
+        },
+        FileOp::Remove { path, recursive } => Request::Remove {
+            path,
+            recursive,
+            user,
+        },
+        FileOp::Rename {
+            from,
+            to,
+            overwrite,
+        } => Request::Rename {
+            from,
+            to,
+            overwrite,
+            user,
+        },
+        FileOp::Chmod { path, mode } => Request::Chmod { path, mode, user },
+    }
+}
+
+/// The reply to a [`file_request`] of machine `id`.
+pub(crate) fn file_op_result(id: &str, reply: Reply) -> Result<FileOpResult, HostError> {
+    match reply {
+        Reply::Stat { entry: e } => Ok(FileOpResult::Stat(e.map(entry))),
+        Reply::Listing { entries, truncated } => Ok(FileOpResult::Listing {
+            entries: entries.into_iter().map(entry).collect(),
+            truncated,
+        }),
+        Reply::Removed { removed } => Ok(FileOpResult::Removed(removed)),
+        Reply::Done => Ok(FileOpResult::Done),
+        other => Err(guest_err(id, other)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+    use super::*;
+    use std::time::Duration;
+
+    fn proto_entry(name: &str, kind: EntryType) -> Entry {
+        Entry {
+            name: name.into(),
+            path: format!("/home/user/{name}"),
+            kind,
+            size: 42,
+            mode: 0o640,
+            modified: 1_700_000_000,
+        }
+    }
+
+    #[test]
+    fn a_refusal_keeps_its_reason_and_message() {
+        let e = guest_err(
+            "sbx",
+            Reply::Failed {
+                code: FailCode::DirectoryNotEmpty,
+                message: "not empty".into(),
+            },
+        );
+        match e {
+            HostError::Guest {
+                id,
+                failure,
+                message,
+            } => {
+                assert_eq!(id, "sbx");
+                assert_eq!(failure, GuestFailure::DirectoryNotEmpty);
+                assert_eq!(message, "not empty");
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn every_fail_code_has_its_own_failure() {
+        let pairs = [
+            (FailCode::FileNotFound, GuestFailure::FileNotFound),
+            (FailCode::IsADirectory, GuestFailure::IsADirectory),
+            (FailCode::NotADirectory, GuestFailure::NotADirectory),
+            (FailCode::PermissionDenied, GuestFailure::PermissionDenied),
+            (FailCode::AlreadyExists, GuestFailure::AlreadyExists),
+            (FailCode::DirectoryNotEmpty, GuestFailure::DirectoryNotEmpty),
+            (FailCode::InvalidPath, GuestFailure::InvalidPath),
+            (FailCode::CommandNotFound, GuestFailure::CommandNotFound),
+            (FailCode::BadRequest, GuestFailure::BadRequest),
+            (FailCode::Io, GuestFailure::Io),
+            (FailCode::ConnectionRefused, GuestFailure::ConnectionRefused),
+        ];
+        for (code, want) in pairs {
+            assert_eq!(failure(code), want, "{code:?}");
+        }
+    }
+
+    #[test]
+    fn an_unexpected_reply_is_an_io_failure_that_names_it() {
+        match guest_err("sbx", Reply::Pong) {
+            HostError::Guest {
+                failure, message, ..
+            } => {
+                assert_eq!(failure, GuestFailure::Io);
+                assert_eq!(message, "unexpected reply Pong");
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn an_exec_request_carries_the_spec() {
+        let req = exec_request(ExecSpec {
+            argv: vec!["ls".into(), "-l".into()],
+            cwd: Some("/tmp".into()),
+            env: vec![("A".into(), "1".into())],
+            user: RunAs::Root,
+            timeout: Some(Duration::from_millis(1500)),
+            stdin: true,
+            pty: Some(TermSize { cols: 80, rows: 24 }),
+            kill_group_on_exit: false,
+        });
+        assert_eq!(
+            req,
+            ExecRequest {
+                argv: vec!["ls".into(), "-l".into()],
+                cwd: Some("/tmp".into()),
+                env: vec![("A".into(), "1".into())],
+                user: User::Root,
+                timeout_ms: Some(1500),
+                stdin: true,
+                pty: Some(PtySize { cols: 80, rows: 24 }),
+                kill_group_on_exit: false,
+            }
+        );
+    }
+
+    #[test]
+    fn file_requests_carry_the_user() {
+        assert_eq!(
+            file_request(
+                FileOp::List {
+                    path: "/srv".into(),
+                    depth: 2,
+                    hidden: true,
+                    limit: 10,
+                },
+                User::Sandbox
+            ),
+            Request::List {
+                path: "/srv".into(),
+                depth: 2,
+                hidden: true,
+                limit: 10,
+                user: User::Sandbox,
+            }
+        );
+        assert_eq!(
+            file_request(
+                FileOp::Rename {
+                    from: "/a".into(),
+                    to: "/b".into(),
+                    overwrite: false,
+                },
+                User::Root
+            ),
+            Request::Rename {
+                from: "/a".into(),
+                to: "/b".into(),
+                overwrite: false,
+                user: User::Root,
+            }
+        );
+        assert_eq!(
+            file_request(
+                FileOp::Chmod {
+                    path: "/x".into(),
+                    mode: 0o755,
+                },
+                User::Root
+            ),
+            Request::Chmod {
+                path: "/x".into(),
+                mode: 0o755,
+                user: User::Root,
+            }
+        );
+    }
+
+    #[test]
+    fn file_replies_become_results() {
+        let listing = file_op_result(
+            "sbx",
+            Reply::Listing {
+                entries: vec![
+                    proto_entry("a", EntryType::File),
+                    proto_entry("d", EntryType::Directory),
+                    proto_entry("l", EntryType::Symlink),
+                    proto_entry("p", EntryType::Other),
+                ],
+                truncated: true,
+            },
+        )
+        .unwrap();
+        let FileOpResult::Listing { entries, truncated } = listing else {
+            panic!("{listing:?}");
+        };
+        assert!(truncated);
+        let kinds: Vec<EntryKind> = entries.iter().map(|e| e.kind).collect();
+        assert_eq!(
+            kinds,
+            [
+                EntryKind::File,
+                EntryKind::Directory,
+                EntryKind::Symlink,
+                EntryKind::Other
+            ]
+        );
+        assert_eq!(
+            entries[0],
+            FileEntry {
+                name: "a".into(),
+                path: "/home/user/a".into(),
+                kind: EntryKind::File,
+                size: 42,
+                mode: 0o640,
+                modified: 1_700_000_000,
+            }
+        );
+        assert_eq!(
+            file_op_result("sbx", Reply::Stat { entry: None }).unwrap(),
+            FileOpResult::Stat(None)
+        );
+        assert_eq!(
+            file_op_result("sbx", Reply::Removed { removed: false }).unwrap(),
+            FileOpResult::Removed(false)
+        );
+        assert_eq!(
+            file_op_result("sbx", Reply::Done).unwrap(),
+            FileOpResult::Done
+        );
+        assert!(matches!(
+            file_op_result("sbx", Reply::Started { pid: 1 }),
+            Err(HostError::Guest {
+                failure: GuestFailure::Io,
+                ..
+            })
+        ));
+    }
+}

@@ -1,0 +1,20 @@
+//! Pure types and rules: no axum, no store, no `Host`, no spawned tasks, no
+//! clock of its own (`now` is a parameter). Everything here is unit-tested
+//! at the bottom of its file.
+
+pub(crate) mod access;
+pub(crate) mod files;
+pub(crate) mod image;
+pub(crate) mod interpreter;
+pub(crate) mod lease;
+pub(crate) mod lifecycle;
+pub(crate) mod money;
+pub(crate) mod names;
+pub(crate) mod network;
+pub(crate) mod preview;
+pub(crate) mod process;
+pub(crate) mod sandbox;
+pub(crate) mod secret;
+pub(crate) mod snapshot;
+pub(crate) mod time;
+pub(crate) mod volume;

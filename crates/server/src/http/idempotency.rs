@@ -1,0 +1,211 @@
+//! Idempotency (contract §3) and late answers.
+//!
+//! Every change runs in an owned task, so a client that hangs up does not
+//! cancel it halfway and a resend finds its stored answer. A duplicate that
+//! arrives while the first runs waits for it, then replays. 2xx JSON answers
+//! are stored for `idempotency_ttl`; errors are not (a resend runs again).
+//! An NDJSON stream is stored as the process it follows: a duplicate follows
+//! that process's output from the start (or gets 409 `output_gone` once the
+//! process table dropped it).
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::Mutex;
+
+use axum::http::{HeaderValue, StatusCode};
+use axum::response::Response;
+use serde_json::Value;
+use tokio::sync::watch;
+
+use crate::error::{ApiError, ApiResult};
+use crate::http::routes::processes;
+use crate::http::{deferred_body, json_bytes, Reply};
+use crate::store::StoredAnswer;
+use crate::AppState;
+
+pub(crate) struct Request {
+    pub idem_key: String,
+    pub fingerprint: String,
+}
+
+type Slot = (String, String);
+
+#[derive(Default)]
+pub(crate) struct Inflight {
+    map: Mutex<HashMap<Slot, (String, watch::Receiver<bool>)>>,
+}
+
+/// Removes the in-flight entry and wakes waiters, however the task ends.
+struct Guard {
+    st: AppState,
+    slot: Slot,
+    done: watch::Sender<bool>,
+}
+
+impl Drop for Guard {
+    fn drop(&mut self) {
+        let mut m = self
+            .st
+            .inner
+            .inflight
+            .map
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        m.remove(&self.slot);
+        let _ = self.done.send(true);
+    }
+}
+
+enum Claim {
+    Replay(StoredAnswer),
+    Wait(watch::Receiver<bool>),
+    Run(Guard),
+}
+
+fn claim(st: &AppState, key_id: &str, req: &Request) -> ApiResult<Claim> {
+    let slot = (key_id.to_string(), req.idem_key.clone());
+    let mut m = st
+        .inner
+        .inflight
+        .map
+        .lock()
+        .unwrap_or_else(|p| p.into_inner());
+    if let Some((fp, rx)) = m.get(&slot) {
+        if *fp != req.fingerprint {
+            return Err(ApiError::IdempotencyKeyReused);
+        }
+        return Ok(Claim::Wait(rx.clone()));
+    }
+    let ttl_ms = st.config().idempotency_ttl.as_millis() as i64;
+    if let Some(stored) = st.store().idem_get(key_id, &req.idem_key)? {
+        if stored.created_ms + ttl_ms > st.now_ms() {
+            if stored.fingerprint != req.fingerprint {
+                return Err(ApiError::IdempotencyKeyReused);
+            }
+            return Ok(Claim::Replay(stored));
+        }
+    }
+    let (tx, rx) = watch::channel(false);
+    m.insert(slot.clone(), (req.fingerprint.clone(), rx));
+    Ok(Claim::Run(Guard {
+        st: st.clone(),
+        slot,
+        done: tx,
+    }))
+}
+
+fn replay(st: &AppState, stored: StoredAnswer) -> ApiResult<Response> {
+    let body: Value = serde_json::from_str(&stored.body).map_err(|e| ApiError::Internal {
+        what: format!("stored answer is not JSON: {e}"),
+    })?;
+    let mut resp = if stored.kind == "stream" {
+        let sandbox_id = body
+            .get("sandboxId")
+            .and_then(Value::as_str)
+            .unwrap_or_default();
+        let pid = body
+            .get("processId")
+            .and_then(Value::as_str)
+            .unwrap_or_default();
+        processes::replay_stream(st, sandbox_id, pid)?
+    } else {
+        let mut body = body;
+        if let Value::Object(m) = &mut body {
+            m.insert("replayed".into(), Value::Bool(true));
+        }
+        let status = StatusCode::from_u16(stored.status).unwrap_or(StatusCode::OK);
+        Reply::Json(status, body).into_response()
+    };
+    resp.headers_mut()
+        .insert("idempotency-replayed", HeaderValue::from_static("true"));
+    Ok(resp)
+}
+
+/// Runs a change: once per idempotency key when one is given, in an owned
+/// task, answering late (`runtime-late-answer`) when it outlasts the limit.
+pub(crate) async fn execute<F>(
+    st: &AppState,
+    key_id: &str,
+    req: Option<Request>,
+    work: F,
+    rid: &str,
+) -> ApiResult<Response>
+where
+    F: Future<Output = ApiResult<Reply>> + Send + 'static,
+{
+    let guard = match &req {
+        None => None,
+        Some(r) => loop {
+            match claim(st, key_id, r)? {
+                Claim::Replay(stored) => return replay(st, stored),
+                Claim::Wait(mut rx) => {
+                    let _ = rx.wait_for(|done| *done).await;
+                }
+                Claim::Run(g) => break Some(g),
+            }
+        },
+    };
+    let fingerprint = req.map(|r| r.fingerprint);
+    let st2 = st.clone();
+    let mut task = st.spawn(async move {
+        let result = work.await;
+        if let (Some(g), Some(fp), Ok(reply)) = (&guard, &fingerprint, &result) {
+            let stored = match reply {
+                Reply::Json(status, body) if status.is_success() => Some(StoredAnswer {
+                    fingerprint: fp.clone(),
+                    kind: "json".into(),
+                    status: status.as_u16(),
+                    body: body.to_string(),
+                    created_ms: st2.now_ms(),
+                }),
+                Reply::Stream { replay, .. } => Some(StoredAnswer {
+                    fingerprint: fp.clone(),
+                    kind: "stream".into(),
+                    status: 200,
+                    body: replay.to_string(),
+                    created_ms: st2.now_ms(),
+                }),
+                _ => None,
+            };
+            if let Some(stored) = stored {
+                if let Err(e) = st2.store().idem_put(&g.slot.0, &g.slot.1, &stored) {
+                    tracing::error!(error = %e, "storing the idempotent answer failed");
+                }
+            }
+        }
+        drop(guard);
+        result
+    });
+    let late_after = st.config().late_answer_after;
+    match tokio::time::timeout(late_after, &mut task).await {
+        Ok(joined) => Ok(joined
+            .map_err(|e| ApiError::Internal {
+                what: format!("handler task: {e}"),
+            })??
+            .into_response()),
+        Err(_) => {
+            let rid = rid.to_string();
+            let body = deferred_body(async move {
+                let err = match task.await {
+                    Ok(Ok(Reply::Json(_, v))) => return json_bytes(&v),
+                    Ok(Ok(_)) => ApiError::Internal {
+                        what: "a late answer was not JSON".into(),
+                    },
+                    Ok(Err(e)) => e,
+                    Err(e) => ApiError::Internal {
+                        what: format!("handler task: {e}"),
+                    },
+                };
+                json_bytes(&err.body(&rid))
+            });
+            let mut resp = Response::new(body);
+            resp.headers_mut()
+                .insert("runtime-late-answer", HeaderValue::from_static("true"));
+            resp.headers_mut().insert(
+                axum::http::header::CONTENT_TYPE,
+                HeaderValue::from_static("application/json"),
+            );
+            Ok(resp)
+        }
+    }
+}

@@ -1,0 +1,251 @@
+//! The HTTP edge, the only layer that names axum: request ids, auth, the
+//! read-only gate, bodies, idempotency and late answers around every
+//! request; the route table in [`route`]; the handlers under [`routes`];
+//! errors to answers in `error.rs`.
+
+mod error;
+pub(crate) mod extract;
+pub(crate) mod idempotency;
+pub(crate) mod login;
+mod preview_proxy;
+pub(crate) mod reply;
+pub(crate) mod route;
+pub(crate) mod routes;
+pub(crate) mod tls;
+pub(crate) mod ws;
+
+use std::convert::Infallible;
+
+use axum::body::{Body, Bytes};
+use axum::extract::{Request, State};
+use axum::http::{HeaderMap, HeaderValue, Method, StatusCode};
+use axum::response::{IntoResponse, Response};
+use serde_json::Value;
+use tracing::Instrument;
+
+use axum::extract::FromRequestParts;
+
+use crate::domain::access::{sha256_hex, KeyInfo};
+use crate::error::{ApiError, ApiResult};
+use crate::http::extract::parse_query;
+use crate::http::route::{body_limit, reveals_contents, route, Route};
+use crate::AppState;
+
+/// What a handler answers.
+pub(crate) enum Reply {
+    /// A JSON answer; stored for idempotent replay when 2xx.
+    Json(StatusCode, Value),
+    /// Raw bytes or other non-JSON answers (never stored).
+    Raw(Response),
+    /// An NDJSON stream; `replay` names the process a duplicate follows.
+    Stream { response: Response, replay: Value },
+}
+
+impl Reply {
+    pub(crate) fn ok(v: Value) -> ApiResult<Reply> {
+        Ok(Reply::Json(StatusCode::OK, v))
+    }
+
+    pub(crate) fn into_response(self) -> Response {
+        match self {
+            Reply::Json(status, v) => (status, axum::Json(v)).into_response(),
+            Reply::Raw(r) => r,
+            Reply::Stream { response, .. } => response,
+        }
+    }
+}
+
+/// Who asks, and the parts of the request every handler may need.
+#[derive(Clone)]
+pub(crate) struct Ctx {
+    pub key: KeyInfo,
+    pub headers: HeaderMap,
+    pub query: Vec<(String, String)>,
+}
+
+pub(crate) fn router(state: AppState) -> axum::Router {
+    axum::Router::new().fallback(handle).with_state(state)
+}
+
+async fn handle(State(st): State<AppState>, req: Request) -> Response {
+    if let Some((port, sandbox)) = preview_proxy::target(&st, req.headers()) {
+        let span = tracing::info_span!("preview", sandbox_id = %sandbox, port);
+        return preview_proxy::serve(st, req, port, sandbox)
+            .instrument(span)
+            .await;
+    }
+    let rid = format!("req_{}", uuid::Uuid::new_v4().simple());
+    let span = tracing::info_span!("request", request_id = %rid, method = %req.method(), path = %req.uri().path());
+    let mut resp = async {
+        let result = if login::is_login_path(req.uri().path()) {
+            login::handle(&st, req).await
+        } else {
+            serve(&st, req, &rid).await
+        };
+        match result {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::debug!(error = %e, "request refused");
+                e.into_response_with(&rid)
+            }
+        }
+    }
+    .instrument(span)
+    .await;
+    if let Ok(v) = HeaderValue::from_str(&rid) {
+        resp.headers_mut().insert("x-request-id", v);
+    }
+    resp
+}
+
+fn authenticate(st: &AppState, headers: &HeaderMap) -> ApiResult<KeyInfo> {
+    let token = headers
+        .get(axum::http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::trim)
+        .filter(|t| !t.is_empty())
+        .ok_or(ApiError::Unauthorized)?;
+    st.store()
+        .find_key(&sha256_hex(token.as_bytes()))?
+        .ok_or(ApiError::Unauthorized)
+}
+
+async fn read_body(body: Body, limit: usize) -> ApiResult<Bytes> {
+    axum::body::to_bytes(body, limit).await.map_err(|e| {
+        // axum wraps http-body-util's LengthLimitError; any other failure is a
+        // client that hung up mid-body, and then nobody reads the answer.
+        tracing::debug!(error = %e, "reading the body failed");
+        ApiError::PayloadTooLarge { limit }
+    })
+}
+
+async fn serve(st: &AppState, req: Request, rid: &str) -> ApiResult<Response> {
+    let (mut parts, body) = req.into_parts();
+    let key = authenticate(st, &parts.headers)?;
+    let r = route(&parts.method, parts.uri.path())?;
+    if let Route::Terminal(id) | Route::Tunnel(id) = &r {
+        // Both type into the sandbox: a change, whatever the method.
+        if key.read_only {
+            return Err(ApiError::Forbidden {
+                action: "open terminals or tunnels",
+            });
+        }
+        let upgrade = axum::extract::ws::WebSocketUpgrade::from_request_parts(&mut parts, st)
+            .await
+            .map_err(|_| {
+                ApiError::invalid(
+                    "Upgrade",
+                    "this route is a WebSocket: send an Upgrade: websocket request",
+                )
+            })?;
+        let query = parse_query(parts.uri.query())?;
+        return match &r {
+            Route::Terminal(_) => ws::terminal(st.clone(), key, id.clone(), query, upgrade).await,
+            _ => ws::tunnel(st.clone(), key, id.clone(), upgrade).await,
+        };
+    }
+    if parts.method != Method::GET && key.read_only {
+        return Err(ApiError::Forbidden {
+            action: "make changes",
+        });
+    }
+    if key.read_only && reveals_contents(&r) {
+        return Err(ApiError::Forbidden {
+            action: "read files or process output",
+        });
+    }
+    let query = parse_query(parts.uri.query())?;
+    let bytes = if parts.method == Method::GET {
+        Bytes::new()
+    } else {
+        read_body(body, body_limit(&r)).await?
+    };
+    let ctx = Ctx {
+        key,
+        headers: parts.headers.clone(),
+        query,
+    };
+
+    let idem = match parts.headers.get("idempotency-key") {
+        Some(v) if parts.method != Method::GET => {
+            let k = v
+                .to_str()
+                .map_err(|_| ApiError::invalid("Idempotency-Key", "must be ASCII"))?;
+            if !valid_idempotency_key(k) {
+                return Err(ApiError::invalid(
+                    "Idempotency-Key",
+                    "must be 1-128 of [A-Za-z0-9_.:-], starting with a letter or digit",
+                ));
+            }
+            let mut fp = Vec::new();
+            fp.extend_from_slice(parts.method.as_str().as_bytes());
+            fp.push(b' ');
+            fp.extend_from_slice(parts.uri.path().as_bytes());
+            fp.push(b'?');
+            fp.extend_from_slice(parts.uri.query().unwrap_or("").as_bytes());
+            fp.push(b'\n');
+            fp.extend_from_slice(&bytes);
+            Some(idempotency::Request {
+                idem_key: k.to_string(),
+                fingerprint: sha256_hex(&fp),
+            })
+        }
+        _ => None,
+    };
+
+    let is_get = parts.method == Method::GET;
+    let key_id = ctx.key.id.clone();
+    let st2 = st.clone();
+    let work = async move { routes::dispatch(st2, ctx, r, bytes).await };
+    if is_get {
+        // Reads run in the request's task; a hang-up simply ends them.
+        return Ok(work.await?.into_response());
+    }
+    idempotency::execute(st, &key_id, idem, work, rid).await
+}
+
+/// A body that sends nothing until `fut` resolves, then its bytes.
+pub(crate) fn deferred_body<F>(fut: F) -> Body
+where
+    F: std::future::Future<Output = Bytes> + Send + 'static,
+{
+    Body::from_stream(futures::stream::once(async move {
+        Ok::<_, Infallible>(fut.await)
+    }))
+}
+
+pub(crate) fn json_bytes(v: &impl serde::Serialize) -> Bytes {
+    Bytes::from(serde_json::to_vec(v).unwrap_or_default())
+}
+
+/// A sandbox record as answered, with `extra` fields beside its own.
+pub(crate) fn record_json(s: &runtime_api::Sandbox, extra: &[(&str, Value)]) -> Value {
+    let mut v = serde_json::to_value(s).unwrap_or(Value::Null);
+    if let Value::Object(m) = &mut v {
+        for (k, x) in extra {
+            m.insert((*k).to_string(), x.clone());
+        }
+    }
+    v
+}
+
+fn valid_idempotency_key(k: &str) -> bool {
+    (1..=128).contains(&k.len())
+        && k.as_bytes()[0].is_ascii_alphanumeric()
+        && k.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b':' | b'-'))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn idempotency_key_shape() {
+        assert!(valid_idempotency_key("a1:b.c-d_e"));
+        assert!(!valid_idempotency_key("-a"));
+        assert!(!valid_idempotency_key(""));
+        assert!(!valid_idempotency_key(&"a".repeat(129)));
+    }
+}

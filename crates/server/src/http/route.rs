@@ -1,0 +1,462 @@
+//! The route table: one place that says which method and path is which
+//! [`Route`], how large a body it reads, whether it shows what is inside a
+//! sandbox, and a sample request of each for the tests. Routes are matched
+//! by hand because ids arrive percent-encoded and actions follow the first
+//! literal `:` of the last raw segment (`/v1/sandboxes/{id}:exec`), which
+//! axum's router treats specially.
+
+use axum::http::Method;
+
+use crate::error::{ApiError, ApiResult};
+use crate::http::extract::percent_decode;
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Route {
+    CreateSandbox,
+    ListSandboxes,
+    GetSandbox(String),
+    DeleteSandbox(String),
+    SandboxAction(String, String),
+    FileContentGet(String),
+    FileContentPut(String),
+    FilesList(String),
+    FilesStat(String),
+    FilesAction(String, String),
+    UploadBegin(String),
+    UploadChunk(String, String),
+    UploadAction(String, String, String),
+    ProcSpawn(String),
+    ProcList(String),
+    ProcGet(String, String),
+    ProcOutput(String, String),
+    ProcAction(String, String, String),
+    ListSnapshots,
+    GetSnapshot(String),
+    DeleteSnapshot(String),
+    SnapshotAction(String, String),
+    CreateImage,
+    ListImages,
+    ResolveImage,
+    GetImage(String),
+    ImageLogs(String),
+    DeleteImage(String),
+    ImageAction(String, String),
+    CreateVolume,
+    ListVolumes,
+    GetVolume(String),
+    DeleteVolume(String),
+    VolumeAction(String, String),
+    /// `/v1/sandboxes/{id}/interpreter[/…]`: the method, the segments after
+    /// `interpreter`, and the verb.
+    Interpreter(Method, String, Vec<String>, Option<String>),
+    Previews(String),
+    PreviewCreate(String),
+    PreviewGet(String, String),
+    PreviewDelete(String, String),
+    PreviewAction(String, String, String),
+    GetNetwork(String),
+    PutNetwork(String),
+    ListSecrets,
+    PutSecret(String),
+    DeleteSecret(String),
+    /// `/v1/secrets`: the jobs copies of secrets (not offered).
+    JobSecrets,
+    /// WebSockets.
+    Terminal(String),
+    Tunnel(String),
+    Usage,
+    Limits,
+    Me,
+}
+
+/// Splits the raw path into decoded segments and the action verb.
+fn segments(raw: &str) -> Option<(Vec<String>, Option<String>)> {
+    let mut raw_segs: Vec<&str> = raw.strip_prefix('/')?.split('/').collect();
+    if raw_segs.last() == Some(&"") {
+        raw_segs.pop();
+    }
+    let mut verb = None;
+    if let Some(last) = raw_segs.last_mut() {
+        if let Some((head, v)) = last.split_once(':') {
+            verb = Some(percent_decode(v, false)?);
+            *last = head;
+        }
+    }
+    let segs = raw_segs
+        .iter()
+        .map(|s| percent_decode(s, false))
+        .collect::<Option<Vec<_>>>()?;
+    Some((segs, verb))
+}
+
+pub(crate) fn route(method: &Method, raw_path: &str) -> ApiResult<Route> {
+    let not_found = || ApiError::RouteNotFound {
+        method: method.to_string(),
+        path: raw_path.to_string(),
+    };
+    let not_allowed = || ApiError::MethodNotAllowed {
+        method: method.to_string(),
+        path: raw_path.to_string(),
+    };
+    let (segs, verb) = segments(raw_path).ok_or_else(not_found)?;
+    let s: Vec<&str> = segs.iter().map(String::as_str).collect();
+    let m = method.clone();
+    let verb_or_none = |want_verb: bool| verb.is_some() == want_verb;
+    let r = match s.as_slice() {
+        ["v1", "sandboxes"] if verb_or_none(false) => match m {
+            Method::POST => Route::CreateSandbox,
+            Method::GET => Route::ListSandboxes,
+            _ => return Err(not_allowed()),
+        },
+        ["v1", "sandboxes", id] => match (&m, &verb) {
+            (&Method::GET, None) => Route::GetSandbox(id.to_string()),
+            (&Method::DELETE, None) => Route::DeleteSandbox(id.to_string()),
+            (&Method::POST, Some(v)) => Route::SandboxAction(id.to_string(), v.clone()),
+            _ => return Err(not_allowed()),
+        },
+        ["v1", "sandboxes", id, "files", "content"] if verb_or_none(false) => match m {
+            Method::GET => Route::FileContentGet(id.to_string()),
+            Method::PUT => Route::FileContentPut(id.to_string()),
+            _ => return Err(not_allowed()),
+        },
+        ["v1", "sandboxes", id, "files", "list"] if verb_or_none(false) => match m {
+            Method::GET => Route::FilesList(id.to_string()),
+            _ => return Err(not_allowed()),
+        },
+        ["v1", "sandboxes", id, "files", "stat"] if verb_or_none(false) => match m {
+            Method::GET => Route::FilesStat(id.to_string()),
+            _ => return Err(not_allowed()),
+        },
+        ["v1", "sandboxes", id, "files"] => match (&m, &verb) {
+            (&Method::POST, Some(v)) => Route::FilesAction(id.to_string(), v.clone()),
+            _ => return Err(not_found()),
+        },
+        ["v1", "sandboxes", id, "uploads"] if verb_or_none(false) => match m {
+            Method::POST => Route::UploadBegin(id.to_string()),
+            _ => return Err(not_allowed()),
+        },
+        ["v1", "sandboxes", id, "uploads", u] => match (&m, &verb) {
+            (&Method::PUT, None) => Route::UploadChunk(id.to_string(), u.to_string()),
+            (&Method::POST, Some(v)) => {
+                Route::UploadAction(id.to_string(), u.to_string(), v.clone())
+            }
+            _ => return Err(not_allowed()),
+        },
+        ["v1", "sandboxes", id, "processes"] if verb_or_none(false) => match m {
+            Method::POST => Route::ProcSpawn(id.to_string()),
+            Method::GET => Route::ProcList(id.to_string()),
+            _ => return Err(not_allowed()),
+        },
+        ["v1", "sandboxes", id, "processes", pid] => match (&m, &verb) {
+            (&Method::GET, None) => Route::ProcGet(id.to_string(), pid.to_string()),
+            (&Method::POST, Some(v)) => {
+                Route::ProcAction(id.to_string(), pid.to_string(), v.clone())
+            }
+            _ => return Err(not_allowed()),
+        },
+        ["v1", "sandboxes", id, "processes", pid, "output"] if verb_or_none(false) => match m {
+            Method::GET => Route::ProcOutput(id.to_string(), pid.to_string()),
+            _ => return Err(not_allowed()),
+        },
+        ["v1", "sandboxes", id, "interpreter", rest @ ..] => Route::Interpreter(
+            m.clone(),
+            id.to_string(),
+            rest.iter().map(|s| s.to_string()).collect(),
+            verb.clone(),
+        ),
+        ["v1", "sandboxes", id, "previews"] if verb_or_none(false) => match m {
+            Method::GET => Route::Previews(id.to_string()),
+            Method::POST => Route::PreviewCreate(id.to_string()),
+            _ => return Err(not_allowed()),
+        },
+        ["v1", "sandboxes", id, "previews", port] => match (&m, &verb) {
+            (&Method::GET, None) => Route::PreviewGet(id.to_string(), port.to_string()),
+            (&Method::DELETE, None) => Route::PreviewDelete(id.to_string(), port.to_string()),
+            (&Method::POST, Some(v)) => {
+                Route::PreviewAction(id.to_string(), port.to_string(), v.clone())
+            }
+            _ => return Err(not_allowed()),
+        },
+        ["v1", "sandboxes", id, "network"] if verb_or_none(false) => match m {
+            Method::GET => Route::GetNetwork(id.to_string()),
+            Method::PUT => Route::PutNetwork(id.to_string()),
+            _ => return Err(not_allowed()),
+        },
+        ["v1", "sandboxes", id, "terminal"] if verb_or_none(false) => match m {
+            Method::GET => Route::Terminal(id.to_string()),
+            _ => return Err(not_allowed()),
+        },
+        ["v1", "sandboxes", id, "tunnel"] if verb_or_none(false) => match m {
+            Method::GET => Route::Tunnel(id.to_string()),
+            _ => return Err(not_allowed()),
+        },
+        ["v1", "egress-secrets"] if verb_or_none(false) => match m {
+            Method::GET => Route::ListSecrets,
+            _ => return Err(not_allowed()),
+        },
+        ["v1", "egress-secrets", name] if verb_or_none(false) => match m {
+            Method::PUT => Route::PutSecret(name.to_string()),
+            Method::DELETE => Route::DeleteSecret(name.to_string()),
+            _ => return Err(not_allowed()),
+        },
+        ["v1", "secrets", ..] => Route::JobSecrets,
+        ["v1", "snapshots"] if verb_or_none(false) => match m {
+            Method::GET => Route::ListSnapshots,
+            _ => return Err(not_allowed()),
+        },
+        ["v1", "snapshots", id] => match (&m, &verb) {
+            (&Method::GET, None) => Route::GetSnapshot(id.to_string()),
+            (&Method::DELETE, None) => Route::DeleteSnapshot(id.to_string()),
+            (&Method::POST, Some(v)) => Route::SnapshotAction(id.to_string(), v.clone()),
+            _ => return Err(not_allowed()),
+        },
+        ["v1", "images"] if verb_or_none(false) => match m {
+            Method::POST => Route::CreateImage,
+            Method::GET => Route::ListImages,
+            _ => return Err(not_allowed()),
+        },
+        ["v1", "images", "resolve"] if verb_or_none(false) => match m {
+            Method::GET => Route::ResolveImage,
+            _ => return Err(not_allowed()),
+        },
+        ["v1", "images", id] => match (&m, &verb) {
+            (&Method::GET, None) => Route::GetImage(id.to_string()),
+            (&Method::DELETE, None) => Route::DeleteImage(id.to_string()),
+            (&Method::POST, Some(v)) => Route::ImageAction(id.to_string(), v.clone()),
+            _ => return Err(not_allowed()),
+        },
+        ["v1", "images", id, "logs"] if verb_or_none(false) => match m {
+            Method::GET => Route::ImageLogs(id.to_string()),
+            _ => return Err(not_allowed()),
+        },
+        ["v1", "volumes"] if verb_or_none(false) => match m {
+            Method::POST => Route::CreateVolume,
+            Method::GET => Route::ListVolumes,
+            _ => return Err(not_allowed()),
+        },
+        ["v1", "volumes", id] => match (&m, &verb) {
+            (&Method::GET, None) => Route::GetVolume(id.to_string()),
+            (&Method::DELETE, None) => Route::DeleteVolume(id.to_string()),
+            (&Method::POST, Some(v)) => Route::VolumeAction(id.to_string(), v.clone()),
+            _ => return Err(not_allowed()),
+        },
+        ["v1", "usage"] if verb_or_none(false) => match m {
+            Method::GET => Route::Usage,
+            _ => return Err(not_allowed()),
+        },
+        ["v1", "limits"] if verb_or_none(false) => match m {
+            Method::GET => Route::Limits,
+            _ => return Err(not_allowed()),
+        },
+        ["v1", "me"] if verb_or_none(false) => match m {
+            Method::GET => Route::Me,
+            _ => return Err(not_allowed()),
+        },
+        _ => return Err(not_found()),
+    };
+    Ok(r)
+}
+
+/// The largest body a route reads.
+pub(super) fn body_limit(r: &Route) -> usize {
+    match r {
+        Route::FileContentPut(_) | Route::UploadChunk(..) => crate::domain::files::CHUNK_BYTES,
+        _ => 8 << 20,
+    }
+}
+
+/// One request per route (and per sandbox verb), `{id}` standing for a
+/// sandbox id: what tests run against the router, e.g. to see a read-only
+/// key refused every change. A unit test checks it covers every [`Route`].
+pub const ROUTE_SAMPLES: &[(&str, &str)] = &[
+    ("POST", "/v1/sandboxes"),
+    ("GET", "/v1/sandboxes"),
+    ("GET", "/v1/sandboxes/{id}"),
+    ("DELETE", "/v1/sandboxes/{id}"),
+    ("POST", "/v1/sandboxes/{id}:exec"),
+    ("POST", "/v1/sandboxes/{id}:stop"),
+    ("POST", "/v1/sandboxes/{id}:pause"),
+    ("POST", "/v1/sandboxes/{id}:wake"),
+    ("POST", "/v1/sandboxes/{id}:extend"),
+    ("POST", "/v1/sandboxes/{id}:update"),
+    ("POST", "/v1/sandboxes/{id}:restart"),
+    ("POST", "/v1/sandboxes/{id}:fork"),
+    ("POST", "/v1/sandboxes/{id}:snapshot"),
+    ("POST", "/v1/sandboxes/{id}:resize"),
+    ("POST", "/v1/sandboxes/{id}:switch-image"),
+    ("GET", "/v1/sandboxes/{id}/files/content?path=/etc/hostname"),
+    ("PUT", "/v1/sandboxes/{id}/files/content?path=/tmp/x"),
+    ("GET", "/v1/sandboxes/{id}/files/list?path=/"),
+    ("GET", "/v1/sandboxes/{id}/files/stat?path=/"),
+    ("POST", "/v1/sandboxes/{id}/files:mkdir"),
+    ("POST", "/v1/sandboxes/{id}/files:remove"),
+    ("POST", "/v1/sandboxes/{id}/files:move"),
+    ("POST", "/v1/sandboxes/{id}/uploads"),
+    ("PUT", "/v1/sandboxes/{id}/uploads/u1?offset=0"),
+    ("POST", "/v1/sandboxes/{id}/uploads/u1:commit"),
+    ("POST", "/v1/sandboxes/{id}/processes"),
+    ("GET", "/v1/sandboxes/{id}/processes"),
+    ("GET", "/v1/sandboxes/{id}/processes/p1"),
+    ("POST", "/v1/sandboxes/{id}/processes/p1:kill"),
+    ("POST", "/v1/sandboxes/{id}/processes/p1:stdin"),
+    ("GET", "/v1/sandboxes/{id}/processes/p1/output"),
+    ("POST", "/v1/sandboxes/{id}/interpreter:run"),
+    ("GET", "/v1/sandboxes/{id}/interpreter/contexts"),
+    ("POST", "/v1/sandboxes/{id}/interpreter/contexts"),
+    ("DELETE", "/v1/sandboxes/{id}/interpreter/contexts/c1"),
+    ("GET", "/v1/snapshots"),
+    ("GET", "/v1/snapshots/s1"),
+    ("DELETE", "/v1/snapshots/s1"),
+    ("POST", "/v1/snapshots/s1:update"),
+    ("POST", "/v1/images"),
+    ("GET", "/v1/images"),
+    ("GET", "/v1/images/resolve?ref=app"),
+    ("GET", "/v1/images/i1"),
+    ("GET", "/v1/images/i1/logs"),
+    ("DELETE", "/v1/images/i1"),
+    ("POST", "/v1/images/i1:delete"),
+    ("POST", "/v1/volumes"),
+    ("GET", "/v1/volumes"),
+    ("GET", "/v1/volumes/v1"),
+    ("DELETE", "/v1/volumes/v1"),
+    ("POST", "/v1/volumes/v1:delete"),
+    ("GET", "/v1/usage"),
+    ("GET", "/v1/limits"),
+    ("GET", "/v1/me"),
+    ("GET", "/v1/sandboxes/{id}/previews"),
+    ("POST", "/v1/sandboxes/{id}/previews"),
+    ("GET", "/v1/sandboxes/{id}/previews/3000"),
+    ("DELETE", "/v1/sandboxes/{id}/previews/3000"),
+    ("POST", "/v1/sandboxes/{id}/previews/3000:rotate"),
+    ("GET", "/v1/sandboxes/{id}/network"),
+    ("PUT", "/v1/sandboxes/{id}/network"),
+    ("GET", "/v1/egress-secrets"),
+    ("PUT", "/v1/egress-secrets/TOKEN"),
+    ("DELETE", "/v1/egress-secrets/TOKEN"),
+    ("GET", "/v1/secrets"),
+    ("GET", "/v1/sandboxes/{id}/terminal"),
+    ("GET", "/v1/sandboxes/{id}/tunnel"),
+];
+
+/// Routes that show what is inside a sandbox (files, commands and their
+/// output, the interpreter), which read-only keys may not read.
+pub(crate) fn reveals_contents(r: &Route) -> bool {
+    matches!(
+        r,
+        Route::FileContentGet(_)
+            | Route::FilesList(_)
+            | Route::FilesStat(_)
+            | Route::ProcList(_)
+            | Route::ProcGet(..)
+            | Route::ProcOutput(..)
+            | Route::Interpreter(..)
+            | Route::ListSecrets
+            | Route::Terminal(_)
+            | Route::Tunnel(_)
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn verbs_split_at_the_first_raw_colon() {
+        assert_eq!(
+            route(&Method::POST, "/v1/sandboxes/ab%3Acd:exec").ok(),
+            Some(Route::SandboxAction("ab:cd".into(), "exec".into()))
+        );
+        assert_eq!(
+            route(&Method::POST, "/v1/sandboxes/x/files:mkdir").ok(),
+            Some(Route::FilesAction("x".into(), "mkdir".into()))
+        );
+        assert_eq!(
+            route(&Method::POST, "/v1/sandboxes/x/uploads/u%2F1:commit").ok(),
+            Some(Route::UploadAction(
+                "x".into(),
+                "u/1".into(),
+                "commit".into()
+            ))
+        );
+        assert!(matches!(
+            route(&Method::GET, "/v2/x"),
+            Err(ApiError::RouteNotFound { .. })
+        ));
+        assert!(matches!(
+            route(&Method::PATCH, "/v1/sandboxes/x"),
+            Err(ApiError::MethodNotAllowed { .. })
+        ));
+    }
+
+    /// A number per variant; a new variant fails to compile here until it
+    /// is counted, and then the samples must cover it.
+    fn variant(r: &Route) -> usize {
+        match r {
+            Route::CreateSandbox => 0,
+            Route::ListSandboxes => 1,
+            Route::GetSandbox(_) => 2,
+            Route::DeleteSandbox(_) => 3,
+            Route::SandboxAction(..) => 4,
+            Route::FileContentGet(_) => 5,
+            Route::FileContentPut(_) => 6,
+            Route::FilesList(_) => 7,
+            Route::FilesStat(_) => 8,
+            Route::FilesAction(..) => 9,
+            Route::UploadBegin(_) => 10,
+            Route::UploadChunk(..) => 11,
+            Route::UploadAction(..) => 12,
+            Route::ProcSpawn(_) => 13,
+            Route::ProcList(_) => 14,
+            Route::ProcGet(..) => 15,
+            Route::ProcOutput(..) => 16,
+            Route::ProcAction(..) => 17,
+            Route::ListSnapshots => 18,
+            Route::GetSnapshot(_) => 19,
+            Route::DeleteSnapshot(_) => 20,
+            Route::SnapshotAction(..) => 21,
+            Route::Interpreter(..) => 22,
+            Route::Usage => 23,
+            Route::Limits => 24,
+            Route::Me => 25,
+            Route::Previews(_) => 26,
+            Route::PreviewCreate(_) => 27,
+            Route::PreviewGet(..) => 28,
+            Route::PreviewDelete(..) => 29,
+            Route::PreviewAction(..) => 30,
+            Route::GetNetwork(_) => 31,
+            Route::PutNetwork(_) => 32,
+            Route::ListSecrets => 33,
+            Route::PutSecret(_) => 34,
+            Route::DeleteSecret(_) => 35,
+            Route::JobSecrets => 36,
+            Route::Terminal(_) => 37,
+            Route::Tunnel(_) => 38,
+            Route::CreateVolume => 39,
+            Route::ListVolumes => 40,
+            Route::GetVolume(_) => 41,
+            Route::DeleteVolume(_) => 42,
+            Route::VolumeAction(..) => 43,
+            Route::CreateImage => 44,
+            Route::ListImages => 45,
+            Route::ResolveImage => 46,
+            Route::GetImage(_) => 47,
+            Route::ImageLogs(_) => 48,
+            Route::DeleteImage(_) => 49,
+            Route::ImageAction(..) => 50,
+        }
+    }
+    const VARIANTS: usize = 51;
+
+    #[test]
+    fn the_route_samples_cover_every_route() {
+        let mut seen = [false; VARIANTS];
+        for (m, p) in ROUTE_SAMPLES {
+            let path = p.split('?').next().unwrap_or(p);
+            let r = route(&Method::from_bytes(m.as_bytes()).unwrap(), path)
+                .unwrap_or_else(|e| panic!("{m} {p}: {e}"));
+            seen[variant(&r)] = true;
+        }
+        let missing: Vec<usize> = (0..VARIANTS).filter(|i| !seen[*i]).collect();
+        assert!(missing.is_empty(), "routes without a sample: {missing:?}");
+    }
+}

@@ -1,0 +1,319 @@
+//! Files and chunked uploads (contract §7): `…/files/content`, `/list`,
+//! `/stat`, `files:{mkdir,remove,rename,chmod}` and `…/uploads`.
+
+use axum::body::{Body, Bytes};
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::response::Response;
+use runtime_host::{EntryKind, FileEntry, FileOp};
+use serde_json::{json, Value};
+
+use crate::domain::access::sha256_hex;
+use crate::domain::files::{list_depth, valid_path, CHUNK_BYTES};
+use crate::domain::time::iso;
+use crate::error::{ApiError, ApiResult};
+use crate::http::extract::{json_object, no_fields, parse_mode, query_object, Fields};
+use crate::http::{Ctx, Reply};
+use crate::service::{files, uploads};
+use crate::AppState;
+
+const USERS: &[&str] = &["sandbox", "root"];
+
+fn check_path(f: &mut Fields<'_>, name: &str, p: Option<String>) -> String {
+    match p {
+        Some(p) if valid_path(&p) => p,
+        Some(_) => {
+            f.issue(name, "must be an absolute path");
+            String::new()
+        }
+        None => {
+            f.issue(name, "is required");
+            String::new()
+        }
+    }
+}
+
+fn mode_field(f: &mut Fields<'_>) -> Option<u32> {
+    let v = f.raw("mode")?;
+    let m = parse_mode(v);
+    if m.is_none() {
+        f.issue("mode", "must be octal permission digits such as \"644\"");
+    }
+    m
+}
+
+fn entry_json(e: &FileEntry) -> Value {
+    let kind = match e.kind {
+        EntryKind::File => "file",
+        EntryKind::Directory => "directory",
+        EntryKind::Symlink => "symlink",
+        EntryKind::Other => "other",
+    };
+    json!({
+        "name": e.name,
+        "path": e.path,
+        "type": kind,
+        "size": e.size,
+        "mode": format!("{:03o}", e.mode & 0o7777),
+        "modifiedAt": iso(e.modified.saturating_mul(1000)),
+    })
+}
+
+/// `GET …/files/content?path&user`: the bytes, with their length and
+/// SHA-256 in headers.
+pub(super) async fn read(st: AppState, ctx: Ctx, id: String) -> ApiResult<Reply> {
+    let q = query_object(&ctx.query, &[]);
+    let mut f = Fields::new(&q);
+    let p = f.string("path");
+    let path = check_path(&mut f, "path", p);
+    let user = f.one_of("user", USERS);
+    f.finish()?;
+    let data = files::read(&st, &ctx.key, &id, &path, user.as_deref()).await?;
+    let mut resp = Response::new(Body::from(Bytes::new()));
+    let h = resp.headers_mut();
+    h.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/octet-stream"),
+    );
+    if let Ok(v) = HeaderValue::from_str(&data.len().to_string()) {
+        h.insert("x-content-length", v);
+    }
+    if let Ok(v) = HeaderValue::from_str(&sha256_hex(&data)) {
+        h.insert("x-content-sha256", v);
+    }
+    *resp.body_mut() = Body::from(data);
+    Ok(Reply::Raw(resp))
+}
+
+/// `PUT …/files/content?path&mode&user`: the body is the whole file.
+pub(super) async fn write(st: AppState, ctx: Ctx, id: String, body: Bytes) -> ApiResult<Reply> {
+    let q = query_object(&ctx.query, &[]);
+    let mut f = Fields::new(&q);
+    let p = f.string("path");
+    let path = check_path(&mut f, "path", p);
+    let mode = mode_field(&mut f);
+    let user = f.one_of("user", USERS);
+    f.finish()?;
+    let w = files::Write {
+        path,
+        mode,
+        user,
+        data: Vec::from(body),
+    };
+    let done = files::write(&st, &ctx.key, &id, w).await?;
+    Reply::ok(json!({ "path": done.path, "size": done.size, "sha256": done.sha256 }))
+}
+
+/// `GET …/files/list?path&depth&glob&hidden&limit&user`.
+pub(super) async fn list(st: AppState, ctx: Ctx, id: String) -> ApiResult<Reply> {
+    let q = query_object(&ctx.query, &[]);
+    let mut f = Fields::new(&q);
+    let p = f.string("path").or_else(|| Some("/workspace".into()));
+    let path = check_path(&mut f, "path", p);
+    let depth = f.q_int("depth", 1, 64);
+    let glob = f.string("glob").filter(|g| !g.is_empty());
+    let hidden = f.q_bool("hidden").unwrap_or(false);
+    let limit = f.q_int("limit", 1, 100_000).unwrap_or(10_000) as u32;
+    let user = f.one_of("user", USERS);
+    f.finish()?;
+    let l = files::List {
+        path,
+        depth: list_depth(depth, glob.as_deref()),
+        glob,
+        hidden,
+        limit,
+        user,
+    };
+    let (entries, truncated) = files::list(&st, &ctx.key, &id, l).await?;
+    let data: Vec<Value> = entries.iter().map(entry_json).collect();
+    Reply::ok(json!({ "data": data, "truncated": truncated }))
+}
+
+/// `GET …/files/stat?path&user`.
+pub(super) async fn stat(st: AppState, ctx: Ctx, id: String) -> ApiResult<Reply> {
+    let q = query_object(&ctx.query, &[]);
+    let mut f = Fields::new(&q);
+    let p = f.string("path");
+    let path = check_path(&mut f, "path", p);
+    let user = f.one_of("user", USERS);
+    f.finish()?;
+    match files::stat(&st, &ctx.key, &id, path, user.as_deref()).await? {
+        None => Reply::ok(json!({ "exists": false })),
+        Some(e) => {
+            let mut v = entry_json(&e);
+            v["exists"] = Value::Bool(true);
+            Reply::ok(v)
+        }
+    }
+}
+
+/// `POST …/files:{mkdir,remove,rename,chmod}`.
+pub(super) async fn action(
+    st: AppState,
+    ctx: Ctx,
+    id: String,
+    verb: String,
+    body: Bytes,
+) -> ApiResult<Reply> {
+    let obj = json_object(&body)?;
+    let mut f = Fields::new(&obj);
+    let user = f.one_of("user", USERS);
+    let (op, answer) = match verb.as_str() {
+        "mkdir" => {
+            let p = f.string("path");
+            let path = check_path(&mut f, "path", p);
+            let parents = f.bool("parents").unwrap_or(true);
+            (
+                FileOp::Mkdir {
+                    path: path.clone(),
+                    parents,
+                },
+                json!({ "path": path }),
+            )
+        }
+        "remove" => {
+            let p = f.string("path");
+            let path = check_path(&mut f, "path", p);
+            let recursive = f.bool("recursive").unwrap_or(false);
+            (
+                FileOp::Remove {
+                    path: path.clone(),
+                    recursive,
+                },
+                json!({ "path": path }),
+            )
+        }
+        "rename" => {
+            let p = f.string("from");
+            let from = check_path(&mut f, "from", p);
+            let p = f.string("to");
+            let to = check_path(&mut f, "to", p);
+            let overwrite = f.bool("overwrite").unwrap_or(false);
+            (
+                FileOp::Rename {
+                    from: from.clone(),
+                    to: to.clone(),
+                    overwrite,
+                },
+                json!({ "from": from, "to": to }),
+            )
+        }
+        "chmod" => {
+            let p = f.string("path");
+            let path = check_path(&mut f, "path", p);
+            let mode = mode_field(&mut f);
+            if !f.present("mode") {
+                f.issue("mode", "is required");
+            }
+            let mode = mode.unwrap_or(0o644);
+            (
+                FileOp::Chmod {
+                    path: path.clone(),
+                    mode,
+                },
+                json!({ "path": path, "mode": format!("{mode:03o}") }),
+            )
+        }
+        _ => {
+            return Err(ApiError::RouteNotFound {
+                method: "POST".into(),
+                path: format!("/v1/sandboxes/{id}/files:{verb}"),
+            })
+        }
+    };
+    f.finish()?;
+    let removed = files::act(&st, &ctx.key, &id, op, user.as_deref()).await?;
+    let mut answer = answer;
+    if let Some(r) = removed {
+        answer["removed"] = Value::Bool(r);
+    }
+    Reply::ok(answer)
+}
+
+/// `POST …/uploads`: `{path, size, sha256, mode?, user?}`.
+pub(super) async fn upload_begin(
+    st: AppState,
+    ctx: Ctx,
+    id: String,
+    body: Bytes,
+) -> ApiResult<Reply> {
+    let obj = json_object(&body)?;
+    let mut f = Fields::new(&obj);
+    let p = f.string("path");
+    let path = check_path(&mut f, "path", p);
+    let max = uploads::max_bytes(&st);
+    let size = f.int("size", 0, max as i64);
+    if !f.present("size") {
+        f.issue("size", "is required");
+    }
+    let sha = f.string("sha256").map(|s| s.to_ascii_lowercase());
+    match &sha {
+        Some(s) if s.len() == 64 && s.bytes().all(|b| b.is_ascii_hexdigit()) => {}
+        Some(_) => f.issue("sha256", "must be 64 hex digits"),
+        None => f.issue("sha256", "is required"),
+    }
+    let mode = mode_field(&mut f);
+    let user = f.one_of("user", USERS);
+    f.finish()?;
+    let b = uploads::Begin {
+        path,
+        size: size.unwrap_or(0) as u64,
+        sha256: sha.unwrap_or_default(),
+        mode,
+        user,
+    };
+    let upload_id = uploads::begin(&st, &ctx.key, &id, b).await?;
+    let mut answer = json!({ "uploadId": upload_id, "chunkBytes": CHUNK_BYTES });
+    if let Some(m) = mode {
+        answer["mode"] = json!(format!("{m:03o}"));
+    }
+    Ok(Reply::Json(StatusCode::CREATED, answer))
+}
+
+/// `PUT …/uploads/{u}?offset=`: the body is one chunk.
+pub(super) async fn upload_chunk(
+    st: AppState,
+    ctx: Ctx,
+    id: String,
+    upload_id: String,
+    body: Bytes,
+) -> ApiResult<Reply> {
+    let q = query_object(&ctx.query, &[]);
+    let mut f = Fields::new(&q);
+    let offset = f.q_int("offset", 0, i64::MAX);
+    if !f.present("offset") {
+        f.issue("offset", "is required");
+    }
+    f.finish()?;
+    let offset = offset.unwrap_or(0) as u64;
+    let len = body.len();
+    uploads::chunk(&st, &ctx.key, &id, &upload_id, offset, Vec::from(body)).await?;
+    Reply::ok(json!({ "uploadId": upload_id, "offset": offset, "size": len }))
+}
+
+/// `POST …/uploads/{u}:{commit,abort}`.
+pub(super) async fn upload_action(
+    st: AppState,
+    ctx: Ctx,
+    id: String,
+    upload_id: String,
+    verb: String,
+    body: Bytes,
+) -> ApiResult<Reply> {
+    no_fields(&body)?;
+    match verb.as_str() {
+        "commit" => {
+            let c = uploads::commit(&st, &ctx.key, &id, &upload_id).await?;
+            Reply::ok(
+                json!({ "path": c.path, "size": c.size, "sha256": c.sha256, "committed": true }),
+            )
+        }
+        "abort" => {
+            uploads::abort(&st, &ctx.key, &id, &upload_id).await?;
+            Reply::ok(json!({ "uploadId": upload_id, "aborted": true }))
+        }
+        _ => Err(ApiError::RouteNotFound {
+            method: "POST".into(),
+            path: format!("/v1/sandboxes/{id}/uploads/{upload_id}:{verb}"),
+        }),
+    }
+}

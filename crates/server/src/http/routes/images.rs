@@ -1,0 +1,234 @@
+//! Custom images (contract §11, docs/images.md): `POST /v1/images` with a
+//! `recipe` or a `dockerfile`, `GET /v1/images[/{id}]`,
+//! `/v1/images/resolve`, `/v1/images/{id}/logs`, `POST
+//! /v1/images/{id}:delete` (and `DELETE`).
+
+use axum::body::Bytes;
+use axum::http::StatusCode;
+use serde_json::{json, Value};
+
+use crate::domain::image::{valid_tag, Image, ImageState, InlineFile, LogLine, StepState};
+use crate::error::{ApiError, ApiResult};
+use crate::http::extract::{
+    checked_labels, checked_name, json_object, no_fields, page_after, query_object, Fields,
+};
+use crate::http::{Ctx, Reply};
+use crate::service::images::{self, BuildSource, CreateImage};
+use crate::AppState;
+
+fn render(d: &Image, log: &[LogLine]) -> Value {
+    let steps: Vec<Value> = d
+        .steps
+        .iter()
+        .map(|s| {
+            json!({"index": s.index, "instruction": s.instruction, "state": s.state,
+                   "cached": s.state == StepState::Cached, "seconds": s.seconds})
+        })
+        .collect();
+    let log: Vec<String> = log
+        .iter()
+        .map(|l| match l.step {
+            Some(i) => format!("[{}] {}", i + 1, l.text),
+            None => l.text.clone(),
+        })
+        .collect();
+    json!({
+        "id": d.id, "kind": "image", "name": d.name, "version": d.version, "tags": d.tags,
+        "labels": d.labels, "state": d.state, "error": d.error, "source": d.source, "base": d.base,
+        "steps": steps, "env": d.env.iter().map(|(k, _)| k).collect::<Vec<_>>(),
+        "workdir": d.workdir, "user": d.user, "start": d.start, "createdAt": d.created_at,
+        "readyAt": d.ready_at, "buildSeconds": d.build_seconds, "log": log.join("\n"),
+        "region": "local",
+    })
+}
+
+/// The body of `POST /v1/images` as a build.
+fn parse_create(body: &[u8]) -> ApiResult<CreateImage> {
+    let obj = json_object(body)?;
+    let mut f = Fields::new(&obj);
+    let name = checked_name(&mut f);
+    if let Some(n) = &name {
+        if n.contains([':', '@', '/']) {
+            f.issue("name", "may not contain ':', '@' or '/'");
+        }
+    }
+    let labels = checked_labels(&mut f).unwrap_or_default();
+    let tags = f.raw("tags").cloned();
+    let recipe = f.raw("recipe").cloned();
+    let dockerfile = f.string("dockerfile");
+    let files = f.raw("files").cloned();
+    let build_args = f.string_map("buildArgs", 64).unwrap_or_default();
+    let env = f.string_map("env", 64).unwrap_or_default();
+    let start = f.raw("start").cloned();
+    // Accepted and ignored: every build uses the step cache.
+    let _ = f.raw("build");
+    let _ = f.bool("cache");
+    if let Some(r) = f.string("region") {
+        if r != "local" {
+            f.issue("region", "this server has one region, local");
+        }
+    }
+    f.refuse("image", "building from a registry image is not supported by this server; use a recipe or a Dockerfile FROM one of its images");
+    f.refuse(
+        "context",
+        "build contexts are not supported by this server; give small files inline in files",
+    );
+    f.refuse(
+        "target",
+        "multi-stage builds are not supported by this server",
+    );
+    f.refuse(
+        "dockerignore",
+        "build contexts are not supported by this server",
+    );
+    if recipe.is_some() == dockerfile.is_some() {
+        f.issue("recipe", "give exactly one of recipe and dockerfile");
+    }
+    let tags: Vec<String> = match tags {
+        None | Some(Value::Null) => vec!["latest".to_string()],
+        Some(Value::Array(a)) => a
+            .iter()
+            .filter_map(|t| t.as_str().map(str::to_string))
+            .collect(),
+        Some(_) => {
+            f.issue("tags", "must be a list of strings");
+            Vec::new()
+        }
+    };
+    if !tags.iter().all(|t| valid_tag(t)) {
+        f.issue(
+            "tags",
+            "each tag is 1-128 characters without ':', '@', '/' or spaces",
+        );
+    }
+    f.finish()?;
+    let files: Vec<InlineFile> = match &files {
+        None | Some(Value::Null) => Vec::new(),
+        Some(Value::Array(a)) => a
+            .iter()
+            .map(InlineFile::parse)
+            .collect::<Result<_, _>>()
+            .map_err(|e| ApiError::invalid("files", e.to_string()))?,
+        Some(_) => {
+            return Err(ApiError::invalid(
+                "files",
+                "must be a list of {path, content}",
+            ))
+        }
+    };
+    let source = match (recipe, dockerfile) {
+        (Some(r), _) => BuildSource::Recipe(r),
+        (None, Some(text)) => BuildSource::Dockerfile(text),
+        // `finish` refused a body with neither.
+        (None, None) => {
+            return Err(ApiError::invalid(
+                "recipe",
+                "give exactly one of recipe and dockerfile",
+            ))
+        }
+    };
+    Ok(CreateImage {
+        name,
+        labels,
+        tags,
+        source,
+        files,
+        build_args,
+        env,
+        start: start.filter(|s| !s.is_null()),
+    })
+}
+
+pub(super) async fn create(st: AppState, ctx: Ctx, body: Bytes) -> ApiResult<Reply> {
+    let cmd = parse_create(&body)?;
+    let d = images::create(&st, &ctx.key, cmd)?;
+    Ok(Reply::Json(StatusCode::CREATED, render(&d, &[])))
+}
+
+pub(super) async fn get(st: AppState, ctx: Ctx, id: String) -> ApiResult<Reply> {
+    let v = images::get(&st, &ctx.key, &id)?;
+    Reply::ok(render(&v.image, &v.log))
+}
+
+pub(super) async fn resolve(st: AppState, ctx: Ctx) -> ApiResult<Reply> {
+    let r = ctx
+        .query
+        .iter()
+        .find(|(k, _)| k == "ref")
+        .map(|(_, v)| v.clone())
+        .ok_or_else(|| ApiError::invalid("ref", "is required"))?;
+    let v = images::find(&st, &ctx.key, &r)?;
+    Reply::ok(render(&v.image, &v.log))
+}
+
+pub(super) async fn logs(st: AppState, ctx: Ctx, id: String) -> ApiResult<Reply> {
+    let v = images::get(&st, &ctx.key, &id)?;
+    let after: u64 = ctx
+        .query
+        .iter()
+        .find(|(k, _)| k == "after")
+        .and_then(|(_, v)| v.parse().ok())
+        .unwrap_or(0);
+    if ctx.query.iter().any(|(k, v)| k == "follow" && v == "true") {
+        return Err(ApiError::Unsupported {
+            feature: "following build logs",
+        });
+    }
+    let lines: Vec<Value> = v
+        .log
+        .iter()
+        .filter(|l| l.seq > after)
+        .map(|l| json!({"seq": l.seq, "step": l.step, "stream": l.stream, "text": l.text}))
+        .collect();
+    let next = v.log.last().map_or(after, |l| l.seq.max(after));
+    Reply::ok(json!({"lines": lines, "nextAfter": next,
+                     "done": !v.image.state.in_progress()}))
+}
+
+pub(super) async fn list(st: AppState, ctx: Ctx) -> ApiResult<Reply> {
+    let q = query_object(&ctx.query, &[]);
+    let mut f = Fields::new(&q);
+    let name = f.string("name");
+    let state = f
+        .one_of("state", &["queued", "building", "ready", "failed"])
+        .and_then(|s| ImageState::parse(&s));
+    let limit = f.q_int("limit", 1, 100).unwrap_or(50) as usize;
+    let cursor = f.string("cursor").filter(|c| !c.is_empty());
+    f.finish()?;
+    let mut rows = images::list(&st, &ctx.key, name.as_deref(), state)?;
+    let next = page_after(&mut rows, cursor.as_deref(), limit, |d| d.id.as_str())?;
+    let mut data: Vec<Value> = Vec::with_capacity(rows.len());
+    for d in rows {
+        let v = images::view(&st, d)?;
+        data.push(render(&v.image, &v.log));
+    }
+    Reply::ok(json!({"data": data, "nextCursor": next}))
+}
+
+/// `POST /v1/images/{id}:delete` and `DELETE /v1/images/{id}`.
+pub(super) async fn delete(st: AppState, ctx: Ctx, id: String) -> ApiResult<Reply> {
+    images::delete(&st, &ctx.key, &id).await?;
+    Reply::ok(json!({"id": id, "kind": "image", "status": "deleted"}))
+}
+
+pub(super) async fn action(
+    st: AppState,
+    ctx: Ctx,
+    id: String,
+    verb: String,
+    body: Bytes,
+) -> ApiResult<Reply> {
+    match verb.as_str() {
+        "delete" => {
+            no_fields(&body)?;
+            delete(st, ctx, id).await
+        }
+        "tag" | "untag" => Err(ApiError::Unsupported {
+            feature: "moving image tags",
+        }),
+        _ => Err(ApiError::RouteNotFound {
+            method: "POST".into(),
+            path: format!("/v1/images/{id}:{verb}"),
+        }),
+    }
+}

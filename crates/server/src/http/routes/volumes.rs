@@ -1,0 +1,185 @@
+//! `POST /v1/volumes`, `GET /v1/volumes[/{id}]`, `POST
+//! /v1/volumes/{id}:delete` (and `DELETE`), and the `volumes` field of a
+//! sandbox create (docs/volumes.md).
+
+use axum::body::Bytes;
+use axum::http::StatusCode;
+use serde_json::{json, Value};
+
+use crate::domain::volume::{
+    overlap, path_problem, AttachMode, Hold, MAX_ATTACH, MAX_SIZE_MIB, MIN_SIZE_MIB,
+};
+use crate::error::{ApiError, ApiResult};
+use crate::http::extract::{
+    checked_labels, checked_name, json_object, no_fields, page_after, query_object, Fields,
+};
+use crate::http::{Ctx, Reply};
+use crate::service::volumes::{self, Attachment, CreateVolume, VolumeView};
+use crate::AppState;
+
+fn render(v: &VolumeView) -> Value {
+    let d = &v.volume;
+    let attachments: Vec<Value> = v
+        .holders
+        .iter()
+        .map(|h| {
+            json!({"sandboxId": h.sandbox_id, "path": h.attachment.path,
+                   "mode": h.attachment.mode.as_str(),
+                   "state": if h.hold == Hold::Active { "attached" } else { "releasing" }})
+        })
+        .collect();
+    json!({
+        "id": d.id,
+        "kind": "volume",
+        "name": d.name,
+        "labels": d.labels,
+        "sizeMiB": d.size_mib,
+        "usedBytes": v.used_bytes,
+        "state": "ready",
+        "region": "local",
+        "createdAt": d.created_at,
+        "attachments": attachments,
+    })
+}
+
+pub(super) async fn create(st: AppState, ctx: Ctx, body: Bytes) -> ApiResult<Reply> {
+    let obj = json_object(&body)?;
+    let mut f = Fields::new(&obj);
+    let size = f.int("sizeMiB", MIN_SIZE_MIB, MAX_SIZE_MIB);
+    if !f.present("sizeMiB") {
+        f.issue("sizeMiB", "is required");
+    }
+    let name = checked_name(&mut f);
+    let labels = checked_labels(&mut f).unwrap_or_default();
+    if let Some(r) = f.string("region") {
+        if r != "local" {
+            f.issue("region", "this server has one region, local");
+        }
+    }
+    f.refuse("fromBackup", "backups are not supported by this server");
+    f.refuse("shared", "shared disks are not supported by this server");
+    f.finish()?;
+    let cmd = CreateVolume {
+        size_mib: size.unwrap_or(MIN_SIZE_MIB) as u32,
+        name,
+        labels,
+    };
+    let v = volumes::create(&st, &ctx.key, cmd).await?;
+    Ok(Reply::Json(StatusCode::CREATED, render(&v)))
+}
+
+pub(super) async fn get(st: AppState, ctx: Ctx, id: String) -> ApiResult<Reply> {
+    Reply::ok(render(&volumes::get(&st, &ctx.key, &id).await?))
+}
+
+pub(super) async fn list(st: AppState, ctx: Ctx) -> ApiResult<Reply> {
+    let q = query_object(&ctx.query, &[]);
+    let mut f = Fields::new(&q);
+    let name = f.string("name");
+    // Every volume is ready: the filter is checked, and keeps them all.
+    let _state = f.one_of("state", &["ready"]);
+    let limit = f.q_int("limit", 1, 100).unwrap_or(50) as usize;
+    let cursor = f.string("cursor").filter(|c| !c.is_empty());
+    f.finish()?;
+    let (mut rows, held) = volumes::list(&st, &ctx.key, name.as_deref()).await?;
+    let next = page_after(&mut rows, cursor.as_deref(), limit, |d| d.id.as_str())?;
+    let data: Vec<Value> = rows
+        .into_iter()
+        .map(|d| render(&volumes::view(&st, d, &held)))
+        .collect();
+    Reply::ok(json!({ "data": data, "nextCursor": next }))
+}
+
+/// `POST /v1/volumes/{id}:delete` and `DELETE /v1/volumes/{id}`.
+pub(super) async fn delete(st: AppState, ctx: Ctx, id: String) -> ApiResult<Reply> {
+    let d = volumes::delete(&st, &ctx.key, &id).await?;
+    Reply::ok(
+        json!({"id": d.volume.id, "kind": "volume", "name": d.volume.name,
+                     "status": "deleted", "deletedAt": d.deleted_at}),
+    )
+}
+
+pub(super) async fn action(
+    st: AppState,
+    ctx: Ctx,
+    id: String,
+    verb: String,
+    body: Bytes,
+) -> ApiResult<Reply> {
+    match verb.as_str() {
+        "delete" => {
+            no_fields(&body)?;
+            delete(st, ctx, id).await
+        }
+        "resize" | "attach" | "backup" | "backup-policy" => {
+            volumes::find(&st, &ctx.key, &id)?;
+            Err(ApiError::Unsupported {
+                feature: "this volume action",
+            })
+        }
+        _ => Err(ApiError::RouteNotFound {
+            method: "POST".into(),
+            path: format!("/v1/volumes/{id}:{verb}"),
+        }),
+    }
+}
+
+/// The `volumes` of a sandbox create, checked on their own (paths, modes,
+/// count); the service resolves them once the rest is valid.
+pub(crate) fn parse_create(f: &mut Fields<'_>) -> Vec<Attachment> {
+    let mut out = Vec::new();
+    let Some(raw) = f.raw("volumes") else {
+        return out;
+    };
+    let Some(items) = raw.as_array() else {
+        f.issue("volumes", "must be a list of {volumeId, path, mode}");
+        return out;
+    };
+    if items.len() > MAX_ATTACH {
+        f.issue("volumes", format!("at most {MAX_ATTACH} volumes"));
+        return out;
+    }
+    for (i, item) in items.iter().enumerate() {
+        let field = |k: &str| format!("volumes[{i}].{k}");
+        let Some(o) = item.as_object() else {
+            f.issue(&format!("volumes[{i}]"), "must be {volumeId, path, mode}");
+            continue;
+        };
+        for k in o.keys() {
+            if !matches!(k.as_str(), "volumeId" | "path" | "mode") {
+                f.issue(&field(k), "is not a field of a volume attachment");
+            }
+        }
+        let volume_id = o.get("volumeId").and_then(Value::as_str).unwrap_or("");
+        if volume_id.is_empty() {
+            f.issue(&field("volumeId"), "is required");
+        }
+        let path = o.get("path").and_then(Value::as_str).unwrap_or("");
+        if let Some(why) = path_problem(path) {
+            f.issue(&field("path"), why);
+        }
+        let mode = match o.get("mode") {
+            None | Some(Value::Null) => AttachMode::Rw,
+            Some(m) => m.as_str().and_then(AttachMode::parse).unwrap_or_else(|| {
+                f.issue(&field("mode"), "must be rw or snapshot");
+                AttachMode::Rw
+            }),
+        };
+        out.push(Attachment {
+            volume_id: volume_id.to_string(),
+            path: path.to_string(),
+            mode,
+        });
+    }
+    for (i, a) in out.iter().enumerate() {
+        for b in &out[..i] {
+            if overlap(&a.path, &b.path) {
+                f.issue(
+                    &format!("volumes[{i}].path"),
+                    "overlaps the path of another volume",
+                );
+            }
+        }
+    }
+    out
+}

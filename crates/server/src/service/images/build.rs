@@ -1,0 +1,351 @@
+//! The build: one build machine on the longest kept prefix of the steps,
+//! each remaining step run in it as a command (network through the egress
+//! proxy like any sandbox's, no egress secrets), its disk kept as a layer
+//! after each. Every change to the image's record and log goes through the
+//! store as it happens, so a client polling the image sees the build move.
+
+use std::time::{Duration, Instant};
+
+use runtime_host::{ExecEvent, ExecSpec, HostError, RunAs};
+
+use super::layers::{self, LayerError};
+use crate::domain::image::steps::{self, StepEnd, StepOutput};
+use crate::domain::image::{tags_on_ready, Image, ImageState, LogStream, Step, StepState};
+use crate::domain::time::iso;
+use crate::error::ApiError;
+use crate::AppState;
+
+/// Most log lines an image keeps (the newest are dropped past it).
+const MAX_LOG_LINES: usize = 5000;
+const STEP_TIMEOUT: Duration = Duration::from_secs(1800);
+
+/// Why a build failed. The text is the image's `error`: the failing step's
+/// number and instruction, how it ended and its last output.
+#[derive(Debug, thiserror::Error)]
+pub(super) enum BuildError {
+    #[error("the image went away")]
+    Gone,
+    #[error("{0}")]
+    Network(ApiError),
+    #[error("the build machine did not start: {0}")]
+    MachineStart(HostError),
+    #[error("step {n} ({instruction}) could not start: {cause}")]
+    StepStart {
+        n: usize,
+        instruction: String,
+        cause: HostError,
+    },
+    #[error("step {n} ({instruction}): lost the build machine")]
+    MachineLost { n: usize, instruction: String },
+    #[error("step {n} ({instruction}) {end}; its last output:\n{tail}")]
+    StepFailed {
+        n: usize,
+        instruction: String,
+        end: StepEnd,
+        tail: String,
+    },
+    #[error("step {n}: keeping its disk failed: {cause}")]
+    KeepDisk { n: usize, cause: HostError },
+    #[error("{0}")]
+    Io(std::io::Error),
+}
+
+/// After a restart: builds that were under way failed (their finished steps
+/// stay cached, so building again resumes there); their machines end.
+pub(crate) async fn recover(st: &AppState) -> Result<(), crate::ServerError> {
+    let images = match st.store().images() {
+        Ok(d) => d,
+        Err(e) => {
+            tracing::warn!(error = %e, "reading images failed");
+            return Ok(());
+        }
+    };
+    for d in images.into_iter().filter(|d| d.state.in_progress()) {
+        if let Some(vm) = &d.build_vm {
+            if let Err(e) = st.host().destroy(vm).await {
+                tracing::warn!(image_id = %d.id, vm = %vm, error = %e, "ending a build machine failed");
+            }
+            crate::service::network::sandbox_gone(st, vm);
+        }
+        update(st, &d.id, |d| {
+            d.build_vm = None;
+            d.state = ImageState::Failed;
+            d.error = Some(
+                "the server restarted during the build; build again (finished steps are cached)"
+                    .into(),
+            );
+            fail_running_steps(d);
+        });
+    }
+    Ok(())
+}
+
+fn fail_running_steps(d: &mut Image) {
+    for s in &mut d.steps {
+        if s.state == StepState::Running {
+            s.state = StepState::Failed;
+        }
+    }
+}
+
+/// Appends `text`'s lines to an image's log (a failure is logged: the
+/// build goes on).
+fn log(st: &AppState, id: &str, step: Option<usize>, stream: LogStream, text: &str) {
+    let lines: Vec<&str> = text.lines().collect();
+    if let Err(e) = st
+        .store()
+        .append_image_log(id, step, stream, &lines, MAX_LOG_LINES)
+    {
+        tracing::warn!(image_id = id, error = %e, "writing an image's log failed");
+    }
+}
+
+/// Changes an image's record (a failure is logged: the build goes on).
+fn update(st: &AppState, id: &str, f: impl FnOnce(&mut Image)) {
+    let r = st.store().update_image(id, |d| {
+        f(d);
+        true
+    });
+    if let Err(e) = r {
+        tracing::warn!(image_id = id, error = %e, "recording an image's build failed");
+    }
+}
+
+/// Changes one step of an image's record.
+fn update_step(st: &AppState, id: &str, index: usize, f: impl FnOnce(&mut Step)) {
+    update(st, id, |d| {
+        if let Some(s) = d.steps.get_mut(index) {
+            f(s);
+        }
+    });
+}
+
+/// Builds image `id` and records how that ended.
+pub(super) async fn build(st: AppState, id: String) {
+    let started = Instant::now();
+    let result = run_build(&st, &id).await;
+    let secs = started.elapsed().as_secs_f64();
+    match result {
+        Ok(()) => {
+            log(
+                &st,
+                &id,
+                None,
+                LogStream::System,
+                &format!("image ready in {secs:.1} s"),
+            );
+            let _g = st.inner.create_lock.lock().await;
+            let d = match st.store().get_image(&id) {
+                Ok(Some(d)) => d,
+                Ok(None) => return,
+                Err(e) => {
+                    tracing::warn!(image_id = %id, error = %e, "reading a built image failed");
+                    return;
+                }
+            };
+            // Tags move to the newest ready version of the name.
+            let mut tags = d.tags.clone();
+            if d.name.is_some() {
+                match st.store().images() {
+                    Ok(others) => {
+                        let (kept, changed) = tags_on_ready(&d, &others);
+                        for (other, t) in changed {
+                            update(&st, &other, |o| o.tags = t);
+                        }
+                        tags = kept;
+                    }
+                    Err(e) => {
+                        tracing::warn!(image_id = %id, error = %e, "moving tags to a built image failed")
+                    }
+                }
+            }
+            let at = iso(st.now_ms());
+            update(&st, &id, |d| {
+                d.tags = tags;
+                d.state = ImageState::Ready;
+                d.ready_at = Some(at);
+                d.build_seconds = Some(secs);
+            });
+            tracing::info!(image_id = %id, secs, "image ready");
+        }
+        Err(e) => {
+            let message = e.to_string();
+            log(
+                &st,
+                &id,
+                None,
+                LogStream::System,
+                &format!("build failed: {message}"),
+            );
+            update(&st, &id, |d| {
+                d.state = ImageState::Failed;
+                d.error = Some(message.clone());
+                d.build_seconds = Some(secs);
+                fail_running_steps(d);
+            });
+            tracing::warn!(image_id = %id, %message, "image build failed");
+        }
+    }
+}
+
+async fn run_build(st: &AppState, id: &str) -> Result<(), BuildError> {
+    let d = match st.store().get_image(id) {
+        Ok(Some(d)) => d,
+        Ok(None) => return Err(BuildError::Gone),
+        Err(e) => {
+            tracing::warn!(image_id = id, error = %e, "reading an image to build failed");
+            return Err(BuildError::Gone);
+        }
+    };
+    update(st, id, |d| d.state = ImageState::Building);
+    // The longest prefix already kept.
+    let mut from = d
+        .steps
+        .iter()
+        .take_while(|s| layers::kept(st, &s.key))
+        .count();
+    let base_layer = match from.checked_sub(1) {
+        Some(last) => d.steps.get(last).map(|s| s.key.clone()),
+        None => d.base.is_some().then(|| d.base_key.clone()),
+    };
+    for s in d.steps.iter().take(from) {
+        log(
+            st,
+            id,
+            Some(s.index),
+            LogStream::System,
+            &format!("{} (cached)", s.instruction),
+        );
+    }
+    update(st, id, |d| {
+        for s in d.steps.iter_mut().take(from) {
+            s.state = StepState::Cached;
+        }
+    });
+    if from == d.steps.len() {
+        return Ok(());
+    }
+    let vm = uuid::Uuid::new_v4().to_string();
+    // The build machine has the network of a sandbox with default rules
+    // and no egress secrets.
+    let net = crate::domain::network::CreateNet {
+        rules: None,
+        secrets: Some(Vec::new()),
+    };
+    crate::service::network::store_create(st, &vm, &net).map_err(BuildError::Network)?;
+    update(st, id, |d| d.build_vm = Some(vm.clone()));
+    let spec = runtime_host::MachineSpec {
+        id: vm.clone(),
+        vcpu: 2,
+        memory_mib: 2048,
+        // The smallest disk a sandbox may have: the guest grows its file
+        // system to its disk, and a sandbox's disk may not be smaller.
+        disk_mib: 3072,
+        hostname: "build".into(),
+        guest_ca_pem: crate::service::network::prepare_guest(st, &vm),
+        volumes: Vec::new(),
+        image: base_layer.map(|k| runtime_host::ImageDisk {
+            disk: layers::disk(st, &k),
+            key: steps::short_key(&k),
+        }),
+        // The first step's machine may come from the default template.
+        no_template: from > 0 || d.base.is_some(),
+    };
+    log(
+        st,
+        id,
+        None,
+        LogStream::System,
+        &format!(
+            "build machine starting ({} of {} steps cached)",
+            from,
+            d.steps.len()
+        ),
+    );
+    let result = async {
+        st.host()
+            .start(&spec)
+            .await
+            .map_err(BuildError::MachineStart)?;
+        while let Some(s) = d.steps.get(from) {
+            run_step(st, id, &vm, s).await?;
+            from += 1;
+        }
+        Ok(())
+    }
+    .await;
+    if let Err(e) = st.host().destroy(&vm).await {
+        tracing::warn!(image_id = id, vm = %vm, error = %e, "ending the build machine failed");
+    }
+    crate::service::network::sandbox_gone(st, &vm);
+    update(st, id, |d| d.build_vm = None);
+    result
+}
+
+async fn run_step(st: &AppState, id: &str, vm: &str, s: &Step) -> Result<(), BuildError> {
+    let started = Instant::now();
+    let n = s.index + 1;
+    update_step(st, id, s.index, |s| s.state = StepState::Running);
+    log(st, id, Some(s.index), LogStream::System, &s.instruction);
+    let script = format!("set -e\n{}\nsync", s.script.as_deref().unwrap_or("true"));
+    let mut env = s.env.clone();
+    env.push(("DEBIAN_FRONTEND".into(), "noninteractive".into()));
+    let spec = ExecSpec {
+        argv: vec!["bash".into(), "-c".into(), script],
+        cwd: s.workdir.clone(),
+        env,
+        user: if s.root { RunAs::Root } else { RunAs::Sandbox },
+        timeout: Some(STEP_TIMEOUT),
+        stdin: false,
+        pty: None,
+        kill_group_on_exit: true,
+    };
+    let mut h = st
+        .host()
+        .exec(vm, spec)
+        .await
+        .map_err(|cause| BuildError::StepStart {
+            n,
+            instruction: s.instruction.clone(),
+            cause,
+        })?;
+    let mut out = StepOutput::default();
+    let status = loop {
+        match h.events.recv().await {
+            Some(ExecEvent::Stdout(b)) | Some(ExecEvent::Stderr(b)) => {
+                if let Some(done) = out.push(&b) {
+                    log(st, id, Some(s.index), LogStream::Output, &done);
+                }
+            }
+            Some(ExecEvent::Exited(x)) => break x,
+            None => {
+                return Err(BuildError::MachineLost {
+                    n,
+                    instruction: s.instruction.clone(),
+                })
+            }
+        }
+    };
+    if let Some(rest) = out.finish() {
+        log(st, id, Some(s.index), LogStream::Output, &rest);
+    }
+    if let Some(end) = StepEnd::of(status.code, status.timed_out, status.signal) {
+        return Err(BuildError::StepFailed {
+            n,
+            instruction: s.instruction.clone(),
+            end,
+            tail: out.tail().join("\n"),
+        });
+    }
+    // Keep the disk as this step's layer.
+    layers::keep(st, vm, &s.key).await.map_err(|e| match e {
+        LayerError::Io(e) => BuildError::Io(e),
+        LayerError::Capture(cause) => BuildError::KeepDisk { n, cause },
+    })?;
+    let secs = started.elapsed().as_secs_f64();
+    update_step(st, id, s.index, |s| {
+        s.state = StepState::Done;
+        s.seconds = Some(secs);
+    });
+    Ok(())
+}

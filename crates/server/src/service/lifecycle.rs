@@ -1,0 +1,423 @@
+//! The one driver of the sandbox lifecycle: every start (create, restart,
+//! fork copy, snapshot restore), stop, pause and wake goes through
+//! [`drive`]. It
+//! 1. moves the record to the transitional state with a compare-and-set
+//!    along an edge of [`domain::lifecycle::next`](crate::domain::lifecycle::next)
+//!    (a start finds the record already `starting`),
+//! 2. spawns the owned task, which takes the sandbox's lifecycle lock and
+//!    re-reads it (a stop or delete queued meanwhile wins),
+//! 3. runs the `Host` call with the operation's hooks around it,
+//! 4. maps the call's `Result` to the ending [`Event`],
+//! 5. records the outcome with a compare-and-set from the transitional state,
+//! 6. and tells the waiters.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use runtime_api::Sandbox;
+use runtime_host::{HostError, MachineSpec};
+
+use crate::domain::lifecycle::{next, Event, SandboxState};
+use crate::domain::time::iso;
+use crate::error::{ApiResult, ServerError};
+use crate::store::SandboxRow;
+use crate::AppState;
+
+/// A capture a machine starts from: a snapshot's directory, a kept disk, or
+/// a fork's temporary one, removed once the last copy started from it.
+pub(crate) struct CaptureDir {
+    pub path: PathBuf,
+    pub temporary: bool,
+}
+
+impl Drop for CaptureDir {
+    fn drop(&mut self) {
+        if self.temporary {
+            if let Err(e) = std::fs::remove_dir_all(&self.path) {
+                if e.kind() != std::io::ErrorKind::NotFound {
+                    tracing::warn!(path = %self.path.display(), error = %e, "removing a capture failed");
+                }
+            }
+        }
+    }
+}
+
+/// What to do to a sandbox.
+pub(crate) enum Op {
+    /// Boot the `starting` sandbox, or restore it from a capture.
+    Start {
+        from: Option<Arc<CaptureDir>>,
+    },
+    Stop {
+        reason: &'static str,
+    },
+    Pause {
+        reason: &'static str,
+    },
+    /// With a new lease of `lease` seconds, else its `timeoutSeconds`.
+    Wake {
+        lease: Option<u32>,
+    },
+}
+
+impl Op {
+    /// The request's event and the state the task expects to find.
+    fn edge(&self) -> (Option<Event>, SandboxState) {
+        match self {
+            Op::Start { .. } => (None, SandboxState::Starting),
+            Op::Stop { .. } => (Some(Event::Stop), SandboxState::Stopping),
+            Op::Pause { .. } => (Some(Event::Pause), SandboxState::Pausing),
+            Op::Wake { .. } => (Some(Event::Wake), SandboxState::Resuming),
+        }
+    }
+
+    fn name(&self) -> &'static str {
+        match self {
+            Op::Start { .. } => "start",
+            Op::Stop { .. } => "stop",
+            Op::Pause { .. } => "pause",
+            Op::Wake { .. } => "wake",
+        }
+    }
+}
+
+/// Moves the sandbox along `event` if that edge exists from its state (and
+/// it is not deleted), applying `edit` in the same write. `true` when it moved.
+pub(crate) fn transition(
+    st: &AppState,
+    id: &str,
+    event: Event,
+    edit: impl FnOnce(&mut SandboxRow),
+) -> Result<bool, ServerError> {
+    let mut moved = false;
+    st.store().update_sandbox(id, |r| {
+        if r.deleted.is_some() {
+            return false;
+        }
+        let Ok(to) = next(r.record.state, event) else {
+            return false;
+        };
+        r.record.state = to;
+        edit(r);
+        moved = true;
+        true
+    })?;
+    if moved {
+        st.notify_change();
+    }
+    Ok(moved)
+}
+
+/// Records the outcome `event` of the host call begun in state `from`,
+/// unless something else (a stop, a delete) moved the sandbox meanwhile.
+/// Answers the row as it is afterwards and whether this wrote it.
+fn record(
+    st: &AppState,
+    id: &str,
+    from: SandboxState,
+    event: Event,
+    edit: impl FnOnce(&mut Sandbox),
+) -> Result<(Option<SandboxRow>, bool), ServerError> {
+    let mut wrote = false;
+    let row = st.store().update_sandbox(id, |r| {
+        if r.record.state != from || r.deleted.is_some() {
+            return false;
+        }
+        let Ok(to) = next(from, event) else {
+            return false;
+        };
+        r.record.state = to;
+        edit(&mut r.record);
+        wrote = true;
+        true
+    })?;
+    Ok((row, wrote))
+}
+
+/// Starts `op` on the sandbox. `false` when the sandbox was not in a state
+/// the operation starts from (so callers arriving together share one pause
+/// or wake); a start always goes ahead.
+pub(crate) fn drive(st: &AppState, id: &str, op: Op) -> ApiResult<bool> {
+    let (event, expect) = op.edge();
+    if let Some(event) = event {
+        let lease = match &op {
+            Op::Wake { lease } => *lease,
+            _ => None,
+        };
+        let moved = transition(st, id, event, |r| {
+            if lease.is_some() {
+                r.record.timeout_seconds = lease;
+            }
+        })?;
+        if !moved {
+            return Ok(false);
+        }
+    }
+    if let Op::Stop { .. } = op {
+        // Nothing more reaches its processes and previews.
+        st.inner.procs.sandbox_gone(st.store(), id);
+        st.inner.previews.sandbox_gone(id);
+    }
+    let st2 = st.clone();
+    let id = id.to_string();
+    let span = tracing::info_span!("lifecycle", sandbox_id = %id, op = op.name());
+    st.spawn(tracing::Instrument::instrument(
+        async move {
+            let lock = st2.lifecycle_lock(&id);
+            let _g = lock.lock().await;
+            let row = match st2.store().get_sandbox(&id) {
+                Ok(Some(r)) if r.deleted.is_none() && r.record.state == expect => r,
+                Ok(_) => return,
+                Err(e) => {
+                    tracing::error!(error = %e, "reading the sandbox failed");
+                    return;
+                }
+            };
+            run(&st2, row, op).await;
+            st2.notify_change();
+        },
+        span,
+    ));
+    Ok(true)
+}
+
+/// The task's part of [`drive`], under the lifecycle lock.
+async fn run(st: &AppState, row: SandboxRow, op: Op) {
+    let id = row.record.id.clone();
+    let now = st.now_ms();
+    match op {
+        Op::Start { from } => {
+            let spec = machine_spec(st, &row.record);
+            let result = match &from {
+                Some(dir) => st.host().restore(&spec, &dir.path).await,
+                None => st.host().start(&spec).await,
+            };
+            let restored = from.is_some();
+            drop(from);
+            let now = st.now_ms();
+            let ev = if result.is_ok() {
+                Event::Booted
+            } else {
+                Event::BootFailed
+            };
+            let out = record(st, &id, SandboxState::Starting, ev, |r| match ev {
+                Event::Booted => {
+                    r.ready_at = Some(iso(now));
+                    r.last_active_at = Some(iso(now));
+                }
+                _ => {
+                    r.stop_reason = Some("start_failed".into());
+                    r.ended_at = Some(iso(now));
+                }
+            });
+            match (&result, out) {
+                (Ok(()), Ok((Some(row), _))) => {
+                    tracing::info!("sandbox running");
+                    start_image_command(st, &row, restored).await;
+                }
+                (Ok(()), Ok((None, _))) => tracing::info!("sandbox running"),
+                (Err(e), Ok(_)) => tracing::warn!(error = %e, "sandbox failed to start"),
+                (_, Err(e)) => tracing::error!(error = %e, "recording the start failed"),
+            }
+        }
+        Op::Stop { reason } => {
+            if row.record.persistent {
+                keep_disk(st, &id).await;
+            }
+            if let Err(e) = st.host().stop(&id, false).await {
+                tracing::warn!(error = %e, "host stop failed; recording the sandbox as stopped");
+            }
+            let out = record(st, &id, SandboxState::Stopping, Event::Halted, |r| {
+                r.stop_reason = Some(reason.into());
+                r.ended_at = Some(iso(now));
+            });
+            if let Err(e) = out {
+                tracing::error!(error = %e, "recording the stop failed");
+            }
+            tracing::info!(reason, "sandbox stopped");
+        }
+        Op::Pause { reason } => {
+            // Its processes detach rather than end: a wake takes them up again.
+            st.inner.procs.sandbox_pausing(&id);
+            let result = st.host().pause(&id).await;
+            let ev = match &result {
+                Ok(()) => Event::Suspended,
+                Err(HostError::NoSuchMachine { .. }) => Event::MachineGone,
+                Err(_) => Event::PauseFailed,
+            };
+            if ev == Event::PauseFailed {
+                // It runs on: take up any process whose handle closed.
+                st.inner.procs.pause_failed(&id);
+                crate::service::processes::recover::reattach(st, &id).await;
+            }
+            let now = iso(st.now_ms());
+            let out = record(st, &id, SandboxState::Pausing, ev, |r| match ev {
+                Event::Suspended => {
+                    r.paused_at = Some(now.clone());
+                    r.paused_expires_at = crate::domain::lease::retention_end(r);
+                }
+                Event::MachineGone => {
+                    r.stop_reason = Some("host_lost".into());
+                    r.ended_at = Some(now.clone());
+                }
+                _ => {}
+            });
+            note_pause(st, &id, result.is_err());
+            match (&result, out) {
+                (Ok(()), Ok(_)) => tracing::info!(reason, "sandbox paused"),
+                (Err(e), Ok(_)) => tracing::warn!(reason, error = %e, "pausing the sandbox failed"),
+                (_, Err(e)) => tracing::error!(error = %e, "recording the pause failed"),
+            }
+            if ev == Event::MachineGone {
+                st.inner.procs.sandbox_gone(st.store(), &id);
+            }
+        }
+        Op::Wake { .. } => {
+            let result = st.host().wake(&machine_spec(st, &row.record)).await;
+            if result.is_ok() {
+                // Before it is `running`, so a call that woke it finds them attached.
+                crate::service::processes::recover::reattach(st, &id).await;
+            }
+            let ev = match &result {
+                Ok(()) => Event::Woken,
+                Err(HostError::NotPaused { .. }) => Event::MachineGone,
+                Err(_) => Event::WakeFailed,
+            };
+            let now = st.now_ms();
+            let out = record(st, &id, SandboxState::Resuming, ev, |r| match ev {
+                Event::Woken => {
+                    r.paused_at = None;
+                    r.paused_expires_at = None;
+                    r.last_active_at = Some(iso(now));
+                    r.ends_at = crate::domain::lease::lease_end(r.timeout_seconds, now);
+                    r.expires_at = r.ends_at.clone();
+                }
+                Event::MachineGone => {
+                    r.stop_reason = Some("host_lost".into());
+                    r.ended_at = Some(iso(now));
+                }
+                _ => {}
+            });
+            match (&result, out) {
+                (Ok(()), Ok(_)) => tracing::info!("sandbox woken"),
+                (Err(e), Ok(_)) => tracing::warn!(error = %e, "waking the sandbox failed"),
+                (_, Err(e)) => tracing::error!(error = %e, "recording the wake failed"),
+            }
+            if ev == Event::MachineGone {
+                st.inner.procs.sandbox_gone(st.store(), &id);
+            }
+        }
+    }
+}
+
+/// Remembers whether the last pause of `id` failed, for the `:pause` answer:
+/// a sandbox running again may also have paused and been woken.
+fn note_pause(st: &AppState, id: &str, failed: bool) {
+    let mut set = st
+        .inner
+        .pause_failed
+        .lock()
+        .unwrap_or_else(|p| p.into_inner());
+    if failed {
+        set.insert(id.to_string());
+    } else {
+        set.remove(id);
+    }
+}
+
+pub(crate) fn machine_spec(st: &AppState, s: &Sandbox) -> MachineSpec {
+    MachineSpec {
+        id: s.id.clone(),
+        vcpu: s.vcpu,
+        memory_mib: s.memory_mib,
+        disk_mib: s.disk_mib,
+        hostname: format!("sbx-{}", s.id.chars().take(8).collect::<String>()),
+        guest_ca_pem: crate::service::network::prepare_guest(st, &s.id),
+        volumes: crate::service::volumes::drives(st, &s.id),
+        image: s
+            .image
+            .as_deref()
+            .and_then(|i| crate::service::images::disk_of(st, i)),
+        no_template: false,
+    }
+}
+
+/// Copies whose source could not be captured: `stopped` with
+/// `start_failed`, as a failed boot.
+pub(crate) fn fail_start(st: &AppState, ids: &[String]) {
+    let at = iso(st.now_ms());
+    for id in ids {
+        let r = record(st, id, SandboxState::Starting, Event::BootFailed, |r| {
+            r.stop_reason = Some("start_failed".into());
+            r.ended_at = Some(at.clone());
+        });
+        if let Err(e) = r {
+            tracing::error!(sandbox_id = %id, error = %e, "recording a failed start failed");
+        }
+    }
+    st.notify_change();
+}
+
+/// A new sandbox of an image with a `start` command runs it in the
+/// background (listed with its processes). Not after a restore from a
+/// snapshot, whose processes are already there.
+async fn start_image_command(st: &AppState, row: &SandboxRow, restored_snapshot: bool) {
+    if restored_snapshot || row.record.state != SandboxState::Running {
+        return;
+    }
+    let Some(image) = row.record.image.as_deref() else {
+        return;
+    };
+    let Some((argv, cwd, user)) = crate::service::images::start_of(st, image) else {
+        return;
+    };
+    match crate::service::processes::start::start_background(st, row, argv, cwd, user).await {
+        Ok(p) => {
+            tracing::info!(process_id = %p.id(), "image start command running")
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "the image's start command did not start")
+        }
+    }
+}
+
+/// Where a persistent sandbox's disk is kept while it is stopped.
+pub(crate) fn disk_dir(st: &AppState, id: &str) -> PathBuf {
+    st.config().data_dir.join("disks").join(id)
+}
+
+/// Captures the disk of a persistent sandbox (running or paused) into
+/// [`disk_dir`], replacing the previous capture only once the new one is
+/// whole. A failure keeps the previous one, if any.
+async fn keep_disk(st: &AppState, id: &str) {
+    let dest = disk_dir(st, id);
+    let fresh = dest.with_extension("new");
+    remove_dir_quietly(&fresh);
+    if let Some(parent) = dest.parent() {
+        if let Err(e) = std::fs::create_dir_all(parent) {
+            tracing::error!(error = %e, "creating the disks directory failed");
+            return;
+        }
+    }
+    match st.host().capture(id, &fresh, false).await {
+        Ok(()) => {
+            remove_dir_quietly(&dest);
+            match std::fs::rename(&fresh, &dest) {
+                Ok(()) => tracing::info!("disk kept for a restart"),
+                Err(e) => tracing::error!(error = %e, "keeping the disk capture failed"),
+            }
+        }
+        Err(e) => {
+            remove_dir_quietly(&fresh);
+            tracing::warn!(error = %e, "capturing the disk of a persistent sandbox failed");
+        }
+    }
+}
+
+fn remove_dir_quietly(p: &std::path::Path) {
+    if let Err(e) = std::fs::remove_dir_all(p) {
+        if e.kind() != std::io::ErrorKind::NotFound {
+            tracing::warn!(path = %p.display(), error = %e, "removing a directory failed");
+        }
+    }
+}

@@ -1,0 +1,21 @@
+//! Orchestration over the store, the `Host` and owned tasks. Never names
+//! HTTP types (axum, `StatusCode`, `Bytes`).
+
+pub(crate) mod background;
+pub(crate) mod billing;
+pub(crate) mod clock;
+pub(crate) mod files;
+pub(crate) mod images;
+pub(crate) mod interpreter;
+pub mod keys;
+pub(crate) mod lifecycle;
+pub(crate) mod meter;
+pub(crate) mod network;
+pub(crate) mod previews;
+pub(crate) mod processes;
+pub(crate) mod sandboxes;
+pub(crate) mod secrets;
+pub(crate) mod snapshots;
+pub(crate) mod tunnels;
+pub(crate) mod uploads;
+pub(crate) mod volumes;

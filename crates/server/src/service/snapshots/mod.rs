@@ -1,0 +1,417 @@
+//! Memory copies of a sandbox (contract §5): `:fork` and `:snapshot`,
+//! the snapshots' records, deletion and expiry.
+//!
+//! Both capture the source through [`runtime_host::Host::capture`] under its
+//! lifecycle lock (a running source stops for the copy and goes on, a
+//! paused one stays paused). A fork captures memory into a temporary
+//! directory under `data_dir/forks/` and restores each copy from it as a new
+//! sandbox; the directory goes once the last copy started. A snapshot keeps
+//! its capture in `data_dir/snapshots/<id>/` until deleted or expired; a
+//! create with `snapshot` restores from it with the snapshot's shape.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use std::collections::BTreeMap;
+
+use tokio::time::Instant;
+
+use crate::domain::access::KeyInfo;
+use crate::domain::lifecycle::SandboxState;
+use crate::domain::snapshot::Snapshot;
+use crate::domain::time::{iso, parse_iso_ms};
+use crate::error::{ApiError, ApiResult};
+use crate::service::lifecycle::{drive, fail_start, CaptureDir, Op};
+use crate::service::sandboxes::{name_holder, settled_source, wait_until};
+use crate::store::{SandboxRow, SnapshotRow};
+use crate::AppState;
+
+pub(crate) mod records;
+
+use records::{dir, find, not_found, visible};
+
+/// Most copies one fork makes.
+pub(crate) const MAX_FORK: i64 = 8;
+pub(crate) const DEFAULT_RETENTION_DAYS: i64 = 30;
+
+fn size_of(p: &Path) -> u64 {
+    let Ok(rd) = std::fs::read_dir(p) else {
+        return 0;
+    };
+    rd.filter_map(Result::ok)
+        .map(|e| match e.metadata() {
+            Ok(m) if m.is_dir() => size_of(&e.path()),
+            Ok(m) => {
+                use std::os::unix::fs::MetadataExt;
+                // Allocated bytes: captures are sparse.
+                m.blocks() * 512
+            }
+            Err(_) => 0,
+        })
+        .sum()
+}
+
+fn remove_dir(p: &Path) {
+    if let Err(e) = std::fs::remove_dir_all(p) {
+        if e.kind() != std::io::ErrorKind::NotFound {
+            tracing::warn!(path = %p.display(), error = %e, "removing a capture failed");
+        }
+    }
+}
+
+/// A fork, parsed.
+pub(crate) struct Fork {
+    pub count: usize,
+    pub name: Option<String>,
+    pub labels: Option<BTreeMap<String, String>>,
+    pub net: crate::domain::network::CreateNet,
+}
+
+/// `:fork`: `count` new sandboxes from a capture of `id`'s memory, each
+/// started as its source was; waits up to `wait` for them to leave
+/// `starting`. Answers the copies as they are then.
+pub(crate) async fn fork(
+    st: &AppState,
+    key: &KeyInfo,
+    id: &str,
+    req: Fork,
+    wait: Option<Duration>,
+) -> ApiResult<Vec<SandboxRow>> {
+    let Fork {
+        count,
+        name,
+        labels,
+        net,
+    } = req;
+    let src = settled_source(st, key, id).await?;
+    crate::service::volumes::refuse_copy(st, id, "fork")?;
+    let lease = crate::domain::money::first_lease_seconds(src.record.timeout_seconds);
+    let copies_cost = i64::try_from(count)
+        .unwrap_or(i64::MAX)
+        .saturating_mul(lease);
+    crate::service::billing::check_spend(st, &key.id, &src.record, lease, copies_cost)?;
+
+    let now = st.now_ms();
+    let copies: Vec<SandboxRow> = {
+        let _g = st.inner.create_lock.lock().await;
+        if let Some(n) = &name {
+            if let Some(h) = name_holder(st, n, None)? {
+                let sandbox_id =
+                    crate::service::sandboxes::visible(key, &h).then(|| h.record.id.clone());
+                return Err(ApiError::NameTaken {
+                    name: n.clone(),
+                    sandbox_id,
+                });
+            }
+        }
+        let mut out = Vec::with_capacity(count);
+        for _ in 0..count {
+            let mut r = src.record.clone();
+            r.id = uuid::Uuid::new_v4().to_string();
+            r.name = name.clone();
+            if let Some(l) = &labels {
+                r.labels = l.clone();
+            }
+            r.state = SandboxState::Starting;
+            r.status = r.state.status().into();
+            r.created_at = iso(now);
+            r.ready_at = None;
+            r.ends_at = r.timeout_seconds.map(|t| iso(now + i64::from(t) * 1000));
+            r.expires_at = r.ends_at.clone();
+            r.ended_at = None;
+            r.stop_reason = None;
+            r.paused_at = None;
+            r.paused_expires_at = None;
+            r.last_active_at = Some(iso(now));
+            r.charged_micros = 0;
+            r.held_micros = 0;
+            let row = SandboxRow {
+                seq: 0,
+                key_id: key.id.clone(),
+                record: r,
+                env: src.env.clone(),
+                deleted: None,
+            };
+            crate::service::network::copy_settings(
+                st,
+                &src.record.id,
+                &row.record.id,
+                net.secrets.clone(),
+            )?;
+            st.store().insert_sandbox(&row)?;
+            out.push(row);
+        }
+        out
+    };
+    st.notify_change();
+    tracing::info!(sandbox_id = %id, count, "fork requested");
+
+    let ids: Vec<String> = copies.iter().map(|c| c.record.id.clone()).collect();
+    let st2 = st.clone();
+    let src_id = id.to_string();
+    let task_ids = ids.clone();
+    st.spawn(async move {
+        let capture = Arc::new(CaptureDir {
+            path: st2
+                .host()
+                .scratch_dir()
+                .unwrap_or_else(|| st2.config().data_dir.join("forks"))
+                .join(uuid::Uuid::new_v4().to_string()),
+            temporary: true,
+        });
+        let result = {
+            let lock = st2.lifecycle_lock(&src_id);
+            let _g = lock.lock().await;
+            st2.host().capture(&src_id, &capture.path, true).await
+        };
+        match result {
+            Ok(()) => {
+                for cid in task_ids {
+                    let from = Some(capture.clone());
+                    if let Err(e) = drive(&st2, &cid, Op::Start { from }) {
+                        tracing::error!(sandbox_id = %cid, error = %e, "starting a fork's copy failed");
+                    }
+                }
+            }
+            Err(e) => {
+                tracing::warn!(sandbox_id = %src_id, error = %e, "capturing the source of a fork failed");
+                fail_start(&st2, &task_ids);
+            }
+        }
+    });
+
+    if let Some(wait) = wait {
+        let deadline = Instant::now() + wait;
+        for cid in &ids {
+            let left = deadline.saturating_duration_since(Instant::now());
+            wait_until(st, cid, left, |s| s != SandboxState::Starting).await?;
+        }
+    }
+    let mut out = Vec::with_capacity(ids.len());
+    for cid in &ids {
+        if let Some(r) = st.store().get_sandbox(cid)? {
+            out.push(r);
+        }
+    }
+    Ok(out)
+}
+
+/// A snapshot, parsed.
+pub(crate) struct NewSnapshot {
+    pub name: Option<String>,
+    pub labels: BTreeMap<String, String>,
+    pub retention_days: i64,
+    /// `memory` or `disk`.
+    pub mode: String,
+}
+
+/// `:snapshot`: captures `id` into a snapshot kept `retention_days`; waits
+/// up to `wait` for the capture to end.
+pub(crate) async fn snapshot(
+    st: &AppState,
+    key: &KeyInfo,
+    id: &str,
+    req: NewSnapshot,
+    wait: Option<Duration>,
+) -> ApiResult<Snapshot> {
+    let NewSnapshot {
+        name,
+        labels,
+        retention_days: retention,
+        mode,
+    } = req;
+    let id = id.to_string();
+    let src = settled_source(st, key, &id).await?;
+    if mode == "memory" {
+        crate::service::volumes::refuse_copy(st, &id, "memory snapshot")?;
+    }
+    let now = st.now_ms();
+    let snap = Snapshot {
+        id: uuid::Uuid::new_v4().to_string(),
+        kind: "snapshot".into(),
+        sandbox_id: id.clone(),
+        name,
+        labels,
+        mode,
+        state: "capturing".into(),
+        size_bytes: 0,
+        vcpu: src.record.vcpu,
+        memory_mib: src.record.memory_mib,
+        disk_mib: src.record.disk_mib,
+        retention_days: retention as u32,
+        created_at: iso(now),
+        ready_at: None,
+        expires_at: Some(iso(now + retention * 86_400_000)),
+        error: None,
+    };
+    st.store().insert_snapshot(&key.id, &snap)?;
+    tracing::info!(sandbox_id = %id, snapshot_id = %snap.id, mode = %snap.mode, "snapshot requested");
+    let sid = snap.id.clone();
+    let st2 = st.clone();
+    let memory = snap.mode == "memory";
+    st.spawn(async move {
+        let path = dir(&st2, &sid);
+        let result = {
+            let lock = st2.lifecycle_lock(&id);
+            let _g = lock.lock().await;
+            st2.host().capture(&id, &path, memory).await
+        };
+        let size = size_of(&path);
+        let at = iso(st2.now_ms());
+        let mut gone = false;
+        let updated = st2.store().update_snapshot(&sid, |r| {
+            if r.deleted.is_some() {
+                gone = true;
+                return false;
+            }
+            match &result {
+                Ok(()) => {
+                    r.record.state = "ready".into();
+                    r.record.size_bytes = size;
+                    r.record.ready_at = Some(at.clone());
+                }
+                Err(e) => {
+                    r.record.state = "failed".into();
+                    r.record.error = Some(format!("The capture failed: {e}."));
+                }
+            }
+            true
+        });
+        if gone || result.is_err() {
+            remove_dir(&path);
+        }
+        match (&result, updated) {
+            (Ok(()), Ok(_)) => tracing::info!(snapshot_id = %sid, size, "snapshot ready"),
+            (Err(e), Ok(_)) => tracing::warn!(snapshot_id = %sid, error = %e, "snapshot failed"),
+            (_, Err(e)) => {
+                tracing::error!(snapshot_id = %sid, error = %e, "recording the snapshot failed")
+            }
+        }
+        st2.notify_change();
+    });
+    if let Some(wait) = wait {
+        let deadline = Instant::now() + wait;
+        let mut rx = st.inner.changes.subscribe();
+        while find(st, key, &snap.id)?.record.state == "capturing" {
+            if tokio::time::timeout_at(deadline, rx.changed())
+                .await
+                .is_err()
+            {
+                break;
+            }
+        }
+    }
+    Ok(find(st, key, &snap.id)?.record)
+}
+
+pub(crate) fn get(st: &AppState, key: &KeyInfo, id: &str) -> ApiResult<Snapshot> {
+    Ok(find(st, key, id)?.record)
+}
+
+/// Which snapshots a list asks for.
+pub(crate) struct ListFilter {
+    pub sandbox_id: Option<String>,
+    pub name: Option<String>,
+    pub state: Option<String>,
+    pub limit: usize,
+    /// Only snapshots made before the one with this sequence number.
+    pub before_seq: Option<i64>,
+}
+
+/// One page of the snapshots `key` sees, newest first, and whether more follow.
+pub(crate) fn list(
+    st: &AppState,
+    key: &KeyInfo,
+    f: &ListFilter,
+) -> ApiResult<(Vec<SnapshotRow>, bool)> {
+    let ListFilter {
+        sandbox_id,
+        name,
+        state,
+        limit,
+        before_seq: cursor,
+    } = f;
+    let limit = *limit;
+    let mut rows: Vec<SnapshotRow> = st
+        .store()
+        .live_snapshots()?
+        .into_iter()
+        .filter(|r| visible(key, r))
+        .filter(|r| cursor.is_none_or(|c| r.seq < c))
+        .filter(|r| {
+            sandbox_id
+                .as_ref()
+                .is_none_or(|s| &r.record.sandbox_id == s)
+        })
+        .filter(|r| {
+            name.as_ref()
+                .is_none_or(|n| r.record.name.as_ref() == Some(n))
+        })
+        .filter(|r| state.as_ref().is_none_or(|s| &r.record.state == s))
+        .take(limit + 1)
+        .collect();
+    let more = rows.len() > limit;
+    rows.truncate(limit);
+    Ok((rows, more))
+}
+
+/// `DELETE /v1/snapshots/{id}` and `POST /v1/snapshots/{id}:delete` (the
+/// client's). Deleting again answers the same; sandboxes started from it
+/// are not affected.
+/// Answers when it was deleted.
+pub(crate) fn delete(st: &AppState, key: &KeyInfo, id: &str) -> ApiResult<String> {
+    let row = match st.store().get_snapshot(id)? {
+        Some(r) if visible(key, &r) => r,
+        _ => return Err(not_found(id)),
+    };
+    if let Some(at) = row.deleted {
+        return Ok(at);
+    }
+    let at = iso(st.now_ms());
+    st.store().update_snapshot(id, |r| {
+        if r.deleted.is_some() {
+            return false;
+        }
+        r.deleted = Some(at.clone());
+        true
+    })?;
+    // A capture under way removes its directory when it ends.
+    if row.record.state != "capturing" {
+        remove_dir(&dir(st, id));
+    }
+    tracing::info!(snapshot_id = %id, "snapshot deleted");
+    Ok(at)
+}
+
+/// Deletes snapshots past their `expiresAt`.
+pub(crate) fn expire(st: &AppState, now: i64) {
+    let rows = match st.store().live_snapshots() {
+        Ok(r) => r,
+        Err(e) => {
+            tracing::error!(error = %e, "reading snapshots to expire failed");
+            return;
+        }
+    };
+    for r in rows {
+        let due = r
+            .record
+            .expires_at
+            .as_deref()
+            .and_then(parse_iso_ms)
+            .is_some_and(|t| t <= now);
+        if !due || r.record.state == "capturing" {
+            continue;
+        }
+        let at = iso(now);
+        if let Err(e) = st.store().update_snapshot(&r.record.id, |x| {
+            x.deleted = Some(at.clone());
+            true
+        }) {
+            tracing::error!(snapshot_id = %r.record.id, error = %e, "expiring the snapshot failed");
+            continue;
+        }
+        remove_dir(&dir(st, &r.record.id));
+        tracing::info!(snapshot_id = %r.record.id, "snapshot expired");
+    }
+}

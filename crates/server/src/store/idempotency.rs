@@ -1,0 +1,66 @@
+//! Stored answers of idempotent requests.
+
+use rusqlite::{params, OptionalExtension};
+
+use super::{store_err, Store};
+use crate::error::ServerError;
+
+#[derive(Debug, Clone)]
+pub struct StoredAnswer {
+    pub fingerprint: String,
+    /// `json` (replay body) or `stream` (body names the process to follow).
+    pub kind: String,
+    pub status: u16,
+    pub body: String,
+    pub created_ms: i64,
+}
+
+impl Store {
+    pub fn idem_get(
+        &self,
+        key_id: &str,
+        idem_key: &str,
+    ) -> Result<Option<StoredAnswer>, ServerError> {
+        self.conn()
+            .query_row(
+                "SELECT fingerprint, kind, status, body, created_ms FROM idempotency WHERE key_id = ?1 AND idem_key = ?2",
+                params![key_id, idem_key],
+                |r| {
+                    Ok(StoredAnswer {
+                        fingerprint: r.get(0)?,
+                        kind: r.get(1)?,
+                        status: r.get(2)?,
+                        body: r.get(3)?,
+                        created_ms: r.get(4)?,
+                    })
+                },
+            )
+            .optional()
+            .map_err(store_err("get idempotency"))
+    }
+
+    pub fn idem_put(
+        &self,
+        key_id: &str,
+        idem_key: &str,
+        a: &StoredAnswer,
+    ) -> Result<(), ServerError> {
+        self.conn()
+            .execute(
+                "INSERT OR REPLACE INTO idempotency (key_id, idem_key, fingerprint, kind, status, body, created_ms)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
+                params![key_id, idem_key, a.fingerprint, a.kind, a.status, a.body, a.created_ms],
+            )
+            .map(|_| ())
+            .map_err(store_err("put idempotency"))
+    }
+
+    pub fn idem_purge(&self, older_than_ms: i64) -> Result<usize, ServerError> {
+        self.conn()
+            .execute(
+                "DELETE FROM idempotency WHERE created_ms < ?1",
+                params![older_than_ms],
+            )
+            .map_err(store_err("purge idempotency"))
+    }
+}

@@ -1,0 +1,262 @@
+//! The embedded SQLite store: keys, sandboxes, snapshots, processes,
+//! idempotency records, images (`images.rs`) and volumes (`volumes.rs`).
+//!
+//! One connection behind a mutex; every call is short and never held across
+//! an `.await`. Schema version lives in `PRAGMA user_version`.
+
+mod charges;
+mod docs;
+mod idempotency;
+mod images;
+mod keys;
+mod processes;
+mod sandboxes;
+mod snapshots;
+mod volumes;
+
+use std::path::Path;
+use std::sync::{Mutex, MutexGuard};
+
+use rusqlite::Connection;
+
+use crate::error::ServerError;
+
+const SCHEMA_VERSION: i64 = 6;
+
+const SCHEMA_V1: &str = "
+CREATE TABLE IF NOT EXISTS keys (
+    id TEXT PRIMARY KEY,
+    name TEXT,
+    hash TEXT NOT NULL UNIQUE,
+    read_only INTEGER NOT NULL,
+    account_wide INTEGER NOT NULL,
+    created_at TEXT NOT NULL,
+    revoked_at TEXT
+);
+CREATE TABLE IF NOT EXISTS sandboxes (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    id TEXT NOT NULL UNIQUE,
+    key_id TEXT NOT NULL,
+    name TEXT,
+    state TEXT NOT NULL,
+    record TEXT NOT NULL,
+    env TEXT NOT NULL,
+    deleted TEXT
+);
+CREATE INDEX IF NOT EXISTS sandboxes_name ON sandboxes(name);
+CREATE INDEX IF NOT EXISTS sandboxes_state ON sandboxes(state);
+CREATE TABLE IF NOT EXISTS idempotency (
+    key_id TEXT NOT NULL,
+    idem_key TEXT NOT NULL,
+    fingerprint TEXT NOT NULL,
+    kind TEXT NOT NULL,
+    status INTEGER NOT NULL,
+    body TEXT NOT NULL,
+    created_ms INTEGER NOT NULL,
+    PRIMARY KEY (key_id, idem_key)
+);
+";
+
+const SCHEMA_V2: &str = "
+CREATE TABLE IF NOT EXISTS snapshots (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    id TEXT NOT NULL UNIQUE,
+    key_id TEXT NOT NULL,
+    sandbox_id TEXT NOT NULL,
+    state TEXT NOT NULL,
+    record TEXT NOT NULL,
+    deleted TEXT
+);
+";
+
+/// Processes, so a restart of the server can take them up again (v3).
+const SCHEMA_V3: &str = "
+CREATE TABLE IF NOT EXISTS processes (
+    id TEXT PRIMARY KEY,
+    sandbox_id TEXT NOT NULL,
+    token INTEGER NOT NULL,
+    guest_pid INTEGER NOT NULL,
+    kind TEXT NOT NULL,
+    command TEXT NOT NULL,
+    argv TEXT NOT NULL,
+    run_as TEXT NOT NULL,
+    pty INTEGER NOT NULL,
+    stdin_pipe INTEGER NOT NULL,
+    output_encoding TEXT NOT NULL,
+    state TEXT NOT NULL,
+    exit_code INTEGER,
+    signal INTEGER,
+    timed_out INTEGER NOT NULL DEFAULT 0,
+    out_of_memory INTEGER NOT NULL DEFAULT 0,
+    duration_ms INTEGER,
+    started_ms INTEGER NOT NULL,
+    ended_ms INTEGER,
+    output_bytes INTEGER NOT NULL DEFAULT 0,
+    stdin_offset INTEGER NOT NULL DEFAULT 0,
+    stdin_closed INTEGER NOT NULL DEFAULT 0
+);
+CREATE INDEX IF NOT EXISTS processes_sandbox ON processes(sandbox_id);
+";
+
+/// Billing (v4): a key's daily spending limit; each sandbox's metered
+/// remainder below one microdollar; charges per key, sandbox and minute for
+/// the 24-hour window and `GET /v1/usage` (see billing.rs).
+const SCHEMA_V4: &str = "
+ALTER TABLE keys ADD COLUMN daily_limit_micros INTEGER;
+CREATE TABLE IF NOT EXISTS meter (
+    sandbox_id TEXT PRIMARY KEY,
+    remainder INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS charges (
+    key_id TEXT NOT NULL,
+    sandbox_id TEXT NOT NULL,
+    minute INTEGER NOT NULL,
+    micros INTEGER NOT NULL,
+    PRIMARY KEY (key_id, sandbox_id, minute)
+);
+CREATE INDEX IF NOT EXISTS charges_key_minute ON charges(key_id, minute);
+";
+
+/// The network's documents (v5): previews, rules, secrets, sandbox CAs,
+/// each a JSON document under (kind, scope, name).
+const SCHEMA_V5: &str = "
+CREATE TABLE IF NOT EXISTS net_docs (
+    kind TEXT NOT NULL,
+    scope TEXT NOT NULL,
+    name TEXT NOT NULL,
+    doc TEXT NOT NULL,
+    PRIMARY KEY (kind, scope, name)
+);
+";
+
+/// Images and volumes in tables of their own (v6), with the constraints of
+/// their names: an image's version is unique per name, a volume's name per
+/// key. The migration moves their `net_docs` documents (kinds `image`,
+/// `volume`, `sandbox_volumes`) here in the same transaction.
+const SCHEMA_V6: &str = "
+CREATE TABLE IF NOT EXISTS images (
+    id TEXT PRIMARY KEY,
+    key_id TEXT NOT NULL,
+    name TEXT,
+    version INTEGER NOT NULL,
+    state TEXT NOT NULL,
+    created_ms INTEGER NOT NULL,
+    record TEXT NOT NULL,
+    UNIQUE (name, version)
+);
+CREATE TABLE IF NOT EXISTS image_logs (
+    image_id TEXT NOT NULL,
+    seq INTEGER NOT NULL,
+    step INTEGER,
+    stream TEXT NOT NULL,
+    text TEXT NOT NULL,
+    PRIMARY KEY (image_id, seq)
+);
+CREATE TABLE IF NOT EXISTS volumes (
+    id TEXT PRIMARY KEY,
+    key_id TEXT NOT NULL,
+    name TEXT,
+    labels TEXT NOT NULL,
+    size_mib INTEGER NOT NULL,
+    created_at TEXT NOT NULL,
+    created_ms INTEGER NOT NULL,
+    UNIQUE (key_id, name)
+);
+CREATE TABLE IF NOT EXISTS volume_attachments (
+    sandbox_id TEXT NOT NULL,
+    position INTEGER NOT NULL,
+    volume_id TEXT NOT NULL,
+    path TEXT NOT NULL,
+    mode TEXT NOT NULL,
+    PRIMARY KEY (sandbox_id, position)
+);
+CREATE INDEX IF NOT EXISTS volume_attachments_volume ON volume_attachments(volume_id);
+";
+
+pub struct Store {
+    conn: Mutex<Connection>,
+}
+
+pub(crate) fn store_err(op: &'static str) -> impl FnOnce(rusqlite::Error) -> ServerError {
+    move |source| ServerError::Store { op, source }
+}
+
+pub(super) fn corrupt(what: impl Into<String>) -> ServerError {
+    ServerError::Corrupt { what: what.into() }
+}
+
+/// Opens (creating or migrating) `data_dir/runtime.db`.
+pub(crate) fn open_connection(data_dir: &Path) -> Result<Connection, ServerError> {
+    std::fs::create_dir_all(data_dir).map_err(|source| ServerError::Io {
+        op: "create data dir",
+        path: data_dir.display().to_string(),
+        source,
+    })?;
+    let mut conn = Connection::open(data_dir.join("runtime.db")).map_err(store_err("open"))?;
+    conn.busy_timeout(std::time::Duration::from_secs(10))
+        .map_err(store_err("busy_timeout"))?;
+    conn.pragma_update(None, "journal_mode", "WAL")
+        .map_err(store_err("wal"))?;
+    conn.pragma_update(None, "synchronous", "NORMAL")
+        .map_err(store_err("synchronous"))?;
+    let version: i64 = conn
+        .query_row("PRAGMA user_version", [], |r| r.get(0))
+        .map_err(store_err("user_version"))?;
+    if version > SCHEMA_VERSION {
+        return Err(corrupt(format!(
+            "runtime.db has schema {version}, newer than this server ({SCHEMA_VERSION})"
+        )));
+    }
+    if version < 1 {
+        conn.execute_batch(SCHEMA_V1)
+            .map_err(store_err("migrate v1"))?;
+    }
+    if version < 2 {
+        conn.execute_batch(SCHEMA_V2)
+            .map_err(store_err("migrate v2"))?;
+    }
+    if version < 3 {
+        conn.execute_batch(SCHEMA_V3)
+            .map_err(store_err("migrate v3"))?;
+    }
+    if version < 4 {
+        conn.execute_batch(SCHEMA_V4)
+            .map_err(store_err("migrate v4"))?;
+    }
+    if version < 5 {
+        conn.execute_batch(SCHEMA_V5)
+            .map_err(store_err("migrate v5"))?;
+    }
+    if version < 6 {
+        let tx = conn.transaction().map_err(store_err("begin v6"))?;
+        tx.execute_batch(SCHEMA_V6)
+            .map_err(store_err("migrate v6"))?;
+        images::move_docs(&tx)?;
+        volumes::move_docs(&tx)?;
+        tx.commit().map_err(store_err("commit v6"))?;
+    }
+    if version < SCHEMA_VERSION {
+        conn.pragma_update(None, "user_version", SCHEMA_VERSION)
+            .map_err(store_err("set user_version"))?;
+    }
+    Ok(conn)
+}
+
+impl Store {
+    pub fn open(data_dir: &Path) -> Result<Self, ServerError> {
+        Ok(Store {
+            conn: Mutex::new(open_connection(data_dir)?),
+        })
+    }
+
+    pub(crate) fn conn(&self) -> MutexGuard<'_, Connection> {
+        // A panic while holding the lock cannot leave SQLite inconsistent.
+        self.conn.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+pub(crate) use idempotency::StoredAnswer;
+pub(crate) use keys::insert_key;
+pub(crate) use processes::{ProcEnd, ProcRow};
+pub(crate) use sandboxes::SandboxRow;
+pub(crate) use snapshots::SnapshotRow;

@@ -1,0 +1,121 @@
+//! Sandboxes: the public record as JSON beside the columns lists filter on.
+//! The rules that follow from a state (status, holds) are applied on write.
+
+use runtime_api::{DeletedSandbox, Sandbox};
+use rusqlite::{params, Connection, OptionalExtension};
+
+use super::{corrupt, store_err, Store};
+use crate::error::ServerError;
+
+/// A sandbox as stored: its public record plus what is never echoed.
+#[derive(Debug, Clone)]
+pub struct SandboxRow {
+    pub seq: i64,
+    pub key_id: String,
+    pub record: Sandbox,
+    pub env: Vec<(String, String)>,
+    /// Set once deleted; the record is then invisible to GET and list.
+    pub deleted: Option<DeletedSandbox>,
+}
+
+type RawRow = (i64, String, String, String, Option<String>);
+
+fn raw_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<RawRow> {
+    Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?))
+}
+
+fn parse_row((seq, key_id, record, env, deleted): RawRow) -> Result<SandboxRow, ServerError> {
+    let record: Sandbox =
+        serde_json::from_str(&record).map_err(|e| corrupt(format!("sandbox record: {e}")))?;
+    let env = serde_json::from_str(&env).map_err(|e| corrupt(format!("sandbox env: {e}")))?;
+    let deleted = match deleted {
+        Some(d) => {
+            Some(serde_json::from_str(&d).map_err(|e| corrupt(format!("deleted record: {e}")))?)
+        }
+        None => None,
+    };
+    Ok(SandboxRow {
+        seq,
+        key_id,
+        record,
+        env,
+        deleted,
+    })
+}
+
+fn get_row(conn: &Connection, id: &str) -> Result<Option<SandboxRow>, ServerError> {
+    let raw = conn
+        .query_row(
+            "SELECT seq, key_id, record, env, deleted FROM sandboxes WHERE id = ?1",
+            params![id],
+            raw_row,
+        )
+        .optional()
+        .map_err(store_err("get sandbox"))?;
+    raw.map(parse_row).transpose()
+}
+
+impl Store {
+    pub fn insert_sandbox(&self, row: &SandboxRow) -> Result<i64, ServerError> {
+        let record = serde_json::to_string(&row.record).map_err(|e| corrupt(e.to_string()))?;
+        let env = serde_json::to_string(&row.env).map_err(|e| corrupt(e.to_string()))?;
+        let conn = self.conn();
+        conn.execute(
+            "INSERT INTO sandboxes (id, key_id, name, state, record, env) VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+            params![row.record.id, row.key_id, row.record.name, row.record.state.as_str(), record, env],
+        )
+        .map_err(store_err("insert sandbox"))?;
+        Ok(conn.last_insert_rowid())
+    }
+
+    pub fn get_sandbox(&self, id: &str) -> Result<Option<SandboxRow>, ServerError> {
+        let conn = self.conn();
+        get_row(&conn, id)
+    }
+
+    /// Read-modify-write of one sandbox in a transaction. `f` returns whether
+    /// to write; the row as it is afterwards is returned.
+    pub fn update_sandbox(
+        &self,
+        id: &str,
+        f: impl FnOnce(&mut SandboxRow) -> bool,
+    ) -> Result<Option<SandboxRow>, ServerError> {
+        let mut conn = self.conn();
+        let tx = conn.transaction().map_err(store_err("begin"))?;
+        let Some(mut row) = get_row(&tx, id)? else {
+            return Ok(None);
+        };
+        if f(&mut row) {
+            crate::domain::sandbox::follow_state(&mut row.record, row.deleted.is_some());
+            let record = serde_json::to_string(&row.record).map_err(|e| corrupt(e.to_string()))?;
+            let env = serde_json::to_string(&row.env).map_err(|e| corrupt(e.to_string()))?;
+            let deleted = match &row.deleted {
+                Some(d) => Some(serde_json::to_string(d).map_err(|e| corrupt(e.to_string()))?),
+                None => None,
+            };
+            tx.execute(
+                "UPDATE sandboxes SET name = ?2, state = ?3, record = ?4, env = ?5, deleted = ?6 WHERE id = ?1",
+                params![id, row.record.name, row.record.state.as_str(), record, env, deleted],
+            )
+            .map_err(store_err("update sandbox"))?;
+        }
+        tx.commit().map_err(store_err("commit"))?;
+        Ok(Some(row))
+    }
+
+    /// Every sandbox not deleted, newest first.
+    pub fn live_sandboxes(&self) -> Result<Vec<SandboxRow>, ServerError> {
+        let conn = self.conn();
+        let mut stmt = conn
+            .prepare("SELECT seq, key_id, record, env, deleted FROM sandboxes WHERE deleted IS NULL ORDER BY seq DESC")
+            .map_err(store_err("list sandboxes"))?;
+        let rows = stmt
+            .query_map([], raw_row)
+            .map_err(store_err("list sandboxes"))?;
+        let mut out = Vec::new();
+        for r in rows {
+            out.push(parse_row(r.map_err(store_err("list sandboxes"))?)?);
+        }
+        Ok(out)
+    }
+}

@@ -1,0 +1,392 @@
+//! The `volumes` table (`UNIQUE(key_id, name)`: a name is one key's) and
+//! `volume_attachments`, the volumes each sandbox's create named, in order.
+
+use rusqlite::{params, Connection, OptionalExtension, Transaction};
+
+use super::{corrupt, store_err, Store};
+use crate::domain::volume::{AttachMode, Attachment, Volume};
+use crate::error::ServerError;
+
+const COLUMNS: &str = "id, key_id, name, labels, size_mib, created_at, created_ms";
+
+fn insert_row(conn: &Connection, v: &Volume) -> Result<(), ServerError> {
+    let labels = serde_json::to_string(&v.labels).map_err(|e| corrupt(e.to_string()))?;
+    conn.execute(
+        &format!("INSERT INTO volumes ({COLUMNS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)"),
+        params![
+            v.id,
+            v.key_id,
+            v.name,
+            labels,
+            v.size_mib,
+            v.created_at,
+            v.created_ms
+        ],
+    )
+    .map(|_| ())
+    .map_err(store_err("insert volume"))
+}
+
+type RawVolume = (String, String, Option<String>, String, u32, String, i64);
+
+fn raw(r: &rusqlite::Row<'_>) -> rusqlite::Result<RawVolume> {
+    Ok((
+        r.get(0)?,
+        r.get(1)?,
+        r.get(2)?,
+        r.get(3)?,
+        r.get(4)?,
+        r.get(5)?,
+        r.get(6)?,
+    ))
+}
+
+fn parse(
+    (id, key_id, name, labels, size_mib, created_at, created_ms): RawVolume,
+) -> Result<Volume, ServerError> {
+    let labels =
+        serde_json::from_str(&labels).map_err(|e| corrupt(format!("volume labels: {e}")))?;
+    Ok(Volume {
+        id,
+        key_id,
+        name,
+        labels,
+        size_mib,
+        created_at,
+        created_ms,
+    })
+}
+
+fn insert_attachments(
+    conn: &Connection,
+    sandbox_id: &str,
+    list: &[Attachment],
+) -> Result<(), ServerError> {
+    for (i, a) in list.iter().enumerate() {
+        conn.execute(
+            "INSERT INTO volume_attachments (sandbox_id, position, volume_id, path, mode) \
+             VALUES (?1, ?2, ?3, ?4, ?5)",
+            params![sandbox_id, i as i64, a.volume_id, a.path, a.mode.as_str()],
+        )
+        .map_err(store_err("insert volume attachment"))?;
+    }
+    Ok(())
+}
+
+fn attachment(volume_id: String, path: String, mode: &str) -> Result<Attachment, ServerError> {
+    let mode =
+        AttachMode::parse(mode).ok_or_else(|| corrupt(format!("volume attachment mode {mode}")))?;
+    Ok(Attachment {
+        volume_id,
+        path,
+        mode,
+    })
+}
+
+impl Store {
+    /// Inserts a volume; `UNIQUE(key_id, name)` refuses a second of one
+    /// key's names.
+    pub(crate) fn insert_volume(&self, v: &Volume) -> Result<(), ServerError> {
+        insert_row(&self.conn(), v)
+    }
+
+    pub(crate) fn get_volume(&self, id: &str) -> Result<Option<Volume>, ServerError> {
+        let raw = self
+            .conn()
+            .query_row(
+                &format!("SELECT {COLUMNS} FROM volumes WHERE id = ?1"),
+                params![id],
+                raw,
+            )
+            .optional()
+            .map_err(store_err("get volume"))?;
+        raw.map(parse).transpose()
+    }
+
+    /// Every volume, newest first.
+    pub(crate) fn volumes(&self) -> Result<Vec<Volume>, ServerError> {
+        let conn = self.conn();
+        let mut stmt = conn
+            .prepare(&format!(
+                "SELECT {COLUMNS} FROM volumes ORDER BY created_ms DESC, id DESC"
+            ))
+            .map_err(store_err("list volumes"))?;
+        let rows = stmt.query_map([], raw).map_err(store_err("list volumes"))?;
+        let mut out = Vec::new();
+        for r in rows {
+            out.push(parse(r.map_err(store_err("list volumes"))?)?);
+        }
+        Ok(out)
+    }
+
+    /// Deletes a volume's record; answers whether it was there.
+    pub(crate) fn delete_volume(&self, id: &str) -> Result<bool, ServerError> {
+        self.conn()
+            .execute("DELETE FROM volumes WHERE id = ?1", params![id])
+            .map(|n| n > 0)
+            .map_err(store_err("delete volume"))
+    }
+
+    /// Keeps the volumes a sandbox attaches, in the order of its create
+    /// (replacing any it had).
+    pub(crate) fn set_attachments(
+        &self,
+        sandbox_id: &str,
+        list: &[Attachment],
+    ) -> Result<(), ServerError> {
+        let mut conn = self.conn();
+        let tx = conn.transaction().map_err(store_err("begin"))?;
+        tx.execute(
+            "DELETE FROM volume_attachments WHERE sandbox_id = ?1",
+            params![sandbox_id],
+        )
+        .map_err(store_err("set volume attachments"))?;
+        insert_attachments(&tx, sandbox_id, list)?;
+        tx.commit().map_err(store_err("commit"))
+    }
+
+    /// The volumes a sandbox attaches, in the order of its create.
+    pub(crate) fn attachments_of(&self, sandbox_id: &str) -> Result<Vec<Attachment>, ServerError> {
+        Ok(self
+            .all_attachments(Some(sandbox_id))?
+            .into_iter()
+            .flat_map(|(_, list)| list)
+            .collect())
+    }
+
+    /// Every sandbox's attachments (one sandbox's with `Some`), by sandbox id.
+    pub(crate) fn all_attachments(
+        &self,
+        sandbox_id: Option<&str>,
+    ) -> Result<Vec<(String, Vec<Attachment>)>, ServerError> {
+        let conn = self.conn();
+        let mut stmt = conn
+            .prepare(
+                "SELECT sandbox_id, volume_id, path, mode FROM volume_attachments \
+                 WHERE ?1 IS NULL OR sandbox_id = ?1 ORDER BY sandbox_id, position",
+            )
+            .map_err(store_err("list volume attachments"))?;
+        let rows = stmt
+            .query_map(params![sandbox_id], |r| {
+                Ok((
+                    r.get::<_, String>(0)?,
+                    r.get::<_, String>(1)?,
+                    r.get::<_, String>(2)?,
+                    r.get::<_, String>(3)?,
+                ))
+            })
+            .map_err(store_err("list volume attachments"))?;
+        let mut out: Vec<(String, Vec<Attachment>)> = Vec::new();
+        for r in rows {
+            let (sandbox, volume_id, path, mode) =
+                r.map_err(store_err("list volume attachments"))?;
+            let a = attachment(volume_id, path, &mode)?;
+            match out.last_mut() {
+                Some((s, list)) if *s == sandbox => list.push(a),
+                _ => out.push((sandbox, vec![a])),
+            }
+        }
+        Ok(out)
+    }
+
+    /// Forgets a sandbox's attachments; answers how many went.
+    pub(crate) fn drop_attachments(&self, sandbox_id: &str) -> Result<usize, ServerError> {
+        self.conn()
+            .execute(
+                "DELETE FROM volume_attachments WHERE sandbox_id = ?1",
+                params![sandbox_id],
+            )
+            .map_err(store_err("drop volume attachments"))
+    }
+}
+
+/// Part of the v6 migration: moves the volume documents of `net_docs` (kind
+/// `volume`) into `volumes`, and each sandbox's `sandbox_volumes` into
+/// `volume_attachments`. A document that does not read as one stays where
+/// it is (it was never listed).
+pub(super) fn move_docs(tx: &Transaction<'_>) -> Result<(), ServerError> {
+    for (scope, name, text) in docs(tx, "volume")? {
+        if scope != "volumes" {
+            continue;
+        }
+        let v = match serde_json::from_str::<Volume>(&text) {
+            Ok(v) => v,
+            Err(e) => {
+                tracing::warn!(volume_id = %name, error = %e, "a volume document is not a volume record; left in net_docs");
+                continue;
+            }
+        };
+        match insert_row(tx, &v) {
+            Ok(()) => {}
+            // Not made by a server (creates checked names under a lock).
+            Err(ServerError::Store { source, .. })
+                if source.sqlite_error_code() == Some(rusqlite::ErrorCode::ConstraintViolation) =>
+            {
+                tracing::warn!(volume_id = %name, "a volume's name is another's of its key; left in net_docs");
+                continue;
+            }
+            Err(e) => return Err(e),
+        }
+        forget(tx, "volume", &scope, &name)?;
+    }
+    for (sandbox_id, name, text) in docs(tx, "sandbox_volumes")? {
+        match serde_json::from_str::<Vec<Attachment>>(&text) {
+            Ok(list) => insert_attachments(tx, &sandbox_id, &list)?,
+            Err(e) => {
+                tracing::warn!(sandbox_id = %sandbox_id, error = %e, "a sandbox's volume list does not read; left in net_docs");
+                continue;
+            }
+        }
+        forget(tx, "sandbox_volumes", &sandbox_id, &name)?;
+    }
+    Ok(())
+}
+
+fn docs(tx: &Transaction<'_>, kind: &str) -> Result<Vec<(String, String, String)>, ServerError> {
+    let mut stmt = tx
+        .prepare("SELECT scope, name, doc FROM net_docs WHERE kind = ?1 ORDER BY scope, name")
+        .map_err(store_err("migrate volumes"))?;
+    let rows = stmt
+        .query_map(params![kind], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
+        .map_err(store_err("migrate volumes"))?;
+    rows.collect::<Result<_, _>>()
+        .map_err(store_err("migrate volumes"))
+}
+
+fn forget(tx: &Transaction<'_>, kind: &str, scope: &str, name: &str) -> Result<(), ServerError> {
+    tx.execute(
+        "DELETE FROM net_docs WHERE kind = ?1 AND scope = ?2 AND name = ?3",
+        params![kind, scope, name],
+    )
+    .map(|_| ())
+    .map_err(store_err("migrate volumes"))
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+    use crate::store::images::tests::v5_database;
+
+    fn volume(id: &str, key: &str, name: Option<&str>, created_ms: i64) -> Volume {
+        Volume {
+            id: id.into(),
+            key_id: key.into(),
+            name: name.map(str::to_string),
+            labels: [("team".to_string(), "a".to_string())]
+                .into_iter()
+                .collect(),
+            size_mib: 64,
+            created_at: "2024-01-01T00:00:00.000Z".into(),
+            created_ms,
+        }
+    }
+
+    #[test]
+    fn a_v5_database_opens_as_v6_with_every_volume_and_attachment() {
+        let old = |v: &Volume| serde_json::to_value(v).unwrap();
+        let (a, b) = (
+            volume("va", "k1", Some("data"), 1),
+            volume("vb", "k2", None, 2),
+        );
+        let dir = v5_database(&[
+            ("volume", "volumes", "va", old(&a)),
+            ("volume", "volumes", "vb", old(&b)),
+            ("volume", "volumes", "junk", json!([])),
+            (
+                "sandbox_volumes",
+                "s1",
+                "",
+                json!([{"volumeId": "va", "path": "/data", "mode": "rw"},
+                       {"volumeId": "vb", "path": "/view", "mode": "snapshot"}]),
+            ),
+            (
+                "sandbox_volumes",
+                "s2",
+                "",
+                json!([{"volumeId": "vb", "path": "/x", "mode": "rw"}]),
+            ),
+            ("sandbox-net", "s1", "", json!({"rules": null})),
+        ]);
+        // The v5 document says sizeMiB, as the answer does.
+        assert_eq!(old(&a)["sizeMiB"], 64);
+        let store = Store::open(&dir).unwrap();
+        assert_eq!(store.volumes().unwrap(), [b.clone(), a.clone()]);
+        assert_eq!(store.get_volume("va").unwrap(), Some(a));
+        let s1 = vec![
+            Attachment {
+                volume_id: "va".into(),
+                path: "/data".into(),
+                mode: AttachMode::Rw,
+            },
+            Attachment {
+                volume_id: "vb".into(),
+                path: "/view".into(),
+                mode: AttachMode::Snapshot,
+            },
+        ];
+        assert_eq!(store.attachments_of("s1").unwrap(), s1);
+        let all = store.all_attachments(None).unwrap();
+        assert_eq!(
+            all.iter()
+                .map(|(s, l)| (s.as_str(), l.len()))
+                .collect::<Vec<_>>(),
+            [("s1", 2), ("s2", 1)]
+        );
+        let kinds: Vec<(String, String)> = {
+            let conn = store.conn();
+            let mut stmt = conn
+                .prepare("SELECT kind, name FROM net_docs ORDER BY kind")
+                .unwrap();
+            let rows = stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?))).unwrap();
+            rows.map(Result::unwrap).collect()
+        };
+        assert_eq!(
+            kinds,
+            [
+                ("sandbox-net".to_string(), String::new()),
+                ("volume".into(), "junk".into())
+            ]
+        );
+        drop(store);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn names_are_unique_per_key_and_attachments_keep_their_order() {
+        let dir = v5_database(&[]);
+        let store = Store::open(&dir).unwrap();
+        store
+            .insert_volume(&volume("v1", "k1", Some("data"), 1))
+            .unwrap();
+        assert!(store
+            .insert_volume(&volume("v2", "k1", Some("data"), 2))
+            .is_err());
+        store
+            .insert_volume(&volume("v3", "k2", Some("data"), 3))
+            .unwrap();
+        store.insert_volume(&volume("v4", "k1", None, 4)).unwrap();
+        store.insert_volume(&volume("v5", "k1", None, 5)).unwrap();
+        assert_eq!(store.volumes().unwrap().len(), 4);
+        let list: Vec<Attachment> = ["/b", "/a", "/c"]
+            .iter()
+            .map(|p| Attachment {
+                volume_id: "v1".into(),
+                path: p.to_string(),
+                mode: AttachMode::Rw,
+            })
+            .collect();
+        store.set_attachments("s", &list).unwrap();
+        assert_eq!(store.attachments_of("s").unwrap(), list);
+        store.set_attachments("s", &list[..1]).unwrap();
+        assert_eq!(store.attachments_of("s").unwrap(), list[..1]);
+        assert_eq!(store.drop_attachments("s").unwrap(), 1);
+        assert!(store.attachments_of("s").unwrap().is_empty());
+        assert!(store.delete_volume("v1").unwrap());
+        assert!(!store.delete_volume("v1").unwrap());
+        assert_eq!(store.get_volume("v1").unwrap(), None);
+        drop(store);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
