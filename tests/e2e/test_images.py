@@ -96,7 +96,7 @@ def test_dockerfile_build_with_arg_env_workdir_copy_user(runtime):
         "WORKDIR /srv/app",
         "COPY app.py ./",
         "RUN chmod 755 app.py && id -un > built-by.txt && mkdir out && chown runtime out",
-        "USER 1000",
+        "USER runtime",
         "RUN python3 app.py > out/out.txt && id -un > out/by.txt",
         "CMD [\"python3\", \"app.py\"]",
     ])
