@@ -46,8 +46,10 @@ codename=$(. /etc/os-release && echo "$VERSION_CODENAME")
 log "installing QEMU from ${codename}-backports"
 apt-get install -y -qq --no-install-recommends -t "${codename}-backports" qemu-system-x86 >/dev/null
 log "installing guest build tools"
+# (debian-archive-keyring: the current one has the keys of the guest's
+# newer suite, trixie, which debootstrap checks)
 apt-get install -y -qq --no-install-recommends \
-  debootstrap e2fsprogs xz-utils bc bison flex libelf-dev libssl-dev cpio rsync kmod \
+  debootstrap debian-archive-keyring e2fsprogs xz-utils bc bison flex libelf-dev libssl-dev cpio rsync kmod \
   python3-venv sqlite3 >/dev/null
 # npm fetches the guest's Node.js, npm, Corepack, Bun and TypeScript (npm
 # pack); a machine that has npm already (another Node.js) keeps its own.
