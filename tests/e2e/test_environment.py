@@ -26,6 +26,7 @@ def version(text: str) -> tuple[int, ...]:
 
 def test_python_and_its_tools(sbx):
     assert version(run(sbx, "python --version")) >= (3, 12)
+    assert run(sbx, "cat /etc/debian_version").startswith("13."), "not Debian trixie"
     assert run(sbx, "python --version") == run(sbx, "python3 --version")
     assert version(run(sbx, "pip --version")) >= (23,)
     assert version(run(sbx, "pip3 --version")) >= (23,)
@@ -69,6 +70,21 @@ def test_build_and_command_line_tools(sbx):
     assert run(sbx, "mkdir -p /tmp/env-rg && echo needle > /tmp/env-rg/hay.txt && rg -l needle /tmp/env-rg") \
         == "/tmp/env-rg/hay.txt\n"
     assert run(sbx, "fd hay /tmp/env-rg") == "/tmp/env-rg/hay.txt\n"
+    # The interpreter's other languages, as commands too.
+    assert version(run(sbx, "R --version | head -n 1")) >= (4, 5)
+    assert version(run(sbx, "java -version 2>&1 | head -n 1")) >= (21,)
+    assert version(run(sbx, "jshell --version 2>&1")) >= (21,)
+    assert version(run(sbx, "go version")) >= (1, 24)
+    # Go's standard packages are compiled in the user's build cache already
+    # (with the interpreter's settings): a build compiles only its own main.
+    out = run(sbx, "mkdir -p /tmp/env-go && cd /tmp/env-go && "
+                   "printf 'package main\\nimport \"fmt\"\\nfunc main() { fmt.Println(\"go built\") }\\n' > main.go && "
+                   "CGO_ENABLED=0 GOFLAGS=-mod=mod GOTOOLCHAIN=local GOPROXY=off go build -x -o hello main.go 2>&1 "
+                   "| grep -o -- '-p [a-z/]* ' | sort -u; ./hello", timeout_ms=300_000)
+    assert out == "-p main \ngo built\n", out
+    # pip's setting for installs outside a venv, and no PEP 668 marker.
+    assert "break-system-packages = true" in run(sbx, "cat /etc/pip.conf")
+    assert run(sbx, "ls /usr/lib/python3*/EXTERNALLY-MANAGED 2>/dev/null | wc -l") == "0\n"
     # A C program builds and runs.
     assert run(sbx, "cd /tmp && printf '#include <stdio.h>\\nint main(void){puts(\"built\");}\\n' > c.c "
                     "&& gcc -o c c.c && ./c") == "built\n"
