@@ -490,7 +490,14 @@ mod tests {
             assert_eq!(b.state.user, ImageUser::Root, "{u}");
             assert!(b.steps[0].root);
         }
-        for u in ["runtime", "runtime:runtime", "user", "1000", "1000:1000", "sandbox"] {
+        for u in [
+            "runtime",
+            "runtime:runtime",
+            "user",
+            "1000",
+            "1000:1000",
+            "sandbox",
+        ] {
             let b = ok(&format!("FROM runtime\nUSER {u}\nRUN id"));
             assert_eq!(b.state.user, ImageUser::User, "{u}");
             assert!(!b.steps[0].root);
