@@ -8,6 +8,7 @@ sandbox shared by the module."""
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 
@@ -180,3 +181,52 @@ def test_npm_and_bun_global_installs_land_on_path(sbx):
     run(sbx, "bun add -g /tmp/npm-pkgs/e2e-bun-cli-1.0.0.tgz", timeout_ms=240_000)
     assert run(sbx, "command -v e2e-bun-cli; e2e-bun-cli") == \
         "/workspace/.local/bin/e2e-bun-cli\nhello from e2e-bun-cli\n"
+
+
+# docs/environment.md's table, each version next to the command that prints
+# the image's: (what the page says, a command, what its output says).
+DOCUMENTED = [
+    (r"Python (\S+) \(`python3`", "python --version", r"Python (\S+)"),
+    (r"pip (\S+) \(`pip`", "pip --version", r"pip (\S+) "),
+    (r"uv (\S+) \(`uv`", "uv --version", r"uv (\S+)"),
+    (r"NumPy (\S+),", "python -c 'import numpy; print(numpy.__version__)'", r"(\S+)"),
+    (r"pandas (\S+),", "python -c 'import pandas; print(pandas.__version__)'", r"(\S+)"),
+    (r"matplotlib (\S+) \(", "python -c 'import matplotlib; print(matplotlib.__version__)'", r"([\d.]+)"),
+    (r"Node\.js (\S+) \(`node`", "node --version", r"v(\S+)"),
+    (r"npm (\S+) \(`npm`", "npm --version", r"(\S+)"),
+    (r"Corepack (\S+) \(`corepack`", "corepack --version", r"(\S+)"),
+    (r"pnpm (\S+) and yarn", "COREPACK_ENABLE_NETWORK=0 pnpm --version", r"(\S+)"),
+    (r"yarn (\S+) ready offline", "COREPACK_ENABLE_NETWORK=0 yarn --version", r"(\S+)"),
+    (r"TypeScript (\S+) \(`tsc`", "tsc --version", r"Version (\S+)"),
+    (r"Bun (\S+) \(`bun`", "bun --version", r"(\S+)"),
+    (r"gcc and g\+\+ (\S+),", "gcc -dumpfullversion", r"(\S+)"),
+    (r"R (\S+) \(`r-base-core`", "R --version", r"R version (\S+)"),
+    (r"OpenJDK (\S+) \(", "java -version 2>&1", r'version "([^"]+)"'),
+    (r"Go (\S+) \(`golang-go`", "go version", r"go version go(\S+) "),
+    (r"git (\S+), `curl`", "git --version", r"git version (\S+)"),
+    (r"ripgrep (\S+)\)", "rg --version", r"ripgrep (\S+)"),
+    (r"fd-find (\S+)\)", "fd --version", r"fdfind (\S+)"),
+    (r"`jq` (\S+) \(", "jq --version", r"jq-(\S+)"),
+    (r"`sqlite3` (\S+) \|", "sqlite3 --version", r"(\S+)"),
+]
+
+
+@pytest.mark.timeout(600)
+def test_the_documented_versions_are_the_images(sbx):
+    page = (Path(__file__).resolve().parents[2] / "docs" / "environment.md").read_text()
+    # One command (each JavaScript runtime starts slowly under TCG), a
+    # marker line before each output; OpenBLAS as in the test above.
+    script = "export OPENBLAS_CORETYPE=Prescott; " + "; ".join(
+        f"echo '@@ {i}'; {cmd}" for i, (_, cmd, _) in enumerate(DOCUMENTED))
+    out = run(sbx, script, timeout_ms=540_000)
+    outputs = re.split(r"^@@ \d+\n", out, flags=re.M)[1:]
+    assert len(outputs) == len(DOCUMENTED), out
+    wrong = []
+    for (doc, cmd, pattern), text in zip(DOCUMENTED, outputs):
+        said = re.search(doc, page)
+        assert said, f"docs/environment.md no longer says {doc!r}"
+        found = re.search(pattern, text)
+        assert found, (cmd, text)
+        if said.group(1) != found.group(1):
+            wrong.append(f"{cmd}: the page says {said.group(1)}, the image has {found.group(1)}")
+    assert not wrong, "\n".join(wrong)
