@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs the host packages `runtime` needs: QEMU 10 (bookworm-backports), the
 # tools that build the guest (kernel source and its build deps, debootstrap,
-# e2fsprogs), the Python used by the end-to-end suite and the headless Chromium
+# e2fsprogs, npm and python3-venv: the image build fetches Node.js, Bun and uv
+# with them), the Python used by the end-to-end suite and the headless Chromium
 # its login test drives, and the interpreters (node with TypeScript, R, a JDK,
 # Go) that the interpreter drivers' tests start on this host, as the default
 # image has them. Idempotent; needs root.
@@ -45,9 +46,17 @@ codename=$(. /etc/os-release && echo "$VERSION_CODENAME")
 log "installing QEMU from ${codename}-backports"
 apt-get install -y -qq --no-install-recommends -t "${codename}-backports" qemu-system-x86 >/dev/null
 log "installing guest build tools"
+# (debian-archive-keyring: the current one has the keys of the guest's
+# newer suite, trixie, which debootstrap checks)
 apt-get install -y -qq --no-install-recommends \
-  debootstrap e2fsprogs xz-utils bc bison flex libelf-dev libssl-dev cpio rsync kmod \
+  debootstrap debian-archive-keyring e2fsprogs xz-utils bc bison flex libelf-dev libssl-dev cpio rsync kmod \
   python3-venv sqlite3 >/dev/null
+# npm fetches the guest's Node.js, npm, Corepack, Bun and TypeScript (npm
+# pack); a machine that has npm already (another Node.js) keeps its own.
+if ! command -v npm >/dev/null; then
+  log "installing npm"
+  apt-get install -y -qq --no-install-recommends npm >/dev/null
+fi
 log "installing chromium (the end-to-end suite drives the login page in it, headless)"
 apt-get install -y -qq --no-install-recommends chromium >/dev/null
 log "installing the interpreters the drivers' tests run on this host (guest/interp/tests)"

@@ -62,7 +62,7 @@ def test_recipe_build_cache_and_sandboxes_from_it(runtime):
         assert sbx.exec("cat /workspace/app/from-build.txt /workspace/app/last.txt").stdout == "42\none\n"
         assert sbx.exec("echo $GREETING").stdout == "hello from the image\n"
         # Recipe commands run as the sandbox user: what they make is theirs.
-        assert sbx.exec("stat -c %U /workspace/app/last.txt").stdout == "user\n"
+        assert sbx.exec("stat -c %U /workspace/app/last.txt").stdout == "runtime\n"
         with pytest.raises(ConflictError) as caught:
             runtime.images.delete(image["id"])
         assert caught.value.code == "image_in_use"
@@ -95,8 +95,8 @@ def test_dockerfile_build_with_arg_env_workdir_copy_user(runtime):
         "    OTHER=x",
         "WORKDIR /srv/app",
         "COPY app.py ./",
-        "RUN chmod 755 app.py && id -un > built-by.txt && mkdir out && chown user out",
-        "USER user",
+        "RUN chmod 755 app.py && id -un > built-by.txt && mkdir out && chown runtime out",
+        "USER runtime",
         "RUN python3 app.py > out/out.txt && id -un > out/by.txt",
         "CMD [\"python3\", \"app.py\"]",
     ])
@@ -107,7 +107,7 @@ def test_dockerfile_build_with_arg_env_workdir_copy_user(runtime):
     with runtime.sandboxes.create(image="e2e-docker:latest") as sbx:
         assert sbx.exec("cat /srv/app/out/out.txt").stdout == "mode spicy\n"
         # Before USER, steps ran as root; after it, as the sandbox user.
-        assert sbx.exec("cat /srv/app/built-by.txt /srv/app/out/by.txt").stdout == "root\nuser\n"
+        assert sbx.exec("cat /srv/app/built-by.txt /srv/app/out/by.txt").stdout == "root\nruntime\n"
         assert sbx.exec("echo $MODE $OTHER").stdout == "spicy x\n"
 
     # FROM one of ours goes on as its USER, in its WORKDIR, with its ENV.
@@ -117,7 +117,7 @@ def test_dockerfile_build_with_arg_env_workdir_copy_user(runtime):
     ]), poll_seconds=0.5)
     assert child["state"] == "ready" and child["user"] == "user", child
     with runtime.sandboxes.create(image="e2e-docker-child") as sbx:
-        assert sbx.exec("cat /srv/app/out/by-child.txt").stdout == "user\n/srv/app\nspicy\n"
+        assert sbx.exec("cat /srv/app/out/by-child.txt").stdout == "runtime\n/srv/app\nspicy\n"
 
 
 def test_a_failed_build_names_the_step_and_its_output(runtime):
@@ -228,7 +228,7 @@ FROM_TOML = "yes"
     assert image["start"] == {"command": "echo started > /tmp/cli-start; exec sleep 600"}
     with runtime.sandboxes.create(image="e2e-cli:first") as sbx:
         assert sbx.exec("cd /workspace/cli && cat answer.txt notes.txt").stdout == "42\nwritten by the recipe\n"
-        assert sbx.exec("echo $FROM_TOML; stat -c %U /workspace/cli/answer.txt").stdout == "yes\nuser\n"
+        assert sbx.exec("echo $FROM_TOML; stat -c %U /workspace/cli/answer.txt").stdout == "yes\nruntime\n"
 
     # A failed build exits non-zero with the failing step and its output.
     broken = tmp_path / "broken.toml"

@@ -40,7 +40,7 @@ def test_volume_data_outlives_sandboxes_and_the_server(server, runtime):
                           "&& head -c 1048576 /dev/urandom > /data/sub/blob && sha256sum /data/sub/blob")
         assert out.exit_code == 0, out.stderr
         owner, digest = out.stdout.split("\n")[0], out.stdout.split("\n")[1].split()[0]
-        assert owner == "user"
+        assert owner == "runtime"
         # One writer at a time, by id or by name.
         with pytest.raises(ConflictError) as caught:
             runtime.sandboxes.create(volumes=[_vol("e2e-shared", "/other")])

@@ -24,7 +24,14 @@ use crate::sys::{cstring, cvt, errno, kill_session, lock, log, poll1, Fail};
 
 pub(crate) const SANDBOX_ID: u32 = 1000;
 const BASE_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+/// The sandbox user's: what `pip install`, `npm install -g` and `bun add -g`
+/// put there comes first.
+const SANDBOX_PATH: &str =
+    "/workspace/.local/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
 const WORKSPACE: &str = "/workspace";
+/// The sandbox user's name when /etc/passwd has no uid 1000 (the image's
+/// user is `runtime`; images built on the older base call it `user`).
+const SANDBOX_NAME: &str = "runtime";
 const PROXY: &str = "http://127.0.0.1:10800";
 const SOCKS: &str = "socks5h://127.0.0.1:10800";
 const NO_PROXY: &str = "localhost,127.0.0.1,::1";
@@ -42,6 +49,8 @@ const NETWORK_ENV: &[(&str, &str)] = &[
     ("no_proxy", NO_PROXY),
     ("npm_config_proxy", PROXY),
     ("npm_config_https_proxy", PROXY),
+    // Node's own fetch and http follow the variables above (Node 24).
+    ("NODE_USE_ENV_PROXY", "1"),
     ("SSL_CERT_FILE", BUNDLE),
     ("REQUESTS_CA_BUNDLE", BUNDLE),
     ("CURL_CA_BUNDLE", BUNDLE),
@@ -128,12 +137,16 @@ fn plan(req: &ExecRequest) -> Result<Plan, Fail> {
     let Some(argv0) = req.argv.first() else {
         return Err(bad("argv is empty"));
     };
-    let (home, user) = match req.user {
-        User::Sandbox => (WORKSPACE, "user"),
-        User::Root => ("/root", "root"),
+    let sandbox_name;
+    let (path, home, user) = match req.user {
+        User::Sandbox => {
+            sandbox_name = sandbox_user_name();
+            (SANDBOX_PATH, WORKSPACE, sandbox_name.as_str())
+        }
+        User::Root => (BASE_PATH, "/root", "root"),
     };
     let mut env: Vec<(String, String)> = [
-        ("PATH", BASE_PATH),
+        ("PATH", path),
         ("HOME", home),
         ("USER", user),
         ("LOGNAME", user),
@@ -144,6 +157,13 @@ fn plan(req: &ExecRequest) -> Result<Plan, Fail> {
     .chain(NETWORK_ENV)
     .map(|(k, v)| (k.to_string(), v.to_string()))
     .collect();
+    // `npm install -g` as the sandbox user: into ~/.local (its bin is on
+    // PATH). An environment variable rather than ~/.npmrc, which npm would
+    // also read as the project config of every command run in /workspace
+    // (root's included); `sudo` drops it, so root's prefix stays /usr/local.
+    if req.user == User::Sandbox {
+        env.push(("NPM_CONFIG_PREFIX".into(), format!("{WORKSPACE}/.local")));
+    }
     // Node warns on every start about a missing extra CA file.
     if Path::new(crate::agent::CA_FILE).exists() {
         env.push(("NODE_EXTRA_CA_CERTS".into(), crate::agent::CA_FILE.into()));
@@ -199,6 +219,25 @@ fn plan(req: &ExecRequest) -> Result<Plan, Fail> {
             .map_err(nul)?,
         cwd: cstring(&cwd).map_err(nul)?,
         sandbox: req.user == User::Sandbox,
+    })
+}
+
+/// The name /etc/passwd gives uid 1000, read at every start so that the
+/// image decides it: `runtime` now, `user` on disks built on the older base.
+fn sandbox_user_name() -> String {
+    std::fs::read_to_string("/etc/passwd")
+        .ok()
+        .and_then(|passwd| uid_name(&passwd, SANDBOX_ID))
+        .unwrap_or_else(|| SANDBOX_NAME.to_string())
+}
+
+/// The first name of `uid` in a passwd file's text.
+fn uid_name(passwd: &str, uid: u32) -> Option<String> {
+    passwd.lines().find_map(|line| {
+        let mut fields = line.split(':');
+        let name = fields.next()?;
+        let uid_field = fields.nth(1)?;
+        (!name.is_empty() && uid_field.parse() == Ok(uid)).then(|| name.to_string())
     })
 }
 
@@ -680,4 +719,25 @@ pub(crate) fn run(
     *lock(&ctl.master) = None;
     drop(ctl);
     out.reply(stream, &exited);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::uid_name;
+
+    #[test]
+    fn uid_name_reads_the_passwd_file() {
+        let passwd = "root:x:0:0:root:/root:/bin/bash\n\
+                      bad line\n\
+                      :x:1000:1000::/:/bin/sh\n\
+                      runtime:x:1000:1000::/workspace:/bin/bash\n\
+                      user:x:1000:1000::/workspace:/bin/bash\n";
+        assert_eq!(uid_name(passwd, 1000).as_deref(), Some("runtime"));
+        assert_eq!(uid_name(passwd, 0).as_deref(), Some("root"));
+        assert_eq!(uid_name(passwd, 1001), None);
+        assert_eq!(
+            uid_name("user:x:1000:1000::/workspace:/bin/bash", 1000).as_deref(),
+            Some("user")
+        );
+    }
 }

@@ -376,7 +376,7 @@ fn cwd_and_env_are_applied() {
              HTTP_PROXY={proxy}\nHTTPS_PROXY={proxy}\nhttp_proxy={proxy}\nhttps_proxy={proxy}\n\
              ALL_PROXY={socks}\nall_proxy={socks}\n\
              NO_PROXY=localhost,127.0.0.1,::1\nno_proxy=*\n\
-             npm_config_proxy={proxy}\nnpm_config_https_proxy={proxy}\n\
+             npm_config_proxy={proxy}\nnpm_config_https_proxy={proxy}\nNODE_USE_ENV_PROXY=1\n\
              SSL_CERT_FILE={bundle}\nREQUESTS_CA_BUNDLE={bundle}\nCURL_CA_BUNDLE={bundle}\n\
              PIP_CERT={bundle}\nGIT_SSL_CAINFO={bundle}\nFOO=one\n"
         )
@@ -392,12 +392,28 @@ fn sandbox_user_is_uid_1000_without_groups() {
     let mut req = exec_req(&[
         "bash",
         "-c",
-        "id -u; id -g; id -G; echo $HOME $USER $LOGNAME",
+        "id -u; id -g; id -G; echo $HOME $USER $LOGNAME; echo $PATH; echo $NPM_CONFIG_PREFIX",
     ]);
     req.user = User::Sandbox;
     let out = a.exec(req);
     assert_eq!(out.exit_code(), Some(0), "{}", out.stderr());
-    assert_eq!(out.stdout(), "1000\n1000\n1000\n/workspace user user\n");
+    // The name is what /etc/passwd calls uid 1000 (`runtime` in the image).
+    let name = std::fs::read_to_string("/etc/passwd")
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| {
+            let f: Vec<&str> = l.split(':').collect();
+            (f.len() > 2 && f[2] == "1000").then(|| f[0].to_string())
+        })
+        .unwrap_or_else(|| "runtime".into());
+    assert_eq!(
+        out.stdout(),
+        format!(
+            "1000\n1000\n1000\n/workspace {name} {name}\n\
+             /workspace/.local/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin\n\
+             /workspace/.local\n"
+        )
+    );
 }
 
 #[test]

@@ -541,7 +541,7 @@ async fn volumes_outlive_machines_and_snapshot_views_stay_private() {
     let w: Vec<&str> = w.iter().map(String::as_str).collect();
     let (out, err, st) = run(h, a, &w, RunAs::Sandbox, None).await;
     assert_eq!(st.code, Some(0), "{out} {err}");
-    assert!(out.starts_with("user\n"), "{out}");
+    assert!(out.starts_with("runtime\n"), "{out}");
     assert!(out.contains("nosuid") && out.contains("nodev"), "{out}");
     h.destroy(a).await.unwrap();
     assert!(file.exists(), "the volume outlives its machine");

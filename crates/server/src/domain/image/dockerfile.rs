@@ -21,7 +21,7 @@ pub(crate) enum Problem {
     ExpectedKeyValue,
     #[error("must be a path without ..")]
     WorkdirNotNormal,
-    #[error("user {0}: only root and user (1000) exist")]
+    #[error("user {0}: only root and runtime (uid 1000) exist")]
     UnknownUser(String),
     #[error("bad JSON form")]
     BadJsonForm,
@@ -137,7 +137,11 @@ pub(crate) fn parse(
                 let u = substitute(rest, &argv, &b.state.env);
                 b.state.user = match u.as_str() {
                     "root" | "0" | "0:0" => ImageUser::Root,
-                    "user" | "1000" | "1000:1000" | "sandbox" => ImageUser::User,
+                    // The sandbox user is `runtime` in the image (it was
+                    // `user` on the older base; both names mean uid 1000).
+                    "runtime" | "runtime:runtime" | "user" | "1000" | "1000:1000" | "sandbox" => {
+                        ImageUser::User
+                    }
                     other => return Err(at(Problem::UnknownUser(other.to_string()))),
                 };
             }
@@ -486,7 +490,14 @@ mod tests {
             assert_eq!(b.state.user, ImageUser::Root, "{u}");
             assert!(b.steps[0].root);
         }
-        for u in ["user", "1000", "1000:1000", "sandbox"] {
+        for u in [
+            "runtime",
+            "runtime:runtime",
+            "user",
+            "1000",
+            "1000:1000",
+            "sandbox",
+        ] {
             let b = ok(&format!("FROM runtime\nUSER {u}\nRUN id"));
             assert_eq!(b.state.user, ImageUser::User, "{u}");
             assert!(!b.steps[0].root);
@@ -632,7 +643,7 @@ mod tests {
         );
         assert_eq!(
             e("FROM runtime\nUSER nobody"),
-            "Dockerfile instruction 2 (USER): user nobody: only root and user (1000) exist"
+            "Dockerfile instruction 2 (USER): user nobody: only root and runtime (uid 1000) exist"
         );
         assert_eq!(
             e("FROM runtime\nRUN [\"a\", 1]"),
