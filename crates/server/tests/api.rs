@@ -284,6 +284,40 @@ async fn a_sandbox_name_belongs_to_its_key_and_get_or_create_never_adopts_anothe
 }
 
 #[tokio::test]
+async fn a_sandbox_whose_network_settings_are_gone_gets_no_network() {
+    let t = T::new();
+    let kept = t.running(json!({"network": {"internet": true}})).await;
+    let gone = t.running(json!({"network": {"internet": true}})).await;
+    for id in [&kept, &gone] {
+        let net = t.host.network(id).expect("no network set");
+        assert!(net.policy.allows("example.com", 443).is_ok());
+    }
+    t.state.shutdown().await;
+    // The record of one sandbox's rules is lost (a damaged store).
+    let conn = rusqlite::Connection::open(t.dir.join("runtime.db")).unwrap();
+    let n = conn
+        .execute(
+            "DELETE FROM net_docs WHERE kind = 'sandbox-net' AND scope = ?1",
+            [&gone],
+        )
+        .unwrap();
+    assert_eq!(n, 1);
+    drop(conn);
+    let host = Arc::new(FakeHost::default());
+    for id in [&kept, &gone] {
+        host.recoverable.lock().unwrap().insert(id.clone());
+    }
+    let t2 = T::open(t.dir.clone(), t.admin.clone(), host.clone(), |_| {});
+    runtime_server::recover(&t2.state).await.unwrap();
+    let net = host.network(&kept).expect("no network set");
+    assert!(net.policy.allows("example.com", 443).is_ok());
+    // Fails closed: no rules kept, no way out.
+    let net = host.network(&gone).expect("no network set");
+    assert!(net.policy.allows("example.com", 443).is_err());
+    assert!(net.secrets.is_empty());
+}
+
+#[tokio::test]
 async fn unknown_routes_and_malformed_json_use_the_one_error_body() {
     let t = T::new();
     let (s, v) = t.json("GET", "/v1/nothing", None).await;
