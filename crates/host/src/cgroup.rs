@@ -96,11 +96,46 @@ pub(crate) fn place(layout: Layout, id: &str, pid: u32, limits: &Limits) -> std:
 }
 
 /// Removes the VM's cgroup directories (they must be empty: call after the
-/// process is gone).
-pub(crate) fn remove(layout: Layout, id: &str) {
-    for d in dirs(layout, id) {
-        let _ = std::fs::remove_dir(&d);
+/// process is gone); `true` when none is left.
+pub(crate) fn remove(layout: Layout, id: &str) -> bool {
+    dirs(layout, id).iter().fold(true, |all, d| {
+        let gone = match std::fs::remove_dir(d) {
+            Ok(()) => true,
+            Err(e) => e.kind() == std::io::ErrorKind::NotFound,
+        };
+        all && gone
+    })
+}
+
+/// How long a removal waits for a process on its way out to leave the
+/// cgroup (a killed or exiting QEMU is gone from `/proc` a moment before
+/// the kernel lets its cgroup go: until then removal fails as busy).
+const LEAVE_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+const LEAVE_STEP: std::time::Duration = std::time::Duration::from_millis(10);
+
+/// [`remove`], retried for up to [`LEAVE_WAIT`] while the cgroup is busy.
+pub(crate) async fn remove_soon(layout: Layout, id: &str) {
+    let tries = LEAVE_WAIT.as_millis() / LEAVE_STEP.as_millis();
+    for _ in 0..tries {
+        if remove(layout, id) {
+            return;
+        }
+        tokio::time::sleep(LEAVE_STEP).await;
     }
+    tracing::warn!(machine = id, "its cgroup is still busy: left in place");
+}
+
+/// [`remove_soon`] for where no runtime runs the wait (a host starting up,
+/// a guard dropped without one).
+pub(crate) fn remove_soon_blocking(layout: Layout, id: &str) {
+    let tries = LEAVE_WAIT.as_millis() / LEAVE_STEP.as_millis();
+    for _ in 0..tries {
+        if remove(layout, id) {
+            return;
+        }
+        std::thread::sleep(LEAVE_STEP);
+    }
+    tracing::warn!(machine = id, "its cgroup is still busy: left in place");
 }
 
 /// The memory limit in force for the VM, in bytes (for tests and diagnostics).

@@ -219,7 +219,7 @@ impl Drop for FakeHost {
                         end(pid);
                     }
                 }
-                cgroup::remove(self.host.cgroups, &d.file_name().to_string_lossy());
+                let _ = cgroup::remove(self.host.cgroups, &d.file_name().to_string_lossy());
             }
         }
         let _ = std::fs::remove_dir_all(self.host.ram_dir());

@@ -36,16 +36,19 @@ impl QemuHost {
             l.drained(Duration::from_secs(2)).await;
             l.close();
         }
-        self.release(id, ram);
-    }
-
-    /// What outlives a machine's QEMU: its RAM file and its cgroup (removed
-    /// once the QEMU is gone).
-    fn release(&self, id: &str, ram: Option<&Path>) {
         if let Some(ram) = ram {
             let _ = std::fs::remove_file(ram);
         }
-        cgroup::remove(self.cgroups, id);
+        cgroup::remove_soon(self.cgroups, id).await;
+    }
+
+    /// What outlives a machine's QEMU: its RAM file and its cgroup (removed
+    /// once the QEMU is gone), where no runtime runs the wait.
+    fn release_blocking(&self, id: &str, ram: Option<&Path>) {
+        if let Some(ram) = ram {
+            let _ = std::fs::remove_file(ram);
+        }
+        cgroup::remove_soon_blocking(self.cgroups, id);
     }
 
     /// Ends machine `vm` of `id` (out of the registry already, or never in).
@@ -112,10 +115,10 @@ impl QemuHost {
                     tracing::info!(machine = %name, pid, "ending the machine of a template build cut short");
                     qemu::kill_blocking(pid);
                 }
-                self.release(&name, Some(&self.own_ram(&name)));
+                self.release_blocking(&name, Some(&self.own_ram(&name)));
                 let _ = std::fs::remove_dir_all(&paths.dir);
             } else if pid.is_none() {
-                cgroup::remove(self.cgroups, &name);
+                let _ = cgroup::remove(self.cgroups, &name);
             }
         }
     }
@@ -234,7 +237,7 @@ impl Drop for Pending {
                 let (host, id, vm) = (self.host.clone(), self.id.clone(), Arc::clone(&self.vm));
                 rt.spawn(async move { host.end_vm(&id, &vm).await });
             }
-            Err(_) => self.host.release(&self.id, self.vm.ram.as_deref()),
+            Err(_) => self.host.release_blocking(&self.id, self.vm.ram.as_deref()),
         }
     }
 }
