@@ -82,6 +82,7 @@ pub mod codes {
     pub const QUOTA_EXCEEDED: &str = "quota_exceeded";
     pub const SNAPSHOT_NOT_FOUND: &str = "snapshot_not_found";
     pub const SNAPSHOT_NOT_READY: &str = "snapshot_not_ready";
+    pub const SNAPSHOT_METADATA_CHANGED: &str = "snapshot_metadata_changed";
     pub const IMAGE_NOT_FOUND: &str = "image_not_found";
     pub const IMAGE_NOT_READY: &str = "image_not_ready";
     pub const IMAGE_IN_USE: &str = "image_in_use";

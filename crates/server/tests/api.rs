@@ -464,7 +464,8 @@ async fn sandbox_lifecycle_create_get_list_stop_delete() {
         .iter()
         .map(|s| s["id"].as_str().unwrap())
         .collect();
-    assert_eq!(ids, [id3.as_str(), id.as_str()]);
+    // Oldest first, as the client documents.
+    assert_eq!(ids, [id.as_str(), id3.as_str()]);
     let (_, v) = t.json("GET", "/v1/sandboxes?name=web", None).await;
     assert_eq!(v["data"].as_array().unwrap().len(), 1);
     // Paging with a cursor visits each one once.
@@ -480,7 +481,7 @@ async fn sandbox_lifecycle_create_get_list_stop_delete() {
         .await;
     assert_eq!(v2["data"].as_array().unwrap().len(), 1);
     assert_eq!(v2["nextCursor"], Value::Null);
-    assert_eq!(v2["data"][0]["id"], id);
+    assert_eq!(v2["data"][0]["id"], id3);
     let (s, v) = t
         .json("GET", "/v1/sandboxes?limit=0&state=sleeping", None)
         .await;
@@ -1903,6 +1904,51 @@ async fn fork_makes_running_copies_and_leaves_the_source_as_it_was() {
 }
 
 #[tokio::test]
+async fn update_takes_the_time_limit_away_with_zero_and_the_cap_with_null() {
+    let t = T::new();
+    let id = t
+        .running(json!({"timeoutSeconds": 600, "maxTotalCostMicros": 5_000_000}))
+        .await;
+    let v = t.sandbox(&id).await;
+    assert!(v["endsAt"].is_string());
+    assert_eq!(v["maxTotalCostMicros"], 5_000_000);
+    // Absent leaves both as they are.
+    let (s, v) = t.act(&id, "update", json!({"labels": {"a": "b"}})).await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert_eq!(
+        (
+            v["timeoutSeconds"].as_u64(),
+            v["maxTotalCostMicros"].as_i64()
+        ),
+        (Some(600), Some(5_000_000))
+    );
+    let (s, v) = t
+        .act(
+            &id,
+            "update",
+            json!({"timeoutSeconds": 0, "maxTotalCostMicros": null}),
+        )
+        .await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert_eq!(
+        (&v["timeoutSeconds"], &v["endsAt"], &v["maxTotalCostMicros"]),
+        (&Value::Null, &Value::Null, &Value::Null)
+    );
+    let (s, v) = t.act(&id, "update", json!({"timeoutSeconds": 30})).await;
+    assert_eq!(s, StatusCode::BAD_REQUEST);
+    assert_eq!(
+        v["error"]["details"]["issues"][0]["field"],
+        "timeoutSeconds"
+    );
+    let (s, v) = t.act(&id, "update", json!({"timeoutSeconds": 120})).await;
+    assert_eq!(
+        (s, v["timeoutSeconds"].as_u64()),
+        (StatusCode::OK, Some(120))
+    );
+    assert!(v["endsAt"].is_string());
+}
+
+#[tokio::test]
 async fn snapshot_then_get_list_create_from_it_and_delete() {
     let t = T::new();
     let id = t.running(json!({"vcpu": 1, "memoryMiB": 1024})).await;
@@ -1920,7 +1966,90 @@ async fn snapshot_then_get_list_create_from_it_and_delete() {
     assert_eq!(snap["mode"], "memory");
     assert_eq!(snap["sandboxId"], id.as_str());
     assert!(snap["sizeBytes"].as_u64().unwrap() > 0);
+    // The names the client reads.
+    assert_eq!(snap["sourceSandboxId"], id.as_str());
+    assert_eq!(
+        snap["shape"],
+        json!({"vcpu": 1, "memoryMiB": 1024, "diskMiB": 4096})
+    );
+    assert_eq!(snap["storedBytes"], snap["sizeBytes"]);
+    assert_eq!(snap["meteredBytes"], snap["sizeBytes"]);
+    assert!(snap.as_object().unwrap().contains_key("sourceImageId"));
     let sid = snap["id"].as_str().unwrap().to_string();
+
+    // :update replaces what is given; ifLabels fences it; :extend keeps it
+    // that many days from now.
+    let snap_url = |verb: &str| format!("/v1/snapshots/{sid}:{verb}");
+    let (s, v) = t
+        .json(
+            "POST",
+            &snap_url("update"),
+            Some(json!({"labels": {"k": "w", "n": "1"}})),
+        )
+        .await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert_eq!(
+        (v["name"].as_str(), &v["labels"]),
+        (Some("s1"), &json!({"k": "w", "n": "1"}))
+    );
+    let (s, v) = t
+        .json(
+            "POST",
+            &snap_url("update"),
+            Some(json!({"name": null, "labels": {}, "ifLabels": {"k": "v"}})),
+        )
+        .await;
+    assert_eq!(s, StatusCode::CONFLICT, "{v}");
+    assert_error(&v, 409, "snapshot_metadata_changed");
+    let (s, v) = t
+        .json(
+            "POST",
+            &snap_url("update"),
+            Some(json!({"name": null, "ifLabels": {"k": "w", "n": "1"}, "bad": 1})),
+        )
+        .await;
+    assert_eq!(s, StatusCode::BAD_REQUEST);
+    assert_eq!(v["error"]["details"]["issues"][0]["field"], "bad");
+    let (s, v) = t
+        .json(
+            "POST",
+            &snap_url("update"),
+            Some(json!({"name": null, "ifLabels": {"k": "w", "n": "1"}})),
+        )
+        .await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert_eq!(
+        (&v["name"], &v["labels"]),
+        (&Value::Null, &json!({"k": "w", "n": "1"}))
+    );
+    let (s, v) = t
+        .json(
+            "POST",
+            &snap_url("extend"),
+            Some(json!({"retentionDays": 30})),
+        )
+        .await;
+    assert_eq!((s, v["retentionDays"].as_u64()), (StatusCode::OK, Some(30)));
+    let created = v["createdAt"].as_str().unwrap().to_string();
+    let expires = v["expiresAt"].as_str().unwrap().to_string();
+    assert!(expires > created, "{expires} after {created}");
+    for bad in [
+        json!({}),
+        json!({"retentionDays": 0}),
+        json!({"retentionDays": 366}),
+    ] {
+        let (s, v) = t.json("POST", &snap_url("extend"), Some(bad)).await;
+        assert_eq!(s, StatusCode::BAD_REQUEST);
+        assert_eq!(v["error"]["details"]["issues"][0]["field"], "retentionDays");
+    }
+    let (s, _) = t
+        .json(
+            "POST",
+            "/v1/snapshots/nope:extend",
+            Some(json!({"retentionDays": 3})),
+        )
+        .await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
     assert!(t
         .dir
         .join("snapshots")
@@ -2061,7 +2190,24 @@ async fn an_idle_sandbox_pauses_itself() {
     let t = T::on_paused_time();
     let idle = t.running(json!({"idlePauseSeconds": 60})).await;
     let busy = t.running(json!({"idlePauseSeconds": 60})).await;
-    let never = t.running(json!({})).await;
+    let never = t.running(json!({"idlePauseSeconds": 0})).await;
+    // The client's documented default, and a short one raised to a minute.
+    let defaulted = t.running(json!({})).await;
+    assert_eq!(t.sandbox(&defaulted).await["idlePauseSeconds"], 300);
+    let short = t.running(json!({"idlePauseSeconds": 10})).await;
+    assert_eq!(t.sandbox(&short).await["idlePauseSeconds"], 60);
+    t.act(&short, "update", json!({"idlePauseSeconds": 0}))
+        .await;
+    assert_eq!(t.sandbox(&short).await["idlePauseSeconds"], 0);
+    let (s, v) = t
+        .act(&short, "update", json!({"idlePauseSeconds": 5}))
+        .await;
+    assert_eq!(
+        (s, v["idlePauseSeconds"].as_i64()),
+        (StatusCode::OK, Some(60))
+    );
+    t.act(&short, "update", json!({"idlePauseSeconds": 0}))
+        .await;
     t.state.start_background();
     // The busy one is called every 20 s; the others not at all.
     for _ in 0..4 {
@@ -2077,8 +2223,14 @@ async fn an_idle_sandbox_pauses_itself() {
         assert_eq!(s, StatusCode::OK);
     }
     t.wait_state(&idle, "paused").await;
+    assert_eq!(t.sandbox(&idle).await["stopReason"], "idle");
     assert_eq!(t.sandbox(&busy).await["state"], "running");
     assert_eq!(t.sandbox(&never).await["state"], "running");
+    assert_eq!(
+        t.sandbox(&defaulted).await["state"],
+        "running",
+        "300 s are not up"
+    );
     // A call wakes it and counts as activity.
     t.host.script("hello", vec![Step::Exit(0)]);
     let (s, _) = t
@@ -2089,8 +2241,18 @@ async fn an_idle_sandbox_pauses_itself() {
         )
         .await;
     assert_eq!(s, StatusCode::OK);
+    let woken = t.sandbox(&idle).await;
+    assert_eq!(
+        (woken["state"].as_str(), &woken["stopReason"]),
+        (Some("running"), &Value::Null)
+    );
     tokio::time::advance(Duration::from_secs(50)).await;
     assert_eq!(t.sandbox(&idle).await["state"], "running");
+    // The default's 300 s pass with no call: it pauses too.
+    tokio::time::advance(Duration::from_secs(320)).await;
+    t.wait_state(&defaulted, "paused").await;
+    assert_eq!(t.sandbox(&never).await["state"], "running");
+    assert_eq!(t.sandbox(&short).await["state"], "running");
     t.state.shutdown().await;
 }
 

@@ -18,6 +18,22 @@ pub(crate) fn lease_ended(s: &Sandbox, now: i64) -> bool {
         .is_some_and(|end| end <= now)
 }
 
+/// A new sandbox's idle pause when its create names none (the client's
+/// documented default).
+pub(crate) const DEFAULT_IDLE_PAUSE_SECONDS: u32 = 300;
+/// The shortest idle pause: a shorter one asked for is raised to it.
+pub(crate) const MIN_IDLE_PAUSE_SECONDS: u32 = 60;
+
+/// The idle pause kept for `asked` seconds: 0 is never, a shorter time
+/// than [`MIN_IDLE_PAUSE_SECONDS`] is raised to it (as the client says).
+pub(crate) fn idle_pause_of(asked: u32) -> u32 {
+    if asked == 0 {
+        0
+    } else {
+        asked.max(MIN_IDLE_PAUSE_SECONDS)
+    }
+}
+
 /// Whether a sandbox with an idle pause has been idle long enough at `now`
 /// (its last activity, or its start when there was none). Processes still
 /// running are the caller's to weigh.
@@ -84,6 +100,15 @@ mod tests {
         s.ends_at = lease_end(Some(60), T0);
         assert!(!lease_ended(&s, T0 + 59_999));
         assert!(lease_ended(&s, T0 + 60_000));
+    }
+
+    #[test]
+    fn a_short_idle_pause_is_raised_to_a_minute_and_zero_is_never() {
+        assert_eq!(idle_pause_of(0), 0);
+        assert_eq!(idle_pause_of(1), 60);
+        assert_eq!(idle_pause_of(59), 60);
+        assert_eq!(idle_pause_of(60), 60);
+        assert_eq!(idle_pause_of(301), 301);
     }
 
     #[test]

@@ -253,6 +253,9 @@ async fn run(st: &AppState, row: SandboxRow, op: Op) {
             let now = iso(st.now_ms());
             let out = record(st, &id, SandboxState::Pausing, ev, |r| match ev {
                 Event::Suspended => {
+                    // Why it is paused (`idle`, `requested`, `lease_end`,
+                    // `spending_limit`), until it wakes.
+                    r.stop_reason = Some(reason.into());
                     r.paused_at = Some(now.clone());
                     r.paused_expires_at = crate::domain::lease::retention_end(r);
                 }
@@ -286,6 +289,7 @@ async fn run(st: &AppState, row: SandboxRow, op: Op) {
             let now = st.now_ms();
             let out = record(st, &id, SandboxState::Resuming, ev, |r| match ev {
                 Event::Woken => {
+                    r.stop_reason = None;
                     r.paused_at = None;
                     r.paused_expires_at = None;
                     r.last_active_at = Some(iso(now));

@@ -492,11 +492,12 @@ pub(crate) struct ListFilter {
     pub labels: Vec<(String, String)>,
     pub include_stopped: bool,
     pub limit: usize,
-    /// Only sandboxes created before the one with this sequence number.
-    pub before_seq: Option<i64>,
+    /// Only sandboxes created after the one with this sequence number.
+    pub after_seq: Option<i64>,
 }
 
-/// One page of the sandboxes `key` sees, newest first, and whether more follow.
+/// One page of the sandboxes `key` sees, oldest first (as the client
+/// documents), and whether more follow.
 pub(crate) fn list(
     st: &AppState,
     key: &KeyInfo,
@@ -506,8 +507,9 @@ pub(crate) fn list(
         .store()
         .live_sandboxes()?
         .into_iter()
+        .rev()
         .filter(|r| visible(key, r))
-        .filter(|r| f.before_seq.is_none_or(|c| r.seq < c))
+        .filter(|r| f.after_seq.is_none_or(|c| r.seq > c))
         .filter(|r| {
             if f.states.is_empty() {
                 f.include_stopped || r.record.state != Stopped
@@ -778,7 +780,8 @@ pub(crate) struct Update {
     pub user: Option<String>,
     pub idle_pause_seconds: Option<u32>,
     pub persistent: Option<bool>,
-    pub max_total_cost_micros: Option<i64>,
+    /// `Some(None)` removes the cap.
+    pub max_total_cost_micros: Option<Option<i64>>,
     pub on_lease_end: Option<String>,
     /// `Some(None)` removes the lease; a new one runs from now.
     pub timeout_seconds: Option<Option<u32>>,
@@ -826,8 +829,8 @@ pub(crate) async fn update(
             s.user = u.user.clone().unwrap_or(s.user.clone());
             s.idle_pause_seconds = u.idle_pause_seconds.unwrap_or(s.idle_pause_seconds);
             s.persistent = u.persistent.unwrap_or(s.persistent);
-            if u.max_total_cost_micros.is_some() {
-                s.max_total_cost_micros = u.max_total_cost_micros;
+            if let Some(cap) = u.max_total_cost_micros {
+                s.max_total_cost_micros = cap;
             }
             if let Some(o) = &u.on_lease_end {
                 s.on_lease_end = o.clone();

@@ -12,6 +12,7 @@ use base64::Engine;
 use serde_json::{json, Value};
 
 use crate::domain::access::KeyInfo;
+use crate::domain::lease;
 use crate::domain::lifecycle::SandboxState;
 use crate::domain::names::valid_env_name;
 use crate::domain::sandbox::Settings;
@@ -82,13 +83,11 @@ fn parse_create(st: &AppState, key: &KeyInfo, body: &[u8]) -> ApiResult<NewSandb
         .one_of("onLeaseEnd", &["pause", "stop", "delete"])
         .unwrap_or_else(|| "pause".into());
     let pausable = f.bool("pausable").unwrap_or(true);
-    let idle_pause_seconds = f.int("idlePauseSeconds", 0, 86400).unwrap_or(0) as u32;
-    if (1..60).contains(&idle_pause_seconds) {
-        f.issue(
-            "idlePauseSeconds",
-            "must be 0 (never) or between 60 and 86400",
-        );
-    }
+    let idle_pause_seconds = f
+        .int("idlePauseSeconds", 0, 86400)
+        .map_or(lease::DEFAULT_IDLE_PAUSE_SECONDS, |n| {
+            lease::idle_pause_of(n as u32)
+        });
     let auto_wake = f.bool("autoWake").unwrap_or(true);
     let user = f
         .one_of("user", &["sandbox", "root"])
@@ -236,7 +235,7 @@ pub(super) async fn list(st: AppState, ctx: Ctx) -> ApiResult<Reply> {
     }
     let include_stopped = f.q_bool("includeStopped").unwrap_or(false);
     let limit = f.q_int("limit", 1, 100).unwrap_or(50) as usize;
-    let before_seq = match f.string("cursor") {
+    let after_seq = match f.string("cursor") {
         Some(c) if !c.is_empty() => match decode_cursor(&c) {
             Some(seq) => Some(seq),
             None => {
@@ -253,7 +252,7 @@ pub(super) async fn list(st: AppState, ctx: Ctx) -> ApiResult<Reply> {
         labels,
         include_stopped,
         limit,
-        before_seq,
+        after_seq,
     };
     let (rows, more) = svc::list(&st, &ctx.key, &filter)?;
     let next = if more {
@@ -373,9 +372,18 @@ async fn update(st: AppState, ctx: Ctx, id: String, body: Bytes) -> ApiResult<Re
     let user = f.one_of("user", &["sandbox", "root"]);
     let idle = f.int("idlePauseSeconds", 0, 86400);
     let persistent = f.bool("persistent");
+    // `null` takes the cap away; absent leaves it.
+    let max_total_given = f.present("maxTotalCostMicros");
     let max_total = f.int("maxTotalCostMicros", 0, i64::MAX);
+    // `0` or `null` takes the limit away.
     let timeout_given = f.present("timeoutSeconds");
-    let timeout = f.int("timeoutSeconds", 60, 86400);
+    let timeout = f.int("timeoutSeconds", 0, 86400).filter(|&t| t != 0);
+    if timeout.is_some_and(|t| t < 60) {
+        f.issue(
+            "timeoutSeconds",
+            "must be 0 (no limit) or between 60 and 86400",
+        );
+    }
     let on_timeout = f.one_of("onTimeout", &["pause", "stop", "delete"]);
     // The create's name for it, accepted here too.
     let on_lease_end = f.one_of("onLeaseEnd", &["pause", "stop", "delete"]);
@@ -387,9 +395,9 @@ async fn update(st: AppState, ctx: Ctx, id: String, body: Bytes) -> ApiResult<Re
         env_changes,
         auto_wake,
         user,
-        idle_pause_seconds: idle.map(|n| n as u32),
+        idle_pause_seconds: idle.map(|n| lease::idle_pause_of(n as u32)),
         persistent,
-        max_total_cost_micros: max_total,
+        max_total_cost_micros: max_total_given.then_some(max_total),
         on_lease_end: on_timeout,
         timeout_seconds: timeout_given.then_some(timeout.map(|t| t as u32)),
     };

@@ -70,14 +70,11 @@ pub(super) async fn snapshot(st: AppState, ctx: Ctx, id: String, body: Bytes) ->
         mode,
     };
     let snap = svc::snapshot(&st, &ctx.key, &id, req, wait_of(&ctx)).await?;
-    Ok(Reply::Json(
-        StatusCode::CREATED,
-        serde_json::to_value(&snap).unwrap_or(Value::Null),
-    ))
+    Ok(Reply::Json(StatusCode::CREATED, snap.wire()))
 }
 
 pub(super) async fn get(st: AppState, ctx: Ctx, id: String) -> ApiResult<Reply> {
-    Reply::ok(serde_json::to_value(svc::get(&st, &ctx.key, &id)?).unwrap_or(Value::Null))
+    Reply::ok(svc::get(&st, &ctx.key, &id)?.wire())
 }
 
 pub(super) async fn list(st: AppState, ctx: Ctx) -> ApiResult<Reply> {
@@ -111,10 +108,7 @@ pub(super) async fn list(st: AppState, ctx: Ctx) -> ApiResult<Reply> {
     } else {
         None
     };
-    let data: Vec<Value> = rows
-        .iter()
-        .map(|r| serde_json::to_value(&r.record).unwrap_or(Value::Null))
-        .collect();
+    let data: Vec<Value> = rows.iter().map(|r| r.record.wire()).collect();
     Reply::ok(json!({ "data": data, "nextCursor": next }))
 }
 
@@ -138,11 +132,33 @@ pub(super) async fn action(
             no_fields(&body)?;
             delete(st, ctx, id).await
         }
-        "update" | "extend" => {
-            svc::get(&st, &ctx.key, &id)?;
-            Err(ApiError::Unsupported {
-                feature: "this snapshot action",
-            })
+        "update" => {
+            let obj = json_object(&body)?;
+            let mut f = Fields::new(&obj);
+            let name_given = f.present("name");
+            let name = checked_name(&mut f);
+            let labels = checked_labels(&mut f);
+            let if_labels = f
+                .string_map("ifLabels", 1024)
+                .map(|l| l.into_iter().collect());
+            f.finish()?;
+            let change = svc::SnapshotChange {
+                name: name_given.then_some(name),
+                labels,
+                if_labels,
+            };
+            Reply::ok(svc::update(&st, &ctx.key, &id, change)?.wire())
+        }
+        "extend" => {
+            let obj = json_object(&body)?;
+            let mut f = Fields::new(&obj);
+            let days = f.int("retentionDays", 1, 365);
+            if days.is_none() && !f.present("retentionDays") {
+                f.issue("retentionDays", "is required");
+            }
+            f.finish()?;
+            let days = days.unwrap_or(DEFAULT_RETENTION_DAYS) as u32;
+            Reply::ok(svc::extend(&st, &ctx.key, &id, days)?.wire())
         }
         _ => Err(ApiError::RouteNotFound {
             method: "POST".into(),

@@ -9,6 +9,7 @@
 //! its capture in `data_dir/snapshots/<id>/` until deleted or expired; a
 //! create with `snapshot` restores from it with the snapshot's shape.
 
+use runtime_api::codes;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
@@ -244,6 +245,7 @@ pub(crate) async fn snapshot(
         ready_at: None,
         expires_at: Some(iso(now + retention * 86_400_000)),
         error: None,
+        source_image_id: src.record.image.clone(),
     };
     st.store().insert_snapshot(&key.id, &snap)?;
     tracing::info!(sandbox_id = %id, snapshot_id = %snap.id, mode = %snap.mode, "snapshot requested");
@@ -307,6 +309,73 @@ pub(crate) async fn snapshot(
 
 pub(crate) fn get(st: &AppState, key: &KeyInfo, id: &str) -> ApiResult<Snapshot> {
     Ok(find(st, key, id)?.record)
+}
+
+/// `:update`: what is given is replaced, the rest kept.
+pub(crate) struct SnapshotChange {
+    /// `Some(None)` removes the name.
+    pub name: Option<Option<String>>,
+    pub labels: Option<BTreeMap<String, String>>,
+    /// Made only while the labels are still these (a fence for two writers).
+    pub if_labels: Option<BTreeMap<String, String>>,
+}
+
+/// Changes a snapshot's name or labels.
+pub(crate) fn update(
+    st: &AppState,
+    key: &KeyInfo,
+    id: &str,
+    c: SnapshotChange,
+) -> ApiResult<Snapshot> {
+    find(st, key, id)?;
+    let mut changed_under = None;
+    let row = st
+        .store()
+        .update_snapshot(id, |r| {
+            if r.deleted.is_some() {
+                return false;
+            }
+            if c.if_labels.as_ref().is_some_and(|l| *l != r.record.labels) {
+                changed_under = Some(r.record.labels.clone());
+                return false;
+            }
+            if let Some(n) = &c.name {
+                r.record.name = n.clone();
+            }
+            if let Some(l) = &c.labels {
+                r.record.labels = l.clone();
+            }
+            true
+        })?
+        .filter(|r| r.deleted.is_none())
+        .ok_or_else(|| not_found(id))?;
+    if let Some(labels) = changed_under {
+        return Err(ApiError::Conflict {
+            code: codes::SNAPSHOT_METADATA_CHANGED,
+            message: format!("Snapshot {id}'s labels are no longer those given as ifLabels."),
+            details: Some(serde_json::json!({ "snapshotId": id, "labels": labels })),
+        });
+    }
+    Ok(row.record)
+}
+
+/// `:extend`: keeps the snapshot `days` from now.
+pub(crate) fn extend(st: &AppState, key: &KeyInfo, id: &str, days: u32) -> ApiResult<Snapshot> {
+    find(st, key, id)?;
+    let now = st.now_ms();
+    let row = st
+        .store()
+        .update_snapshot(id, |r| {
+            if r.deleted.is_some() {
+                return false;
+            }
+            r.record.retention_days = days;
+            r.record.expires_at = Some(iso(now + i64::from(days) * 86_400_000));
+            true
+        })?
+        .filter(|r| r.deleted.is_none())
+        .ok_or_else(|| not_found(id))?;
+    Ok(row.record)
 }
 
 /// Which snapshots a list asks for.
