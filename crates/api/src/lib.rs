@@ -68,6 +68,7 @@ pub mod codes {
     pub const PROCESS_NOT_RUNNING: &str = "process_not_running";
     pub const OUTPUT_GONE: &str = "output_gone";
     pub const UNSUPPORTED: &str = "unsupported";
+    pub const UNAVAILABLE: &str = "unavailable";
     pub const HOST_UNAVAILABLE: &str = "host_unavailable";
     pub const GUEST_ERROR: &str = "guest_error";
     pub const INTERNAL: &str = "internal_error";

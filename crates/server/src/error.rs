@@ -88,6 +88,9 @@ pub enum ApiError {
     },
     #[error("{feature} is not supported by this server")]
     Unsupported { feature: &'static str },
+    /// A product of the client's surface this server does not offer.
+    #[error("{product} are not served by this server")]
+    Unavailable { product: &'static str },
     /// A 400 with its own code, naming the one field at fault.
     #[error("{message}")]
     BadField {

@@ -144,6 +144,14 @@ impl ApiError {
                     format!("{feature} is not supported by this server yet."),
                 )
             },
+            ApiError::Unavailable { product } => Parts {
+                retryable: Some(false),
+                ..p(
+                    StatusCode::NOT_IMPLEMENTED,
+                    codes::UNAVAILABLE,
+                    format!("{product}: not served by this self-hosted server."),
+                )
+            },
             ApiError::BadField {
                 code,
                 field,
@@ -419,6 +427,11 @@ mod tests {
                 ApiError::Unsupported { feature: "x" },
                 501,
                 codes::UNSUPPORTED,
+            ),
+            (
+                ApiError::Unavailable { product: "Jobs" },
+                501,
+                codes::UNAVAILABLE,
             ),
             (
                 ApiError::BadField {

@@ -67,6 +67,76 @@ pub(crate) enum Route {
     Usage,
     Limits,
     Me,
+    /// A product the client knows that this server does not offer: its name.
+    Unavailable(&'static str),
+}
+
+/// The products of the client's surface this server does not serve, by the
+/// path segments after `/v1` (and, for a sandbox's, after its id). Each
+/// answers 501 `unavailable`, so the client's own "switched off here" hints
+/// appear, rather than a bare 404.
+const ACCOUNT_PRODUCTS: &[(&str, &str)] = &[
+    ("events", "Events"),
+    ("webhooks", "Webhooks"),
+    ("webhook-deliveries", "Webhooks"),
+    ("otel-exports", "OpenTelemetry exports"),
+    ("jobs", "Jobs"),
+    ("job-imports", "Jobs"),
+    ("job-runs", "Jobs"),
+    ("apps", "Apps"),
+    ("functions", "Functions"),
+    ("builds", "Builds"),
+    ("repositories", "Repositories"),
+    ("ci", "CI"),
+    ("containers", "Containers"),
+    ("agents", "Agents"),
+    ("reservations", "Reservations"),
+    ("sso", "Single sign-on"),
+    ("audit", "The audit log"),
+    ("domains", "Domains"),
+    ("ports", "Ports"),
+    ("ips", "Dedicated IPs"),
+    ("networks", "Networks"),
+    ("feedback", "Feedback"),
+    ("support", "Support"),
+    ("account", "Account management"),
+    ("billing", "Billing top-ups"),
+    ("plans", "Plans"),
+    ("referrals", "Referrals"),
+    ("switching", "Switching"),
+    ("mcp", "The MCP catalog"),
+    ("volume-backups", "Volume backups"),
+];
+
+const SANDBOX_PRODUCTS: &[(&str, &str)] = &[
+    ("sessions", "Sandbox sessions"),
+    ("metrics", "Sandbox metrics"),
+    ("mounts", "Bucket mounts"),
+    ("tailscale", "Tailscale"),
+    ("desktop", "Desktops"),
+    ("browser", "Browsers"),
+    ("mcp", "Sandbox MCP servers"),
+];
+
+fn unavailable(s: &[&str], verb: Option<&str>) -> Option<&'static str> {
+    let find =
+        |t: &[(&str, &'static str)], seg: &str| t.iter().find(|(p, _)| *p == seg).map(|(_, n)| *n);
+    match s {
+        ["v1", "usage", "requests" | "export" | "compare"] => Some("Usage breakdowns"),
+        ["v1", "images", "registries" | "context", ..] => {
+            Some("Registry logins and build contexts")
+        }
+        ["v1", "volumes", _, "attachments", ..] => Some("Volume attachments"),
+        ["v1", "sandboxes", _, "files", "watches", ..] => Some("File watches"),
+        ["v1", "sandboxes", _, "files", "archive", ..] => Some("Folder archives"),
+        ["v1", "sandboxes", _, "processes", _, "files"] => Some("Traced files"),
+        ["v1", "sandboxes", _, "files"] if matches!(verb, Some("link" | "revoke-links")) => {
+            Some("File links")
+        }
+        ["v1", "sandboxes", _, product, ..] => find(SANDBOX_PRODUCTS, product),
+        ["v1", product, ..] => find(ACCOUNT_PRODUCTS, product),
+        _ => None,
+    }
 }
 
 /// Splits the raw path into decoded segments and the action verb.
@@ -102,6 +172,9 @@ pub(crate) fn route(method: &Method, raw_path: &str) -> ApiResult<Route> {
     let s: Vec<&str> = segs.iter().map(String::as_str).collect();
     let m = method.clone();
     let verb_or_none = |want_verb: bool| verb.is_some() == want_verb;
+    if let Some(product) = unavailable(&s, verb.as_deref()) {
+        return Ok(Route::Unavailable(product));
+    }
     let r = match s.as_slice() {
         ["v1", "sandboxes"] if verb_or_none(false) => match m {
             Method::POST => Route::CreateSandbox,
@@ -336,6 +409,7 @@ pub const ROUTE_SAMPLES: &[(&str, &str)] = &[
     ("GET", "/v1/secrets"),
     ("GET", "/v1/sandboxes/{id}/terminal"),
     ("GET", "/v1/sandboxes/{id}/tunnel"),
+    ("GET", "/v1/events"),
 ];
 
 /// Routes that show what is inside a sandbox (files, commands and their
@@ -443,9 +517,47 @@ mod tests {
             Route::ImageLogs(_) => 48,
             Route::DeleteImage(_) => 49,
             Route::ImageAction(..) => 50,
+            Route::Unavailable(_) => 51,
         }
     }
-    const VARIANTS: usize = 51;
+    const VARIANTS: usize = 52;
+
+    #[test]
+    fn products_not_served_here_are_unavailable_not_missing() {
+        for (m, p, product) in [
+            ("GET", "/v1/events", "Events"),
+            ("POST", "/v1/webhooks/w1:rotate-secret", "Webhooks"),
+            ("GET", "/v1/jobs", "Jobs"),
+            ("POST", "/v1/sandboxes/x/sessions", "Sandbox sessions"),
+            ("GET", "/v1/sandboxes/x/metrics", "Sandbox metrics"),
+            ("POST", "/v1/sandboxes/x/files:link", "File links"),
+            ("GET", "/v1/sandboxes/x/files/archive", "Folder archives"),
+            ("POST", "/v1/sandboxes/x/files/watches", "File watches"),
+            ("GET", "/v1/sandboxes/x/processes/p1/files", "Traced files"),
+            (
+                "GET",
+                "/v1/images/registries",
+                "Registry logins and build contexts",
+            ),
+            ("GET", "/v1/usage/export", "Usage breakdowns"),
+        ] {
+            assert_eq!(
+                route(&Method::from_bytes(m.as_bytes()).unwrap(), p).ok(),
+                Some(Route::Unavailable(product)),
+                "{m} {p}"
+            );
+        }
+        // What is served, or unknown, is not swallowed.
+        assert_eq!(
+            route(&Method::POST, "/v1/sandboxes/x/files:mkdir").ok(),
+            Some(Route::FilesAction("x".into(), "mkdir".into()))
+        );
+        assert_eq!(route(&Method::GET, "/v1/usage").ok(), Some(Route::Usage));
+        assert!(matches!(
+            route(&Method::GET, "/v1/nothing-of-the-kind"),
+            Err(ApiError::RouteNotFound { .. })
+        ));
+    }
 
     #[test]
     fn the_route_samples_cover_every_route() {

@@ -84,5 +84,6 @@ pub(super) async fn dispatch(st: AppState, ctx: Ctx, r: Route, body: Bytes) -> A
         Route::Usage => account::usage(st, ctx).await,
         Route::Limits => account::limits(st, ctx).await,
         Route::Me => account::me(st, ctx).await,
+        Route::Unavailable(product) => Err(ApiError::Unavailable { product }),
     }
 }
