@@ -2326,10 +2326,11 @@ async fn a_restart_takes_up_running_processes() {
                 .json(
                     "POST",
                     &format!("/v1/sandboxes/{id}/processes"),
-                    Some(json!({"command": cmd})),
+                    Some(json!({"command": cmd, "cwd": "/tmp"})),
                 )
                 .await;
             assert_eq!(s, StatusCode::CREATED, "{v}");
+            assert_eq!(v["cwd"], "/tmp");
             v["id"].as_str().unwrap().to_string()
         }
     };
@@ -2376,9 +2377,11 @@ async fn a_restart_takes_up_running_processes() {
     assert_eq!(s, StatusCode::OK, "{v}");
     assert_eq!(v["state"], "running", "{v}");
     assert_eq!(v["outputBytes"], 4);
+    assert_eq!(v["cwd"], "/tmp");
     for k in [
         "command",
         "argv",
+        "cwd",
         "user",
         "pid",
         "startedAt",
@@ -2392,6 +2395,7 @@ async fn a_restart_takes_up_running_processes() {
     assert_eq!(v["exitCode"], Value::Null);
     assert!(v["endedAt"].is_string());
     let (_, v) = t2.process(&id, &quick).await;
+    assert_eq!(v["cwd"], "/workspace", "the default");
     assert_eq!(
         (
             v["state"].as_str(),

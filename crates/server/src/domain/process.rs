@@ -359,6 +359,9 @@ impl Output {
     }
 }
 
+/// Where a command runs when it names no `cwd` (the sandbox user's home).
+pub(crate) const DEFAULT_CWD: &str = "/workspace";
+
 /// How a process ended. `lost`: the server lost it (its sandbox went, or
 /// no host knew it any more), so there is no exit code.
 #[derive(Clone, Debug, PartialEq, Eq)]

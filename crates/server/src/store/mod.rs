@@ -21,7 +21,7 @@ use rusqlite::Connection;
 
 use crate::error::ServerError;
 
-pub(super) const SCHEMA_VERSION: i64 = 8;
+pub(super) const SCHEMA_VERSION: i64 = 9;
 
 const SCHEMA_V1: &str = "
 CREATE TABLE IF NOT EXISTS keys (
@@ -161,6 +161,11 @@ WHERE kind = 'secret' AND scope = ''
   AND EXISTS (SELECT 1 FROM keys WHERE account_wide = 1 AND read_only = 0 AND revoked_at IS NULL);
 ";
 
+/// A process's working directory (v9); older rows ran in the default.
+const SCHEMA_V9: &str = "
+ALTER TABLE processes ADD COLUMN cwd TEXT NOT NULL DEFAULT '/workspace';
+";
+
 /// Images and volumes in tables of their own (v6), with the constraints of
 /// their names: an image's version is unique per name, a volume's name per
 /// key. The migration moves their `net_docs` documents (kinds `image`,
@@ -276,6 +281,10 @@ pub(crate) fn open_connection(data_dir: &Path) -> Result<Connection, ServerError
     if version < 8 {
         conn.execute_batch(SCHEMA_V8)
             .map_err(store_err("migrate v8"))?;
+    }
+    if version < 9 {
+        conn.execute_batch(SCHEMA_V9)
+            .map_err(store_err("migrate v9"))?;
     }
     if version < SCHEMA_VERSION {
         conn.pragma_update(None, "user_version", SCHEMA_VERSION)

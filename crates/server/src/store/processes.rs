@@ -17,6 +17,8 @@ pub struct ProcRow {
     pub kind: String,
     pub command: String,
     pub argv: Vec<String>,
+    /// Where it runs.
+    pub cwd: String,
     /// `sandbox` or `root`.
     pub user: String,
     pub pty: bool,
@@ -54,7 +56,7 @@ pub struct ProcEnd {
 const PROC_COLUMNS: &str =
     "id, sandbox_id, token, guest_pid, kind, command, argv, run_as, pty, stdin_pipe, \
      output_encoding, state, exit_code, signal, timed_out, out_of_memory, duration_ms, started_ms, \
-     ended_ms, output_bytes, stdin_offset, stdin_closed";
+     ended_ms, output_bytes, stdin_offset, stdin_closed, cwd";
 
 fn proc_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<(ProcRow, String)> {
     let token: i64 = r.get(2)?;
@@ -85,6 +87,7 @@ fn proc_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<(ProcRow, String)> {
             output_bytes: output_bytes.max(0) as u64,
             stdin_offset: stdin_offset.max(0) as u64,
             stdin_closed: r.get(21)?,
+            cwd: r.get(22)?,
         },
         r.get(6)?,
     ))
@@ -97,7 +100,7 @@ impl Store {
             .execute(
                 &format!(
                     "INSERT INTO processes ({PROC_COLUMNS}) VALUES \
-                     (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19, ?20, ?21, ?22)"
+                     (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19, ?20, ?21, ?22, ?23)"
                 ),
                 params![
                     p.id,
@@ -122,6 +125,7 @@ impl Store {
                     p.output_bytes as i64,
                     p.stdin_offset as i64,
                     p.stdin_closed,
+                    p.cwd,
                 ],
             )
             .map(|_| ())

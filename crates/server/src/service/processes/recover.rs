@@ -130,6 +130,7 @@ pub(crate) async fn recover(st: &AppState) -> Result<(), crate::ServerError> {
             sandbox_id: row.sandbox_id.clone(),
             command: row.command,
             argv: row.argv,
+            cwd: row.cwd,
             user: run_as(&row.user),
             guest_pid,
             pty: row.pty,

@@ -105,6 +105,11 @@ pub(crate) async fn start_background(
 pub(super) async fn start(st: &AppState, row: &SandboxRow, launch: Launch) -> ApiResult<Arc<Proc>> {
     let user = launch.spec.user;
     let argv = launch.spec.argv.clone();
+    let cwd = launch
+        .spec
+        .cwd
+        .clone()
+        .unwrap_or_else(|| crate::domain::process::DEFAULT_CWD.into());
     let pty = launch.spec.pty.is_some();
     let stdin_pipe = launch.stdin_pipe;
     let ExecHandle {
@@ -126,6 +131,7 @@ pub(super) async fn start(st: &AppState, row: &SandboxRow, launch: Launch) -> Ap
         sandbox_id: row.record.id.clone(),
         command: launch.command,
         argv,
+        cwd,
         user,
         guest_pid: pid,
         pty,
@@ -146,6 +152,7 @@ pub(super) async fn start(st: &AppState, row: &SandboxRow, launch: Launch) -> Ap
         kind: launch.kind.into(),
         command: proc.command.clone(),
         argv: proc.argv.clone(),
+        cwd: proc.cwd.clone(),
         user: user_name(user).into(),
         pty,
         stdin_pipe,

@@ -177,6 +177,8 @@ pub(crate) struct Proc {
     pub(super) sandbox_id: String,
     pub(super) command: String,
     pub(super) argv: Vec<String>,
+    /// Where it runs.
+    pub(super) cwd: String,
     pub(super) user: RunAs,
     pub(super) guest_pid: u32,
     pub(super) pty: bool,
@@ -304,6 +306,7 @@ impl Proc {
             "sandboxId": self.sandbox_id,
             "command": self.command,
             "argv": self.argv,
+            "cwd": self.cwd,
             "user": user_name(self.user),
             "pid": self.guest_pid,
             "state": state,
