@@ -848,6 +848,69 @@ async fn a_reader_behind_the_buffer_gets_truncated() {
 }
 
 #[tokio::test]
+async fn process_output_polls_as_json_with_wait_ms() {
+    let t = T::new();
+    let id = t.running(json!({})).await;
+    t.host.script(
+        "slow",
+        vec![
+            Step::Out(b"one\n".to_vec()),
+            Step::Sleep(400),
+            Step::Out(b"two\n".to_vec()),
+            Step::Exit(0),
+        ],
+    );
+    let (s, p) = t
+        .json(
+            "POST",
+            &format!("/v1/sandboxes/{id}/processes"),
+            Some(json!({"command": "slow"})),
+        )
+        .await;
+    assert_eq!(s, StatusCode::CREATED, "{p}");
+    let pid = p["id"].as_str().unwrap().to_string();
+    let url = |q: &str| format!("/v1/sandboxes/{id}/processes/{pid}/output?{q}");
+    let mut text = String::new();
+    let mut cursor = 0;
+    let mut polls = 0;
+    let last = loop {
+        polls += 1;
+        let (s, v) = t
+            .json("GET", &url(&format!("cursor={cursor}&waitMs=2000")), None)
+            .await;
+        assert_eq!(s, StatusCode::OK, "{v}");
+        for c in v["chunks"].as_array().unwrap() {
+            assert_eq!(c["stream"], "stdout");
+            text.push_str(c["text"].as_str().unwrap());
+        }
+        cursor = v["nextCursor"].as_u64().unwrap();
+        if v["process"]["state"] == "exited" && v["chunks"].as_array().unwrap().is_empty() {
+            break v;
+        }
+        assert!(polls < 10, "{v}");
+    };
+    assert_eq!(text, "one\ntwo\n");
+    assert_eq!((cursor, last["process"]["exitCode"].as_i64()), (8, Some(0)));
+    // Without waitMs, a JSON-only Accept gets the same form at once.
+    let (s, v) = t
+        .json_as(
+            &t.admin.clone(),
+            "GET",
+            &url("cursor=4"),
+            None,
+            &[("accept", "application/json")],
+        )
+        .await;
+    assert_eq!(
+        (s, v["chunks"][0]["text"].as_str()),
+        (StatusCode::OK, Some("two\n"))
+    );
+    let (s, v) = t.json("GET", &url("cursor=0&waitMs=60001"), None).await;
+    assert_eq!(s, StatusCode::BAD_REQUEST);
+    assert_eq!(v["error"]["details"]["issues"][0]["field"], "waitMs");
+}
+
+#[tokio::test]
 async fn spawned_process_takes_offset_tracked_input() {
     let t = T::new();
     let id = t.running(json!({})).await;

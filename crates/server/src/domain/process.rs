@@ -269,6 +269,23 @@ impl Read<'_> {
     }
 }
 
+impl Read<'_> {
+    /// The read as text chunks, `{stream, text, offset}` (bytes that are
+    /// not UTF-8 replaced), as the JSON polling form of the output gives it.
+    pub(crate) fn chunks(&self) -> Vec<Value> {
+        self.pieces
+            .iter()
+            .map(|p| {
+                json!({
+                    "stream": if p.stderr { "stderr" } else { "stdout" },
+                    "text": String::from_utf8_lossy(p.bytes),
+                    "offset": p.offset,
+                })
+            })
+            .collect()
+    }
+}
+
 fn b64(b: &[u8]) -> String {
     base64::engine::general_purpose::STANDARD.encode(b)
 }

@@ -2,6 +2,8 @@
 //! request into a command, calls [`crate::service::processes`] and renders
 //! the answer (JSON, or NDJSON events).
 
+use std::time::Duration;
+
 use axum::body::Bytes;
 use axum::http::StatusCode;
 use axum::response::Response;
@@ -148,12 +150,31 @@ pub(super) async fn output(st: AppState, ctx: Ctx, id: String, pid: String) -> A
     let mut f = Fields::new(&q);
     let cursor = f.q_int("cursor", 0, i64::MAX).unwrap_or(0) as u64;
     let follow = f.q_bool("follow").unwrap_or(false);
+    let wait_ms = f.q_int("waitMs", 0, MAX_OUTPUT_WAIT_MS);
     f.finish()?;
+    // The JSON polling form: asked for by `waitMs`, or by a JSON-only Accept.
+    if !follow && (wait_ms.is_some() || accepts_only_json(&ctx.headers)) {
+        let wait = Duration::from_millis(wait_ms.unwrap_or(0) as u64);
+        let v = processes::output_polled(&st, &ctx.key, &id, &pid, cursor, wait).await?;
+        return Reply::ok(v);
+    }
     let response = match processes::output(&st, &ctx.key, &id, &pid, cursor, follow).await? {
         OutputRead::Follow(events) => ndjson(events, st.config().heartbeat),
         OutputRead::Now(events) => ndjson_now(&events),
     };
     Ok(Reply::Raw(response))
+}
+
+/// The longest `waitMs` of the output's polling form.
+const MAX_OUTPUT_WAIT_MS: i64 = 60_000;
+
+/// Whether the request's `Accept` names JSON and not NDJSON.
+fn accepts_only_json(headers: &axum::http::HeaderMap) -> bool {
+    let accept = headers
+        .get(axum::http::header::ACCEPT)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("");
+    accept.contains("application/json") && !accept.contains("ndjson")
 }
 
 /// `POST …/processes/{pid}:{verb}`.

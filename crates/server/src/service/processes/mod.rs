@@ -252,6 +252,36 @@ pub(crate) async fn output(
     Ok(OutputRead::Now(events))
 }
 
+/// The output after `cursor` in the JSON polling form
+/// (`{process, chunks, nextCursor}`, as Blaxel's layer reads it), waiting
+/// up to `wait` for some output or the end. A paused sandbox is not woken:
+/// what it wrote before the pause is there to read.
+pub(crate) async fn output_polled(
+    st: &AppState,
+    key: &KeyInfo,
+    id: &str,
+    pid: &str,
+    cursor: u64,
+    wait: Duration,
+) -> ApiResult<Value> {
+    let proc = get(st, key, id, pid)?;
+    let deadline = tokio::time::Instant::now() + wait;
+    // Subscribed before the first read, so no change between them is missed.
+    let mut changed = proc.changed.subscribe();
+    loop {
+        let (chunks, next, done) = proc.chunks_from(cursor);
+        let waited = chunks.is_empty()
+            && !done
+            && matches!(
+                tokio::time::timeout_at(deadline, changed.changed()).await,
+                Ok(Ok(()))
+            );
+        if !waited {
+            return Ok(json!({ "process": proc.info(), "chunks": chunks, "nextCursor": next }));
+        }
+    }
+}
+
 /// Writes input at `offset` (bytes already received are skipped, so a
 /// retried write is harmless); answers the input offset after it.
 pub(crate) async fn write(

@@ -276,6 +276,15 @@ impl Proc {
         }
     }
 
+    /// Text chunks from `cursor` on, the new cursor, and whether the
+    /// process has ended with all its output read.
+    pub(super) fn chunks_from(&self, cursor: u64) -> (Vec<Value>, u64, bool) {
+        let s = self.state();
+        let read = s.out.buf().read(cursor);
+        let done = read.cursor >= s.out.end() && s.exit.is_some();
+        (read.chunks(), read.cursor, done)
+    }
+
     /// Events from `cursor` on, the new cursor, and the exit once all output is read.
     pub(super) fn read_from(&self, cursor: u64) -> (Vec<Value>, u64, Option<Exit>) {
         let s = self.state();
