@@ -154,6 +154,13 @@ pub struct Sandbox {
     pub max_cost_micros: Option<i64>,
     pub env_names: Vec<String>,
     pub image: Option<String>,
+    /// The snapshot it was created from.
+    #[serde(default)]
+    pub snapshot: Option<String>,
+    /// The egress secrets it may use, by name; `None`: every one that
+    /// reaches it. Fixed for its life.
+    #[serde(default)]
+    pub secrets: Option<Vec<String>>,
 }
 
 /// Where a sandbox is in its lifecycle: the same lowercase strings on the

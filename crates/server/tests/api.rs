@@ -400,7 +400,7 @@ async fn sandbox_lifecycle_create_get_list_stop_delete() {
             &t.admin.clone(),
             "POST",
             "/v1/sandboxes",
-            Some(json!({"name": "web", "labels": {"team": "search"}, "env": {"TOKEN": "secret"}, "vcpu": 4, "timeoutSeconds": 600})),
+            Some(json!({"name": "web", "labels": {"team": "search"}, "env": {"TOKEN": "s3cr3t-value"}, "vcpu": 4, "timeoutSeconds": 600})),
             &[("prefer", "wait=10")],
         )
         .await;
@@ -410,7 +410,8 @@ async fn sandbox_lifecycle_create_get_list_stop_delete() {
     assert_eq!(v["vcpu"], 4);
     assert_eq!(v["memoryMiB"], 4096);
     assert_eq!(v["envNames"], json!(["TOKEN"]));
-    assert!(!v.to_string().contains("secret"));
+    // The env's value is never echoed.
+    assert!(!v.to_string().contains("s3cr3t-value"), "{v}");
     assert!(v["endsAt"].as_str().unwrap().ends_with('Z'));
     assert!(v["readyAt"].is_string());
     let id = v["id"].as_str().unwrap().to_string();
@@ -1975,6 +1976,10 @@ async fn update_takes_the_time_limit_away_with_zero_and_the_cap_with_null() {
     let v = t.sandbox(&id).await;
     assert!(v["endsAt"].is_string());
     assert_eq!(v["maxTotalCostMicros"], 5_000_000);
+    // Every secret that reaches it, unless its create chose.
+    assert_eq!(v["secrets"], Value::Null);
+    let none = t.running(json!({"secrets": []})).await;
+    assert_eq!(t.sandbox(&none).await["secrets"], json!([]));
     // Absent leaves both as they are.
     let (s, v) = t.act(&id, "update", json!({"labels": {"a": "b"}})).await;
     assert_eq!(s, StatusCode::OK, "{v}");
@@ -2147,6 +2152,8 @@ async fn snapshot_then_get_list_create_from_it_and_delete() {
     assert_eq!(s, StatusCode::CREATED, "{v}");
     assert_eq!(v["state"], "running");
     assert_eq!(v["start"]["mode"], "snapshot");
+    assert_eq!(v["snapshot"], sid.as_str(), "the record names its snapshot");
+    assert_eq!(t.sandbox(&id).await["snapshot"], Value::Null);
     assert_eq!(
         (v["vcpu"].as_u64(), v["memoryMiB"].as_u64()),
         (Some(1), Some(1024))

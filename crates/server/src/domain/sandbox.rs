@@ -78,6 +78,8 @@ pub(crate) fn new_record(s: Settings, id: String, env: &[(String, String)], now:
         max_total_cost_micros: s.max_total_cost_micros,
         max_cost_micros: s.max_cost_micros,
         env_names: env_names(env),
+        snapshot: None,
+        secrets: None,
         image: None,
     }
 }

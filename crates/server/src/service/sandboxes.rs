@@ -445,8 +445,11 @@ pub(crate) async fn create(
                     env,
                     deleted: None,
                 };
+                let mut row = row;
+                row.record.snapshot = snapshot.clone();
                 let volumes = crate::service::volumes::resolve(st, key, &volumes).await?;
                 crate::service::network::store_create(st, &row.record.id, &net)?;
+                row.record.secrets = crate::service::network::load(st, &row.record.id)?.secrets;
                 crate::service::volumes::keep(st, &row.record.id, &volumes)?;
                 st.store().insert_sandbox(&row)?;
                 tracing::info!(sandbox_id = %row.record.id, "sandbox created");

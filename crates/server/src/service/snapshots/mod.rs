@@ -127,7 +127,9 @@ pub(crate) async fn fork(
             r.last_active_at = Some(iso(now));
             r.charged_micros = 0;
             r.held_micros = 0;
-            let row = SandboxRow {
+            // A copy of a sandbox, not of a snapshot.
+            r.snapshot = None;
+            let mut row = SandboxRow {
                 seq: 0,
                 key_id: key.id.clone(),
                 record: r,
@@ -140,6 +142,7 @@ pub(crate) async fn fork(
                 &row.record.id,
                 net.secrets.clone(),
             )?;
+            row.record.secrets = crate::service::network::load(st, &row.record.id)?.secrets;
             st.store().insert_sandbox(&row)?;
             out.push(row);
         }
