@@ -169,3 +169,31 @@ def test_guest_timers_work(sbx):
     sbx.files.write("/workspace/alarm.py", code)
     result = sbx.exec("python3 /workspace/alarm.py", timeout_ms=30000)
     assert (result.exit_code, result.stdout) == (0, "alarm\n"), result
+
+
+# Fills memory 32 MiB at a time until the kernel's out-of-memory killer ends it.
+FILL_MEMORY = "import sys\nheld = []\nwhile True:\n    held.append(b'x' * (32 << 20))\n"
+
+
+def test_a_command_the_kernel_kills_for_memory_reports_out_of_memory(server):
+    from withruntime import Sandbox
+
+    with Sandbox.create(vcpu=1, memory_mib=512) as small:
+        result = small.exec(["python3", "-c", FILL_MEMORY], timeout_ms=120_000)
+        assert result.exit_code != 0 and not result.timed_out, result.to_dict()
+        oom = result.out_of_memory
+        assert isinstance(oom, dict), result.to_dict()
+        assert (oom["code"], oom["memoryMiB"]) == ("out_of_memory", 512)
+        assert oom["processesKilled"] >= 1
+        assert "512 MiB" in oom["message"] and oom["hint"]
+        # check=True raises it as out_of_memory, not as a plain failure.
+        with pytest.raises(CommandError) as raised:
+            small.exec(["bash", "-c", f"python3 -c \"{FILL_MEMORY}\"; exit 1"], check=True,
+                       timeout_ms=120_000)
+        assert raised.value.code == "out_of_memory", raised.value
+        # The sandbox lives on, and an ordinary command reports none.
+        fine = small.exec("echo fine")
+        assert (fine.stdout, fine.out_of_memory) == ("fine\n", None)
+        # Each command's group goes with it: only this one's is left.
+        groups = small.exec("ls -d /sys/fs/cgroup/cmd-*").stdout.split()
+        assert len(groups) == 1, groups

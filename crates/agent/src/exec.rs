@@ -295,6 +295,7 @@ unsafe fn child(
     argv: &[*const libc::c_char],
     envp: &[*const libc::c_char],
     fds: &ChildFds,
+    cgroup: Option<&std::ffi::CStr>,
 ) -> ! {
     unsafe fn fail(report: RawFd, stage: u8) -> ! {
         let e = errno().to_ne_bytes();
@@ -317,6 +318,10 @@ unsafe fn child(
         }
         if libc::setsid() < 0 {
             fail(fds.report, STAGE_SETUP);
+        }
+        // Its own cgroup (while still root), so its out-of-memory kills count.
+        if let Some(procs) = cgroup {
+            crate::cgroup::join(procs);
         }
         if let Some(tty) = fds.ctty {
             if libc::ioctl(tty, libc::TIOCSCTTY, 0) < 0 {
@@ -372,6 +377,8 @@ struct Child {
     stderr: Option<Arc<OwnedFd>>,
     stdin: Option<Arc<OwnedFd>>,
     master: Option<Arc<OwnedFd>>,
+    /// Its cgroup, counting its out-of-memory kills (none without cgroups).
+    group: Option<crate::cgroup::Group>,
 }
 
 fn start(reaper: &Reaper, req: &ExecRequest) -> Result<Child, Fail> {
@@ -403,6 +410,7 @@ fn start(reaper: &Reaper, req: &ExecRequest) -> Result<Child, Fail> {
         stderr: None,
         stdin: None,
         master: None,
+        group: crate::cgroup::Group::new(),
     };
     let mut child_ends: Vec<OwnedFd> = Vec::new();
     let mut guard;
@@ -470,11 +478,12 @@ fn start(reaper: &Reaper, req: &ExecRequest) -> Result<Child, Fail> {
         }
     };
 
+    let cgroup = parent.group.as_ref().map(|g| g.procs_path());
     // SAFETY: the child only runs `child`, which is async-signal-safe.
     let pid = unsafe { libc::fork() };
     if pid == 0 {
         // SAFETY: we are the freshly forked child; argv/envp are NULL-terminated.
-        unsafe { child(&plan, &argv, &envp, &fds) }
+        unsafe { child(&plan, &argv, &envp, &fds, cgroup) }
     }
     if pid < 0 {
         return Err(io_fail("fork"));
@@ -707,12 +716,16 @@ pub(crate) fn run(
     if timed_out {
         exit_code = None;
     }
+    let oom_kills = child.group.as_ref().map_or(0, |g| g.oom_kills());
+    // Its group goes now, or once what it left running has ended.
+    drop(child.group);
     let exited = Reply::Exited {
         exit_code,
         signal,
         timed_out,
         duration_ms,
-        out_of_memory: false,
+        out_of_memory: oom_kills > 0,
+        oom_kills,
     };
     agent.finished(stream, exited.clone());
     agent.forget(stream);

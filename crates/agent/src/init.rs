@@ -223,6 +223,7 @@ pub(crate) fn run() {
     mount("tmpfs", "/tmp", "tmpfs", tmpfs, Some("mode=1777"));
     mount("tmpfs", "/run", "tmpfs", tmpfs, Some("mode=755"));
     mount("cgroup2", "/sys/fs/cgroup", "cgroup2", nodev, None);
+    crate::cgroup::enable();
     if let Err(e) = lo_up() {
         log!("bringing up lo: {e}");
     }

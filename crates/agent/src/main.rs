@@ -10,6 +10,7 @@
 //! port and skips the PID 1 duties, so tests can run it as a normal process.
 
 mod agent;
+mod cgroup;
 mod exec;
 mod files;
 mod init;

@@ -73,11 +73,12 @@ fn echo_stdout_and_exit_zero() {
             signal,
             timed_out,
             out_of_memory,
+            oom_kills,
             ..
         } => {
             assert_eq!(
-                (exit_code, signal, timed_out, out_of_memory),
-                (Some(0), None, false, false)
+                (exit_code, signal, timed_out, out_of_memory, oom_kills),
+                (Some(0), None, false, false, 0)
             );
         }
         other => panic!("{other:?}"),

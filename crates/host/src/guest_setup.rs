@@ -209,6 +209,7 @@ mod tests {
                     timed_out: false,
                     duration_ms: 3,
                     out_of_memory: false,
+                    oom_kills: 0,
                 },
             )
             .await;

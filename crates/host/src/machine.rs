@@ -529,6 +529,7 @@ impl Host for QemuHost {
                 timed_out,
                 duration_ms,
                 out_of_memory,
+                oom_kills,
             } => Ok(pump::exited(
                 token,
                 ExitStatus {
@@ -536,7 +537,7 @@ impl Host for QemuHost {
                     signal,
                     timed_out,
                     duration_ms,
-                    out_of_memory,
+                    oom_kills: oom_kills.max(u32::from(out_of_memory)),
                 },
             )),
             other => Err(guest_err(id, other)),

@@ -39,8 +39,9 @@ pub(crate) fn pump_after(
                         Some(Incoming::Data { channel: channel::STDOUT, bytes }) => ExecEvent::Stdout(bytes),
                         Some(Incoming::Data { channel: channel::STDERR, bytes }) => ExecEvent::Stderr(bytes),
                         Some(Incoming::Data { .. }) => continue,
-                        Some(Incoming::Reply(Reply::Exited { exit_code, signal, timed_out, duration_ms, out_of_memory })) => {
-                            let _ = ev_tx.send(ExecEvent::Exited(ExitStatus { code: exit_code, signal, timed_out, duration_ms, out_of_memory })).await;
+                        Some(Incoming::Reply(Reply::Exited { exit_code, signal, timed_out, duration_ms, out_of_memory, oom_kills })) => {
+                            let oom_kills = oom_kills.max(u32::from(out_of_memory));
+                            let _ = ev_tx.send(ExecEvent::Exited(ExitStatus { code: exit_code, signal, timed_out, duration_ms, oom_kills })).await;
                             break;
                         }
                         Some(Incoming::Reply(_)) => continue,
@@ -138,7 +139,7 @@ mod tests {
             signal: None,
             timed_out: false,
             duration_ms: 12,
-            out_of_memory: false,
+            oom_kills: 0,
         }
     }
 
@@ -149,6 +150,7 @@ mod tests {
             timed_out: false,
             duration_ms: 12,
             out_of_memory: false,
+            oom_kills: 0,
         }
     }
 

@@ -101,7 +101,8 @@ pub struct ExitStatus {
     pub signal: Option<i32>,
     pub timed_out: bool,
     pub duration_ms: u64,
-    pub out_of_memory: bool,
+    /// How many of its processes the guest's kernel killed for memory.
+    pub oom_kills: u32,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]

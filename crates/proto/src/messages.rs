@@ -244,6 +244,10 @@ pub enum Reply {
         duration_ms: u64,
         #[serde(default)]
         out_of_memory: bool,
+        /// How many of its processes (it, or what it started) the kernel
+        /// killed for memory.
+        #[serde(default)]
+        oom_kills: u32,
     },
     /// Before the bytes of a read file.
     FileStart {

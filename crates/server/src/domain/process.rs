@@ -387,7 +387,8 @@ pub(crate) struct Exit {
     pub(crate) signal: Option<i32>,
     pub(crate) timed_out: bool,
     pub(crate) duration_ms: u64,
-    pub(crate) out_of_memory: bool,
+    /// How many of its processes the kernel killed for memory.
+    pub(crate) oom_kills: u32,
     pub(crate) lost: bool,
 }
 
@@ -399,7 +400,7 @@ impl Exit {
             signal: None,
             timed_out: false,
             duration_ms,
-            out_of_memory: false,
+            oom_kills: 0,
             lost: true,
         }
     }
@@ -413,8 +414,8 @@ impl Exit {
         }
     }
 
-    /// The `exit` event that ends a stream.
-    pub(crate) fn event(&self) -> Value {
+    /// The `exit` event that ends a stream (`memory_mib`: its sandbox's).
+    pub(crate) fn event(&self, memory_mib: u32) -> Value {
         let mut v = json!({
             "type": "exit",
             "exitCode": self.code,
@@ -422,11 +423,28 @@ impl Exit {
             "timedOut": self.timed_out,
             "durationMs": self.duration_ms,
         });
-        if self.out_of_memory {
-            v["outOfMemory"] = json!({});
+        if let Some(oom) = out_of_memory(self.oom_kills, memory_mib) {
+            v["outOfMemory"] = oom;
         }
         v
     }
+}
+
+/// The `outOfMemory` report of a command whose processes the kernel
+/// killed for memory (`None` when it killed none), as the client reads it.
+pub(crate) fn out_of_memory(kills: u32, memory_mib: u32) -> Option<Value> {
+    (kills > 0).then(|| {
+        let what = if kills == 1 { "process" } else { "processes" };
+        json!({
+            "code": "out_of_memory",
+            "processesKilled": kills,
+            "memoryMiB": memory_mib,
+            "message": format!(
+                "The sandbox ran out of memory ({memory_mib} MiB): the kernel ended {kills} {what} of this command."
+            ),
+            "hint": "Use less memory, or create the sandbox with more (memoryMiB).",
+        })
+    })
 }
 
 /// The JSON answer of an unstreamed exec. Without an exit (the host never
@@ -436,10 +454,11 @@ pub(crate) fn exec_result(
     exit: Option<&Exit>,
     guard_ms: u64,
     process_id: String,
+    memory_mib: u32,
 ) -> ExecResult {
     let (code, timed_out, duration, oom) = match exit {
-        Some(e) => (e.code, e.timed_out, e.duration_ms, e.out_of_memory),
-        None => (None, true, guard_ms, false),
+        Some(e) => (e.code, e.timed_out, e.duration_ms, e.oom_kills),
+        None => (None, true, guard_ms, 0),
     };
     ExecResult {
         exit_code: code,
@@ -450,7 +469,7 @@ pub(crate) fn exec_result(
         stderr_truncated: out.kept(true).truncated(),
         duration_ms: duration,
         process_id,
-        out_of_memory: oom.then(|| json!({})),
+        out_of_memory: out_of_memory(oom, memory_mib),
     }
 }
 
@@ -645,27 +664,37 @@ mod tests {
             signal: None,
             timed_out: false,
             duration_ms: 12,
-            out_of_memory: true,
+            oom_kills: 2,
             lost: false,
         };
-        let r = exec_result(&o, Some(&exit), 99, "proc_1".into());
+        let r = exec_result(&o, Some(&exit), 99, "proc_1".into(), 512);
         assert_eq!(r.exit_code, Some(3));
         assert_eq!((r.stdout.as_str(), r.stderr.as_str()), ("out", "err"));
         assert_eq!((r.timed_out, r.duration_ms), (false, 12));
-        assert_eq!(r.out_of_memory, Some(json!({})));
+        let oom = r.out_of_memory.clone().unwrap();
+        assert_eq!(
+            (&oom["code"], &oom["processesKilled"], &oom["memoryMiB"]),
+            (&json!("out_of_memory"), &json!(2), &json!(512))
+        );
+        assert!(
+            oom["message"].as_str().unwrap().contains("512 MiB"),
+            "{oom}"
+        );
+        assert!(oom["hint"].is_string());
         assert_eq!(r.process_id, "proc_1");
         assert_eq!(
-            exit.event(),
+            exit.event(512),
             json!({"type": "exit", "exitCode": 3, "state": "exited", "timedOut": false,
-                   "durationMs": 12, "outOfMemory": {}})
+                   "durationMs": 12, "outOfMemory": oom})
         );
         // No exit within the guard: timed out after it.
-        let r = exec_result(&o, None, 99, "proc_1".into());
+        let r = exec_result(&o, None, 99, "proc_1".into(), 512);
         assert_eq!((r.exit_code, r.timed_out, r.duration_ms), (None, true, 99));
+        assert_eq!(r.out_of_memory, None);
         let lost = Exit::lost(7);
         assert_eq!(lost.state(), "lost");
-        assert_eq!(lost.event()["exitCode"], Value::Null);
-        assert!(lost.event().get("outOfMemory").is_none());
+        assert_eq!(lost.event(512)["exitCode"], Value::Null);
+        assert!(lost.event(512).get("outOfMemory").is_none());
     }
 
     #[test]

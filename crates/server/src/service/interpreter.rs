@@ -206,7 +206,7 @@ impl Kernel {
                     return Msg::Died(Some(Ended {
                         code: x.code,
                         signal: x.signal,
-                        out_of_memory: x.out_of_memory,
+                        out_of_memory: x.oom_kills > 0,
                     }))
                 }
                 None => return Msg::Died(None),

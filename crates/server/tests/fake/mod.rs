@@ -564,6 +564,6 @@ fn exit(code: Option<i32>) -> ExitStatus {
         signal: None,
         timed_out: false,
         duration_ms: 5,
-        out_of_memory: false,
+        oom_kills: 0,
     }
 }

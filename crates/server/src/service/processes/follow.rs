@@ -50,7 +50,7 @@ pub(super) fn events(st: &AppState, proc: Arc<Proc>, cursor: u64, send_start: bo
             let (mut events, cursor, exit) = f.proc.read_from(f.cursor);
             f.cursor = cursor;
             if let Some(e) = exit {
-                events.push(e.event());
+                events.push(e.event(f.proc.memory_mib));
                 f.done = true;
             }
             if !events.is_empty() {

@@ -184,6 +184,7 @@ pub(crate) async fn exec(
         s.exit.as_ref(),
         guard_ms,
         proc.id.clone(),
+        proc.memory_mib,
     )))
 }
 
@@ -247,7 +248,7 @@ pub(crate) async fn output(
     let proc = get(st, key, id, pid)?;
     let (mut events, _, exit) = proc.read_from(cursor);
     if let Some(e) = exit {
-        events.push(e.event());
+        events.push(e.event(proc.memory_mib));
     }
     Ok(OutputRead::Now(events))
 }

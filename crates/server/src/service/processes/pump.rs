@@ -18,7 +18,7 @@ pub(super) fn exit_of(status: ExitStatus) -> Exit {
         signal: status.signal,
         timed_out: status.timed_out,
         duration_ms: status.duration_ms,
-        out_of_memory: status.out_of_memory,
+        oom_kills: status.oom_kills,
         lost: false,
     }
 }

@@ -69,7 +69,7 @@ pub(crate) async fn reattach(st: &AppState, sandbox_id: &str) {
 /// (`lost` when the host no longer knows them), ended ones stay queryable
 /// without their output, and the records of sandboxes that are gone go.
 pub(crate) async fn recover(st: &AppState) -> Result<(), crate::ServerError> {
-    let mut sandboxes: HashMap<String, Option<SandboxState>> = HashMap::new();
+    let mut sandboxes: HashMap<String, Option<(SandboxState, u32)>> = HashMap::new();
     for row in st.store().all_processes()? {
         let state = match sandboxes.get(&row.sandbox_id) {
             Some(s) => *s,
@@ -78,7 +78,7 @@ pub(crate) async fn recover(st: &AppState) -> Result<(), crate::ServerError> {
                     .store()
                     .get_sandbox(&row.sandbox_id)?
                     .filter(|r| r.deleted.is_none() && r.record.state != SandboxState::Stopped)
-                    .map(|r| r.record.state);
+                    .map(|r| (r.record.state, r.record.memory_mib));
                 if s.is_none() {
                     st.store().delete_processes_of(&row.sandbox_id)?;
                 }
@@ -86,7 +86,7 @@ pub(crate) async fn recover(st: &AppState) -> Result<(), crate::ServerError> {
                 s
             }
         };
-        let Some(sandbox_state) = state else {
+        let Some((sandbox_state, memory_mib)) = state else {
             continue;
         };
         let mut handle = None;
@@ -120,7 +120,7 @@ pub(crate) async fn recover(st: &AppState) -> Result<(), crate::ServerError> {
                 signal: row.signal,
                 timed_out: row.timed_out,
                 duration_ms: row.duration_ms.unwrap_or(0),
-                out_of_memory: row.out_of_memory,
+                oom_kills: row.oom_kills,
                 lost: row.state == "lost",
             });
             state.ended_ms = Some(row.ended_ms.unwrap_or(row.started_ms));
@@ -131,6 +131,7 @@ pub(crate) async fn recover(st: &AppState) -> Result<(), crate::ServerError> {
             command: row.command,
             argv: row.argv,
             cwd: row.cwd,
+            memory_mib,
             user: run_as(&row.user),
             guest_pid,
             pty: row.pty,

@@ -179,6 +179,8 @@ pub(crate) struct Proc {
     pub(super) argv: Vec<String>,
     /// Where it runs.
     pub(super) cwd: String,
+    /// Its sandbox's memory, for an out-of-memory report.
+    pub(super) memory_mib: u32,
     pub(super) user: RunAs,
     pub(super) guest_pid: u32,
     pub(super) pty: bool,
@@ -240,7 +242,7 @@ impl Proc {
                 exit_code: exit.code,
                 signal: exit.signal,
                 timed_out: exit.timed_out,
-                out_of_memory: exit.out_of_memory,
+                oom_kills: exit.oom_kills,
                 duration_ms: exit.duration_ms,
                 ended_ms: now,
                 output_bytes: s.out.end(),
