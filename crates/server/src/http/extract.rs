@@ -330,12 +330,14 @@ pub(crate) fn check_labels(
     let labels = labels?;
     let mut out = BTreeMap::new();
     for (k, v) in labels {
-        if k.is_empty() || k.len() > 63 || k.contains(':') {
+        // Characters, not bytes, as the client counts them (Runloop's layer
+        // cuts its metadata into values of 256 UTF-16 units).
+        if k.is_empty() || k.chars().count() > 63 || k.contains(':') {
             f.issue(
                 &format!("labels.{k}"),
                 "keys must be 1-63 characters without ':'",
             );
-        } else if v.len() > 256 {
+        } else if v.chars().count() > 256 {
             f.issue(
                 &format!("labels.{k}"),
                 "values must be at most 256 characters",
@@ -367,6 +369,22 @@ pub(crate) fn check_env(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn label_values_are_counted_in_characters() {
+        let body = serde_json::json!({"labels": {
+            "fits": "é".repeat(256),
+            "long": "é".repeat(257),
+            "key:colon": "v",
+        }});
+        let obj = body.as_object().unwrap();
+        let mut f = Fields::new(obj);
+        let labels = checked_labels(&mut f).unwrap();
+        assert_eq!(labels.keys().collect::<Vec<_>>(), ["fits"]);
+        let mut fields: Vec<String> = f.issues.iter().map(|i| i.field.clone()).collect();
+        fields.sort();
+        assert_eq!(fields, ["labels.key:colon", "labels.long"]);
+    }
 
     #[test]
     fn pages_follow_their_cursor() {
