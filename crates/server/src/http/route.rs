@@ -22,6 +22,9 @@ pub(crate) enum Route {
     FilesList(String),
     FilesStat(String),
     FilesAction(String, String),
+    /// `…/files/archive`: a folder as a tar, out (`GET`) or in (`PUT`).
+    ArchiveGet(String),
+    ArchivePut(String),
     UploadBegin(String),
     UploadChunk(String, String),
     UploadAction(String, String, String),
@@ -128,7 +131,9 @@ fn unavailable(s: &[&str], verb: Option<&str>) -> Option<&'static str> {
         }
         ["v1", "volumes", _, "attachments", ..] => Some("Volume attachments"),
         ["v1", "sandboxes", _, "files", "watches", ..] => Some("File watches"),
-        ["v1", "sandboxes", _, "files", "archive", ..] => Some("Folder archives"),
+        ["v1", "sandboxes", _, "files", "archive", "uploads", ..] => {
+            Some("Chunked archive uploads")
+        }
         ["v1", "sandboxes", _, "processes", _, "files"] => Some("Traced files"),
         ["v1", "sandboxes", _, "files"] if matches!(verb, Some("link" | "revoke-links")) => {
             Some("File links")
@@ -194,6 +199,11 @@ pub(crate) fn route(method: &Method, raw_path: &str) -> ApiResult<Route> {
         },
         ["v1", "sandboxes", id, "files", "list"] if verb_or_none(false) => match m {
             Method::GET => Route::FilesList(id.to_string()),
+            _ => return Err(not_allowed()),
+        },
+        ["v1", "sandboxes", id, "files", "archive"] if verb_or_none(false) => match m {
+            Method::GET => Route::ArchiveGet(id.to_string()),
+            Method::PUT => Route::ArchivePut(id.to_string()),
             _ => return Err(not_allowed()),
         },
         ["v1", "sandboxes", id, "files", "stat"] if verb_or_none(false) => match m {
@@ -333,7 +343,9 @@ pub(crate) fn route(method: &Method, raw_path: &str) -> ApiResult<Route> {
 /// The largest body a route reads.
 pub(super) fn body_limit(r: &Route) -> usize {
     match r {
-        Route::FileContentPut(_) | Route::UploadChunk(..) => crate::domain::files::CHUNK_BYTES,
+        Route::FileContentPut(_) | Route::UploadChunk(..) | Route::ArchivePut(_) => {
+            crate::domain::files::CHUNK_BYTES
+        }
         _ => 8 << 20,
     }
 }
@@ -410,6 +422,8 @@ pub const ROUTE_SAMPLES: &[(&str, &str)] = &[
     ("GET", "/v1/sandboxes/{id}/terminal"),
     ("GET", "/v1/sandboxes/{id}/tunnel"),
     ("GET", "/v1/events"),
+    ("GET", "/v1/sandboxes/{id}/files/archive?path=/workspace"),
+    ("PUT", "/v1/sandboxes/{id}/files/archive?path=/tmp/x"),
 ];
 
 /// Routes that show what is inside a sandbox (files, commands and their
@@ -418,6 +432,7 @@ pub(crate) fn reveals_contents(r: &Route) -> bool {
     matches!(
         r,
         Route::FileContentGet(_)
+            | Route::ArchiveGet(_)
             | Route::FilesList(_)
             | Route::FilesStat(_)
             | Route::ProcList(_)
@@ -518,9 +533,11 @@ mod tests {
             Route::DeleteImage(_) => 49,
             Route::ImageAction(..) => 50,
             Route::Unavailable(_) => 51,
+            Route::ArchiveGet(_) => 52,
+            Route::ArchivePut(_) => 53,
         }
     }
-    const VARIANTS: usize = 52;
+    const VARIANTS: usize = 54;
 
     #[test]
     fn products_not_served_here_are_unavailable_not_missing() {
@@ -531,7 +548,11 @@ mod tests {
             ("POST", "/v1/sandboxes/x/sessions", "Sandbox sessions"),
             ("GET", "/v1/sandboxes/x/metrics", "Sandbox metrics"),
             ("POST", "/v1/sandboxes/x/files:link", "File links"),
-            ("GET", "/v1/sandboxes/x/files/archive", "Folder archives"),
+            (
+                "PUT",
+                "/v1/sandboxes/x/files/archive/uploads/u1",
+                "Chunked archive uploads",
+            ),
             ("POST", "/v1/sandboxes/x/files/watches", "File watches"),
             ("GET", "/v1/sandboxes/x/processes/p1/files", "Traced files"),
             (

@@ -1,6 +1,7 @@
 //! Orchestration over the store, the `Host` and owned tasks. Never names
 //! HTTP types (axum, `StatusCode`, `Bytes`).
 
+pub(crate) mod archives;
 pub(crate) mod background;
 pub(crate) mod billing;
 pub(crate) mod clock;

@@ -13,7 +13,7 @@ use crate::domain::time::iso;
 use crate::error::{ApiError, ApiResult};
 use crate::http::extract::{json_object, no_fields, parse_mode, query_object, Fields};
 use crate::http::{Ctx, Reply};
-use crate::service::{files, uploads};
+use crate::service::{archives, files, uploads};
 use crate::AppState;
 
 const USERS: &[&str] = &["sandbox", "root"];
@@ -82,6 +82,65 @@ pub(super) async fn read(st: AppState, ctx: Ctx, id: String) -> ApiResult<Reply>
     }
     *resp.body_mut() = Body::from(data);
     Ok(Reply::Raw(resp))
+}
+
+/// `GET …/files/archive?path&gzip&user&exclude*`: the folder as a tar
+/// stream, gzipped unless `gzip=false`.
+pub(super) async fn archive_get(st: AppState, ctx: Ctx, id: String) -> ApiResult<Reply> {
+    let q = query_object(&ctx.query, &["exclude"]);
+    let mut f = Fields::new(&q);
+    let p = f.string("path");
+    let path = check_path(&mut f, "path", p);
+    let gzip = f.q_bool("gzip").unwrap_or(true);
+    let user = f.one_of("user", USERS);
+    let mut exclude = Vec::new();
+    if let Some(Value::Array(a)) = f.raw("exclude") {
+        for e in a.iter().filter_map(Value::as_str) {
+            let rel = e.trim_start_matches("./").trim_end_matches('/');
+            if rel.is_empty() || rel.starts_with('/') || rel.split('/').any(|c| c == "..") {
+                f.issue("exclude", format!("{e} is not a path inside the folder"));
+            } else {
+                exclude.push(rel.to_string());
+            }
+        }
+    }
+    f.finish()?;
+    let pack = archives::Pack {
+        path,
+        gzip,
+        user,
+        exclude,
+    };
+    let stream = archives::pack(&st, &ctx.key, &id, pack).await?;
+    let stream = futures::StreamExt::map(stream, |r| r.map(Bytes::from));
+    let mut resp = Response::new(Body::from_stream(stream));
+    let kind = if gzip {
+        "application/gzip"
+    } else {
+        "application/x-tar"
+    };
+    resp.headers_mut()
+        .insert(header::CONTENT_TYPE, HeaderValue::from_static(kind));
+    Ok(Reply::Raw(resp))
+}
+
+/// `PUT …/files/archive?path&user`: the body is a tar (gzipped or not),
+/// unpacked into the folder.
+pub(super) async fn archive_put(
+    st: AppState,
+    ctx: Ctx,
+    id: String,
+    body: Bytes,
+) -> ApiResult<Reply> {
+    let q = query_object(&ctx.query, &[]);
+    let mut f = Fields::new(&q);
+    let p = f.string("path");
+    let path = check_path(&mut f, "path", p);
+    let user = f.one_of("user", USERS);
+    f.finish()?;
+    let size =
+        archives::unpack(&st, &ctx.key, &id, &path, user.as_deref(), Vec::from(body)).await?;
+    Reply::ok(json!({ "path": path, "size": size }))
 }
 
 /// `PUT …/files/content?path&mode&user`: the body is the whole file.

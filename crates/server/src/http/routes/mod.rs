@@ -32,6 +32,8 @@ pub(super) async fn dispatch(st: AppState, ctx: Ctx, r: Route, body: Bytes) -> A
             _ => sandboxes::action(st, ctx, id, verb, body).await,
         },
         Route::FileContentGet(id) => files::read(st, ctx, id).await,
+        Route::ArchiveGet(id) => files::archive_get(st, ctx, id).await,
+        Route::ArchivePut(id) => files::archive_put(st, ctx, id, body).await,
         Route::FileContentPut(id) => files::write(st, ctx, id, body).await,
         Route::FilesList(id) => files::list(st, ctx, id).await,
         Route::FilesStat(id) => files::stat(st, ctx, id).await,
