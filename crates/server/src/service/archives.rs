@@ -68,7 +68,9 @@ fn tar_failed(id: &str, path: &str, stderr: &[u8], field: &'static str) -> ApiEr
         return ApiError::BadField {
             code: codes::INVALID_REQUEST,
             field,
-            message: format!("The archive has a member outside the folder ({member}): nothing was unpacked."),
+            message: format!(
+                "The archive has a member outside the folder ({member}): nothing was unpacked."
+            ),
         };
     }
     if text.contains("No such file or directory") {
