@@ -265,7 +265,9 @@ def test_long_silent_run_answers_late(server, sbx):
     assert answer.headers.get("runtime-late-answer") == "true", answer.headers
     run = answer.json()
     assert run["status"] == "ok" and run["stdout"] == "done\n", run
-    assert run["durationMs"] >= 95_000
+    # It really ran the 95 s: the guest measures it, and an emulated guest's
+    # clock may run a few milliseconds off the sleep it timed (seen: 94998).
+    assert run["durationMs"] >= 94_000, run
 
 
 def test_validation_names_fields(server, sbx):
