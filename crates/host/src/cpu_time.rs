@@ -23,6 +23,21 @@ pub(crate) fn vcpu_time(pid: u32) -> Option<Duration> {
     Some(ticks_to_duration(total, ticks))
 }
 
+/// The resident set of a process (`/proc/<pid>/statm`'s second field, in
+/// pages): the host memory a machine holds, guest RAM it touched included.
+pub(crate) fn resident_bytes(pid: u32) -> Option<u64> {
+    let statm = std::fs::read_to_string(format!("/proc/{pid}/statm")).ok()?;
+    // SAFETY: sysconf has no preconditions.
+    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    let page = if page > 0 { page as u64 } else { 4096 };
+    statm_resident(&statm).map(|pages| pages.saturating_mul(page))
+}
+
+/// The resident pages of a `statm` line.
+fn statm_resident(statm: &str) -> Option<u64> {
+    statm.split_whitespace().nth(1)?.parse().ok()
+}
+
 /// Whether a thread's `comm` names one of QEMU's vCPU threads.
 fn is_vcpu_thread(comm: &str) -> bool {
     comm.starts_with("CPU ")
@@ -53,6 +68,14 @@ mod tests {
     /// A vCPU thread's stat line as Linux writes it: utime 250, stime 30.
     const STAT: &str = "4242 (CPU 0/TCG) S 1 4240 4240 0 -1 4194624 1500 0 3 0 250 30 0 0 20 0 5 0 812 \
                         1190000000 30000 18446744073709551615 0 0 0 0 0 0 0 4096 0 0 0 -1 1 0 0 0 0 0";
+
+    #[test]
+    fn resident_pages_are_statm_s_second_field() {
+        assert_eq!(statm_resident("262144 5120 1024 1 0 4096 0\n"), Some(5120));
+        assert_eq!(statm_resident("garbage"), None);
+        // This test's own process holds some memory.
+        assert!(resident_bytes(std::process::id()).is_some_and(|b| b > 0));
+    }
 
     #[test]
     fn stat_ticks_adds_user_and_system_time() {

@@ -337,6 +337,11 @@ impl Host for QemuHost {
         crate::cpu_time::vcpu_time(vm.pid)
     }
 
+    async fn memory_bytes(&self, id: &str) -> Option<u64> {
+        let vm = self.vm(id).ok()?;
+        crate::cpu_time::resident_bytes(vm.pid)
+    }
+
     async fn connect(&self, id: &str, port: u16) -> Result<DuplexStream, HostError> {
         let link = self.link(id).await?;
         let lost = || HostError::LinkLost { id: id.to_owned() };

@@ -323,6 +323,11 @@ pub trait Host: Send + Sync + 'static {
     /// CPU time the machine's vCPUs have used since it started (or was last
     /// restored), for metering; `None` when it has no running machine.
     async fn cpu_time(&self, id: &str) -> Option<Duration>;
+    /// Host memory the machine holds (its QEMU's resident set), for
+    /// metrics; `None` when it has no running machine or cannot be read.
+    async fn memory_bytes(&self, _id: &str) -> Option<u64> {
+        None
+    }
     /// Opens a TCP connection to `127.0.0.1:port` inside the guest (previews,
     /// port forwarding), carried over the agent channel with flow control.
     /// The stream ends when either side closes or the machine stops.

@@ -37,6 +37,16 @@ pub enum ApiError {
     Unauthorized,
     #[error("this key may not {action}")]
     Forbidden { action: &'static str },
+    /// A session token used for something beyond its sandbox's commands,
+    /// processes, files and previews.
+    #[error("a session may not {action}")]
+    SessionScope { action: &'static str },
+    /// A session token that expired or was revoked.
+    #[error("session {id} is {state}")]
+    SessionEnded { id: String, state: &'static str },
+    /// A page at an origin the session does not list.
+    #[error("origin {origin} may not use this session")]
+    OriginNotAllowed { origin: String },
     #[error("no route {method} {path}")]
     RouteNotFound { method: String, path: String },
     #[error("method {method} not allowed on {path}")]

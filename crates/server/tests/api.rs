@@ -3398,3 +3398,285 @@ async fn tags_go_to_the_newest_ready_version_whatever_order_builds_end_in() {
         assert_eq!(v["tags"], json!([]), "{first} first: {v}");
     }
 }
+
+// ---- sessions ----
+
+#[tokio::test(start_paused = true)]
+async fn a_session_reaches_only_its_sandbox_from_its_pages_until_it_ends() {
+    let t = T::on_paused_time();
+    let admin = t.admin.clone();
+    let mine = t.running(json!({})).await;
+    let other = t.running(json!({})).await;
+    let base = format!("/v1/sandboxes/{mine}/sessions");
+    let made = t
+        .json_as(
+            &admin,
+            "POST",
+            &base,
+            Some(json!({"ttlSeconds": 120, "origins": ["https://app.example.com"], "name": "ui"})),
+            &[("idempotency-key", "sess-1")],
+        )
+        .await;
+    assert_eq!(made.0, StatusCode::CREATED, "{}", made.1);
+    let token = made.1["token"].as_str().unwrap().to_string();
+    assert!(token.starts_with("rtsess_"), "{token}");
+    assert_eq!(made.1["state"], "active");
+    assert_eq!(made.1["sandboxId"], mine.as_str());
+    // A replay answers the same session without its token (shown once).
+    let again = t
+        .json_as(
+            &admin,
+            "POST",
+            &base,
+            Some(json!({"ttlSeconds": 120, "origins": ["https://app.example.com"], "name": "ui"})),
+            &[("idempotency-key", "sess-1")],
+        )
+        .await;
+    assert_eq!(again.1["id"], made.1["id"]);
+    assert!(again.1.get("token").is_none(), "{}", again.1);
+
+    // Its sandbox's record and insides: yes.
+    let (s, v) = t
+        .json_as(&token, "GET", &format!("/v1/sandboxes/{mine}"), None, &[])
+        .await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    let (s, v) = t
+        .json_as(
+            &token,
+            "GET",
+            &format!("/v1/sandboxes/{mine}/processes"),
+            None,
+            &[],
+        )
+        .await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    // Anything else: 403 in the one shape.
+    for (m, p) in [
+        ("POST", format!("/v1/sandboxes/{mine}:pause")),
+        ("POST", format!("/v1/sandboxes/{mine}:fork")),
+        ("DELETE", format!("/v1/sandboxes/{mine}")),
+        ("POST", base.clone()),
+        ("GET", "/v1/sandboxes".to_string()),
+        ("GET", format!("/v1/sandboxes/{other}")),
+        ("GET", "/v1/usage".to_string()),
+    ] {
+        let (s, v) = t.json_as(&token, m, &p, None, &[]).await;
+        assert_eq!(s, StatusCode::FORBIDDEN, "{m} {p}: {v}");
+        assert_error(&v, 403, "forbidden");
+    }
+    // From its page: let in, with the CORS headers; from another: refused.
+    let (s, h, _) = t
+        .call(
+            "GET",
+            &format!("/v1/sandboxes/{mine}"),
+            Some(&token),
+            &[("origin", "https://app.example.com")],
+            Body::empty(),
+        )
+        .await;
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(
+        h.get("access-control-allow-origin").unwrap(),
+        "https://app.example.com"
+    );
+    let (s, h, _) = t
+        .call(
+            "GET",
+            &format!("/v1/sandboxes/{mine}"),
+            Some(&token),
+            &[("origin", "https://evil.example.org")],
+            Body::empty(),
+        )
+        .await;
+    assert_eq!(s, StatusCode::FORBIDDEN);
+    assert!(h.get("access-control-allow-origin").is_none());
+    // A preflight names no token: allowed for a live session's origin only.
+    let (s, h, _) = t
+        .call(
+            "OPTIONS",
+            &format!("/v1/sandboxes/{mine}:exec"),
+            None,
+            &[
+                ("origin", "https://app.example.com"),
+                ("access-control-request-method", "POST"),
+            ],
+            Body::empty(),
+        )
+        .await;
+    assert_eq!(s, StatusCode::NO_CONTENT);
+    assert!(h
+        .get("access-control-allow-headers")
+        .unwrap()
+        .to_str()
+        .unwrap()
+        .contains("authorization"));
+    let (s, _, _) = t
+        .call(
+            "OPTIONS",
+            "/v1/sandboxes",
+            None,
+            &[("origin", "https://evil.example.org")],
+            Body::empty(),
+        )
+        .await;
+    assert_eq!(s, StatusCode::FORBIDDEN);
+
+    // The list shows it; a revoke ends it at once.
+    let (_, list) = t.json("GET", &base, None).await;
+    assert_eq!(list["data"][0]["id"], made.1["id"]);
+    let sid = made.1["id"].as_str().unwrap();
+    let (s, v) = t
+        .json("POST", &format!("{base}/{sid}:revoke"), Some(json!({})))
+        .await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert_eq!(v["state"], "revoked");
+    let (s, v) = t
+        .json_as(&token, "GET", &format!("/v1/sandboxes/{mine}"), None, &[])
+        .await;
+    assert_eq!(s, StatusCode::UNAUTHORIZED, "{v}");
+    assert_error(&v, 401, "unauthorized");
+
+    // Another ends when its time is up.
+    let (_, short) = t.json("POST", &base, Some(json!({"ttlSeconds": 60}))).await;
+    let short_token = short["token"].as_str().unwrap().to_string();
+    let (s, _) = t
+        .json_as(
+            &short_token,
+            "GET",
+            &format!("/v1/sandboxes/{mine}"),
+            None,
+            &[],
+        )
+        .await;
+    assert_eq!(s, StatusCode::OK);
+    tokio::time::advance(Duration::from_secs(61)).await;
+    let (s, v) = t
+        .json_as(
+            &short_token,
+            "GET",
+            &format!("/v1/sandboxes/{mine}"),
+            None,
+            &[],
+        )
+        .await;
+    assert_eq!(s, StatusCode::UNAUTHORIZED, "{v}");
+    assert!(
+        v["error"]["message"].as_str().unwrap().contains("expired"),
+        "{v}"
+    );
+    let (_, list) = t.json("GET", &base, None).await;
+    let states: Vec<&str> = list["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["state"].as_str().unwrap())
+        .collect();
+    assert_eq!(states, ["expired", "revoked"], "{list}");
+}
+
+#[tokio::test]
+async fn a_session_ends_with_its_key_and_bad_requests_name_each_field() {
+    let t = T::new();
+    let agent = create_key(&t.dir, Some("agent"), false, false).unwrap();
+    let (s, v) = t
+        .json_as(
+            &agent,
+            "POST",
+            "/v1/sandboxes",
+            Some(json!({})),
+            &[("prefer", "wait=10")],
+        )
+        .await;
+    assert_eq!(s, StatusCode::CREATED, "{v}");
+    let id = v["id"].as_str().unwrap().to_string();
+    let base = format!("/v1/sandboxes/{id}/sessions");
+    let (s, v) = t
+        .json_as(
+            &agent,
+            "POST",
+            &base,
+            Some(json!({"ttlSeconds": 5, "origins": ["https://app.example.com/", 7], "name": "", "extra": 1})),
+            &[],
+        )
+        .await;
+    assert_eq!(s, StatusCode::BAD_REQUEST, "{v}");
+    let fields: Vec<&str> = v["error"]["details"]["issues"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|i| i["field"].as_str().unwrap())
+        .collect();
+    for f in ["ttlSeconds", "origins[0]", "origins[1]", "name", "extra"] {
+        assert!(fields.contains(&f), "{f} not in {fields:?}");
+    }
+    // Another key's sandbox is not found, for sessions too.
+    let stranger = create_key(&t.dir, Some("stranger"), false, false).unwrap();
+    let (s, _) = t
+        .json_as(&stranger, "POST", &base, Some(json!({})), &[])
+        .await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+    let (_, made) = t.json_as(&agent, "POST", &base, Some(json!({})), &[]).await;
+    let token = made["token"].as_str().unwrap().to_string();
+    let (s, _) = t
+        .json_as(&token, "GET", &format!("/v1/sandboxes/{id}"), None, &[])
+        .await;
+    assert_eq!(s, StatusCode::OK);
+    runtime_server::keys::revoke_key(&t.dir, "agent").unwrap();
+    let (s, _) = t
+        .json_as(&token, "GET", &format!("/v1/sandboxes/{id}"), None, &[])
+        .await;
+    assert_eq!(s, StatusCode::UNAUTHORIZED);
+}
+
+// ---- metrics ----
+
+#[tokio::test(start_paused = true)]
+async fn metrics_come_from_the_meters_readings() {
+    let t = T::on_paused_time();
+    let id = t.running(json!({"vcpu": 2, "memoryMiB": 1024})).await;
+    let path = format!("/v1/sandboxes/{id}/metrics");
+    let (s, v) = t.json("GET", &path, None).await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert!(v["latest"].is_null(), "{v}");
+    assert_eq!(v["vcpu"], 2);
+    assert_eq!(v["memoryLimitBytes"], 1u64 << 30);
+    // One of two vCPUs busy for 25 seconds: 50 %.
+    let mut used = Duration::ZERO;
+    for _ in 0..25 {
+        t.host.cpu.lock().unwrap().insert(id.clone(), used);
+        t.state.meter_tick().await.unwrap();
+        used += Duration::from_secs(1);
+        tokio::time::advance(Duration::from_secs(1)).await;
+    }
+    let (_, v) = t.json("GET", &path, None).await;
+    assert_eq!(v["stepSeconds"], 10, "{v}");
+    assert_eq!(v["latest"]["cpuPercent"], 50.0, "{v}");
+    assert_eq!(v["latest"]["cpuCores"], 1.0, "{v}");
+    let points = v["points"].as_array().unwrap();
+    assert_eq!(points.len(), 90);
+    assert!(points.iter().filter(|p| p["cpuPercent"] == 50.0).count() >= 1);
+    let (_, day) = t.json("GET", &format!("{path}?range=24h"), None).await;
+    assert_eq!(day["stepSeconds"], 480);
+    let (s, v) = t.json("GET", &format!("{path}?range=2h"), None).await;
+    assert_eq!(s, StatusCode::BAD_REQUEST, "{v}");
+    assert_eq!(v["error"]["details"]["issues"][0]["field"], "range");
+    // Paused: no latest reading; the earlier points stay.
+    let (s, v) = t
+        .json_as(
+            &t.admin.clone(),
+            "POST",
+            &format!("/v1/sandboxes/{id}:pause"),
+            None,
+            &[("prefer", "wait=10")],
+        )
+        .await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    t.state.meter_tick().await.unwrap();
+    let (_, v) = t.json("GET", &path, None).await;
+    assert!(v["latest"].is_null(), "{v}");
+    assert!(v["points"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|p| p["cpuPercent"] == 50.0));
+}

@@ -132,7 +132,24 @@ pub(crate) fn parse_host(host: &str, domain: &str) -> Option<(u16, String)> {
     if sandbox.contains('.') || sandbox.is_empty() {
         return None;
     }
-    Some((port.parse().ok()?, sandbox.to_string()))
+    Some((port.parse().ok()?, dashed_uuid(sandbox)))
+}
+
+/// A sandbox id written without its dashes (E2B's `get_host` names hosts
+/// `<port>-<id without dashes>`) as the id itself; anything else as it is.
+fn dashed_uuid(s: &str) -> String {
+    if s.len() == 32 && s.bytes().all(|b| b.is_ascii_hexdigit()) {
+        format!(
+            "{}-{}-{}-{}-{}",
+            &s[..8],
+            &s[8..12],
+            &s[12..16],
+            &s[16..20],
+            &s[20..]
+        )
+    } else {
+        s.to_string()
+    }
 }
 
 /// A preview's address: `http(s)://<port>-<sandbox>.<domain>[:<port>]/`,
@@ -327,6 +344,13 @@ mod tests {
         assert_eq!(
             parse_host("3000-ABC-def.Preview.Example.com:8443", d),
             Some((3000, "abc-def".into()))
+        );
+        assert_eq!(
+            parse_host(
+                "3000-7f3a2c1058d44b9e9c610a2b3c4d5e6f.preview.example.com",
+                d
+            ),
+            Some((3000, "7f3a2c10-58d4-4b9e-9c61-0a2b3c4d5e6f".into()))
         );
         assert_eq!(parse_host("preview.example.com", d), None);
         assert_eq!(parse_host("api.example.com", d), None);

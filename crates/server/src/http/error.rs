@@ -45,6 +45,34 @@ impl ApiError {
                 codes::FORBIDDEN,
                 format!("This API key is read-only and may not {action}."),
             ),
+            ApiError::SessionScope { action } => Parts {
+                hint: Some(
+                    "A session reaches its own sandbox's commands, processes, files and previews; \
+                     do the rest with an API key on your backend."
+                        .into(),
+                ),
+                ..p(
+                    StatusCode::FORBIDDEN,
+                    codes::FORBIDDEN,
+                    format!("A sandbox session may not {action}."),
+                )
+            },
+            ApiError::SessionEnded { id, state } => Parts {
+                hint: Some("Make a new one with sbx.sessions.create() on your backend.".into()),
+                ..p(
+                    StatusCode::UNAUTHORIZED,
+                    codes::UNAUTHORIZED,
+                    format!("Session {id} is {state}."),
+                )
+            },
+            ApiError::OriginNotAllowed { origin } => Parts {
+                hint: Some("Create the session with this page's origin in `origins`.".into()),
+                ..p(
+                    StatusCode::FORBIDDEN,
+                    codes::FORBIDDEN,
+                    format!("The page at {origin} is not one of this session's origins."),
+                )
+            },
             ApiError::RouteNotFound { method, path } => p(
                 StatusCode::NOT_FOUND,
                 codes::ROUTE_NOT_FOUND,

@@ -158,6 +158,26 @@ where
                     body: body.to_string(),
                     created_ms: st2.now_ms(),
                 }),
+                // A token or secret is shown once: a replay answers without it.
+                Reply::ShownOnce {
+                    status,
+                    body,
+                    fields,
+                } => {
+                    let mut kept = body.clone();
+                    if let Value::Object(m) = &mut kept {
+                        for f in *fields {
+                            m.remove(*f);
+                        }
+                    }
+                    Some(StoredAnswer {
+                        fingerprint: fp.clone(),
+                        kind: "json".into(),
+                        status: status.as_u16(),
+                        body: kept.to_string(),
+                        created_ms: st2.now_ms(),
+                    })
+                }
                 Reply::Stream { replay, .. } => Some(StoredAnswer {
                     fingerprint: fp.clone(),
                     kind: "stream".into(),
@@ -187,7 +207,9 @@ where
             let rid = rid.to_string();
             let body = deferred_body(async move {
                 let err = match task.await {
-                    Ok(Ok(Reply::Json(_, v))) => return json_bytes(&v),
+                    Ok(Ok(Reply::Json(_, v) | Reply::ShownOnce { body: v, .. })) => {
+                        return json_bytes(&v)
+                    }
                     Ok(Ok(_)) => ApiError::Internal {
                         what: "a late answer was not JSON".into(),
                     },

@@ -27,15 +27,23 @@ use tracing::Instrument;
 use axum::extract::FromRequestParts;
 
 use crate::domain::access::{sha256_hex, KeyInfo};
+use crate::domain::session::{is_session_token, Session};
 use crate::error::{ApiError, ApiResult};
 use crate::http::extract::parse_query;
-use crate::http::route::{body_limit, reveals_contents, route, Route};
+use crate::http::route::{body_limit, reveals_contents, route, session_sandbox, Route};
 use crate::AppState;
 
 /// What a handler answers.
 pub(crate) enum Reply {
     /// A JSON answer; stored for idempotent replay when 2xx.
     Json(StatusCode, Value),
+    /// A JSON answer holding `fields` (a token, a secret) shown this once:
+    /// stored for replay without them.
+    ShownOnce {
+        status: StatusCode,
+        body: Value,
+        fields: &'static [&'static str],
+    },
     /// Raw bytes or other non-JSON answers (never stored).
     Raw(Response),
     /// An NDJSON stream; `replay` names the process a duplicate follows.
@@ -49,7 +57,10 @@ impl Reply {
 
     pub(crate) fn into_response(self) -> Response {
         match self {
-            Reply::Json(status, v) => (status, axum::Json(v)).into_response(),
+            Reply::Json(status, v)
+            | Reply::ShownOnce {
+                status, body: v, ..
+            } => (status, axum::Json(v)).into_response(),
             Reply::Raw(r) => r,
             Reply::Stream { response, .. } => response,
         }
@@ -76,12 +87,16 @@ async fn handle(State(st): State<AppState>, req: Request) -> Response {
             .await;
     }
     let rid = format!("req_{}", uuid::Uuid::new_v4().simple());
+    // Set once a session's request from one of its pages is let in.
+    let mut cors: Option<String> = None;
     let span = tracing::info_span!("request", request_id = %rid, method = %req.method(), path = %req.uri().path());
     let mut resp = async {
         let result = if login::is_login_path(req.uri().path()) {
             login::handle(&st, req).await
+        } else if req.method() == Method::OPTIONS {
+            preflight(&st, req.headers())
         } else {
-            serve(&st, req, &rid).await
+            serve(&st, req, &rid, &mut cors).await
         };
         match result {
             Ok(r) => r,
@@ -96,20 +111,115 @@ async fn handle(State(st): State<AppState>, req: Request) -> Response {
     if let Ok(v) = HeaderValue::from_str(&rid) {
         resp.headers_mut().insert("x-request-id", v);
     }
+    if let Some(origin) = &cors {
+        allow_origin(&mut resp, origin);
+    }
     resp
 }
 
-fn authenticate(st: &AppState, headers: &HeaderMap) -> ApiResult<KeyInfo> {
-    let token = headers
+/// Who a request comes from: an API key, or a session acting for one
+/// sandbox with the key that made it.
+struct Caller {
+    key: KeyInfo,
+    session: Option<Session>,
+}
+
+fn bearer(headers: &HeaderMap) -> Option<&str> {
+    headers
         .get(axum::http::header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "))
         .map(str::trim)
         .filter(|t| !t.is_empty())
-        .ok_or(ApiError::Unauthorized)?;
-    st.store()
+}
+
+fn authenticate(st: &AppState, headers: &HeaderMap) -> ApiResult<Caller> {
+    let token = bearer(headers).ok_or(ApiError::Unauthorized)?;
+    if is_session_token(token) {
+        let (session, key) = crate::service::sessions::authenticate(st, token)?;
+        return Ok(Caller {
+            key,
+            session: Some(session),
+        });
+    }
+    let key = st
+        .store()
         .find_key(&sha256_hex(token.as_bytes()))?
-        .ok_or(ApiError::Unauthorized)
+        .ok_or(ApiError::Unauthorized)?;
+    Ok(Caller { key, session: None })
+}
+
+fn origin_of(headers: &HeaderMap) -> Option<&str> {
+    headers
+        .get(axum::http::header::ORIGIN)
+        .and_then(|v| v.to_str().ok())
+}
+
+/// A session may use only its own sandbox's insides, and only from the
+/// pages it names (a request without `Origin` is a backend's).
+fn check_session(session: &Session, r: &Route, origin: Option<&str>) -> ApiResult<()> {
+    match session_sandbox(r) {
+        Some(id) if id == session.sandbox_id => {}
+        Some(_) => {
+            return Err(ApiError::SessionScope {
+                action: "reach another sandbox",
+            })
+        }
+        None => {
+            return Err(ApiError::SessionScope {
+                action: "change, manage or create anything, or reach beyond its sandbox",
+            })
+        }
+    }
+    match origin {
+        Some(o) if !session.allows_origin(Some(o)) => Err(ApiError::OriginNotAllowed {
+            origin: o.to_string(),
+        }),
+        _ => Ok(()),
+    }
+}
+
+/// The headers that let a page at `origin` read an answer.
+fn allow_origin(resp: &mut Response, origin: &str) {
+    let h = resp.headers_mut();
+    if let Ok(v) = HeaderValue::from_str(origin) {
+        h.insert("access-control-allow-origin", v);
+    }
+    h.insert("vary", HeaderValue::from_static("Origin"));
+    h.insert(
+        "access-control-expose-headers",
+        HeaderValue::from_static(
+            "x-request-id, x-content-length, x-content-sha256, idempotency-replayed, runtime-late-answer",
+        ),
+    );
+}
+
+/// A CORS preflight (it carries no token): allowed for an origin some live
+/// session names, refused otherwise.
+fn preflight(st: &AppState, headers: &HeaderMap) -> ApiResult<Response> {
+    let origin = origin_of(headers).ok_or_else(|| {
+        ApiError::invalid("Origin", "a preflight (OPTIONS) names the page's origin")
+    })?;
+    if !crate::service::sessions::origin_in_use(st, origin)? {
+        return Err(ApiError::OriginNotAllowed {
+            origin: origin.to_string(),
+        });
+    }
+    let mut resp = StatusCode::NO_CONTENT.into_response();
+    allow_origin(&mut resp, origin);
+    let h = resp.headers_mut();
+    h.insert(
+        "access-control-allow-methods",
+        HeaderValue::from_static("GET, POST, PUT, DELETE"),
+    );
+    h.insert(
+        "access-control-allow-headers",
+        HeaderValue::from_static(
+            "authorization, content-type, accept, idempotency-key, prefer, x-content-sha256",
+        ),
+    );
+    h.insert("access-control-max-age", HeaderValue::from_static("600"));
+    Ok(resp)
 }
 
 async fn read_body(body: Body, limit: usize) -> ApiResult<Bytes> {
@@ -121,10 +231,21 @@ async fn read_body(body: Body, limit: usize) -> ApiResult<Bytes> {
     })
 }
 
-async fn serve(st: &AppState, req: Request, rid: &str) -> ApiResult<Response> {
+async fn serve(
+    st: &AppState,
+    req: Request,
+    rid: &str,
+    cors: &mut Option<String>,
+) -> ApiResult<Response> {
     let (mut parts, body) = req.into_parts();
-    let key = authenticate(st, &parts.headers)?;
+    let caller = authenticate(st, &parts.headers)?;
     let r = route(&parts.method, parts.uri.path())?;
+    if let Some(session) = &caller.session {
+        let origin = origin_of(&parts.headers);
+        check_session(session, &r, origin)?;
+        *cors = origin.map(str::to_string);
+    }
+    let key = caller.key;
     if let Route::Terminal(id) | Route::Tunnel(id) = &r {
         // Both type into the sandbox: a change, whatever the method.
         if key.read_only {

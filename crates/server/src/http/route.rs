@@ -70,6 +70,12 @@ pub(crate) enum Route {
     Usage,
     Limits,
     Me,
+    /// `…/sessions`: tokens for one sandbox.
+    SessionCreate(String),
+    SessionList(String),
+    SessionRevoke(String, String),
+    /// `…/metrics?range`: the sandbox's measured CPU and memory.
+    Metrics(String),
     /// A product the client knows that this server does not offer: its name.
     Unavailable(&'static str),
 }
@@ -112,8 +118,6 @@ const ACCOUNT_PRODUCTS: &[(&str, &str)] = &[
 ];
 
 const SANDBOX_PRODUCTS: &[(&str, &str)] = &[
-    ("sessions", "Sandbox sessions"),
-    ("metrics", "Sandbox metrics"),
     ("mounts", "Bucket mounts"),
     ("tailscale", "Tailscale"),
     ("desktop", "Desktops"),
@@ -263,6 +267,22 @@ pub(crate) fn route(method: &Method, raw_path: &str) -> ApiResult<Route> {
         ["v1", "sandboxes", id, "network"] if verb_or_none(false) => match m {
             Method::GET => Route::GetNetwork(id.to_string()),
             Method::PUT => Route::PutNetwork(id.to_string()),
+            _ => return Err(not_allowed()),
+        },
+        ["v1", "sandboxes", id, "sessions"] if verb_or_none(false) => match m {
+            Method::POST => Route::SessionCreate(id.to_string()),
+            Method::GET => Route::SessionList(id.to_string()),
+            _ => return Err(not_allowed()),
+        },
+        ["v1", "sandboxes", id, "sessions", sid] => match (&m, verb.as_deref()) {
+            (&Method::POST, Some("revoke")) => {
+                Route::SessionRevoke(id.to_string(), sid.to_string())
+            }
+            (&Method::POST, _) => return Err(not_found()),
+            _ => return Err(not_allowed()),
+        },
+        ["v1", "sandboxes", id, "metrics"] if verb_or_none(false) => match m {
+            Method::GET => Route::Metrics(id.to_string()),
             _ => return Err(not_allowed()),
         },
         ["v1", "sandboxes", id, "terminal"] if verb_or_none(false) => match m {
@@ -424,7 +444,44 @@ pub const ROUTE_SAMPLES: &[(&str, &str)] = &[
     ("GET", "/v1/events"),
     ("GET", "/v1/sandboxes/{id}/files/archive?path=/workspace"),
     ("PUT", "/v1/sandboxes/{id}/files/archive?path=/tmp/x"),
+    ("POST", "/v1/sandboxes/{id}/sessions"),
+    ("GET", "/v1/sandboxes/{id}/sessions"),
+    ("POST", "/v1/sandboxes/{id}/sessions/s1:revoke"),
+    ("GET", "/v1/sandboxes/{id}/metrics?range=15m"),
 ];
+
+/// The sandbox a session token may use this route on, when a session may
+/// use it at all: the sandbox's record, its commands, processes, files,
+/// interpreter and terminal, and reading its previews. Never lifecycle
+/// changes (stop, pause, fork, snapshot, update...), network rules,
+/// sessions, tunnels, or anything outside the sandbox.
+pub(crate) fn session_sandbox(r: &Route) -> Option<&str> {
+    match r {
+        Route::SandboxAction(id, verb) if verb == "exec" => Some(id),
+        Route::GetSandbox(id)
+        | Route::FileContentGet(id)
+        | Route::FileContentPut(id)
+        | Route::FilesList(id)
+        | Route::FilesStat(id)
+        | Route::FilesAction(id, _)
+        | Route::ArchiveGet(id)
+        | Route::ArchivePut(id)
+        | Route::UploadBegin(id)
+        | Route::UploadChunk(id, _)
+        | Route::UploadAction(id, ..)
+        | Route::ProcSpawn(id)
+        | Route::ProcList(id)
+        | Route::ProcGet(id, _)
+        | Route::ProcOutput(id, _)
+        | Route::ProcAction(id, ..)
+        | Route::Interpreter(_, id, ..)
+        | Route::Previews(id)
+        | Route::PreviewGet(id, _)
+        | Route::Metrics(id)
+        | Route::Terminal(id) => Some(id),
+        _ => None,
+    }
+}
 
 /// Routes that show what is inside a sandbox (files, commands and their
 /// output, the interpreter), which read-only keys may not read.
@@ -535,9 +592,13 @@ mod tests {
             Route::Unavailable(_) => 51,
             Route::ArchiveGet(_) => 52,
             Route::ArchivePut(_) => 53,
+            Route::SessionCreate(_) => 54,
+            Route::SessionList(_) => 55,
+            Route::SessionRevoke(..) => 56,
+            Route::Metrics(_) => 57,
         }
     }
-    const VARIANTS: usize = 54;
+    const VARIANTS: usize = 58;
 
     #[test]
     fn products_not_served_here_are_unavailable_not_missing() {
@@ -545,8 +606,7 @@ mod tests {
             ("GET", "/v1/events", "Events"),
             ("POST", "/v1/webhooks/w1:rotate-secret", "Webhooks"),
             ("GET", "/v1/jobs", "Jobs"),
-            ("POST", "/v1/sandboxes/x/sessions", "Sandbox sessions"),
-            ("GET", "/v1/sandboxes/x/metrics", "Sandbox metrics"),
+            ("POST", "/v1/sandboxes/x/mounts", "Bucket mounts"),
             ("POST", "/v1/sandboxes/x/files:link", "File links"),
             (
                 "PUT",
@@ -578,6 +638,50 @@ mod tests {
             route(&Method::GET, "/v1/nothing-of-the-kind"),
             Err(ApiError::RouteNotFound { .. })
         ));
+    }
+
+    #[test]
+    fn a_session_reaches_only_its_sandboxs_insides() {
+        let of = |m: &str, p: &str| {
+            let r = route(&Method::from_bytes(m.as_bytes()).unwrap(), p).unwrap();
+            session_sandbox(&r).map(str::to_string)
+        };
+        for (m, p) in [
+            ("POST", "/v1/sandboxes/s1:exec"),
+            ("GET", "/v1/sandboxes/s1"),
+            ("GET", "/v1/sandboxes/s1/files/content"),
+            ("PUT", "/v1/sandboxes/s1/files/content"),
+            ("POST", "/v1/sandboxes/s1/files:mkdir"),
+            ("POST", "/v1/sandboxes/s1/processes"),
+            ("GET", "/v1/sandboxes/s1/processes/p1/output"),
+            ("POST", "/v1/sandboxes/s1/interpreter:run"),
+            ("GET", "/v1/sandboxes/s1/previews"),
+            ("GET", "/v1/sandboxes/s1/terminal"),
+        ] {
+            assert_eq!(of(m, p).as_deref(), Some("s1"), "{m} {p}");
+        }
+        for (m, p) in [
+            ("POST", "/v1/sandboxes/s1:pause"),
+            ("POST", "/v1/sandboxes/s1:stop"),
+            ("POST", "/v1/sandboxes/s1:fork"),
+            ("POST", "/v1/sandboxes/s1:snapshot"),
+            ("POST", "/v1/sandboxes/s1:extend"),
+            ("POST", "/v1/sandboxes/s1:update"),
+            ("DELETE", "/v1/sandboxes/s1"),
+            ("POST", "/v1/sandboxes"),
+            ("GET", "/v1/sandboxes"),
+            ("POST", "/v1/sandboxes/s1/sessions"),
+            ("GET", "/v1/sandboxes/s1/sessions"),
+            ("POST", "/v1/sandboxes/s1/previews"),
+            ("DELETE", "/v1/sandboxes/s1/previews/3000"),
+            ("PUT", "/v1/sandboxes/s1/network"),
+            ("GET", "/v1/sandboxes/s1/tunnel"),
+            ("GET", "/v1/usage"),
+            ("GET", "/v1/snapshots"),
+            ("PUT", "/v1/egress-secrets/T"),
+        ] {
+            assert_eq!(of(m, p), None, "{m} {p}");
+        }
     }
 
     #[test]

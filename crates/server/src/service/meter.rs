@@ -88,15 +88,29 @@ pub(crate) async fn tick(st: &AppState) -> Result<(), ServerError> {
     let now = st.now_ms();
     let prices = st.config().prices.clone();
     let rows = st.store().live_sandboxes()?;
+    let live: std::collections::HashSet<String> =
+        rows.iter().map(|r| r.record.id.clone()).collect();
+    st.inner.metrics.retain(&live);
     let mut keys_charged: BTreeMap<String, ()> = BTreeMap::new();
     for row in rows {
         let id = row.record.id.clone();
         let running = row.record.state == SandboxState::Running;
         let used = if running {
             let reading = st.host().cpu_time(&id).await;
-            st.inner.meter.used_ns(&id, row.record.vcpu, reading)
+            let used = st.inner.meter.used_ns(&id, row.record.vcpu, reading);
+            // The same reading the bill is made from feeds the metrics.
+            if reading.is_some() {
+                let memory = if st.inner.metrics.due(&id, now) {
+                    st.host().memory_bytes(&id).await
+                } else {
+                    None
+                };
+                st.inner.metrics.second(&id, now, used, memory);
+            }
+            used
         } else {
             st.inner.meter.forget(&id);
+            st.inner.metrics.idle(&id);
             0
         };
         // Work in the guest counts as activity for `idlePauseSeconds`, as

@@ -11,6 +11,7 @@ mod images;
 mod keys;
 mod processes;
 mod sandboxes;
+mod sessions;
 mod snapshots;
 mod volumes;
 
@@ -21,7 +22,7 @@ use rusqlite::Connection;
 
 use crate::error::ServerError;
 
-pub(super) const SCHEMA_VERSION: i64 = 9;
+pub(super) const SCHEMA_VERSION: i64 = 11;
 
 const SCHEMA_V1: &str = "
 CREATE TABLE IF NOT EXISTS keys (
@@ -166,6 +167,22 @@ const SCHEMA_V9: &str = "
 ALTER TABLE processes ADD COLUMN cwd TEXT NOT NULL DEFAULT '/workspace';
 ";
 
+/// Sandbox sessions (v11): tokens for one sandbox, kept by hash.
+const SCHEMA_V11: &str = "
+CREATE TABLE IF NOT EXISTS sandbox_sessions (
+    id TEXT PRIMARY KEY,
+    sandbox_id TEXT NOT NULL,
+    key_id TEXT NOT NULL,
+    hash TEXT NOT NULL UNIQUE,
+    name TEXT,
+    origins TEXT NOT NULL,
+    created_ms INTEGER NOT NULL,
+    expires_ms INTEGER NOT NULL,
+    revoked_ms INTEGER
+);
+CREATE INDEX IF NOT EXISTS sandbox_sessions_sandbox ON sandbox_sessions(sandbox_id, created_ms);
+";
+
 /// Images and volumes in tables of their own (v6), with the constraints of
 /// their names: an image's version is unique per name, a volume's name per
 /// key. The migration moves their `net_docs` documents (kinds `image`,
@@ -285,6 +302,10 @@ pub(crate) fn open_connection(data_dir: &Path) -> Result<Connection, ServerError
     if version < 9 {
         conn.execute_batch(SCHEMA_V9)
             .map_err(store_err("migrate v9"))?;
+    }
+    if version < 11 {
+        conn.execute_batch(SCHEMA_V11)
+            .map_err(store_err("migrate v11"))?;
     }
     if version < SCHEMA_VERSION {
         conn.pragma_update(None, "user_version", SCHEMA_VERSION)

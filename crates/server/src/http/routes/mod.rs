@@ -18,6 +18,7 @@ pub(crate) mod network;
 mod previews;
 mod sandboxes;
 mod secrets;
+mod sessions;
 mod snapshots;
 pub(crate) mod volumes;
 
@@ -86,6 +87,10 @@ pub(super) async fn dispatch(st: AppState, ctx: Ctx, r: Route, body: Bytes) -> A
         Route::Usage => account::usage(st, ctx).await,
         Route::Limits => account::limits(st, ctx).await,
         Route::Me => account::me(st, ctx).await,
+        Route::SessionCreate(id) => sessions::create(st, ctx, id, body).await,
+        Route::SessionList(id) => sessions::list(st, ctx, id).await,
+        Route::SessionRevoke(id, s) => sessions::revoke(st, ctx, id, s, body).await,
+        Route::Metrics(id) => sandboxes::metrics(st, ctx, id).await,
         Route::Unavailable(product) => Err(ApiError::Unavailable { product }),
     }
 }

@@ -195,6 +195,20 @@ pub(super) async fn get(st: AppState, ctx: Ctx, id: String) -> ApiResult<Reply> 
     record(&svc::get(&st, &ctx.key, &id, wait).await?.record)
 }
 
+/// `GET …/metrics?range`: CPU and memory over the range.
+pub(super) async fn metrics(st: AppState, ctx: Ctx, id: String) -> ApiResult<Reply> {
+    let q = query_object(&ctx.query, &[]);
+    let mut f = Fields::new(&q);
+    let range = f.string("range");
+    f.finish()?;
+    Reply::ok(crate::service::metrics::get(
+        &st,
+        &ctx.key,
+        &id,
+        range.as_deref(),
+    )?)
+}
+
 fn encode_cursor(seq: i64) -> String {
     base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(format!("seq:{seq}"))
 }
