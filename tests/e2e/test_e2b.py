@@ -118,3 +118,18 @@ def test_the_code_interpreter_keeps_state(server):
         assert failed.error is not None and failed.error.name == "ZeroDivisionError"
         js = ci.run_code("const a = [1, 2, 3]; a.map(v => v * 2).join(',')", language="javascript")
         assert js.text.strip("'\"") == "2,4,6"
+
+
+def test_signed_urls_download_and_upload_without_a_key(e2b):
+    import urllib.request
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    e2b.files.write("/home/user/shared.txt", "made in the sandbox\n")
+    url = e2b.download_url("/home/user/shared.txt", use_signature_expiration=120)
+    with opener.open(url, timeout=60) as answer:
+        assert answer.read() == b"made in the sandbox\n"
+    up = e2b.upload_url("/home/user/uploaded.bin")
+    body = os.urandom(5000)
+    request = urllib.request.Request(up, data=body, method="PUT")
+    with opener.open(request, timeout=60) as answer:
+        assert answer.status == 200
+    assert e2b.files.read("/home/user/uploaded.bin", format="bytes") == body

@@ -103,3 +103,39 @@ def test_e2b_metrics_and_host_name_this_sandbox(server, sbx):
         time.sleep(0.5)
     assert status == 200, body
     assert body.decode().strip() == sbx.exec("cat /etc/hostname").stdout.strip()
+
+
+def _get(url: str, headers: dict | None = None) -> tuple[int, bytes, dict]:
+    import urllib.error
+    import urllib.request
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with opener.open(urllib.request.Request(url, headers=headers or {}), timeout=60) as a:
+            return a.status, a.read(), {k.lower(): v for k, v in a.headers.items()}
+    except urllib.error.HTTPError as e:
+        with e:
+            return e.code, e.read(), {k.lower(): v for k, v in e.headers.items()}
+
+
+def test_file_links_serve_files_folders_and_ranges_until_revoked(sbx):
+    import io
+    import tarfile
+    sbx.exec("mkdir -p /workspace/out/sub && printf 0123456789 > /workspace/out/digits"
+             " && echo deep > /workspace/out/sub/deep.txt")
+    link = sbx.files.download_url("/workspace/out/digits", expires_in_seconds=300, filename="d.txt")
+    status, body, headers = _get(link["url"])
+    assert (status, body) == (200, b"0123456789")
+    assert 'filename="d.txt"' in headers["content-disposition"]
+    status, body, headers = _get(link["url"], {"Range": "bytes=2-4"})
+    assert (status, body, headers["content-range"]) == (206, b"234", "bytes 2-4/10")
+    folder = sbx.files.download_url("/workspace/out", archive=True)
+    status, body, _ = _get(folder["url"])
+    assert status == 200
+    with tarfile.open(fileobj=io.BytesIO(body), mode="r:gz") as t:
+        names = {m.name.lstrip("./") for m in t.getmembers() if m.isfile()}
+    assert {"digits", "sub/deep.txt"} <= names, names
+    assert sbx.files.revoke_links()["revoked"] >= 2
+    status, body, _ = _get(link["url"])
+    assert status == 410 and b"link_revoked" in body
+    status, _, _ = _get(link["url"].rsplit("/", 1)[0] + "/rtlnk_forged")
+    assert status == 404

@@ -106,6 +106,10 @@ pub mod codes {
     pub const SECRET_NOT_FOUND: &str = "secret_not_found";
     pub const ENV_TAKEN: &str = "env_taken";
     pub const LOGIN_NOT_FOUND: &str = "login_not_found";
+    pub const LINK_NOT_FOUND: &str = "link_not_found";
+    pub const LINK_EXPIRED: &str = "link_expired";
+    pub const LINK_REVOKED: &str = "link_revoked";
+    pub const RANGE_NOT_SATISFIABLE: &str = "range_not_satisfiable";
 }
 
 /// The sandbox record (create, get, list items, lifecycle verbs).

@@ -47,6 +47,12 @@ pub enum ApiError {
     /// A page at an origin the session does not list.
     #[error("origin {origin} may not use this session")]
     OriginNotAllowed { origin: String },
+    /// A file link that expired or was revoked.
+    #[error("the link is {state}")]
+    LinkEnded { state: &'static str },
+    /// A `Range` that names no byte of the file.
+    #[error("range not satisfiable in {len} bytes")]
+    RangeNotSatisfiable { len: u64 },
     #[error("no route {method} {path}")]
     RouteNotFound { method: String, path: String },
     #[error("method {method} not allowed on {path}")]

@@ -3680,3 +3680,138 @@ async fn metrics_come_from_the_meters_readings() {
         .iter()
         .any(|p| p["cpuPercent"] == 50.0));
 }
+
+// ---- file links ----
+
+#[tokio::test(start_paused = true)]
+async fn file_links_download_and_upload_without_a_key_until_they_end() {
+    let t = T::on_paused_time();
+    let id = t.running(json!({})).await;
+    let (s, _, _) = t
+        .call(
+            "PUT",
+            &format!("/v1/sandboxes/{id}/files/content?path=/workspace/report.csv"),
+            Some(&t.admin.clone()),
+            &[],
+            Body::from(&b"a,b\n1,2\n"[..]),
+        )
+        .await;
+    assert_eq!(s, StatusCode::OK);
+    let links = format!("/v1/sandboxes/{id}/files:link");
+    let (s, v) = t
+        .json(
+            "POST",
+            &links,
+            Some(json!({"path": "/workspace/report.csv", "expiresInSeconds": 60})),
+        )
+        .await;
+    assert_eq!(s, StatusCode::CREATED, "{v}");
+    let url = v["url"].as_str().unwrap();
+    assert!(url.contains("/v1/links/rtlnk_"), "{url}");
+    let path = &url[url.find("/v1/links/").unwrap()..];
+    // No key: the bytes, named after the file; one range.
+    let (s, h, b) = t.call("GET", path, None, &[], Body::empty()).await;
+    assert_eq!((s, &b[..]), (StatusCode::OK, &b"a,b\n1,2\n"[..]));
+    assert!(h
+        .get("content-disposition")
+        .unwrap()
+        .to_str()
+        .unwrap()
+        .contains("report.csv"));
+    let (s, h, b) = t
+        .call("GET", path, None, &[("range", "bytes=4-")], Body::empty())
+        .await;
+    assert_eq!((s, &b[..]), (StatusCode::PARTIAL_CONTENT, &b"1,2\n"[..]));
+    assert_eq!(h.get("content-range").unwrap(), "bytes 4-7/8");
+    let (s, _, b) = t
+        .call("GET", path, None, &[("range", "bytes=50-")], Body::empty())
+        .await;
+    assert_eq!(s, StatusCode::RANGE_NOT_SATISFIABLE);
+    assert_error(
+        &serde_json::from_slice(&b).unwrap(),
+        416,
+        "range_not_satisfiable",
+    );
+    // A download link does not upload.
+    let (s, _, _) = t.call("PUT", path, None, &[], Body::from("x")).await;
+    assert_eq!(s, StatusCode::METHOD_NOT_ALLOWED);
+
+    // An upload link writes its path, up to its maxBytes.
+    let (s, v) = t
+        .json(
+            "POST",
+            &links,
+            Some(json!({"path": "/workspace/in.bin", "method": "PUT", "maxBytes": 8})),
+        )
+        .await;
+    assert_eq!(s, StatusCode::CREATED, "{v}");
+    let up = v["url"].as_str().unwrap();
+    let up = up[up.find("/v1/links/").unwrap()..].to_string();
+    let (s, _, b) = t.call("PUT", &up, None, &[], Body::from("12345678")).await;
+    assert_eq!(s, StatusCode::OK, "{}", String::from_utf8_lossy(&b));
+    let (_, _, b) = t
+        .call(
+            "GET",
+            &format!("/v1/sandboxes/{id}/files/content?path=/workspace/in.bin"),
+            Some(&t.admin.clone()),
+            &[],
+            Body::empty(),
+        )
+        .await;
+    assert_eq!(&b[..], b"12345678");
+    let (s, _, _) = t.call("PUT", &up, None, &[], Body::from("123456789")).await;
+    assert_eq!(s, StatusCode::PAYLOAD_TOO_LARGE);
+
+    // Revoked: 410 link_revoked; expired: 410 link_expired; unknown: 404.
+    let (s, v) = t
+        .json(
+            "POST",
+            &format!("/v1/sandboxes/{id}/files:revoke-links"),
+            None,
+        )
+        .await;
+    assert_eq!((s, v["revoked"].as_u64()), (StatusCode::OK, Some(2)), "{v}");
+    let (s, _, b) = t.call("GET", path, None, &[], Body::empty()).await;
+    assert_eq!(s, StatusCode::GONE);
+    assert_error(&serde_json::from_slice(&b).unwrap(), 410, "link_revoked");
+    let (_, v) = t
+        .json(
+            "POST",
+            &links,
+            Some(json!({"path": "/workspace/report.csv", "expiresInSeconds": 5})),
+        )
+        .await;
+    let short = v["url"].as_str().unwrap();
+    let short = short[short.find("/v1/links/").unwrap()..].to_string();
+    tokio::time::advance(Duration::from_secs(6)).await;
+    let (s, _, b) = t.call("GET", &short, None, &[], Body::empty()).await;
+    assert_eq!(s, StatusCode::GONE);
+    assert_error(&serde_json::from_slice(&b).unwrap(), 410, "link_expired");
+    let (s, _, b) = t
+        .call("GET", "/v1/links/rtlnk_nothing", None, &[], Body::empty())
+        .await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+    assert_error(&serde_json::from_slice(&b).unwrap(), 404, "link_not_found");
+
+    // Bad input names every wrong field.
+    let (s, v) = t
+        .json(
+            "POST",
+            &links,
+            Some(json!({
+                "path": "relative", "method": "POST", "expiresInSeconds": 999999999,
+                "filename": "a/b", "maxBytes": 0
+            })),
+        )
+        .await;
+    assert_eq!(s, StatusCode::BAD_REQUEST, "{v}");
+    let fields: Vec<&str> = v["error"]["details"]["issues"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|i| i["field"].as_str().unwrap())
+        .collect();
+    for f in ["path", "method", "expiresInSeconds", "filename", "maxBytes"] {
+        assert!(fields.contains(&f), "{f} not in {fields:?}");
+    }
+}

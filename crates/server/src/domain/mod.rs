@@ -8,6 +8,7 @@ pub(crate) mod image;
 pub(crate) mod interpreter;
 pub(crate) mod lease;
 pub(crate) mod lifecycle;
+pub(crate) mod link;
 pub(crate) mod metrics;
 pub(crate) mod money;
 pub(crate) mod names;

@@ -73,6 +73,27 @@ impl ApiError {
                     format!("The page at {origin} is not one of this session's origins."),
                 )
             },
+            ApiError::LinkEnded { state } => Parts {
+                hint: Some("Ask whoever shared it for a new link.".into()),
+                retryable: Some(false),
+                ..p(
+                    StatusCode::GONE,
+                    if *state == "revoked" {
+                        codes::LINK_REVOKED
+                    } else {
+                        codes::LINK_EXPIRED
+                    },
+                    format!("This file link is {state}."),
+                )
+            },
+            ApiError::RangeNotSatisfiable { len } => Parts {
+                details: Some(json!({ "size": len })),
+                ..p(
+                    StatusCode::RANGE_NOT_SATISFIABLE,
+                    codes::RANGE_NOT_SATISFIABLE,
+                    format!("The range names no byte of this {len}-byte file."),
+                )
+            },
             ApiError::RouteNotFound { method, path } => p(
                 StatusCode::NOT_FOUND,
                 codes::ROUTE_NOT_FOUND,

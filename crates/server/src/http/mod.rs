@@ -6,6 +6,7 @@
 mod error;
 pub(crate) mod extract;
 pub(crate) mod idempotency;
+pub(crate) mod links;
 pub(crate) mod login;
 mod preview_proxy;
 pub(crate) mod reply;
@@ -93,6 +94,8 @@ async fn handle(State(st): State<AppState>, req: Request) -> Response {
     let mut resp = async {
         let result = if login::is_login_path(req.uri().path()) {
             login::handle(&st, req).await
+        } else if let Some(token) = links::token_of(req.uri().path()).map(str::to_string) {
+            links::handle(&st, req, &token).await
         } else if req.method() == Method::OPTIONS {
             preflight(&st, req.headers())
         } else {
@@ -222,7 +225,7 @@ fn preflight(st: &AppState, headers: &HeaderMap) -> ApiResult<Response> {
     Ok(resp)
 }
 
-async fn read_body(body: Body, limit: usize) -> ApiResult<Bytes> {
+pub(crate) async fn read_body(body: Body, limit: usize) -> ApiResult<Bytes> {
     axum::body::to_bytes(body, limit).await.map_err(|e| {
         // axum wraps http-body-util's LengthLimitError; any other failure is a
         // client that hung up mid-body, and then nobody reads the answer.

@@ -125,7 +125,7 @@ const SANDBOX_PRODUCTS: &[(&str, &str)] = &[
     ("mcp", "Sandbox MCP servers"),
 ];
 
-fn unavailable(s: &[&str], verb: Option<&str>) -> Option<&'static str> {
+fn unavailable(s: &[&str]) -> Option<&'static str> {
     let find =
         |t: &[(&str, &'static str)], seg: &str| t.iter().find(|(p, _)| *p == seg).map(|(_, n)| *n);
     match s {
@@ -139,9 +139,6 @@ fn unavailable(s: &[&str], verb: Option<&str>) -> Option<&'static str> {
             Some("Chunked archive uploads")
         }
         ["v1", "sandboxes", _, "processes", _, "files"] => Some("Traced files"),
-        ["v1", "sandboxes", _, "files"] if matches!(verb, Some("link" | "revoke-links")) => {
-            Some("File links")
-        }
         ["v1", "sandboxes", _, product, ..] => find(SANDBOX_PRODUCTS, product),
         ["v1", product, ..] => find(ACCOUNT_PRODUCTS, product),
         _ => None,
@@ -181,7 +178,7 @@ pub(crate) fn route(method: &Method, raw_path: &str) -> ApiResult<Route> {
     let s: Vec<&str> = segs.iter().map(String::as_str).collect();
     let m = method.clone();
     let verb_or_none = |want_verb: bool| verb.is_some() == want_verb;
-    if let Some(product) = unavailable(&s, verb.as_deref()) {
+    if let Some(product) = unavailable(&s) {
         return Ok(Route::Unavailable(product));
     }
     let r = match s.as_slice() {
@@ -607,7 +604,6 @@ mod tests {
             ("POST", "/v1/webhooks/w1:rotate-secret", "Webhooks"),
             ("GET", "/v1/jobs", "Jobs"),
             ("POST", "/v1/sandboxes/x/mounts", "Bucket mounts"),
-            ("POST", "/v1/sandboxes/x/files:link", "File links"),
             (
                 "PUT",
                 "/v1/sandboxes/x/files/archive/uploads/u1",

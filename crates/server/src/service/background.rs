@@ -1,6 +1,6 @@
 //! What runs without a request: the reaper (leases, idle pauses,
 //! retention, old idempotency records and process output, expired
-//! snapshots, ended sessions) and the recovery of what an earlier server left.
+//! snapshots, ended sessions and file links) and the recovery of what an earlier server left.
 
 use std::time::Duration;
 
@@ -54,6 +54,9 @@ pub(crate) async fn reaper(st: AppState) {
                 .procs
                 .forget_old(st.store(), st.config().output_keep);
             crate::service::snapshots::expire(&st, now);
+            if let Err(e) = crate::service::links::prune(&st) {
+                tracing::error!(error = %e, "forgetting ended file links failed");
+            }
             if let Err(e) = crate::service::sessions::prune(&st) {
                 tracing::error!(error = %e, "forgetting ended sessions failed");
             }

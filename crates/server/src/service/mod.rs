@@ -10,6 +10,7 @@ pub(crate) mod images;
 pub(crate) mod interpreter;
 pub mod keys;
 pub(crate) mod lifecycle;
+pub(crate) mod links;
 pub(crate) mod meter;
 pub(crate) mod metrics;
 pub(crate) mod network;

@@ -9,6 +9,7 @@ mod docs;
 mod idempotency;
 mod images;
 mod keys;
+mod links;
 mod processes;
 mod sandboxes;
 mod sessions;
@@ -167,7 +168,8 @@ const SCHEMA_V9: &str = "
 ALTER TABLE processes ADD COLUMN cwd TEXT NOT NULL DEFAULT '/workspace';
 ";
 
-/// Sandbox sessions (v11): tokens for one sandbox, kept by hash.
+/// Sandbox sessions and file links (v11): tokens for one sandbox, kept by
+/// hash.
 const SCHEMA_V11: &str = "
 CREATE TABLE IF NOT EXISTS sandbox_sessions (
     id TEXT PRIMARY KEY,
@@ -181,6 +183,22 @@ CREATE TABLE IF NOT EXISTS sandbox_sessions (
     revoked_ms INTEGER
 );
 CREATE INDEX IF NOT EXISTS sandbox_sessions_sandbox ON sandbox_sessions(sandbox_id, created_ms);
+CREATE TABLE IF NOT EXISTS file_links (
+    id TEXT PRIMARY KEY,
+    sandbox_id TEXT NOT NULL,
+    key_id TEXT NOT NULL,
+    hash TEXT NOT NULL UNIQUE,
+    path TEXT NOT NULL,
+    method TEXT NOT NULL,
+    filename TEXT,
+    max_bytes INTEGER,
+    wake INTEGER NOT NULL,
+    archive INTEGER NOT NULL,
+    created_ms INTEGER NOT NULL,
+    expires_ms INTEGER NOT NULL,
+    revoked_ms INTEGER
+);
+CREATE INDEX IF NOT EXISTS file_links_sandbox ON file_links(sandbox_id);
 ";
 
 /// Images and volumes in tables of their own (v6), with the constraints of

@@ -9,11 +9,12 @@ use serde_json::{json, Value};
 
 use crate::domain::access::sha256_hex;
 use crate::domain::files::{list_depth, valid_path, CHUNK_BYTES, MAX_GLOB};
+use crate::domain::link;
 use crate::domain::time::iso;
 use crate::error::{ApiError, ApiResult};
 use crate::http::extract::{json_object, no_fields, parse_mode, query_object, Fields};
 use crate::http::{Ctx, Reply};
-use crate::service::{archives, files, uploads};
+use crate::service::{archives, files, links, uploads};
 use crate::AppState;
 
 const USERS: &[&str] = &["sandbox", "root"];
@@ -162,6 +163,67 @@ pub(super) async fn write(st: AppState, ctx: Ctx, id: String, body: Bytes) -> Ap
     Reply::ok(json!({ "path": done.path, "size": done.size, "sha256": done.sha256 }))
 }
 
+/// `files:link {path, method, expiresInSeconds, filename, wake, archive,
+/// maxBytes}`: a URL that downloads (`GET`) or uploads (`PUT`) without a key.
+fn link(
+    st: &AppState,
+    ctx: &Ctx,
+    id: &str,
+    obj: &serde_json::Map<String, Value>,
+) -> ApiResult<Reply> {
+    let mut f = Fields::new(obj);
+    let p = f.string("path");
+    let path = check_path(&mut f, "path", p);
+    let method = f
+        .one_of("method", &["GET", "PUT"])
+        .unwrap_or_else(|| "GET".into());
+    let ttl_seconds = f
+        .int("expiresInSeconds", 1, link::MAX_TTL_SECONDS)
+        .unwrap_or(link::DEFAULT_TTL_SECONDS);
+    let filename = f.string("filename");
+    if let Some(why) = filename.as_deref().and_then(link::filename_problem) {
+        f.issue("filename", why);
+    }
+    let wake = f.bool("wake").unwrap_or(true);
+    let archive = f.bool("archive").unwrap_or(false);
+    let max_bytes = f.int("maxBytes", 1, CHUNK_BYTES as i64).map(|n| n as u64);
+    if method == "PUT" {
+        if archive {
+            f.issue("archive", "is for downloads (method GET)");
+        }
+        if filename.is_some() {
+            f.issue("filename", "is for downloads (method GET)");
+        }
+    } else if max_bytes.is_some() {
+        f.issue("maxBytes", "is for uploads (method PUT)");
+    }
+    f.finish()?;
+    let req = links::NewLink {
+        path,
+        method,
+        ttl_seconds,
+        filename,
+        max_bytes,
+        wake,
+        archive,
+    };
+    let (l, token) = links::create(st, &ctx.key, id, req)?;
+    let host = ctx
+        .headers
+        .get(header::HOST)
+        .and_then(|h| h.to_str().ok())
+        .map(str::to_string)
+        .unwrap_or_else(|| format!("127.0.0.1:{}", st.config().preview_port));
+    let scheme = if st.config().tls.is_some() {
+        "https"
+    } else {
+        "http"
+    };
+    let url = format!("{scheme}://{host}/v1/links/{token}");
+    // Replayed whole: the client reads `url` from every answer.
+    Ok(Reply::Json(StatusCode::CREATED, l.wire(&url)))
+}
+
 /// `GET …/files/list?path&depth&glob&hidden&limit&user`.
 pub(super) async fn list(st: AppState, ctx: Ctx, id: String) -> ApiResult<Reply> {
     let q = query_object(&ctx.query, &[]);
@@ -217,6 +279,15 @@ pub(super) async fn action(
     body: Bytes,
 ) -> ApiResult<Reply> {
     let obj = json_object(&body)?;
+    match verb.as_str() {
+        "link" => return link(&st, &ctx, &id, &obj),
+        "revoke-links" => {
+            Fields::new(&obj).finish()?;
+            let n = links::revoke_all(&st, &ctx.key, &id)?;
+            return Reply::ok(json!({ "revoked": n }));
+        }
+        _ => {}
+    }
     let mut f = Fields::new(&obj);
     let user = f.one_of("user", USERS);
     let (op, answer) = match verb.as_str() {
