@@ -3,6 +3,7 @@
 //! at the bottom of its file.
 
 pub(crate) mod access;
+pub(crate) mod events;
 pub(crate) mod files;
 pub(crate) mod image;
 pub(crate) mod interpreter;
@@ -18,3 +19,4 @@ pub(crate) mod secret;
 pub(crate) mod snapshot;
 pub(crate) mod time;
 pub(crate) mod volume;
+pub(crate) mod webhook;

@@ -70,6 +70,14 @@ pub(crate) enum Route {
     Usage,
     Limits,
     Me,
+    ListEvents,
+    CreateWebhook,
+    ListWebhooks,
+    GetWebhook(String),
+    DeleteWebhook(String),
+    WebhookAction(String, String),
+    WebhookDeliveries(String),
+    DeliveryAction(String, String),
     /// A product the client knows that this server does not offer: its name.
     Unavailable(&'static str),
 }
@@ -79,9 +87,6 @@ pub(crate) enum Route {
 /// answers 501 `unavailable`, so the client's own "switched off here" hints
 /// appear, rather than a bare 404.
 const ACCOUNT_PRODUCTS: &[(&str, &str)] = &[
-    ("events", "Events"),
-    ("webhooks", "Webhooks"),
-    ("webhook-deliveries", "Webhooks"),
     ("otel-exports", "OpenTelemetry exports"),
     ("jobs", "Jobs"),
     ("job-imports", "Jobs"),
@@ -335,6 +340,29 @@ pub(crate) fn route(method: &Method, raw_path: &str) -> ApiResult<Route> {
             Method::GET => Route::Me,
             _ => return Err(not_allowed()),
         },
+        ["v1", "events"] if verb_or_none(false) => match m {
+            Method::GET => Route::ListEvents,
+            _ => return Err(not_allowed()),
+        },
+        ["v1", "webhooks"] if verb_or_none(false) => match m {
+            Method::POST => Route::CreateWebhook,
+            Method::GET => Route::ListWebhooks,
+            _ => return Err(not_allowed()),
+        },
+        ["v1", "webhooks", id] => match (&m, &verb) {
+            (&Method::GET, None) => Route::GetWebhook(id.to_string()),
+            (&Method::DELETE, None) => Route::DeleteWebhook(id.to_string()),
+            (&Method::POST, Some(v)) => Route::WebhookAction(id.to_string(), v.clone()),
+            _ => return Err(not_allowed()),
+        },
+        ["v1", "webhooks", id, "deliveries"] if verb_or_none(false) => match m {
+            Method::GET => Route::WebhookDeliveries(id.to_string()),
+            _ => return Err(not_allowed()),
+        },
+        ["v1", "webhook-deliveries", d] => match (&m, &verb) {
+            (&Method::POST, Some(v)) => Route::DeliveryAction(d.to_string(), v.clone()),
+            _ => return Err(not_allowed()),
+        },
         _ => return Err(not_found()),
     };
     Ok(r)
@@ -422,6 +450,17 @@ pub const ROUTE_SAMPLES: &[(&str, &str)] = &[
     ("GET", "/v1/sandboxes/{id}/terminal"),
     ("GET", "/v1/sandboxes/{id}/tunnel"),
     ("GET", "/v1/events"),
+    ("POST", "/v1/webhooks"),
+    ("GET", "/v1/webhooks"),
+    ("GET", "/v1/webhooks/w1"),
+    ("DELETE", "/v1/webhooks/w1"),
+    ("POST", "/v1/webhooks/w1:update"),
+    ("POST", "/v1/webhooks/w1:rotate-secret"),
+    ("POST", "/v1/webhooks/w1:delete"),
+    ("POST", "/v1/webhooks/w1:test"),
+    ("GET", "/v1/webhooks/w1/deliveries"),
+    ("POST", "/v1/webhook-deliveries/d1:retry"),
+    ("GET", "/v1/otel-exports"),
     ("GET", "/v1/sandboxes/{id}/files/archive?path=/workspace"),
     ("PUT", "/v1/sandboxes/{id}/files/archive?path=/tmp/x"),
 ];
@@ -535,15 +574,22 @@ mod tests {
             Route::Unavailable(_) => 51,
             Route::ArchiveGet(_) => 52,
             Route::ArchivePut(_) => 53,
+            Route::ListEvents => 54,
+            Route::CreateWebhook => 55,
+            Route::ListWebhooks => 56,
+            Route::GetWebhook(_) => 57,
+            Route::DeleteWebhook(_) => 58,
+            Route::WebhookAction(..) => 59,
+            Route::WebhookDeliveries(_) => 60,
+            Route::DeliveryAction(..) => 61,
         }
     }
-    const VARIANTS: usize = 54;
+    const VARIANTS: usize = 62;
 
     #[test]
     fn products_not_served_here_are_unavailable_not_missing() {
         for (m, p, product) in [
-            ("GET", "/v1/events", "Events"),
-            ("POST", "/v1/webhooks/w1:rotate-secret", "Webhooks"),
+            ("GET", "/v1/otel-exports", "OpenTelemetry exports"),
             ("GET", "/v1/jobs", "Jobs"),
             ("POST", "/v1/sandboxes/x/sessions", "Sandbox sessions"),
             ("GET", "/v1/sandboxes/x/metrics", "Sandbox metrics"),
@@ -574,6 +620,18 @@ mod tests {
             Some(Route::FilesAction("x".into(), "mkdir".into()))
         );
         assert_eq!(route(&Method::GET, "/v1/usage").ok(), Some(Route::Usage));
+        assert_eq!(
+            route(&Method::GET, "/v1/events").ok(),
+            Some(Route::ListEvents)
+        );
+        assert_eq!(
+            route(&Method::POST, "/v1/webhooks/w1:rotate-secret").ok(),
+            Some(Route::WebhookAction("w1".into(), "rotate-secret".into()))
+        );
+        assert_eq!(
+            route(&Method::POST, "/v1/webhook-deliveries/d%2F1:retry").ok(),
+            Some(Route::DeliveryAction("d/1".into(), "retry".into()))
+        );
         assert!(matches!(
             route(&Method::GET, "/v1/nothing-of-the-kind"),
             Err(ApiError::RouteNotFound { .. })

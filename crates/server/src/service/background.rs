@@ -54,6 +54,7 @@ pub(crate) async fn reaper(st: AppState) {
                 .procs
                 .forget_old(st.store(), st.config().output_keep);
             crate::service::snapshots::expire(&st, now);
+            crate::service::events::prune(&st, now);
         }
     }
 }
