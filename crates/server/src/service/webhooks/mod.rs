@@ -444,6 +444,9 @@ async fn deliver(st: &AppState, mut d: DeliveryRow, manual: bool) -> ApiResult<D
     if ok {
         d.state = "succeeded".into();
         d.next_ms = None;
+    } else if !w.enabled && !manual {
+        d.state = "failed".into();
+        d.next_ms = None;
     } else if !manual {
         d.attempts += 1;
         match retry_delay_ms(d.attempts, st.config().webhook_second_ms) {
