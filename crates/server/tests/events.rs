@@ -645,3 +645,120 @@ async fn a_pending_delivery_survives_a_restart() {
     t2.state.shutdown().await;
     std::mem::forget(t2); // t owns the directory
 }
+
+#[tokio::test]
+async fn a_replayed_create_leaves_the_secret_out_and_it_is_not_stored_plain() {
+    let t = T::new();
+    let mut answers = Vec::new();
+    for _ in 0..2 {
+        let resp = router(t.state.clone())
+            .oneshot(
+                Request::builder()
+                    .method("POST")
+                    .uri("/v1/webhooks")
+                    .header("authorization", format!("Bearer {}", t.admin))
+                    .header("idempotency-key", "hook-1")
+                    .header("content-type", "application/json")
+                    .body(Body::from(
+                        json!({"url": "https://example.com/h"}).to_string(),
+                    ))
+                    .unwrap(),
+            )
+            .await
+            .unwrap();
+        assert!(resp.status().is_success());
+        let b = resp.into_body().collect().await.unwrap().to_bytes();
+        answers.push(serde_json::from_slice::<Value>(&b).unwrap());
+    }
+    let secret = answers[0]["secret"].as_str().unwrap().to_string();
+    assert_eq!(answers[1]["id"], answers[0]["id"]);
+    assert_eq!(answers[1].get("secret"), None, "{}", answers[1]);
+    assert_eq!(answers[1]["secretRedacted"], true);
+    // Nothing on disk holds the secret as it was shown.
+    for entry in std::fs::read_dir(&t.dir).unwrap() {
+        let p = entry.unwrap().path();
+        if p.is_file() {
+            let bytes = std::fs::read(&p).unwrap();
+            assert!(
+                !bytes.windows(secret.len()).any(|w| w == secret.as_bytes()),
+                "{} holds the secret",
+                p.display()
+            );
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_disabled_webhook_gets_no_deliveries_and_an_enabled_filter_applies() {
+    let t = T::new();
+    let all = t
+        .ok(
+            &t.admin,
+            "POST",
+            "/v1/webhooks",
+            Some(json!({"url": "https://example.com/a"})),
+        )
+        .await;
+    let off = t
+        .ok(
+            &t.admin,
+            "POST",
+            "/v1/webhooks",
+            Some(json!({"url": "https://example.com/b"})),
+        )
+        .await;
+    let (aid, oid) = (all["id"].as_str().unwrap(), off["id"].as_str().unwrap());
+    let changed = t
+        .ok(
+            &t.admin,
+            "POST",
+            &format!("/v1/webhooks/{oid}:update"),
+            Some(json!({"enabled": false, "events": ["sandbox.deleted"], "description": "off"})),
+        )
+        .await;
+    assert_eq!(
+        (
+            changed["enabled"].clone(),
+            changed["events"].clone(),
+            changed["description"].clone()
+        ),
+        (json!(false), json!(["sandbox.deleted"]), json!("off"))
+    );
+    t.sandbox(&t.admin).await;
+    let got = |id: &str| format!("/v1/webhooks/{id}/deliveries");
+    let a = t.ok(&t.admin, "GET", &got(aid), None).await;
+    let types: Vec<&str> = a["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| d["eventType"].as_str().unwrap())
+        .collect();
+    assert_eq!(types, ["sandbox.running", "sandbox.created"]);
+    assert_eq!(
+        t.ok(&t.admin, "GET", &got(oid), None).await["data"],
+        json!([])
+    );
+    let (s, v) = t
+        .call(
+            &t.admin,
+            "POST",
+            &format!("/v1/webhooks/{oid}:update"),
+            Some(json!({"url": "https://10.0.0.1/"})),
+        )
+        .await;
+    assert_eq!(
+        (s, fields(&v)),
+        (StatusCode::BAD_REQUEST, vec!["url".to_string()])
+    );
+    t.ok(
+        &t.admin,
+        "POST",
+        &format!("/v1/webhooks/{aid}:delete"),
+        None,
+    )
+    .await;
+    let (s, _) = t
+        .call(&t.admin, "GET", &format!("/v1/webhooks/{aid}"), None)
+        .await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+}
