@@ -36,6 +36,10 @@ from egress_servers import EgressServers
 
 REPO = Path(__file__).resolve().parents[2]
 BINARY = Path(os.environ.get("RUNTIME_BIN", REPO / "target" / "release" / "runtime"))
+# test_events.py's receivers listen on loopback over plain HTTP, which
+# webhooks may reach only when the operator allows it; a minute of the
+# retry schedule lasts 1.2 s. Only webhooks read either flag.
+WEBHOOK_ARGS = ["--webhook-allow-host", "127.0.0.1", "--webhook-test-second-ms", "20"]
 START_TIMEOUT = float(os.environ.get("RUNTIME_E2E_START_TIMEOUT", "1200"))
 STOP_TIMEOUT = 30.0
 
@@ -83,7 +87,7 @@ class Server:
             offset = self.log_path.stat().st_size
             self.proc = subprocess.Popen(
                 [str(BINARY), "serve", "--listen", f"127.0.0.1:{self.port}", "--data-dir", str(self.data_dir),
-                 *self.egress.args],
+                 *self.egress.args, *WEBHOOK_ARGS],
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                 env={**os.environ, "RUST_BACKTRACE": "1"})
         deadline = time.monotonic() + START_TIMEOUT

@@ -146,8 +146,8 @@ def test_a_process_record_has_its_cwd(sbx):
 
 
 @pytest.mark.parametrize("method,path", [
-    ("GET", "/v1/events"),
-    ("GET", "/v1/webhooks"),
+    ("GET", "/v1/otel-exports"),
+    ("GET", "/v1/containers"),
     ("GET", "/v1/jobs"),
     ("GET", "/v1/sandboxes/{id}/metrics"),
     ("POST", "/v1/sandboxes/{id}/sessions"),

@@ -101,6 +101,15 @@ struct NetArgs {
     /// The certificate's private key (PEM).
     #[arg(long, value_name = "PEM", requires = "tls_cert")]
     tls_key: Option<PathBuf>,
+    /// Webhooks may point at HOST (any port, or only PORT) over plain
+    /// http:// and at loopback, private or link-local addresses, which are
+    /// otherwise refused. Repeatable; `[v6]` in brackets.
+    #[arg(long = "webhook-allow-host", value_name = "HOST[:PORT]")]
+    webhook_allow_host: Vec<String>,
+    /// TEST ONLY: a second of the webhook retry schedule lasts this many
+    /// milliseconds (1000), so tests see retries soon.
+    #[arg(long = "webhook-test-second-ms", hide = true, default_value_t = 1000)]
+    webhook_test_second_ms: u32,
 }
 
 impl NetArgs {
@@ -109,6 +118,12 @@ impl NetArgs {
         if let (Some(cert), Some(key)) = (&self.tls_cert, &self.tls_key) {
             c.tls = Some((cert.clone(), key.clone()));
         }
+        for h in &self.webhook_allow_host {
+            let a = runtime_server::AllowHost::parse(h)
+                .with_context(|| format!("--webhook-allow-host {h}: expected HOST[:PORT]"))?;
+            c.webhook_allow.push(a);
+        }
+        c.webhook_second_ms = i64::from(self.webhook_test_second_ms.max(1));
         Ok(())
     }
 

@@ -42,6 +42,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 pub use domain::money::Prices;
+pub use domain::webhook::AllowHost;
 pub use error::{ApiError, ServerError};
 pub use http::route::ROUTE_SAMPLES;
 pub use service::clock::Clock;
@@ -82,6 +83,12 @@ pub struct Config {
     pub header_read_timeout: Duration,
     /// Most HTTP connections open at once; the next wait in the backlog.
     pub max_connections: usize,
+    /// Hosts webhooks may reach over plain HTTP and at private addresses
+    /// (`--webhook-allow-host`).
+    pub webhook_allow: Vec<AllowHost>,
+    /// How many milliseconds a second of the webhook retry schedule lasts:
+    /// 1000, but tests shorten it.
+    pub webhook_second_ms: i64,
 }
 
 impl Config {
@@ -102,6 +109,8 @@ impl Config {
             clock: Clock::System,
             header_read_timeout: Duration::from_secs(30),
             max_connections: 4096,
+            webhook_allow: Vec::new(),
+            webhook_second_ms: 1000,
         }
     }
 }
@@ -137,6 +146,7 @@ struct Inner {
     meter: service::meter::Meter,
     metrics: service::metrics::Metrics,
     logins: http::login::Pending,
+    hooks: service::webhooks::Hooks,
     tasks: TaskTracker,
     cancel: CancellationToken,
 }
@@ -162,6 +172,7 @@ impl AppState {
                 meter: service::meter::Meter::default(),
                 metrics: service::metrics::Metrics::default(),
                 logins: http::login::Pending::default(),
+                hooks: service::webhooks::Hooks::default(),
                 tasks: TaskTracker::new(),
                 cancel: CancellationToken::new(),
                 config,
@@ -227,6 +238,8 @@ impl AppState {
         self.spawn(async move { service::background::reaper(st).await });
         let st = self.clone();
         self.spawn(async move { service::meter::run(st).await });
+        let st = self.clone();
+        self.spawn(async move { service::webhooks::run(st).await });
     }
 
     /// One tick of the meter (one second of every sandbox). The background

@@ -3,6 +3,7 @@
 //! at the bottom of its file.
 
 pub(crate) mod access;
+pub(crate) mod events;
 pub(crate) mod files;
 pub(crate) mod image;
 pub(crate) mod interpreter;
@@ -21,3 +22,4 @@ pub(crate) mod session;
 pub(crate) mod snapshot;
 pub(crate) mod time;
 pub(crate) mod volume;
+pub(crate) mod webhook;

@@ -121,6 +121,21 @@ fn replay(st: &AppState, stored: StoredAnswer) -> ApiResult<Response> {
     Ok(resp)
 }
 
+/// The answer as stored for a replay: a webhook's signing secret (shown
+/// once, sealed at rest) is left out, and the replay says so.
+fn without_secret(body: &Value) -> std::borrow::Cow<'_, Value> {
+    match body {
+        Value::Object(m) if m.get("kind").and_then(Value::as_str) == Some("webhook") => {
+            let mut m = m.clone();
+            if m.remove("secret").is_some() {
+                m.insert("secretRedacted".into(), Value::Bool(true));
+            }
+            std::borrow::Cow::Owned(Value::Object(m))
+        }
+        _ => std::borrow::Cow::Borrowed(body),
+    }
+}
+
 /// Runs a change: once per idempotency key when one is given, in an owned
 /// task, answering late (`runtime-late-answer`) when it outlasts the limit.
 pub(crate) async fn execute<F>(
@@ -155,7 +170,7 @@ where
                     fingerprint: fp.clone(),
                     kind: "json".into(),
                     status: status.as_u16(),
-                    body: body.to_string(),
+                    body: without_secret(body).to_string(),
                     created_ms: st2.now_ms(),
                 }),
                 // A token or secret is shown once: a replay answers without it.

@@ -76,6 +76,14 @@ pub(crate) enum Route {
     SessionRevoke(String, String),
     /// `…/metrics?range`: the sandbox's measured CPU and memory.
     Metrics(String),
+    ListEvents,
+    CreateWebhook,
+    ListWebhooks,
+    GetWebhook(String),
+    DeleteWebhook(String),
+    WebhookAction(String, String),
+    WebhookDeliveries(String),
+    DeliveryAction(String, String),
     /// A product the client knows that this server does not offer: its name.
     Unavailable(&'static str),
 }
@@ -85,9 +93,6 @@ pub(crate) enum Route {
 /// answers 501 `unavailable`, so the client's own "switched off here" hints
 /// appear, rather than a bare 404.
 const ACCOUNT_PRODUCTS: &[(&str, &str)] = &[
-    ("events", "Events"),
-    ("webhooks", "Webhooks"),
-    ("webhook-deliveries", "Webhooks"),
     ("otel-exports", "OpenTelemetry exports"),
     ("jobs", "Jobs"),
     ("job-imports", "Jobs"),
@@ -352,6 +357,29 @@ pub(crate) fn route(method: &Method, raw_path: &str) -> ApiResult<Route> {
             Method::GET => Route::Me,
             _ => return Err(not_allowed()),
         },
+        ["v1", "events"] if verb_or_none(false) => match m {
+            Method::GET => Route::ListEvents,
+            _ => return Err(not_allowed()),
+        },
+        ["v1", "webhooks"] if verb_or_none(false) => match m {
+            Method::POST => Route::CreateWebhook,
+            Method::GET => Route::ListWebhooks,
+            _ => return Err(not_allowed()),
+        },
+        ["v1", "webhooks", id] => match (&m, &verb) {
+            (&Method::GET, None) => Route::GetWebhook(id.to_string()),
+            (&Method::DELETE, None) => Route::DeleteWebhook(id.to_string()),
+            (&Method::POST, Some(v)) => Route::WebhookAction(id.to_string(), v.clone()),
+            _ => return Err(not_allowed()),
+        },
+        ["v1", "webhooks", id, "deliveries"] if verb_or_none(false) => match m {
+            Method::GET => Route::WebhookDeliveries(id.to_string()),
+            _ => return Err(not_allowed()),
+        },
+        ["v1", "webhook-deliveries", d] => match (&m, &verb) {
+            (&Method::POST, Some(v)) => Route::DeliveryAction(d.to_string(), v.clone()),
+            _ => return Err(not_allowed()),
+        },
         _ => return Err(not_found()),
     };
     Ok(r)
@@ -439,6 +467,17 @@ pub const ROUTE_SAMPLES: &[(&str, &str)] = &[
     ("GET", "/v1/sandboxes/{id}/terminal"),
     ("GET", "/v1/sandboxes/{id}/tunnel"),
     ("GET", "/v1/events"),
+    ("POST", "/v1/webhooks"),
+    ("GET", "/v1/webhooks"),
+    ("GET", "/v1/webhooks/w1"),
+    ("DELETE", "/v1/webhooks/w1"),
+    ("POST", "/v1/webhooks/w1:update"),
+    ("POST", "/v1/webhooks/w1:rotate-secret"),
+    ("POST", "/v1/webhooks/w1:delete"),
+    ("POST", "/v1/webhooks/w1:test"),
+    ("GET", "/v1/webhooks/w1/deliveries"),
+    ("POST", "/v1/webhook-deliveries/d1:retry"),
+    ("GET", "/v1/otel-exports"),
     ("GET", "/v1/sandboxes/{id}/files/archive?path=/workspace"),
     ("PUT", "/v1/sandboxes/{id}/files/archive?path=/tmp/x"),
     ("POST", "/v1/sandboxes/{id}/sessions"),
@@ -593,15 +632,22 @@ mod tests {
             Route::SessionList(_) => 55,
             Route::SessionRevoke(..) => 56,
             Route::Metrics(_) => 57,
+            Route::ListEvents => 58,
+            Route::CreateWebhook => 59,
+            Route::ListWebhooks => 60,
+            Route::GetWebhook(_) => 61,
+            Route::DeleteWebhook(_) => 62,
+            Route::WebhookAction(..) => 63,
+            Route::WebhookDeliveries(_) => 64,
+            Route::DeliveryAction(..) => 65,
         }
     }
-    const VARIANTS: usize = 58;
+    const VARIANTS: usize = 66;
 
     #[test]
     fn products_not_served_here_are_unavailable_not_missing() {
         for (m, p, product) in [
-            ("GET", "/v1/events", "Events"),
-            ("POST", "/v1/webhooks/w1:rotate-secret", "Webhooks"),
+            ("GET", "/v1/otel-exports", "OpenTelemetry exports"),
             ("GET", "/v1/jobs", "Jobs"),
             ("POST", "/v1/sandboxes/x/mounts", "Bucket mounts"),
             (
@@ -630,6 +676,18 @@ mod tests {
             Some(Route::FilesAction("x".into(), "mkdir".into()))
         );
         assert_eq!(route(&Method::GET, "/v1/usage").ok(), Some(Route::Usage));
+        assert_eq!(
+            route(&Method::GET, "/v1/events").ok(),
+            Some(Route::ListEvents)
+        );
+        assert_eq!(
+            route(&Method::POST, "/v1/webhooks/w1:rotate-secret").ok(),
+            Some(Route::WebhookAction("w1".into(), "rotate-secret".into()))
+        );
+        assert_eq!(
+            route(&Method::POST, "/v1/webhook-deliveries/d%2F1:retry").ok(),
+            Some(Route::DeliveryAction("d/1".into(), "retry".into()))
+        );
         assert!(matches!(
             route(&Method::GET, "/v1/nothing-of-the-kind"),
             Err(ApiError::RouteNotFound { .. })

@@ -60,6 +60,7 @@ pub(crate) async fn reaper(st: AppState) {
             if let Err(e) = crate::service::sessions::prune(&st) {
                 tracing::error!(error = %e, "forgetting ended sessions failed");
             }
+            crate::service::events::prune(&st, now);
         }
     }
 }

@@ -89,23 +89,26 @@ pub(crate) fn transition(
     event: Event,
     edit: impl FnOnce(&mut SandboxRow),
 ) -> Result<bool, ServerError> {
-    let mut moved = false;
-    st.store().update_sandbox(id, |r| {
+    let mut moved = None;
+    let row = st.store().update_sandbox(id, |r| {
         if r.deleted.is_some() {
             return false;
         }
         let Ok(to) = next(r.record.state, event) else {
             return false;
         };
+        moved = Some(r.record.state);
         r.record.state = to;
         edit(r);
-        moved = true;
         true
     })?;
-    if moved {
+    if let (Some(from), Some(row)) = (moved, &row) {
+        crate::service::events::sandbox_moved(st, row, from, event);
+    }
+    if moved.is_some() {
         st.notify_change();
     }
-    Ok(moved)
+    Ok(moved.is_some())
 }
 
 /// Records the outcome `event` of the host call begun in state `from`,
@@ -131,6 +134,9 @@ fn record(
         wrote = true;
         true
     })?;
+    if let (true, Some(row)) = (wrote, &row) {
+        crate::service::events::sandbox_moved(st, row, from, event);
+    }
     Ok((row, wrote))
 }
 

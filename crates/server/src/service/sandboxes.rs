@@ -253,12 +253,14 @@ pub(crate) async fn wait_until(
 /// saved state in an owned task.
 pub(crate) fn delete_sandbox(st: &AppState, id: &str, reason: &str) -> ApiResult<SandboxRow> {
     let now = iso(st.now_ms());
+    let mut from = None;
     let row = st
         .store()
         .update_sandbox(id, |r| {
             if r.deleted.is_some() {
                 return false;
             }
+            from = Some(r.record.state);
             if r.record.state != Stopped {
                 r.record.ended_at = Some(now.clone());
                 r.record.stop_reason = Some(reason.into());
@@ -280,6 +282,10 @@ pub(crate) fn delete_sandbox(st: &AppState, id: &str, reason: &str) -> ApiResult
             true
         })?
         .ok_or_else(|| ApiError::sandbox_not_found(id))?;
+    if let Some(from) = from.filter(|_| row.deleted.is_some()) {
+        crate::service::events::sandbox_moved(st, &row, from, Event::Delete);
+        crate::service::events::sandbox_event(st, &row, "sandbox.deleted", &[]);
+    }
     st.notify_change();
     st.inner.procs.sandbox_gone(st.store(), id);
     st.inner.uploads.sandbox_gone(id);
@@ -453,6 +459,7 @@ pub(crate) async fn create(
                 crate::service::volumes::keep(st, &row.record.id, &volumes)?;
                 st.store().insert_sandbox(&row)?;
                 tracing::info!(sandbox_id = %row.record.id, "sandbox created");
+                crate::service::events::sandbox_event(st, &row, "sandbox.created", &[]);
                 drive(st, &row.record.id, Op::Start { from })?;
                 (row.record.id, false)
             }

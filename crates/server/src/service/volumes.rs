@@ -163,6 +163,7 @@ pub(crate) async fn create(
     })?;
     st.store().insert_volume(&d)?;
     tracing::info!(volume_id = %d.id, size_mib = size, "volume created");
+    crate::service::events::record(st, &d.key_id, "volume.ready", &d.id, volume_data(&d));
     Ok(view(st, d, &[]))
 }
 
@@ -227,10 +228,17 @@ pub(crate) async fn delete(st: &AppState, key: &KeyInfo, id: &str) -> ApiResult<
         }
     }
     tracing::info!(volume_id = %d.id, "volume deleted");
+    crate::service::events::record(st, &d.key_id, "volume.deleted", &d.id, volume_data(&d));
     Ok(Deleted {
         volume: d,
         deleted_at: iso(st.now_ms()),
     })
+}
+
+/// A volume as its events carry it.
+fn volume_data(d: &Volume) -> serde_json::Value {
+    json!({"volume": {"id": d.id, "name": d.name, "labels": d.labels,
+                      "sizeMiB": d.size_mib, "createdAt": d.created_at}})
 }
 
 /// The drives of a sandbox's machine, in the order of its create.

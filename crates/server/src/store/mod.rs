@@ -1,11 +1,13 @@
 //! The embedded SQLite store: keys, sandboxes, snapshots, processes,
-//! idempotency records, images (`images.rs`) and volumes (`volumes.rs`).
+//! idempotency records, images (`images.rs`), volumes (`volumes.rs`), and
+//! events with webhooks and their deliveries (`events.rs`).
 //!
 //! One connection behind a mutex; every call is short and never held across
 //! an `.await`. Schema version lives in `PRAGMA user_version`.
 
 mod charges;
 mod docs;
+mod events;
 mod idempotency;
 mod images;
 mod keys;
@@ -201,6 +203,48 @@ CREATE TABLE IF NOT EXISTS file_links (
 CREATE INDEX IF NOT EXISTS file_links_sandbox ON file_links(sandbox_id);
 ";
 
+/// Events, webhooks and their deliveries (v10). Events and deliveries are
+/// bounded by age and count (service/events.rs prunes them).
+const SCHEMA_V10: &str = "
+CREATE TABLE IF NOT EXISTS events (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    id TEXT NOT NULL UNIQUE,
+    key_id TEXT NOT NULL,
+    type TEXT NOT NULL,
+    resource_id TEXT NOT NULL,
+    created_ms INTEGER NOT NULL,
+    body TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS events_key ON events(key_id, seq);
+CREATE INDEX IF NOT EXISTS events_resource ON events(resource_id, seq);
+CREATE INDEX IF NOT EXISTS events_created ON events(created_ms);
+CREATE TABLE IF NOT EXISTS webhooks (
+    id TEXT PRIMARY KEY,
+    key_id TEXT NOT NULL,
+    created_ms INTEGER NOT NULL,
+    doc TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS webhooks_key ON webhooks(key_id);
+CREATE TABLE IF NOT EXISTS webhook_deliveries (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    id TEXT NOT NULL UNIQUE,
+    webhook_id TEXT NOT NULL,
+    key_id TEXT NOT NULL,
+    event_id TEXT NOT NULL,
+    event_type TEXT NOT NULL,
+    body TEXT NOT NULL,
+    state TEXT NOT NULL,
+    attempts INTEGER NOT NULL,
+    next_ms INTEGER,
+    created_ms INTEGER NOT NULL,
+    updated_ms INTEGER NOT NULL,
+    log TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS deliveries_due ON webhook_deliveries(state, next_ms);
+CREATE INDEX IF NOT EXISTS deliveries_webhook ON webhook_deliveries(webhook_id, seq);
+CREATE INDEX IF NOT EXISTS deliveries_key ON webhook_deliveries(key_id, state);
+";
+
 /// Images and volumes in tables of their own (v6), with the constraints of
 /// their names: an image's version is unique per name, a volume's name per
 /// key. The migration moves their `net_docs` documents (kinds `image`,
@@ -321,6 +365,12 @@ pub(crate) fn open_connection(data_dir: &Path) -> Result<Connection, ServerError
         conn.execute_batch(SCHEMA_V9)
             .map_err(store_err("migrate v9"))?;
     }
+    if version < 10 {
+        let tx = conn.transaction().map_err(store_err("begin v10"))?;
+        tx.execute_batch(SCHEMA_V10)
+            .map_err(store_err("migrate v10"))?;
+        tx.commit().map_err(store_err("commit v10"))?;
+    }
     if version < 11 {
         conn.execute_batch(SCHEMA_V11)
             .map_err(store_err("migrate v11"))?;
@@ -345,6 +395,7 @@ impl Store {
     }
 }
 
+pub(crate) use events::{Attempt, DeliveryRow, EventQuery, EventRow, SealedSecret, WebhookRow};
 pub(crate) use idempotency::StoredAnswer;
 pub(crate) use keys::insert_key;
 pub(crate) use processes::{ProcEnd, ProcRow};

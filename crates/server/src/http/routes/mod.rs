@@ -12,6 +12,7 @@ use crate::http::{Ctx, Reply};
 use crate::AppState;
 
 mod account;
+mod events;
 mod files;
 mod images;
 pub(crate) mod network;
@@ -78,6 +79,14 @@ pub(super) async fn dispatch(st: AppState, ctx: Ctx, r: Route, body: Bytes) -> A
         Route::ListSecrets => secrets::list(st, ctx).await,
         Route::PutSecret(name) => secrets::put(st, ctx, name, body).await,
         Route::DeleteSecret(name) => secrets::delete(st, ctx, name).await,
+        Route::ListEvents => events::list(st, ctx).await,
+        Route::CreateWebhook => events::create_webhook(st, ctx, body).await,
+        Route::ListWebhooks => events::list_webhooks(st, ctx).await,
+        Route::GetWebhook(id) => events::get_webhook(st, ctx, id).await,
+        Route::DeleteWebhook(id) => events::delete_webhook(st, ctx, id).await,
+        Route::WebhookAction(id, verb) => events::webhook_action(st, ctx, id, verb, body).await,
+        Route::WebhookDeliveries(id) => events::deliveries(st, ctx, id).await,
+        Route::DeliveryAction(id, verb) => events::delivery_action(st, ctx, id, verb, body).await,
         Route::JobSecrets => Err(ApiError::Unsupported {
             feature: "Secrets for scheduled jobs",
         }),

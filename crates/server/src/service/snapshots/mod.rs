@@ -144,6 +144,12 @@ pub(crate) async fn fork(
             )?;
             row.record.secrets = crate::service::network::load(st, &row.record.id)?.secrets;
             st.store().insert_sandbox(&row)?;
+            crate::service::events::sandbox_event(
+                st,
+                &row,
+                "sandbox.created",
+                &[("forkedFrom", serde_json::Value::from(src.record.id.clone()))],
+            );
             out.push(row);
         }
         out
@@ -285,6 +291,16 @@ pub(crate) async fn snapshot(
         });
         if gone || result.is_err() {
             remove_dir(&path);
+        }
+        if let Ok(Some(row)) = &updated {
+            if !gone {
+                let ty = if result.is_ok() {
+                    "snapshot.ready"
+                } else {
+                    "snapshot.failed"
+                };
+                snapshot_event(&st2, row, ty);
+            }
         }
         match (&result, updated) {
             (Ok(()), Ok(_)) => tracing::info!(snapshot_id = %sid, size, "snapshot ready"),
@@ -441,13 +457,18 @@ pub(crate) fn delete(st: &AppState, key: &KeyInfo, id: &str) -> ApiResult<String
         return Ok(at);
     }
     let at = iso(st.now_ms());
-    st.store().update_snapshot(id, |r| {
+    let mut wrote = false;
+    let after = st.store().update_snapshot(id, |r| {
         if r.deleted.is_some() {
             return false;
         }
         r.deleted = Some(at.clone());
+        wrote = true;
         true
     })?;
+    if let (true, Some(row)) = (wrote, &after) {
+        snapshot_event(st, row, "snapshot.deleted");
+    }
     // A capture under way removes its directory when it ends.
     if row.record.state != "capturing" {
         remove_dir(&dir(st, id));
@@ -476,14 +497,30 @@ pub(crate) fn expire(st: &AppState, now: i64) {
             continue;
         }
         let at = iso(now);
-        if let Err(e) = st.store().update_snapshot(&r.record.id, |x| {
+        match st.store().update_snapshot(&r.record.id, |x| {
             x.deleted = Some(at.clone());
             true
         }) {
-            tracing::error!(snapshot_id = %r.record.id, error = %e, "expiring the snapshot failed");
-            continue;
+            Ok(Some(row)) => snapshot_event(st, &row, "snapshot.deleted"),
+            Ok(None) => {}
+            Err(e) => {
+                tracing::error!(snapshot_id = %r.record.id, error = %e, "expiring the snapshot failed");
+                continue;
+            }
         }
         remove_dir(&dir(st, &r.record.id));
         tracing::info!(snapshot_id = %r.record.id, "snapshot expired");
     }
+}
+
+/// Logs a snapshot's event with its record as it is now.
+fn snapshot_event(st: &AppState, row: &crate::store::SnapshotRow, ty: &str) {
+    let snapshot = serde_json::to_value(&row.record).unwrap_or_default();
+    crate::service::events::record(
+        st,
+        &row.key_id,
+        ty,
+        &row.record.id,
+        serde_json::json!({ "snapshot": snapshot }),
+    );
 }
