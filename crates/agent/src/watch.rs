@@ -598,10 +598,12 @@ impl Watcher {
                 }
                 None => {
                     self.emit(WatchKind::Create, path.clone(), None, is_dir);
-                    if is_dir && self.recursive && !self.filter.excluded(self.rel(&path)) {
-                        if self.watch_subdir(&path) {
-                            self.add_tree(&path, true);
-                        }
+                    if is_dir
+                        && self.recursive
+                        && !self.filter.excluded(self.rel(&path))
+                        && self.watch_subdir(&path)
+                    {
+                        self.add_tree(&path, true);
                     }
                 }
             }
@@ -612,11 +614,13 @@ impl Watcher {
         }
         if mask & libc::IN_CREATE != 0 {
             self.emit(WatchKind::Create, path.clone(), None, is_dir);
-            if is_dir && self.recursive && !self.filter.excluded(self.rel(&path)) {
-                // Watched first, then scanned: nothing made meanwhile is missed.
-                if self.watch_subdir(&path) {
-                    self.add_tree(&path, true);
-                }
+            // Watched first, then scanned: nothing made meanwhile is missed.
+            if is_dir
+                && self.recursive
+                && !self.filter.excluded(self.rel(&path))
+                && self.watch_subdir(&path)
+            {
+                self.add_tree(&path, true);
             }
         } else if mask & libc::IN_DELETE != 0 {
             self.emit(WatchKind::Remove, path, None, is_dir);

@@ -6,7 +6,7 @@ use tokio::sync::mpsc;
 
 use crate::convert::pty_size;
 use crate::link::Incoming;
-use crate::types::{ExecControl, ExecEvent, ExecHandle, ExitStatus};
+use crate::types::{ExecControl, ExecEvent, ExecHandle, ExitStatus, WatchHandle, WatchUpdate};
 
 /// Turns an exec stream into an [`ExecHandle`]: guest frames become events,
 /// controls become frames.
@@ -119,6 +119,61 @@ pub(crate) fn exited(token: u64, status: ExitStatus) -> ExecHandle {
         token,
         events: ev_rx,
         control: ctl_tx,
+    }
+}
+
+/// Most updates waiting for the control plane; the guest's frames wait in
+/// the link behind them (its watch is bounded by its rate).
+const WATCH_QUEUE: usize = 64;
+
+/// Turns a watch's stream into a [`WatchHandle`]: batches become updates
+/// until its `WatchEnded`; a stop (or the handle's end) sends `Unwatch`.
+pub(crate) fn watch_pump(mut stream: crate::link::Stream, watches: u32) -> WatchHandle {
+    let (tx, rx) = mpsc::channel(WATCH_QUEUE);
+    let (stop_tx, mut stop_rx) = mpsc::channel::<()>(1);
+    let sender = stream.sender();
+    tokio::spawn(async move {
+        let mut stop_open = true;
+        loop {
+            tokio::select! {
+                inc = stream.recv() => match inc {
+                    Some(Incoming::Reply(Reply::WatchEvents { events, notices })) => {
+                        let update = WatchUpdate::Batch {
+                            changes: events.into_iter().map(crate::convert::change).collect(),
+                            misses: notices.into_iter().map(crate::convert::miss).collect(),
+                        };
+                        if tx.send(update).await.is_err() && stop_open {
+                            // Nobody reads it any more: end it in the guest.
+                            stop_open = false;
+                            let _ = sender.send(&Request::Unwatch);
+                        }
+                    }
+                    Some(Incoming::Reply(Reply::WatchEnded { reason })) => {
+                        let _ = tx.send(WatchUpdate::Ended { reason }).await;
+                        break;
+                    }
+                    Some(_) => continue,
+                    None => {
+                        let _ = tx.send(WatchUpdate::Ended { reason: "lost".into() }).await;
+                        break;
+                    }
+                },
+                _ = stop_rx.recv(), if stop_open => {
+                    // A stop, or the handle's sender dropped: either way it ends.
+                    stop_open = false;
+                    if sender.send(&Request::Unwatch).is_err() {
+                        let _ = tx.send(WatchUpdate::Ended { reason: "lost".into() }).await;
+                        break;
+                    }
+                }
+            }
+        }
+        sender.ended();
+    });
+    WatchHandle {
+        watches,
+        updates: rx,
+        stop: stop_tx,
     }
 }
 

@@ -18,3 +18,4 @@ pub(crate) mod secret;
 pub(crate) mod snapshot;
 pub(crate) mod time;
 pub(crate) mod volume;
+pub(crate) mod watch;

@@ -33,6 +33,11 @@ pub(crate) enum Route {
     ProcGet(String, String),
     ProcOutput(String, String),
     ProcAction(String, String, String),
+    /// `…/files/watches[/{w}[/events]]`.
+    WatchCreate(String),
+    WatchList(String),
+    WatchEvents(String, String),
+    WatchDelete(String, String),
     ListSnapshots,
     GetSnapshot(String),
     DeleteSnapshot(String),
@@ -130,7 +135,6 @@ fn unavailable(s: &[&str], verb: Option<&str>) -> Option<&'static str> {
             Some("Registry logins and build contexts")
         }
         ["v1", "volumes", _, "attachments", ..] => Some("Volume attachments"),
-        ["v1", "sandboxes", _, "files", "watches", ..] => Some("File watches"),
         ["v1", "sandboxes", _, "files", "archive", "uploads", ..] => {
             Some("Chunked archive uploads")
         }
@@ -210,6 +214,21 @@ pub(crate) fn route(method: &Method, raw_path: &str) -> ApiResult<Route> {
             Method::GET => Route::FilesStat(id.to_string()),
             _ => return Err(not_allowed()),
         },
+        ["v1", "sandboxes", id, "files", "watches"] if verb_or_none(false) => match m {
+            Method::POST => Route::WatchCreate(id.to_string()),
+            Method::GET => Route::WatchList(id.to_string()),
+            _ => return Err(not_allowed()),
+        },
+        ["v1", "sandboxes", id, "files", "watches", w] if verb_or_none(false) => match m {
+            Method::DELETE => Route::WatchDelete(id.to_string(), w.to_string()),
+            _ => return Err(not_allowed()),
+        },
+        ["v1", "sandboxes", id, "files", "watches", w, "events"] if verb_or_none(false) => {
+            match m {
+                Method::GET => Route::WatchEvents(id.to_string(), w.to_string()),
+                _ => return Err(not_allowed()),
+            }
+        }
         ["v1", "sandboxes", id, "files"] => match (&m, &verb) {
             (&Method::POST, Some(v)) => Route::FilesAction(id.to_string(), v.clone()),
             _ => return Err(not_found()),
@@ -424,6 +443,10 @@ pub const ROUTE_SAMPLES: &[(&str, &str)] = &[
     ("GET", "/v1/events"),
     ("GET", "/v1/sandboxes/{id}/files/archive?path=/workspace"),
     ("PUT", "/v1/sandboxes/{id}/files/archive?path=/tmp/x"),
+    ("POST", "/v1/sandboxes/{id}/files/watches"),
+    ("GET", "/v1/sandboxes/{id}/files/watches"),
+    ("GET", "/v1/sandboxes/{id}/files/watches/w1/events?cursor=0"),
+    ("DELETE", "/v1/sandboxes/{id}/files/watches/w1"),
 ];
 
 /// Routes that show what is inside a sandbox (files, commands and their
@@ -438,6 +461,8 @@ pub(crate) fn reveals_contents(r: &Route) -> bool {
             | Route::ProcList(_)
             | Route::ProcGet(..)
             | Route::ProcOutput(..)
+            | Route::WatchList(_)
+            | Route::WatchEvents(..)
             | Route::Interpreter(..)
             | Route::ListSecrets
             | Route::Terminal(_)
@@ -535,9 +560,13 @@ mod tests {
             Route::Unavailable(_) => 51,
             Route::ArchiveGet(_) => 52,
             Route::ArchivePut(_) => 53,
+            Route::WatchCreate(_) => 54,
+            Route::WatchList(_) => 55,
+            Route::WatchEvents(..) => 56,
+            Route::WatchDelete(..) => 57,
         }
     }
-    const VARIANTS: usize = 54;
+    const VARIANTS: usize = 58;
 
     #[test]
     fn products_not_served_here_are_unavailable_not_missing() {
@@ -553,7 +582,6 @@ mod tests {
                 "/v1/sandboxes/x/files/archive/uploads/u1",
                 "Chunked archive uploads",
             ),
-            ("POST", "/v1/sandboxes/x/files/watches", "File watches"),
             ("GET", "/v1/sandboxes/x/processes/p1/files", "Traced files"),
             (
                 "GET",
@@ -574,6 +602,14 @@ mod tests {
             Some(Route::FilesAction("x".into(), "mkdir".into()))
         );
         assert_eq!(route(&Method::GET, "/v1/usage").ok(), Some(Route::Usage));
+        assert_eq!(
+            route(&Method::GET, "/v1/sandboxes/x/files/watches/w%2F1/events").ok(),
+            Some(Route::WatchEvents("x".into(), "w/1".into()))
+        );
+        assert_eq!(
+            route(&Method::POST, "/v1/sandboxes/x/files/watches").ok(),
+            Some(Route::WatchCreate("x".into()))
+        );
         assert!(matches!(
             route(&Method::GET, "/v1/nothing-of-the-kind"),
             Err(ApiError::RouteNotFound { .. })

@@ -20,3 +20,4 @@ pub(crate) mod snapshots;
 pub(crate) mod tunnels;
 pub(crate) mod uploads;
 pub(crate) mod volumes;
+pub(crate) mod watches;

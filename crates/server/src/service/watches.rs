@@ -1,0 +1,537 @@
+//! File watches (`…/files/watches`): each runs in the guest (the `Host`
+//! watches with inotify) and is pumped by one owned task into its log,
+//! which readers take by cursor, waiting or following. A watch ends on
+//! `DELETE`, at its `timeoutMs`, when its root goes, when the sandbox
+//! pauses (`paused`: it is ended in the guest before the machine stops)
+//! and when the sandbox stops or is deleted. Watches live in the server's
+//! memory: a restart of the server ends them.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use futures::stream::BoxStream;
+use runtime_api::codes;
+use runtime_host::{ChangeKind, WatchSpec, WatchUpdate};
+use serde_json::{json, Value};
+use tokio::sync::watch;
+
+use crate::domain::access::KeyInfo;
+use crate::domain::time::iso;
+use crate::domain::watch::{
+    event_json, kind_name, notice_json, Entry, FutureCursor, Log, Read, ENDED_KEPT, FOLLOW_SECONDS,
+    LOG_BYTES, MAX_WATCHES_PER_SANDBOX,
+};
+use crate::error::{ApiError, ApiResult};
+use crate::service::files::user_of;
+use crate::service::sandboxes::{find, find_running};
+use crate::AppState;
+
+/// How long an ending watch waits for the guest to confirm it ended.
+const END_WAIT: Duration = Duration::from_secs(5);
+
+/// What `POST …/files/watches` asks.
+#[derive(Debug, Clone)]
+pub(crate) struct Start {
+    pub(crate) path: String,
+    pub(crate) recursive: bool,
+    pub(crate) events: Vec<String>,
+    pub(crate) kinds: Vec<ChangeKind>,
+    pub(crate) include: Vec<String>,
+    pub(crate) exclude: Vec<String>,
+    pub(crate) batch_ms: u32,
+    /// 0: until stopped.
+    pub(crate) timeout_ms: u64,
+    pub(crate) max_watches: u32,
+    pub(crate) id: Option<String>,
+}
+
+struct State {
+    log: Log,
+    /// Why it ended, once it has.
+    ended: Option<String>,
+    /// Why it was asked to end (it ends with this reason).
+    ending: Option<&'static str>,
+    watches: u32,
+}
+
+pub(crate) struct Watch {
+    pub(crate) id: String,
+    sandbox_id: String,
+    start: Start,
+    created_ms: i64,
+    state: Mutex<State>,
+    changed: watch::Sender<u64>,
+    stop: watch::Sender<bool>,
+}
+
+impl Watch {
+    fn state(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn bump(&self) {
+        self.changed.send_modify(|v| *v = v.wrapping_add(1));
+    }
+
+    pub(crate) fn running(&self) -> bool {
+        self.state().ended.is_none()
+    }
+
+    /// Asks it to end with `reason` (the first reason asked wins).
+    fn end(&self, reason: &'static str) {
+        {
+            let mut s = self.state();
+            if s.ended.is_some() {
+                return;
+            }
+            s.ending.get_or_insert(reason);
+        }
+        self.stop.send_replace(true);
+    }
+
+    fn finish(&self, guest_reason: String) {
+        {
+            let mut s = self.state();
+            if s.ended.is_none() {
+                s.ended = Some(s.ending.map(str::to_string).unwrap_or(guest_reason));
+            }
+        }
+        self.bump();
+    }
+
+    /// Its record, as the API answers it.
+    pub(crate) fn info(&self) -> Value {
+        let s = self.state();
+        let st = &self.start;
+        let expires = (st.timeout_ms > 0).then(|| iso(self.created_ms + st.timeout_ms as i64));
+        json!({
+            "id": self.id,
+            "sandboxId": self.sandbox_id,
+            "path": st.path,
+            "recursive": st.recursive,
+            "events": if st.events.is_empty() {
+                [ChangeKind::Create, ChangeKind::Write, ChangeKind::Remove, ChangeKind::Rename, ChangeKind::Chmod]
+                    .iter().map(|k| kind_name(*k).to_string()).collect()
+            } else {
+                st.events.clone()
+            },
+            "include": st.include,
+            "exclude": st.exclude,
+            "batchMs": st.batch_ms,
+            "timeoutMs": st.timeout_ms,
+            "maxWatches": st.max_watches,
+            "watches": s.watches,
+            "webhook": false,
+            "cursor": s.log.end(),
+            "status": if s.ended.is_some() { "ended" } else { "running" },
+            "endReason": s.ended,
+            "createdAt": iso(self.created_ms),
+            "expiresAt": expires,
+        })
+    }
+
+    fn read(&self, cursor: u64) -> Result<(Read, Option<String>), FutureCursor> {
+        let s = self.state();
+        let r = s.log.read(cursor)?;
+        // Ended for this reader once it has read everything.
+        let ended = if r.next == s.log.end() {
+            s.ended.clone()
+        } else {
+            None
+        };
+        Ok((r, ended))
+    }
+}
+
+/// Every sandbox's watches.
+#[derive(Default)]
+pub(crate) struct Watches {
+    by_sandbox: Mutex<HashMap<String, Vec<Arc<Watch>>>>,
+}
+
+impl Watches {
+    fn lock(&self) -> MutexGuard<'_, HashMap<String, Vec<Arc<Watch>>>> {
+        self.by_sandbox.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn get(&self, sandbox: &str, watch: &str) -> ApiResult<Arc<Watch>> {
+        self.lock()
+            .get(sandbox)
+            .and_then(|v| v.iter().find(|w| w.id == watch).cloned())
+            .ok_or_else(|| ApiError::NotFound {
+                code: codes::NOT_FOUND,
+                what: "watch",
+                id: watch.to_string(),
+            })
+    }
+
+    fn running(&self, sandbox: &str) -> Vec<Arc<Watch>> {
+        self.lock()
+            .get(sandbox)
+            .map(|v| v.iter().filter(|w| w.running()).cloned().collect())
+            .unwrap_or_default()
+    }
+}
+
+fn too_many() -> ApiError {
+    ApiError::Conflict {
+        code: codes::QUOTA_EXCEEDED,
+        message: format!(
+            "At most {MAX_WATCHES_PER_SANDBOX} watches run in a sandbox at once: stop one first."
+        ),
+        details: Some(json!({"limit": MAX_WATCHES_PER_SANDBOX})),
+    }
+}
+
+/// `POST …/files/watches`: starts the watch in the guest and answers its
+/// record. A watch `id` that names a running watch of the same path
+/// answers it (a retry); of another path, 409 `already_exists`.
+pub(crate) async fn start(
+    st: &AppState,
+    key: &KeyInfo,
+    sandbox_id: &str,
+    start: Start,
+) -> ApiResult<Arc<Watch>> {
+    let row = find_running(st, key, sandbox_id).await?;
+    let table = &st.inner.watches;
+    if let Some(id) = &start.id {
+        if let Ok(w) = table.get(sandbox_id, id) {
+            if w.running() && w.start.path == start.path {
+                return Ok(w);
+            }
+            if w.running() {
+                return Err(ApiError::Conflict {
+                    code: codes::ALREADY_EXISTS,
+                    message: format!("Watch {id} already watches {}.", w.start.path),
+                    details: Some(json!({"field": "id"})),
+                });
+            }
+        }
+    }
+    if table.running(sandbox_id).len() >= MAX_WATCHES_PER_SANDBOX {
+        return Err(too_many());
+    }
+    let spec = WatchSpec {
+        path: start.path.clone(),
+        recursive: start.recursive,
+        kinds: start.kinds.clone(),
+        include: start.include.clone(),
+        exclude: start.exclude.clone(),
+        batch_ms: start.batch_ms,
+        max_watches: start.max_watches,
+        user: user_of(&row, None),
+    };
+    let mut handle = st.host().watch(sandbox_id, spec).await?;
+    let id = start
+        .id
+        .clone()
+        .unwrap_or_else(|| format!("watch_{}", uuid::Uuid::new_v4().simple()));
+    let w = Arc::new(Watch {
+        id,
+        sandbox_id: sandbox_id.to_string(),
+        created_ms: st.now_ms(),
+        state: Mutex::new(State {
+            log: Log::new(LOG_BYTES),
+            ended: None,
+            ending: None,
+            watches: handle.watches,
+        }),
+        changed: watch::channel(0).0,
+        stop: watch::channel(false).0,
+        start,
+    });
+    {
+        // Checked again under the lock: two starts may have raced.
+        let mut m = table.lock();
+        let list = m.entry(sandbox_id.to_string()).or_default();
+        if list.iter().filter(|w| w.running()).count() >= MAX_WATCHES_PER_SANDBOX {
+            drop(m);
+            let _ = handle.stop.try_send(());
+            return Err(too_many());
+        }
+        list.retain(|o| o.id != w.id);
+        list.push(Arc::clone(&w));
+        let ended: Vec<String> = list
+            .iter()
+            .filter(|o| !o.running())
+            .map(|o| o.id.clone())
+            .collect();
+        if ended.len() > ENDED_KEPT {
+            let drop_ids = &ended[..ended.len() - ENDED_KEPT];
+            list.retain(|o| !drop_ids.contains(&o.id));
+        }
+    }
+    let w2 = Arc::clone(&w);
+    let st2 = st.clone();
+    let cancel = st.inner.cancel.clone();
+    st.spawn(async move {
+        let mut stop = w2.stop.subscribe();
+        let timeout = w2.start.timeout_ms;
+        let deadline = tokio::time::Instant::now() + Duration::from_millis(timeout);
+        let mut stopping: Option<tokio::time::Instant> = None;
+        loop {
+            let give_up = stopping.unwrap_or(deadline);
+            tokio::select! {
+                u = handle.updates.recv() => match u {
+                    Some(WatchUpdate::Batch { changes, misses }) => {
+                        let now = iso(st2.now_ms());
+                        {
+                            let mut s = w2.state();
+                            for c in &changes {
+                                s.log.push(Entry::Event(event_json(c, &now)));
+                            }
+                            for m in &misses {
+                                s.log.push(Entry::Notice(notice_json(m)));
+                            }
+                        }
+                        w2.bump();
+                    }
+                    Some(WatchUpdate::Ended { reason }) => {
+                        w2.finish(reason);
+                        return;
+                    }
+                    None => {
+                        w2.finish("lost".into());
+                        return;
+                    }
+                },
+                _ = tokio::time::sleep_until(deadline), if timeout > 0 && stopping.is_none() => {
+                    w2.end("timeout");
+                }
+                r = stop.changed(), if stopping.is_none() => {
+                    if r.is_err() || *stop.borrow() {
+                        let _ = handle.stop.try_send(());
+                        stopping = Some(tokio::time::Instant::now() + END_WAIT);
+                    }
+                }
+                _ = tokio::time::sleep_until(give_up), if stopping.is_some() => {
+                    tracing::debug!(watch_id = %w2.id, "the guest did not confirm the watch's end");
+                    w2.finish("stopped".into());
+                    return;
+                }
+                _ = cancel.cancelled() => {
+                    let _ = handle.stop.try_send(());
+                    w2.end("server-stopped");
+                    w2.finish("server-stopped".into());
+                    return;
+                }
+            }
+        }
+    });
+    tracing::debug!(sandbox_id, watch_id = %w.id, "watch started");
+    Ok(w)
+}
+
+/// `GET …/files/watches`: the running watches.
+pub(crate) fn list(st: &AppState, key: &KeyInfo, sandbox_id: &str) -> ApiResult<Vec<Value>> {
+    find(st, key, sandbox_id)?;
+    Ok(st
+        .inner
+        .watches
+        .running(sandbox_id)
+        .iter()
+        .map(|w| w.info())
+        .collect())
+}
+
+/// `DELETE …/files/watches/{w}`: ends it; answers once the guest has.
+pub(crate) async fn stop(
+    st: &AppState,
+    key: &KeyInfo,
+    sandbox_id: &str,
+    watch_id: &str,
+) -> ApiResult<bool> {
+    find(st, key, sandbox_id)?;
+    let w = st.inner.watches.get(sandbox_id, watch_id)?;
+    w.end("stopped");
+    let mut changed = w.changed.subscribe();
+    let _ = tokio::time::timeout(END_WAIT + Duration::from_secs(1), async {
+        while w.running() {
+            if changed.changed().await.is_err() {
+                break;
+            }
+        }
+    })
+    .await;
+    Ok(true)
+}
+
+/// A read's answer: `{events, nextCursor, notices?, lostBytes?, ended?}`.
+fn read_json(r: Read, ended: Option<String>) -> Value {
+    let mut notices = r.notices;
+    if let Some(reason) = &ended {
+        notices.push(json!({"k": "end", "reason": reason}));
+    }
+    let mut v = json!({"events": r.events, "nextCursor": r.next});
+    if !notices.is_empty() {
+        v["notices"] = json!(notices);
+    }
+    if r.lost > 0 {
+        v["lostBytes"] = json!(r.lost);
+    }
+    if ended.is_some() {
+        v["ended"] = json!(true);
+    }
+    v
+}
+
+fn future(cursor: u64, e: FutureCursor) -> ApiError {
+    ApiError::invalid(
+        "cursor",
+        format!(
+            "{cursor} is past the end of the watch's events ({}): use a nextCursor this watch answered",
+            e.end
+        ),
+    )
+}
+
+/// `GET …/events?cursor&waitMs`: what came after `cursor`, waiting up to
+/// `wait` for something when nothing has. Never wakes the sandbox.
+pub(crate) async fn read(
+    st: &AppState,
+    key: &KeyInfo,
+    sandbox_id: &str,
+    watch_id: &str,
+    cursor: u64,
+    wait: Duration,
+) -> ApiResult<Value> {
+    find(st, key, sandbox_id)?;
+    let w = st.inner.watches.get(sandbox_id, watch_id)?;
+    let mut changed = w.changed.subscribe();
+    let deadline = tokio::time::Instant::now() + wait;
+    loop {
+        let (r, ended) = w.read(cursor).map_err(|e| future(cursor, e))?;
+        if !r.is_empty() || ended.is_some() {
+            return Ok(read_json(r, ended));
+        }
+        tokio::select! {
+            c = changed.changed() => if c.is_err() { return Ok(read_json(r, ended)) },
+            _ = tokio::time::sleep_until(deadline) => return Ok(read_json(r, ended)),
+            _ = st.inner.cancel.cancelled() => return Ok(read_json(r, ended)),
+        }
+    }
+}
+
+/// Lines of a followed watch, in batches.
+pub(crate) type Lines = BoxStream<'static, Vec<Value>>;
+
+struct Follow {
+    w: Arc<Watch>,
+    cursor: u64,
+    rx: watch::Receiver<u64>,
+    until: tokio::time::Instant,
+    done: bool,
+    cancel: tokio_util::sync::CancellationToken,
+}
+
+/// `GET …/events?cursor&follow=true`: `events` lines (and notices) as they
+/// come, then `end` (or `paused`), or `continue` after [`FOLLOW_SECONDS`].
+pub(crate) fn follow(
+    st: &AppState,
+    key: &KeyInfo,
+    sandbox_id: &str,
+    watch_id: &str,
+    cursor: u64,
+) -> ApiResult<Lines> {
+    find(st, key, sandbox_id)?;
+    let w = st.inner.watches.get(sandbox_id, watch_id)?;
+    w.read(cursor).map_err(|e| future(cursor, e))?;
+    let f = Follow {
+        rx: w.changed.subscribe(),
+        w,
+        cursor,
+        until: tokio::time::Instant::now() + Duration::from_secs(FOLLOW_SECONDS),
+        done: false,
+        cancel: st.inner.cancel.clone(),
+    };
+    Ok(Box::pin(futures::stream::unfold(f, |mut f| async move {
+        if f.done {
+            return None;
+        }
+        loop {
+            let (r, ended) = match f.w.read(f.cursor) {
+                Ok(x) => x,
+                Err(_) => (
+                    Read {
+                        next: f.cursor,
+                        ..Read::default()
+                    },
+                    None,
+                ),
+            };
+            let mut lines = Vec::new();
+            if r.lost > 0 {
+                lines.push(json!({"k": "lost", "bytes": r.lost, "cursor": r.next}));
+            }
+            if !r.events.is_empty() {
+                lines.push(json!({"k": "events", "events": r.events, "cursor": r.next}));
+            }
+            for mut n in r.notices {
+                n["cursor"] = json!(r.next);
+                lines.push(n);
+            }
+            f.cursor = r.next;
+            if let Some(reason) = ended {
+                f.done = true;
+                lines.push(match reason.as_str() {
+                    "paused" => json!({"k": "paused", "cursor": f.cursor}),
+                    "failed" => json!({
+                        "k": "failure",
+                        "code": "watch_failed",
+                        "status": 502,
+                        "message": "The watch failed in the sandbox.",
+                        "cursor": f.cursor,
+                    }),
+                    _ => json!({"k": "end", "reason": reason, "cursor": f.cursor}),
+                });
+            }
+            if !lines.is_empty() {
+                return Some((lines, f));
+            }
+            tokio::select! {
+                _ = f.rx.changed() => {}
+                _ = tokio::time::sleep_until(f.until) => {
+                    f.done = true;
+                    return Some((vec![json!({"k": "continue", "cursor": f.cursor})], f));
+                }
+                _ = f.cancel.cancelled() => {
+                    f.done = true;
+                    return Some((vec![json!({"k": "continue", "cursor": f.cursor})], f));
+                }
+            }
+        }
+    })))
+}
+
+/// Before a pause: ends the sandbox's watches (`paused`) and waits, a
+/// little, for the guest to let go of them, so none runs in the saved
+/// machine.
+pub(crate) async fn sandbox_pausing(st: &AppState, sandbox_id: &str) {
+    let running = st.inner.watches.running(sandbox_id);
+    for w in &running {
+        w.end("paused");
+    }
+    let _ = tokio::time::timeout(END_WAIT, async {
+        for w in &running {
+            let mut changed = w.changed.subscribe();
+            while w.running() {
+                if changed.changed().await.is_err() {
+                    break;
+                }
+            }
+        }
+    })
+    .await;
+}
+
+/// The sandbox stopped or was deleted: its watches end and are forgotten
+/// (a follower still sees the end).
+pub(crate) fn sandbox_gone(st: &AppState, sandbox_id: &str) {
+    let gone = st.inner.watches.lock().remove(sandbox_id);
+    for w in gone.unwrap_or_default() {
+        w.end("sandbox-stopped");
+        // No guest is left to confirm it.
+        w.finish("sandbox-stopped".into());
+    }
+}
