@@ -400,8 +400,20 @@ pub(crate) async fn read(
     let w = st.inner.watches.get(sandbox_id, watch_id)?;
     let mut changed = w.changed.subscribe();
     let deadline = tokio::time::Instant::now() + wait;
+    let mut first = true;
     loop {
         let (r, ended) = w.read(cursor).map_err(|e| future(cursor, e))?;
+        if first && r.is_empty() && ended.is_some() {
+            // Ended before this read, nothing new: a loop that polls on
+            // after the end (Blaxel's after a pause) waits its `waitMs`
+            // rather than spin.
+            tokio::select! {
+                _ = tokio::time::sleep_until(deadline) => {}
+                _ = st.inner.cancel.cancelled() => {}
+            }
+            return Ok(read_json(r, ended));
+        }
+        first = false;
         if !r.is_empty() || ended.is_some() {
             return Ok(read_json(r, ended));
         }
