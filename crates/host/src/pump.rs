@@ -317,4 +317,81 @@ mod tests {
         assert_eq!(next(&mut h).await, None);
         assert!(h.control.send(ExecControl::CloseStdin).await.is_err());
     }
+
+    #[tokio::test]
+    async fn a_watch_pump_turns_batches_into_updates_and_a_stop_into_unwatch() {
+        let (link, mut guest) = Guest::linked().await;
+        let stream = link.open().unwrap();
+        stream.send(&Request::Ping).unwrap();
+        let (sid, _) = guest.request().await.unwrap();
+        let mut h = watch_pump(stream, 3);
+        assert_eq!(h.watches, 3);
+        let event = runtime_proto::WatchEvent {
+            kind: runtime_proto::WatchKind::Rename,
+            path: "/w/b".into(),
+            old_path: Some("/w/a".into()),
+            is_dir: false,
+            count: 0,
+        };
+        guest
+            .reply(
+                sid,
+                &Reply::WatchEvents {
+                    events: vec![event],
+                    notices: vec![runtime_proto::WatchNotice::Overflow { dropped: 7 }],
+                },
+            )
+            .await;
+        let got = tokio::time::timeout(Duration::from_secs(5), h.updates.recv())
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            got,
+            WatchUpdate::Batch {
+                changes: vec![crate::types::Change {
+                    kind: crate::types::ChangeKind::Rename,
+                    path: "/w/b".into(),
+                    old_path: Some("/w/a".into()),
+                    is_dir: false,
+                    count: 1,
+                }],
+                misses: vec![crate::types::WatchMiss::Overflow { dropped: 7 }],
+            }
+        );
+        h.stop.send(()).await.unwrap();
+        let (s, req) = guest.request().await.unwrap();
+        assert_eq!((s, req), (sid, Request::Unwatch));
+        guest
+            .reply(
+                sid,
+                &Reply::WatchEnded {
+                    reason: "stopped".into(),
+                },
+            )
+            .await;
+        let end = tokio::time::timeout(Duration::from_secs(5), h.updates.recv())
+            .await
+            .unwrap();
+        assert_eq!(
+            end,
+            Some(WatchUpdate::Ended {
+                reason: "stopped".into()
+            })
+        );
+        assert_eq!(h.updates.recv().await, None);
+        // The link going away ends a watch as `lost`.
+        let stream = link.open().unwrap();
+        let mut h = watch_pump(stream, 1);
+        drop(guest);
+        let end = tokio::time::timeout(Duration::from_secs(5), h.updates.recv())
+            .await
+            .unwrap();
+        assert_eq!(
+            end,
+            Some(WatchUpdate::Ended {
+                reason: "lost".into()
+            })
+        );
+    }
 }
