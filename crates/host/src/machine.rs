@@ -619,6 +619,16 @@ impl Host for QemuHost {
 
     async fn watch(&self, id: &str, spec: WatchSpec) -> Result<WatchHandle, HostError> {
         let link = self.link(id).await?;
+        if link.peer_version() < runtime_proto::WATCH_VERSION {
+            return Err(HostError::Guest {
+                id: id.to_owned(),
+                failure: GuestFailure::Unsupported,
+                message: format!(
+                    "this sandbox's agent speaks protocol {}, older than watches: stop and start the sandbox (or create a new one) to watch files",
+                    link.peer_version()
+                ),
+            });
+        }
         let lost = || HostError::LinkLost { id: id.to_owned() };
         let mut stream = link.open().map_err(|_| lost())?;
         stream

@@ -326,6 +326,8 @@ mod tests {
         let (sid, _) = guest.request().await.unwrap();
         let mut h = watch_pump(stream, 3);
         assert_eq!(h.watches, 3);
+        // The fake answers Hello with version 1: `Host::watch` would refuse it.
+        assert_eq!(link.peer_version(), 1);
         let event = runtime_proto::WatchEvent {
             kind: runtime_proto::WatchKind::Rename,
             path: "/w/b".into(),

@@ -266,6 +266,8 @@ pub enum GuestFailure {
     ConnectionRefused,
     /// A file larger than [`Host::read_file`] takes ([`MAX_READ_BYTES`]).
     TooLarge,
+    /// The guest's agent is older than what the request needs.
+    Unsupported,
 }
 
 pub use runtime_proto::MAX_READ_BYTES;
