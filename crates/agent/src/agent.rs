@@ -14,6 +14,7 @@ use crate::link::{Link, Outbox};
 use crate::reaper::Reaper;
 use crate::sys::{errno, lock, log, log_limited, poll1, Fail, RateLimit};
 use crate::tunnel::{self, Tunnels};
+use crate::watch::{self, WatchCtl};
 
 static STRAY: RateLimit = RateLimit::new(std::time::Duration::from_secs(10), 5);
 static BAD_FRAMES: RateLimit = RateLimit::new(std::time::Duration::from_secs(10), 5);
@@ -22,6 +23,7 @@ static BAD_FRAMES: RateLimit = RateLimit::new(std::time::Duration::from_secs(10)
 enum StreamState {
     Exec(Arc<ExecCtl>),
     Write(mpsc::Sender<WriteMsg>),
+    Watch(Arc<WatchCtl>),
 }
 
 pub(crate) struct Agent {
@@ -52,11 +54,22 @@ impl Agent {
         f.insert(stream, (exited, std::time::Instant::now()));
     }
 
-    /// Kills every running command (test mode, before exiting).
+    /// Kills every running command and ends every watch (test mode, before exiting).
     fn kill_all(&self) {
         for s in lock(&self.streams).values() {
-            if let StreamState::Exec(ctl) = s {
-                crate::sys::kill_session(ctl.pgid(), libc::SIGKILL);
+            match s {
+                StreamState::Exec(ctl) => crate::sys::kill_session(ctl.pgid(), libc::SIGKILL),
+                StreamState::Watch(ctl) => ctl.stop(),
+                StreamState::Write(_) => {}
+            }
+        }
+    }
+
+    /// Ends every watch: they belong to the host connection that started them.
+    fn stop_watches(&self) {
+        for s in lock(&self.streams).values() {
+            if let StreamState::Watch(ctl) = s {
+                ctl.stop();
             }
         }
     }
@@ -85,6 +98,9 @@ impl Agent {
                     }
                     Some(StreamState::Write(tx)) => {
                         let _ = tx.send(WriteMsg::Data(frame.payload));
+                    }
+                    Some(StreamState::Watch(_)) => {
+                        log_limited!(STRAY, "data for watch stream {stream} dropped")
                     }
                     None => log_limited!(STRAY, "data for idle stream {stream} dropped"),
                 }
@@ -156,6 +172,8 @@ impl Agent {
                     // one end, and their frames still queued go nowhere.
                     let ids = self.tunnels.reset_all();
                     self.out.purge(&ids);
+                    // So do its watches (their inotify fds and threads).
+                    self.stop_watches();
                     *current = session;
                 }
                 drop(current);
@@ -336,6 +354,29 @@ impl Agent {
                     return;
                 }
                 tunnel::connect(self, stream, port);
+            }
+            Request::Watch(req) => {
+                if self.busy(stream) {
+                    return;
+                }
+                let ctl = match WatchCtl::new() {
+                    Ok(ctl) => ctl,
+                    Err(e) => {
+                        let fail = Fail::io("eventfd", &e);
+                        self.out.reply_now(stream, &fail.reply());
+                        return;
+                    }
+                };
+                lock(&self.streams).insert(stream, StreamState::Watch(Arc::clone(&ctl)));
+                let agent = Arc::clone(self);
+                if !self.spawn(stream, move || watch::run(agent, stream, req, ctl)) {
+                    self.forget(stream);
+                }
+            }
+            Request::Unwatch => {
+                if let Some(StreamState::Watch(ctl)) = lock(&self.streams).get(&stream) {
+                    ctl.stop();
+                }
             }
             Request::Credit { bytes } => tunnel::credit(self, stream, bytes),
             Request::Eof => tunnel::eof(self, stream),

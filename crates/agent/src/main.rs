@@ -19,6 +19,7 @@ mod reaper;
 mod switch_root;
 mod sys;
 mod tunnel;
+mod watch;
 
 use std::path::PathBuf;
 use std::time::Duration;

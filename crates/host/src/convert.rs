@@ -136,6 +136,54 @@ pub(crate) fn file_op_result(id: &str, reply: Reply) -> Result<FileOpResult, Hos
     }
 }
 
+pub(crate) fn watch_request(spec: WatchSpec) -> runtime_proto::WatchRequest {
+    use runtime_proto::WatchKind as K;
+    runtime_proto::WatchRequest {
+        path: spec.path,
+        recursive: spec.recursive,
+        events: spec
+            .kinds
+            .iter()
+            .map(|k| match k {
+                ChangeKind::Create => K::Create,
+                ChangeKind::Write => K::Write,
+                ChangeKind::Remove => K::Remove,
+                ChangeKind::Rename => K::Rename,
+                ChangeKind::Chmod => K::Chmod,
+            })
+            .collect(),
+        include: spec.include,
+        exclude: spec.exclude,
+        batch_ms: spec.batch_ms,
+        max_watches: spec.max_watches,
+        user: user(spec.user),
+    }
+}
+
+pub(crate) fn change(e: runtime_proto::WatchEvent) -> Change {
+    use runtime_proto::WatchKind as K;
+    Change {
+        kind: match e.kind {
+            K::Create => ChangeKind::Create,
+            K::Write => ChangeKind::Write,
+            K::Remove => ChangeKind::Remove,
+            K::Rename => ChangeKind::Rename,
+            K::Chmod => ChangeKind::Chmod,
+        },
+        path: e.path,
+        old_path: e.old_path,
+        is_dir: e.is_dir,
+        count: e.count.max(1),
+    }
+}
+
+pub(crate) fn miss(n: runtime_proto::WatchNotice) -> WatchMiss {
+    match n {
+        runtime_proto::WatchNotice::Overflow { dropped } => WatchMiss::Overflow { dropped },
+        runtime_proto::WatchNotice::Limit { watches, path } => WatchMiss::Limit { watches, path },
+    }
+}
+
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]

@@ -120,6 +120,8 @@ pub(crate) struct Link {
     /// as it does.
     session: u64,
     ended: Arc<Mutex<Ended>>,
+    /// The protocol version the agent answered `Hello` with (0 before).
+    peer: Arc<AtomicU32>,
 }
 
 /// One open stream: send requests and data on it, receive what the guest says.
@@ -208,6 +210,11 @@ impl StreamSender {
 }
 
 impl Link {
+    /// The protocol version the agent speaks (its `Hello`).
+    pub(crate) fn peer_version(&self) -> u32 {
+        self.peer.load(Ordering::Relaxed)
+    }
+
     /// Connects to the agent socket and completes the handshake, resending
     /// Hello until it is answered: the first frames after a (re)connect can be
     /// lost on virtio-serial.
@@ -267,6 +274,7 @@ impl Link {
             closed: closed.clone(),
             session,
             ended: Arc::default(),
+            peer: Arc::new(AtomicU32::new(0)),
         };
         let routes_r = routes.clone();
         let orphans_r = orphans.clone();
@@ -355,6 +363,9 @@ impl Link {
             let wait = tokio::time::timeout(resend, hello_rx.recv());
             match wait.await {
                 Ok(Some(Incoming::Reply(reply @ Reply::Hello { .. }))) => {
+                    if let Reply::Hello { version, .. } = &reply {
+                        link.peer.store(*version, Ordering::Relaxed);
+                    }
                     if let Ok(mut r) = link.routes.lock() {
                         r.remove(&0);
                     }

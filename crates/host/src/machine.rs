@@ -11,7 +11,7 @@ use runtime_proto::{Reply, Request};
 use crate::artifacts::Artifacts;
 use crate::capture::CaptureFailed;
 use crate::cgroup::{self, Layout};
-use crate::convert::{exec_request, file_op_result, file_request, guest_err, user};
+use crate::convert::{exec_request, file_op_result, file_request, guest_err, user, watch_request};
 use crate::disks::copy_sparse;
 use crate::guest_setup::{mount_volumes, sync_guest};
 use crate::link::{Acceptor, Incoming, Link};
@@ -620,5 +620,39 @@ impl Host for QemuHost {
             .await
             .map_err(|_| HostError::LinkLost { id: id.to_owned() })?;
         file_op_result(id, reply)
+    }
+
+    async fn watch(&self, id: &str, spec: WatchSpec) -> Result<WatchHandle, HostError> {
+        let link = self.link(id).await?;
+        if link.peer_version() < runtime_proto::WATCH_VERSION {
+            return Err(HostError::Guest {
+                id: id.to_owned(),
+                failure: GuestFailure::Unsupported,
+                message: format!(
+                    "this sandbox's agent speaks protocol {}, older than watches: stop and start the sandbox (or create a new one) to watch files",
+                    link.peer_version()
+                ),
+            });
+        }
+        let lost = || HostError::LinkLost { id: id.to_owned() };
+        let mut stream = link.open().map_err(|_| lost())?;
+        stream
+            .send(&Request::Watch(watch_request(spec)))
+            .map_err(|_| lost())?;
+        // A large tree takes a while to walk; the guest answers once it has.
+        let reply = tokio::time::timeout(Duration::from_secs(60), stream.reply())
+            .await
+            .map_err(|_| {
+                let _ = stream.send(&Request::Unwatch);
+                HostError::Timeout {
+                    id: id.to_owned(),
+                    what: "the start of a watch",
+                }
+            })?
+            .map_err(|_| lost())?;
+        match reply {
+            Reply::Watching { watches } => Ok(pump::watch_pump(stream, watches)),
+            other => Err(guest_err(id, other)),
+        }
     }
 }

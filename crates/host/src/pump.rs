@@ -6,7 +6,7 @@ use tokio::sync::mpsc;
 
 use crate::convert::pty_size;
 use crate::link::Incoming;
-use crate::types::{ExecControl, ExecEvent, ExecHandle, ExitStatus};
+use crate::types::{ExecControl, ExecEvent, ExecHandle, ExitStatus, WatchHandle, WatchUpdate};
 
 /// Turns an exec stream into an [`ExecHandle`]: guest frames become events,
 /// controls become frames.
@@ -119,6 +119,61 @@ pub(crate) fn exited(token: u64, status: ExitStatus) -> ExecHandle {
         token,
         events: ev_rx,
         control: ctl_tx,
+    }
+}
+
+/// Most updates waiting for the control plane; the guest's frames wait in
+/// the link behind them (its watch is bounded by its rate).
+const WATCH_QUEUE: usize = 64;
+
+/// Turns a watch's stream into a [`WatchHandle`]: batches become updates
+/// until its `WatchEnded`; a stop (or the handle's end) sends `Unwatch`.
+pub(crate) fn watch_pump(mut stream: crate::link::Stream, watches: u32) -> WatchHandle {
+    let (tx, rx) = mpsc::channel(WATCH_QUEUE);
+    let (stop_tx, mut stop_rx) = mpsc::channel::<()>(1);
+    let sender = stream.sender();
+    tokio::spawn(async move {
+        let mut stop_open = true;
+        loop {
+            tokio::select! {
+                inc = stream.recv() => match inc {
+                    Some(Incoming::Reply(Reply::WatchEvents { events, notices })) => {
+                        let update = WatchUpdate::Batch {
+                            changes: events.into_iter().map(crate::convert::change).collect(),
+                            misses: notices.into_iter().map(crate::convert::miss).collect(),
+                        };
+                        if tx.send(update).await.is_err() && stop_open {
+                            // Nobody reads it any more: end it in the guest.
+                            stop_open = false;
+                            let _ = sender.send(&Request::Unwatch);
+                        }
+                    }
+                    Some(Incoming::Reply(Reply::WatchEnded { reason })) => {
+                        let _ = tx.send(WatchUpdate::Ended { reason }).await;
+                        break;
+                    }
+                    Some(_) => continue,
+                    None => {
+                        let _ = tx.send(WatchUpdate::Ended { reason: "lost".into() }).await;
+                        break;
+                    }
+                },
+                _ = stop_rx.recv(), if stop_open => {
+                    // A stop, or the handle's sender dropped: either way it ends.
+                    stop_open = false;
+                    if sender.send(&Request::Unwatch).is_err() {
+                        let _ = tx.send(WatchUpdate::Ended { reason: "lost".into() }).await;
+                        break;
+                    }
+                }
+            }
+        }
+        sender.ended();
+    });
+    WatchHandle {
+        watches,
+        updates: rx,
+        stop: stop_tx,
     }
 }
 
@@ -261,5 +316,84 @@ mod tests {
         assert_eq!(next(&mut h).await, Some(ExecEvent::Exited(status(0))));
         assert_eq!(next(&mut h).await, None);
         assert!(h.control.send(ExecControl::CloseStdin).await.is_err());
+    }
+
+    #[tokio::test]
+    async fn a_watch_pump_turns_batches_into_updates_and_a_stop_into_unwatch() {
+        let (link, mut guest) = Guest::linked().await;
+        let stream = link.open().unwrap();
+        stream.send(&Request::Ping).unwrap();
+        let (sid, _) = guest.request().await.unwrap();
+        let mut h = watch_pump(stream, 3);
+        assert_eq!(h.watches, 3);
+        // The fake answers Hello with version 1: `Host::watch` would refuse it.
+        assert_eq!(link.peer_version(), 1);
+        let event = runtime_proto::WatchEvent {
+            kind: runtime_proto::WatchKind::Rename,
+            path: "/w/b".into(),
+            old_path: Some("/w/a".into()),
+            is_dir: false,
+            count: 0,
+        };
+        guest
+            .reply(
+                sid,
+                &Reply::WatchEvents {
+                    events: vec![event],
+                    notices: vec![runtime_proto::WatchNotice::Overflow { dropped: 7 }],
+                },
+            )
+            .await;
+        let got = tokio::time::timeout(Duration::from_secs(5), h.updates.recv())
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            got,
+            WatchUpdate::Batch {
+                changes: vec![crate::types::Change {
+                    kind: crate::types::ChangeKind::Rename,
+                    path: "/w/b".into(),
+                    old_path: Some("/w/a".into()),
+                    is_dir: false,
+                    count: 1,
+                }],
+                misses: vec![crate::types::WatchMiss::Overflow { dropped: 7 }],
+            }
+        );
+        h.stop.send(()).await.unwrap();
+        let (s, req) = guest.request().await.unwrap();
+        assert_eq!((s, req), (sid, Request::Unwatch));
+        guest
+            .reply(
+                sid,
+                &Reply::WatchEnded {
+                    reason: "stopped".into(),
+                },
+            )
+            .await;
+        let end = tokio::time::timeout(Duration::from_secs(5), h.updates.recv())
+            .await
+            .unwrap();
+        assert_eq!(
+            end,
+            Some(WatchUpdate::Ended {
+                reason: "stopped".into()
+            })
+        );
+        assert_eq!(h.updates.recv().await, None);
+        // The link going away ends a watch as `lost`.
+        let stream = link.open().unwrap();
+        let mut h = watch_pump(stream, 1);
+        drop(guest);
+        let end = tokio::time::timeout(Duration::from_secs(5), h.updates.recv())
+            .await
+            .unwrap();
+        assert_eq!(
+            end,
+            Some(WatchUpdate::Ended {
+                reason: "lost".into()
+            })
+        );
     }
 }

@@ -123,6 +123,72 @@ pub struct ExecHandle {
     pub control: mpsc::Sender<ExecControl>,
 }
 
+/// A kind of change a watch reports.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ChangeKind {
+    Create,
+    Write,
+    Remove,
+    Rename,
+    Chmod,
+}
+
+/// What [`Host::watch`] watches.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WatchSpec {
+    pub path: String,
+    pub recursive: bool,
+    /// Empty: every kind.
+    pub kinds: Vec<ChangeKind>,
+    pub include: Vec<String>,
+    pub exclude: Vec<String>,
+    pub batch_ms: u32,
+    pub max_watches: u32,
+    pub user: RunAs,
+}
+
+/// One change a watch saw.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Change {
+    pub kind: ChangeKind,
+    pub path: String,
+    pub old_path: Option<String>,
+    pub is_dir: bool,
+    /// Writes folded into this one.
+    pub count: u32,
+}
+
+/// What a watch could not report.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum WatchMiss {
+    /// Events dropped in the guest (0: how many is unknown).
+    Overflow { dropped: u64 },
+    /// A directory left unwatched: the watch has `watches` already.
+    Limit { watches: u32, path: String },
+}
+
+/// What a running watch delivers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum WatchUpdate {
+    Batch {
+        changes: Vec<Change>,
+        misses: Vec<WatchMiss>,
+    },
+    /// Its last: `stopped`, `root-removed`, `failed`, or `lost` when the
+    /// link to the guest went away.
+    Ended { reason: String },
+}
+
+/// A running watch. Dropping `stop` (or sending on it) ends it in the guest;
+/// its [`WatchUpdate::Ended`] still comes.
+#[derive(Debug)]
+pub struct WatchHandle {
+    /// The inotify watches it holds (directories).
+    pub watches: u32,
+    pub updates: mpsc::Receiver<WatchUpdate>,
+    pub stop: mpsc::Sender<()>,
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum EntryKind {
     File,
@@ -200,6 +266,8 @@ pub enum GuestFailure {
     ConnectionRefused,
     /// A file larger than [`Host::read_file`] takes ([`MAX_READ_BYTES`]).
     TooLarge,
+    /// The guest's agent is older than what the request needs.
+    Unsupported,
 }
 
 pub use runtime_proto::MAX_READ_BYTES;
@@ -320,6 +388,9 @@ pub trait Host: Send + Sync + 'static {
         data: Vec<u8>,
     ) -> Result<(), HostError>;
     async fn file_op(&self, id: &str, op: FileOp, user: RunAs) -> Result<FileOpResult, HostError>;
+    /// Watches a path in the guest: answers once the guest watches it (a
+    /// missing path fails as a file operation does).
+    async fn watch(&self, id: &str, spec: WatchSpec) -> Result<WatchHandle, HostError>;
     /// CPU time the machine's vCPUs have used since it started (or was last
     /// restored), for metering; `None` when it has no running machine.
     async fn cpu_time(&self, id: &str) -> Option<Duration>;

@@ -28,8 +28,12 @@ mod messages;
 pub use codec::{encode, Decoder, Frame, Kind, ProtoError, HEADER_LEN, MAX_FRAME, MAX_PAYLOAD};
 pub use messages::*;
 
-/// The protocol version this build speaks.
-pub const VERSION: u32 = 1;
+/// The protocol version this build speaks. 1: the first; 2: watches
+/// ([`Request::Watch`]).
+pub const VERSION: u32 = 2;
+
+/// The first version whose agents take [`Request::Watch`].
+pub const WATCH_VERSION: u32 = 2;
 
 /// The bit set in the ids of streams the guest opens (outbound tunnels);
 /// host-chosen ids never have it.

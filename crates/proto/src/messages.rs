@@ -57,6 +57,76 @@ pub struct ExecRequest {
     pub kill_group_on_exit: bool,
 }
 
+/// A kind of change a watch reports.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WatchKind {
+    Create,
+    /// The file's contents changed (repeated writes are folded, with a count).
+    Write,
+    Remove,
+    Rename,
+    Chmod,
+}
+
+/// What [`Request::Watch`] watches, as whom.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WatchRequest {
+    /// A directory (or a file), absolute.
+    pub path: String,
+    /// Its subdirectories too, including ones created later.
+    #[serde(default)]
+    pub recursive: bool,
+    /// The kinds reported; empty = all.
+    #[serde(default)]
+    pub events: Vec<WatchKind>,
+    /// Globs: only paths that match one are reported (empty = all).
+    #[serde(default)]
+    pub include: Vec<String>,
+    /// Globs: paths that match one (and what is under them) are left out.
+    #[serde(default)]
+    pub exclude: Vec<String>,
+    /// Events are gathered this long after the first of a batch.
+    #[serde(default)]
+    pub batch_ms: u32,
+    /// At most this many inotify watches (directories); 0 = the agent's default.
+    #[serde(default)]
+    pub max_watches: u32,
+    #[serde(default)]
+    pub user: User,
+}
+
+/// One change seen by a watch.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WatchEvent {
+    pub kind: WatchKind,
+    pub path: String,
+    /// A rename's earlier path.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub old_path: Option<String>,
+    #[serde(default)]
+    pub is_dir: bool,
+    /// How many writes this one stands for (1 for the other kinds).
+    #[serde(default = "one")]
+    pub count: u32,
+}
+
+fn one() -> u32 {
+    1
+}
+
+/// Events a watch could not report.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "k", rename_all = "snake_case")]
+pub enum WatchNotice {
+    /// Events were dropped: more than the watch reports a second, or the
+    /// kernel's queue overflowed (`dropped` is 0 when unknown).
+    Overflow { dropped: u64 },
+    /// A directory was not watched: the watch has its most inotify watches
+    /// (or the kernel refused one more).
+    Limit { watches: u32, path: String },
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "op", rename_all = "snake_case")]
 pub enum Request {
@@ -181,6 +251,12 @@ pub enum Request {
     /// Tunnel reset: the host forgets the stream; the guest resets the socket
     /// at once (bytes not yet delivered are dropped).
     Close,
+    /// Watches a path on this stream: answered by [`Reply::Watching`] (or
+    /// `Failed`), then [`Reply::WatchEvents`] batches, then one
+    /// [`Reply::WatchEnded`]. A `Hello` of a new session ends every watch.
+    Watch(WatchRequest),
+    /// Ends the watch on this stream ([`Reply::WatchEnded`] `stopped`).
+    Unwatch,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -285,6 +361,21 @@ pub enum Reply {
     /// Tunnel reset: the socket failed or was reset, or the stream is not
     /// known (any more) to the agent.
     Close,
+    /// A watch runs, with this many inotify watches.
+    Watching {
+        watches: u32,
+    },
+    /// A batch of a watch's changes, and what it missed.
+    WatchEvents {
+        events: Vec<WatchEvent>,
+        #[serde(default)]
+        notices: Vec<WatchNotice>,
+    },
+    /// The watch ended: `stopped` ([`Request::Unwatch`] or a new host
+    /// session), `root-removed`, or `failed`. Its last frame.
+    WatchEnded {
+        reason: String,
+    },
 }
 
 #[cfg(test)]
@@ -387,6 +478,46 @@ mod tests {
         assert_eq!(
             serde_json::to_string(&reply).unwrap(),
             r#"{"ev":"failed","code":"is_a_directory","message":"x"}"#
+        );
+    }
+
+    #[test]
+    fn watch_messages_are_frozen_and_their_options_optional() {
+        let r: Request = serde_json::from_str(r#"{"op":"watch","path":"/w"}"#).unwrap();
+        match r {
+            Request::Watch(w) => {
+                assert_eq!(w.path, "/w");
+                assert!(!w.recursive && w.events.is_empty() && w.batch_ms == 0);
+                assert_eq!(w.user, User::Sandbox);
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+        assert_eq!(
+            serde_json::to_string(&Request::Unwatch).unwrap(),
+            r#"{"op":"unwatch"}"#
+        );
+        let batch = Reply::WatchEvents {
+            events: vec![WatchEvent {
+                kind: WatchKind::Rename,
+                path: "/w/b".into(),
+                old_path: Some("/w/a".into()),
+                is_dir: false,
+                count: 1,
+            }],
+            notices: vec![WatchNotice::Overflow { dropped: 3 }],
+        };
+        assert_eq!(
+            serde_json::to_string(&batch).unwrap(),
+            r#"{"ev":"watch_events","events":[{"kind":"rename","path":"/w/b","old_path":"/w/a","is_dir":false,"count":1}],"notices":[{"k":"overflow","dropped":3}]}"#
+        );
+        let e: WatchEvent = serde_json::from_str(r#"{"kind":"write","path":"/x"}"#).unwrap();
+        assert_eq!(e.count, 1);
+        assert_eq!(
+            serde_json::to_string(&Reply::WatchEnded {
+                reason: "root-removed".into()
+            })
+            .unwrap(),
+            r#"{"ev":"watch_ended","reason":"root-removed"}"#
         );
     }
 

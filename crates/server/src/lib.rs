@@ -139,6 +139,7 @@ struct Inner {
     /// answer: a sandbox running again may also have paused and been woken.
     pause_failed: Mutex<HashSet<String>>,
     uploads: service::uploads::Uploads,
+    watches: service::watches::Watches,
     previews: service::previews::live::Live,
     /// The key that seals secret values, read or made on first use.
     sealer: std::sync::OnceLock<domain::secret::Sealer>,
@@ -166,6 +167,7 @@ impl AppState {
                 interpreter: service::interpreter::Contexts::default(),
                 pause_failed: Mutex::new(HashSet::new()),
                 uploads: service::uploads::Uploads::new(uploads_dir),
+                watches: service::watches::Watches::default(),
                 previews: service::previews::live::Live::default(),
                 sealer: std::sync::OnceLock::new(),
                 nets: service::network::Nets::default(),

@@ -3815,3 +3815,193 @@ async fn file_links_download_and_upload_without_a_key_until_they_end() {
         assert!(fields.contains(&f), "{f} not in {fields:?}");
     }
 }
+
+#[tokio::test]
+async fn file_watches_start_read_follow_stop_and_refuse_bad_input() {
+    let t = T::new();
+    let id = t.running(json!({})).await;
+    let base = format!("/v1/sandboxes/{id}/files/watches");
+    let (s, w) = t
+        .json(
+            "POST",
+            &base,
+            Some(json!({"path": "/workspace", "recursive": true})),
+        )
+        .await;
+    assert_eq!(s, StatusCode::CREATED, "{w}");
+    let wid = w["id"].as_str().unwrap().to_string();
+    assert_eq!(
+        (w["path"].as_str(), w["cursor"].as_u64()),
+        (Some("/workspace"), Some(0))
+    );
+    assert_eq!(
+        (w["batchMs"].as_u64(), w["timeoutMs"].as_u64()),
+        (Some(100), Some(3_600_000))
+    );
+    let (s, v) = t.json("GET", &base, None).await;
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(v["data"][0]["id"], wid.as_str(), "{v}");
+
+    // A waiting read answers as soon as a file is written.
+    let reader = {
+        let (t2, url) = (
+            router(t.state.clone()),
+            format!("{base}/{wid}/events?cursor=0&waitMs=5000"),
+        );
+        let admin = t.admin.clone();
+        tokio::spawn(async move {
+            let req = Request::builder()
+                .uri(url)
+                .header("authorization", format!("Bearer {admin}"))
+                .body(Body::empty())
+                .unwrap();
+            let resp = t2.oneshot(req).await.unwrap();
+            let b = resp.into_body().collect().await.unwrap().to_bytes();
+            serde_json::from_slice::<Value>(&b).unwrap()
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let (s, _, _) = t
+        .call(
+            "PUT",
+            &format!("/v1/sandboxes/{id}/files/content?path=/workspace/a.txt"),
+            Some(&t.admin),
+            &[("idempotency-key", "wa")],
+            Body::from("hi"),
+        )
+        .await;
+    assert_eq!(s, StatusCode::OK);
+    let read = reader.await.unwrap();
+    assert_eq!(read["events"][0]["type"], "create", "{read}");
+    assert_eq!(read["events"][0]["path"], "/workspace/a.txt", "{read}");
+    let next = read["nextCursor"].as_u64().unwrap();
+    assert!(next > 0 && read.get("ended").is_none(), "{read}");
+    // Nothing new: a read without a wait answers at once.
+    let (_, v) = t
+        .json("GET", &format!("{base}/{wid}/events?cursor={next}"), None)
+        .await;
+    assert_eq!(
+        (
+            v["events"].as_array().map(Vec::len),
+            v["nextCursor"].as_u64()
+        ),
+        (Some(0), Some(next))
+    );
+    // A cursor from the future.
+    let (s, v) = t
+        .json(
+            "GET",
+            &format!("{base}/{wid}/events?cursor={}", next + 1),
+            None,
+        )
+        .await;
+    assert_eq!(s, StatusCode::BAD_REQUEST);
+    assert_eq!(v["error"]["details"]["issues"][0]["field"], "cursor", "{v}");
+    let (s, v) = t
+        .json(
+            "GET",
+            &format!("{base}/{wid}/events?cursor=0&waitMs=9000"),
+            None,
+        )
+        .await;
+    assert_eq!(s, StatusCode::BAD_REQUEST);
+    assert_eq!(v["error"]["details"]["issues"][0]["field"], "waitMs", "{v}");
+
+    // Stopped: gone from the list; a follower from 0 sees the event, then the end.
+    let (s, v) = t.json("DELETE", &format!("{base}/{wid}"), None).await;
+    assert_eq!(
+        (s, v["stopped"].as_bool()),
+        (StatusCode::OK, Some(true)),
+        "{v}"
+    );
+    let (_, v) = t.json("GET", &base, None).await;
+    assert_eq!(v["data"], json!([]), "{v}");
+    let (s, _, b) = t
+        .call(
+            "GET",
+            &format!("{base}/{wid}/events?cursor=0&follow=true"),
+            Some(&t.admin),
+            &[],
+            Body::empty(),
+        )
+        .await;
+    assert_eq!(s, StatusCode::OK);
+    let lines = ndjson(&b);
+    assert_eq!(lines[0]["k"], "events", "{lines:?}");
+    assert_eq!(lines[0]["events"][0]["path"], "/workspace/a.txt");
+    assert_eq!(lines.last().unwrap()["k"], "end", "{lines:?}");
+    assert_eq!(lines.last().unwrap()["reason"], "stopped", "{lines:?}");
+    let (_, v) = t
+        .json("GET", &format!("{base}/{wid}/events?cursor={next}"), None)
+        .await;
+    assert_eq!(v["ended"], true, "{v}");
+    assert_eq!(
+        v["notices"][0],
+        json!({"k": "end", "reason": "stopped"}),
+        "{v}"
+    );
+
+    // Bad input, every wrong field named; a missing path; an unknown watch.
+    let (s, v) = t
+        .json(
+            "POST",
+            &base,
+            Some(json!({"path": "rel", "batchMs": -5, "timeoutMs": "x", "events": ["create", "open"], "webhook": true, "colour": 1})),
+        )
+        .await;
+    assert_error(&v, 400, "invalid_request");
+    assert_eq!(s, StatusCode::BAD_REQUEST);
+    let fields: Vec<&str> = v["error"]["details"]["issues"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|i| i["field"].as_str().unwrap())
+        .collect();
+    for f in [
+        "path",
+        "batchMs",
+        "timeoutMs",
+        "events[1]",
+        "webhook",
+        "colour",
+    ] {
+        assert!(fields.contains(&f), "{f} not in {fields:?}");
+    }
+    let (s, v) = t
+        .json("POST", &base, Some(json!({"path": "/workspace/none"})))
+        .await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+    assert_error(&v, 404, "file_not_found");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("/workspace/none"),
+        "{v}"
+    );
+    let (s, v) = t.json("GET", &format!("{base}/nope/events"), None).await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+    assert_error(&v, 404, "not_found");
+    let (s, _) = t.json("DELETE", &format!("{base}/nope"), None).await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+
+    // At most four at once.
+    for _ in 0..4 {
+        let (s, v) = t
+            .json("POST", &base, Some(json!({"path": "/workspace"})))
+            .await;
+        assert_eq!(s, StatusCode::CREATED, "{v}");
+    }
+    let (s, v) = t
+        .json("POST", &base, Some(json!({"path": "/workspace"})))
+        .await;
+    assert_eq!(s, StatusCode::CONFLICT);
+    assert_error(&v, 409, "quota_exceeded");
+
+    // A pause ends them (`paused`), in the guest too.
+    let (s, _) = t.act(&id, "pause", json!({})).await;
+    assert_eq!(s, StatusCode::OK);
+    let (_, v) = t.json("GET", &base, None).await;
+    assert_eq!(v["data"], json!([]), "{v}");
+    assert!(t.host.watches.lock().unwrap().is_empty());
+}

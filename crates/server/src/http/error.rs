@@ -309,6 +309,7 @@ fn host_parts(e: &HostError) -> Parts {
                     (StatusCode::BAD_GATEWAY, codes::CONNECTION_REFUSED)
                 }
                 GuestFailure::TooLarge => (StatusCode::PAYLOAD_TOO_LARGE, codes::FILE_TOO_LARGE),
+                GuestFailure::Unsupported => (StatusCode::NOT_IMPLEMENTED, codes::UNSUPPORTED),
             };
             if status.is_server_error() {
                 return p(status, code, "Internal server error.".into());
@@ -621,6 +622,7 @@ mod tests {
                 codes::CONNECTION_REFUSED,
             ),
             (guest(GuestFailure::TooLarge), 413, codes::FILE_TOO_LARGE),
+            (guest(GuestFailure::Unsupported), 501, codes::UNSUPPORTED),
             (
                 ApiError::Host(HostError::NoSuchMachine { id: "s".into() }),
                 409,

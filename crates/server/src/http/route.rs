@@ -33,6 +33,11 @@ pub(crate) enum Route {
     ProcGet(String, String),
     ProcOutput(String, String),
     ProcAction(String, String, String),
+    /// `…/files/watches[/{w}[/events]]`.
+    WatchCreate(String),
+    WatchList(String),
+    WatchEvents(String, String),
+    WatchDelete(String, String),
     ListSnapshots,
     GetSnapshot(String),
     DeleteSnapshot(String),
@@ -139,7 +144,6 @@ fn unavailable(s: &[&str]) -> Option<&'static str> {
             Some("Registry logins and build contexts")
         }
         ["v1", "volumes", _, "attachments", ..] => Some("Volume attachments"),
-        ["v1", "sandboxes", _, "files", "watches", ..] => Some("File watches"),
         ["v1", "sandboxes", _, "files", "archive", "uploads", ..] => {
             Some("Chunked archive uploads")
         }
@@ -216,6 +220,21 @@ pub(crate) fn route(method: &Method, raw_path: &str) -> ApiResult<Route> {
             Method::GET => Route::FilesStat(id.to_string()),
             _ => return Err(not_allowed()),
         },
+        ["v1", "sandboxes", id, "files", "watches"] if verb_or_none(false) => match m {
+            Method::POST => Route::WatchCreate(id.to_string()),
+            Method::GET => Route::WatchList(id.to_string()),
+            _ => return Err(not_allowed()),
+        },
+        ["v1", "sandboxes", id, "files", "watches", w] if verb_or_none(false) => match m {
+            Method::DELETE => Route::WatchDelete(id.to_string(), w.to_string()),
+            _ => return Err(not_allowed()),
+        },
+        ["v1", "sandboxes", id, "files", "watches", w, "events"] if verb_or_none(false) => {
+            match m {
+                Method::GET => Route::WatchEvents(id.to_string(), w.to_string()),
+                _ => return Err(not_allowed()),
+            }
+        }
         ["v1", "sandboxes", id, "files"] => match (&m, &verb) {
             (&Method::POST, Some(v)) => Route::FilesAction(id.to_string(), v.clone()),
             _ => return Err(not_found()),
@@ -484,6 +503,10 @@ pub const ROUTE_SAMPLES: &[(&str, &str)] = &[
     ("GET", "/v1/sandboxes/{id}/sessions"),
     ("POST", "/v1/sandboxes/{id}/sessions/s1:revoke"),
     ("GET", "/v1/sandboxes/{id}/metrics?range=15m"),
+    ("POST", "/v1/sandboxes/{id}/files/watches"),
+    ("GET", "/v1/sandboxes/{id}/files/watches"),
+    ("GET", "/v1/sandboxes/{id}/files/watches/w1/events?cursor=0"),
+    ("DELETE", "/v1/sandboxes/{id}/files/watches/w1"),
 ];
 
 /// The sandbox a session token may use this route on, when a session may
@@ -514,6 +537,10 @@ pub(crate) fn session_sandbox(r: &Route) -> Option<&str> {
         | Route::Previews(id)
         | Route::PreviewGet(id, _)
         | Route::Metrics(id)
+        | Route::WatchCreate(id)
+        | Route::WatchList(id)
+        | Route::WatchEvents(id, _)
+        | Route::WatchDelete(id, _)
         | Route::Terminal(id) => Some(id),
         _ => None,
     }
@@ -531,6 +558,8 @@ pub(crate) fn reveals_contents(r: &Route) -> bool {
             | Route::ProcList(_)
             | Route::ProcGet(..)
             | Route::ProcOutput(..)
+            | Route::WatchList(_)
+            | Route::WatchEvents(..)
             | Route::Interpreter(..)
             | Route::ListSecrets
             | Route::Terminal(_)
@@ -640,9 +669,13 @@ mod tests {
             Route::WebhookAction(..) => 63,
             Route::WebhookDeliveries(_) => 64,
             Route::DeliveryAction(..) => 65,
+            Route::WatchCreate(_) => 66,
+            Route::WatchList(_) => 67,
+            Route::WatchEvents(..) => 68,
+            Route::WatchDelete(..) => 69,
         }
     }
-    const VARIANTS: usize = 66;
+    const VARIANTS: usize = 70;
 
     #[test]
     fn products_not_served_here_are_unavailable_not_missing() {
@@ -655,7 +688,6 @@ mod tests {
                 "/v1/sandboxes/x/files/archive/uploads/u1",
                 "Chunked archive uploads",
             ),
-            ("POST", "/v1/sandboxes/x/files/watches", "File watches"),
             ("GET", "/v1/sandboxes/x/processes/p1/files", "Traced files"),
             (
                 "GET",
@@ -687,6 +719,14 @@ mod tests {
         assert_eq!(
             route(&Method::POST, "/v1/webhook-deliveries/d%2F1:retry").ok(),
             Some(Route::DeliveryAction("d/1".into(), "retry".into()))
+        );
+        assert_eq!(
+            route(&Method::GET, "/v1/sandboxes/x/files/watches/w%2F1/events").ok(),
+            Some(Route::WatchEvents("x".into(), "w/1".into()))
+        );
+        assert_eq!(
+            route(&Method::POST, "/v1/sandboxes/x/files/watches").ok(),
+            Some(Route::WatchCreate("x".into()))
         );
         assert!(matches!(
             route(&Method::GET, "/v1/nothing-of-the-kind"),

@@ -163,6 +163,7 @@ pub(crate) fn drive(st: &AppState, id: &str, op: Op) -> ApiResult<bool> {
         // Nothing more reaches its processes and previews.
         st.inner.procs.sandbox_gone(st.store(), id);
         st.inner.previews.sandbox_gone(id);
+        crate::service::watches::sandbox_gone(st, id);
     }
     let st2 = st.clone();
     let id = id.to_string();
@@ -245,6 +246,8 @@ async fn run(st: &AppState, row: SandboxRow, op: Op) {
         Op::Pause { reason } => {
             // Its processes detach rather than end: a wake takes them up again.
             st.inner.procs.sandbox_pausing(&id);
+            // Its watches end (`paused`), in the guest too, before it stops.
+            crate::service::watches::sandbox_pausing(st, &id).await;
             let result = st.host().pause(&id).await;
             let ev = match &result {
                 Ok(()) => Event::Suspended,
@@ -279,6 +282,7 @@ async fn run(st: &AppState, row: SandboxRow, op: Op) {
             }
             if ev == Event::MachineGone {
                 st.inner.procs.sandbox_gone(st.store(), &id);
+                crate::service::watches::sandbox_gone(st, &id);
             }
         }
         Op::Wake { .. } => {
@@ -315,6 +319,7 @@ async fn run(st: &AppState, row: SandboxRow, op: Op) {
             }
             if ev == Event::MachineGone {
                 st.inner.procs.sandbox_gone(st.store(), &id);
+                crate::service::watches::sandbox_gone(st, &id);
             }
         }
     }

@@ -24,4 +24,5 @@ pub(crate) mod snapshots;
 pub(crate) mod tunnels;
 pub(crate) mod uploads;
 pub(crate) mod volumes;
+pub(crate) mod watches;
 pub(crate) mod webhooks;

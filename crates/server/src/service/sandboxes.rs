@@ -289,6 +289,7 @@ pub(crate) fn delete_sandbox(st: &AppState, id: &str, reason: &str) -> ApiResult
     st.notify_change();
     st.inner.procs.sandbox_gone(st.store(), id);
     st.inner.uploads.sandbox_gone(id);
+    crate::service::watches::sandbox_gone(st, id);
     crate::service::previews::live::sandbox_gone(st, id);
     crate::service::network::sandbox_gone(st, id);
     let st2 = st.clone();

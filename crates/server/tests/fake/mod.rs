@@ -7,7 +7,8 @@ use std::time::Duration;
 use async_trait::async_trait;
 use runtime_host::{
     DuplexStream, EntryKind, ExecControl, ExecEvent, ExecHandle, ExecSpec, ExitStatus, FileEntry,
-    FileOp, FileOpResult, GuestFailure, GuestNet, Host, HostError, MachineSpec, RunAs,
+    FileOp, FileOpResult, GuestFailure, GuestNet, Host, HostError, MachineSpec, RunAs, WatchHandle,
+    WatchSpec, WatchUpdate,
 };
 use tokio::sync::{mpsc, watch};
 
@@ -98,6 +99,9 @@ pub(crate) struct FakeHost {
     /// Interpreter drivers the fake plays, by their last argv element
     /// (`python`): each run's output is its code.
     pub drivers: Mutex<HashSet<String>>,
+    /// Running watches: (sandbox, root, updates). A written file under a
+    /// root is reported to it as created.
+    pub watches: Arc<Mutex<Vec<(String, String, mpsc::Sender<WatchUpdate>)>>>,
 }
 
 impl FakeHost {
@@ -491,7 +495,65 @@ impl Host for FakeHost {
             .lock()
             .unwrap()
             .insert((id.into(), path.into()), (data, mode.unwrap_or(0o644)));
+        let to: Vec<_> = self
+            .watches
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(s, root, _)| s == id && path.starts_with(&format!("{root}/")))
+            .map(|(_, _, tx)| tx.clone())
+            .collect();
+        for tx in to {
+            let change = runtime_host::Change {
+                kind: runtime_host::ChangeKind::Create,
+                path: path.into(),
+                old_path: None,
+                is_dir: false,
+                count: 1,
+            };
+            let _ = tx
+                .send(WatchUpdate::Batch {
+                    changes: vec![change],
+                    misses: vec![],
+                })
+                .await;
+        }
         Ok(())
+    }
+
+    async fn watch(&self, id: &str, spec: WatchSpec) -> Result<WatchHandle, HostError> {
+        if self.entry(id, &spec.path).is_none() {
+            return Err(guest(
+                id,
+                GuestFailure::FileNotFound,
+                &format!("watch {}: No such file or directory", spec.path),
+            ));
+        }
+        let (tx, rx) = mpsc::channel(16);
+        let (stop_tx, mut stop_rx) = mpsc::channel::<()>(1);
+        let root = spec.path.trim_end_matches('/').to_string();
+        self.watches
+            .lock()
+            .unwrap()
+            .push((id.into(), root.clone(), tx.clone()));
+        let all = Arc::clone(&self.watches);
+        let sandbox = id.to_string();
+        tokio::spawn(async move {
+            let _ = stop_rx.recv().await;
+            all.lock()
+                .unwrap()
+                .retain(|(s, r, _)| !(s == &sandbox && r == &root));
+            let _ = tx
+                .send(WatchUpdate::Ended {
+                    reason: "stopped".into(),
+                })
+                .await;
+        });
+        Ok(WatchHandle {
+            watches: 1,
+            updates: rx,
+            stop: stop_tx,
+        })
     }
 
     async fn file_op(&self, id: &str, op: FileOp, _user: RunAs) -> Result<FileOpResult, HostError> {

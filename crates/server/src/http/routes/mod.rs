@@ -22,6 +22,7 @@ mod secrets;
 mod sessions;
 mod snapshots;
 pub(crate) mod volumes;
+mod watches;
 
 pub(super) async fn dispatch(st: AppState, ctx: Ctx, r: Route, body: Bytes) -> ApiResult<Reply> {
     match r {
@@ -48,6 +49,10 @@ pub(super) async fn dispatch(st: AppState, ctx: Ctx, r: Route, body: Bytes) -> A
         Route::ProcGet(id, pid) => processes::get(st, ctx, id, pid).await,
         Route::ProcOutput(id, pid) => processes::output(st, ctx, id, pid).await,
         Route::ProcAction(id, pid, verb) => processes::action(st, ctx, id, pid, verb, body).await,
+        Route::WatchCreate(id) => watches::create(st, ctx, id, body).await,
+        Route::WatchList(id) => watches::list(st, ctx, id).await,
+        Route::WatchEvents(id, w) => watches::events(st, ctx, id, w).await,
+        Route::WatchDelete(id, w) => watches::delete(st, ctx, id, w).await,
         Route::ListSnapshots => snapshots::list(st, ctx).await,
         Route::GetSnapshot(id) => snapshots::get(st, ctx, id).await,
         Route::DeleteSnapshot(id) => snapshots::delete(st, ctx, id).await,
