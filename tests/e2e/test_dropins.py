@@ -149,8 +149,8 @@ def test_a_process_record_has_its_cwd(sbx):
     ("GET", "/v1/otel-exports"),
     ("GET", "/v1/containers"),
     ("GET", "/v1/jobs"),
-    ("GET", "/v1/sandboxes/{id}/metrics"),
-    ("POST", "/v1/sandboxes/{id}/sessions"),
+    ("GET", "/v1/sandboxes/{id}/mounts"),
+    ("POST", "/v1/sandboxes/{id}/desktop:start"),
 ])
 def test_products_not_served_here_answer_unavailable(server, runtime, sbx, method, path):
     with pytest.raises(ServiceUnavailableError) as caught:
