@@ -121,21 +121,6 @@ fn replay(st: &AppState, stored: StoredAnswer) -> ApiResult<Response> {
     Ok(resp)
 }
 
-/// The answer as stored for a replay: a webhook's signing secret (shown
-/// once, sealed at rest) is left out, and the replay says so.
-fn without_secret(body: &Value) -> std::borrow::Cow<'_, Value> {
-    match body {
-        Value::Object(m) if m.get("kind").and_then(Value::as_str) == Some("webhook") => {
-            let mut m = m.clone();
-            if m.remove("secret").is_some() {
-                m.insert("secretRedacted".into(), Value::Bool(true));
-            }
-            std::borrow::Cow::Owned(Value::Object(m))
-        }
-        _ => std::borrow::Cow::Borrowed(body),
-    }
-}
-
 /// Runs a change: once per idempotency key when one is given, in an owned
 /// task, answering late (`runtime-late-answer`) when it outlasts the limit.
 pub(crate) async fn execute<F>(
@@ -170,29 +155,17 @@ where
                     fingerprint: fp.clone(),
                     kind: "json".into(),
                     status: status.as_u16(),
-                    body: without_secret(body).to_string(),
+                    body: body.to_string(),
                     created_ms: st2.now_ms(),
                 }),
                 // A token or secret is shown once: a replay answers without it.
-                Reply::ShownOnce {
-                    status,
-                    body,
-                    fields,
-                } => {
-                    let mut kept = body.clone();
-                    if let Value::Object(m) = &mut kept {
-                        for f in *fields {
-                            m.remove(*f);
-                        }
-                    }
-                    Some(StoredAnswer {
-                        fingerprint: fp.clone(),
-                        kind: "json".into(),
-                        status: status.as_u16(),
-                        body: kept.to_string(),
-                        created_ms: st2.now_ms(),
-                    })
-                }
+                Reply::ShownOnce { status, replay, .. } => Some(StoredAnswer {
+                    fingerprint: fp.clone(),
+                    kind: "json".into(),
+                    status: status.as_u16(),
+                    body: replay.to_string(),
+                    created_ms: st2.now_ms(),
+                }),
                 Reply::Stream { replay, .. } => Some(StoredAnswer {
                     fingerprint: fp.clone(),
                     kind: "stream".into(),

@@ -38,12 +38,12 @@ use crate::AppState;
 pub(crate) enum Reply {
     /// A JSON answer; stored for idempotent replay when 2xx.
     Json(StatusCode, Value),
-    /// A JSON answer holding `fields` (a token, a secret) shown this once:
-    /// stored for replay without them.
+    /// A JSON answer holding a token or secret shown this once: `replay`,
+    /// the answer without it, is what is stored for an idempotent replay.
     ShownOnce {
         status: StatusCode,
         body: Value,
-        fields: &'static [&'static str],
+        replay: Value,
     },
     /// Raw bytes or other non-JSON answers (never stored).
     Raw(Response),
@@ -54,6 +54,28 @@ pub(crate) enum Reply {
 impl Reply {
     pub(crate) fn ok(v: Value) -> ApiResult<Reply> {
         Ok(Reply::Json(StatusCode::OK, v))
+    }
+
+    /// `record` answered with `field` set to `secret`; a replay answers
+    /// `record` alone, with `marker: true` beside it when one is named.
+    pub(crate) fn shown_once(
+        status: StatusCode,
+        record: Value,
+        field: &str,
+        secret: String,
+        marker: Option<&str>,
+    ) -> Reply {
+        let mut body = record.clone();
+        body[field] = Value::String(secret);
+        let mut replay = record;
+        if let Some(m) = marker {
+            replay[m] = Value::Bool(true);
+        }
+        Reply::ShownOnce {
+            status,
+            body,
+            replay,
+        }
     }
 
     pub(crate) fn into_response(self) -> Response {

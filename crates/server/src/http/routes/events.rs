@@ -109,10 +109,10 @@ fn url(st: &AppState, f: &mut Fields<'_>, required: bool) -> Option<String> {
     }
 }
 
-fn with_secret(w: Value, secret: &str) -> Value {
-    let mut w = w;
-    w["secret"] = Value::from(secret);
-    w
+/// A webhook with its secret, shown this once: a replay answers the
+/// record with `secretRedacted: true` instead.
+fn with_secret(status: StatusCode, w: Value, secret: String) -> Reply {
+    Reply::shown_once(status, w, "secret", secret, Some("secretRedacted"))
 }
 
 pub(super) async fn create_webhook(st: AppState, ctx: Ctx, body: Bytes) -> ApiResult<Reply> {
@@ -131,9 +131,10 @@ pub(super) async fn create_webhook(st: AppState, ctx: Ctx, body: Bytes) -> ApiRe
         description,
     };
     let (w, secret) = webhooks::create(&st, &ctx.key, cmd).await?;
-    Ok(Reply::Json(
+    Ok(with_secret(
         StatusCode::CREATED,
-        with_secret(webhooks::render(&w, st.now_ms()), &secret),
+        webhooks::render(&w, st.now_ms()),
+        secret,
     ))
 }
 
@@ -189,7 +190,11 @@ pub(super) async fn webhook_action(
                 .unwrap_or(KEEP_PREVIOUS_DEFAULT_S);
             f.finish()?;
             let (w, secret) = webhooks::rotate(&st, &ctx.key, &id, keep)?;
-            Reply::ok(with_secret(webhooks::render(&w, st.now_ms()), &secret))
+            Ok(with_secret(
+                StatusCode::OK,
+                webhooks::render(&w, st.now_ms()),
+                secret,
+            ))
         }
         "delete" => {
             no_fields(&body)?;

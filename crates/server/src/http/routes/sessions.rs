@@ -61,13 +61,13 @@ pub(super) async fn create(st: AppState, ctx: Ctx, id: String, body: Bytes) -> A
         name,
     };
     let (s, token) = svc::create(&st, &ctx.key, &id, req)?;
-    let mut body = s.wire(st.now_ms());
-    body["token"] = Value::String(token);
-    Ok(Reply::ShownOnce {
-        status: StatusCode::CREATED,
-        body,
-        fields: &["token"],
-    })
+    Ok(Reply::shown_once(
+        StatusCode::CREATED,
+        s.wire(st.now_ms()),
+        "token",
+        token,
+        None,
+    ))
 }
 
 pub(super) async fn list(st: AppState, ctx: Ctx, id: String) -> ApiResult<Reply> {
