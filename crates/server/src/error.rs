@@ -134,6 +134,15 @@ impl ApiError {
         }
     }
 
+    /// 409 `quota_exceeded`: a bounded count is full (`details.limit`).
+    pub fn quota(message: String, limit: usize) -> Self {
+        ApiError::Conflict {
+            code: codes::QUOTA_EXCEEDED,
+            message,
+            details: Some(serde_json::json!({ "limit": limit })),
+        }
+    }
+
     pub fn sandbox_not_found(id: &str) -> Self {
         ApiError::NotFound {
             code: codes::SANDBOX_NOT_FOUND,

@@ -23,13 +23,20 @@ pub(crate) fn sha256_hex(data: &[u8]) -> String {
     hex::encode(Sha256::digest(data))
 }
 
-/// A new API key `rtcloud_<uuid>_<43 base64url chars>` and its id.
-pub(crate) fn new_key() -> (String, String) {
-    let id = uuid::Uuid::new_v4().to_string();
+/// `prefix` and 32 random bytes as 43 base64url characters: the secret
+/// part of every key, session, link and webhook secret.
+pub(crate) fn random_token(prefix: &str) -> String {
     let mut secret = [0u8; 32];
     rand::thread_rng().fill_bytes(&mut secret);
     let secret = base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(secret);
-    (id.clone(), format!("rtcloud_{id}_{secret}"))
+    format!("{prefix}{secret}")
+}
+
+/// A new API key `rtcloud_<uuid>_<43 base64url chars>` and its id.
+pub(crate) fn new_key() -> (String, String) {
+    let id = uuid::Uuid::new_v4().to_string();
+    let key = random_token(&format!("rtcloud_{id}_"));
+    (id, key)
 }
 
 #[cfg(test)]

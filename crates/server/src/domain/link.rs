@@ -2,10 +2,9 @@
 //! download a file (or a folder as `.tar.gz`) or upload one, until it
 //! expires or the sandbox's links are revoked.
 
-use base64::Engine;
-use rand::RngCore;
 use serde_json::{json, Value};
 
+use crate::domain::access::random_token;
 use crate::domain::time::iso;
 
 pub(crate) const DEFAULT_TTL_SECONDS: i64 = 3600;
@@ -17,12 +16,9 @@ pub(crate) const MAX_FILENAME: usize = 255;
 
 /// A new link's id and token (`rtlnk_<43 base64url chars>`).
 pub(crate) fn new_token() -> (String, String) {
-    let mut secret = [0u8; 32];
-    rand::thread_rng().fill_bytes(&mut secret);
-    let secret = base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(secret);
     (
         format!("lnk_{}", uuid::Uuid::new_v4().simple()),
-        format!("rtlnk_{secret}"),
+        random_token("rtlnk_"),
     )
 }
 

@@ -3,6 +3,7 @@
 //! at the bottom of its file.
 
 pub(crate) mod access;
+pub(crate) mod cursor;
 pub(crate) mod events;
 pub(crate) mod files;
 pub(crate) mod image;

@@ -2,10 +2,9 @@
 //! frontend, reaching one sandbox's commands, processes, files and previews
 //! and nothing else. The rules of their shape, lifetime and origins.
 
-use base64::Engine;
-use rand::RngCore;
 use serde_json::{json, Value};
 
+use crate::domain::access::random_token;
 use crate::domain::time::iso;
 
 /// A session lasts an hour unless asked, a day at most, a minute at least.
@@ -24,10 +23,8 @@ pub(crate) const ENDED_KEPT_MS: i64 = 86_400_000;
 /// A new session's id and its token `rtsess_<id>_<43 base64url chars>`.
 pub(crate) fn new_token() -> (String, String) {
     let id = format!("sess_{}", uuid::Uuid::new_v4().simple());
-    let mut secret = [0u8; 32];
-    rand::thread_rng().fill_bytes(&mut secret);
-    let secret = base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(secret);
-    (id.clone(), format!("rtsess_{id}_{secret}"))
+    let token = random_token(&format!("rtsess_{id}_"));
+    (id, token)
 }
 
 /// Whether a bearer token is a session's (rather than an API key).

@@ -3,9 +3,7 @@
 
 use std::net::IpAddr;
 
-use base64::Engine;
 use hmac::{Hmac, Mac};
-use rand::RngCore;
 use sha2::Sha256;
 
 /// Webhooks a key may have.
@@ -74,12 +72,7 @@ pub(crate) fn signature_header<S: AsRef<str>>(t: i64, body: &[u8], secrets: &[S]
 
 /// A new signing secret: `whsec_` and 32 random bytes, base64url.
 pub(crate) fn new_secret() -> String {
-    let mut b = [0u8; 32];
-    rand::thread_rng().fill_bytes(&mut b);
-    format!(
-        "whsec_{}",
-        base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(b)
-    )
+    crate::domain::access::random_token("whsec_")
 }
 
 /// A host the operator lets webhooks reach over plain HTTP and at private

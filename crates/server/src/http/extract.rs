@@ -162,6 +162,18 @@ impl<'a> Fields<'a> {
         Some(out)
     }
 
+    /// The `cursor` of a list whose cursors have `prefix`
+    /// (`domain::cursor`): `None` when absent or empty, an issue when it is
+    /// not one this server gave.
+    pub(crate) fn cursor(&mut self, prefix: &str) -> Option<i64> {
+        let c = self.string("cursor").filter(|c| !c.is_empty())?;
+        let seq = crate::domain::cursor::decode(prefix, &c);
+        if seq.is_none() {
+            self.issue("cursor", "is not a cursor this server gave");
+        }
+        seq
+    }
+
     /// Refuses with a named issue a field this server does not support.
     pub(crate) fn refuse(&mut self, name: &str, why: &str) {
         if self.raw(name).is_some() {

@@ -160,7 +160,7 @@ pub(crate) fn list(st: &AppState, key: &KeyInfo, q: ListEvents) -> ApiResult<Pag
         limit
             .checked_sub(1)
             .and_then(|i| rows.get(i))
-            .map(|r| events::cursor(r.seq))
+            .map(|r| crate::domain::cursor::encode(events::CURSOR_PREFIX, r.seq))
     } else {
         None
     };

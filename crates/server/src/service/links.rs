@@ -31,14 +31,13 @@ pub(crate) fn create(
     let row = sandboxes::find(st, key, sandbox_id)?;
     let now = st.now_ms();
     if st.store().live_links(&row.record.id, now)? >= MAX_LIVE_PER_SANDBOX {
-        return Err(ApiError::Conflict {
-            code: runtime_api::codes::QUOTA_EXCEEDED,
-            message: format!(
+        return Err(ApiError::quota(
+            format!(
                 "Sandbox {} already has {MAX_LIVE_PER_SANDBOX} live file links: revoke them (files:revoke-links) or let them expire.",
                 row.record.id
             ),
-            details: Some(serde_json::json!({ "limit": MAX_LIVE_PER_SANDBOX })),
-        });
+            MAX_LIVE_PER_SANDBOX,
+        ));
     }
     let (id, token) = link::new_token();
     let l = Link {

@@ -32,14 +32,13 @@ pub(crate) fn create(
         .filter(|s| s.live(now))
         .count();
     if live >= MAX_LIVE_PER_SANDBOX {
-        return Err(ApiError::Conflict {
-            code: runtime_api::codes::QUOTA_EXCEEDED,
-            message: format!(
+        return Err(ApiError::quota(
+            format!(
                 "Sandbox {} already has {MAX_LIVE_PER_SANDBOX} live sessions.",
                 row.record.id
             ),
-            details: Some(serde_json::json!({ "limit": MAX_LIVE_PER_SANDBOX })),
-        });
+            MAX_LIVE_PER_SANDBOX,
+        ));
     }
     let (id, token) = session::new_token();
     let s = Session {

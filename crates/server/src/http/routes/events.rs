@@ -6,7 +6,7 @@ use axum::body::Bytes;
 use axum::http::StatusCode;
 use serde_json::{json, Value};
 
-use crate::domain::events::{cursor, parse_cursor, DEFAULT_LIMIT, MAX_LIMIT, TYPES};
+use crate::domain::events::{CURSOR_PREFIX, DEFAULT_LIMIT, MAX_LIMIT, TYPES};
 use crate::domain::webhook::{KEEP_PREVIOUS_DEFAULT_S, KEEP_PREVIOUS_MAX_S, MAX_DESCRIPTION};
 use crate::error::{ApiError, ApiResult};
 use crate::http::extract::{json_object, no_fields, query_object, Fields};
@@ -18,16 +18,7 @@ use crate::AppState;
 /// `limit` (1 to 200, 50 by default) and `cursor` of a list.
 fn page(f: &mut Fields<'_>) -> (i64, Option<i64>) {
     let limit = f.q_int("limit", 1, MAX_LIMIT).unwrap_or(DEFAULT_LIMIT);
-    let before = match f.string("cursor").filter(|c| !c.is_empty()) {
-        Some(c) => match parse_cursor(&c) {
-            Some(seq) => Some(seq),
-            None => {
-                f.issue("cursor", "is not a cursor this server gave");
-                None
-            }
-        },
-        None => None,
-    };
+    let before = f.cursor(CURSOR_PREFIX);
     (limit, before)
 }
 
@@ -220,7 +211,9 @@ pub(super) async fn deliveries(st: AppState, ctx: Ctx, id: String) -> ApiResult<
     f.finish()?;
     let (rows, next) = webhooks::deliveries(&st, &ctx.key, &id, state.as_deref(), before, limit)?;
     let data: Vec<Value> = rows.iter().map(webhooks::render_delivery).collect();
-    Reply::ok(json!({ "data": data, "nextCursor": next.map(cursor) }))
+    Reply::ok(
+        json!({ "data": data, "nextCursor": next.map(|s| crate::domain::cursor::encode(CURSOR_PREFIX, s)) }),
+    )
 }
 
 pub(super) async fn delivery_action(

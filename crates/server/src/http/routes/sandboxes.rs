@@ -8,7 +8,6 @@ use std::time::Duration;
 
 use axum::body::Bytes;
 use axum::http::StatusCode;
-use base64::Engine;
 use serde_json::{json, Value};
 
 use crate::domain::access::KeyInfo;
@@ -209,20 +208,8 @@ pub(super) async fn metrics(st: AppState, ctx: Ctx, id: String) -> ApiResult<Rep
     )?)
 }
 
-fn encode_cursor(seq: i64) -> String {
-    base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(format!("seq:{seq}"))
-}
-
-fn decode_cursor(c: &str) -> Option<i64> {
-    let raw = base64::engine::general_purpose::URL_SAFE_NO_PAD
-        .decode(c)
-        .ok()?;
-    String::from_utf8(raw)
-        .ok()?
-        .strip_prefix("seq:")?
-        .parse()
-        .ok()
-}
+/// The prefix of the sandbox list's cursors (`domain::cursor`).
+const CURSOR_PREFIX: &str = "seq:";
 
 pub(super) async fn list(st: AppState, ctx: Ctx) -> ApiResult<Reply> {
     let q = query_object(&ctx.query, &["state", "label"]);
@@ -249,16 +236,7 @@ pub(super) async fn list(st: AppState, ctx: Ctx) -> ApiResult<Reply> {
     }
     let include_stopped = f.q_bool("includeStopped").unwrap_or(false);
     let limit = f.q_int("limit", 1, 100).unwrap_or(50) as usize;
-    let after_seq = match f.string("cursor") {
-        Some(c) if !c.is_empty() => match decode_cursor(&c) {
-            Some(seq) => Some(seq),
-            None => {
-                f.issue("cursor", "is not a cursor this server gave");
-                None
-            }
-        },
-        _ => None,
-    };
+    let after_seq = f.cursor(CURSOR_PREFIX);
     f.finish()?;
     let filter = ListFilter {
         states,
@@ -270,7 +248,8 @@ pub(super) async fn list(st: AppState, ctx: Ctx) -> ApiResult<Reply> {
     };
     let (rows, more) = svc::list(&st, &ctx.key, &filter)?;
     let next = if more {
-        rows.last().map(|r| encode_cursor(r.seq))
+        rows.last()
+            .map(|r| crate::domain::cursor::encode(CURSOR_PREFIX, r.seq))
     } else {
         None
     };

@@ -25,13 +25,12 @@ pub(crate) use super::Start;
 use super::{State, Watch, END_WAIT};
 
 fn too_many() -> ApiError {
-    ApiError::Conflict {
-        code: codes::QUOTA_EXCEEDED,
-        message: format!(
+    ApiError::quota(
+        format!(
             "At most {MAX_WATCHES_PER_SANDBOX} watches run in a sandbox at once: stop one first."
         ),
-        details: Some(json!({"limit": MAX_WATCHES_PER_SANDBOX})),
-    }
+        MAX_WATCHES_PER_SANDBOX,
+    )
 }
 
 /// `POST …/files/watches`: starts the watch in the guest and answers its

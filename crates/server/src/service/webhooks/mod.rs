@@ -185,11 +185,10 @@ pub(crate) async fn create(
     let _g = st.inner.create_lock.lock().await;
     let mine = st.store().list_webhooks(Some(&key.id))?.len();
     if mine >= MAX_WEBHOOKS {
-        return Err(ApiError::Conflict {
-            code: codes::QUOTA_EXCEEDED,
-            message: format!("A key can have {MAX_WEBHOOKS} webhooks; delete one first."),
-            details: Some(json!({"limit": MAX_WEBHOOKS})),
-        });
+        return Err(ApiError::quota(
+            format!("A key can have {MAX_WEBHOOKS} webhooks; delete one first."),
+            MAX_WEBHOOKS,
+        ));
     }
     let now = st.now_ms();
     let id = uuid::Uuid::new_v4().to_string();
