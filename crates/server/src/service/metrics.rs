@@ -20,18 +20,21 @@ pub(crate) struct Metrics {
 }
 
 impl Metrics {
-    fn with<R>(&self, id: &str, f: impl FnOnce(&mut Series) -> R) -> R {
-        let mut m = self.series.lock().unwrap_or_else(|p| p.into_inner());
-        f(m.entry(id.to_string()).or_default())
-    }
-
     /// Whether a running machine's reading closes now (measure its memory).
     pub(crate) fn due(&self, id: &str, now: i64) -> bool {
-        self.with(id, |s| s.due(now))
+        let m = self.series.lock().unwrap_or_else(|p| p.into_inner());
+        m.get(id).is_none_or(|s| s.due(now))
     }
 
     pub(crate) fn second(&self, id: &str, now: i64, cpu_ns: u64, memory: Option<u64>) {
-        self.with(id, |s| s.second(now, cpu_ns, memory));
+        let mut m = self.series.lock().unwrap_or_else(|p| p.into_inner());
+        match m.get_mut(id) {
+            Some(s) => s.second(now, cpu_ns, memory),
+            None => m
+                .entry(id.to_string())
+                .or_default()
+                .second(now, cpu_ns, memory),
+        }
     }
 
     /// A machine that does not run (paused, stopped, starting).
