@@ -2776,6 +2776,44 @@ fn started_spec(t: &T, id: &str) -> runtime_host::MachineSpec {
 }
 
 #[tokio::test]
+async fn a_writer_slow_to_sync_holds_up_only_its_own_views() {
+    let t = T::new();
+    let (_, vol) = t
+        .json(
+            "POST",
+            "/v1/volumes",
+            Some(json!({"sizeMiB": 64, "name": "slow"})),
+        )
+        .await;
+    let vid = vol["id"].as_str().unwrap().to_string();
+    t.running(json!({"volumes": [{"volumeId": vid, "path": "/data"}]}))
+        .await;
+    // The writer's `sync` (run before a snapshot view is made) takes long.
+    t.host
+        .script("sync", vec![Step::Sleep(1500), Step::Exit(0)]);
+    let other = create_key(&t.dir, Some("other"), false, false).unwrap();
+    let view = json!({"volumes": [{"volumeId": vid, "path": "/v", "mode": "snapshot"}]});
+    let order = std::sync::Mutex::new(Vec::new());
+    tokio::join!(
+        async {
+            let (s, v) = t.json("POST", "/v1/sandboxes", Some(view)).await;
+            assert_eq!(s, StatusCode::CREATED, "{v}");
+            order.lock().unwrap().push("view");
+        },
+        async {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            let (s, v) = t
+                .json_as(&other, "POST", "/v1/sandboxes", Some(json!({})), &[])
+                .await;
+            assert_eq!(s, StatusCode::CREATED, "{v}");
+            order.lock().unwrap().push("plain");
+        }
+    );
+    // The other key's create did not wait for the writer's flush.
+    assert_eq!(*order.lock().unwrap(), vec!["plain", "view"]);
+}
+
+#[tokio::test]
 async fn volumes_create_attach_exclusively_and_delete_only_when_free() {
     let t = T::new();
     let (s, v) = t.json("POST", "/v1/volumes", Some(json!({}))).await;

@@ -418,6 +418,7 @@ pub(crate) async fn create(
         None => None,
     };
     let start_mode = if from.is_some() { "snapshot" } else { "boot" };
+    crate::service::volumes::flush_writers(st, key, &volumes).await;
     let (id, reused) = {
         let _g = st.inner.create_lock.lock().await;
         let holder = match &record.name {

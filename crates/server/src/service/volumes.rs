@@ -301,8 +301,8 @@ async fn holders(st: &AppState) -> ApiResult<Vec<Holder>> {
 }
 
 /// Resolves the create's volumes (ids or names) for `key` and checks that
-/// no other sandbox holds an `rw` one; call under the create lock, then
-/// [`keep`] once the sandbox exists.
+/// no other sandbox holds an `rw` one; call under the create lock (after
+/// [`flush_writers`], outside it), then [`keep`] once the sandbox exists.
 pub(crate) async fn resolve(
     st: &AppState,
     key: &KeyInfo,
@@ -353,18 +353,30 @@ pub(crate) async fn resolve(
             });
         }
     }
-    // A snapshot view is a copy of the file: what a running writer has
-    // written must be in the file first, not only in its guest's memory.
-    for a in out.iter().filter(|a| a.mode == AttachMode::Snapshot) {
-        for h in held.iter().filter(|h| {
-            h.attachment.volume_id == a.volume_id
-                && h.attachment.mode == AttachMode::Rw
-                && h.hold == Hold::Active
-        }) {
-            flush(st, &h.sandbox_id).await;
-        }
-    }
     Ok(out)
+}
+
+/// A snapshot view is a copy of the file: what a running writer has written
+/// must be in the file first, not only in its guest's memory. Runs the
+/// writers' `sync` before the create lock is taken, so a writer that keeps
+/// `sync` slow holds up only its own creates, never everyone's.
+pub(crate) async fn flush_writers(st: &AppState, key: &KeyInfo, wanted: &[Attachment]) {
+    let views: Vec<String> = wanted
+        .iter()
+        .filter(|a| a.mode == AttachMode::Snapshot)
+        .filter_map(|a| find(st, key, &a.volume_id).ok().map(|d| d.id))
+        .collect();
+    if views.is_empty() {
+        return;
+    }
+    let Ok(held) = holders(st).await else { return };
+    for h in held.iter().filter(|h| {
+        views.contains(&h.attachment.volume_id)
+            && h.attachment.mode == AttachMode::Rw
+            && h.hold == Hold::Active
+    }) {
+        flush(st, &h.sandbox_id).await;
+    }
 }
 
 /// Runs `sync` in a running sandbox (bounded; a failure only means the
