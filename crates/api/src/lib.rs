@@ -70,6 +70,7 @@ pub mod codes {
     pub const UNSUPPORTED: &str = "unsupported";
     pub const UNAVAILABLE: &str = "unavailable";
     pub const HOST_UNAVAILABLE: &str = "host_unavailable";
+    pub const NO_CAPACITY: &str = "no_capacity";
     pub const GUEST_ERROR: &str = "guest_error";
     pub const INTERNAL: &str = "internal_error";
     pub const CONNECTION_REFUSED: &str = "connection_refused";

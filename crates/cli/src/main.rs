@@ -52,6 +52,8 @@ enum Cmd {
         net: NetArgs,
         #[command(flatten)]
         prices: PriceArgs,
+        #[command(flatten)]
+        limits: LimitArgs,
     },
     /// Ask a server for an API key, approved by a person in the browser, and
     /// save it where the `withruntime` client reads a saved login.
@@ -194,6 +196,44 @@ struct PriceArgs {
     /// Per GiB-hour of a persistent sandbox's disk.
     #[arg(long, default_value_t = 153)]
     price_kept_disk_gib_hour: u64,
+}
+
+/// What each key may hold, and what the host keeps free (docs/security.md).
+#[derive(clap::Args)]
+struct LimitArgs {
+    /// A quota of every key, NAME=VALUE (`sandbox.count=20`,
+    /// `sandbox.memory_mib=65536`, ...; `GET /v1/limits` lists them with
+    /// their defaults). Repeatable.
+    #[arg(long = "quota", value_name = "NAME=VALUE")]
+    quota: Vec<String>,
+    /// Running sandboxes' memory may add up to this times the host's.
+    #[arg(long, default_value_t = 4.0)]
+    memory_overcommit: f64,
+    /// Memory (MiB) a start must leave available on the host.
+    #[arg(long, default_value_t = 512)]
+    reserve_memory_mib: u64,
+    /// Disk (MiB) a start must leave free in the data directory.
+    #[arg(long, default_value_t = 2048)]
+    reserve_disk_mib: u64,
+}
+
+impl LimitArgs {
+    fn apply(&self, c: &mut runtime_server::Config) -> anyhow::Result<()> {
+        for q in &self.quota {
+            c.quotas
+                .set(q)
+                .map_err(|e| anyhow::anyhow!("--quota {q}: {e}"))?;
+        }
+        if !(self.memory_overcommit.is_finite() && self.memory_overcommit > 0.0) {
+            anyhow::bail!("--memory-overcommit takes a positive number");
+        }
+        c.reserve = runtime_server::Reserve {
+            memory_mib: self.reserve_memory_mib,
+            disk_mib: self.reserve_disk_mib,
+            memory_overcommit: self.memory_overcommit,
+        };
+        Ok(())
+    }
 }
 
 #[derive(Subcommand)]
@@ -421,8 +461,14 @@ async fn serve(
     templates: bool,
     prices: runtime_server::Prices,
     net: NetArgs,
+    limits: LimitArgs,
 ) -> anyhow::Result<()> {
     raise_open_files();
+    // Settings first: a wrong one is said before minutes of building.
+    let mut config = runtime_server::Config::new(data_dir.clone());
+    net.apply(&mut config)?;
+    limits.apply(&mut config)?;
+    config.prices = prices;
     std::fs::create_dir_all(&data_dir)
         .with_context(|| format!("creating {}", data_dir.display()))?;
     let arts = tokio::task::spawn_blocking(build_artifacts).await??;
@@ -459,9 +505,6 @@ async fn serve(
         .await
         .with_context(|| format!("binding {listen}"))?;
     let addr = listener.local_addr()?;
-    let mut config = runtime_server::Config::new(data_dir.clone());
-    net.apply(&mut config)?;
-    config.prices = prices;
     let scheme = if config.tls.is_some() {
         "https"
     } else {
@@ -582,6 +625,7 @@ fn main() -> anyhow::Result<()> {
             no_templates,
             net,
             prices,
+            limits,
         } => {
             let prices = runtime_server::Prices {
                 cpu_vcpu_hour: prices.price_cpu_vcpu_hour,
@@ -599,6 +643,7 @@ fn main() -> anyhow::Result<()> {
                 !no_templates,
                 prices,
                 net,
+                limits,
             ))
         }
         Cmd::Login {

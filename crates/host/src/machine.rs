@@ -249,6 +249,14 @@ impl QemuHost {
 
 #[async_trait]
 impl Host for QemuHost {
+    async fn room(&self) -> Option<crate::Room> {
+        let (ram, state) = (self.ram_dir.to_path_buf(), self.cfg.state_dir.clone());
+        tokio::task::spawn_blocking(move || ram::room(&ram, &state))
+            .await
+            .ok()
+            .flatten()
+    }
+
     async fn start(&self, spec: &MachineSpec) -> Result<(), HostError> {
         if self.start_from_template(spec).await {
             return Ok(());

@@ -157,6 +157,12 @@ fn shm_dir_name(state_dir: &Path) -> String {
 
 /// The size of the file system at `path`, in bytes.
 fn statvfs_bytes(path: &Path) -> Option<u64> {
+    statvfs_sizes(path).map(|(total, _)| total)
+}
+
+/// The size of the file system at `path` and what an unprivileged writer
+/// may still use of it, in bytes.
+fn statvfs_sizes(path: &Path) -> Option<(u64, u64)> {
     use std::os::unix::ffi::OsStrExt;
     let c = std::ffi::CString::new(path.as_os_str().as_bytes()).ok()?;
     // SAFETY: a valid C string and a zeroed out-parameter.
@@ -165,7 +171,10 @@ fn statvfs_bytes(path: &Path) -> Option<u64> {
     if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
         return None;
     }
-    Some(st.f_blocks.saturating_mul(st.f_frsize))
+    Some((
+        st.f_blocks.saturating_mul(st.f_frsize),
+        st.f_bavail.saturating_mul(st.f_frsize),
+    ))
 }
 
 /// MemTotal of /proc/meminfo, in bytes (0 when unknown).
@@ -178,12 +187,31 @@ fn host_memory_bytes() -> u64 {
 
 /// The MemTotal line of a `/proc/meminfo`, in bytes.
 fn mem_total(meminfo: &str) -> Option<u64> {
+    meminfo_bytes(meminfo, "MemTotal:")
+}
+
+/// One `Name: N kB` line of a `/proc/meminfo`, in bytes.
+fn meminfo_bytes(meminfo: &str, name: &str) -> Option<u64> {
     meminfo
         .lines()
-        .find(|l| l.starts_with("MemTotal:"))
+        .find(|l| l.starts_with(name))
         .and_then(|l| l.split_whitespace().nth(1))
         .and_then(|kb| kb.parse::<u64>().ok())
         .map(|kb| kb * 1024)
+}
+
+/// What the host has free now: memory, the RAM directory and the state
+/// directory's disk (`None` when /proc/meminfo cannot be read).
+pub(crate) fn room(ram_dir: &Path, state_dir: &Path) -> Option<crate::Room> {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let (ram_total, ram_free) = statvfs_sizes(ram_dir).unwrap_or((0, 0));
+    Some(crate::Room {
+        memory_total: mem_total(&meminfo)?,
+        memory_available: meminfo_bytes(&meminfo, "MemAvailable:")?,
+        ram_dir_total: ram_total,
+        ram_dir_free: ram_free,
+        disk_free: statvfs_sizes(state_dir).map_or(0, |(_, free)| free),
+    })
 }
 
 /// Copies a RAM file: only its data (the pages the guest touched), holes

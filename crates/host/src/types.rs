@@ -336,6 +336,19 @@ pub enum HostError {
     },
 }
 
+/// A host's free memory and space, in bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Room {
+    /// MemTotal and MemAvailable.
+    pub memory_total: u64,
+    pub memory_available: u64,
+    /// The guests' RAM files' file system (tmpfs, usually): size and free.
+    pub ram_dir_total: u64,
+    pub ram_dir_free: u64,
+    /// Free space of the state directory's file system (disks, captures).
+    pub disk_free: u64,
+}
+
 /// One machine's sandboxes, as the control plane drives them.
 #[async_trait]
 pub trait Host: Send + Sync + 'static {
@@ -397,6 +410,11 @@ pub trait Host: Send + Sync + 'static {
     /// Host memory the machine holds (its QEMU's resident set), for
     /// metrics; `None` when it has no running machine or cannot be read.
     async fn memory_bytes(&self, _id: &str) -> Option<u64> {
+        None
+    }
+    /// What the host has free for new machines now, for admission; `None`
+    /// when it cannot tell (then nothing is refused for room).
+    async fn room(&self) -> Option<Room> {
         None
     }
     /// Opens a TCP connection to `127.0.0.1:port` inside the guest (previews,

@@ -102,6 +102,10 @@ pub enum ApiError {
         hint: &'static str,
         details: Value,
     },
+    /// A 503: the host has no room for the machine now (`no_capacity`);
+    /// it passes as others stop or pause.
+    #[error("{message}")]
+    NoCapacity { message: String, details: Value },
     #[error("{feature} is not supported by this server")]
     Unsupported { feature: &'static str },
     /// A product of the client's surface this server does not offer.

@@ -42,6 +42,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 pub use domain::money::Prices;
+pub use domain::quota::{Limits as Quotas, Reserve};
 pub use domain::webhook::AllowHost;
 pub use error::{ApiError, ServerError};
 pub use http::route::ROUTE_SAMPLES;
@@ -89,6 +90,10 @@ pub struct Config {
     /// How many milliseconds a second of the webhook retry schedule lasts:
     /// 1000, but tests shorten it.
     pub webhook_second_ms: i64,
+    /// What each key may hold at once (`--quota name=value`).
+    pub quotas: Quotas,
+    /// What the host keeps free when admitting machines.
+    pub reserve: Reserve,
 }
 
 impl Config {
@@ -111,6 +116,8 @@ impl Config {
             max_connections: 4096,
             webhook_allow: Vec::new(),
             webhook_second_ms: 1000,
+            quotas: Quotas::default(),
+            reserve: Reserve::default(),
         }
     }
 }

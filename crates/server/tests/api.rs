@@ -2775,6 +2775,256 @@ fn started_spec(t: &T, id: &str) -> runtime_host::MachineSpec {
         .unwrap()
 }
 
+/// The `account` row of `/v1/limits` named `limit`.
+async fn quota_row(t: &T, key: &str, limit: &str) -> Value {
+    let (s, v) = t.json_as(key, "GET", "/v1/limits", None, &[]).await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    v["account"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["limit"] == limit)
+        .cloned()
+        .unwrap_or_else(|| panic!("no row {limit} in {v}"))
+}
+
+#[tokio::test]
+async fn quotas_bound_what_each_key_runs_and_keeps() {
+    let t = T::with(|c| {
+        for q in [
+            "sandbox.count=2",
+            "sandbox.memory_mib=3072",
+            "volume.count=1",
+            "snapshot.count=1",
+        ] {
+            c.quotas.set(q).unwrap();
+        }
+    });
+    let row = quota_row(&t, &t.admin, "sandbox.count").await;
+    assert_eq!(
+        (row["max"].as_u64(), row["used"].as_u64()),
+        (Some(2), Some(0)),
+        "{row}"
+    );
+    assert_eq!(row["unit"], "count");
+    let a = t.running(json!({"memoryMiB": 1024})).await;
+    let b = t.running(json!({"memoryMiB": 1024})).await;
+    let (s, v) = t
+        .json("POST", "/v1/sandboxes", Some(json!({"memoryMiB": 512})))
+        .await;
+    assert_eq!(s, StatusCode::CONFLICT, "{v}");
+    assert_error(&v, 409, "quota_exceeded");
+    assert_eq!(v["error"]["details"]["limit"], "sandbox.count", "{v}");
+    assert_eq!(v["error"]["details"]["used"], 2, "{v}");
+    let row = quota_row(&t, &t.admin, "sandbox.memory_mib").await;
+    assert_eq!(
+        (row["used"].as_u64(), row["unit"].as_str()),
+        (Some(2048), Some("mib"))
+    );
+
+    // Another key's quota is its own.
+    let other = create_key(&t.dir, Some("other"), false, false).unwrap();
+    let (s, v) = t
+        .json_as(
+            &other,
+            "POST",
+            "/v1/sandboxes",
+            Some(json!({"memoryMiB": 1024})),
+            &[],
+        )
+        .await;
+    assert_eq!(s, StatusCode::CREATED, "{v}");
+
+    // A paused sandbox holds no CPU or memory: room for another, and
+    // then its wake is what passes the quota.
+    let (s, _) = t
+        .json_as(
+            &t.admin,
+            "POST",
+            &format!("/v1/sandboxes/{a}:pause"),
+            Some(json!({})),
+            &[("prefer", "wait=10")],
+        )
+        .await;
+    assert_eq!(s, StatusCode::OK);
+    t.wait_state(&a, "paused").await;
+    let c = t.running(json!({"memoryMiB": 1024})).await;
+    let (s, v) = t.act(&a, "wake", json!({})).await;
+    assert_error(&v, 409, "quota_exceeded");
+    assert_eq!(s, StatusCode::CONFLICT);
+    // The memory quota too, by the sandbox's size.
+    t.act(&c, "stop", json!({})).await;
+    let (_, v) = t
+        .json("POST", "/v1/sandboxes", Some(json!({"memoryMiB": 2560})))
+        .await;
+    assert_eq!(v["error"]["details"]["limit"], "sandbox.memory_mib", "{v}");
+    let (s, v) = t.act(&a, "wake", json!({})).await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    let _ = b;
+
+    // Volumes and snapshots.
+    let vol = json!({"sizeMiB": 64});
+    let (s, _) = t.json("POST", "/v1/volumes", Some(vol.clone())).await;
+    assert_eq!(s, StatusCode::CREATED);
+    let (_, v) = t.json("POST", "/v1/volumes", Some(vol)).await;
+    assert_error(&v, 409, "quota_exceeded");
+    assert_eq!(v["error"]["details"]["limit"], "volume.count");
+    let (s, v) = t
+        .json_as(
+            &t.admin,
+            "POST",
+            &format!("/v1/sandboxes/{a}:snapshot"),
+            Some(json!({})),
+            &[("prefer", "wait=10")],
+        )
+        .await;
+    assert!(s.is_success(), "{v}");
+    let (_, v) = t
+        .json(
+            "POST",
+            &format!("/v1/sandboxes/{a}:snapshot"),
+            Some(json!({})),
+        )
+        .await;
+    assert_eq!(v["error"]["details"]["limit"], "snapshot.count", "{v}");
+    let row = quota_row(&t, &t.admin, "snapshot.count").await;
+    assert_eq!(row["used"], 1, "{row}");
+}
+
+#[tokio::test]
+async fn uploads_and_processes_have_quotas_per_key_and_sandbox() {
+    let t = T::with(|c| {
+        c.quotas.set("upload.count=1").unwrap();
+        c.quotas.set("process.count=2").unwrap();
+    });
+    let id = t.running(json!({})).await;
+    let up =
+        |n: u32| json!({"path": format!("/workspace/f{n}"), "size": 10, "sha256": "0".repeat(64)});
+    let (s, v) = t
+        .json("POST", &format!("/v1/sandboxes/{id}/uploads"), Some(up(1)))
+        .await;
+    assert_eq!(s, StatusCode::CREATED, "{v}");
+    let first = v["uploadId"].as_str().unwrap().to_string();
+    let (_, v) = t
+        .json("POST", &format!("/v1/sandboxes/{id}/uploads"), Some(up(2)))
+        .await;
+    assert_error(&v, 409, "quota_exceeded");
+    assert_eq!(v["error"]["details"]["limit"], "upload.count");
+    let (s, _) = t
+        .json(
+            "POST",
+            &format!("/v1/sandboxes/{id}/uploads/{first}:abort"),
+            Some(json!({})),
+        )
+        .await;
+    assert!(s.is_success());
+    let (s, v) = t
+        .json("POST", &format!("/v1/sandboxes/{id}/uploads"), Some(up(3)))
+        .await;
+    assert_eq!(s, StatusCode::CREATED, "{v}");
+
+    // Ended processes make room (oldest first); running ones fill it.
+    t.host
+        .script("hold", vec![Step::Sleep(60_000), Step::Exit(0)]);
+    for _ in 0..3 {
+        let (s, v) = t
+            .json(
+                "POST",
+                &format!("/v1/sandboxes/{id}:exec"),
+                Some(json!({"command": "true"})),
+            )
+            .await;
+        assert_eq!(s, StatusCode::OK, "{v}");
+    }
+    for _ in 0..2 {
+        let (s, v) = t
+            .json(
+                "POST",
+                &format!("/v1/sandboxes/{id}/processes"),
+                Some(json!({"command": "hold"})),
+            )
+            .await;
+        assert_eq!(s, StatusCode::CREATED, "{v}");
+    }
+    let (_, v) = t
+        .json(
+            "POST",
+            &format!("/v1/sandboxes/{id}/processes"),
+            Some(json!({"command": "hold"})),
+        )
+        .await;
+    assert_error(&v, 409, "quota_exceeded");
+    assert_eq!(v["error"]["details"]["limit"], "process.count", "{v}");
+    let (_, v) = t
+        .json("GET", &format!("/v1/sandboxes/{id}/processes"), None)
+        .await;
+    assert_eq!(v["data"].as_array().map(Vec::len), Some(2), "{v}");
+}
+
+#[tokio::test]
+async fn a_host_without_room_refuses_machines_up_front() {
+    let t = T::new();
+    let gib = 1u64 << 30;
+    *t.host.room.lock().unwrap() = Some(runtime_host::Room {
+        memory_total: 4 * gib,
+        memory_available: 3 * gib,
+        ram_dir_total: 2 * gib,
+        ram_dir_free: 2 * gib,
+        disk_free: 100 * gib,
+    });
+    // 4 x 4 GiB may be promised: a 16 GiB machine fits, then nothing more.
+    let big = t.running(json!({"memoryMiB": 16384})).await;
+    let (s, v) = t
+        .json("POST", "/v1/sandboxes", Some(json!({"memoryMiB": 512})))
+        .await;
+    assert_eq!(s, StatusCode::SERVICE_UNAVAILABLE, "{v}");
+    assert_error(&v, 503, "no_capacity");
+    assert_eq!(v["error"]["retryable"], true, "{v}");
+    assert!(
+        v["error"]["message"].as_str().unwrap().contains("promised"),
+        "{v}"
+    );
+    t.act(&big, "stop", json!({})).await;
+    // Memory available now, and disk, are checked too.
+    t.host
+        .room
+        .lock()
+        .unwrap()
+        .as_mut()
+        .unwrap()
+        .memory_available = 600 << 20;
+    let (_, v) = t
+        .json("POST", "/v1/sandboxes", Some(json!({"memoryMiB": 512})))
+        .await;
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("memory available"),
+        "{v}"
+    );
+    *t.host.room.lock().unwrap() = Some(runtime_host::Room {
+        memory_total: 4 * gib,
+        memory_available: 3 * gib,
+        ram_dir_total: 2 * gib,
+        ram_dir_free: 2 * gib,
+        disk_free: gib,
+    });
+    let (s, v) = t
+        .json("POST", "/v1/sandboxes", Some(json!({"memoryMiB": 512})))
+        .await;
+    assert_eq!(s, StatusCode::SERVICE_UNAVAILABLE, "{v}");
+    assert!(
+        v["error"]["message"].as_str().unwrap().contains("disk"),
+        "{v}"
+    );
+    t.host.room.lock().unwrap().as_mut().unwrap().disk_free = 100 * gib;
+    let (s, v) = t
+        .json("POST", "/v1/sandboxes", Some(json!({"memoryMiB": 512})))
+        .await;
+    assert_eq!(s, StatusCode::CREATED, "{v}");
+}
+
 #[tokio::test]
 async fn a_writer_slow_to_sync_holds_up_only_its_own_views() {
     let t = T::new();

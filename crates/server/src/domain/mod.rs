@@ -17,6 +17,7 @@ pub(crate) mod names;
 pub(crate) mod network;
 pub(crate) mod preview;
 pub(crate) mod process;
+pub(crate) mod quota;
 pub(crate) mod sandbox;
 pub(crate) mod secret;
 pub(crate) mod session;

@@ -193,6 +193,19 @@ impl ApiError {
                     format!("{feature} is not supported by this server yet."),
                 )
             },
+            ApiError::NoCapacity { message, details } => Parts {
+                details: Some(details.clone()),
+                retryable: Some(true),
+                hint: Some(
+                    "The server's host is full for now; retry later, or stop or pause sandboxes."
+                        .into(),
+                ),
+                ..p(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    codes::NO_CAPACITY,
+                    message.clone(),
+                )
+            },
             ApiError::Unavailable { product } => Parts {
                 retryable: Some(false),
                 ..p(
@@ -477,6 +490,14 @@ mod tests {
                 ApiError::Unsupported { feature: "x" },
                 501,
                 codes::UNSUPPORTED,
+            ),
+            (
+                ApiError::NoCapacity {
+                    message: "m".into(),
+                    details: json!({}),
+                },
+                503,
+                codes::NO_CAPACITY,
             ),
             (
                 ApiError::Unavailable { product: "Jobs" },

@@ -17,6 +17,7 @@ pub(crate) mod metrics;
 pub(crate) mod network;
 pub(crate) mod previews;
 pub(crate) mod processes;
+pub(crate) mod quotas;
 pub(crate) mod sandboxes;
 pub(crate) mod secrets;
 pub(crate) mod sessions;

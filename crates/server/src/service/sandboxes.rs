@@ -116,6 +116,7 @@ pub(crate) async fn ensure_awake(st: &AppState, id: &str, timeout: Duration) -> 
             Paused => {
                 let lease = crate::domain::money::first_lease_seconds(row.record.timeout_seconds);
                 crate::service::billing::check_spend(st, &row.key_id, &row.record, lease, lease)?;
+                admit_machine(st, &row, 0).await?;
                 drive(st, id, Op::Wake { lease: None })?;
                 asked = true;
                 continue;
@@ -158,6 +159,23 @@ pub(crate) fn name_holder(
             && Some(r.record.id.as_str()) != except
             && (r.record.state != Stopped || r.record.persistent)
     }))
+}
+
+/// Whether the sandbox's key may run its machine again, and the host has
+/// room for it; `new_disk_mib` of disk is added to its key's.
+async fn admit_machine(st: &AppState, row: &SandboxRow, new_disk_mib: u64) -> ApiResult<()> {
+    let shape = (row.record.vcpu, row.record.memory_mib);
+    crate::service::quotas::admit_machines(st, &row.key_id, &[shape], new_disk_mib).await
+}
+
+/// The disk a restart adds to its key's: none for a persistent sandbox,
+/// whose disk was kept (and counted) while it was stopped.
+fn restarted_disk(row: &SandboxRow) -> u64 {
+    if row.record.persistent {
+        0
+    } else {
+        u64::from(row.record.disk_mib)
+    }
 }
 
 /// Moves a stopped persistent sandbox back to `starting` and starts it
@@ -431,6 +449,7 @@ pub(crate) async fn create(
                 if h.record.state == Stopped {
                     let lease = crate::domain::money::first_lease_seconds(h.record.timeout_seconds);
                     crate::service::billing::check_spend(st, &h.key_id, &h.record, lease, lease)?;
+                    admit_machine(st, &h, restarted_disk(&h)).await?;
                     restart(st, &id)?;
                 }
                 (id, true)
@@ -446,6 +465,13 @@ pub(crate) async fn create(
                 // Before anything starts: a refusal costs nothing.
                 let lease = crate::domain::money::first_lease_seconds(record.timeout_seconds);
                 crate::service::billing::check_spend(st, &key.id, &record, lease, lease)?;
+                crate::service::quotas::admit_machines(
+                    st,
+                    &key.id,
+                    &[(record.vcpu, record.memory_mib)],
+                    u64::from(record.disk_mib),
+                )
+                .await?;
                 let row = SandboxRow {
                     seq: 0,
                     key_id: key.id.clone(),
@@ -606,6 +632,7 @@ pub(crate) async fn restart_stopped(
         }
         let lease = crate::domain::money::first_lease_seconds(row.record.timeout_seconds);
         crate::service::billing::check_spend(st, &row.key_id, &row.record, lease, lease)?;
+        admit_machine(st, &row, restarted_disk(&row)).await?;
         restart(st, id)?;
     }
     if let Some(wait) = wait {
@@ -680,6 +707,7 @@ pub(crate) async fn wake(
             let seconds =
                 crate::domain::money::first_lease_seconds(lease.or(row.record.timeout_seconds));
             crate::service::billing::check_spend(st, &row.key_id, &row.record, seconds, seconds)?;
+            admit_machine(st, &row, 0).await?;
             asked = drive(st, id, Op::Wake { lease })?
         }
         Resuming => {}

@@ -29,8 +29,18 @@ struct Upload {
     received: BTreeMap<u64, u64>,
 }
 
-/// The sandbox an upload belongs to, and the upload.
-type UploadSlot = (String, Arc<tokio::sync::Mutex<Upload>>);
+/// An upload under way: its sandbox, the key that owns the sandbox (for
+/// the quotas), its size, when a chunk last came, and the upload.
+struct UploadSlot {
+    sandbox: String,
+    key: String,
+    size: u64,
+    touched_ms: i64,
+    upload: Arc<tokio::sync::Mutex<Upload>>,
+}
+
+/// An upload no chunk reached for this long is forgotten, its file removed.
+const UPLOAD_IDLE_MS: i64 = 3600 * 1000;
 
 /// The uploads under way, and the directory their bytes wait in.
 pub(crate) struct Uploads {
@@ -56,7 +66,7 @@ impl Uploads {
             let mut m = self.lock();
             let ids: Vec<String> = m
                 .iter()
-                .filter(|(_, (s, _))| s == sandbox_id)
+                .filter(|(_, slot)| slot.sandbox == sandbox_id)
                 .map(|(k, _)| k.clone())
                 .collect();
             for k in &ids {
@@ -69,9 +79,41 @@ impl Uploads {
         }
     }
 
-    fn get(&self, sandbox_id: &str, upload_id: &str) -> ApiResult<Arc<tokio::sync::Mutex<Upload>>> {
-        match self.lock().get(upload_id) {
-            Some((s, u)) if s == sandbox_id => Ok(u.clone()),
+    /// Forgets the uploads idle for an hour, and removes their files.
+    fn expire(&self, now_ms: i64) {
+        let gone: Vec<String> = {
+            let mut m = self.lock();
+            let ids: Vec<String> = m
+                .iter()
+                .filter(|(_, slot)| now_ms - slot.touched_ms > UPLOAD_IDLE_MS)
+                .map(|(k, _)| k.clone())
+                .collect();
+            for k in &ids {
+                m.remove(k);
+            }
+            ids
+        };
+        for id in gone {
+            let _ = std::fs::remove_file(self.dir.join(&id));
+        }
+    }
+
+    /// How many uploads `key_id`'s sandboxes have under way, and their bytes.
+    pub(crate) fn under_way(&self, key_id: &str) -> (u64, u64) {
+        under_way(&self.lock(), key_id)
+    }
+
+    fn get(
+        &self,
+        sandbox_id: &str,
+        upload_id: &str,
+        now_ms: i64,
+    ) -> ApiResult<Arc<tokio::sync::Mutex<Upload>>> {
+        match self.lock().get_mut(upload_id) {
+            Some(slot) if slot.sandbox == sandbox_id => {
+                slot.touched_ms = now_ms;
+                Ok(slot.upload.clone())
+            }
             _ => Err(ApiError::NotFound {
                 code: codes::UPLOAD_NOT_FOUND,
                 what: "upload",
@@ -79,6 +121,12 @@ impl Uploads {
             }),
         }
     }
+}
+
+fn under_way(m: &HashMap<String, UploadSlot>, key_id: &str) -> (u64, u64) {
+    m.values()
+        .filter(|slot| slot.key == key_id)
+        .fold((0, 0), |(n, bytes), slot| (n + 1, bytes + slot.size))
 }
 
 fn io_err(op: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> ApiError {
@@ -104,6 +152,8 @@ pub(crate) struct Begin {
 /// `POST …/uploads`: makes room for the file and answers the upload's id.
 pub(crate) async fn begin(st: &AppState, key: &KeyInfo, id: &str, b: Begin) -> ApiResult<String> {
     let row = find_running(st, key, id).await?;
+    let now = st.now_ms();
+    st.inner.uploads.expire(now);
     let upload_id = format!("upl_{}", uuid::Uuid::new_v4().simple());
     let dir = st.inner.uploads.dir.clone();
     tokio::fs::create_dir_all(&dir)
@@ -125,10 +175,26 @@ pub(crate) async fn begin(st: &AppState, key: &KeyInfo, id: &str, b: Begin) -> A
         file,
         received: BTreeMap::new(),
     };
-    st.inner.uploads.lock().insert(
-        upload_id.clone(),
-        (id.to_string(), Arc::new(tokio::sync::Mutex::new(up))),
-    );
+    let file = up.file.clone();
+    // Counted and kept under one lock: two begins at once cannot both pass.
+    let kept = {
+        let mut m = st.inner.uploads.lock();
+        let fits = crate::service::quotas::admit_upload(st, under_way(&m, &row.key_id), b.size);
+        fits.map(|()| {
+            let slot = UploadSlot {
+                sandbox: id.to_string(),
+                key: row.key_id.clone(),
+                size: b.size,
+                touched_ms: now,
+                upload: Arc::new(tokio::sync::Mutex::new(up)),
+            };
+            m.insert(upload_id.clone(), slot);
+        })
+    };
+    if let Err(e) = kept {
+        let _ = tokio::fs::remove_file(&file).await;
+        return Err(e);
+    }
     Ok(upload_id)
 }
 
@@ -142,7 +208,7 @@ pub(crate) async fn chunk(
     data: Vec<u8>,
 ) -> ApiResult<()> {
     find_running(st, key, id).await?;
-    let up = st.inner.uploads.get(id, upload_id)?;
+    let up = st.inner.uploads.get(id, upload_id, st.now_ms())?;
     let mut u = up.lock().await;
     let len = data.len() as u64;
     if !chunk_fits(offset, len, u.size) {
@@ -182,7 +248,7 @@ pub(crate) async fn commit(
     upload_id: &str,
 ) -> ApiResult<Committed> {
     find_running(st, key, id).await?;
-    let up = st.inner.uploads.get(id, upload_id)?;
+    let up = st.inner.uploads.get(id, upload_id, st.now_ms())?;
     let u = up.lock().await;
     let have = covered(&u.received);
     if have < u.size {
@@ -224,7 +290,7 @@ pub(crate) async fn abort(
     upload_id: &str,
 ) -> ApiResult<()> {
     find(st, key, id)?;
-    let up = st.inner.uploads.get(id, upload_id)?;
+    let up = st.inner.uploads.get(id, upload_id, st.now_ms())?;
     let u = up.lock().await;
     let _ = tokio::fs::remove_file(&u.file).await;
     st.inner.uploads.lock().remove(upload_id);

@@ -118,6 +118,10 @@ pub(crate) async fn create(
     cmd: CreateVolume,
 ) -> ApiResult<VolumeView> {
     let _g = st.inner.create_lock.lock().await;
+    let mut asked = crate::domain::quota::Usage::default();
+    asked.add("volume.count", 1);
+    asked.add("volume.mib", u64::from(cmd.size_mib));
+    crate::service::quotas::admit(st, &key.id, &asked)?;
     if let Some(n) = &cmd.name {
         if let Some(other) = st
             .store()

@@ -7,8 +7,8 @@ use std::time::Duration;
 use async_trait::async_trait;
 use runtime_host::{
     DuplexStream, EntryKind, ExecControl, ExecEvent, ExecHandle, ExecSpec, ExitStatus, FileEntry,
-    FileOp, FileOpResult, GuestFailure, GuestNet, Host, HostError, MachineSpec, RunAs, WatchHandle,
-    WatchSpec, WatchUpdate,
+    FileOp, FileOpResult, GuestFailure, GuestNet, Host, HostError, MachineSpec, Room, RunAs,
+    WatchHandle, WatchSpec, WatchUpdate,
 };
 use tokio::sync::{mpsc, watch};
 
@@ -102,6 +102,8 @@ pub(crate) struct FakeHost {
     /// Running watches: (sandbox, root, updates). A written file under a
     /// root is reported to it as created.
     pub watches: Arc<Mutex<Vec<(String, String, mpsc::Sender<WatchUpdate>)>>>,
+    /// What [`Host::room`] answers (none: the host cannot tell).
+    pub room: Mutex<Option<Room>>,
 }
 
 impl FakeHost {
@@ -222,6 +224,10 @@ impl Host for FakeHost {
     /// still carries, and later events are held for the next `attach`.
     async fn cpu_time(&self, id: &str) -> Option<Duration> {
         self.cpu.lock().unwrap().get(id).copied()
+    }
+
+    async fn room(&self) -> Option<Room> {
+        *self.room.lock().unwrap()
     }
 
     async fn connect(&self, id: &str, port: u16) -> Result<DuplexStream, HostError> {

@@ -16,7 +16,7 @@ fn access(key: &KeyInfo) -> &'static str {
     }
 }
 
-/// `GET /v1/limits`: this key's access and daily limit.
+/// `GET /v1/limits`: this key's access, daily limit and quotas.
 pub(super) async fn limits(st: AppState, ctx: Ctx) -> ApiResult<Reply> {
     let Day {
         limit,
@@ -35,6 +35,7 @@ pub(super) async fn limits(st: AppState, ctx: Ctx) -> ApiResult<Reply> {
             "window": "24h",
         },
         "trial": Value::Null,
+        "account": crate::service::quotas::rows(&st, &ctx.key.id)?,
     }))
 }
 

@@ -107,6 +107,40 @@ impl Table {
         }
     }
 
+    /// Makes room for one more process of the sandbox within `max`: the
+    /// ended ones go first, oldest first (records too); `Err(running)`
+    /// when the running ones alone fill it.
+    pub(crate) fn make_room(&self, store: &Store, sandbox_id: &str, max: u64) -> Result<(), u64> {
+        let mut gone = Vec::new();
+        let full = {
+            let mut m = self.lock();
+            let mine: Vec<&Arc<Proc>> = m.values().filter(|p| p.sandbox_id == sandbox_id).collect();
+            let count = mine.len() as u64;
+            let mut ended: Vec<(i64, String)> = mine
+                .iter()
+                .filter_map(|p| p.state().ended_ms.map(|t| (t, p.id.clone())))
+                .collect();
+            let running = count - ended.len() as u64;
+            if running >= max {
+                Some(running)
+            } else {
+                ended.sort();
+                let excess = (count + 1).saturating_sub(max) as usize;
+                for (_, id) in ended.into_iter().take(excess) {
+                    m.remove(&id);
+                    gone.push(id);
+                }
+                None
+            }
+        };
+        for id in gone {
+            if let Err(e) = store.delete_process(&id) {
+                tracing::error!(process_id = %id, error = %e, "deleting the process record failed");
+            }
+        }
+        full.map_or(Ok(()), Err)
+    }
+
     /// Forgets processes that ended longer than `keep` ago, records too.
     pub(crate) fn forget_old(&self, store: &Store, keep: Duration) {
         let cutoff = self.clock.now_ms() - keep.as_millis() as i64;

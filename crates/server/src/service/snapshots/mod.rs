@@ -92,6 +92,9 @@ pub(crate) async fn fork(
         .unwrap_or(i64::MAX)
         .saturating_mul(lease);
     crate::service::billing::check_spend(st, &key.id, &src.record, lease, copies_cost)?;
+    let shapes = vec![(src.record.vcpu, src.record.memory_mib); count];
+    let disks = u64::from(src.record.disk_mib) * count as u64;
+    crate::service::quotas::admit_machines(st, &key.id, &shapes, disks).await?;
 
     let now = st.now_ms();
     let copies: Vec<SandboxRow> = {
@@ -236,6 +239,12 @@ pub(crate) async fn snapshot(
     if mode == "memory" {
         crate::service::volumes::refuse_copy(st, &id, "memory snapshot")?;
     }
+    // Its size is known once taken: it asks for a MiB, so a key at its
+    // bytes' quota takes no more.
+    let mut asked = crate::domain::quota::Usage::default();
+    asked.add("snapshot.count", 1);
+    asked.add("snapshot.mib", 1);
+    crate::service::quotas::admit(st, &key.id, &asked)?;
     let now = st.now_ms();
     let snap = Snapshot {
         id: uuid::Uuid::new_v4().to_string(),

@@ -1,0 +1,175 @@
+//! Admission: a request that would start machines, keep snapshots,
+//! volumes or uploads, or run processes passes only within its key's
+//! quotas (409 `quota_exceeded`, `details.limit` naming the quota) and, for
+//! machines, only while the host has room for them (503 `no_capacity`,
+//! which passes as others stop). The rules are in `domain::quota`; this
+//! counts what a key holds from the store.
+
+use runtime_api::{codes, SandboxState};
+use serde_json::json;
+
+use crate::domain::quota::{self, Free, Usage, QUOTAS};
+use crate::error::{ApiError, ApiResult};
+use crate::store::SandboxRow;
+use crate::AppState;
+
+/// A machine that runs, or is about to, holds CPU and memory; a paused,
+/// pausing or stopping one is giving them back.
+fn holds_machine(state: SandboxState) -> bool {
+    matches!(
+        state,
+        SandboxState::Starting | SandboxState::Running | SandboxState::Resuming
+    )
+}
+
+/// A sandbox whose disk is kept: every one but a stopped one that was not
+/// persistent.
+fn holds_disk(row: &SandboxRow) -> bool {
+    row.record.state != SandboxState::Stopped || row.record.persistent
+}
+
+/// What `key_id` holds now, for every quota of the account.
+pub(crate) fn usage(st: &AppState, key_id: &str) -> ApiResult<Usage> {
+    let mut u = Usage::default();
+    for row in st.store().live_sandboxes()? {
+        if row.key_id != key_id {
+            continue;
+        }
+        if holds_machine(row.record.state) {
+            u.add_machine(row.record.vcpu, row.record.memory_mib);
+        }
+        if holds_disk(&row) {
+            u.add("sandbox.disk_mib", u64::from(row.record.disk_mib));
+        }
+    }
+    for s in st.store().live_snapshots()? {
+        if s.key_id == key_id && s.deleted.is_none() && s.record.state != "failed" {
+            u.add("snapshot.count", 1);
+            u.add("snapshot.mib", quota::mib_of(s.record.size_bytes));
+        }
+    }
+    for v in st.store().volumes()? {
+        if v.key_id == key_id {
+            u.add("volume.count", 1);
+            u.add("volume.mib", u64::from(v.size_mib));
+        }
+    }
+    let (n, bytes) = st.inner.uploads.under_way(key_id);
+    u.add("upload.count", n);
+    u.add("upload.mib", quota::mib_of(bytes));
+    Ok(u)
+}
+
+/// The `account` rows of `/v1/limits`: every quota with its maximum and
+/// what the key uses of it (processes are per sandbox: no use shown).
+pub(crate) fn rows(st: &AppState, key_id: &str) -> ApiResult<serde_json::Value> {
+    let used = usage(st, key_id)?;
+    let limits = &st.config().quotas;
+    Ok(QUOTAS
+        .iter()
+        .map(|q| {
+            let per_sandbox = q.limit == "process.count";
+            json!({
+                "limit": q.limit,
+                "label": q.label,
+                "unit": q.unit,
+                "max": limits.max(q.limit),
+                "used": if per_sandbox { serde_json::Value::Null } else { used.get(q.limit).into() },
+            })
+        })
+        .collect())
+}
+
+fn exceeded(e: &quota::Exceeded) -> ApiError {
+    ApiError::Conflict {
+        code: codes::QUOTA_EXCEEDED,
+        message: e.message(),
+        details: Some(json!({
+            "limit": e.quota.limit,
+            "max": e.max,
+            "used": e.used,
+            "asked": e.asked,
+        })),
+    }
+}
+
+/// Whether `key_id` may hold `asked` more.
+pub(crate) fn admit(st: &AppState, key_id: &str, asked: &Usage) -> ApiResult<()> {
+    let used = usage(st, key_id)?;
+    quota::check(&st.config().quotas, &used, asked).map_err(|e| exceeded(&e))
+}
+
+/// Whether `key_id` may start machines of `shapes` (vCPUs, memory MiB),
+/// `new_disk_mib` of disk more, and the host has room for them now.
+pub(crate) async fn admit_machines(
+    st: &AppState,
+    key_id: &str,
+    shapes: &[(u32, u32)],
+    new_disk_mib: u64,
+) -> ApiResult<()> {
+    let mut asked = Usage::default();
+    for (vcpu, memory) in shapes {
+        asked.add_machine(*vcpu, *memory);
+    }
+    asked.add("sandbox.disk_mib", new_disk_mib);
+    admit(st, key_id, &asked)?;
+    host_room(st, asked.get("sandbox.memory_mib")).await
+}
+
+/// The host's room for machines of `asked_mib` memory in all, beside the
+/// memory promised to every key's running machines.
+async fn host_room(st: &AppState, asked_mib: u64) -> ApiResult<()> {
+    let Some(room) = st.host().room().await else {
+        return Ok(());
+    };
+    let mib = |b: u64| b >> 20;
+    let free = Free {
+        memory_total: mib(room.memory_total),
+        memory_available: mib(room.memory_available),
+        ram_dir_total: mib(room.ram_dir_total),
+        ram_dir_free: mib(room.ram_dir_free),
+        disk: mib(room.disk_free),
+    };
+    let promised: u64 = st
+        .store()
+        .live_sandboxes()?
+        .iter()
+        .filter(|r| holds_machine(r.record.state))
+        .map(|r| u64::from(r.record.memory_mib))
+        .sum();
+    quota::room_for(&free, promised, asked_mib, &st.config().reserve).map_err(|why| {
+        tracing::warn!(reason = %why, "a machine was refused for want of room");
+        ApiError::NoCapacity {
+            message: format!("No room on the host for this sandbox now: {why}."),
+            details: json!({ "memoryMiB": asked_mib }),
+        }
+    })
+}
+
+/// Whether an upload of `size` bytes fits beside those `key_id` has under
+/// way (`(count, bytes)`).
+pub(crate) fn admit_upload(st: &AppState, under_way: (u64, u64), size: u64) -> ApiResult<()> {
+    let mut used = Usage::default();
+    used.add("upload.count", under_way.0);
+    used.add("upload.mib", quota::mib_of(under_way.1));
+    let mut asked = Usage::default();
+    asked.add("upload.count", 1);
+    asked.add("upload.mib", quota::mib_of(size).max(1));
+    quota::check(&st.config().quotas, &used, &asked).map_err(|e| exceeded(&e))
+}
+
+/// Whether the sandbox may run one more process: ended ones are forgotten
+/// to make room, oldest first; running ones fill it.
+pub(crate) fn admit_process(st: &AppState, sandbox_id: &str) -> ApiResult<()> {
+    let max = st.config().quotas.max("process.count");
+    st.inner
+        .procs
+        .make_room(st.store(), sandbox_id, max)
+        .or_else(|running| {
+            let mut used = Usage::default();
+            used.add("process.count", running);
+            let mut asked = Usage::default();
+            asked.add("process.count", 1);
+            quota::check(&st.config().quotas, &used, &asked).map_err(|e| exceeded(&e))
+        })
+}
