@@ -63,8 +63,10 @@ def tail(path: Path, lines: int = 80) -> str:
 class Server:
     """A `runtime serve` child on a fixed port and data directory."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, extra_args: tuple[str, ...] = ()) -> None:
         self.root = root
+        # More `runtime serve` flags (a test's own server: quotas, ...).
+        self.extra_args = extra_args
         self.data_dir = root / "data"
         self.log_path = root / "server.log"
         self.port = free_port()
@@ -87,7 +89,7 @@ class Server:
             offset = self.log_path.stat().st_size
             self.proc = subprocess.Popen(
                 [str(BINARY), "serve", "--listen", f"127.0.0.1:{self.port}", "--data-dir", str(self.data_dir),
-                 *self.egress.args, *WEBHOOK_ARGS],
+                 *self.egress.args, *WEBHOOK_ARGS, *self.extra_args],
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                 env={**os.environ, "RUST_BACKTRACE": "1"})
         deadline = time.monotonic() + START_TIMEOUT
