@@ -471,6 +471,14 @@ async fn serve(
     config.prices = prices;
     std::fs::create_dir_all(&data_dir)
         .with_context(|| format!("creating {}", data_dir.display()))?;
+    {
+        use std::os::unix::fs::PermissionsExt;
+        // Others may pass through (QEMU's own uids reach their files) but
+        // neither list nor change what is in it.
+        let mode = std::fs::metadata(&data_dir)?.permissions().mode() & 0o7777;
+        std::fs::set_permissions(&data_dir, std::fs::Permissions::from_mode(mode & !0o066))
+            .with_context(|| format!("making {} private", data_dir.display()))?;
+    }
     let arts = tokio::task::spawn_blocking(build_artifacts).await??;
     let (mut accel, mut why) = choose_accel();
     let mut qemu_cfg = QemuConfig {

@@ -3026,6 +3026,28 @@ async fn a_host_without_room_refuses_machines_up_front() {
 }
 
 #[tokio::test]
+async fn the_store_and_uploads_are_readable_only_by_the_server() {
+    use std::os::unix::fs::PermissionsExt;
+    let t = T::new();
+    let id = t.running(json!({})).await;
+    let body = json!({"path": "/workspace/f", "size": 10, "sha256": "0".repeat(64)});
+    let (s, v) = t
+        .json("POST", &format!("/v1/sandboxes/{id}/uploads"), Some(body))
+        .await;
+    assert_eq!(s, StatusCode::CREATED, "{v}");
+    let upload = t.dir.join("uploads").join(v["uploadId"].as_str().unwrap());
+    let mode = |p: &std::path::Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    for (p, want) in [
+        (t.dir.join("runtime.db"), 0o600),
+        (t.dir.join("runtime.db-wal"), 0o600),
+        (t.dir.join("uploads"), 0o700),
+        (upload, 0o600),
+    ] {
+        assert_eq!(mode(&p), want, "{}", p.display());
+    }
+}
+
+#[tokio::test]
 async fn a_writer_slow_to_sync_holds_up_only_its_own_views() {
     let t = T::new();
     let (_, vol) = t

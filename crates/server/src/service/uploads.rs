@@ -156,11 +156,20 @@ pub(crate) async fn begin(st: &AppState, key: &KeyInfo, id: &str, b: Begin) -> A
     st.inner.uploads.expire(now);
     let upload_id = format!("upl_{}", uuid::Uuid::new_v4().simple());
     let dir = st.inner.uploads.dir.clone();
-    tokio::fs::create_dir_all(&dir)
+    tokio::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(&dir)
         .await
         .map_err(io_err("create uploads dir", &dir))?;
     let file = dir.join(&upload_id);
-    let fh = tokio::fs::File::create(&file)
+    // The bytes are the tenant's: readable by the server alone.
+    let fh = tokio::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(&file)
         .await
         .map_err(io_err("create upload file", &file))?;
     fh.set_len(b.size)

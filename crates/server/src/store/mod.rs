@@ -301,6 +301,27 @@ pub(super) fn corrupt(what: impl Into<String>) -> ServerError {
     ServerError::Corrupt { what: what.into() }
 }
 
+/// The store holds sandboxes' `env`, commands, answers and preview token
+/// secrets: only the server's user may read it (SQLite gives its `-wal`
+/// and `-shm` the database file's mode).
+fn keep_private(data_dir: &Path) -> Result<(), ServerError> {
+    use std::os::unix::fs::PermissionsExt;
+    for name in ["runtime.db", "runtime.db-wal", "runtime.db-shm"] {
+        let p = data_dir.join(name);
+        match std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600)) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                return Err(ServerError::Io {
+                    op: "make the store private",
+                    path: p.display().to_string(),
+                    source: e,
+                })
+            }
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
 /// Opens (creating or migrating) `data_dir/runtime.db`.
 pub(crate) fn open_connection(data_dir: &Path) -> Result<Connection, ServerError> {
     std::fs::create_dir_all(data_dir).map_err(|source| ServerError::Io {
@@ -309,6 +330,7 @@ pub(crate) fn open_connection(data_dir: &Path) -> Result<Connection, ServerError
         source,
     })?;
     let mut conn = Connection::open(data_dir.join("runtime.db")).map_err(store_err("open"))?;
+    keep_private(data_dir)?;
     conn.busy_timeout(std::time::Duration::from_secs(10))
         .map_err(store_err("busy_timeout"))?;
     conn.pragma_update(None, "journal_mode", "WAL")
