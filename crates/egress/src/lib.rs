@@ -16,6 +16,7 @@ mod error;
 mod io;
 mod proxy;
 mod rules;
+mod scrub;
 mod secrets;
 mod tls;
 

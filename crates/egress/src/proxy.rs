@@ -10,7 +10,7 @@ use http::header::{self, HeaderName, HeaderValue};
 use http::{HeaderMap, Method, Request, Response, StatusCode, Uri};
 use http_body_util::combinators::BoxBody;
 use http_body_util::{BodyExt, Full};
-use hyper::body::Incoming;
+use hyper::body::{Body as _, Incoming};
 use hyper::client::conn::http1::SendRequest;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioIo, TokioTimer};
@@ -23,7 +23,8 @@ use tokio::time::timeout;
 
 use crate::io::Prefixed;
 use crate::rules::{name_matches, Addrs, Host, Policy, Refusal, Special};
-use crate::secrets::substitute;
+use crate::scrub::{copy_scrubbed, scrub_headers, ScrubbedBody, Scrubber};
+use crate::secrets::{substitute, Applied};
 use crate::tls::{read_hello, Hello};
 use crate::{EgressConfig, SandboxNet};
 
@@ -812,6 +813,7 @@ impl Intercept {
         &self,
         req: Request<Incoming>,
         guest: hyper::upgrade::OnUpgrade,
+        needles: Vec<Vec<u8>>,
     ) -> Result<Response<Body>, String> {
         let tls = self.connect_tls().await?;
         let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls))
@@ -822,16 +824,17 @@ impl Intercept {
         });
         let mut resp = sender.send_request(req).await.map_err(|e| e.to_string())?;
         if resp.status() != StatusCode::SWITCHING_PROTOCOLS {
-            return Ok(forwarded(resp));
+            return Ok(scrubbed(resp, needles, false, &self.name));
         }
         let upstream = hyper::upgrade::on(&mut resp);
+        let scrubber = Scrubber::new(needles.clone());
         spawn_reaped(&self.conns, async move {
             if let (Ok(g), Ok(u)) = tokio::join!(guest, upstream) {
-                let _ =
-                    tokio::io::copy_bidirectional(&mut TokioIo::new(g), &mut TokioIo::new(u)).await;
+                join_upgraded(TokioIo::new(g), TokioIo::new(u), scrubber).await;
             }
         });
         let (mut parts, body) = resp.into_parts();
+        scrub_headers(&mut parts.headers, &needles);
         let proto = parts.headers.get(header::UPGRADE).cloned();
         strip_hop_by_hop(&mut parts.headers);
         keep_upgrade(&mut parts.headers, proto);
@@ -867,6 +870,99 @@ impl Intercept {
     }
 }
 
+/// Joins an upgraded stream (a WebSocket) to its destination; what the
+/// destination sends is scrubbed when the handshake carried a value.
+async fn join_upgraded<G, U>(guest: G, upstream: U, scrubber: Option<Scrubber>)
+where
+    G: AsyncRead + AsyncWrite + Unpin,
+    U: AsyncRead + AsyncWrite + Unpin,
+{
+    let (mut gr, gw) = tokio::io::split(guest);
+    let (ur, mut uw) = tokio::io::split(upstream);
+    let up = async move {
+        let _ = tokio::io::copy(&mut gr, &mut uw).await;
+        let _ = uw.shutdown().await;
+    };
+    let down = async move {
+        match scrubber {
+            Some(s) => copy_scrubbed(ur, gw, s).await,
+            None => {
+                let (mut ur, mut gw) = (ur, gw);
+                let _ = tokio::io::copy(&mut ur, &mut gw).await;
+                let _ = gw.shutdown().await;
+            }
+        }
+    };
+    tokio::join!(up, down);
+}
+
+/// On a request that carries a value: ask for an answer the scrubber can
+/// read (no compression, of the body or of WebSocket frames).
+fn readable_answers(headers: &mut HeaderMap) {
+    headers.insert(
+        header::ACCEPT_ENCODING,
+        HeaderValue::from_static("identity"),
+    );
+    headers.remove(header::SEC_WEBSOCKET_EXTENSIONS);
+}
+
+/// The answer to an intercepted request, scrubbed of the values the request
+/// carried. A body in an encoding the scrubber cannot read (the request
+/// asked for none) is refused rather than passed on unread.
+fn scrubbed(
+    resp: Response<Incoming>,
+    needles: Vec<Vec<u8>>,
+    head_only: bool,
+    host: &str,
+) -> Response<Body> {
+    if needles.is_empty() {
+        return forwarded(resp);
+    }
+    let (mut parts, body) = resp.into_parts();
+    strip_hop_by_hop(&mut parts.headers);
+    if let Some(encoding) = unreadable_encoding(&parts.headers) {
+        let bodiless = head_only
+            || matches!(
+                parts.status,
+                StatusCode::NO_CONTENT | StatusCode::NOT_MODIFIED
+            )
+            || body.is_end_stream();
+        if !bodiless {
+            tracing::debug!(target = %host, encoding = %encoding, "an encoded answer to a request with a secret refused");
+            return text(
+                StatusCode::BAD_GATEWAY,
+                Some("encoded-response"),
+                &format!(
+                    "{host} answered a request that carried a secret in Content-Encoding \
+                     {encoding:?}; the proxy must read such answers to keep the secret out \
+                     of them and cannot read this encoding"
+                ),
+            );
+        }
+    }
+    scrub_headers(&mut parts.headers, &needles);
+    match Scrubber::new(needles) {
+        Some(scrubber) => Response::from_parts(parts, ScrubbedBody::new(body, scrubber).boxed()),
+        None => Response::from_parts(parts, body.boxed()),
+    }
+}
+
+/// The answer's `Content-Encoding` when it is not `identity`.
+fn unreadable_encoding(headers: &HeaderMap) -> Option<String> {
+    let encodings: Vec<String> = headers
+        .get_all(header::CONTENT_ENCODING)
+        .iter()
+        .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned())
+        .flat_map(|v| {
+            v.split(',')
+                .map(|e| e.trim().to_ascii_lowercase())
+                .collect::<Vec<_>>()
+        })
+        .filter(|e| !e.is_empty() && e != "identity")
+        .collect();
+    (!encodings.is_empty()).then(|| encodings.join(", "))
+}
+
 /// Whether a request asks to switch protocols.
 fn wants_upgrade(headers: &HeaderMap) -> bool {
     headers.contains_key(header::UPGRADE)
@@ -899,7 +995,24 @@ fn request_host(uri: &Uri, headers: &HeaderMap) -> Option<String> {
     Some(raw.trim_end_matches('.').to_ascii_lowercase())
 }
 
+/// Methods whose answer is the request itself (RFC 9110 9.3.8): to a host
+/// that gets secrets, that would be the value.
+fn echoes_the_request(method: &Method) -> bool {
+    method == Method::TRACE || method.as_str().eq_ignore_ascii_case("TRACK")
+}
+
 async fn intercepted_request(state: Arc<Intercept>, mut req: Request<Incoming>) -> Response<Body> {
+    if echoes_the_request(req.method()) {
+        return text(
+            StatusCode::METHOD_NOT_ALLOWED,
+            Some("method-refused"),
+            &format!(
+                "{} is refused to {}: its answer would echo the request, secrets included",
+                req.method(),
+                state.name
+            ),
+        );
+    }
     let guest_upgrade = wants_upgrade(req.headers()).then(|| hyper::upgrade::on(&mut req));
     let proto = req.headers().get(header::UPGRADE).cloned();
     let (mut parts, body) = req.into_parts();
@@ -917,9 +1030,10 @@ async fn intercepted_request(state: Arc<Intercept>, mut req: Request<Incoming>) 
     }
     // The value goes only where the verified connection goes, and only when
     // the request names that host too (no fronting another virtual host).
+    let mut applied = Applied::default();
     if host.as_deref() == Some(state.name.as_str()) {
         let secrets = state.net.secrets.borrow().clone();
-        let applied = substitute(
+        applied = substitute(
             &secrets,
             &state.name,
             parts.method.as_str(),
@@ -928,10 +1042,15 @@ async fn intercepted_request(state: Arc<Intercept>, mut req: Request<Incoming>) 
         );
         if !applied.names.is_empty() {
             tracing::debug!(sandbox_id = id, target = %state.name, secrets = ?applied.names, "secrets put into a request");
+            readable_answers(&mut parts.headers);
         }
     }
+    let head_only = parts.method == Method::HEAD;
     if let Some(guest) = guest_upgrade {
-        return match state.upgrade(Request::from_parts(parts, body), guest).await {
+        return match state
+            .upgrade(Request::from_parts(parts, body), guest, applied.needles)
+            .await
+        {
             Ok(resp) => resp,
             Err(reason) => {
                 tracing::debug!(sandbox_id = id, target = %state.name, reason = %reason, "upgrade failed");
@@ -957,7 +1076,7 @@ async fn intercepted_request(state: Arc<Intercept>, mut req: Request<Incoming>) 
     let result = sender.send_request(Request::from_parts(parts, body)).await;
     *lock(&state.sender) = Some(sender);
     match result {
-        Ok(resp) => forwarded(resp),
+        Ok(resp) => scrubbed(resp, applied.needles, head_only, &state.name),
         Err(err) => {
             tracing::debug!(sandbox_id = id, target = %state.name, error = %err, "intercepted request failed");
             text(

@@ -117,7 +117,31 @@ async fn record(log: Log, mut req: Request<Incoming>) -> Response<Full<Bytes>> {
             .body(Full::new(Bytes::new()))
             .unwrap();
     }
+    if uri.starts_with("/echo") {
+        return echo(&log.lock().unwrap().last().unwrap().headers, &uri);
+    }
+    if uri.starts_with("/gzip") {
+        // As a server that compresses whatever the client asked for.
+        return Response::builder()
+            .header("content-encoding", "gzip")
+            .body(Full::new(Bytes::from_static(b"\x1f\x8b not really gzip")))
+            .unwrap();
+    }
     Response::new(Full::new(Bytes::from(format!("seen {uri}"))))
+}
+
+/// `/echo…`: the request reflected, as a careless host does: every header
+/// in the body and the `authorization` in an answer header too.
+fn echo(headers: &HeaderMap, uri: &str) -> Response<Full<Bytes>> {
+    let mut body = format!("uri {uri}\n");
+    for (k, v) in headers {
+        body.push_str(&format!("{k}: {}\n", String::from_utf8_lossy(v.as_bytes())));
+    }
+    let mut b = Response::builder();
+    if let Some(auth) = headers.get("authorization") {
+        b = b.header("x-echo-authorization", auth.clone());
+    }
+    b.body(Full::new(Bytes::from(body))).unwrap()
 }
 
 /// A plain HTTP destination that records every request.
