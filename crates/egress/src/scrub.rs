@@ -26,7 +26,7 @@ pub(crate) struct Scrubber {
 impl Scrubber {
     /// `None` when there is nothing to scrub.
     pub(crate) fn new(needles: Vec<Vec<u8>>) -> Option<Self> {
-        let needles: Vec<Vec<u8>> = needles.into_iter().filter(|n| !n.is_empty()).collect();
+        let needles = longest_first(&needles);
         (!needles.is_empty()).then_some(Self {
             needles,
             held: Vec::new(),
@@ -77,6 +77,14 @@ impl Scrubber {
     }
 }
 
+/// The non-empty needles, longest first: a value that contains another
+/// (`v` and `v-p`) is masked whole before the shorter one is looked for.
+fn longest_first(needles: &[Vec<u8>]) -> Vec<Vec<u8>> {
+    let mut out: Vec<Vec<u8>> = needles.iter().filter(|n| !n.is_empty()).cloned().collect();
+    out.sort_by_key(|n| std::cmp::Reverse(n.len()));
+    out
+}
+
 /// Replaces each occurrence of `needle` in `buf` with [`MASK`].
 fn mask_all(buf: &mut [u8], needle: &[u8]) {
     let (n, first) = (needle.len(), needle[0]);
@@ -93,9 +101,10 @@ fn mask_all(buf: &mut [u8], needle: &[u8]) {
 
 /// Masks the needles in every header value.
 pub(crate) fn scrub_headers(headers: &mut HeaderMap, needles: &[Vec<u8>]) {
+    let needles = longest_first(needles);
     for value in headers.values_mut() {
         let mut bytes = value.as_bytes().to_vec();
-        for needle in needles.iter().filter(|n| !n.is_empty()) {
+        for needle in &needles {
             mask_all(&mut bytes, needle);
         }
         if bytes != value.as_bytes() {
@@ -227,6 +236,16 @@ mod tests {
         let mut s = scrubber(&["sk-secret"]);
         let out = run(&mut s, &[b"a sk-secret b sk-secretsk-secret c"]);
         assert_eq!(out, b"a ********* b ****************** c");
+    }
+
+    #[test]
+    fn a_value_inside_a_longer_one_leaves_nothing_of_either() {
+        let mut s = scrubber(&["sk-1", "sk-1-p"]);
+        assert_eq!(run(&mut s, &[b"a sk-1-p b sk-1 c"]), b"a ****** b **** c");
+        let mut h = HeaderMap::new();
+        h.insert("x", HeaderValue::from_static("sk-1-p"));
+        scrub_headers(&mut h, &[b"sk-1".to_vec(), b"sk-1-p".to_vec()]);
+        assert_eq!(h["x"], "******");
     }
 
     #[test]
