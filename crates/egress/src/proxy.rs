@@ -21,7 +21,8 @@ use tokio::sync::watch;
 use tokio::task::JoinSet;
 use tokio::time::timeout;
 
-use crate::io::Prefixed;
+use crate::io::{idle, Activity, Prefixed, Watched};
+use crate::limits::{CapFull, Limits, Upstream};
 use crate::rules::{name_matches, Addrs, Host, Policy, Refusal, Special};
 use crate::scrub::{copy_scrubbed, scrub_headers, ScrubbedBody, Scrubber};
 use crate::secrets::{substitute, Applied};
@@ -34,11 +35,12 @@ pub(crate) struct Inner {
     pub cfg: EgressConfig,
     pub client_tls: Option<Arc<rustls::ClientConfig>>,
     pub own: Vec<IpAddr>,
+    pub limits: Limits,
 }
 
 /// A destination that passed the rules, connected.
 struct Opened {
-    stream: TcpStream,
+    stream: Upstream,
     target: Checked,
 }
 
@@ -78,6 +80,7 @@ enum OpenError {
     BadHost,
     Resolve,
     Connect,
+    Full(CapFull),
 }
 
 impl OpenError {
@@ -86,6 +89,7 @@ impl OpenError {
             OpenError::Refused(_) => 0x02,
             OpenError::BadHost | OpenError::Resolve => 0x04,
             OpenError::Connect => 0x05,
+            OpenError::Full(_) => 0x01,
         }
     }
 
@@ -106,6 +110,11 @@ impl OpenError {
                 StatusCode::BAD_GATEWAY,
                 Some("connect-failed"),
                 &format!("{host} could not be reached"),
+            ),
+            OpenError::Full(full) => text(
+                StatusCode::SERVICE_UNAVAILABLE,
+                Some("too-many-connections"),
+                &full.to_string(),
             ),
         }
     }
@@ -192,12 +201,17 @@ impl Inner {
         policy
             .check(&host, port, Addrs::Known(&addrs), &special)
             .map_err(refused)?;
+        // The slot is taken before connecting: a guest cannot hold more
+        // sockets than its cap even while they are still connecting.
+        let mut permit = Some(self.limits.connection(id).map_err(OpenError::Full)?);
         // A few addresses at most: a name with many cannot hold the guest
         // (or the host) for long.
         for (addr, socket) in candidates.into_iter().take(4) {
             match timeout(self.cfg.connect_timeout, TcpStream::connect(socket)).await {
                 Ok(Ok(stream)) => {
                     let _ = stream.set_nodelay(true);
+                    let Some(permit) = permit.take() else { break };
+                    let stream = Upstream::new(stream, permit);
                     tracing::debug!(sandbox_id = id, target = %host, port, addr = %addr, decision = "allowed");
                     let target = Checked {
                         host,
@@ -650,8 +664,11 @@ where
 {
     let target = opened.target.clone();
     let sni: Arc<Mutex<Option<Host>>> = Arc::new(Mutex::new(None));
-    let (mut gr, mut gw) = tokio::io::split(guest);
-    let (mut ur, mut uw) = opened.stream.into_split();
+    let activity = Activity::new();
+    let (gr, mut gw) = tokio::io::split(guest);
+    let (ur, mut uw) = tokio::io::split(opened.stream);
+    let mut gr = Watched::new(gr, activity.clone());
+    let mut ur = Watched::new(ur, activity.clone());
     let up = {
         let sni = sni.clone();
         let (inner, net, target) = (inner.clone(), net.clone(), target.clone());
@@ -691,12 +708,23 @@ where
         let name = lock(&check_sni).clone();
         check_target.check(p, name.as_ref())
     });
+    // Either side may speak first, but one of them must within the
+    // handshake timeout; after that, a tunnel quiet for the idle timeout
+    // gives its sockets back.
+    let quiet = idle(
+        &activity,
+        inner.cfg.handshake_timeout,
+        inner.cfg.tunnel_idle_timeout,
+    );
     tokio::select! {
         r = work => if let Err(reason) = r {
             tracing::debug!(sandbox_id = %net.sandbox_id, target = %target.host, reason = %reason, "tunnel closed");
         },
         reason = guard => {
             tracing::debug!(sandbox_id = %net.sandbox_id, target = %target.host, reason = %reason, "tunnel closed by a rule change");
+        }
+        reason = quiet => {
+            tracing::debug!(sandbox_id = %net.sandbox_id, target = %target.host, reason, "tunnel closed");
         }
     }
 }
@@ -708,7 +736,7 @@ struct Intercept {
     target: Checked,
     name: String,
     /// A first connection, opened when the rules were checked.
-    first: Mutex<Option<TcpStream>>,
+    first: Mutex<Option<Upstream>>,
     sender: Mutex<Option<SendRequest<Incoming>>>,
     conns: Mutex<JoinSet<()>>,
 }
@@ -828,9 +856,10 @@ impl Intercept {
         }
         let upstream = hyper::upgrade::on(&mut resp);
         let scrubber = Scrubber::new(needles.clone());
+        let idle_timeout = self.inner.cfg.tunnel_idle_timeout;
         spawn_reaped(&self.conns, async move {
             if let (Ok(g), Ok(u)) = tokio::join!(guest, upstream) {
-                join_upgraded(TokioIo::new(g), TokioIo::new(u), scrubber).await;
+                join_upgraded(TokioIo::new(g), TokioIo::new(u), scrubber, idle_timeout).await;
             }
         });
         let (mut parts, body) = resp.into_parts();
@@ -841,7 +870,7 @@ impl Intercept {
         Ok(Response::from_parts(parts, body.boxed()))
     }
 
-    async fn connect_tls(&self) -> Result<tokio_rustls::client::TlsStream<TcpStream>, String> {
+    async fn connect_tls(&self) -> Result<tokio_rustls::client::TlsStream<Upstream>, String> {
         let cfg = self
             .inner
             .client_tls
@@ -850,13 +879,21 @@ impl Intercept {
         let first = lock(&self.first).take();
         let stream = match first {
             Some(s) => s,
-            None => timeout(
-                self.inner.cfg.connect_timeout,
-                TcpStream::connect(self.target.socket),
-            )
-            .await
-            .map_err(|_| "connecting timed out".to_string())?
-            .map_err(|e| format!("connecting failed: {e}"))?,
+            None => {
+                let permit = self
+                    .inner
+                    .limits
+                    .connection(&self.net.sandbox_id)
+                    .map_err(|full| full.to_string())?;
+                let stream = timeout(
+                    self.inner.cfg.connect_timeout,
+                    TcpStream::connect(self.target.socket),
+                )
+                .await
+                .map_err(|_| "connecting timed out".to_string())?
+                .map_err(|e| format!("connecting failed: {e}"))?;
+                Upstream::new(stream, permit)
+            }
         };
         let server_name = ServerName::try_from(self.name.clone()).map_err(|e| e.to_string())?;
         let tls = timeout(
@@ -872,13 +909,21 @@ impl Intercept {
 
 /// Joins an upgraded stream (a WebSocket) to its destination; what the
 /// destination sends is scrubbed when the handshake carried a value.
-async fn join_upgraded<G, U>(guest: G, upstream: U, scrubber: Option<Scrubber>)
-where
+async fn join_upgraded<G, U>(
+    guest: G,
+    upstream: U,
+    scrubber: Option<Scrubber>,
+    idle_timeout: std::time::Duration,
+) where
     G: AsyncRead + AsyncWrite + Unpin,
     U: AsyncRead + AsyncWrite + Unpin,
 {
-    let (mut gr, gw) = tokio::io::split(guest);
+    let activity = Activity::new();
+    activity.touch();
+    let (gr, gw) = tokio::io::split(guest);
     let (ur, mut uw) = tokio::io::split(upstream);
+    let mut gr = Watched::new(gr, activity.clone());
+    let ur = Watched::new(ur, activity.clone());
     let up = async move {
         let _ = tokio::io::copy(&mut gr, &mut uw).await;
         let _ = uw.shutdown().await;
@@ -893,7 +938,10 @@ where
             }
         }
     };
-    tokio::join!(up, down);
+    tokio::select! {
+        _ = async { tokio::join!(up, down) } => {}
+        _ = idle(&activity, idle_timeout, idle_timeout) => {}
+    }
 }
 
 /// On a request that carries a value: ask for an answer the scrubber can

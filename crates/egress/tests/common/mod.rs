@@ -252,9 +252,15 @@ impl Sandbox {
 
     /// A new connection from the guest, served by the proxy.
     pub(crate) fn guest(&self) -> DuplexStream {
+        self.guest_as("sbx-test")
+    }
+
+    /// A new connection from the guest of sandbox `sandbox_id` (same rules,
+    /// same proxy): for what the proxy counts per sandbox.
+    pub(crate) fn guest_as(&self, sandbox_id: &str) -> DuplexStream {
         let (guest, host) = tokio::io::duplex(64 * 1024);
         let net = SandboxNet {
-            sandbox_id: "sbx-test".into(),
+            sandbox_id: sandbox_id.into(),
             policy: self.policy.subscribe(),
             secrets: self.secrets.subscribe(),
             ca: self.ca.clone(),
@@ -327,6 +333,19 @@ pub(crate) async fn read_answer<IO: AsyncRead + Unpin>(io: &mut IO) -> Result<An
 /// `CONNECT target` on a new guest connection; the stream on 200.
 pub(crate) async fn connect(sbx: &Sandbox, target: &str) -> Result<(Answer, DuplexStream)> {
     let mut g = sbx.guest();
+    g.write_all(format!("CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n\r\n").as_bytes())
+        .await?;
+    let a = tokio::time::timeout(WAIT, read_answer(&mut g)).await??;
+    Ok((a, g))
+}
+
+/// `CONNECT target` from sandbox `sandbox_id`; the stream on 200.
+pub(crate) async fn connect_as(
+    sbx: &Sandbox,
+    sandbox_id: &str,
+    target: &str,
+) -> Result<(Answer, DuplexStream)> {
+    let mut g = sbx.guest_as(sandbox_id);
     g.write_all(format!("CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n\r\n").as_bytes())
         .await?;
     let a = tokio::time::timeout(WAIT, read_answer(&mut g)).await??;
