@@ -12,6 +12,7 @@
 //! channels.
 
 mod ca;
+mod dns;
 mod error;
 mod io;
 mod limits;
@@ -62,6 +63,9 @@ pub struct EgressConfig {
     pub max_connections: usize,
     /// Most upstream connections one sandbox may have open at once.
     pub max_connections_per_sandbox: usize,
+    /// Most DNS lookups one sandbox may have in flight; more wait for a
+    /// slot within `connect_timeout`.
+    pub max_lookups_per_sandbox: usize,
 }
 
 impl Default for EgressConfig {
@@ -75,6 +79,7 @@ impl Default for EgressConfig {
             tunnel_idle_timeout: Duration::from_secs(10 * 60),
             max_connections: 4096,
             max_connections_per_sandbox: 256,
+            max_lookups_per_sandbox: 16,
         }
     }
 }
@@ -111,12 +116,14 @@ impl Egress {
         };
         let own: Vec<IpAddr> = io::interface_addrs();
         let limits = limits::Limits::new(cfg.max_connections, cfg.max_connections_per_sandbox);
+        let dns = dns::Dns::system(cfg.connect_timeout, cfg.max_lookups_per_sandbox);
         Self {
             inner: Arc::new(proxy::Inner {
                 cfg,
                 client_tls,
                 own,
                 limits,
+                dns,
             }),
         }
     }

@@ -41,6 +41,37 @@ impl std::fmt::Display for CapFull {
     }
 }
 
+/// A semaphore per sandbox, made on first use; an entry lives while one of
+/// its permits does, so the map holds only sandboxes with something open.
+pub(crate) struct PerSandbox {
+    size: usize,
+    map: Mutex<HashMap<String, Weak<Semaphore>>>,
+}
+
+impl PerSandbox {
+    pub(crate) fn new(size: usize) -> Self {
+        Self {
+            size: size.clamp(1, Semaphore::MAX_PERMITS),
+            map: Mutex::new(HashMap::new()),
+        }
+    }
+
+    pub(crate) fn size(&self) -> usize {
+        self.size
+    }
+
+    pub(crate) fn get(&self, sandbox_id: &str) -> Arc<Semaphore> {
+        let mut map = self.map.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(s) = map.get(sandbox_id).and_then(Weak::upgrade) {
+            return s;
+        }
+        map.retain(|_, w| w.strong_count() > 0);
+        let s = Arc::new(Semaphore::new(self.size));
+        map.insert(sandbox_id.to_owned(), Arc::downgrade(&s));
+        s
+    }
+}
+
 /// One slot of each cap, held as long as the connection is open.
 pub(crate) struct ConnPermit {
     _host: OwnedSemaphorePermit,
@@ -51,9 +82,7 @@ pub(crate) struct ConnPermit {
 pub(crate) struct Limits {
     host: Arc<Semaphore>,
     max_host: usize,
-    max_sandbox: usize,
-    /// Each sandbox's slots; an entry lives while one of its permits does.
-    sandboxes: Mutex<HashMap<String, Weak<Semaphore>>>,
+    sandboxes: PerSandbox,
     refused: AtomicU64,
     last_warn: Mutex<Option<Instant>>,
 }
@@ -64,8 +93,7 @@ impl Limits {
         Self {
             host: Arc::new(Semaphore::new(max_host)),
             max_host,
-            max_sandbox: max_sandbox.clamp(1, Semaphore::MAX_PERMITS),
-            sandboxes: Mutex::new(HashMap::new()),
+            sandboxes: PerSandbox::new(max_sandbox),
             refused: AtomicU64::new(0),
             last_warn: Mutex::new(None),
         }
@@ -74,9 +102,8 @@ impl Limits {
     /// A slot for one more connection of `sandbox_id`, or which cap is full.
     /// Never waits: a guest that opens too many is refused at once.
     pub(crate) fn connection(&self, sandbox_id: &str) -> Result<ConnPermit, CapFull> {
-        let sandbox = self.sandbox(sandbox_id);
-        let result = match sandbox.try_acquire_owned() {
-            Err(_) => Err(CapFull::Sandbox(self.max_sandbox)),
+        let result = match self.sandboxes.get(sandbox_id).try_acquire_owned() {
+            Err(_) => Err(CapFull::Sandbox(self.sandboxes.size())),
             Ok(s) => match self.host.clone().try_acquire_owned() {
                 Ok(h) => Ok(ConnPermit {
                     _host: h,
@@ -89,18 +116,6 @@ impl Limits {
             self.note_refusal(sandbox_id, *full);
         }
         result
-    }
-
-    fn sandbox(&self, sandbox_id: &str) -> Arc<Semaphore> {
-        let mut map = self.sandboxes.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(s) = map.get(sandbox_id).and_then(Weak::upgrade) {
-            return s;
-        }
-        // Forget sandboxes with nothing open, so the map holds live ones only.
-        map.retain(|_, w| w.strong_count() > 0);
-        let s = Arc::new(Semaphore::new(self.max_sandbox));
-        map.insert(sandbox_id.to_owned(), Arc::downgrade(&s));
-        s
     }
 
     /// A guest can trigger this at will: logged at most every [`WARN_EVERY`].
@@ -203,7 +218,7 @@ mod tests {
         let l = Limits::new(10, 1);
         drop(l.connection("a").unwrap());
         let _b = l.connection("b").unwrap();
-        let map = l.sandboxes.lock().unwrap();
+        let map = l.sandboxes.map.lock().unwrap();
         assert!(!map.contains_key("a"));
         assert!(map.contains_key("b"));
     }

@@ -21,6 +21,7 @@ use tokio::sync::watch;
 use tokio::task::JoinSet;
 use tokio::time::timeout;
 
+use crate::dns::Dns;
 use crate::io::{idle, Activity, Prefixed, Watched};
 use crate::limits::{CapFull, Limits, Upstream};
 use crate::rules::{name_matches, Addrs, Host, Policy, Refusal, Special};
@@ -36,6 +37,7 @@ pub(crate) struct Inner {
     pub client_tls: Option<Arc<rustls::ClientConfig>>,
     pub own: Vec<IpAddr>,
     pub limits: Limits,
+    pub dns: Dns,
 }
 
 /// A destination that passed the rules, connected.
@@ -187,7 +189,7 @@ impl Inner {
                 .check(&host, port, Addrs::Unresolved, &base)
                 .map_err(refused)?,
         }
-        let (candidates, exempt) = self.resolve(&host, port).await.ok_or_else(|| {
+        let (candidates, exempt) = self.resolve(id, &host, port).await.ok_or_else(|| {
             tracing::debug!(sandbox_id = id, target = %host, port, decision = "failed", reason = "resolve");
             OpenError::Resolve
         })?;
@@ -249,6 +251,7 @@ impl Inner {
     /// and the addresses exempt from the internal ranges (test stand-ins).
     async fn resolve(
         &self,
+        sandbox_id: &str,
         host: &Host,
         port: u16,
     ) -> Option<(Vec<(IpAddr, SocketAddr)>, Vec<IpAddr>)> {
@@ -262,20 +265,9 @@ impl Inner {
         match host {
             Host::Ip(ip) => Some((vec![(*ip, SocketAddr::new(*ip, port))], Vec::new())),
             Host::Name(name) => {
-                let found = timeout(
-                    self.cfg.connect_timeout,
-                    tokio::net::lookup_host((name.as_str(), port)),
-                )
-                .await
-                .ok()?
-                .ok()?;
-                let mut out: Vec<(IpAddr, SocketAddr)> = Vec::new();
-                for sa in found.take(32) {
-                    if !out.iter().any(|(ip, _)| *ip == sa.ip()) {
-                        out.push((sa.ip(), sa));
-                    }
-                }
-                (!out.is_empty()).then_some((out, Vec::new()))
+                let found = self.dns.lookup(sandbox_id, name, port).await?;
+                let out = found.into_iter().map(|sa| (sa.ip(), sa)).collect();
+                Some((out, Vec::new()))
             }
         }
     }
