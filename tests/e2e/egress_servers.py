@@ -71,6 +71,7 @@ class Handler(BaseHTTPRequestHandler):
     wheel = b""
     tgz = b""
     git_root: Optional[Path] = None
+    seen: list = []  # every /echo request's account, newest last (per EgressServers)
 
     def log_message(self, *_args) -> None:  # quiet
         pass
@@ -92,6 +93,8 @@ class Handler(BaseHTTPRequestHandler):
             account = {"method": self.command, "path": path, "host": host,
                        "headers": {k.lower(): v for k, v in self.headers.items()},
                        "body": body.decode(errors="replace")}
+            self.seen.append(account)
+            del self.seen[:-100]
             return self._send(200, json.dumps(account).encode(), "application/json")
         if path == "/big":
             return self._send(200, BIG)
@@ -130,7 +133,11 @@ class EgressServers:
         self._make_certs()
         git_root = root / "git"
         self._make_repo(git_root)
-        handler = type("H", (Handler,), {"wheel": _wheel(), "tgz": _npm_tgz(), "git_root": git_root})
+        # What the destinations received, as a test checks it (the guest may
+        # see an answer scrubbed of a secret's value).
+        self.seen: list = []
+        handler = type("H", (Handler,), {"wheel": _wheel(), "tgz": _npm_tgz(), "git_root": git_root,
+                                         "seen": self.seen})
         self.https = ThreadingHTTPServer(("127.0.0.1", 0), handler)
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         ctx.load_cert_chain(root / "leaf.pem", root / "leaf.key")

@@ -188,15 +188,30 @@ def test_secrets_reach_their_hosts_and_never_the_guest(server, runtime):
                                   f"cat /proc/*/environ 2>/dev/null | tr '\\0' '\\n' | grep -c -- '{value}'")
             assert value not in out.replace(f"grep -c -- '{value}'", ""), out
 
-            # The guest trusts its sandbox's CA: no -k here.
+            # The guest trusts its sandbox's CA: no -k here. The placeholder
+            # is in the path, the query, a credential header, a header the
+            # host reflects and the body; the echo host sends it all back.
             code, body = curl(s, "https://api.example.org/echo/$E2E_PLAIN?k=$E2E_PLAIN",
-                              '-H "x-api-key: $E2E_PLAIN"', '-d "$E2E_PLAIN"')
+                              '-H "x-api-key: $E2E_PLAIN"', '-H "x-whatever: $E2E_PLAIN"', '-d "$E2E_PLAIN"')
             assert code == 0, body
+            got = server.egress.seen[-1]
+            assert got["headers"]["authorization"] == f"Bearer {value}"
+            assert got["headers"]["x-api-key"] == value + "-p"
+            assert got["headers"]["x-whatever"] == plain["placeholder"], "a non-credential header got the value"
+            assert got["path"] == f"/echo/{plain['placeholder']}?k={value}-p", "the path got the value"
+            assert got["headers"]["accept-encoding"] == "identity"
+            assert got["body"] == plain["placeholder"], "a body was rewritten"
+            # What the guest saw: the echo, scrubbed of every value.
+            assert value not in body, body
             seen = json.loads(body)
-            assert seen["headers"]["authorization"] == f"Bearer {value}"
-            assert seen["headers"]["x-api-key"] == value + "-p"
-            assert seen["path"] == f"/echo/{value}-p?k={value}-p"
-            assert seen["body"] == plain["placeholder"], "a body was rewritten"
+            # (a secret with a header: that whole header is masked)
+            assert seen["headers"]["authorization"] == "*" * len(f"Bearer {value}")
+            assert seen["headers"]["x-api-key"] == "*" * len(value + "-p")
+            assert seen["path"] == f"/echo/{plain['placeholder']}?k=" + "*" * len(value + "-p")
+            # TRACE would echo the request: refused by the proxy.
+            code, out, err = run(s, "curl -sS --max-time 30 -X TRACE -o /dev/null -w '%{http_code}' "
+                                    "-H \"x-api-key: $E2E_PLAIN\" https://api.example.org/echo")
+            assert out.strip() == "405", out + err
             # Plain HTTP never carries a secret.
             code, body = curl(s, "http://api.example.net/echo", '-H "x-api-key: $E2E_PLAIN"')
             assert code == 0 and json.loads(body)["headers"]["x-api-key"] == plain["placeholder"]
@@ -207,7 +222,8 @@ def test_secrets_reach_their_hosts_and_never_the_guest(server, runtime):
             again = runtime.secrets.set("E2E_PLAIN", value=value + "-q", hosts=["api.example.org"])
             assert again["placeholder"] == plain["placeholder"]
             code, body = curl(s, "https://api.example.org/echo", '-H "x-api-key: $E2E_PLAIN"')
-            assert json.loads(body)["headers"]["x-api-key"] == value + "-q"
+            assert code == 0 and value not in body, body
+            assert server.egress.seen[-1]["headers"]["x-api-key"] == value + "-q"
         listed = {x["name"]: x for x in runtime.secrets.list()}
         assert "E2E_TOKEN" in listed and value not in json.dumps(listed)
     finally:

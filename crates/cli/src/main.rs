@@ -96,6 +96,15 @@ struct NetArgs {
     /// for destinations, besides the system's. Repeatable.
     #[arg(long = "egress-test-root", value_name = "PEM")]
     egress_test_root: Vec<PathBuf>,
+    /// Most outbound connections the egress proxy keeps open at once, every
+    /// sandbox together (each sandbox has at most 256); beyond it a new one
+    /// is refused.
+    #[arg(
+        long = "egress-max-connections",
+        value_name = "N",
+        default_value_t = 4096
+    )]
+    egress_max_connections: usize,
     /// Serve HTTPS (the API and the previews) with this PEM certificate
     /// chain; give a wildcard for `*.<preview domain>` to cover previews.
     #[arg(long, value_name = "PEM", requires = "tls_key")]
@@ -132,7 +141,14 @@ impl NetArgs {
     /// The egress proxy's settings: the default ones, with the test-only
     /// host map and roots when given.
     fn egress(&self) -> anyhow::Result<runtime_egress::EgressConfig> {
-        let mut e = runtime_egress::EgressConfig::default();
+        let mut e = runtime_egress::EgressConfig {
+            max_connections: self.egress_max_connections,
+            ..runtime_egress::EgressConfig::default()
+        };
+        anyhow::ensure!(
+            e.max_connections > 0,
+            "--egress-max-connections must be at least 1"
+        );
         for m in &self.egress_test_map {
             let (name, addr) = m
                 .split_once('=')

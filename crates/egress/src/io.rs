@@ -2,9 +2,13 @@
 
 use std::io;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::time::Instant;
 
 /// A stream whose first reads return bytes already taken from it.
 pub(crate) struct Prefixed<IO> {
@@ -75,6 +79,90 @@ impl<IO: AsyncWrite + Unpin> AsyncWrite for Prefixed<IO> {
     }
 }
 
+/// When a stream last carried a byte, either way; read by [`idle`].
+pub(crate) struct Activity {
+    start: Instant,
+    /// Milliseconds from `start` to the last byte.
+    last_ms: AtomicU64,
+    any: AtomicBool,
+}
+
+impl Activity {
+    pub(crate) fn new() -> Arc<Self> {
+        Arc::new(Self {
+            start: Instant::now(),
+            last_ms: AtomicU64::new(0),
+            any: AtomicBool::new(false),
+        })
+    }
+
+    pub(crate) fn touch(&self) {
+        let ms = u64::try_from(self.start.elapsed().as_millis()).unwrap_or(u64::MAX);
+        self.last_ms.store(ms, Ordering::Relaxed);
+        self.any.store(true, Ordering::Relaxed);
+    }
+
+    fn last(&self) -> (Instant, bool) {
+        let ms = self.last_ms.load(Ordering::Relaxed);
+        (
+            self.start + Duration::from_millis(ms),
+            self.any.load(Ordering::Relaxed),
+        )
+    }
+}
+
+/// Resolves once the stream has been quiet too long: `first` before any
+/// byte went either way, `idle` after. A tunnel selects on it, so an idle
+/// one gives its socket back.
+pub(crate) async fn idle(activity: &Activity, first: Duration, idle: Duration) -> &'static str {
+    loop {
+        let (last, any) = activity.last();
+        let deadline = last + if any { idle } else { first };
+        if Instant::now() >= deadline {
+            return if any {
+                "no bytes either way for the idle timeout"
+            } else {
+                "no first byte in time"
+            };
+        }
+        // Before the first byte, one may come at any moment and move the
+        // deadline to `idle` from then: wake by that too, to look again.
+        let wake = if any {
+            deadline
+        } else {
+            deadline.min(Instant::now() + idle)
+        };
+        tokio::time::sleep_until(wake).await;
+    }
+}
+
+/// A reader that notes each byte read in an [`Activity`].
+pub(crate) struct Watched<R> {
+    inner: R,
+    activity: Arc<Activity>,
+}
+
+impl<R> Watched<R> {
+    pub(crate) fn new(inner: R, activity: Arc<Activity>) -> Self {
+        Self { inner, activity }
+    }
+}
+
+impl<R: AsyncRead + Unpin> AsyncRead for Watched<R> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let before = buf.filled().len();
+        let r = Pin::new(&mut self.inner).poll_read(cx, buf);
+        if matches!(r, Poll::Ready(Ok(()))) && buf.filled().len() > before {
+            self.activity.touch();
+        }
+        r
+    }
+}
+
 /// The host's own interface addresses, which no sandbox may reach.
 pub(crate) fn interface_addrs() -> Vec<std::net::IpAddr> {
     use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
@@ -122,6 +210,25 @@ mod tests {
         let mut s = String::new();
         p.read_to_string(&mut s).await.unwrap();
         assert_eq!(s, "abcd");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn idle_waits_for_the_first_byte_then_for_quiet() {
+        let a = Activity::new();
+        let start = Instant::now();
+        let first = Duration::from_secs(30);
+        let quiet = Duration::from_secs(600);
+        assert_eq!(idle(&a, first, quiet).await, "no first byte in time");
+        assert_eq!(start.elapsed(), first);
+        let mut r = Watched::new(&b"x"[..], a.clone());
+        let mut b = [0u8; 1];
+        r.read_exact(&mut b).await.unwrap();
+        let touched = Instant::now();
+        assert_eq!(
+            idle(&a, first, quiet).await,
+            "no bytes either way for the idle timeout"
+        );
+        assert_eq!(touched.elapsed(), quiet);
     }
 
     #[test]

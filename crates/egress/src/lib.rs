@@ -12,10 +12,13 @@
 //! channels.
 
 mod ca;
+mod dns;
 mod error;
 mod io;
+mod limits;
 mod proxy;
 mod rules;
+mod scrub;
 mod secrets;
 mod tls;
 
@@ -52,6 +55,17 @@ pub struct EgressConfig {
     pub connect_timeout: Duration,
     /// Most bytes of one HTTP request or response head.
     pub max_head_bytes: usize,
+    /// A tunnel (CONNECT, SOCKS, a WebSocket) with no byte either way for
+    /// this long is closed. Before its first byte the bound is
+    /// `handshake_timeout`.
+    pub tunnel_idle_timeout: Duration,
+    /// Most upstream connections open at once, every sandbox together.
+    pub max_connections: usize,
+    /// Most upstream connections one sandbox may have open at once.
+    pub max_connections_per_sandbox: usize,
+    /// Most DNS lookups one sandbox may have in flight; more wait for a
+    /// slot within `connect_timeout`.
+    pub max_lookups_per_sandbox: usize,
 }
 
 impl Default for EgressConfig {
@@ -62,6 +76,10 @@ impl Default for EgressConfig {
             handshake_timeout: Duration::from_secs(30),
             connect_timeout: Duration::from_secs(10),
             max_head_bytes: 64 * 1024,
+            tunnel_idle_timeout: Duration::from_secs(10 * 60),
+            max_connections: 4096,
+            max_connections_per_sandbox: 256,
+            max_lookups_per_sandbox: 16,
         }
     }
 }
@@ -97,11 +115,15 @@ impl Egress {
             }
         };
         let own: Vec<IpAddr> = io::interface_addrs();
+        let limits = limits::Limits::new(cfg.max_connections, cfg.max_connections_per_sandbox);
+        let dns = dns::Dns::system(cfg.connect_timeout, cfg.max_lookups_per_sandbox);
         Self {
             inner: Arc::new(proxy::Inner {
                 cfg,
                 client_tls,
                 own,
+                limits,
+                dns,
             }),
         }
     }

@@ -10,7 +10,7 @@ use http::header::{self, HeaderName, HeaderValue};
 use http::{HeaderMap, Method, Request, Response, StatusCode, Uri};
 use http_body_util::combinators::BoxBody;
 use http_body_util::{BodyExt, Full};
-use hyper::body::Incoming;
+use hyper::body::{Body as _, Incoming};
 use hyper::client::conn::http1::SendRequest;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioIo, TokioTimer};
@@ -21,9 +21,12 @@ use tokio::sync::watch;
 use tokio::task::JoinSet;
 use tokio::time::timeout;
 
-use crate::io::Prefixed;
+use crate::dns::Dns;
+use crate::io::{idle, Activity, Prefixed, Watched};
+use crate::limits::{CapFull, Limits, Upstream};
 use crate::rules::{name_matches, Addrs, Host, Policy, Refusal, Special};
-use crate::secrets::substitute;
+use crate::scrub::{copy_scrubbed, scrub_headers, ScrubbedBody, Scrubber};
+use crate::secrets::{substitute, Applied};
 use crate::tls::{read_hello, Hello};
 use crate::{EgressConfig, SandboxNet};
 
@@ -33,11 +36,13 @@ pub(crate) struct Inner {
     pub cfg: EgressConfig,
     pub client_tls: Option<Arc<rustls::ClientConfig>>,
     pub own: Vec<IpAddr>,
+    pub limits: Limits,
+    pub dns: Dns,
 }
 
 /// A destination that passed the rules, connected.
 struct Opened {
-    stream: TcpStream,
+    stream: Upstream,
     target: Checked,
 }
 
@@ -77,6 +82,7 @@ enum OpenError {
     BadHost,
     Resolve,
     Connect,
+    Full(CapFull),
 }
 
 impl OpenError {
@@ -85,6 +91,7 @@ impl OpenError {
             OpenError::Refused(_) => 0x02,
             OpenError::BadHost | OpenError::Resolve => 0x04,
             OpenError::Connect => 0x05,
+            OpenError::Full(_) => 0x01,
         }
     }
 
@@ -105,6 +112,11 @@ impl OpenError {
                 StatusCode::BAD_GATEWAY,
                 Some("connect-failed"),
                 &format!("{host} could not be reached"),
+            ),
+            OpenError::Full(full) => text(
+                StatusCode::SERVICE_UNAVAILABLE,
+                Some("too-many-connections"),
+                &full.to_string(),
             ),
         }
     }
@@ -177,7 +189,7 @@ impl Inner {
                 .check(&host, port, Addrs::Unresolved, &base)
                 .map_err(refused)?,
         }
-        let (candidates, exempt) = self.resolve(&host, port).await.ok_or_else(|| {
+        let (candidates, exempt) = self.resolve(id, &host, port).await.ok_or_else(|| {
             tracing::debug!(sandbox_id = id, target = %host, port, decision = "failed", reason = "resolve");
             OpenError::Resolve
         })?;
@@ -191,12 +203,17 @@ impl Inner {
         policy
             .check(&host, port, Addrs::Known(&addrs), &special)
             .map_err(refused)?;
+        // The slot is taken before connecting: a guest cannot hold more
+        // sockets than its cap even while they are still connecting.
+        let mut permit = Some(self.limits.connection(id).map_err(OpenError::Full)?);
         // A few addresses at most: a name with many cannot hold the guest
         // (or the host) for long.
         for (addr, socket) in candidates.into_iter().take(4) {
             match timeout(self.cfg.connect_timeout, TcpStream::connect(socket)).await {
                 Ok(Ok(stream)) => {
                     let _ = stream.set_nodelay(true);
+                    let Some(permit) = permit.take() else { break };
+                    let stream = Upstream::new(stream, permit);
                     tracing::debug!(sandbox_id = id, target = %host, port, addr = %addr, decision = "allowed");
                     let target = Checked {
                         host,
@@ -234,6 +251,7 @@ impl Inner {
     /// and the addresses exempt from the internal ranges (test stand-ins).
     async fn resolve(
         &self,
+        sandbox_id: &str,
         host: &Host,
         port: u16,
     ) -> Option<(Vec<(IpAddr, SocketAddr)>, Vec<IpAddr>)> {
@@ -247,20 +265,9 @@ impl Inner {
         match host {
             Host::Ip(ip) => Some((vec![(*ip, SocketAddr::new(*ip, port))], Vec::new())),
             Host::Name(name) => {
-                let found = timeout(
-                    self.cfg.connect_timeout,
-                    tokio::net::lookup_host((name.as_str(), port)),
-                )
-                .await
-                .ok()?
-                .ok()?;
-                let mut out: Vec<(IpAddr, SocketAddr)> = Vec::new();
-                for sa in found.take(32) {
-                    if !out.iter().any(|(ip, _)| *ip == sa.ip()) {
-                        out.push((sa.ip(), sa));
-                    }
-                }
-                (!out.is_empty()).then_some((out, Vec::new()))
+                let found = self.dns.lookup(sandbox_id, name, port).await?;
+                let out = found.into_iter().map(|sa| (sa.ip(), sa)).collect();
+                Some((out, Vec::new()))
             }
         }
     }
@@ -649,8 +656,11 @@ where
 {
     let target = opened.target.clone();
     let sni: Arc<Mutex<Option<Host>>> = Arc::new(Mutex::new(None));
-    let (mut gr, mut gw) = tokio::io::split(guest);
-    let (mut ur, mut uw) = opened.stream.into_split();
+    let activity = Activity::new();
+    let (gr, mut gw) = tokio::io::split(guest);
+    let (ur, mut uw) = tokio::io::split(opened.stream);
+    let mut gr = Watched::new(gr, activity.clone());
+    let mut ur = Watched::new(ur, activity.clone());
     let up = {
         let sni = sni.clone();
         let (inner, net, target) = (inner.clone(), net.clone(), target.clone());
@@ -690,12 +700,23 @@ where
         let name = lock(&check_sni).clone();
         check_target.check(p, name.as_ref())
     });
+    // Either side may speak first, but one of them must within the
+    // handshake timeout; after that, a tunnel quiet for the idle timeout
+    // gives its sockets back.
+    let quiet = idle(
+        &activity,
+        inner.cfg.handshake_timeout,
+        inner.cfg.tunnel_idle_timeout,
+    );
     tokio::select! {
         r = work => if let Err(reason) = r {
             tracing::debug!(sandbox_id = %net.sandbox_id, target = %target.host, reason = %reason, "tunnel closed");
         },
         reason = guard => {
             tracing::debug!(sandbox_id = %net.sandbox_id, target = %target.host, reason = %reason, "tunnel closed by a rule change");
+        }
+        reason = quiet => {
+            tracing::debug!(sandbox_id = %net.sandbox_id, target = %target.host, reason, "tunnel closed");
         }
     }
 }
@@ -707,7 +728,7 @@ struct Intercept {
     target: Checked,
     name: String,
     /// A first connection, opened when the rules were checked.
-    first: Mutex<Option<TcpStream>>,
+    first: Mutex<Option<Upstream>>,
     sender: Mutex<Option<SendRequest<Incoming>>>,
     conns: Mutex<JoinSet<()>>,
 }
@@ -812,6 +833,7 @@ impl Intercept {
         &self,
         req: Request<Incoming>,
         guest: hyper::upgrade::OnUpgrade,
+        needles: Vec<Vec<u8>>,
     ) -> Result<Response<Body>, String> {
         let tls = self.connect_tls().await?;
         let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls))
@@ -822,23 +844,25 @@ impl Intercept {
         });
         let mut resp = sender.send_request(req).await.map_err(|e| e.to_string())?;
         if resp.status() != StatusCode::SWITCHING_PROTOCOLS {
-            return Ok(forwarded(resp));
+            return Ok(scrubbed(resp, needles, false, &self.name));
         }
         let upstream = hyper::upgrade::on(&mut resp);
+        let scrubber = Scrubber::new(needles.clone());
+        let idle_timeout = self.inner.cfg.tunnel_idle_timeout;
         spawn_reaped(&self.conns, async move {
             if let (Ok(g), Ok(u)) = tokio::join!(guest, upstream) {
-                let _ =
-                    tokio::io::copy_bidirectional(&mut TokioIo::new(g), &mut TokioIo::new(u)).await;
+                join_upgraded(TokioIo::new(g), TokioIo::new(u), scrubber, idle_timeout).await;
             }
         });
         let (mut parts, body) = resp.into_parts();
+        scrub_headers(&mut parts.headers, &needles);
         let proto = parts.headers.get(header::UPGRADE).cloned();
         strip_hop_by_hop(&mut parts.headers);
         keep_upgrade(&mut parts.headers, proto);
         Ok(Response::from_parts(parts, body.boxed()))
     }
 
-    async fn connect_tls(&self) -> Result<tokio_rustls::client::TlsStream<TcpStream>, String> {
+    async fn connect_tls(&self) -> Result<tokio_rustls::client::TlsStream<Upstream>, String> {
         let cfg = self
             .inner
             .client_tls
@@ -847,13 +871,21 @@ impl Intercept {
         let first = lock(&self.first).take();
         let stream = match first {
             Some(s) => s,
-            None => timeout(
-                self.inner.cfg.connect_timeout,
-                TcpStream::connect(self.target.socket),
-            )
-            .await
-            .map_err(|_| "connecting timed out".to_string())?
-            .map_err(|e| format!("connecting failed: {e}"))?,
+            None => {
+                let permit = self
+                    .inner
+                    .limits
+                    .connection(&self.net.sandbox_id)
+                    .map_err(|full| full.to_string())?;
+                let stream = timeout(
+                    self.inner.cfg.connect_timeout,
+                    TcpStream::connect(self.target.socket),
+                )
+                .await
+                .map_err(|_| "connecting timed out".to_string())?
+                .map_err(|e| format!("connecting failed: {e}"))?;
+                Upstream::new(stream, permit)
+            }
         };
         let server_name = ServerName::try_from(self.name.clone()).map_err(|e| e.to_string())?;
         let tls = timeout(
@@ -865,6 +897,110 @@ impl Intercept {
         .map_err(|e| format!("its certificate could not be verified or TLS failed: {e}"))?;
         Ok(tls)
     }
+}
+
+/// Joins an upgraded stream (a WebSocket) to its destination; what the
+/// destination sends is scrubbed when the handshake carried a value.
+async fn join_upgraded<G, U>(
+    guest: G,
+    upstream: U,
+    scrubber: Option<Scrubber>,
+    idle_timeout: std::time::Duration,
+) where
+    G: AsyncRead + AsyncWrite + Unpin,
+    U: AsyncRead + AsyncWrite + Unpin,
+{
+    let activity = Activity::new();
+    activity.touch();
+    let (gr, gw) = tokio::io::split(guest);
+    let (ur, mut uw) = tokio::io::split(upstream);
+    let mut gr = Watched::new(gr, activity.clone());
+    let ur = Watched::new(ur, activity.clone());
+    let up = async move {
+        let _ = tokio::io::copy(&mut gr, &mut uw).await;
+        let _ = uw.shutdown().await;
+    };
+    let down = async move {
+        match scrubber {
+            Some(s) => copy_scrubbed(ur, gw, s).await,
+            None => {
+                let (mut ur, mut gw) = (ur, gw);
+                let _ = tokio::io::copy(&mut ur, &mut gw).await;
+                let _ = gw.shutdown().await;
+            }
+        }
+    };
+    tokio::select! {
+        _ = async { tokio::join!(up, down) } => {}
+        _ = idle(&activity, idle_timeout, idle_timeout) => {}
+    }
+}
+
+/// On a request that carries a value: ask for an answer the scrubber can
+/// read (no compression, of the body or of WebSocket frames).
+fn readable_answers(headers: &mut HeaderMap) {
+    headers.insert(
+        header::ACCEPT_ENCODING,
+        HeaderValue::from_static("identity"),
+    );
+    headers.remove(header::SEC_WEBSOCKET_EXTENSIONS);
+}
+
+/// The answer to an intercepted request, scrubbed of the values the request
+/// carried. A body in an encoding the scrubber cannot read (the request
+/// asked for none) is refused rather than passed on unread.
+fn scrubbed(
+    resp: Response<Incoming>,
+    needles: Vec<Vec<u8>>,
+    head_only: bool,
+    host: &str,
+) -> Response<Body> {
+    if needles.is_empty() {
+        return forwarded(resp);
+    }
+    let (mut parts, body) = resp.into_parts();
+    strip_hop_by_hop(&mut parts.headers);
+    if let Some(encoding) = unreadable_encoding(&parts.headers) {
+        let bodiless = head_only
+            || matches!(
+                parts.status,
+                StatusCode::NO_CONTENT | StatusCode::NOT_MODIFIED
+            )
+            || body.is_end_stream();
+        if !bodiless {
+            tracing::debug!(target = %host, encoding = %encoding, "an encoded answer to a request with a secret refused");
+            return text(
+                StatusCode::BAD_GATEWAY,
+                Some("encoded-response"),
+                &format!(
+                    "{host} answered a request that carried a secret in Content-Encoding \
+                     {encoding:?}; the proxy must read such answers to keep the secret out \
+                     of them and cannot read this encoding"
+                ),
+            );
+        }
+    }
+    scrub_headers(&mut parts.headers, &needles);
+    match Scrubber::new(needles) {
+        Some(scrubber) => Response::from_parts(parts, ScrubbedBody::new(body, scrubber).boxed()),
+        None => Response::from_parts(parts, body.boxed()),
+    }
+}
+
+/// The answer's `Content-Encoding` when it is not `identity`.
+fn unreadable_encoding(headers: &HeaderMap) -> Option<String> {
+    let encodings: Vec<String> = headers
+        .get_all(header::CONTENT_ENCODING)
+        .iter()
+        .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned())
+        .flat_map(|v| {
+            v.split(',')
+                .map(|e| e.trim().to_ascii_lowercase())
+                .collect::<Vec<_>>()
+        })
+        .filter(|e| !e.is_empty() && e != "identity")
+        .collect();
+    (!encodings.is_empty()).then(|| encodings.join(", "))
 }
 
 /// Whether a request asks to switch protocols.
@@ -899,7 +1035,24 @@ fn request_host(uri: &Uri, headers: &HeaderMap) -> Option<String> {
     Some(raw.trim_end_matches('.').to_ascii_lowercase())
 }
 
+/// Methods whose answer is the request itself (RFC 9110 9.3.8): to a host
+/// that gets secrets, that would be the value.
+fn echoes_the_request(method: &Method) -> bool {
+    method == Method::TRACE || method.as_str().eq_ignore_ascii_case("TRACK")
+}
+
 async fn intercepted_request(state: Arc<Intercept>, mut req: Request<Incoming>) -> Response<Body> {
+    if echoes_the_request(req.method()) {
+        return text(
+            StatusCode::METHOD_NOT_ALLOWED,
+            Some("method-refused"),
+            &format!(
+                "{} is refused to {}: its answer would echo the request, secrets included",
+                req.method(),
+                state.name
+            ),
+        );
+    }
     let guest_upgrade = wants_upgrade(req.headers()).then(|| hyper::upgrade::on(&mut req));
     let proto = req.headers().get(header::UPGRADE).cloned();
     let (mut parts, body) = req.into_parts();
@@ -917,9 +1070,10 @@ async fn intercepted_request(state: Arc<Intercept>, mut req: Request<Incoming>) 
     }
     // The value goes only where the verified connection goes, and only when
     // the request names that host too (no fronting another virtual host).
+    let mut applied = Applied::default();
     if host.as_deref() == Some(state.name.as_str()) {
         let secrets = state.net.secrets.borrow().clone();
-        let applied = substitute(
+        applied = substitute(
             &secrets,
             &state.name,
             parts.method.as_str(),
@@ -928,10 +1082,15 @@ async fn intercepted_request(state: Arc<Intercept>, mut req: Request<Incoming>) 
         );
         if !applied.names.is_empty() {
             tracing::debug!(sandbox_id = id, target = %state.name, secrets = ?applied.names, "secrets put into a request");
+            readable_answers(&mut parts.headers);
         }
     }
+    let head_only = parts.method == Method::HEAD;
     if let Some(guest) = guest_upgrade {
-        return match state.upgrade(Request::from_parts(parts, body), guest).await {
+        return match state
+            .upgrade(Request::from_parts(parts, body), guest, applied.needles)
+            .await
+        {
             Ok(resp) => resp,
             Err(reason) => {
                 tracing::debug!(sandbox_id = id, target = %state.name, reason = %reason, "upgrade failed");
@@ -957,7 +1116,7 @@ async fn intercepted_request(state: Arc<Intercept>, mut req: Request<Incoming>) 
     let result = sender.send_request(Request::from_parts(parts, body)).await;
     *lock(&state.sender) = Some(sender);
     match result {
-        Ok(resp) => forwarded(resp),
+        Ok(resp) => scrubbed(resp, applied.needles, head_only, &state.name),
         Err(err) => {
             tracing::debug!(sandbox_id = id, target = %state.name, error = %err, "intercepted request failed");
             text(

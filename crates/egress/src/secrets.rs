@@ -3,6 +3,8 @@
 
 use std::fmt;
 
+use base64::engine::general_purpose::STANDARD as BASE64;
+use base64::Engine as _;
 use http::header::{HeaderName, HeaderValue};
 use http::{HeaderMap, Uri};
 use rand::RngCore;
@@ -157,15 +159,56 @@ pub(crate) fn normalize_path(raw: &str) -> Option<String> {
     Some(path)
 }
 
-/// What substitution did to one request; counts only, never values.
-#[derive(Debug, Default, Clone, PartialEq, Eq)]
+/// What substitution did to one request: the secrets' names, and what the
+/// answer must be scrubbed of. `Debug` shows only the names.
+#[derive(Default, Clone, PartialEq, Eq)]
 pub(crate) struct Applied {
     pub names: Vec<String>,
+    /// Every form in which a value left in this request: as it is, escaped
+    /// for a URL, and inside a `Basic` credential.
+    pub needles: Vec<Vec<u8>>,
+}
+
+impl fmt::Debug for Applied {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Applied")
+            .field("names", &self.names)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Applied {
+    fn add_needle(&mut self, needle: impl Into<Vec<u8>>) {
+        let needle = needle.into();
+        if !needle.is_empty() && !self.needles.contains(&needle) {
+            self.needles.push(needle);
+        }
+    }
+
+    /// The value itself and the escaped forms a host may echo it in.
+    fn add_value(&mut self, value: &str) {
+        self.add_needle(value.as_bytes());
+        self.add_needle(query_escape(value, false));
+        self.add_needle(query_escape(value, true));
+    }
+}
+
+/// Whether a header carries credentials, by its name: only these get a
+/// secret's value, so a header the host echoes back (`X-Request-Note`, a
+/// path quoted in an error) never holds it.
+pub(crate) fn is_credential_header(name: &str) -> bool {
+    let name = name.to_ascii_lowercase();
+    ["key", "token", "auth", "secret", "signature"]
+        .iter()
+        .any(|word| name.contains(word))
 }
 
 /// Puts the values of the secrets that cover `host` and admit this request
-/// into its URL (path and query) and header values, and sets their headers.
-/// Other secrets' placeholders stay as they are.
+/// where the secret says: a secret with `header` sets that header (to
+/// `format`) and goes nowhere else; one without replaces its placeholder in
+/// credential headers ([`is_credential_header`], inside a `Basic` credential
+/// too) and in query-parameter values, never in the path. Other secrets'
+/// placeholders stay as they are.
 pub(crate) fn substitute(
     secrets: &[Secret],
     host: &str,
@@ -179,40 +222,74 @@ pub(crate) fn substitute(
         if !secret.covers(host) || !secret.admits(method, path.as_deref()) {
             continue;
         }
-        let mut used = false;
-        if secret.placeholder.len() >= PLACEHOLDER_PREFIX.len() + 16 {
-            used |= replace_in_uri(uri, &secret.placeholder, secret.value.expose());
-            used |= replace_in_headers(headers, &secret.placeholder, secret.value.expose());
-        }
-        if let Some(header) = &secret.header {
-            let format = secret.format.as_deref().unwrap_or("{value}");
-            let value = format.replace("{value}", secret.value.expose());
-            if let (Ok(name), Ok(value)) = (
-                HeaderName::from_bytes(header.as_bytes()),
-                HeaderValue::from_str(&value),
-            ) {
-                headers.remove(&name);
-                headers.insert(name, value);
-                used = true;
+        let used = match &secret.header {
+            Some(header) => set_header(secret, header, headers, &mut applied),
+            None if secret.placeholder.len() >= PLACEHOLDER_PREFIX.len() + 16 => {
+                let value = secret.value.expose();
+                let in_query = replace_in_query(uri, &secret.placeholder, value);
+                let in_headers =
+                    replace_in_credentials(headers, &secret.placeholder, value, &mut applied);
+                in_query | in_headers
             }
-        }
+            None => false,
+        };
         if used {
+            applied.add_value(secret.value.expose());
             applied.names.push(secret.name.clone());
         }
     }
     applied
 }
 
-fn replace_in_uri(uri: &mut Uri, placeholder: &str, value: &str) -> bool {
-    let Some(pq) = uri.path_and_query() else {
+/// Sets a secret's own header to its format; false when the name or the
+/// value cannot be a header.
+fn set_header(
+    secret: &Secret,
+    header: &str,
+    headers: &mut HeaderMap,
+    applied: &mut Applied,
+) -> bool {
+    let format = secret.format.as_deref().unwrap_or("{value}");
+    let value = format.replace("{value}", secret.value.expose());
+    let (Ok(name), Ok(value)) = (
+        HeaderName::from_bytes(header.as_bytes()),
+        HeaderValue::from_str(&value),
+    ) else {
         return false;
     };
-    if !pq.as_str().contains(placeholder) {
+    applied.add_needle(value.as_bytes());
+    headers.remove(&name);
+    headers.insert(name, value);
+    true
+}
+
+/// Replaces the placeholder in the values of the query's parameters (after
+/// the first `=` of each), escaped so the value stays one parameter.
+fn replace_in_query(uri: &mut Uri, placeholder: &str, value: &str) -> bool {
+    let Some(query) = uri.query() else {
+        return false;
+    };
+    if !query.contains(placeholder) {
         return false;
     }
-    let replaced = pq.as_str().replace(placeholder, &uri_escape(value));
+    let escaped = query_escape(value, false);
+    let mut used = false;
+    let params: Vec<String> = query
+        .split('&')
+        .map(|param| match param.split_once('=') {
+            Some((k, v)) if v.contains(placeholder) => {
+                used = true;
+                format!("{k}={}", v.replace(placeholder, &escaped))
+            }
+            _ => param.to_owned(),
+        })
+        .collect();
+    if !used {
+        return false;
+    }
+    let pq = format!("{}?{}", uri.path(), params.join("&"));
     let mut parts = uri.clone().into_parts();
-    match replaced.parse() {
+    match pq.parse() {
         Ok(pq) => parts.path_and_query = Some(pq),
         Err(_) => return false,
     }
@@ -225,13 +302,15 @@ fn replace_in_uri(uri: &mut Uri, placeholder: &str, value: &str) -> bool {
     }
 }
 
-/// Escapes the bytes a URI cannot hold; everything else goes as it is.
-fn uri_escape(value: &str) -> String {
+/// Percent-escapes every byte but the unreserved ones (letters, digits,
+/// `-._~`), so the value cannot end or split a query parameter.
+fn query_escape(value: &str, lower: bool) -> String {
     let mut out = String::with_capacity(value.len());
     for b in value.bytes() {
-        let keep = b.is_ascii_alphanumeric() || b"-._~!$&'()*+,;=:@/?%".contains(&b);
-        if keep {
+        if b.is_ascii_alphanumeric() || b"-._~".contains(&b) {
             out.push(char::from(b));
+        } else if lower {
+            out.push_str(&format!("%{b:02x}"));
         } else {
             out.push_str(&format!("%{b:02X}"));
         }
@@ -239,23 +318,46 @@ fn uri_escape(value: &str) -> String {
     out
 }
 
-fn replace_in_headers(headers: &mut HeaderMap, placeholder: &str, value: &str) -> bool {
-    let needle = placeholder.as_bytes();
+/// Replaces the placeholder in the credential headers' values, and inside a
+/// `Basic` credential (`user:placeholder`, as clients send a URL's
+/// `user:password@`), whose new encoding is scrubbed from the answer too.
+fn replace_in_credentials(
+    headers: &mut HeaderMap,
+    placeholder: &str,
+    value: &str,
+    applied: &mut Applied,
+) -> bool {
     let mut used = false;
-    for (_, v) in headers.iter_mut() {
-        let bytes = v.as_bytes();
-        if !bytes.windows(needle.len()).any(|w| w == needle) {
+    for (name, v) in headers.iter_mut() {
+        if !is_credential_header(name.as_str()) {
             continue;
         }
-        let Ok(s) = std::str::from_utf8(bytes) else {
-            continue;
+        let Ok(s) = v.to_str() else { continue };
+        let replaced = match basic_credential(s) {
+            Some(decoded) if decoded.contains(placeholder) => {
+                let token = BASE64.encode(decoded.replace(placeholder, value));
+                applied.add_needle(token.as_bytes());
+                format!("Basic {token}")
+            }
+            _ if s.contains(placeholder) => s.replace(placeholder, value),
+            _ => continue,
         };
-        if let Ok(new) = HeaderValue::from_str(&s.replace(placeholder, value)) {
+        if let Ok(new) = HeaderValue::from_str(&replaced) {
             *v = new;
             used = true;
         }
     }
     used
+}
+
+/// The decoded `user:password` of a `Basic` credential.
+fn basic_credential(header: &str) -> Option<String> {
+    let (scheme, token) = header.trim().split_once(' ')?;
+    if !scheme.eq_ignore_ascii_case("basic") {
+        return None;
+    }
+    let bytes = BASE64.decode(token.trim()).ok()?;
+    String::from_utf8(bytes).ok()
 }
 
 #[cfg(test)]
@@ -331,7 +433,7 @@ mod tests {
             &mut headers,
         );
         assert_eq!(applied.names, vec!["GH".to_string()]);
-        assert_eq!(uri.to_string(), "/repos/acme/x?t=real%20value&x");
+        assert_eq!(uri.to_string(), "/repos/acme/x?t=real%20value%26x");
         assert_eq!(headers["x-key"], "k real value&x");
 
         for (host, method, path) in [
@@ -353,5 +455,126 @@ mod tests {
             assert!(applied.names.is_empty(), "{host} {method} {path}");
             assert!(uri.to_string().contains(&ph));
         }
+    }
+
+    fn plain(ph: &str) -> Secret {
+        Secret {
+            name: "K".into(),
+            value: SecretValue::new("sk-live"),
+            hosts: vec!["api.example.com".into()],
+            header: None,
+            format: None,
+            rules: vec![],
+            placeholder: ph.to_owned(),
+        }
+    }
+
+    fn apply(secret: &Secret, uri: &str, headers: &[(&str, String)]) -> (Uri, HeaderMap, Applied) {
+        let mut uri: Uri = uri.parse().unwrap();
+        let mut map = HeaderMap::new();
+        for (k, v) in headers {
+            map.append(
+                HeaderName::from_bytes(k.as_bytes()).unwrap(),
+                HeaderValue::from_str(v).unwrap(),
+            );
+        }
+        let applied = substitute(
+            std::slice::from_ref(secret),
+            "api.example.com",
+            "GET",
+            &mut uri,
+            &mut map,
+        );
+        (uri, map, applied)
+    }
+
+    #[test]
+    fn only_credential_headers_and_query_values_get_the_value() {
+        let ph = make_placeholder();
+        let (uri, h, applied) = apply(
+            &plain(&ph),
+            &format!("/v1/models/{ph}?key={ph}&{ph}=x&q=a{ph}"),
+            &[
+                ("authorization", format!("Bearer {ph}")),
+                ("x-api-key", ph.clone()),
+                ("api-key", ph.clone()),
+                ("x-goog-api-key", ph.clone()),
+                ("private-token", ph.clone()),
+                ("x-auth-token", ph.clone()),
+                ("x-amz-signature", ph.clone()),
+                ("x-client-secret", ph.clone()),
+                ("x-whatever", ph.clone()),
+                ("openai-organization", ph.clone()),
+                ("user-agent", format!("ua {ph}")),
+            ],
+        );
+        assert_eq!(applied.names, vec!["K".to_string()]);
+        assert_eq!(
+            uri.to_string(),
+            format!("/v1/models/{ph}?key=sk-live&{ph}=x&q=ask-live")
+        );
+        assert_eq!(h["authorization"], "Bearer sk-live");
+        for name in [
+            "x-api-key",
+            "api-key",
+            "x-goog-api-key",
+            "private-token",
+            "x-auth-token",
+            "x-amz-signature",
+            "x-client-secret",
+        ] {
+            assert_eq!(h[name], "sk-live", "{name}");
+        }
+        for name in ["x-whatever", "openai-organization"] {
+            assert_eq!(h[name], ph.as_str(), "{name}");
+        }
+        assert_eq!(h["user-agent"], format!("ua {ph}"));
+        assert!(applied.needles.contains(&b"sk-live".to_vec()));
+    }
+
+    #[test]
+    fn a_secret_with_a_header_goes_only_into_that_header() {
+        let ph = make_placeholder();
+        let mut s = plain(&ph);
+        s.header = Some("Authorization".into());
+        s.format = Some("Bearer {value}".into());
+        let (uri, h, applied) = apply(
+            &s,
+            &format!("/x/{ph}?k={ph}"),
+            &[("x-api-key", ph.clone()), ("authorization", "junk".into())],
+        );
+        assert_eq!(uri.to_string(), format!("/x/{ph}?k={ph}"));
+        assert_eq!(h["x-api-key"], ph.as_str());
+        assert_eq!(h["authorization"], "Bearer sk-live");
+        assert_eq!(h.get_all("authorization").iter().count(), 1);
+        assert!(applied.needles.contains(&b"sk-live".to_vec()));
+        assert!(applied.needles.contains(&b"Bearer sk-live".to_vec()));
+    }
+
+    #[test]
+    fn a_basic_credential_is_decoded_replaced_and_encoded_again() {
+        let ph = make_placeholder();
+        let basic = format!("Basic {}", BASE64.encode(format!("x-access-token:{ph}")));
+        let (_, h, applied) = apply(
+            &plain(&ph),
+            "/repo.git/info/refs",
+            &[("authorization", basic)],
+        );
+        let token = BASE64.encode("x-access-token:sk-live");
+        assert_eq!(h["authorization"], format!("Basic {token}"));
+        assert!(applied.needles.contains(&token.into_bytes()));
+        // A Basic credential without the placeholder is left alone.
+        let other = format!("Basic {}", BASE64.encode("u:p"));
+        let (_, h, applied) = apply(&plain(&ph), "/", &[("authorization", other.clone())]);
+        assert_eq!(h["authorization"], other.as_str());
+        assert!(applied.names.is_empty() && applied.needles.is_empty());
+    }
+
+    #[test]
+    fn applied_never_prints_a_value() {
+        let ph = make_placeholder();
+        let (_, _, applied) = apply(&plain(&ph), &format!("/?k={ph}"), &[]);
+        assert!(!applied.needles.is_empty());
+        assert!(!format!("{applied:?}").contains("sk-live"));
     }
 }

@@ -9,6 +9,8 @@ use std::net::SocketAddr;
 use std::path::Path;
 use std::sync::Arc;
 
+use base64::engine::general_purpose::STANDARD as BASE64;
+use base64::Engine as _;
 use common::*;
 use runtime_egress::{make_placeholder, EgressConfig, SandboxCa, SandboxNet, Secret, SecretValue};
 use tokio::net::TcpListener;
@@ -152,7 +154,18 @@ async fn curl_and_python_work_through_the_proxy() {
         .arg(format!("https://api.example.com/curl?k={placeholder}")))
     .await;
     assert!(ok, "{out}");
-    assert_eq!(out, "seen /curl?k=real-value-for-clients");
+    // The destination echoes the URL: the guest sees it scrubbed.
+    assert_eq!(out, format!("seen /curl?k={}", "*".repeat(VALUE.len())));
+    // A placeholder as a URL's password (as git and curl take a token): it
+    // goes inside the Basic credential.
+    let (ok, out) = run(client_cmd("curl", &bundle)
+        .args(["-sS", "--fail", "--proxy", &http_proxy, "--cacert", &bundle])
+        .arg(format!(
+            "https://x-access-token:{placeholder}@api.example.com/basic"
+        )))
+    .await;
+    assert!(ok, "{out}");
+    assert_eq!(out, "seen /basic");
     // curl over SOCKS5 with remote names, to a passed-through host.
     let (ok, out) = run(client_cmd("curl", &bundle)
         .args([
@@ -202,7 +215,10 @@ async fn curl_and_python_work_through_the_proxy() {
         .env("SSL_CERT_FILE", &bundle))
     .await;
     assert!(ok, "{out}");
-    assert_eq!(out, "seen /py?k=real-value-for-clients seen /py");
+    assert_eq!(
+        out,
+        format!("seen /py?k={} seen /py", "*".repeat(VALUE.len()))
+    );
     // And requests, with its own CA variable, where the machine's Python has
     // it (it is not in the standard library; urllib above always runs).
     let has_requests = run(client_cmd("python3", &bundle).args(["-c", "import requests"]))
@@ -308,6 +324,11 @@ async fn curl_and_python_work_through_the_proxy() {
         format!("Bearer {VALUE}")
     );
     assert!(api_seen.iter().all(|s| !s.uri.contains("/refused")));
+    let basic = api_seen.iter().find(|s| s.uri == "/basic").unwrap();
+    assert_eq!(
+        basic.headers["authorization"],
+        format!("Basic {}", BASE64.encode(format!("x-access-token:{VALUE}")))
+    );
     if has_requests {
         let rq = api_seen.iter().find(|s| s.uri == "/rq").unwrap();
         assert_eq!(rq.headers["x-key"], VALUE);

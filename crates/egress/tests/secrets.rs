@@ -147,7 +147,7 @@ async fn header_set_by_header_and_format() {
 }
 
 #[tokio::test]
-async fn placeholder_in_url_and_headers_swapped_never_in_bodies() {
+async fn placeholder_swapped_in_credential_headers_and_query_values_only() {
     let w = world(Policy::open()).await;
     let s = secret("API_KEY", &["api.example.com"]);
     let ph = s.placeholder.clone();
@@ -164,6 +164,7 @@ async fn placeholder_in_url_and_headers_swapped_never_in_bodies() {
             &[
                 ("x-api-key", &ph),
                 ("authorization", &format!("Bearer {ph}")),
+                ("x-request-note", &ph),
             ],
             &format!("{{\"key\":\"{ph}\"}}"),
         ),
@@ -174,10 +175,126 @@ async fn placeholder_in_url_and_headers_swapped_never_in_bodies() {
     let seen = w.api_log.lock().unwrap().clone();
     assert_eq!(seen.len(), 1);
     let s = &seen[0];
-    assert_eq!(s.uri, format!("/v1/items/{VALUE}?key={VALUE}&other={ph2}"));
+    assert_eq!(s.uri, format!("/v1/items/{ph}?key={VALUE}&other={ph2}"));
     assert_eq!(s.headers["x-api-key"], VALUE);
     assert_eq!(s.headers["authorization"], format!("Bearer {VALUE}"));
+    assert_eq!(s.headers["x-request-note"], ph.as_str());
+    assert_eq!(s.headers["accept-encoding"], "identity");
     assert_eq!(s.body.as_ref(), format!("{{\"key\":\"{ph}\"}}").as_bytes());
+}
+
+#[tokio::test]
+async fn a_host_that_echoes_the_request_never_shows_the_value_to_the_guest() {
+    let w = world(Policy::open()).await;
+    let s = secret("API_KEY", &["api.example.com"]);
+    let ph = s.placeholder.clone();
+    let mut bearer = secret("BEARER", &["api.example.com"]);
+    bearer.header = Some("x-set".into());
+    bearer.format = Some("Token {value}".into());
+    bearer.value = SecretValue::new("second value/+&");
+    w.set(vec![s, bearer]);
+    let mut c = w.https("api.example.com", &w.guest_roots).await;
+    let got = send(
+        &mut c,
+        req(
+            "GET",
+            &format!("/echo/{ph}?k={ph}"),
+            "api.example.com",
+            &[("authorization", &format!("Bearer {ph}"))],
+            "",
+        ),
+    )
+    .await
+    .unwrap();
+    assert_eq!(got.status, 200, "{}", got.body);
+    // The destination got both values where they belong.
+    let seen = w.api_log.lock().unwrap().clone();
+    assert_eq!(seen[0].headers["authorization"], format!("Bearer {VALUE}"));
+    assert_eq!(seen[0].headers["x-set"], "Token second value/+&");
+    assert_eq!(seen[0].uri, format!("/echo/{ph}?k={VALUE}"));
+    // It echoed them in its body and an answer header; the guest sees masks
+    // of the same length, the placeholder where it stayed, and no value in
+    // any form the request carried it.
+    let stars = "*".repeat(VALUE.len());
+    assert_eq!(
+        got.headers["x-echo-authorization"],
+        format!("Bearer {stars}")
+    );
+    assert!(
+        got.body
+            .contains(&format!("authorization: Bearer {stars}\n")),
+        "{}",
+        got.body
+    );
+    assert!(
+        got.body.contains(&format!("uri /echo/{ph}?k={stars}\n")),
+        "{}",
+        got.body
+    );
+    assert!(
+        got.body.contains(&format!("x-set: {}\n", "*".repeat(21))),
+        "{}",
+        got.body
+    );
+    for leaked in [VALUE, "second value", "second%20value"] {
+        assert!(!got.body.contains(leaked), "{leaked} in {}", got.body);
+    }
+    let content_length: usize = got.headers["content-length"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert_eq!(content_length, got.body.len());
+}
+
+#[tokio::test]
+async fn trace_to_a_secret_host_is_refused() {
+    let w = world(Policy::open()).await;
+    let mut s = secret("API_KEY", &["api.example.com"]);
+    s.header = Some("authorization".into());
+    w.set(vec![s]);
+    let mut c = w.https("api.example.com", &w.guest_roots).await;
+    for method in ["TRACE", "TRACK"] {
+        let got = send(&mut c, req(method, "/", "api.example.com", &[], ""))
+            .await
+            .unwrap();
+        assert_eq!(got.status, 405, "{method}");
+        assert_eq!(got.headers["x-runtime-egress"], "method-refused");
+        assert!(got.body.contains("would echo the request"), "{}", got.body);
+    }
+    assert!(w.api_log.lock().unwrap().is_empty());
+}
+
+#[tokio::test]
+async fn an_encoded_answer_to_a_request_with_a_value_is_refused() {
+    let w = world(Policy::open()).await;
+    let mut s = secret("API_KEY", &["api.example.com"]);
+    s.header = Some("authorization".into());
+    w.set(vec![s]);
+    let mut c = w.https("api.example.com", &w.guest_roots).await;
+    let got = send(
+        &mut c,
+        req(
+            "GET",
+            "/gzip",
+            "api.example.com",
+            &[("accept-encoding", "gzip")],
+            "",
+        ),
+    )
+    .await
+    .unwrap();
+    assert_eq!(got.status, 502);
+    assert_eq!(got.headers["x-runtime-egress"], "encoded-response");
+    assert!(
+        got.body.contains("cannot read this encoding"),
+        "{}",
+        got.body
+    );
+    assert_eq!(
+        w.api_log.lock().unwrap()[0].headers["accept-encoding"],
+        "identity"
+    );
 }
 
 #[tokio::test]

@@ -117,7 +117,31 @@ async fn record(log: Log, mut req: Request<Incoming>) -> Response<Full<Bytes>> {
             .body(Full::new(Bytes::new()))
             .unwrap();
     }
+    if uri.starts_with("/echo") {
+        return echo(&log.lock().unwrap().last().unwrap().headers, &uri);
+    }
+    if uri.starts_with("/gzip") {
+        // As a server that compresses whatever the client asked for.
+        return Response::builder()
+            .header("content-encoding", "gzip")
+            .body(Full::new(Bytes::from_static(b"\x1f\x8b not really gzip")))
+            .unwrap();
+    }
     Response::new(Full::new(Bytes::from(format!("seen {uri}"))))
+}
+
+/// `/echo…`: the request reflected, as a careless host does: every header
+/// in the body and the `authorization` in an answer header too.
+fn echo(headers: &HeaderMap, uri: &str) -> Response<Full<Bytes>> {
+    let mut body = format!("uri {uri}\n");
+    for (k, v) in headers {
+        body.push_str(&format!("{k}: {}\n", String::from_utf8_lossy(v.as_bytes())));
+    }
+    let mut b = Response::builder();
+    if let Some(auth) = headers.get("authorization") {
+        b = b.header("x-echo-authorization", auth.clone());
+    }
+    b.body(Full::new(Bytes::from(body))).unwrap()
 }
 
 /// A plain HTTP destination that records every request.
@@ -228,9 +252,15 @@ impl Sandbox {
 
     /// A new connection from the guest, served by the proxy.
     pub(crate) fn guest(&self) -> DuplexStream {
+        self.guest_as("sbx-test")
+    }
+
+    /// A new connection from the guest of sandbox `sandbox_id` (same rules,
+    /// same proxy): for what the proxy counts per sandbox.
+    pub(crate) fn guest_as(&self, sandbox_id: &str) -> DuplexStream {
         let (guest, host) = tokio::io::duplex(64 * 1024);
         let net = SandboxNet {
-            sandbox_id: "sbx-test".into(),
+            sandbox_id: sandbox_id.into(),
             policy: self.policy.subscribe(),
             secrets: self.secrets.subscribe(),
             ca: self.ca.clone(),
@@ -303,6 +333,19 @@ pub(crate) async fn read_answer<IO: AsyncRead + Unpin>(io: &mut IO) -> Result<An
 /// `CONNECT target` on a new guest connection; the stream on 200.
 pub(crate) async fn connect(sbx: &Sandbox, target: &str) -> Result<(Answer, DuplexStream)> {
     let mut g = sbx.guest();
+    g.write_all(format!("CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n\r\n").as_bytes())
+        .await?;
+    let a = tokio::time::timeout(WAIT, read_answer(&mut g)).await??;
+    Ok((a, g))
+}
+
+/// `CONNECT target` from sandbox `sandbox_id`; the stream on 200.
+pub(crate) async fn connect_as(
+    sbx: &Sandbox,
+    sandbox_id: &str,
+    target: &str,
+) -> Result<(Answer, DuplexStream)> {
+    let mut g = sbx.guest_as(sandbox_id);
     g.write_all(format!("CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n\r\n").as_bytes())
         .await?;
     let a = tokio::time::timeout(WAIT, read_answer(&mut g)).await??;

@@ -1,0 +1,225 @@
+//! Caps on what guests take from the host: upstream connections, across all
+//! sandboxes and per sandbox, so that no sandbox (or all of them together)
+//! can use up the host's file descriptors.
+
+use std::collections::HashMap;
+use std::io;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::TcpStream;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+
+/// How often at most a refusal by a cap is logged (with the count since).
+const WARN_EVERY: Duration = Duration::from_secs(10);
+
+/// Which cap refused a new connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum CapFull {
+    /// Every sandbox's connections together.
+    Host(usize),
+    /// This sandbox's.
+    Sandbox(usize),
+}
+
+impl std::fmt::Display for CapFull {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            CapFull::Host(n) => write!(
+                f,
+                "the host has {n} outbound connections open, the most it allows; try again later"
+            ),
+            CapFull::Sandbox(n) => write!(
+                f,
+                "this sandbox has {n} outbound connections open, the most a sandbox may; close some first"
+            ),
+        }
+    }
+}
+
+/// A semaphore per sandbox, made on first use; an entry lives while one of
+/// its permits does, so the map holds only sandboxes with something open.
+pub(crate) struct PerSandbox {
+    size: usize,
+    map: Mutex<HashMap<String, Weak<Semaphore>>>,
+}
+
+impl PerSandbox {
+    pub(crate) fn new(size: usize) -> Self {
+        Self {
+            size: size.clamp(1, Semaphore::MAX_PERMITS),
+            map: Mutex::new(HashMap::new()),
+        }
+    }
+
+    pub(crate) fn size(&self) -> usize {
+        self.size
+    }
+
+    pub(crate) fn get(&self, sandbox_id: &str) -> Arc<Semaphore> {
+        let mut map = self.map.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(s) = map.get(sandbox_id).and_then(Weak::upgrade) {
+            return s;
+        }
+        map.retain(|_, w| w.strong_count() > 0);
+        let s = Arc::new(Semaphore::new(self.size));
+        map.insert(sandbox_id.to_owned(), Arc::downgrade(&s));
+        s
+    }
+}
+
+/// One slot of each cap, held as long as the connection is open.
+pub(crate) struct ConnPermit {
+    _host: OwnedSemaphorePermit,
+    _sandbox: OwnedSemaphorePermit,
+}
+
+/// The connection caps shared by every sandbox of a host.
+pub(crate) struct Limits {
+    host: Arc<Semaphore>,
+    max_host: usize,
+    sandboxes: PerSandbox,
+    refused: AtomicU64,
+    last_warn: Mutex<Option<Instant>>,
+}
+
+impl Limits {
+    pub(crate) fn new(max_host: usize, max_sandbox: usize) -> Self {
+        let max_host = max_host.clamp(1, Semaphore::MAX_PERMITS);
+        Self {
+            host: Arc::new(Semaphore::new(max_host)),
+            max_host,
+            sandboxes: PerSandbox::new(max_sandbox),
+            refused: AtomicU64::new(0),
+            last_warn: Mutex::new(None),
+        }
+    }
+
+    /// A slot for one more connection of `sandbox_id`, or which cap is full.
+    /// Never waits: a guest that opens too many is refused at once.
+    pub(crate) fn connection(&self, sandbox_id: &str) -> Result<ConnPermit, CapFull> {
+        let result = match self.sandboxes.get(sandbox_id).try_acquire_owned() {
+            Err(_) => Err(CapFull::Sandbox(self.sandboxes.size())),
+            Ok(s) => match self.host.clone().try_acquire_owned() {
+                Ok(h) => Ok(ConnPermit {
+                    _host: h,
+                    _sandbox: s,
+                }),
+                Err(_) => Err(CapFull::Host(self.max_host)),
+            },
+        };
+        if let Err(full) = &result {
+            self.note_refusal(sandbox_id, *full);
+        }
+        result
+    }
+
+    /// A guest can trigger this at will: logged at most every [`WARN_EVERY`].
+    fn note_refusal(&self, sandbox_id: &str, full: CapFull) {
+        let count = self.refused.fetch_add(1, Ordering::Relaxed) + 1;
+        let mut last = self.last_warn.lock().unwrap_or_else(|e| e.into_inner());
+        if last.is_some_and(|t| t.elapsed() < WARN_EVERY) {
+            return;
+        }
+        *last = Some(Instant::now());
+        self.refused.store(0, Ordering::Relaxed);
+        let cap = match full {
+            CapFull::Host(_) => "host",
+            CapFull::Sandbox(_) => "sandbox",
+        };
+        tracing::warn!(
+            sandbox_id,
+            cap,
+            refused = count,
+            "outbound connections refused by a cap"
+        );
+    }
+}
+
+/// An upstream connection and its slot in the caps, given back on drop.
+pub(crate) struct Upstream {
+    stream: TcpStream,
+    _permit: ConnPermit,
+}
+
+impl Upstream {
+    pub(crate) fn new(stream: TcpStream, permit: ConnPermit) -> Self {
+        Self {
+            stream,
+            _permit: permit,
+        }
+    }
+}
+
+impl AsyncRead for Upstream {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.stream).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for Upstream {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.stream).poll_write(cx, buf)
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.stream).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.stream).poll_shutdown(cx)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.stream).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.stream.is_write_vectored()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_sandbox_has_its_own_cap_under_the_hosts() {
+        let l = Limits::new(3, 2);
+        let a1 = l.connection("a").unwrap();
+        let _a2 = l.connection("a").unwrap();
+        assert_eq!(l.connection("a").err(), Some(CapFull::Sandbox(2)));
+        let _b1 = l.connection("b").unwrap();
+        assert_eq!(l.connection("b").err(), Some(CapFull::Host(3)));
+        // A closed connection gives both slots back.
+        drop(a1);
+        let _b2 = l.connection("b").unwrap();
+        assert_eq!(l.connection("c").err(), Some(CapFull::Host(3)));
+    }
+
+    #[test]
+    fn a_sandbox_with_nothing_open_is_forgotten() {
+        let l = Limits::new(10, 1);
+        drop(l.connection("a").unwrap());
+        let _b = l.connection("b").unwrap();
+        let map = l.sandboxes.map.lock().unwrap();
+        assert!(!map.contains_key("a"));
+        assert!(map.contains_key("b"));
+    }
+}
