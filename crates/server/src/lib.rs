@@ -89,6 +89,9 @@ pub struct Config {
     /// How many milliseconds a second of the webhook retry schedule lasts:
     /// 1000, but tests shorten it.
     pub webhook_second_ms: i64,
+    /// TEST ONLY (`--test-crash-at`): the step at which the server kills
+    /// itself, for the crash tests ([`runtime_host::crash_point`]).
+    pub test_crash_at: Option<String>,
 }
 
 impl Config {
@@ -111,6 +114,7 @@ impl Config {
             max_connections: 4096,
             webhook_allow: Vec::new(),
             webhook_second_ms: 1000,
+            test_crash_at: None,
         }
     }
 }

@@ -313,7 +313,7 @@ pub(crate) fn open_connection(data_dir: &Path) -> Result<Connection, ServerError
         .map_err(store_err("busy_timeout"))?;
     conn.pragma_update(None, "journal_mode", "WAL")
         .map_err(store_err("wal"))?;
-    conn.pragma_update(None, "synchronous", "NORMAL")
+    conn.pragma_update(None, "synchronous", "FULL")
         .map_err(store_err("synchronous"))?;
     let version: i64 = conn
         .query_row("PRAGMA user_version", [], |r| r.get(0))
@@ -396,7 +396,7 @@ impl Store {
 }
 
 pub(crate) use events::{Attempt, DeliveryRow, EventQuery, EventRow, SealedSecret, WebhookRow};
-pub(crate) use idempotency::StoredAnswer;
+pub(crate) use idempotency::{StoredAnswer, PENDING_SANDBOX};
 pub(crate) use keys::insert_key;
 pub(crate) use processes::{ProcEnd, ProcRow};
 pub(crate) use sandboxes::SandboxRow;
