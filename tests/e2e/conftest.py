@@ -72,6 +72,8 @@ class Server:
         self.proc: Optional[subprocess.Popen] = None
         self.starts = 0
         self.keys: list[str] = []
+        # Test-only flags for the next start (test_crash.py's crash points).
+        self.extra_args: list[str] = []
         # The local servers that stand for internet hosts (egress_servers.py).
         self.egress = EgressServers(root / "egress")
 
@@ -87,7 +89,7 @@ class Server:
             offset = self.log_path.stat().st_size
             self.proc = subprocess.Popen(
                 [str(BINARY), "serve", "--listen", f"127.0.0.1:{self.port}", "--data-dir", str(self.data_dir),
-                 *self.egress.args, *WEBHOOK_ARGS],
+                 *self.egress.args, *WEBHOOK_ARGS, *self.extra_args],
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                 env={**os.environ, "RUST_BACKTRACE": "1"})
         deadline = time.monotonic() + START_TIMEOUT
