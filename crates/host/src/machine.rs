@@ -257,9 +257,12 @@ impl QemuHost {
             .await
             .map_err(failed("sync paused state"))?;
         std::fs::rename(file, &state).map_err(failed("keep paused state"))?;
-        crate::disks::sync_files(Vec::new(), &vm.paths.dir)
-            .await
-            .map_err(failed("sync paused state"))
+        let synced = crate::disks::sync_files(Vec::new(), &vm.paths.dir).await;
+        if synced.is_err() {
+            // The machine runs on: no state to wake from may be left beside it.
+            let _ = std::fs::remove_file(&state);
+        }
+        synced.map_err(failed("sync paused state"))
     }
 
     /// Registers a machine that is up (set up, its volumes mounted): from

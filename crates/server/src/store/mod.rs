@@ -313,7 +313,12 @@ pub(crate) fn open_connection(data_dir: &Path) -> Result<Connection, ServerError
         .map_err(store_err("busy_timeout"))?;
     conn.pragma_update(None, "journal_mode", "WAL")
         .map_err(store_err("wal"))?;
-    conn.pragma_update(None, "synchronous", "FULL")
+    // NORMAL, not FULL: in WAL mode a commit survives a crash of the
+    // process either way, and the store stays whole across a power loss;
+    // FULL would only keep the last commits before one, at an fsync per
+    // commit (3.6 ms against 0.08 ms here), and the meter commits every
+    // running sandbox every second (docs/security.md, "Crashes tell the truth").
+    conn.pragma_update(None, "synchronous", "NORMAL")
         .map_err(store_err("synchronous"))?;
     let version: i64 = conn
         .query_row("PRAGMA user_version", [], |r| r.get(0))
