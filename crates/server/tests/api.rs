@@ -4084,7 +4084,7 @@ async fn a_pause_cut_short_is_paused_only_with_a_whole_state() {
     // Its machine runs on; the pause it was asked for is made again.
     let v = t2.wait_state(&runs, "paused").await;
     assert_eq!(v["state"], "paused", "{v}");
-    assert_eq!(host.paused.lock().unwrap().as_slice(), [runs.clone()]);
+    assert_eq!(*host.paused.lock().unwrap(), vec![runs.clone()]);
 }
 
 #[tokio::test]
