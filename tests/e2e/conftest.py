@@ -65,8 +65,6 @@ class Server:
 
     def __init__(self, root: Path, extra_args: tuple[str, ...] = ()) -> None:
         self.root = root
-        # More `runtime serve` flags (a test's own server: quotas, ...).
-        self.extra_args = extra_args
         self.data_dir = root / "data"
         self.log_path = root / "server.log"
         self.port = free_port()
@@ -74,6 +72,10 @@ class Server:
         self.proc: Optional[subprocess.Popen] = None
         self.starts = 0
         self.keys: list[str] = []
+        # More `runtime serve` flags for the next start: a module's own
+        # server's settings (test_quotas.py), test-only crash points
+        # (test_crash.py).
+        self.extra_args: list[str] = list(extra_args)
         # The local servers that stand for internet hosts (egress_servers.py).
         self.egress = EgressServers(root / "egress")
 

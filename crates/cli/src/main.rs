@@ -121,6 +121,11 @@ struct NetArgs {
     /// milliseconds (1000), so tests see retries soon.
     #[arg(long = "webhook-test-second-ms", hide = true, default_value_t = 1000)]
     webhook_test_second_ms: u32,
+    /// TEST ONLY: the server kills itself (SIGKILL) at this step
+    /// (`capture_running`, `pause_capture`, `pause_kept`, `delete_destroy`,
+    /// `create_answer`), so the crash tests hit it exactly.
+    #[arg(long = "test-crash-at", hide = true, value_name = "POINT")]
+    test_crash_at: Option<String>,
 }
 
 impl NetArgs {
@@ -135,6 +140,10 @@ impl NetArgs {
             c.webhook_allow.push(a);
         }
         c.webhook_second_ms = i64::from(self.webhook_test_second_ms.max(1));
+        c.test_crash_at = self.test_crash_at.clone();
+        if let Some(p) = &self.test_crash_at {
+            eprintln!("runtime: WARNING: test-only crash point {p} is set (--test-crash-at)");
+        }
         Ok(())
     }
 
@@ -505,6 +514,7 @@ async fn serve(
         boot_timeout: Duration::from_secs(boot_timeout),
         templates,
         egress: net.egress()?,
+        test_crash_at: net.test_crash_at.clone(),
     };
     if accel == Accel::Kvm {
         match probe_boot(qemu_cfg.clone()).await {

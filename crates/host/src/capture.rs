@@ -231,6 +231,8 @@ impl QemuHost {
             } else {
                 let _ = std::fs::remove_file(&file);
             }
+            // The machine is stopped and the capture half-made.
+            crate::types::crash_point(self.cfg.test_crash_at.as_deref(), "capture_running");
             copy_sparse(&paths.overlay(), &dest.join("disk.qcow2"))
                 .await
                 .map_err(Self::io(id, "copy disk"))

@@ -112,6 +112,47 @@ pub(crate) async fn copy_sparse(from: &Path, to: &Path) -> std::io::Result<()> {
     }
 }
 
+/// Makes the capture in `dir` durable before anyone is told it is ready:
+/// every file in it, then the directory itself and its parent (which holds
+/// its name) are fsynced, so a power loss cannot leave a "ready" capture
+/// with truncated files or a name pointing nowhere. Blocking: run it on the
+/// blocking pool for large captures ([`sync_dir_async`]).
+pub(crate) fn sync_dir(dir: &Path) -> std::io::Result<()> {
+    for e in std::fs::read_dir(dir)? {
+        let e = e?;
+        if e.file_type()?.is_file() {
+            std::fs::File::open(e.path())?.sync_all()?;
+        }
+    }
+    std::fs::File::open(dir)?.sync_all()?;
+    if let Some(parent) = dir.parent() {
+        std::fs::File::open(parent)?.sync_all()?;
+    }
+    Ok(())
+}
+
+/// [`sync_dir`] off the async threads.
+pub(crate) async fn sync_dir_async(dir: &Path) -> std::io::Result<()> {
+    let dir = dir.to_owned();
+    tokio::task::spawn_blocking(move || sync_dir(&dir))
+        .await
+        .map_err(std::io::Error::other)?
+}
+
+/// Fsyncs the files `files` (those that exist) and then `dir`, which holds
+/// their names: a pause's kept state survives a power loss once recorded.
+pub(crate) async fn sync_files(files: Vec<PathBuf>, dir: &Path) -> std::io::Result<()> {
+    let dir = dir.to_owned();
+    tokio::task::spawn_blocking(move || {
+        for f in files.iter().filter(|f| f.exists()) {
+            std::fs::File::open(f)?.sync_all()?;
+        }
+        std::fs::File::open(&dir)?.sync_all()
+    })
+    .await
+    .map_err(std::io::Error::other)?
+}
+
 /// The files QEMU opens as the volume drives, in the spec's order: the
 /// volume itself (`rw`) or the machine's copy of it (`snapshot`).
 pub(crate) fn drive_files(spec: &MachineSpec, paths: &VmPaths) -> Vec<PathBuf> {

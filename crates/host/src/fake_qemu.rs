@@ -106,6 +106,7 @@ impl FakeHost {
             boot_timeout: Duration::from_secs(5),
             templates,
             egress: Default::default(),
+            test_crash_at: None,
         })
         .unwrap()
     }

@@ -39,6 +39,9 @@ pub struct QemuConfig {
     /// The egress proxy of this host's guests (its test-only host map among
     /// its settings).
     pub egress: runtime_egress::EgressConfig,
+    /// TEST ONLY (`--test-crash-at`): the point of a capture or pause at
+    /// which the server kills itself, as a SIGKILL would ([`crash_point`]).
+    pub test_crash_at: Option<String>,
 }
 
 /// A running machine: its QEMU and the link to its agent.
@@ -234,6 +237,34 @@ impl QemuHost {
         }
     }
 
+    /// Keeps a pause's capture `file` as the machine's paused state, made
+    /// durable (with its memory copy) before the pause is reported: a
+    /// `paused` record always has a whole state to wake from.
+    async fn keep_paused(
+        &self,
+        id: &str,
+        vm: &Vm,
+        file: &Path,
+    ) -> Result<(), crate::capture::CaptureFailed> {
+        let failed = |op| {
+            move |e| CaptureFailed {
+                error: Self::io(id, op)(e),
+                stopped: true,
+            }
+        };
+        let (state, ram) = (vm.paths.paused_state(), vm.paths.paused_ram());
+        crate::disks::sync_files(vec![file.to_owned(), ram], &vm.paths.dir)
+            .await
+            .map_err(failed("sync paused state"))?;
+        std::fs::rename(file, &state).map_err(failed("keep paused state"))?;
+        let synced = crate::disks::sync_files(Vec::new(), &vm.paths.dir).await;
+        if synced.is_err() {
+            // The machine runs on: no state to wake from may be left beside it.
+            let _ = std::fs::remove_file(&state);
+        }
+        synced.map_err(failed("sync paused state"))
+    }
+
     /// Registers a machine that is up (set up, its volumes mounted): from
     /// now on a crash of the server leaves it to be adopted, not ended.
     pub(crate) fn register(&self, id: &str, vm: Arc<Vm>) {
@@ -313,6 +344,24 @@ impl Host for QemuHost {
                 Ok(false)
             }
         }
+    }
+
+    fn has_paused_state(&self, id: &str) -> bool {
+        self.paths(id).paused_state().is_file()
+    }
+
+    async fn sweep(&self, owned: &std::collections::HashSet<String>) -> Vec<String> {
+        let mut ended = Vec::new();
+        for id in self.machine_dirs() {
+            if owned.contains(&id) {
+                continue;
+            }
+            tracing::info!(sandbox_id = %id, "no record owns this machine: ending it");
+            self.networks.forget(&id);
+            let _ = self.stop(&id, false).await;
+            ended.push(id);
+        }
+        ended
     }
 
     async fn stop(&self, id: &str, keep_disk: bool) -> Result<(), HostError> {
@@ -412,13 +461,14 @@ impl Host for QemuHost {
         let _ = std::fs::remove_file(vm.paths.paused_ram());
         let kept = match self.capture_for_pause(id, &vm).await {
             Ok(file) => {
-                std::fs::rename(&file, vm.paths.paused_state()).map_err(|e| CaptureFailed {
-                    error: Self::io(id, "keep paused state")(e),
-                    stopped: true,
-                })
+                crash_point(self.cfg.test_crash_at.as_deref(), "pause_capture");
+                self.keep_paused(id, &vm, &file).await
             }
             Err(failed) => Err(failed),
         };
+        if kept.is_ok() {
+            crash_point(self.cfg.test_crash_at.as_deref(), "pause_kept");
+        }
         match kept {
             Ok(()) => {
                 self.end_vm(id, &vm).await;
@@ -454,6 +504,12 @@ impl Host for QemuHost {
         let result = match &running {
             Some(vm) => self.capture_running(id, vm, dest, memory).await,
             None => self.capture_paused(id, dest, memory).await,
+        };
+        let result = match result {
+            Ok(()) => crate::disks::sync_dir_async(dest)
+                .await
+                .map_err(Self::io(id, "sync capture")),
+            Err(e) => Err(e),
         };
         if result.is_err() {
             let _ = std::fs::remove_dir_all(dest);

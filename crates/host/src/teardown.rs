@@ -123,6 +123,20 @@ impl QemuHost {
         }
     }
 
+    /// The ids of the sandbox machines with a directory here (running or
+    /// not); templates' machines are not among them.
+    pub(crate) fn machine_dirs(&self) -> Vec<String> {
+        let Ok(entries) = std::fs::read_dir(&self.cfg.state_dir) else {
+            return Vec::new();
+        };
+        entries
+            .flatten()
+            .filter(|e| e.path().is_dir())
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|n| !n.starts_with('.') && !is_template_machine(n))
+            .collect()
+    }
+
     /// A QEMU an earlier server left running in `paths`: made fit to be
     /// adopted (`Ok`), or why it must end instead. One that never finished
     /// starting ends; one stopped for a capture runs on, unless it was

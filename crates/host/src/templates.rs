@@ -133,7 +133,14 @@ impl QemuHost {
         copy_sparse(&vm.paths.overlay(), &partial.join("disk.qcow2"))
             .await
             .map_err(Self::io(id, "copy template disk"))?;
-        std::fs::rename(partial, dir).map_err(Self::io(id, "keep template"))
+        crate::disks::sync_dir_async(partial)
+            .await
+            .map_err(Self::io(id, "sync template"))?;
+        std::fs::rename(partial, dir).map_err(Self::io(id, "keep template"))?;
+        let parent = dir.parent().unwrap_or(dir);
+        crate::disks::sync_files(Vec::new(), parent)
+            .await
+            .map_err(Self::io(id, "sync template"))
     }
 }
 

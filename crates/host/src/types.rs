@@ -357,6 +357,15 @@ pub trait Host: Send + Sync + 'static {
     /// Finds a machine left running by an earlier process of the server and
     /// reattaches to it; `false` if it is gone.
     async fn recover(&self, spec: &MachineSpec) -> Result<bool, HostError>;
+    /// Whether a whole paused state of `id` is kept on this host (what
+    /// [`Host::wake`] starts from). After a crash mid-pause only a partial
+    /// capture may be left: then the sandbox has nothing to wake from.
+    fn has_paused_state(&self, id: &str) -> bool;
+    /// After a restart, before anything new starts: ends every machine this
+    /// host finds (running, or left on disk) whose id is not in `owned` (the
+    /// sandboxes still on record), with its directory, RAM file and cgroup,
+    /// so nothing runs that no record owns. Answers the ids it ended.
+    async fn sweep(&self, owned: &std::collections::HashSet<String>) -> Vec<String>;
     /// Ends the machine; `keep_disk` keeps its disk for a later start.
     async fn stop(&self, id: &str, keep_disk: bool) -> Result<(), HostError>;
     /// Ends the machine and removes everything it had on this host.
@@ -451,4 +460,20 @@ pub trait Outbound: Send + Sync + 'static {
     /// Called once per connection, for the sandbox `sandbox_id`; must not
     /// block (spawn the work).
     fn accept(&self, sandbox_id: &str, conn: DuplexStream);
+}
+
+/// TEST ONLY (`runtime serve --test-crash-at POINT`): when `at` names
+/// `point`, the whole server dies here at once by SIGKILL, so the crash
+/// tests stop it at an exact step of a capture, a pause, a delete or a
+/// create instead of racing a timer. Never set in production.
+pub fn crash_point(at: Option<&str>, point: &str) {
+    if at != Some(point) {
+        return;
+    }
+    tracing::warn!(point, "test crash point reached: the server kills itself");
+    // SAFETY: kill(2) on our own pid has no memory preconditions.
+    unsafe {
+        libc::kill(libc::getpid(), libc::SIGKILL);
+    }
+    std::process::abort();
 }

@@ -88,6 +88,7 @@ fn host_with(outbound: Option<Arc<dyn Outbound>>) -> TestHost {
         boot_timeout: Duration::from_secs(120),
         templates: false,
         egress: Default::default(),
+        test_crash_at: None,
     };
     let host = match outbound {
         Some(o) => QemuHost::with_outbound(cfg, o),
@@ -473,6 +474,7 @@ async fn a_new_host_process_recovers_a_running_machine() {
         boot_timeout: Duration::from_secs(60),
         templates: false,
         egress: Default::default(),
+        test_crash_at: None,
     })
     .unwrap();
     assert!(h2.recover(&spec(id)).await.unwrap());
@@ -877,6 +879,7 @@ async fn a_machine_left_stopped_by_a_crash_mid_capture_is_recovered_running() {
         boot_timeout: Duration::from_secs(60),
         templates: false,
         egress: Default::default(),
+        test_crash_at: None,
     })
     .unwrap();
     assert!(
@@ -1083,6 +1086,7 @@ async fn starts_restore_a_template_with_fresh_entropy() {
         boot_timeout: Duration::from_secs(120),
         templates: true,
         egress: Default::default(),
+        test_crash_at: None,
     })
     .unwrap();
     cleanup.1 = h.ram_dir().to_owned();

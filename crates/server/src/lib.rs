@@ -94,6 +94,9 @@ pub struct Config {
     pub quotas: Quotas,
     /// What the host keeps free when admitting machines.
     pub reserve: Reserve,
+    /// TEST ONLY (`--test-crash-at`): the step at which the server kills
+    /// itself, for the crash tests ([`runtime_host::crash_point`]).
+    pub test_crash_at: Option<String>,
 }
 
 impl Config {
@@ -118,6 +121,7 @@ impl Config {
             webhook_second_ms: 1000,
             quotas: Quotas::default(),
             reserve: Reserve::default(),
+            test_crash_at: None,
         }
     }
 }

@@ -4315,3 +4315,219 @@ async fn file_watches_start_read_follow_stop_and_refuse_bad_input() {
     assert_eq!(v["data"], json!([]), "{v}");
     assert!(t.host.watches.lock().unwrap().is_empty());
 }
+
+// ---- crashes tell the truth (issue 13) ----
+
+/// Sets a stored row's state, as a server killed in that state left it.
+fn crash_in_state(dir: &std::path::Path, table: &str, id: &str, state: &str) {
+    let conn = rusqlite::Connection::open(dir.join("runtime.db")).unwrap();
+    conn.busy_timeout(Duration::from_secs(5)).unwrap();
+    let n = conn
+        .execute(
+            &format!(
+                "UPDATE {table} SET state = ?1, record = json_set(record, '$.state', ?1) WHERE id = ?2"
+            ),
+            rusqlite::params![state, id],
+        )
+        .unwrap();
+    assert_eq!(n, 1);
+}
+
+#[tokio::test]
+async fn a_snapshot_cut_short_by_a_crash_fails_and_its_partial_capture_goes() {
+    let t = T::new();
+    let id = t.running(json!({})).await;
+    let (s, snap) = t
+        .json_as(
+            &t.admin.clone(),
+            "POST",
+            &format!("/v1/sandboxes/{id}:snapshot"),
+            Some(json!({})),
+            &[("prefer", "wait=10")],
+        )
+        .await;
+    assert_eq!(s, StatusCode::CREATED, "{snap}");
+    let sid = snap["id"].as_str().unwrap().to_string();
+    t.state.shutdown().await;
+    // Killed mid-capture: the record `capturing`, the directory half made.
+    crash_in_state(&t.dir, "snapshots", &sid, "capturing");
+    let partial = t.dir.join("snapshots").join(&sid);
+    std::fs::write(partial.join("memory.state"), b"half").unwrap();
+
+    let host = Arc::new(FakeHost::default());
+    host.recoverable.lock().unwrap().insert(id.clone());
+    let t2 = T::open(t.dir.clone(), t.admin.clone(), host, |_| {});
+    runtime_server::recover(&t2.state).await.unwrap();
+    let (_, v) = t2.json("GET", &format!("/v1/snapshots/{sid}"), None).await;
+    assert_eq!(v["state"], "failed", "{v}");
+    assert!(!partial.exists(), "its partial capture is left");
+    assert_eq!(t2.sandbox(&id).await["state"], "running");
+    // A snapshot of it cannot start a sandbox.
+    let (s, _) = t2
+        .json("POST", "/v1/sandboxes", Some(json!({"snapshot": sid})))
+        .await;
+    assert!(s.is_client_error(), "{s}");
+}
+
+#[tokio::test]
+async fn a_pause_cut_short_is_paused_only_with_a_whole_state() {
+    let t = T::new();
+    let with_state = t.running(json!({})).await;
+    let without = t.running(json!({})).await;
+    let runs = t.running(json!({})).await;
+    t.state.shutdown().await;
+    for id in [&with_state, &without, &runs] {
+        crash_in_state(&t.dir, "sandboxes", id, "pausing");
+    }
+    let host = Arc::new(FakeHost::default());
+    host.saved.lock().unwrap().insert(with_state.clone());
+    host.recoverable.lock().unwrap().insert(runs.clone());
+    let t2 = T::open(t.dir.clone(), t.admin.clone(), host.clone(), |_| {});
+    runtime_server::recover(&t2.state).await.unwrap();
+    assert_eq!(t2.sandbox(&with_state).await["state"], "paused");
+    let v = t2.sandbox(&without).await;
+    assert_eq!(
+        (v["state"].as_str(), v["stopReason"].as_str()),
+        (Some("stopped"), Some("host_lost")),
+        "{v}"
+    );
+    // Its machine runs on; the pause it was asked for is made again.
+    let v = t2.wait_state(&runs, "paused").await;
+    assert_eq!(v["state"], "paused", "{v}");
+    assert_eq!(*host.paused.lock().unwrap(), vec![runs.clone()]);
+}
+
+#[tokio::test]
+async fn a_start_cut_short_without_its_machine_is_a_failed_start() {
+    let t = T::new();
+    let id = t.running(json!({})).await;
+    t.state.shutdown().await;
+    crash_in_state(&t.dir, "sandboxes", &id, "starting");
+    let t2 = T::open(
+        t.dir.clone(),
+        t.admin.clone(),
+        Arc::new(FakeHost::default()),
+        |_| {},
+    );
+    runtime_server::recover(&t2.state).await.unwrap();
+    let v = t2.sandbox(&id).await;
+    assert_eq!(
+        (v["state"].as_str(), v["stopReason"].as_str()),
+        (Some("stopped"), Some("start_failed")),
+        "{v}"
+    );
+}
+
+#[tokio::test]
+async fn machines_no_live_record_owns_are_ended_on_recovery() {
+    let t = T::new();
+    let kept = t.running(json!({})).await;
+    let deleted = t.running(json!({})).await;
+    t.state.shutdown().await;
+    // Marked deleted, its machine not ended yet, when the server died.
+    let conn = rusqlite::Connection::open(t.dir.join("runtime.db")).unwrap();
+    conn.execute(
+        "UPDATE sandboxes SET deleted = json_object('id', id) WHERE id = ?1",
+        [&deleted],
+    )
+    .unwrap();
+    drop(conn);
+    let host = Arc::new(FakeHost::default());
+    let unknown = uuid::Uuid::new_v4().to_string();
+    for m in [&kept, &deleted, &unknown] {
+        host.machines.lock().unwrap().insert(m.clone());
+    }
+    host.recoverable.lock().unwrap().insert(kept.clone());
+    let t2 = T::open(t.dir.clone(), t.admin.clone(), host.clone(), |_| {});
+    runtime_server::recover(&t2.state).await.unwrap();
+    let mut swept = host.swept.lock().unwrap().clone();
+    swept.sort();
+    let mut want = vec![deleted.clone(), unknown.clone()];
+    want.sort();
+    assert_eq!(swept, want);
+    assert_eq!(t2.sandbox(&kept).await["state"], "running");
+}
+
+#[tokio::test]
+async fn an_idempotent_create_resent_after_a_crash_answers_its_sandbox() {
+    let t = T::new();
+    *t.host.start_delay_ms.lock().unwrap() = 1500;
+    let body = json!({"labels": {"crash": "idem"}});
+    let first = {
+        let (dir, admin, host) = (t.dir.clone(), t.admin.clone(), t.host.clone());
+        let body = body.clone();
+        tokio::spawn(async move {
+            let t1 = T::open(dir, admin.clone(), host, |_| {});
+            t1.json_as(
+                &admin,
+                "POST",
+                "/v1/sandboxes",
+                Some(body),
+                &[("idempotency-key", "k1"), ("prefer", "wait=30")],
+            )
+            .await
+        })
+    };
+    // While the first waits for its sandbox, its record is stored with it.
+    let conn = rusqlite::Connection::open(t.dir.join("runtime.db")).unwrap();
+    conn.busy_timeout(Duration::from_secs(5)).unwrap();
+    let mut pending = None;
+    for _ in 0..100 {
+        pending = conn
+            .query_row(
+                "SELECT kind, body FROM idempotency WHERE idem_key = 'k1'",
+                [],
+                |r| Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?)),
+            )
+            .ok();
+        if pending.is_some() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let (kind, stored) = pending.expect("no idempotency record beside the new sandbox");
+    assert_eq!(kind, "sandbox");
+    let made: Value = serde_json::from_str(&stored).unwrap();
+    let id = made["sandboxId"].as_str().unwrap().to_string();
+
+    // A restarted server knows nothing of the request in flight: the resend
+    // answers the sandbox made, and makes no other.
+    let (s, v) = t
+        .json_as(
+            &t.admin.clone(),
+            "POST",
+            "/v1/sandboxes",
+            Some(body.clone()),
+            &[("idempotency-key", "k1")],
+        )
+        .await;
+    assert_eq!(s, StatusCode::CREATED, "{v}");
+    assert_eq!(v["id"], id.as_str(), "{v}");
+    assert_eq!(v["replayed"], true, "{v}");
+    let (s1, v1) = first.await.unwrap();
+    assert_eq!(s1, StatusCode::CREATED, "{v1}");
+    assert_eq!(v1["id"], id.as_str());
+    let (_, list) = t
+        .json(
+            "GET",
+            "/v1/sandboxes?label=crash%3Aidem&includeStopped=true",
+            None,
+        )
+        .await;
+    assert_eq!(list["data"].as_array().unwrap().len(), 1, "{list}");
+    // Once answered, the stored answer replaces the pending record.
+    let (s, v) = t
+        .json_as(
+            &t.admin.clone(),
+            "POST",
+            "/v1/sandboxes",
+            Some(body),
+            &[("idempotency-key", "k1")],
+        )
+        .await;
+    assert_eq!(
+        (s, v["id"].as_str()),
+        (StatusCode::CREATED, Some(id.as_str()))
+    );
+    assert_eq!(v["state"], "running", "{v}");
+}

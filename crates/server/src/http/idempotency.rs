@@ -20,9 +20,10 @@ use tokio::sync::watch;
 use crate::error::{ApiError, ApiResult};
 use crate::http::routes::processes;
 use crate::http::{deferred_body, json_bytes, Reply};
-use crate::store::StoredAnswer;
+use crate::store::{StoredAnswer, PENDING_SANDBOX};
 use crate::AppState;
 
+#[derive(Clone)]
 pub(crate) struct Request {
     pub idem_key: String,
     pub fingerprint: String,
@@ -98,7 +99,13 @@ fn replay(st: &AppState, stored: StoredAnswer) -> ApiResult<Response> {
     let body: Value = serde_json::from_str(&stored.body).map_err(|e| ApiError::Internal {
         what: format!("stored answer is not JSON: {e}"),
     })?;
-    let mut resp = if stored.kind == "stream" {
+    let mut resp = if stored.kind == PENDING_SANDBOX {
+        let id = body
+            .get("sandboxId")
+            .and_then(Value::as_str)
+            .unwrap_or_default();
+        replayed(crate::http::routes::sandboxes::replay_created(st, id)?)
+    } else if stored.kind == "stream" {
         let sandbox_id = body
             .get("sandboxId")
             .and_then(Value::as_str)
@@ -109,16 +116,25 @@ fn replay(st: &AppState, stored: StoredAnswer) -> ApiResult<Response> {
             .unwrap_or_default();
         processes::replay_stream(st, sandbox_id, pid)?
     } else {
-        let mut body = body;
-        if let Value::Object(m) = &mut body {
-            m.insert("replayed".into(), Value::Bool(true));
-        }
         let status = StatusCode::from_u16(stored.status).unwrap_or(StatusCode::OK);
-        Reply::Json(status, body).into_response()
+        replayed(Reply::Json(status, body))
     };
     resp.headers_mut()
         .insert("idempotency-replayed", HeaderValue::from_static("true"));
     Ok(resp)
+}
+
+/// A stored JSON answer as replayed: marked `"replayed": true`.
+fn replayed(reply: Reply) -> Response {
+    match reply {
+        Reply::Json(status, mut body) => {
+            if let Value::Object(m) = &mut body {
+                m.insert("replayed".into(), Value::Bool(true));
+            }
+            Reply::Json(status, body).into_response()
+        }
+        other => other.into_response(),
+    }
 }
 
 /// Runs a change: once per idempotency key when one is given, in an owned

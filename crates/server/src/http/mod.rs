@@ -96,6 +96,8 @@ pub(crate) struct Ctx {
     pub key: KeyInfo,
     pub headers: HeaderMap,
     pub query: Vec<(String, String)>,
+    /// The request's idempotency key and fingerprint, when it has one.
+    pub idem: Option<idempotency::Request>,
 }
 
 pub(crate) fn router(state: AppState) -> axum::Router {
@@ -308,12 +310,6 @@ async fn serve(
     } else {
         read_body(body, body_limit(&r)).await?
     };
-    let ctx = Ctx {
-        key,
-        headers: parts.headers.clone(),
-        query,
-    };
-
     let idem = match parts.headers.get("idempotency-key") {
         Some(v) if parts.method != Method::GET => {
             let k = v
@@ -339,6 +335,12 @@ async fn serve(
             })
         }
         _ => None,
+    };
+    let ctx = Ctx {
+        key,
+        headers: parts.headers.clone(),
+        query,
+        idem: idem.clone(),
     };
 
     let is_get = parts.method == Method::GET;

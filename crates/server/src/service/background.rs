@@ -84,9 +84,14 @@ fn end_lease_or_idle(st: &AppState, r: &SandboxRow, now: i64) -> ApiResult<()> {
     Ok(())
 }
 
-/// Reattaches every sandbox an earlier server left starting, running or stopping.
+/// Settles what an earlier server left: machines no record owns end,
+/// captures cut short fail, and every sandbox it left starting, running,
+/// pausing, resuming or stopping is reattached or recorded as it truly is.
 pub(crate) async fn recover(st: &AppState) -> Result<(), ServerError> {
-    for row in st.store().live_sandboxes()? {
+    let rows = st.store().live_sandboxes()?;
+    sweep(st, &rows).await;
+    crate::service::snapshots::recover(st);
+    for row in rows {
         let id = row.record.id.clone();
         match row.record.state {
             Starting | Running => {
@@ -102,14 +107,22 @@ pub(crate) async fn recover(st: &AppState) -> Result<(), ServerError> {
                     }
                 };
                 let now = iso(st.now_ms());
-                let event = if found {
-                    Event::Recovered
-                } else {
-                    Event::MachineGone
+                let starting = row.record.state == Starting;
+                let event = match (found, starting) {
+                    (true, _) => Event::Recovered,
+                    // Its machine never finished its setup (and was ended):
+                    // the start failed, as one that fails while we watch.
+                    (false, true) => Event::BootFailed,
+                    (false, false) => Event::MachineGone,
                 };
                 lifecycle::transition(st, &id, event, |r| {
                     if !found {
-                        r.record.stop_reason = Some("host_lost".into());
+                        let why = if starting {
+                            "start_failed"
+                        } else {
+                            "host_lost"
+                        };
+                        r.record.stop_reason = Some(why.into());
                         r.record.ended_at = Some(now.clone());
                     } else if r.record.ready_at.is_none() {
                         r.record.ready_at = Some(now.clone());
@@ -126,16 +139,20 @@ pub(crate) async fn recover(st: &AppState) -> Result<(), ServerError> {
                     .recover(&lifecycle::machine_spec(st, &row.record))
                     .await
                     .unwrap_or(false);
-                let event = if found {
-                    Event::Recovered
-                } else {
-                    Event::RecoveredSaved
-                };
-                lifecycle::transition(st, &id, event, |r| {
-                    if found {
+                let event = settled_pause(found, st.host().has_paused_state(&id));
+                let now = iso(st.now_ms());
+                lifecycle::transition(st, &id, event, |r| match event {
+                    Event::Recovered => r.record.paused_at = None,
+                    Event::RecoveredSaved => {
+                        if r.record.paused_at.is_none() {
+                            r.record.paused_at = Some(now.clone());
+                        }
+                    }
+                    _ => {
+                        // Neither a machine nor a whole state to wake from.
+                        r.record.stop_reason = Some("host_lost".into());
+                        r.record.ended_at = Some(now.clone());
                         r.record.paused_at = None;
-                    } else if r.record.paused_at.is_none() {
-                        r.record.paused_at = Some(iso(st.now_ms()));
                     }
                 })?;
                 if found && pausing {
@@ -158,4 +175,40 @@ pub(crate) async fn recover(st: &AppState) -> Result<(), ServerError> {
     }
     st.notify_change();
     Ok(())
+}
+
+/// Where a pause or wake cut short by a crash ends: `running` when its
+/// machine still runs, `paused` only when a whole paused state is kept to
+/// wake from, otherwise `stopped` (the machine and its memory are gone).
+fn settled_pause(machine_runs: bool, state_kept: bool) -> Event {
+    match (machine_runs, state_kept) {
+        (true, _) => Event::Recovered,
+        (false, true) => Event::RecoveredSaved,
+        (false, false) => Event::MachineGone,
+    }
+}
+
+/// Ends the machines the host finds that no live record owns: a sandbox
+/// deleted while the earlier server died (its row marked, its machine not
+/// yet ended), or one the store never knew.
+async fn sweep(st: &AppState, rows: &[SandboxRow]) {
+    let owned: std::collections::HashSet<String> =
+        rows.iter().map(|r| r.record.id.clone()).collect();
+    for id in st.host().sweep(&owned).await {
+        crate::service::network::sandbox_gone(st, &id);
+        tracing::info!(sandbox_id = %id, "ended a machine no sandbox owns");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_pause_cut_short_is_paused_only_with_a_state_to_wake_from() {
+        assert_eq!(settled_pause(true, false), Event::Recovered);
+        assert_eq!(settled_pause(true, true), Event::Recovered);
+        assert_eq!(settled_pause(false, true), Event::RecoveredSaved);
+        assert_eq!(settled_pause(false, false), Event::MachineGone);
+    }
 }

@@ -310,6 +310,8 @@ pub(crate) fn delete_sandbox(st: &AppState, id: &str, reason: &str) -> ApiResult
     crate::service::watches::sandbox_gone(st, id);
     crate::service::previews::live::sandbox_gone(st, id);
     crate::service::network::sandbox_gone(st, id);
+    // Marked deleted, its machine not ended yet.
+    runtime_host::crash_point(st.config().test_crash_at.as_deref(), "delete_destroy");
     let st2 = st.clone();
     let id2 = id.to_string();
     st.spawn(async move {
@@ -345,6 +347,50 @@ pub(crate) struct NewSandbox {
     pub net: crate::domain::network::CreateNet,
     pub volumes: Vec<crate::service::volumes::Attachment>,
     pub image: Option<String>,
+    /// The idempotency record of the request, stored with the new sandbox.
+    pub answer_slot: Option<AnswerSlot>,
+}
+
+/// Where a create's idempotent answer goes: the key's id, the request's
+/// `Idempotency-Key` and its fingerprint. The sandbox a create makes is
+/// stored with a pending record there in one transaction, so a resend
+/// after a crash finds that sandbox and never makes a second.
+#[derive(Clone)]
+pub(crate) struct AnswerSlot {
+    pub key_id: String,
+    pub idem_key: String,
+    pub fingerprint: String,
+}
+
+/// The pending answer of a create of `id` at `now_ms`.
+fn pending_answer(slot: &AnswerSlot, id: &str, now_ms: i64) -> crate::store::StoredAnswer {
+    crate::store::StoredAnswer {
+        fingerprint: slot.fingerprint.clone(),
+        kind: crate::store::PENDING_SANDBOX.into(),
+        status: 201,
+        body: serde_json::json!({ "sandboxId": id }).to_string(),
+        created_ms: now_ms,
+    }
+}
+
+/// A create's answer replayed from its pending record (the server died
+/// before the answer was stored): the sandbox it made, as it is now.
+pub(crate) fn created(st: &AppState, id: &str) -> ApiResult<Created> {
+    let row = st
+        .store()
+        .get_sandbox(id)?
+        .filter(|r| r.deleted.is_none())
+        .ok_or_else(|| ApiError::sandbox_not_found(id))?;
+    let start_mode = if row.record.snapshot.is_some() {
+        "snapshot"
+    } else {
+        "boot"
+    };
+    Ok(Created {
+        row,
+        reused: false,
+        start_mode,
+    })
 }
 
 /// What a create made: the sandbox, whether `getOrCreate` found it, and
@@ -374,6 +420,7 @@ pub(crate) async fn create(
         net,
         volumes,
         image,
+        answer_slot,
     } = req;
     let mut record = new_record(
         settings,
@@ -485,7 +532,15 @@ pub(crate) async fn create(
                 crate::service::network::store_create(st, &row.record.id, &net)?;
                 row.record.secrets = crate::service::network::load(st, &row.record.id)?.secrets;
                 crate::service::volumes::keep(st, &row.record.id, &volumes)?;
-                st.store().insert_sandbox(&row)?;
+                let pending = answer_slot
+                    .as_ref()
+                    .map(|a| (a, pending_answer(a, &row.record.id, st.now_ms())));
+                st.store().insert_sandbox_answered(
+                    &row,
+                    pending
+                        .as_ref()
+                        .map(|(a, p)| (a.key_id.as_str(), a.idem_key.as_str(), p)),
+                )?;
                 tracing::info!(sandbox_id = %row.record.id, "sandbox created");
                 crate::service::events::sandbox_event(st, &row, "sandbox.created", &[]);
                 drive(st, &row.record.id, Op::Start { from })?;
@@ -496,6 +551,7 @@ pub(crate) async fn create(
     if let Some(wait) = wait {
         wait_until(st, &id, wait, |s| s != Starting && s != Stopping).await?;
     }
+    runtime_host::crash_point(st.config().test_crash_at.as_deref(), "create_answer");
     let row = st
         .store()
         .get_sandbox(&id)?

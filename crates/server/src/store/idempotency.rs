@@ -1,14 +1,21 @@
 //! Stored answers of idempotent requests.
 
-use rusqlite::{params, OptionalExtension};
+use rusqlite::{params, Connection, OptionalExtension};
 
 use super::{store_err, Store};
 use crate::error::ServerError;
 
+/// The kind of a record stored with the sandbox a create made, in the
+/// same transaction, before its answer exists (`{"sandboxId": …}`): a
+/// resend after a crash answers that sandbox instead of making another.
+/// The answer, once there, replaces it.
+pub(crate) const PENDING_SANDBOX: &str = "sandbox";
+
 #[derive(Debug, Clone)]
 pub struct StoredAnswer {
     pub fingerprint: String,
-    /// `json` (replay body) or `stream` (body names the process to follow).
+    /// `json` (replay body), `stream` (body names the process to follow) or
+    /// [`PENDING_SANDBOX`].
     pub kind: String,
     pub status: u16,
     pub body: String,
@@ -45,14 +52,7 @@ impl Store {
         idem_key: &str,
         a: &StoredAnswer,
     ) -> Result<(), ServerError> {
-        self.conn()
-            .execute(
-                "INSERT OR REPLACE INTO idempotency (key_id, idem_key, fingerprint, kind, status, body, created_ms)
-                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
-                params![key_id, idem_key, a.fingerprint, a.kind, a.status, a.body, a.created_ms],
-            )
-            .map(|_| ())
-            .map_err(store_err("put idempotency"))
+        put(&self.conn(), key_id, idem_key, a)
     }
 
     pub fn idem_purge(&self, older_than_ms: i64) -> Result<usize, ServerError> {
@@ -63,4 +63,20 @@ impl Store {
             )
             .map_err(store_err("purge idempotency"))
     }
+}
+
+/// Stores (or replaces) one answer on `conn`, which may be a transaction.
+pub(super) fn put(
+    conn: &Connection,
+    key_id: &str,
+    idem_key: &str,
+    a: &StoredAnswer,
+) -> Result<(), ServerError> {
+    conn.execute(
+        "INSERT OR REPLACE INTO idempotency (key_id, idem_key, fingerprint, kind, status, body, created_ms)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
+        params![key_id, idem_key, a.fingerprint, a.kind, a.status, a.body, a.created_ms],
+    )
+    .map(|_| ())
+    .map_err(store_err("put idempotency"))
 }

@@ -335,6 +335,11 @@ pub(crate) fn open_connection(data_dir: &Path) -> Result<Connection, ServerError
         .map_err(store_err("busy_timeout"))?;
     conn.pragma_update(None, "journal_mode", "WAL")
         .map_err(store_err("wal"))?;
+    // NORMAL, not FULL: in WAL mode a commit survives a crash of the
+    // process either way, and the store stays whole across a power loss;
+    // FULL would only keep the last commits before one, at an fsync per
+    // commit (3.6 ms against 0.08 ms here), and the meter commits every
+    // running sandbox every second (docs/security.md, "Crashes tell the truth").
     conn.pragma_update(None, "synchronous", "NORMAL")
         .map_err(store_err("synchronous"))?;
     let version: i64 = conn
@@ -418,7 +423,7 @@ impl Store {
 }
 
 pub(crate) use events::{Attempt, DeliveryRow, EventQuery, EventRow, SealedSecret, WebhookRow};
-pub(crate) use idempotency::StoredAnswer;
+pub(crate) use idempotency::{StoredAnswer, PENDING_SANDBOX};
 pub(crate) use keys::insert_key;
 pub(crate) use processes::{ProcEnd, ProcRow};
 pub(crate) use sandboxes::SandboxRow;

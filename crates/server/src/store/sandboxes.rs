@@ -4,7 +4,7 @@
 use runtime_api::{DeletedSandbox, Sandbox};
 use rusqlite::{params, Connection, OptionalExtension};
 
-use super::{corrupt, store_err, Store};
+use super::{corrupt, store_err, Store, StoredAnswer};
 use crate::error::ServerError;
 
 /// A sandbox as stored: its public record plus what is never echoed.
@@ -57,15 +57,32 @@ fn get_row(conn: &Connection, id: &str) -> Result<Option<SandboxRow>, ServerErro
 
 impl Store {
     pub fn insert_sandbox(&self, row: &SandboxRow) -> Result<i64, ServerError> {
+        self.insert_sandbox_answered(row, None)
+    }
+
+    /// Inserts the sandbox and, in the same transaction, `answer` as the
+    /// idempotency record `(key_id, idem_key)` of the request that made it:
+    /// a crash leaves both or neither.
+    pub fn insert_sandbox_answered(
+        &self,
+        row: &SandboxRow,
+        answer: Option<(&str, &str, &StoredAnswer)>,
+    ) -> Result<i64, ServerError> {
         let record = serde_json::to_string(&row.record).map_err(|e| corrupt(e.to_string()))?;
         let env = serde_json::to_string(&row.env).map_err(|e| corrupt(e.to_string()))?;
-        let conn = self.conn();
-        conn.execute(
+        let mut conn = self.conn();
+        let tx = conn.transaction().map_err(store_err("begin"))?;
+        tx.execute(
             "INSERT INTO sandboxes (id, key_id, name, state, record, env) VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
             params![row.record.id, row.key_id, row.record.name, row.record.state.as_str(), record, env],
         )
         .map_err(store_err("insert sandbox"))?;
-        Ok(conn.last_insert_rowid())
+        let seq = tx.last_insert_rowid();
+        if let Some((key_id, idem_key, a)) = answer {
+            super::idempotency::put(&tx, key_id, idem_key, a)?;
+        }
+        tx.commit().map_err(store_err("commit"))?;
+        Ok(seq)
     }
 
     pub fn get_sandbox(&self, id: &str) -> Result<Option<SandboxRow>, ServerError> {

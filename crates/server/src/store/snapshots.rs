@@ -85,6 +85,25 @@ impl Store {
         Ok(Some(row))
     }
 
+    /// Every snapshot whose capture has not ended, deleted ones included
+    /// (their directory waits for the capture's end).
+    pub fn capturing_snapshots(&self) -> Result<Vec<SnapshotRow>, ServerError> {
+        let conn = self.conn();
+        let mut stmt = conn
+            .prepare("SELECT seq, key_id, record, deleted FROM snapshots WHERE state = 'capturing'")
+            .map_err(store_err("list capturing snapshots"))?;
+        let rows = stmt
+            .query_map([], raw_snapshot)
+            .map_err(store_err("list capturing snapshots"))?;
+        let mut out = Vec::new();
+        for r in rows {
+            out.push(parse_snapshot(
+                r.map_err(store_err("list capturing snapshots"))?,
+            )?);
+        }
+        Ok(out)
+    }
+
     /// Every snapshot not deleted, newest first.
     pub fn live_snapshots(&self) -> Result<Vec<SnapshotRow>, ServerError> {
         let conn = self.conn();

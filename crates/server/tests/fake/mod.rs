@@ -74,6 +74,12 @@ pub(crate) struct FakeHost {
     pub stdin_seen: Arc<Mutex<Vec<u8>>>,
     pub last_exec: Mutex<Option<ExecSpec>>,
     pub paused: Mutex<Vec<String>>,
+    /// Sandboxes whose paused state is kept (a pause adds, a wake takes).
+    pub saved: Mutex<HashSet<String>>,
+    /// Machines the fake has on "disk" after a restart, for the sweep; the
+    /// ids it ended are in `swept`.
+    pub machines: Mutex<HashSet<String>>,
+    pub swept: Mutex<Vec<String>>,
     pub woken: Mutex<Vec<String>>,
     pub wake_delay_ms: Mutex<u64>,
     /// (source, dest, memory) per capture.
@@ -210,6 +216,18 @@ impl Host for FakeHost {
         Ok(self.recoverable.lock().unwrap().contains(&spec.id))
     }
 
+    fn has_paused_state(&self, id: &str) -> bool {
+        self.saved.lock().unwrap().contains(id)
+    }
+
+    async fn sweep(&self, owned: &HashSet<String>) -> Vec<String> {
+        let mut machines = self.machines.lock().unwrap();
+        let ended: Vec<String> = machines.difference(owned).cloned().collect();
+        machines.retain(|m| owned.contains(m));
+        self.swept.lock().unwrap().extend(ended.iter().cloned());
+        ended
+    }
+
     async fn stop(&self, id: &str, keep_disk: bool) -> Result<(), HostError> {
         self.stopped.lock().unwrap().push((id.into(), keep_disk));
         Ok(())
@@ -268,6 +286,7 @@ impl Host for FakeHost {
             }
         }
         self.paused.lock().unwrap().push(id.into());
+        self.saved.lock().unwrap().insert(id.into());
         Ok(())
     }
 
@@ -275,6 +294,7 @@ impl Host for FakeHost {
         let delay = *self.wake_delay_ms.lock().unwrap();
         tokio::time::sleep(Duration::from_millis(delay)).await;
         self.woken.lock().unwrap().push(spec.id.clone());
+        self.saved.lock().unwrap().remove(&spec.id);
         self.set_paused(&spec.id, false);
         Ok(())
     }

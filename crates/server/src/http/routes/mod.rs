@@ -17,7 +17,7 @@ mod files;
 mod images;
 pub(crate) mod network;
 mod previews;
-mod sandboxes;
+pub(crate) mod sandboxes;
 mod secrets;
 mod sessions;
 mod snapshots;

@@ -155,18 +155,30 @@ fn parse_create(st: &AppState, key: &KeyInfo, body: &[u8]) -> ApiResult<NewSandb
         net,
         volumes,
         image: image_ref,
+        answer_slot: None,
     })
 }
 
 pub(super) async fn create(st: AppState, ctx: Ctx, body: Bytes) -> ApiResult<Reply> {
-    let req = parse_create(&st, &ctx.key, &body)?;
+    let mut req = parse_create(&st, &ctx.key, &body)?;
+    req.answer_slot = ctx.idem.as_ref().map(|r| svc::AnswerSlot {
+        key_id: ctx.key.id.clone(),
+        idem_key: r.idem_key.clone(),
+        fingerprint: r.fingerprint.clone(),
+    });
     let made = svc::create(&st, &ctx.key, req, wait_of(&ctx)).await?;
+    Ok(created_reply(&made))
+}
+
+/// A create's answer: `201` with the new sandbox, `200` with the one
+/// `getOrCreate` found.
+fn created_reply(made: &svc::Created) -> Reply {
     let status = if made.reused {
         StatusCode::OK
     } else {
         StatusCode::CREATED
     };
-    Ok(Reply::Json(
+    Reply::Json(
         status,
         record_json(
             &made.row.record,
@@ -175,7 +187,13 @@ pub(super) async fn create(st: AppState, ctx: Ctx, body: Bytes) -> ApiResult<Rep
                 ("start", json!({"mode": made.start_mode})),
             ],
         ),
-    ))
+    )
+}
+
+/// The replay of a create whose answer a crash kept from being stored:
+/// the sandbox its pending record names, as it is now.
+pub(crate) fn replay_created(st: &AppState, id: &str) -> ApiResult<Reply> {
+    Ok(created_reply(&svc::created(st, id)?))
 }
 
 fn record(s: &runtime_api::Sandbox) -> ApiResult<Reply> {

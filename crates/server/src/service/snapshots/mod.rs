@@ -486,6 +486,38 @@ pub(crate) fn delete(st: &AppState, key: &KeyInfo, id: &str) -> ApiResult<String
     Ok(at)
 }
 
+/// After a restart: no capture of the earlier server goes on, so every
+/// snapshot still `capturing` is `failed` (a deleted one stays deleted) and
+/// its partial directory goes. Its source's machine, which the capture may
+/// have left stopped, is run on by the host's recovery.
+pub(crate) fn recover(st: &AppState) {
+    let rows = match st.store().capturing_snapshots() {
+        Ok(r) => r,
+        Err(e) => {
+            tracing::error!(error = %e, "reading snapshots cut short failed");
+            return;
+        }
+    };
+    for r in rows {
+        let id = r.record.id.clone();
+        let updated = st.store().update_snapshot(&id, |x| {
+            x.record.state = "failed".into();
+            x.record.error =
+                Some("The capture was cut short by a restart of the server; take it again.".into());
+            true
+        });
+        remove_dir(&dir(st, &id));
+        match updated {
+            Ok(Some(row)) if row.deleted.is_none() => {
+                snapshot_event(st, &row, "snapshot.failed");
+                tracing::info!(snapshot_id = %id, "a capture cut short: snapshot failed");
+            }
+            Ok(_) => {}
+            Err(e) => tracing::error!(snapshot_id = %id, error = %e, "failing a snapshot failed"),
+        }
+    }
+}
+
 /// Deletes snapshots past their `expiresAt`.
 pub(crate) fn expire(st: &AppState, now: i64) {
     let rows = match st.store().live_snapshots() {
