@@ -62,30 +62,21 @@ impl Uploads {
 
     /// Forgets a deleted sandbox's uploads and their files.
     pub(crate) fn sandbox_gone(&self, sandbox_id: &str) {
-        let gone: Vec<String> = {
-            let mut m = self.lock();
-            let ids: Vec<String> = m
-                .iter()
-                .filter(|(_, slot)| slot.sandbox == sandbox_id)
-                .map(|(k, _)| k.clone())
-                .collect();
-            for k in &ids {
-                m.remove(k);
-            }
-            ids
-        };
-        for id in gone {
-            let _ = std::fs::remove_file(self.dir.join(&id));
-        }
+        self.forget(|slot| slot.sandbox == sandbox_id);
     }
 
     /// Forgets the uploads idle for an hour, and removes their files.
     fn expire(&self, now_ms: i64) {
-        let gone: Vec<String> = {
+        self.forget(|slot| now_ms - slot.touched_ms > UPLOAD_IDLE_MS);
+    }
+
+    /// Forgets the uploads `gone` picks, and removes their files.
+    fn forget(&self, gone: impl Fn(&UploadSlot) -> bool) {
+        let ids: Vec<String> = {
             let mut m = self.lock();
             let ids: Vec<String> = m
                 .iter()
-                .filter(|(_, slot)| now_ms - slot.touched_ms > UPLOAD_IDLE_MS)
+                .filter(|(_, slot)| gone(slot))
                 .map(|(k, _)| k.clone())
                 .collect();
             for k in &ids {
@@ -93,7 +84,7 @@ impl Uploads {
             }
             ids
         };
-        for id in gone {
+        for id in ids {
             let _ = std::fs::remove_file(self.dir.join(&id));
         }
     }
