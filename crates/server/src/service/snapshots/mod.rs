@@ -92,13 +92,14 @@ pub(crate) async fn fork(
         .unwrap_or(i64::MAX)
         .saturating_mul(lease);
     crate::service::billing::check_spend(st, &key.id, &src.record, lease, copies_cost)?;
-    let shapes = vec![(src.record.vcpu, src.record.memory_mib); count];
-    let disks = u64::from(src.record.disk_mib) * count as u64;
-    crate::service::quotas::admit_machines(st, &key.id, &shapes, disks).await?;
 
     let now = st.now_ms();
     let copies: Vec<SandboxRow> = {
         let _g = st.inner.create_lock.lock().await;
+        // Counted under the lock: two forks at once cannot both take the last place.
+        let shapes = vec![(src.record.vcpu, src.record.memory_mib); count];
+        let disks = u64::from(src.record.disk_mib) * count as u64;
+        crate::service::quotas::admit_machines(st, &key.id, &shapes, disks).await?;
         if let Some(n) = &name {
             if let Some(h) = name_holder(st, &key.id, n, None)? {
                 let sandbox_id =
