@@ -377,7 +377,7 @@ impl Telemetry {
                 &mut o,
                 "runtime_egress_bytes_total",
                 "counter",
-                "Bytes the egress proxy carried for guests, by direction.",
+                "What the egress proxy carried for guests, in bytes, by direction.",
             );
             let _ = writeln!(
                 o,
