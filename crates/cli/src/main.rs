@@ -29,8 +29,18 @@ use runtime_host::{artifacts, choose_accel, probe_boot, Accel, QemuConfig, QemuH
     about = "Self-hosted sandboxes for AI agents, as QEMU microVMs"
 )]
 struct Cli {
+    /// How log lines look on stderr: `text` for people, `json` (one object
+    /// a line, with the request's id and route) for a log collector.
+    #[arg(long, global = true, value_enum, default_value_t = LogFormat::Text)]
+    log_format: LogFormat,
     #[command(subcommand)]
     cmd: Cmd,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum LogFormat {
+    Text,
+    Json,
 }
 
 // Parsed once at start: the size of the serve variant costs nothing.
@@ -646,13 +656,22 @@ fn keys(cmd: KeysCmd) -> anyhow::Result<()> {
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("RUNTIME_LOG")
-                .unwrap_or_else(|_| "info".into()),
-        )
-        .with_writer(std::io::stderr)
-        .init();
+    let filter = tracing_subscriber::EnvFilter::try_from_env("RUNTIME_LOG")
+        .unwrap_or_else(|_| "info".into());
+    let logs = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match cli.log_format {
+        LogFormat::Text => logs.init(),
+        // Each line: time, level, message and fields, and the spans it is
+        // in (the request's `request_id`, method and path; a sandbox's id).
+        LogFormat::Json => logs
+            .json()
+            .flatten_event(true)
+            .with_current_span(true)
+            .with_span_list(true)
+            .init(),
+    }
     match cli.cmd {
         Cmd::Serve {
             listen,

@@ -32,6 +32,7 @@ use tokio::sync::watch;
 
 pub use ca::SandboxCa;
 pub use error::EgressError;
+pub use limits::Traffic;
 pub use rules::{
     is_forbidden_port, is_internal, Issue, Policy, Refusal, Rules, FORBIDDEN_PORTS, MAX_ENTRIES,
     WEB_PORTS,
@@ -135,5 +136,10 @@ impl Egress {
         IO: AsyncRead + AsyncWrite + Unpin + Send + 'static,
     {
         proxy::serve(self.inner.clone(), io, net).await
+    }
+
+    /// What the proxy carried for every sandbox since it started.
+    pub fn traffic(&self) -> Traffic {
+        self.inner.limits.traffic()
     }
 }

@@ -72,10 +72,36 @@ impl PerSandbox {
     }
 }
 
-/// One slot of each cap, held as long as the connection is open.
+/// One slot of each cap, held as long as the connection is open, and
+/// where its bytes are counted.
 pub(crate) struct ConnPermit {
     _host: OwnedSemaphorePermit,
     _sandbox: OwnedSemaphorePermit,
+    traffic: Arc<Counters>,
+}
+
+/// What the proxy carried since it started, every sandbox together.
+#[derive(Debug, Default)]
+pub(crate) struct Counters {
+    sent: AtomicU64,
+    received: AtomicU64,
+    opened: AtomicU64,
+    refused: AtomicU64,
+}
+
+/// The proxy's totals since it started ([`crate::Egress::traffic`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Traffic {
+    /// Bytes written to destinations.
+    pub sent_bytes: u64,
+    /// Bytes read from destinations.
+    pub received_bytes: u64,
+    /// Upstream connections opened.
+    pub connections: u64,
+    /// Upstream connections open now.
+    pub connections_open: u64,
+    /// New connections refused by a cap.
+    pub refused: u64,
 }
 
 /// The connection caps shared by every sandbox of a host.
@@ -85,6 +111,7 @@ pub(crate) struct Limits {
     sandboxes: PerSandbox,
     refused: AtomicU64,
     last_warn: Mutex<Option<Instant>>,
+    traffic: Arc<Counters>,
 }
 
 impl Limits {
@@ -96,6 +123,7 @@ impl Limits {
             sandboxes: PerSandbox::new(max_sandbox),
             refused: AtomicU64::new(0),
             last_warn: Mutex::new(None),
+            traffic: Arc::default(),
         }
     }
 
@@ -108,14 +136,31 @@ impl Limits {
                 Ok(h) => Ok(ConnPermit {
                     _host: h,
                     _sandbox: s,
+                    traffic: Arc::clone(&self.traffic),
                 }),
                 Err(_) => Err(CapFull::Host(self.max_host)),
             },
         };
-        if let Err(full) = &result {
-            self.note_refusal(sandbox_id, *full);
-        }
+        match &result {
+            Ok(_) => self.traffic.opened.fetch_add(1, Ordering::Relaxed),
+            Err(full) => {
+                self.note_refusal(sandbox_id, *full);
+                self.traffic.refused.fetch_add(1, Ordering::Relaxed)
+            }
+        };
         result
+    }
+
+    /// What was carried since the proxy started.
+    pub(crate) fn traffic(&self) -> Traffic {
+        let t = &self.traffic;
+        Traffic {
+            sent_bytes: t.sent.load(Ordering::Relaxed),
+            received_bytes: t.received.load(Ordering::Relaxed),
+            connections: t.opened.load(Ordering::Relaxed),
+            connections_open: (self.max_host - self.host.available_permits()) as u64,
+            refused: t.refused.load(Ordering::Relaxed),
+        }
     }
 
     /// A guest can trigger this at will: logged at most every [`WARN_EVERY`].
@@ -140,17 +185,24 @@ impl Limits {
     }
 }
 
-/// An upstream connection and its slot in the caps, given back on drop.
+/// An upstream connection and its slot in the caps, given back on drop;
+/// the bytes either way are counted.
 pub(crate) struct Upstream {
     stream: TcpStream,
-    _permit: ConnPermit,
+    permit: ConnPermit,
 }
 
 impl Upstream {
     pub(crate) fn new(stream: TcpStream, permit: ConnPermit) -> Self {
-        Self {
-            stream,
-            _permit: permit,
+        Self { stream, permit }
+    }
+
+    fn sent(&self, r: &Poll<io::Result<usize>>) {
+        if let Poll::Ready(Ok(n)) = r {
+            self.permit
+                .traffic
+                .sent
+                .fetch_add(*n as u64, Ordering::Relaxed);
         }
     }
 }
@@ -161,7 +213,16 @@ impl AsyncRead for Upstream {
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.stream).poll_read(cx, buf)
+        let before = buf.filled().len();
+        let r = Pin::new(&mut self.stream).poll_read(cx, buf);
+        if let Poll::Ready(Ok(())) = r {
+            let n = buf.filled().len().saturating_sub(before);
+            self.permit
+                .traffic
+                .received
+                .fetch_add(n as u64, Ordering::Relaxed);
+        }
+        r
     }
 }
 
@@ -171,7 +232,9 @@ impl AsyncWrite for Upstream {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.stream).poll_write(cx, buf)
+        let r = Pin::new(&mut self.stream).poll_write(cx, buf);
+        self.sent(&r);
+        r
     }
 
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
@@ -187,7 +250,9 @@ impl AsyncWrite for Upstream {
         cx: &mut Context<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.stream).poll_write_vectored(cx, bufs)
+        let r = Pin::new(&mut self.stream).poll_write_vectored(cx, bufs);
+        self.sent(&r);
+        r
     }
 
     fn is_write_vectored(&self) -> bool {
@@ -221,5 +286,32 @@ mod tests {
         let map = l.sandboxes.map.lock().unwrap();
         assert!(!map.contains_key("a"));
         assert!(map.contains_key("b"));
+    }
+
+    #[tokio::test]
+    async fn bytes_connections_and_refusals_are_counted() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let echo = tokio::spawn(async move {
+            let (mut s, _) = listener.accept().await.unwrap();
+            let mut buf = [0u8; 5];
+            s.read_exact(&mut buf).await.unwrap();
+            s.write_all(b"hello, world").await.unwrap();
+        });
+        let l = Limits::new(4, 1);
+        let permit = l.connection("a").unwrap();
+        assert_eq!(l.connection("a").err(), Some(CapFull::Sandbox(1)));
+        let mut up = Upstream::new(TcpStream::connect(addr).await.unwrap(), permit);
+        up.write_all(b"hello").await.unwrap();
+        let mut got = Vec::new();
+        up.read_to_end(&mut got).await.unwrap();
+        echo.await.unwrap();
+        assert_eq!(got, b"hello, world");
+        let t = l.traffic();
+        assert_eq!((t.sent_bytes, t.received_bytes), (5, 12));
+        assert_eq!((t.connections, t.connections_open, t.refused), (1, 1, 1));
+        drop(up);
+        assert_eq!(l.traffic().connections_open, 0);
     }
 }

@@ -280,6 +280,10 @@ impl QemuHost {
 
 #[async_trait]
 impl Host for QemuHost {
+    fn egress_traffic(&self) -> Option<runtime_egress::Traffic> {
+        Some(self.networks.traffic())
+    }
+
     async fn room(&self) -> Option<crate::Room> {
         let (ram, state) = (self.ram_dir.to_path_buf(), self.cfg.state_dir.clone());
         tokio::task::spawn_blocking(move || ram::room(&ram, &state))

@@ -80,6 +80,11 @@ impl Networks {
         }
     }
 
+    /// What the proxy carried since it started.
+    pub(crate) fn traffic(&self) -> runtime_egress::Traffic {
+        self.egress.traffic()
+    }
+
     fn view(&self, id: &str) -> Option<SandboxNet> {
         self.lock().get(id).map(|l| SandboxNet {
             sandbox_id: id.to_owned(),

@@ -426,6 +426,11 @@ pub trait Host: Send + Sync + 'static {
     async fn room(&self) -> Option<Room> {
         None
     }
+    /// What this host's egress proxy carried for its guests since it
+    /// started, for the operator's metrics; `None` when it has no proxy.
+    fn egress_traffic(&self) -> Option<runtime_egress::Traffic> {
+        None
+    }
     /// Opens a TCP connection to `127.0.0.1:port` inside the guest (previews,
     /// port forwarding), carried over the agent channel with flow control.
     /// The stream ends when either side closes or the machine stops.

@@ -37,6 +37,10 @@ pub enum ApiError {
     Unauthorized,
     #[error("this key may not {action}")]
     Forbidden { action: &'static str },
+    /// A key of one tenant asking for what only the account's keys (the
+    /// account-wide or read-only ones) may see.
+    #[error("only an account-wide or read-only key may {action}")]
+    AccountKeyNeeded { action: &'static str },
     /// A session token used for something beyond its sandbox's commands,
     /// processes, files and previews.
     #[error("a session may not {action}")]

@@ -157,6 +157,10 @@ struct Inner {
     nets: service::network::Nets,
     meter: service::meter::Meter,
     metrics: service::metrics::Metrics,
+    /// The operator's counters (`GET /metrics`).
+    telemetry: domain::telemetry::Telemetry,
+    /// When this server started, for its uptime.
+    started: std::time::Instant,
     logins: http::login::Pending,
     hooks: service::webhooks::Hooks,
     tasks: TaskTracker,
@@ -184,6 +188,8 @@ impl AppState {
                 nets: service::network::Nets::default(),
                 meter: service::meter::Meter::default(),
                 metrics: service::metrics::Metrics::default(),
+                telemetry: domain::telemetry::Telemetry::default(),
+                started: std::time::Instant::now(),
                 logins: http::login::Pending::default(),
                 hooks: service::webhooks::Hooks::default(),
                 tasks: TaskTracker::new(),

@@ -22,6 +22,7 @@ pub(crate) mod sandbox;
 pub(crate) mod secret;
 pub(crate) mod session;
 pub(crate) mod snapshot;
+pub(crate) mod telemetry;
 pub(crate) mod time;
 pub(crate) mod volume;
 pub(crate) mod webhook;

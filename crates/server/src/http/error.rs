@@ -45,6 +45,18 @@ impl ApiError {
                 codes::FORBIDDEN,
                 format!("This API key is read-only and may not {action}."),
             ),
+            ApiError::AccountKeyNeeded { action } => Parts {
+                hint: Some(
+                    "Use the admin key, or a key made with `runtime keys create --read-only` \
+                     or `--account-wide`."
+                        .into(),
+                ),
+                ..p(
+                    StatusCode::FORBIDDEN,
+                    codes::FORBIDDEN,
+                    format!("Only an account-wide or read-only key may {action}."),
+                )
+            },
             ApiError::SessionScope { action } => Parts {
                 hint: Some(
                     "A session reaches its own sandbox's commands, processes, files and previews; \
@@ -235,6 +247,11 @@ impl ApiError {
         }
     }
 
+    /// The code this error answers with.
+    pub(crate) fn code(&self) -> &'static str {
+        self.parts().code
+    }
+
     /// The status this error answers with.
     pub fn status(&self) -> StatusCode {
         self.parts().status
@@ -386,6 +403,13 @@ mod tests {
             (
                 ApiError::Forbidden {
                     action: "make changes",
+                },
+                403,
+                codes::FORBIDDEN,
+            ),
+            (
+                ApiError::AccountKeyNeeded {
+                    action: "read the metrics",
                 },
                 403,
                 codes::FORBIDDEN,

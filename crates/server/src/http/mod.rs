@@ -13,6 +13,7 @@ pub(crate) mod reply;
 pub(crate) mod route;
 pub(crate) mod routes;
 pub(crate) mod serve;
+mod telemetry;
 pub(crate) mod tls;
 pub(crate) mod ws;
 
@@ -111,6 +112,7 @@ async fn handle(State(st): State<AppState>, req: Request) -> Response {
             .instrument(span)
             .await;
     }
+    let arrived = std::time::Instant::now();
     let rid = format!("req_{}", uuid::Uuid::new_v4().simple());
     // Set once a session's request from one of its pages is let in.
     let mut cors: Option<String> = None;
@@ -118,6 +120,8 @@ async fn handle(State(st): State<AppState>, req: Request) -> Response {
     let mut resp = async {
         let result = if login::is_login_path(req.uri().path()) {
             login::handle(&st, req).await
+        } else if req.uri().path() == telemetry::PATH {
+            telemetry::handle(&st, req).await
         } else if let Some(token) = links::token_of(req.uri().path()).map(str::to_string) {
             links::handle(&st, req, &token).await
         } else if req.method() == Method::OPTIONS {
@@ -125,13 +129,24 @@ async fn handle(State(st): State<AppState>, req: Request) -> Response {
         } else {
             serve(&st, req, &rid, &mut cors).await
         };
-        match result {
-            Ok(r) => r,
+        let (resp, code) = match result {
+            Ok(r) => (r, None),
             Err(e) => {
                 tracing::debug!(error = %e, "request refused");
-                e.into_response_with(&rid)
+                let code = e.code();
+                (e.into_response_with(&rid), Some(code))
             }
-        }
+        };
+        let took = arrived.elapsed();
+        st.inner
+            .telemetry
+            .answered(resp.status().as_u16(), took, code);
+        tracing::debug!(
+            status = resp.status().as_u16(),
+            ms = took.as_secs_f64() * 1e3,
+            "answered"
+        );
+        resp
     }
     .instrument(span)
     .await;
@@ -146,9 +161,9 @@ async fn handle(State(st): State<AppState>, req: Request) -> Response {
 
 /// Who a request comes from: an API key, or a session acting for one
 /// sandbox with the key that made it.
-struct Caller {
-    key: KeyInfo,
-    session: Option<Session>,
+pub(crate) struct Caller {
+    pub(crate) key: KeyInfo,
+    pub(crate) session: Option<Session>,
 }
 
 fn bearer(headers: &HeaderMap) -> Option<&str> {
@@ -160,7 +175,7 @@ fn bearer(headers: &HeaderMap) -> Option<&str> {
         .filter(|t| !t.is_empty())
 }
 
-fn authenticate(st: &AppState, headers: &HeaderMap) -> ApiResult<Caller> {
+pub(crate) fn authenticate(st: &AppState, headers: &HeaderMap) -> ApiResult<Caller> {
     let token = bearer(headers).ok_or(ApiError::Unauthorized)?;
     if is_session_token(token) {
         let (session, key) = crate::service::sessions::authenticate(st, token)?;

@@ -275,6 +275,7 @@ async fn start_kernel(st: &AppState, row: &SandboxRow, ctx: &Context) -> ApiResu
         kill_group_on_exit: false,
     };
     let h = st.host().exec(&row.record.id, spec).await?;
+    st.inner.telemetry.process_started("interpreter");
     let nonce = uuid::Uuid::new_v4().simple().to_string();
     let mut k = Kernel {
         events: h.events,

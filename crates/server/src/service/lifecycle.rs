@@ -18,6 +18,7 @@ use runtime_api::Sandbox;
 use runtime_host::{HostError, MachineSpec};
 
 use crate::domain::lifecycle::{next, Event, SandboxState};
+use crate::domain::telemetry::Outcome;
 use crate::domain::time::iso;
 use crate::error::{ApiResult, ServerError};
 use crate::store::SandboxRow;
@@ -195,11 +196,19 @@ async fn run(st: &AppState, row: SandboxRow, op: Op) {
     match op {
         Op::Start { from } => {
             let spec = machine_spec(st, &row.record);
+            let began = std::time::Instant::now();
             let result = match &from {
                 Some(dir) => st.host().restore(&spec, &dir.path).await,
                 None => st.host().start(&spec).await,
             };
             let restored = from.is_some();
+            let t = &st.inner.telemetry;
+            let timed = if restored {
+                &t.starts_capture
+            } else {
+                &t.starts_image
+            };
+            timed.record(outcome(&result), began.elapsed());
             drop(from);
             let now = st.now_ms();
             let ev = if result.is_ok() {
@@ -248,7 +257,12 @@ async fn run(st: &AppState, row: SandboxRow, op: Op) {
             st.inner.procs.sandbox_pausing(&id);
             // Its watches end (`paused`), in the guest too, before it stops.
             crate::service::watches::sandbox_pausing(st, &id).await;
+            let began = std::time::Instant::now();
             let result = st.host().pause(&id).await;
+            st.inner
+                .telemetry
+                .pauses
+                .record(outcome(&result), began.elapsed());
             let ev = match &result {
                 Ok(()) => Event::Suspended,
                 Err(HostError::NoSuchMachine { .. }) => Event::MachineGone,
@@ -286,7 +300,12 @@ async fn run(st: &AppState, row: SandboxRow, op: Op) {
             }
         }
         Op::Wake { .. } => {
+            let began = std::time::Instant::now();
             let result = st.host().wake(&machine_spec(st, &row.record)).await;
+            st.inner
+                .telemetry
+                .wakes
+                .record(outcome(&result), began.elapsed());
             if result.is_ok() {
                 // Before it is `running`, so a call that woke it finds them attached.
                 crate::service::processes::recover::reattach(st, &id).await;
@@ -322,6 +341,14 @@ async fn run(st: &AppState, row: SandboxRow, op: Op) {
                 crate::service::watches::sandbox_gone(st, &id);
             }
         }
+    }
+}
+
+fn outcome<T, E>(r: &Result<T, E>) -> Outcome {
+    if r.is_ok() {
+        Outcome::Ok
+    } else {
+        Outcome::Failed
     }
 }
 

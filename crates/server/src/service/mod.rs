@@ -22,6 +22,7 @@ pub(crate) mod sandboxes;
 pub(crate) mod secrets;
 pub(crate) mod sessions;
 pub(crate) mod snapshots;
+pub(crate) mod telemetry;
 pub(crate) mod tunnels;
 pub(crate) mod uploads;
 pub(crate) mod volumes;

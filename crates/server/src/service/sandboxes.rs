@@ -542,6 +542,7 @@ pub(crate) async fn create(
                         .map(|(a, p)| (a.key_id.as_str(), a.idem_key.as_str(), p)),
                 )?;
                 tracing::info!(sandbox_id = %row.record.id, "sandbox created");
+                st.inner.telemetry.sandboxes_created.inc();
                 crate::service::events::sandbox_event(st, &row, "sandbox.created", &[]);
                 drive(st, &row.record.id, Op::Start { from })?;
                 (row.record.id, false)

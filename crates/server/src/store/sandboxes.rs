@@ -120,6 +120,26 @@ impl Store {
         Ok(Some(row))
     }
 
+    /// How many sandboxes not deleted are in each state (states with none
+    /// are left out), for the operator's metrics.
+    pub fn count_by_state(&self) -> Result<Vec<(String, u64)>, ServerError> {
+        let conn = self.conn();
+        let mut stmt = conn
+            .prepare(
+                "SELECT state, COUNT(*) FROM sandboxes WHERE deleted IS NULL GROUP BY state ORDER BY state",
+            )
+            .map_err(store_err("count sandboxes"))?;
+        let rows = stmt
+            .query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)?)))
+            .map_err(store_err("count sandboxes"))?;
+        let mut out = Vec::new();
+        for r in rows {
+            let (state, n) = r.map_err(store_err("count sandboxes"))?;
+            out.push((state, u64::try_from(n).unwrap_or(0)));
+        }
+        Ok(out)
+    }
+
     /// Every sandbox not deleted, newest first.
     pub fn live_sandboxes(&self) -> Result<Vec<SandboxRow>, ServerError> {
         let conn = self.conn();

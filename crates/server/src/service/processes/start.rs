@@ -113,6 +113,7 @@ pub(super) async fn start(st: &AppState, row: &SandboxRow, launch: Launch) -> Ap
     let pty = launch.spec.pty.is_some();
     let stdin_pipe = launch.stdin_pipe;
     crate::service::quotas::admit_process(st, &row.record.id)?;
+    st.inner.telemetry.process_started(launch.kind);
     let ExecHandle {
         pid,
         token,

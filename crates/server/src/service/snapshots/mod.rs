@@ -148,6 +148,7 @@ pub(crate) async fn fork(
             )?;
             row.record.secrets = crate::service::network::load(st, &row.record.id)?.secrets;
             st.store().insert_sandbox(&row)?;
+            st.inner.telemetry.sandboxes_created.inc();
             crate::service::events::sandbox_event(
                 st,
                 &row,
