@@ -3,15 +3,23 @@
 //! directory; `login` asks a server for a key through the browser and saves
 //! it where `withruntime` reads it; `image build` builds (or verifies) the
 //! guest kernel and image, or with `--file` a custom image from a TOML
-//! recipe on a running server.
+//! recipe on a running server; `sandbox ...` and `image ls|logs|tag|rm`
+//! are clients of any server's API (docs/cli.md).
 //!
 //! Environment is read here and nowhere else: `RUNTIME_CACHE_DIR`,
 //! `RUNTIME_AGENT_BIN`, `XDG_DATA_HOME`, `XDG_CACHE_HOME`, `XDG_CONFIG_HOME`,
 //! `RUNTIME_AUTH_URL`, `RUNTIME_API_URL`, `RUNTIME_API_KEY`, `HOME`. Root's defaults are `/var/lib/runtime` and
 //! `/var/cache/runtime`.
 
+mod client;
+mod copy;
+mod forward;
 mod image;
 mod login;
+mod output;
+mod sandbox;
+mod shell;
+mod tar;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -80,6 +88,8 @@ enum Cmd {
         #[command(subcommand)]
         cmd: ImageCmd,
     },
+    /// Sandboxes on a server: create, exec, shell, cp, ... (docs/cli.md).
+    Sandbox(sandbox::SandboxArgs),
 }
 
 /// Previews and the egress proxy.
@@ -291,14 +301,14 @@ enum KeysCmd {
     Revoke {
         #[arg(long)]
         data_dir: Option<PathBuf>,
-        /// The key's id or name.
+        /// The key itself (rtcloud_...), its id or its name.
         key: String,
     },
     /// Set or remove a key's daily spending limit.
     Limit {
         #[arg(long)]
         data_dir: Option<PathBuf>,
-        /// The key's id or name.
+        /// The key itself (rtcloud_...), its id or its name.
         key: String,
         /// The most the key may commit in any 24 hours, in microdollars.
         #[arg(long, conflicts_with = "none", required_unless_present = "none")]
@@ -315,6 +325,8 @@ enum ImageCmd {
     /// cache directory. With --file: build a custom image from a TOML recipe
     /// on a running server, through its API.
     Build(ImageBuild),
+    #[command(flatten)]
+    Remote(image::RemoteCmd),
 }
 
 #[derive(clap::Args)]
@@ -644,6 +656,34 @@ fn keys(cmd: KeysCmd) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Runs a client command of a server's API and exits with its status; a
+/// failure is one line on stderr and status 1.
+fn remote(cmd: impl std::future::Future<Output = anyhow::Result<i32>>) -> ! {
+    let code = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => {
+            let r = rt.block_on(cmd);
+            // Never wait for a blocked read of stdin.
+            rt.shutdown_timeout(Duration::from_millis(100));
+            match r {
+                Ok(code) => code,
+                Err(e) => {
+                    eprintln!("runtime: {}", format!("{e:#}").replace('\n', " "));
+                    1
+                }
+            }
+        }
+        Err(e) => {
+            eprintln!("runtime: starting the async runtime: {e}");
+            1
+        }
+    };
+    std::process::exit(code)
+}
+
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     tracing_subscriber::fmt()
@@ -688,6 +728,10 @@ fn main() -> anyhow::Result<()> {
             no_browser,
         } => login::run(&url, computer, !no_browser),
         Cmd::Keys { cmd } => keys(cmd),
+        Cmd::Sandbox(args) => remote(sandbox::run(args)),
+        Cmd::Image {
+            cmd: ImageCmd::Remote(cmd),
+        } => remote(image::remote(cmd)),
         Cmd::Image {
             cmd:
                 ImageCmd::Build(ImageBuild {
