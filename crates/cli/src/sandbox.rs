@@ -283,10 +283,16 @@ pub(crate) async fn run(args: SandboxArgs) -> anyhow::Result<i32> {
                     &[("prefer", "wait=120")],
                 )
                 .await?;
-            let copies = match v["sandboxes"].as_array() {
+            let mut copies = match v["sandboxes"].as_array() {
                 Some(a) => a.clone(),
                 None => vec![v.clone()],
             };
+            for c in copies.iter_mut() {
+                if c["state"].as_str() == Some("starting") {
+                    let cid = c["id"].as_str().unwrap_or_default().to_string();
+                    *c = wait_running(&t, &cid, c.clone()).await?;
+                }
+            }
             if json {
                 output::json(&json!({ "sandboxes": copies }));
             } else {
@@ -455,22 +461,7 @@ async fn create(t: &Target, a: CreateArgs) -> anyhow::Result<i32> {
         .context("the server's answer has no sandbox id")?
         .to_string();
     if !a.no_wait {
-        // A start slower than the server's wait: ask again until it runs.
-        let mut tries = 0;
-        while v["state"].as_str() == Some("starting") && tries < 10 {
-            tries += 1;
-            eprintln!("runtime: {id} is still starting ...");
-            v = t
-                .json(
-                    "GET",
-                    &format!(
-                        "/v1/sandboxes/{}?waitFor=running&timeoutSeconds=60",
-                        enc(&id)
-                    ),
-                    None,
-                )
-                .await?;
-        }
+        v = wait_running(t, &id, v).await?;
         eprintln!(
             "runtime: {id} is {} ({:.1} s)",
             v["state"].as_str().unwrap_or("?"),
@@ -483,6 +474,27 @@ async fn create(t: &Target, a: CreateArgs) -> anyhow::Result<i32> {
         println!("{id}");
     }
     Ok(0)
+}
+
+/// The sandbox once it left `starting` (a start slower than the server's
+/// own wait: ask again, a minute at a time, for up to ten).
+async fn wait_running(t: &Target, id: &str, mut v: Value) -> anyhow::Result<Value> {
+    let mut tries = 0;
+    while v["state"].as_str() == Some("starting") && tries < 10 {
+        tries += 1;
+        eprintln!("runtime: {id} is still starting ...");
+        v = t
+            .json(
+                "GET",
+                &format!(
+                    "/v1/sandboxes/{}?waitFor=running&timeoutSeconds=60",
+                    enc(id)
+                ),
+                None,
+            )
+            .await?;
+    }
+    Ok(v)
 }
 
 /// An API refusal that names fields, with the options that set them named
