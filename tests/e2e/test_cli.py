@@ -5,6 +5,7 @@ server fixture sets them. One sandbox is shared by the module; the tests
 that change its state (pause, wake, fork, snapshot) run last."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import pty
@@ -102,7 +103,6 @@ def test_cp_files_both_ways(sid, tmp_path):
     cli("sandbox", "cp", str(script), f"{sid}:/workspace/cli/")
     assert cli("sandbox", "exec", sid, "/workspace/cli/run.sh").stdout == b"ran\n"
     sums = cli("sandbox", "exec", sid, "sha256sum /workspace/cli/big.bin").stdout.decode()
-    import hashlib
     assert sums.split()[0] == hashlib.sha256(big).hexdigest()
     back = tmp_path / "back"
     back.mkdir()
@@ -242,6 +242,29 @@ def test_an_error_is_one_line_with_the_request_id():
     assert out.returncode == 1 and "401" in one_line(out.stderr)
 
 
+def test_the_saved_login_is_used(server, sid, tmp_path):
+    config = tmp_path / "config"
+    folder = config / "runtime-cloud"
+    folder.mkdir(parents=True)
+    folder.chmod(0o700)
+    # Where `runtime login` (and the Python client) keep a login.
+    name = hashlib.sha256(f"https://withruntime.com\n{server.url}".encode()).hexdigest()
+    saved = folder / f"{name}.json"
+    saved.write_text(json.dumps({"apiOrigin": server.url, "key": server.admin_key()}))
+    saved.chmod(0o600)
+    env = {k: v for k, v in os.environ.items() if k not in ("RUNTIME_API_URL", "RUNTIME_API_KEY", "RUNTIME_AUTH_URL")}
+
+    def ls(config_home: Path) -> subprocess.CompletedProcess:
+        return subprocess.run([str(BINARY), "sandbox", "ls", "--json"], capture_output=True, timeout=60,
+                              stdin=subprocess.DEVNULL, env={**env, "XDG_CONFIG_HOME": str(config_home)})
+
+    out = ls(config)
+    assert out.returncode == 0, out.stderr
+    assert sid in [s["id"] for s in json.loads(out.stdout)]
+    out = ls(tmp_path / "nothing")
+    assert out.returncode == 1 and "runtime login" in one_line(out.stderr)
+
+
 def test_keys_limit_and_revoke_take_the_key_itself(server):
     key = server.create_key(name=f"cli-{uuid.uuid4().hex[:6]}")
     data = str(server.data_dir)
@@ -278,18 +301,19 @@ def test_pause_wake_fork_snapshot_rm(server, sid):
         http(server, "DELETE", f"/v1/snapshots/{snap}")
 
 
+@pytest.mark.timeout(600)
 def test_images_ls_logs_tag_rm(tmp_path):
     name = f"cli-img-{uuid.uuid4().hex[:6]}"
     recipe = tmp_path / "recipe.toml"
-    recipe.write_text(f'name = "{name}"\ncommands = ["echo built > /workspace/built.txt"]\n')
+    recipe.write_text(f'name = "{name}"\ncommands = ["echo built-by-cli | tee /workspace/built.txt"]\n')
     url = os.environ["RUNTIME_API_URL"]
-    built = cli("image", "build", "--file", str(recipe), "--url", url, timeout=280)
+    built = cli("image", "build", "--file", str(recipe), "--url", url, timeout=550)
     assert b"ready" in built.stdout, built
     images = json.loads(cli("image", "ls", "--json").stdout)
     mine = [i for i in images if i["name"] == name]
     assert len(mine) == 1 and mine[0]["state"] == "ready", images
     assert name in cli("image", "ls").stdout.decode()
-    assert b"echo built" in cli("image", "logs", name).stdout
+    assert b"built-by-cli" in cli("image", "logs", name).stdout
     tagged = cli("image", "tag", name, "stable", check=False)
     # This server does not retag (docs/images.md): said in one line.
     assert tagged.returncode == 1 and "unsupported" in one_line(tagged.stderr)

@@ -101,7 +101,7 @@ pub(crate) struct ConnArgs {
 
 impl ConnArgs {
     pub(crate) fn target(&self) -> anyhow::Result<Target> {
-        Target::resolve(self.url.clone(), None, self.key.clone())
+        Target::resolve(self.url.clone(), self.key.clone())
     }
 }
 
@@ -161,15 +161,11 @@ fn saved_logins() -> Vec<(std::time::SystemTime, String)> {
 }
 
 impl Target {
-    /// The URL from `--url`, else `RUNTIME_API_URL`, else the newest saved
-    /// login's; the key from `--key`/`RUNTIME_API_KEY`, else the key saved
-    /// for that URL.
-    pub(crate) fn resolve(
-        url: Option<String>,
-        env_url: Option<String>,
-        key: Option<String>,
-    ) -> anyhow::Result<Target> {
-        let url = match url.or(env_url).filter(|u| !u.trim().is_empty()) {
+    /// The URL from `--url` (or `RUNTIME_API_URL`, as clap reads it), else
+    /// the newest saved login's; the key from `--key` (or
+    /// `RUNTIME_API_KEY`), else the key saved for that URL.
+    pub(crate) fn resolve(url: Option<String>, key: Option<String>) -> anyhow::Result<Target> {
+        let url = match url.filter(|u| !u.trim().is_empty()) {
             Some(u) => u,
             None => match saved_logins().pop() {
                 Some((_, api)) => api,

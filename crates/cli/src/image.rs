@@ -223,6 +223,20 @@ fn report_steps(image: &Value, seen: &mut Vec<String>) {
     }
 }
 
+/// Prints the build log's lines past `after` on stderr (indented under the
+/// step lines); a failure to read them is left for the next look.
+fn follow_log(target: &Target, id: &str, after: &mut Option<u64>) {
+    let q = after.map_or_else(String::new, |a| format!("?after={a}"));
+    if let Ok((200, v)) = target.call("GET", &format!("/v1/images/{id}/logs{q}"), None) {
+        for l in v["lines"].as_array().into_iter().flatten() {
+            eprintln!("    {}", l["text"].as_str().unwrap_or(""));
+        }
+        if let Some(n) = v["nextAfter"].as_u64() {
+            *after = Some(n);
+        }
+    }
+}
+
 /// Builds the image `body` describes and waits for it; the final image on
 /// success, an error naming the failed step and its output otherwise.
 pub(crate) fn build(target: &Target, body: &Value) -> anyhow::Result<Value> {
@@ -246,6 +260,7 @@ pub(crate) fn build(target: &Target, body: &Value) -> anyhow::Result<Value> {
     let mut seen = Vec::new();
     let mut image = created;
     let mut failures = 0;
+    let mut log_after: Option<u64> = None;
     loop {
         report_steps(&image, &mut seen);
         match image["state"].as_str() {
@@ -258,6 +273,7 @@ pub(crate) fn build(target: &Target, body: &Value) -> anyhow::Result<Value> {
             _ => {}
         }
         std::thread::sleep(Duration::from_secs(1));
+        follow_log(target, &id, &mut log_after);
         match target.call("GET", &format!("/v1/images/{id}"), None) {
             Ok((200, v)) => {
                 image = v;
@@ -272,6 +288,7 @@ pub(crate) fn build(target: &Target, body: &Value) -> anyhow::Result<Value> {
             Err(e) => return Err(e),
         }
     }
+    follow_log(target, &id, &mut log_after);
     println!(
         "image {id} {} ready in {:.1} s (tags: {})",
         label(&image),
