@@ -460,12 +460,13 @@ pub(crate) async fn check(resp: Response<Incoming>) -> anyhow::Result<Response<I
     Err(ApiFailure::from_body(status, rid, &body).into())
 }
 
-/// Percent-encodes a query value (everything but unreserved characters).
+/// Percent-encodes a path segment or a query value (everything but the
+/// unreserved characters, so a `/` in a name stays inside its segment).
 pub(crate) fn enc(s: &str) -> String {
     let mut out = String::with_capacity(s.len());
     for b in s.bytes() {
         match b {
-            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' | b'/' => {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
                 out.push(b as char)
             }
             _ => out.push_str(&format!("%{b:02X}")),
@@ -535,7 +536,7 @@ mod tests {
     fn queries_are_encoded() {
         assert_eq!(
             query(&[("path", "/a b/c&d".into()), ("n", "1".into())]),
-            "?path=/a%20b/c%26d&n=1"
+            "?path=%2Fa%20b%2Fc%26d&n=1"
         );
         assert_eq!(query(&[]), "");
     }
