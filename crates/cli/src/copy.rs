@@ -228,11 +228,11 @@ async fn upload_dir(t: &Target, id: &str, from: &Path, to: &str) -> anyhow::Resu
     for (rel, path, mode) in large {
         let data = std::fs::read(&path).with_context(|| format!("reading {}", path.display()))?;
         let dest = format!("{}/{rel}", to.trim_end_matches('/'));
-        eprintln!(
-            "runtime: uploading {} ({} bytes)",
+        crate::output::progress(&format!(
+            "uploading {} ({} bytes)",
             path.display(),
             data.len()
-        );
+        ));
         upload_file(t, id, &dest, data, mode & 0o777).await?;
     }
     Ok(count)

@@ -61,6 +61,16 @@ pub(crate) fn cell(v: &Value) -> String {
     }
 }
 
+/// A line about work under way, for a person watching: only when stderr is
+/// a terminal, so a script's stderr holds nothing but the one line of a
+/// failure (and the summaries of what succeeded).
+pub(crate) fn progress(msg: &str) {
+    use std::io::IsTerminal;
+    if std::io::stderr().is_terminal() {
+        eprintln!("runtime: {msg}");
+    }
+}
+
 pub(crate) fn json(v: &Value) {
     let text = serde_json::to_string_pretty(v).unwrap_or_else(|_| v.to_string());
     println!("{text}");

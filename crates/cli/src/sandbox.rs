@@ -274,7 +274,7 @@ pub(crate) async fn run(args: SandboxArgs) -> anyhow::Result<i32> {
             if let Some(c) = count {
                 body.insert("count".into(), json!(c));
             }
-            eprintln!("runtime: forking {id} ...");
+            output::progress(&format!("forking {id} ..."));
             let v = t
                 .json_with(
                     "POST",
@@ -449,7 +449,7 @@ async fn create(t: &Target, a: CreateArgs) -> anyhow::Result<i32> {
     let wait: &[(&str, &str)] = if a.no_wait {
         &[]
     } else {
-        eprintln!("runtime: creating a sandbox ...");
+        output::progress("creating a sandbox ...");
         &[("prefer", "wait=120")]
     };
     let mut v = t
@@ -482,7 +482,7 @@ async fn wait_running(t: &Target, id: &str, mut v: Value) -> anyhow::Result<Valu
     let mut tries = 0;
     while v["state"].as_str() == Some("starting") && tries < 10 {
         tries += 1;
-        eprintln!("runtime: {id} is still starting ...");
+        output::progress(&format!("{id} is still starting ..."));
         v = t
             .json(
                 "GET",
@@ -948,7 +948,7 @@ async fn snapshot(
         b.insert("retentionDays".into(), json!(r));
     }
     let started = Instant::now();
-    eprintln!("runtime: snapshotting {id} ...");
+    output::progress(&format!("snapshotting {id} ..."));
     let mut v = t
         .json(
             "POST",
