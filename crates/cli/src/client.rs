@@ -359,6 +359,34 @@ impl Target {
     }
 }
 
+/// Runs a client command of a server's API and exits with its status; a
+/// failure is one line on stderr and status 1.
+pub(crate) fn exit_with(cmd: impl std::future::Future<Output = anyhow::Result<i32>>) -> ! {
+    let code = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => {
+            let r = rt.block_on(cmd);
+            // Never wait for a blocked read of stdin.
+            rt.shutdown_timeout(Duration::from_millis(100));
+            match r {
+                Ok(code) => code,
+                Err(e) => {
+                    eprintln!("runtime: {}", format!("{e:#}").replace('\n', " "));
+                    1
+                }
+            }
+        }
+        Err(e) => {
+            eprintln!("runtime: starting the async runtime: {e}");
+            1
+        }
+    };
+    std::process::exit(code)
+}
+
 fn tls_config() -> anyhow::Result<Arc<rustls::ClientConfig>> {
     let mut roots = rustls::RootCertStore::empty();
     let native = rustls_native_certs::load_native_certs();

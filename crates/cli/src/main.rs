@@ -656,34 +656,6 @@ fn keys(cmd: KeysCmd) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Runs a client command of a server's API and exits with its status; a
-/// failure is one line on stderr and status 1.
-fn remote(cmd: impl std::future::Future<Output = anyhow::Result<i32>>) -> ! {
-    let code = match tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-    {
-        Ok(rt) => {
-            let r = rt.block_on(cmd);
-            // Never wait for a blocked read of stdin.
-            rt.shutdown_timeout(Duration::from_millis(100));
-            match r {
-                Ok(code) => code,
-                Err(e) => {
-                    eprintln!("runtime: {}", format!("{e:#}").replace('\n', " "));
-                    1
-                }
-            }
-        }
-        Err(e) => {
-            eprintln!("runtime: starting the async runtime: {e}");
-            1
-        }
-    };
-    std::process::exit(code)
-}
-
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     tracing_subscriber::fmt()
@@ -728,10 +700,10 @@ fn main() -> anyhow::Result<()> {
             no_browser,
         } => login::run(&url, computer, !no_browser),
         Cmd::Keys { cmd } => keys(cmd),
-        Cmd::Sandbox(args) => remote(sandbox::run(args)),
+        Cmd::Sandbox(args) => client::exit_with(sandbox::run(args)),
         Cmd::Image {
             cmd: ImageCmd::Remote(cmd),
-        } => remote(image::remote(cmd)),
+        } => client::exit_with(image::remote(cmd)),
         Cmd::Image {
             cmd:
                 ImageCmd::Build(ImageBuild {
