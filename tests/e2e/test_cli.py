@@ -93,6 +93,23 @@ def test_exec_streams_and_exits_with_the_code(sid):
     assert json.loads(result.stdout)["stdout"] == "json\n"
 
 
+def test_exec_follows_its_command_across_a_pause(server, sid):
+    proc = subprocess.Popen([str(BINARY), "sandbox", "exec", sid, "echo before; sleep 4; echo after; exit 6"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    try:
+        assert proc.stdout.readline() == b"before\n"
+        paused = http(server, "POST", f"/v1/sandboxes/{sid}:pause", {}, headers={"Prefer": "wait=120"})
+        assert paused.status == 200 and paused.json()["state"] == "paused", paused
+        # The server ends the stream with `continue`; following the process
+        # from its cursor wakes the sandbox, and the rest arrives once.
+        rest, err = proc.communicate(timeout=180)
+    finally:
+        proc.kill()
+    assert rest == b"after\n", err
+    assert proc.returncode == 6, err
+    assert json.loads(cli("sandbox", "get", sid, "--json").stdout)["state"] == "running"
+
+
 def test_cp_files_both_ways(sid, tmp_path):
     big = os.urandom(1_500_000)  # past 1 MiB: chunked uploads
     (tmp_path / "big.bin").write_bytes(big)
