@@ -242,6 +242,13 @@ def test_shell_through_a_pty(sid):
         os.close(fd)
     assert b"42" in seen.replace(b"$((6*7))", b""), seen
     assert os.waitstatus_to_exitcode(status) == 5, seen
+    # Piped input is typed in; the shell's own exit status comes back.
+    piped = cli("sandbox", "shell", sid, input=b"echo piped-$((1+1)); exit 4\n", check=False)
+    assert b"piped-2" in piped.stdout.replace(b"piped-$((1+1))", b""), piped
+    assert piped.returncode == 4, piped
+    # Without an exit, the end of the input ends the shell (Ctrl-D).
+    ended = cli("sandbox", "shell", sid, input=b"echo at-$((2+3))\n", timeout=60, check=False)
+    assert b"at-5" in ended.stdout.replace(b"at-$((2+3))", b"") and ended.returncode == 0, ended
 
 
 def test_an_error_is_one_line_with_the_request_id():

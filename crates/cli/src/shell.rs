@@ -3,16 +3,21 @@
 //! local terminal in raw mode, keys out as binary frames, the remote pty's
 //! output in, a resize frame on every SIGWINCH, and the remote shell's exit
 //! status as this command's. Piped input is typed in, then an end of file
-//! (Ctrl-D) so the shell exits.
+//! (Ctrl-D) once the shell is quiet, so it exits.
 
 use std::io::{IsTerminal, Read, Write};
+use std::time::Duration;
 
 use anyhow::Context;
 use futures::{SinkExt, StreamExt};
 use serde_json::{json, Value};
+use tokio::time::Instant;
 use tokio_tungstenite::tungstenite::Message;
 
 use crate::client::{enc, Target};
+
+/// How long the remote side stays silent before piped input's end is sent.
+const QUIET: Duration = Duration::from_millis(300);
 
 /// The local terminal in raw mode until dropped.
 struct RawMode {
@@ -132,6 +137,12 @@ pub(crate) async fn run(
     let mut stdin = stdin_reader();
     let mut stdin_open = true;
     let mut code = None;
+    // After piped input ends: Ctrl-D once the remote side has been quiet a
+    // moment (a shell at its prompt), again after each quiet second. Sent
+    // while a command still runs, a terminal's line discipline would eat it.
+    let mut eof_sends = 0u32;
+    let quiet = tokio::time::sleep(Duration::from_secs(3600));
+    tokio::pin!(quiet);
     loop {
         tokio::select! {
             msg = rx.next() => match msg {
@@ -139,6 +150,9 @@ pub(crate) async fn run(
                     let mut out = std::io::stdout().lock();
                     out.write_all(&b)?;
                     out.flush()?;
+                    if !stdin_open {
+                        quiet.as_mut().reset(Instant::now() + QUIET);
+                    }
                 }
                 Some(Ok(Message::Text(text))) => {
                     let v: Value = serde_json::from_str(text.as_str()).unwrap_or(Value::Null);
@@ -166,11 +180,15 @@ pub(crate) async fn run(
             input = stdin.recv(), if stdin_open => match input {
                 None => {
                     stdin_open = false;
-                    // The end of piped input: Ctrl-D, as a terminal sends it.
-                    tx.send(Message::Binary(vec![4u8].into())).await?;
+                    quiet.as_mut().reset(Instant::now() + QUIET);
                 }
                 Some(bytes) => tx.send(Message::Binary(bytes.into())).await?,
             },
+            _ = &mut quiet, if !stdin_open && eof_sends < 10 => {
+                eof_sends += 1;
+                tx.send(Message::Binary(vec![4u8].into())).await?;
+                quiet.as_mut().reset(Instant::now() + Duration::from_secs(1));
+            }
             _ = winch.recv() => {
                 if let Some((cols, rows)) = size() {
                     let m = json!({"type": "resize", "cols": cols, "rows": rows});
