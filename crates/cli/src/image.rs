@@ -1,4 +1,5 @@
-//! `runtime image build --file recipe.toml`: builds a custom image on a
+//! `runtime image ls|logs|tag|rm` call the API of any server (see
+//! [`RemoteCmd`]). `runtime image build --file recipe.toml`: builds a custom image on a
 //! running server through its API (`POST /v1/images`, then `GET
 //! /v1/images/{id}` until the build ends), printing each step as it starts
 //! and ends, and the image's id and name at the end.
@@ -30,6 +31,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use serde_json::{json, Map, Value};
 
+use crate::client::{self, ConnArgs};
 use crate::login;
 
 /// The recipe fields, passed to the server's `recipe`.
@@ -221,6 +223,20 @@ fn report_steps(image: &Value, seen: &mut Vec<String>) {
     }
 }
 
+/// Prints the build log's lines past `after` on stderr (indented under the
+/// step lines); a failure to read them is left for the next look.
+fn follow_log(target: &Target, id: &str, after: &mut Option<u64>) {
+    let q = after.map_or_else(String::new, |a| format!("?after={a}"));
+    if let Ok((200, v)) = target.call("GET", &format!("/v1/images/{id}/logs{q}"), None) {
+        for l in v["lines"].as_array().into_iter().flatten() {
+            eprintln!("    {}", l["text"].as_str().unwrap_or(""));
+        }
+        if let Some(n) = v["nextAfter"].as_u64() {
+            *after = Some(n);
+        }
+    }
+}
+
 /// Builds the image `body` describes and waits for it; the final image on
 /// success, an error naming the failed step and its output otherwise.
 pub(crate) fn build(target: &Target, body: &Value) -> anyhow::Result<Value> {
@@ -244,6 +260,7 @@ pub(crate) fn build(target: &Target, body: &Value) -> anyhow::Result<Value> {
     let mut seen = Vec::new();
     let mut image = created;
     let mut failures = 0;
+    let mut log_after: Option<u64> = None;
     loop {
         report_steps(&image, &mut seen);
         match image["state"].as_str() {
@@ -256,6 +273,7 @@ pub(crate) fn build(target: &Target, body: &Value) -> anyhow::Result<Value> {
             _ => {}
         }
         std::thread::sleep(Duration::from_secs(1));
+        follow_log(target, &id, &mut log_after);
         match target.call("GET", &format!("/v1/images/{id}"), None) {
             Ok((200, v)) => {
                 image = v;
@@ -270,6 +288,7 @@ pub(crate) fn build(target: &Target, body: &Value) -> anyhow::Result<Value> {
             Err(e) => return Err(e),
         }
     }
+    follow_log(target, &id, &mut log_after);
     println!(
         "image {id} {} ready in {:.1} s (tags: {})",
         label(&image),
@@ -284,6 +303,182 @@ pub(crate) fn build(target: &Target, body: &Value) -> anyhow::Result<Value> {
             .unwrap_or_default()
     );
     Ok(image)
+}
+
+/// `runtime image ls|logs|tag|rm`: the server's images, through the API.
+#[derive(clap::Subcommand)]
+pub(crate) enum RemoteCmd {
+    /// List the server's images (newest first).
+    #[command(alias = "list")]
+    Ls {
+        #[command(flatten)]
+        conn: ConnArgs,
+        /// Only the versions of this name.
+        #[arg(long)]
+        name: Option<String>,
+        #[arg(long)]
+        json: bool,
+    },
+    /// An image's build log; `-f` follows it until the build ends.
+    Logs {
+        #[command(flatten)]
+        conn: ConnArgs,
+        /// An id, `name`, `name:tag` or `name@version`.
+        image: String,
+        #[arg(short = 'f', long)]
+        follow: bool,
+    },
+    /// Give an image version a tag.
+    Tag {
+        #[command(flatten)]
+        conn: ConnArgs,
+        image: String,
+        tag: String,
+    },
+    /// Delete images (refused while a sandbox uses one).
+    #[command(alias = "delete")]
+    Rm {
+        #[command(flatten)]
+        conn: ConnArgs,
+        #[arg(required = true)]
+        images: Vec<String>,
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+/// An image's id from an id, `name`, `name:tag` or `name@version`.
+async fn resolve_image(t: &client::Target, r: &str) -> anyhow::Result<String> {
+    let v = t
+        .json(
+            "GET",
+            &format!(
+                "/v1/images/resolve{}",
+                client::query(&[("ref", r.to_string())])
+            ),
+            None,
+        )
+        .await?;
+    v["id"]
+        .as_str()
+        .map(str::to_string)
+        .context("the server's answer has no image id")
+}
+
+pub(crate) async fn remote(cmd: RemoteCmd) -> anyhow::Result<i32> {
+    use crate::output::{self, cell};
+    match cmd {
+        RemoteCmd::Ls { conn, name, json } => {
+            let t = conn.target()?;
+            let mut all = Vec::new();
+            let mut cursor: Option<String> = None;
+            loop {
+                let mut q = vec![("limit", "100".to_string())];
+                if let Some(n) = &name {
+                    q.push(("name", n.clone()));
+                }
+                if let Some(c) = &cursor {
+                    q.push(("cursor", c.clone()));
+                }
+                let v = t
+                    .json("GET", &format!("/v1/images{}", client::query(&q)), None)
+                    .await?;
+                all.extend(v["data"].as_array().cloned().unwrap_or_default());
+                match v["nextCursor"].as_str() {
+                    Some(c) if !c.is_empty() => cursor = Some(c.to_string()),
+                    _ => break,
+                }
+            }
+            if json {
+                output::json(&Value::Array(all));
+                return Ok(0);
+            }
+            let rows: Vec<Vec<String>> = all
+                .iter()
+                .map(|i| {
+                    let tags = i["tags"]
+                        .as_array()
+                        .map(|a| a.iter().map(cell).collect::<Vec<_>>().join(","))
+                        .unwrap_or_default();
+                    vec![
+                        cell(&i["id"]),
+                        cell(&i["name"]),
+                        cell(&i["version"]),
+                        if tags.is_empty() { "-".into() } else { tags },
+                        cell(&i["state"]),
+                        cell(&i["createdAt"]),
+                    ]
+                })
+                .collect();
+            output::table(
+                &["ID", "NAME", "VERSION", "TAGS", "STATE", "CREATED"],
+                &rows,
+            );
+            Ok(0)
+        }
+        RemoteCmd::Logs {
+            conn,
+            image,
+            follow,
+        } => {
+            let t = conn.target()?;
+            let id = resolve_image(&t, &image).await?;
+            let mut after: Option<u64> = None;
+            loop {
+                let q = after.map_or_else(String::new, |a| format!("?after={a}"));
+                let v = t
+                    .json(
+                        "GET",
+                        &format!("/v1/images/{}/logs{q}", client::enc(&id)),
+                        None,
+                    )
+                    .await?;
+                for l in v["lines"].as_array().cloned().unwrap_or_default() {
+                    let text = l["text"].as_str().unwrap_or("");
+                    match l["step"].as_u64() {
+                        Some(s) => println!("[{}] {text}", s + 1),
+                        None => println!("{text}"),
+                    }
+                }
+                if let Some(n) = v["nextAfter"].as_u64() {
+                    after = Some(n);
+                }
+                if !follow || v["done"].as_bool() != Some(false) {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+            Ok(0)
+        }
+        RemoteCmd::Tag { conn, image, tag } => {
+            let t = conn.target()?;
+            let id = resolve_image(&t, &image).await?;
+            let v = t
+                .json(
+                    "POST",
+                    &format!("/v1/images/{}:tag", client::enc(&id)),
+                    Some(&json!({ "tag": tag })),
+                )
+                .await?;
+            println!("{id} {}", label(&v));
+            Ok(0)
+        }
+        RemoteCmd::Rm { conn, images, json } => {
+            let t = conn.target()?;
+            for r in images {
+                let id = resolve_image(&t, &r).await?;
+                let v = t
+                    .json("DELETE", &format!("/v1/images/{}", client::enc(&id)), None)
+                    .await?;
+                if json {
+                    println!("{v}");
+                } else {
+                    println!("deleted {id}");
+                }
+            }
+            Ok(0)
+        }
+    }
 }
 
 #[cfg(test)]

@@ -3,15 +3,23 @@
 //! directory; `login` asks a server for a key through the browser and saves
 //! it where `withruntime` reads it; `image build` builds (or verifies) the
 //! guest kernel and image, or with `--file` a custom image from a TOML
-//! recipe on a running server.
+//! recipe on a running server; `sandbox ...` and `image ls|logs|tag|rm`
+//! are clients of any server's API (docs/cli.md).
 //!
 //! Environment is read here and nowhere else: `RUNTIME_CACHE_DIR`,
 //! `RUNTIME_AGENT_BIN`, `XDG_DATA_HOME`, `XDG_CACHE_HOME`, `XDG_CONFIG_HOME`,
 //! `RUNTIME_AUTH_URL`, `RUNTIME_API_URL`, `RUNTIME_API_KEY`, `HOME`. Root's defaults are `/var/lib/runtime` and
 //! `/var/cache/runtime`.
 
+mod client;
+mod copy;
+mod forward;
 mod image;
 mod login;
+mod output;
+mod sandbox;
+mod shell;
+mod tar;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -90,6 +98,8 @@ enum Cmd {
         #[command(subcommand)]
         cmd: ImageCmd,
     },
+    /// Sandboxes on a server: create, exec, shell, cp, ... (docs/cli.md).
+    Sandbox(sandbox::SandboxArgs),
 }
 
 /// Previews and the egress proxy.
@@ -301,14 +311,14 @@ enum KeysCmd {
     Revoke {
         #[arg(long)]
         data_dir: Option<PathBuf>,
-        /// The key's id or name.
+        /// The key itself (rtcloud_...), its id or its name.
         key: String,
     },
     /// Set or remove a key's daily spending limit.
     Limit {
         #[arg(long)]
         data_dir: Option<PathBuf>,
-        /// The key's id or name.
+        /// The key itself (rtcloud_...), its id or its name.
         key: String,
         /// The most the key may commit in any 24 hours, in microdollars.
         #[arg(long, conflicts_with = "none", required_unless_present = "none")]
@@ -325,6 +335,8 @@ enum ImageCmd {
     /// cache directory. With --file: build a custom image from a TOML recipe
     /// on a running server, through its API.
     Build(ImageBuild),
+    #[command(flatten)]
+    Remote(image::RemoteCmd),
 }
 
 #[derive(clap::Args)]
@@ -707,6 +719,10 @@ fn main() -> anyhow::Result<()> {
             no_browser,
         } => login::run(&url, computer, !no_browser),
         Cmd::Keys { cmd } => keys(cmd),
+        Cmd::Sandbox(args) => client::exit_with(sandbox::run(args)),
+        Cmd::Image {
+            cmd: ImageCmd::Remote(cmd),
+        } => client::exit_with(image::remote(cmd)),
         Cmd::Image {
             cmd:
                 ImageCmd::Build(ImageBuild {

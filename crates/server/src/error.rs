@@ -28,6 +28,10 @@ pub enum ServerError {
     KeyNotFound { which: String },
     #[error("{count} keys are named {which}; give the key's id")]
     KeyAmbiguous { which: String, count: usize },
+    /// A whole key was given, and no key of the data directory is it (the
+    /// secret is never repeated: only the id it spells).
+    #[error("the key given (id {id}) is not a key of this data directory")]
+    KeyUnknown { id: String },
 }
 
 /// A request's failure. [`ApiError::parts`] is the one mapping to status and code.

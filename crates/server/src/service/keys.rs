@@ -6,7 +6,7 @@
 
 use std::path::Path;
 
-use rusqlite::{params, Connection};
+use rusqlite::{params, Connection, OptionalExtension};
 
 use crate::error::ServerError;
 use crate::service::clock::now_iso;
@@ -53,9 +53,24 @@ pub fn list_keys(data_dir: &Path) -> Result<Vec<KeyRecord>, ServerError> {
     all(&open_connection(data_dir)?)
 }
 
-/// The one key whose id, or whose name, is `which` (revoked ones too).
+/// The one key that is `which` (the key itself, found by its hash), or
+/// whose id or name it is (revoked ones too).
 fn find(conn: &Connection, which: &str) -> Result<KeyRecord, ServerError> {
     let keys = all(conn)?;
+    if let Some(id) = key_id_of(which) {
+        // A key proves itself by its hash, not by the id it spells.
+        let hash = crate::domain::access::sha256_hex(which.as_bytes());
+        let found: Option<String> = conn
+            .query_row("SELECT id FROM keys WHERE hash = ?1", params![hash], |r| {
+                r.get(0)
+            })
+            .optional()
+            .map_err(store_err("find key"))?;
+        return match found.and_then(|f| keys.into_iter().find(|k| k.id == f)) {
+            Some(k) => Ok(k),
+            None => Err(ServerError::KeyUnknown { id: id.to_string() }),
+        };
+    }
     if let Some(k) = keys.iter().find(|k| k.id == which) {
         return Ok(k.clone());
     }
