@@ -37,6 +37,10 @@ pub enum ApiError {
     Unauthorized,
     #[error("this key may not {action}")]
     Forbidden { action: &'static str },
+    /// Something only an admin (account-wide, full) key does, such as
+    /// managing other keys.
+    #[error("only an admin key may {action}")]
+    AdminOnly { action: &'static str },
     /// A session token used for something beyond its sandbox's commands,
     /// processes, files and previews.
     #[error("a session may not {action}")]

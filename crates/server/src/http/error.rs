@@ -45,6 +45,11 @@ impl ApiError {
                 codes::FORBIDDEN,
                 format!("This API key is read-only and may not {action}."),
             ),
+            ApiError::AdminOnly { action } => p(
+                StatusCode::FORBIDDEN,
+                codes::FORBIDDEN,
+                format!("Only an admin (account-wide, full access) key may {action}."),
+            ),
             ApiError::SessionScope { action } => Parts {
                 hint: Some(
                     "A session reaches its own sandbox's commands, processes, files and previews; \
@@ -386,6 +391,13 @@ mod tests {
             (
                 ApiError::Forbidden {
                     action: "make changes",
+                },
+                403,
+                codes::FORBIDDEN,
+            ),
+            (
+                ApiError::AdminOnly {
+                    action: "manage other keys",
                 },
                 403,
                 codes::FORBIDDEN,
