@@ -3,8 +3,9 @@
 //! `…/console`, the terminal's session subprotocol). The page itself is
 //! driven in Chromium by `tests/e2e/test_console.py`.
 
-#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::type_complexity)]
 
+#[allow(dead_code)]
 mod fake;
 
 use std::path::PathBuf;
