@@ -86,11 +86,24 @@ def sign_in(page, server, key: str) -> None:
     page.wait_for_selector("#sandboxes")
 
 
+def wait_js(page, expression: str, timeout: float = TIMEOUT_MS / 1000):
+    """Polls `expression` in the page until it is truthy. (Playwright's
+    wait_for_function evaluates a string in the page, which the console's
+    CSP refuses, as it should.)"""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = page.evaluate(f"() => ({expression})")
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out waiting for {expression}"
+        time.sleep(0.2)
+
+
 def storage(page) -> tuple[dict, dict]:
-    return page.evaluate("""() => {
+    return tuple(page.evaluate("""() => {
         const dump = (s) => Object.fromEntries(Array.from({length: s.length}, (_, i) => [s.key(i), s.getItem(s.key(i))]));
         return [dump(localStorage), dump(sessionStorage)];
-    }""")
+    }"""))
 
 
 def test_a_wrong_key_is_refused_with_the_apis_message(page, server, artifacts):
@@ -126,18 +139,17 @@ def test_a_sandbox_page_shows_its_processes_and_runs_a_terminal(page, server, sb
     page.wait_for_selector(f'#processes tr[data-id="{proc.id}"]')
     assert "sleep 600" in page.inner_text("#processes")
     page.wait_for_selector("#network dl")
-    page.wait_for_function("document.querySelector('#console-log').textContent !== 'Loading…'")
+    wait_js(page, "document.querySelector('#console-log').textContent !== 'Loading…'")
     print(f"[console] console log tail: {page.inner_text('#console-log')[-300:]!r}")
 
     page.click("#terminal-open")
-    page.wait_for_function("document.querySelector('#terminal-status').textContent === 'Connected.'")
-    page.wait_for_function("document.querySelector('#terminal').textContent.length > 0")
+    wait_js(page, "document.querySelector('#terminal-status').textContent === 'Connected.'")
+    wait_js(page, "document.querySelector('#terminal').textContent.length > 0")
     page.click("#terminal")
     page.keyboard.type("echo h''i")
     page.keyboard.press("Enter")
     # The command line echoes `echo h''i`; only the output is `hi` alone.
-    page.wait_for_function(
-        "document.querySelector('#terminal').textContent.split('\\n').some(l => l.trim() === 'hi')")
+    wait_js(page, "document.querySelector('#terminal').textContent.split('\\n').some(l => l.trim() === 'hi')")
     shot(page, artifacts, "sandbox")
     # The session that let the socket in is revoked once it is open.
     sessions = http(server, "GET", f"/v1/sandboxes/{sbx.id}/sessions").json()["data"]
@@ -176,9 +188,8 @@ def test_a_key_made_in_the_page_is_shown_once_then_forgotten(page, server, artif
     # The limit is changed, then the key revoked, from its row.
     row.query_selector("input.limit").fill("")
     row.query_selector("button.set-limit").click()
-    page.wait_for_function(
-        "document.querySelector('#keys tr[data-name=\"made-in-console\"] input.limit') "
-        "&& document.querySelector('#keys tr[data-name=\"made-in-console\"] input.limit').value === ''")
+    wait_js(page, "document.querySelector('#keys tr[data-name=\"made-in-console\"] input.limit') "
+                  "&& document.querySelector('#keys tr[data-name=\"made-in-console\"] input.limit').value === ''")
     keys = {k["name"]: k for k in http(server, "GET", "/v1/keys").json()["data"]}
     assert keys["made-in-console"]["dailyLimitMicros"] is None
     page.click('#keys tr[data-name="made-in-console"] button.revoke')

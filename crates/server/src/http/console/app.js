@@ -714,7 +714,8 @@
         el("td", {}, revoked ? dollars(k.dailyLimitMicros) : el("span", { class: "actions" }, limitInput, setLimit)),
         el("td", {}, since(k.createdAt) + " ago"),
         el("td", {}, revoked ? badge("revoked") : badge("active")),
-        el("td", {}, revoked ? null : revoke, rowErr));
+        // The API refuses an account-wide key revoking itself: not offered.
+        el("td", {}, revoked || (k.current && k.accountWide) ? null : revoke, rowErr));
     }
 
     refresh();
