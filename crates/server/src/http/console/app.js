@@ -478,11 +478,12 @@
       try {
         const r = await api("GET", path + "/console?bytes=16384");
         const atEnd = consoleLog.scrollTop + consoleLog.clientHeight >= consoleLog.scrollHeight - 4;
+        consoleLog.hidden = false;
         consoleLog.textContent = stripAnsi(r.text) || "(empty)";
         if (atEnd) consoleLog.scrollTop = consoleLog.scrollHeight;
         consoleErr.replaceChildren();
       } catch (e) {
-        consoleLog.textContent = "";
+        consoleLog.hidden = true;
         consoleErr.replaceChildren(errorBox(e));
       }
     }
