@@ -57,7 +57,7 @@ if ! command -v npm >/dev/null; then
   log "installing npm"
   apt-get install -y -qq --no-install-recommends npm >/dev/null
 fi
-log "installing chromium (the end-to-end suite drives the login page in it, headless)"
+log "installing chromium (the end-to-end suite drives the login page and the web console in it, headless)"
 apt-get install -y -qq --no-install-recommends chromium >/dev/null
 log "installing the interpreters the drivers' tests run on this host (guest/interp/tests)"
 apt-get install -y -qq --no-install-recommends \

@@ -403,6 +403,16 @@ impl Host for QemuHost {
         crate::cpu_time::resident_bytes(vm.pid)
     }
 
+    async fn console_tail(&self, id: &str, max_bytes: usize) -> Option<String> {
+        let paths = self.paths(id);
+        if !paths.dir.is_dir() {
+            return None;
+        }
+        tokio::task::spawn_blocking(move || qemu::console_tail(&paths, max_bytes))
+            .await
+            .ok()
+    }
+
     async fn connect(&self, id: &str, port: u16) -> Result<DuplexStream, HostError> {
         let link = self.link(id).await?;
         let lost = || HostError::LinkLost { id: id.to_owned() };

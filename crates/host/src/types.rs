@@ -431,6 +431,12 @@ pub trait Host: Send + Sync + 'static {
     fn egress_traffic(&self) -> Option<runtime_egress::Traffic> {
         None
     }
+    /// The last `max_bytes` of the machine's serial console (the guest
+    /// kernel's messages and what its agent logs there), as text; kept
+    /// until the machine is destroyed. `None` when the host keeps none.
+    async fn console_tail(&self, _id: &str, _max_bytes: usize) -> Option<String> {
+        None
+    }
     /// Opens a TCP connection to `127.0.0.1:port` inside the guest (previews,
     /// port forwarding), carried over the agent channel with flow control.
     /// The stream ends when either side closes or the machine stops.

@@ -45,6 +45,10 @@ pub enum ApiError {
     /// account-wide or read-only ones) may see.
     #[error("only an account-wide or read-only key may {action}")]
     AccountKeyNeeded { action: &'static str },
+    /// Something only an admin (account-wide, full) key does, such as
+    /// managing other keys.
+    #[error("only an admin key may {action}")]
+    AdminOnly { action: &'static str },
     /// A session token used for something beyond its sandbox's commands,
     /// processes, files and previews.
     #[error("a session may not {action}")]

@@ -57,6 +57,11 @@ impl ApiError {
                     format!("Only an account-wide or read-only key may {action}."),
                 )
             },
+            ApiError::AdminOnly { action } => p(
+                StatusCode::FORBIDDEN,
+                codes::FORBIDDEN,
+                format!("Only an admin (account-wide, full access) key may {action}."),
+            ),
             ApiError::SessionScope { action } => Parts {
                 hint: Some(
                     "A session reaches its own sandbox's commands, processes, files and previews; \
@@ -410,6 +415,13 @@ mod tests {
             (
                 ApiError::AccountKeyNeeded {
                     action: "read the metrics",
+                },
+                403,
+                codes::FORBIDDEN,
+            ),
+            (
+                ApiError::AdminOnly {
+                    action: "manage other keys",
                 },
                 403,
                 codes::FORBIDDEN,

@@ -3,6 +3,7 @@
 //! request; the route table in [`route`]; the handlers under [`routes`];
 //! errors to answers in `error.rs`.
 
+mod console;
 mod error;
 pub(crate) mod extract;
 pub(crate) mod idempotency;
@@ -118,7 +119,9 @@ async fn handle(State(st): State<AppState>, req: Request) -> Response {
     let mut cors: Option<String> = None;
     let span = tracing::info_span!("request", request_id = %rid, method = %req.method(), path = %req.uri().path());
     let mut resp = async {
-        let result = if login::is_login_path(req.uri().path()) {
+        let result = if console::is_console_path(req.uri().path()) {
+            console::handle(req.method(), req.uri().path(), req.headers())
+        } else if login::is_login_path(req.uri().path()) {
             login::handle(&st, req).await
         } else if req.uri().path() == telemetry::PATH {
             telemetry::handle(&st, req).await
@@ -175,8 +178,30 @@ fn bearer(headers: &HeaderMap) -> Option<&str> {
         .filter(|t| !t.is_empty())
 }
 
+/// The WebSocket subprotocol a page offers with the terminal, and the one
+/// that carries its session token: a browser cannot set `Authorization` on
+/// a WebSocket, and a URL would put the token in logs and history.
+pub(crate) const TERMINAL_PROTOCOL: &str = "runtime-terminal";
+const SESSION_PROTOCOL_PREFIX: &str = "runtime-session.";
+
+/// A session token offered as a WebSocket subprotocol
+/// (`Sec-WebSocket-Protocol: runtime-terminal, runtime-session.rtsess_…`).
+/// Only a session token (short-lived, one sandbox, its page's origin
+/// checked) is taken there, never an API key.
+fn subprotocol_session(headers: &HeaderMap) -> Option<&str> {
+    headers
+        .get_all(axum::http::header::SEC_WEBSOCKET_PROTOCOL)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .filter_map(|p| p.trim().strip_prefix(SESSION_PROTOCOL_PREFIX))
+        .find(|t| is_session_token(t))
+}
+
 pub(crate) fn authenticate(st: &AppState, headers: &HeaderMap) -> ApiResult<Caller> {
-    let token = bearer(headers).ok_or(ApiError::Unauthorized)?;
+    let token = bearer(headers)
+        .or_else(|| subprotocol_session(headers))
+        .ok_or(ApiError::Unauthorized)?;
     if is_session_token(token) {
         let (session, key) = crate::service::sessions::authenticate(st, token)?;
         return Ok(Caller {
@@ -302,7 +327,8 @@ async fn serve(
                     "Upgrade",
                     "this route is a WebSocket: send an Upgrade: websocket request",
                 )
-            })?;
+            })?
+            .protocols([TERMINAL_PROTOCOL]);
         let query = parse_query(parts.uri.query())?;
         return match &r {
             Route::Terminal(_) => ws::terminal(st.clone(), key, id.clone(), query, upgrade).await,

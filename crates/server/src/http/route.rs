@@ -89,6 +89,15 @@ pub(crate) enum Route {
     WebhookAction(String, String),
     WebhookDeliveries(String),
     DeliveryAction(String, String),
+    /// `/v1/keys[/{k}:verb]`: this server's own key management (the
+    /// console's keys page).
+    ListKeys,
+    CreateKey,
+    KeyAction(String, String),
+    /// `/v1/usage/daily?days`: spending per UTC day (the console's usage).
+    UsageDaily,
+    /// `…/console?bytes`: the tail of the sandbox's serial console.
+    ConsoleLog(String),
     /// A product the client knows that this server does not offer: its name.
     Unavailable(&'static str),
 }
@@ -310,6 +319,10 @@ pub(crate) fn route(method: &Method, raw_path: &str) -> ApiResult<Route> {
             Method::GET => Route::Terminal(id.to_string()),
             _ => return Err(not_allowed()),
         },
+        ["v1", "sandboxes", id, "console"] if verb_or_none(false) => match m {
+            Method::GET => Route::ConsoleLog(id.to_string()),
+            _ => return Err(not_allowed()),
+        },
         ["v1", "sandboxes", id, "tunnel"] if verb_or_none(false) => match m {
             Method::GET => Route::Tunnel(id.to_string()),
             _ => return Err(not_allowed()),
@@ -368,6 +381,10 @@ pub(crate) fn route(method: &Method, raw_path: &str) -> ApiResult<Route> {
             Method::GET => Route::Usage,
             _ => return Err(not_allowed()),
         },
+        ["v1", "usage", "daily"] if verb_or_none(false) => match m {
+            Method::GET => Route::UsageDaily,
+            _ => return Err(not_allowed()),
+        },
         ["v1", "limits"] if verb_or_none(false) => match m {
             Method::GET => Route::Limits,
             _ => return Err(not_allowed()),
@@ -393,6 +410,15 @@ pub(crate) fn route(method: &Method, raw_path: &str) -> ApiResult<Route> {
         },
         ["v1", "webhooks", id, "deliveries"] if verb_or_none(false) => match m {
             Method::GET => Route::WebhookDeliveries(id.to_string()),
+            _ => return Err(not_allowed()),
+        },
+        ["v1", "keys"] if verb_or_none(false) => match m {
+            Method::GET => Route::ListKeys,
+            Method::POST => Route::CreateKey,
+            _ => return Err(not_allowed()),
+        },
+        ["v1", "keys", k] => match (&m, &verb) {
+            (&Method::POST, Some(v)) => Route::KeyAction(k.to_string(), v.clone()),
             _ => return Err(not_allowed()),
         },
         ["v1", "webhook-deliveries", d] => match (&m, &verb) {
@@ -507,6 +533,12 @@ pub const ROUTE_SAMPLES: &[(&str, &str)] = &[
     ("GET", "/v1/sandboxes/{id}/files/watches"),
     ("GET", "/v1/sandboxes/{id}/files/watches/w1/events?cursor=0"),
     ("DELETE", "/v1/sandboxes/{id}/files/watches/w1"),
+    ("GET", "/v1/keys"),
+    ("POST", "/v1/keys"),
+    ("POST", "/v1/keys/k1:revoke"),
+    ("POST", "/v1/keys/k1:limit"),
+    ("GET", "/v1/sandboxes/{id}/console?bytes=4096"),
+    ("GET", "/v1/usage/daily?days=7"),
 ];
 
 /// The sandbox a session token may use this route on, when a session may
@@ -564,6 +596,7 @@ pub(crate) fn reveals_contents(r: &Route) -> bool {
             | Route::ListSecrets
             | Route::Terminal(_)
             | Route::Tunnel(_)
+            | Route::ConsoleLog(_)
     )
 }
 
@@ -673,9 +706,14 @@ mod tests {
             Route::WatchList(_) => 67,
             Route::WatchEvents(..) => 68,
             Route::WatchDelete(..) => 69,
+            Route::ListKeys => 70,
+            Route::CreateKey => 71,
+            Route::KeyAction(..) => 72,
+            Route::ConsoleLog(_) => 73,
+            Route::UsageDaily => 74,
         }
     }
-    const VARIANTS: usize = 70;
+    const VARIANTS: usize = 75;
 
     #[test]
     fn products_not_served_here_are_unavailable_not_missing() {

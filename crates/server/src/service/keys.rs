@@ -136,3 +136,129 @@ pub fn key_id_of(key: &str) -> Option<&str> {
     let id = rest.get(..36)?;
     (rest.as_bytes().get(36) == Some(&b'_')).then_some(id)
 }
+
+/// What a key may do with keys through the API (`/v1/keys`, the console's
+/// keys page): an admin (account-wide, full) key manages every key, as on
+/// the approval page of `runtime login`; account-wide and read-only keys
+/// list them all; any other key sees and may revoke only itself.
+pub(crate) mod api {
+    use crate::domain::access::KeyInfo;
+    use crate::error::{ApiError, ApiResult, ServerError};
+    use crate::AppState;
+
+    use super::KeyRecord;
+
+    /// What a create asks for, checked.
+    pub(crate) struct NewKey {
+        pub name: Option<String>,
+        pub read_only: bool,
+        pub account_wide: bool,
+        pub daily_limit_micros: Option<i64>,
+    }
+
+    fn is_admin(key: &KeyInfo) -> bool {
+        key.account_wide && !key.read_only
+    }
+
+    fn admin_only(key: &KeyInfo) -> ApiResult<()> {
+        if is_admin(key) {
+            Ok(())
+        } else {
+            Err(ApiError::AdminOnly {
+                action: "manage other keys",
+            })
+        }
+    }
+
+    fn not_found(id: &str) -> ApiError {
+        ApiError::NotFound {
+            code: runtime_api::codes::NOT_FOUND,
+            what: "key",
+            id: id.to_string(),
+        }
+    }
+
+    /// The keys `key` may see, oldest first.
+    pub(crate) fn list(st: &AppState, key: &KeyInfo) -> ApiResult<Vec<KeyRecord>> {
+        let all = super::list_keys(&st.config().data_dir)?;
+        Ok(if key.account_wide || key.read_only {
+            all
+        } else {
+            all.into_iter().filter(|k| k.id == key.id).collect()
+        })
+    }
+
+    /// The key with this id, when `key` may see it (by id only, never by
+    /// name: a path names one key).
+    fn get(st: &AppState, key: &KeyInfo, id: &str) -> ApiResult<KeyRecord> {
+        list(st, key)?
+            .into_iter()
+            .find(|k| k.id == id)
+            .ok_or_else(|| not_found(id))
+    }
+
+    /// Makes a key; answers its record and the key itself (shown once).
+    pub(crate) fn create(
+        st: &AppState,
+        key: &KeyInfo,
+        req: NewKey,
+    ) -> ApiResult<(KeyRecord, String)> {
+        admin_only(key)?;
+        let data_dir = &st.config().data_dir;
+        let secret = crate::create_key(
+            data_dir,
+            req.name.as_deref(),
+            req.read_only,
+            req.account_wide,
+        )?;
+        let id = super::key_id_of(&secret)
+            .ok_or_else(|| ApiError::Internal {
+                what: "a new key without an id".into(),
+            })?
+            .to_string();
+        if req.daily_limit_micros.is_some() {
+            let conn = super::open_connection(data_dir)?;
+            super::set_limit_on(&conn, &id, req.daily_limit_micros)?;
+        }
+        Ok((get(st, key, &id)?, secret))
+    }
+
+    /// Revokes a key: an admin any other key; any key itself (signing out),
+    /// unless it is account-wide, which is revoked on the server so the
+    /// server is never left without an admin key by a click.
+    pub(crate) fn revoke(st: &AppState, key: &KeyInfo, id: &str) -> ApiResult<KeyRecord> {
+        let target = get(st, key, id)?;
+        if target.id == key.id {
+            if key.account_wide {
+                return Err(ApiError::BadField {
+                    code: runtime_api::codes::INVALID_REQUEST,
+                    field: "id",
+                    message: "The key in use is account-wide: revoke it on the server \
+                              (`runtime keys revoke`), so no click leaves the server \
+                              without an admin key."
+                        .into(),
+                });
+            }
+        } else {
+            admin_only(key)?;
+        }
+        Ok(super::revoke_key(&st.config().data_dir, &target.id)?)
+    }
+
+    /// Sets or (with `None`) removes a key's daily spending limit: admins only.
+    pub(crate) fn set_limit(
+        st: &AppState,
+        key: &KeyInfo,
+        id: &str,
+        micros: Option<i64>,
+    ) -> ApiResult<KeyRecord> {
+        admin_only(key)?;
+        let target = get(st, key, id)?;
+        super::set_daily_limit(&st.config().data_dir, &target.id, micros)
+            .map_err(ApiError::from)
+            .map_err(|e| match e {
+                ApiError::Server(ServerError::KeyNotFound { .. }) => not_found(id),
+                e => e,
+            })
+    }
+}

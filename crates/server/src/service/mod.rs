@@ -5,6 +5,7 @@ pub(crate) mod archives;
 pub(crate) mod background;
 pub(crate) mod billing;
 pub(crate) mod clock;
+pub(crate) mod console;
 pub(crate) mod events;
 pub(crate) mod files;
 pub(crate) mod images;

@@ -130,4 +130,21 @@ impl Store {
             .map_err(store_err("sum charges"))?;
         rows.map(|r| r.map_err(store_err("sum charges"))).collect()
     }
+
+    /// Each key's charges per UTC day (days since the epoch) after `minute`,
+    /// oldest day first.
+    pub fn charges_by_day(&self, minute: i64) -> Result<Vec<(i64, String, i64)>, ServerError> {
+        let conn = self.conn();
+        let mut stmt = conn
+            .prepare(
+                "SELECT minute / 1440 AS day, key_id, SUM(micros) FROM charges
+                 WHERE minute > ?1 GROUP BY day, key_id ORDER BY day, key_id",
+            )
+            .map_err(store_err("sum charges by day"))?;
+        let rows = stmt
+            .query_map(params![minute], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
+            .map_err(store_err("sum charges by day"))?;
+        rows.map(|r| r.map_err(store_err("sum charges by day")))
+            .collect()
+    }
 }

@@ -12,9 +12,11 @@ use crate::http::{Ctx, Reply};
 use crate::AppState;
 
 mod account;
+mod console;
 mod events;
 mod files;
 mod images;
+mod keys;
 pub(crate) mod network;
 mod previews;
 pub(crate) mod sandboxes;
@@ -105,6 +107,11 @@ pub(super) async fn dispatch(st: AppState, ctx: Ctx, r: Route, body: Bytes) -> A
         Route::SessionList(id) => sessions::list(st, ctx, id).await,
         Route::SessionRevoke(id, s) => sessions::revoke(st, ctx, id, s, body).await,
         Route::Metrics(id) => sandboxes::metrics(st, ctx, id).await,
+        Route::ListKeys => keys::list(st, ctx).await,
+        Route::CreateKey => keys::create(st, ctx, body).await,
+        Route::KeyAction(k, verb) => keys::action(st, ctx, k, verb, body).await,
+        Route::ConsoleLog(id) => console::log(st, ctx, id).await,
+        Route::UsageDaily => console::usage_daily(st, ctx).await,
         Route::Unavailable(product) => Err(ApiError::Unavailable { product }),
     }
 }
