@@ -158,6 +158,8 @@ struct Inner {
     meter: service::meter::Meter,
     metrics: service::metrics::Metrics,
     logins: http::login::Pending,
+    /// MCP sessions (`/mcp`).
+    mcp: http::mcp::Sessions,
     hooks: service::webhooks::Hooks,
     tasks: TaskTracker,
     cancel: CancellationToken,
@@ -185,6 +187,7 @@ impl AppState {
                 meter: service::meter::Meter::default(),
                 metrics: service::metrics::Metrics::default(),
                 logins: http::login::Pending::default(),
+                mcp: http::mcp::Sessions::default(),
                 hooks: service::webhooks::Hooks::default(),
                 tasks: TaskTracker::new(),
                 cancel: CancellationToken::new(),
