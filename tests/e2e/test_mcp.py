@@ -50,6 +50,17 @@ async def over_stdio(server, key: str, tmp_path) -> AsyncIterator[tuple[ClientSe
                 yield session, await session.initialize()
 
 
+def mcp_error(error: BaseException) -> MCPError | None:
+    """The MCPError raised, or inside the exception groups task groups raise."""
+    if isinstance(error, MCPError):
+        return error
+    for inner in getattr(error, "exceptions", ()):
+        found = mcp_error(inner)
+        if found is not None:
+            return found
+    return None
+
+
 async def tool(session: ClientSession, name: str, args: dict[str, Any]) -> tuple[bool, dict[str, Any]]:
     """(isError, structuredContent) of one call; its text is the same JSON."""
     r = await session.call_tool(name, args)
@@ -149,6 +160,7 @@ def test_bad_arguments_and_read_only_keys_are_tool_errors(server, tmp_path):
             with pytest.raises(MCPError) as unknown:
                 await session.call_tool("runtime_teleport", {})
             assert unknown.value.error.code == -32602
+            assert "runtime_teleport" in unknown.value.error.message
     asyncio.run(go())
 
 
@@ -164,8 +176,11 @@ def test_no_key_is_401_pointing_at_the_metadata(server, tmp_path):
     assert meta.json()["bearer_methods_supported"] == ["header"]
 
     async def go():
-        with pytest.raises(MCPError) as refused:
+        with pytest.raises(BaseException) as refused:
             async with over_stdio(server, "rtcloud_not_a_key", tmp_path):
                 pass
-        assert "Missing or invalid API key" in str(refused.value)
+        error = mcp_error(refused.value)
+        assert error is not None, refused.value
+        assert "Missing or invalid API key" in error.error.message, error.error
+        assert "HTTP 401" in error.error.message
     asyncio.run(go())

@@ -153,7 +153,16 @@ impl Bridge {
                 }
                 if !rep.messages.is_empty() {
                     for m in &rep.messages {
-                        self.emit(m);
+                        // An error the server could not tie to a request
+                        // (a session it forgot) answers this one.
+                        match (&id, m.get("id")) {
+                            (Some(id), Some(Value::Null)) if m.get("error").is_some() => {
+                                let mut m = m.clone();
+                                m["id"] = id.clone();
+                                self.emit(&m);
+                            }
+                            _ => self.emit(m),
+                        }
                     }
                 } else if rep.status >= 300 {
                     if let Some(id) = id {

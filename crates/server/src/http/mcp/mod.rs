@@ -115,7 +115,6 @@ pub(crate) async fn handle(st: &AppState, req: Request, rid: &str) -> ApiResult<
             "resource": format!("{o}{PATH}"),
             "resource_name": "Runtime (self-hosted)",
             "bearer_methods_supported": ["header"],
-            "resource_documentation": format!("{o}/docs/mcp"),
         }))
         .into_response());
     }

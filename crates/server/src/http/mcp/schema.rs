@@ -168,11 +168,12 @@ pub(super) fn check(args: &[Arg], v: Option<&Value>) -> Result<Map<String, Value
         }
         match args.iter().find(|a| a.name == k) {
             None => issues.push(issue(k, "unknown field".into())),
-            Some(a) if !a.applies(action) => match action {
-                Some(act) => issues.push(issue(k, format!("is not used by action {act}"))),
+            Some(a) if !a.applies(action) => {
                 // Without a valid action, `action` itself is the issue.
-                None => {}
-            },
+                if let Some(act) = action {
+                    issues.push(issue(k, format!("is not used by action {act}")));
+                }
+            }
             Some(a) => {
                 if let Some(m) = a.wrong(v) {
                     issues.push(issue(k, m));
