@@ -3,7 +3,7 @@
 //! the API's checks shared (read-only keys, validation), bad arguments
 //! named field by field, JSON-RPC errors, and an SSE answer.
 
-#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::type_complexity)]
 
 #[allow(dead_code)]
 mod fake;

@@ -783,7 +783,7 @@ mod tests {
         assert_eq!(v["totalLines"], 3);
         assert_eq!(v["endLine"], 3);
         assert_eq!(v["truncated"], false);
-        let big = "y".repeat(100).repeat(1) + "\n";
+        let big = "y".repeat(100) + "\n";
         let text = big.repeat(1000);
         let v = file_text(text.as_bytes(), None, None);
         assert_eq!(v["truncated"], true);
