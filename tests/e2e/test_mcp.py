@@ -117,6 +117,21 @@ async def drive_a_sandbox(session: ClientSession, init: Any, label: str) -> None
         files = await ok(session, "runtime_sandbox_files_list", {"id": sid, "path": f"/workspace/{label}"})
         assert [e["name"] for e in files["data"]] == ["note.txt"]
 
+        # A background process, followed from a cursor until it ends.
+        started = await ok(session, "runtime_sandbox_exec",
+                           {"id": sid, "command": "for i in 1 2 3; do echo line$i; sleep 0.2; done; exit 5",
+                            "background": True})
+        pid, cursor, out = started["id"], 0, ""
+        for _ in range(40):
+            read = await ok(session, "runtime_sandbox_process",
+                            {"id": sid, "action": "output", "processId": pid, "cursor": cursor, "waitMs": 2000})
+            out += "".join(c["text"] for c in read["chunks"])
+            cursor = read["nextCursor"]
+            if read["process"]["state"] != "running" and not read["chunks"]:
+                break
+        assert out == "line1\nline2\nline3\n"
+        assert read["process"]["exitCode"] == 5
+
         mine = await ok(session, "runtime_sandbox_list", {"labels": {"via": label}})
         assert [s["id"] for s in mine["data"]] == [sid]
     finally:
