@@ -114,7 +114,7 @@ async def drive_a_sandbox(session: ClientSession, init: Any, label: str) -> None
         read = await ok(session, "runtime_sandbox_files_read",
                         {"id": sid, "path": f"/workspace/{label}/note.txt", "startLine": 2, "endLine": 2})
         assert (read["content"], read["totalLines"]) == (f"{token}\n", 3)
-        files = await ok(session, "runtime_sandbox_files_list", {"id": sid, "path": f"/workspace/{label}"})
+        files = await ok(session, "runtime_sandbox_files_list", {"id": sid, "path": label})
         assert [e["name"] for e in files["data"]] == ["note.txt"]
 
         # A background process, followed from a cursor until it ends.

@@ -726,8 +726,26 @@ fn issue(field: &str, message: &str) -> Issue {
     }
 }
 
+/// Paths of the files tools that do not start with `/` are taken from
+/// `/workspace`, where commands run (the API takes absolute paths only).
+fn absolute_paths(tool: &Tool, a: &Map<String, Value>) -> Map<String, Value> {
+    let mut a = a.clone();
+    if tool.name.starts_with("runtime_sandbox_files_") {
+        for k in ["path", "from", "to"] {
+            if let Some(Value::String(p)) = a.get_mut(k) {
+                if !p.is_empty() && !p.starts_with('/') {
+                    let rel = p.trim_start_matches("./");
+                    *p = format!("/workspace/{rel}");
+                }
+            }
+        }
+    }
+    a
+}
+
 /// The request a call of `tool` with checked arguments `a` makes.
 pub(super) fn plan(tool: &Tool, a: &Map<String, Value>) -> Result<Call, Vec<Issue>> {
+    let a = &absolute_paths(tool, a);
     let id = enc(s(a, "id"));
     let sbx = format!("/v1/sandboxes/{id}");
     let action = s(a, "action");
@@ -1039,9 +1057,12 @@ mod tests {
         );
         let c = plan_of(
             "runtime_sandbox_files_manage",
-            json!({"id": "s", "action": "move", "from": "/a", "to": "/b"}),
+            json!({"id": "s", "action": "move", "from": "./a", "to": "/b"}),
         );
         assert_eq!(c.uri(), "/v1/sandboxes/s/files:rename");
+        assert!(
+            matches!(&c.body, Payload::Json(v) if v == &json!({"from": "/workspace/a", "to": "/b"}))
+        );
         let c = plan_of("runtime_account", json!({"action": "limits"}));
         assert_eq!(c.uri(), "/v1/limits");
     }
