@@ -34,15 +34,8 @@ fn request(api: &str, method: &str, path: &str, body: &Value) -> anyhow::Result<
     call(api, method, path, Some(body), None)
 }
 
-/// One HTTP/1.1 request over a fresh connection, with a bearer key if
-/// given; (status, JSON body, `null` when the body is not JSON).
-pub(crate) fn call(
-    api: &str,
-    method: &str,
-    path: &str,
-    body: Option<&Value>,
-    key: Option<&str>,
-) -> anyhow::Result<(u16, Value)> {
+/// A connection to `api`'s origin, and its `host:port` for the `Host` header.
+pub(crate) fn connect(api: &str) -> anyhow::Result<(TcpStream, String)> {
     let api = origin(api.trim());
     let hostport = api
         .strip_prefix("http://")
@@ -52,7 +45,20 @@ pub(crate) fn call(
     } else {
         format!("{hostport}:80")
     };
-    let mut s = TcpStream::connect(&addr).with_context(|| format!("connecting to {addr}"))?;
+    let s = TcpStream::connect(&addr).with_context(|| format!("connecting to {addr}"))?;
+    Ok((s, hostport.to_string()))
+}
+
+/// One HTTP/1.1 request over a fresh connection, with a bearer key if
+/// given; (status, JSON body, `null` when the body is not JSON).
+pub(crate) fn call(
+    api: &str,
+    method: &str,
+    path: &str,
+    body: Option<&Value>,
+    key: Option<&str>,
+) -> anyhow::Result<(u16, Value)> {
+    let (mut s, hostport) = connect(api)?;
     s.set_read_timeout(Some(Duration::from_secs(30)))?;
     let payload = body.map(Value::to_string).unwrap_or_default();
     let auth = key.map_or_else(String::new, |k| format!("Authorization: Bearer {k}\r\n"));
@@ -84,7 +90,7 @@ pub(crate) fn call(
     Ok((status, v))
 }
 
-fn dechunk(mut s: &str) -> String {
+pub(crate) fn dechunk(mut s: &str) -> String {
     let mut out = String::new();
     while let Some((size, rest)) = s.split_once("\r\n") {
         let Ok(n) = usize::from_str_radix(size.trim(), 16) else {
@@ -96,6 +102,33 @@ fn dechunk(mut s: &str) -> String {
         out.push_str(&rest[..n]);
         s = rest[n..].trim_start_matches("\r\n");
     }
+    out
+}
+
+/// The API origins `runtime login` saved a key for (private files only).
+pub(crate) fn saved_origins() -> Vec<String> {
+    let Some(dir) = saved_path("http://x").parent().map(PathBuf::from) else {
+        return Vec::new();
+    };
+    let Ok(entries) = std::fs::read_dir(&dir) else {
+        return Vec::new();
+    };
+    let mut out: Vec<String> = entries
+        .filter_map(Result::ok)
+        .filter(|e| e.path().extension().is_some_and(|x| x == "json"))
+        .filter_map(|e| {
+            let f = std::fs::symlink_metadata(e.path()).ok()?;
+            if !f.is_file() || f.len() > 4096 {
+                return None;
+            }
+            let v: Value = serde_json::from_str(&std::fs::read_to_string(e.path()).ok()?).ok()?;
+            let api = v["apiOrigin"].as_str()?.to_string();
+            // Only what `saved_key` would read for that origin.
+            saved_key(&api).map(|_| api)
+        })
+        .collect();
+    out.sort();
+    out.dedup();
     out
 }
 

@@ -1,7 +1,8 @@
 //! `runtime`: the one binary. `serve` runs the control plane and the host in
 //! one process with an embedded store; `keys` manages API keys in a data
 //! directory; `login` asks a server for a key through the browser and saves
-//! it where `withruntime` reads it; `image build` builds (or verifies) the
+//! it where `withruntime` reads it; `mcp` bridges stdio to a server's MCP
+//! endpoint; `image build` builds (or verifies) the
 //! guest kernel and image, or with `--file` a custom image from a TOML
 //! recipe on a running server; `sandbox ...` and `image ls|logs|tag|rm`
 //! are clients of any server's API (docs/cli.md).
@@ -16,6 +17,7 @@ mod copy;
 mod forward;
 mod image;
 mod login;
+mod mcp;
 mod output;
 mod sandbox;
 mod shell;
@@ -87,6 +89,17 @@ enum Cmd {
         /// Print the approval address without opening a browser.
         #[arg(long)]
         no_browser: bool,
+    },
+    /// A stdio MCP server for agents (`claude mcp add runtime -- runtime
+    /// mcp`): forwards each message to the server's `/mcp` with the key.
+    Mcp {
+        /// The server's origin; without it, the one `runtime login` saved.
+        #[arg(long, env = "RUNTIME_API_URL")]
+        url: Option<String>,
+        /// An API key; without it, the key `runtime login` saved for the
+        /// server (keep keys out of command lines: use the environment).
+        #[arg(long, env = "RUNTIME_API_KEY", hide_env_values = true, hide = true)]
+        key: Option<String>,
     },
     /// API keys of a data directory.
     Keys {
@@ -718,6 +731,7 @@ fn main() -> anyhow::Result<()> {
             computer,
             no_browser,
         } => login::run(&url, computer, !no_browser),
+        Cmd::Mcp { url, key } => mcp::run(mcp::target(url, key)?),
         Cmd::Keys { cmd } => keys(cmd),
         Cmd::Sandbox(args) => client::exit_with(sandbox::run(args)),
         Cmd::Image {

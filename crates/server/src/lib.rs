@@ -162,6 +162,8 @@ struct Inner {
     /// When this server started, for its uptime.
     started: std::time::Instant,
     logins: http::login::Pending,
+    /// MCP sessions (`/mcp`).
+    mcp: http::mcp::Sessions,
     hooks: service::webhooks::Hooks,
     tasks: TaskTracker,
     cancel: CancellationToken,
@@ -191,6 +193,7 @@ impl AppState {
                 telemetry: domain::telemetry::Telemetry::default(),
                 started: std::time::Instant::now(),
                 logins: http::login::Pending::default(),
+                mcp: http::mcp::Sessions::default(),
                 hooks: service::webhooks::Hooks::default(),
                 tasks: TaskTracker::new(),
                 cancel: CancellationToken::new(),

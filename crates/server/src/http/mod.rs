@@ -9,6 +9,7 @@ pub(crate) mod extract;
 pub(crate) mod idempotency;
 pub(crate) mod links;
 pub(crate) mod login;
+pub(crate) mod mcp;
 mod preview_proxy;
 pub(crate) mod reply;
 pub(crate) mod route;
@@ -119,7 +120,9 @@ async fn handle(State(st): State<AppState>, req: Request) -> Response {
     let mut cors: Option<String> = None;
     let span = tracing::info_span!("request", request_id = %rid, method = %req.method(), path = %req.uri().path());
     let mut resp = async {
-        let result = if console::is_console_path(req.uri().path()) {
+        let result = if mcp::is_mcp_path(req.uri().path()) {
+            mcp::handle(&st, req, &rid).await
+        } else if console::is_console_path(req.uri().path()) {
             console::handle(req.method(), req.uri().path(), req.headers())
         } else if login::is_login_path(req.uri().path()) {
             login::handle(&st, req).await
