@@ -546,6 +546,7 @@ async fn read_only_keys_are_refused_every_change_and_every_look_inside() {
             "/terminal",
             "/tunnel",
             "/egress-secrets",
+            "/console",
         ]
         .iter()
         .any(|p| path.contains(p));
