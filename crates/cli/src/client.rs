@@ -292,6 +292,32 @@ impl Target {
             .with_context(|| format!("{method} {path}: the answer is not JSON"))
     }
 
+    /// Every item of a paged listing (`{data, nextCursor}`) at `path` with
+    /// the filters `q`, 100 a page.
+    pub(crate) async fn list_all(
+        &self,
+        path: &str,
+        q: &[(&str, String)],
+    ) -> anyhow::Result<Vec<Value>> {
+        let mut all = Vec::new();
+        let mut cursor: Option<String> = None;
+        loop {
+            let mut page = q.to_vec();
+            page.push(("limit", "100".into()));
+            if let Some(c) = &cursor {
+                page.push(("cursor", c.clone()));
+            }
+            let v = self
+                .json("GET", &format!("{path}{}", query(&page)), None)
+                .await?;
+            all.extend(v["data"].as_array().cloned().unwrap_or_default());
+            match v["nextCursor"].as_str() {
+                Some(c) if !c.is_empty() => cursor = Some(c.to_string()),
+                _ => return Ok(all),
+            }
+        }
+    }
+
     /// Raw bytes in, the answer checked.
     pub(crate) async fn put_bytes(&self, path: &str, body: Bytes) -> anyhow::Result<Value> {
         let resp = self

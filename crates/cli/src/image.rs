@@ -370,25 +370,8 @@ pub(crate) async fn remote(cmd: RemoteCmd) -> anyhow::Result<i32> {
     match cmd {
         RemoteCmd::Ls { conn, name, json } => {
             let t = conn.target()?;
-            let mut all = Vec::new();
-            let mut cursor: Option<String> = None;
-            loop {
-                let mut q = vec![("limit", "100".to_string())];
-                if let Some(n) = &name {
-                    q.push(("name", n.clone()));
-                }
-                if let Some(c) = &cursor {
-                    q.push(("cursor", c.clone()));
-                }
-                let v = t
-                    .json("GET", &format!("/v1/images{}", client::query(&q)), None)
-                    .await?;
-                all.extend(v["data"].as_array().cloned().unwrap_or_default());
-                match v["nextCursor"].as_str() {
-                    Some(c) if !c.is_empty() => cursor = Some(c.to_string()),
-                    _ => break,
-                }
-            }
+            let q: Vec<(&str, String)> = name.iter().map(|n| ("name", n.clone())).collect();
+            let all = t.list_all("/v1/images", &q).await?;
             if json {
                 output::json(&Value::Array(all));
                 return Ok(0);

@@ -537,34 +537,17 @@ async fn ls(
     all: bool,
     json: bool,
 ) -> anyhow::Result<i32> {
-    let mut rows = Vec::new();
-    let mut cursor: Option<String> = None;
-    loop {
-        let mut q: Vec<(&str, String)> = vec![("limit", "100".into())];
-        for s in states {
-            q.push(("state", s.clone()));
-        }
-        for l in labels {
-            let (k, v) = l
-                .split_once('=')
-                .with_context(|| format!("--label {l:?}: expected K=V"))?;
-            q.push(("label", format!("{k}:{v}")));
-        }
-        if all {
-            q.push(("includeStopped", "true".into()));
-        }
-        if let Some(c) = &cursor {
-            q.push(("cursor", c.clone()));
-        }
-        let v = t
-            .json("GET", &format!("/v1/sandboxes{}", query(&q)), None)
-            .await?;
-        rows.extend(v["data"].as_array().cloned().unwrap_or_default());
-        match v["nextCursor"].as_str() {
-            Some(c) if !c.is_empty() => cursor = Some(c.to_string()),
-            _ => break,
-        }
+    let mut q: Vec<(&str, String)> = states.iter().map(|s| ("state", s.clone())).collect();
+    for l in labels {
+        let (k, v) = l
+            .split_once('=')
+            .with_context(|| format!("--label {l:?}: expected K=V"))?;
+        q.push(("label", format!("{k}:{v}")));
     }
+    if all {
+        q.push(("includeStopped", "true".into()));
+    }
+    let rows = t.list_all("/v1/sandboxes", &q).await?;
     if json {
         output::json(&Value::Array(rows));
         return Ok(0);
