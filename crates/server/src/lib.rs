@@ -73,6 +73,12 @@ pub struct Config {
     pub preview_domain: String,
     /// The port in preview URLs; 0 = the port the server listens on.
     pub preview_port: u16,
+    /// Most requests (and upgraded connections) one preview serves at once;
+    /// more are refused with 503 until some end.
+    pub preview_max_concurrent: usize,
+    /// How long a preview's guest server may take to answer a request's
+    /// head before the visitor gets 504.
+    pub preview_head_timeout: Duration,
     /// Serve HTTPS with this certificate chain and key (PEM files).
     pub tls: Option<(PathBuf, PathBuf)>,
     /// What running, paused and kept sandboxes cost (docs/billing.md).
@@ -112,6 +118,8 @@ impl Config {
             drain_timeout: Duration::from_secs(10),
             preview_domain: "localhost".into(),
             preview_port: 0,
+            preview_max_concurrent: 128,
+            preview_head_timeout: Duration::from_secs(120),
             tls: None,
             prices: Prices::default(),
             clock: Clock::System,

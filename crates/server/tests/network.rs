@@ -837,3 +837,103 @@ async fn the_api_and_previews_are_served_over_tls_with_the_operators_certificate
     server.await.unwrap().unwrap();
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A guest server that answers every request with `head` (whole, with
+/// `connection: close`), or never answers when `head` is `None`.
+async fn guest_answering(head: Option<&'static str>) -> std::net::SocketAddr {
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    tokio::spawn(async move {
+        loop {
+            let Ok((mut c, _)) = l.accept().await else {
+                return;
+            };
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 4096];
+                let _ = c.read(&mut buf).await;
+                match head {
+                    Some(h) => {
+                        let _ = c.write_all(h.as_bytes()).await;
+                    }
+                    None => tokio::time::sleep(Duration::from_secs(30)).await,
+                }
+            });
+        }
+    });
+    addr
+}
+
+#[tokio::test]
+async fn a_preview_cannot_set_cookies_beyond_its_host_nor_take_every_connection() {
+    let t = T::new(|c| {
+        c.preview_max_concurrent = 1;
+        c.preview_head_timeout = Duration::from_millis(500);
+    });
+    let id = t.running(json!({})).await;
+    let cookies = guest_answering(Some(
+        "HTTP/1.1 200 OK\r\nset-cookie: sid=1; Domain=localhost; Path=/; HttpOnly\r\n\
+         set-cookie: theme=dark; domain=.localhost\r\ncontent-length: 2\r\nconnection: close\r\n\r\nok",
+    ))
+    .await;
+    let silent = guest_answering(None).await;
+    {
+        let mut ports = t.host.guest_ports.lock().unwrap();
+        ports.insert(3000, cookies);
+        ports.insert(4000, silent);
+    }
+    for port in [3000, 4000] {
+        let (s, v) = t
+            .json(
+                "POST",
+                &format!("/v1/sandboxes/{id}/previews"),
+                Some(json!({"port": port, "visibility": "public"})),
+            )
+            .await;
+        assert_eq!(s, StatusCode::CREATED, "{v}");
+    }
+    let visit = |port: u16| {
+        Request::builder()
+            .uri("/")
+            .header("host", format!("{port}-{id}.localhost:8080"))
+            .body(Body::empty())
+            .unwrap()
+    };
+
+    let (s, h, b) = t.raw(visit(3000)).await;
+    assert_eq!(s, StatusCode::OK, "{}", String::from_utf8_lossy(&b));
+    let set: Vec<&str> = h
+        .get_all("set-cookie")
+        .iter()
+        .map(|v| v.to_str().unwrap())
+        .collect();
+    assert_eq!(set, ["sid=1; Path=/; HttpOnly", "theme=dark"]);
+
+    // A guest that never answers holds the preview's one place until the
+    // head times out (504); meanwhile a second visitor is refused (503).
+    let first = tokio::spawn({
+        let state = t.state.clone();
+        let req = visit(4000);
+        async move {
+            let resp = router(state).oneshot(req).await.unwrap();
+            resp.status()
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let (s, h, b) = t.raw(visit(4000)).await;
+    assert_eq!(
+        s,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "{}",
+        String::from_utf8_lossy(&b)
+    );
+    assert_eq!(h["retry-after"], "1");
+    assert_eq!(first.await.unwrap(), StatusCode::GATEWAY_TIMEOUT);
+    // The place is given back (as the timed-out connection's task ends):
+    // the next visitor waits its own turn.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let (s, _, _) = t.raw(visit(4000)).await;
+    assert_eq!(s, StatusCode::GATEWAY_TIMEOUT);
+    // Another preview of the same sandbox was never held up.
+    let (s, _, _) = t.raw(visit(3000)).await;
+    assert_eq!(s, StatusCode::OK);
+}

@@ -246,6 +246,23 @@ fn is_param(part: &str, name: &str) -> bool {
     part.strip_prefix(name).is_some_and(|r| r.starts_with('='))
 }
 
+/// A guest's `Set-Cookie` value made host-only: its `Domain` attributes
+/// are dropped, so a preview cannot set cookies for its sibling previews or
+/// for the API's host, which share the preview domain. Everything else of
+/// the cookie stays as the guest wrote it.
+pub(crate) fn host_only_cookie(value: &str) -> String {
+    let mut parts = value.split(';');
+    let mut out = parts.next().unwrap_or_default().to_string();
+    for attr in parts {
+        let name = attr.split('=').next().unwrap_or_default().trim();
+        if !name.eq_ignore_ascii_case("domain") {
+            out.push(';');
+            out.push_str(attr);
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -438,5 +455,20 @@ mod tests {
         );
         assert_eq!(without_token("/p", Some("runtime_preview_token=t1")), "/p");
         assert_eq!(without_token("/", None), "/");
+    }
+
+    #[test]
+    fn guest_cookies_lose_their_domain_and_keep_the_rest() {
+        assert_eq!(
+            host_only_cookie("sid=1; Domain=.localhost; Path=/; HttpOnly"),
+            "sid=1; Path=/; HttpOnly"
+        );
+        assert_eq!(
+            host_only_cookie("a=b;domain=example.com;DOMAIN = x;Secure"),
+            "a=b;Secure"
+        );
+        // A value with `domain` in it is not an attribute.
+        assert_eq!(host_only_cookie("domain=x; Path=/"), "domain=x; Path=/");
+        assert_eq!(host_only_cookie("plain=1"), "plain=1");
     }
 }

@@ -17,8 +17,8 @@ use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
 use crate::domain::preview::{
-    cookies_without_token, parse_host, token_in_cookies, token_in_query, without_token, COOKIE,
-    TOKEN_HEADER, TOKEN_PARAM,
+    cookies_without_token, host_only_cookie, parse_host, token_in_cookies, token_in_query,
+    without_token, COOKIE, TOKEN_HEADER, TOKEN_PARAM,
 };
 use crate::service::previews::{self, Admission};
 use crate::AppState;
@@ -116,6 +116,19 @@ pub(crate) async fn serve(st: AppState, mut req: Request, port: u16, sandbox: St
         Ok(r) => r,
         Err(r) => return r,
     };
+    // The guest's cookies stay on its own preview's host: a `Domain`
+    // would reach its sibling previews and the API's host.
+    let guest_cookies: Vec<HeaderValue> = resp
+        .headers()
+        .get_all(header::SET_COOKIE)
+        .iter()
+        .filter_map(|v| HeaderValue::from_str(&host_only_cookie(v.to_str().ok()?)).ok())
+        .collect();
+    // `remove` takes every value of the name.
+    resp.headers_mut().remove(header::SET_COOKIE);
+    for v in guest_cookies {
+        resp.headers_mut().append(header::SET_COOKIE, v);
+    }
     if let Some(t) = set_cookie {
         // Under TLS the token never travels in the clear.
         let secure = if st.config().tls.is_some() {
@@ -148,6 +161,20 @@ async fn forward(
     port: u16,
     mut req: Request,
 ) -> Result<Response, Response> {
+    // Held until the guest's connection (or its upgrade) ends.
+    let slot = std::sync::Arc::new(previews::slot(st, sandbox, port).ok_or_else(|| {
+        let mut r = preview_error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            codes::PREVIEW_UNREACHABLE,
+            format!(
+                "This preview is serving {} requests at once, the most it may; retry shortly.",
+                st.config().preview_max_concurrent
+            ),
+        );
+        r.headers_mut()
+            .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+        r
+    })?);
     let (io, cut): (_, CancellationToken) =
         previews::connect(st, sandbox, port).await.map_err(|_| {
             preview_error(
@@ -166,8 +193,12 @@ async fn forward(
                 format!("The sandbox's server did not answer: {e}"),
             )
         })?;
-    let conn_cut = cut.clone();
+    // This request's own: a timeout ends it alone, a rotation all of them.
+    let conn_cut = cut.child_token();
+    let conn_slot = slot.clone();
+    let conn_cut_on_timeout = conn_cut.clone();
     tokio::spawn(async move {
+        let _slot = conn_slot;
         tokio::select! {
             _ = conn.with_upgrades() => {}
             _ = conn_cut.cancelled() => {}
@@ -177,17 +208,33 @@ async fn forward(
         .headers()
         .contains_key(header::UPGRADE)
         .then(|| hyper::upgrade::on(&mut req));
-    let mut resp = sender.send_request(req).await.map_err(|e| {
-        preview_error(
-            StatusCode::BAD_GATEWAY,
-            codes::PREVIEW_UNREACHABLE,
-            format!("The sandbox's server closed the connection: {e}"),
-        )
-    })?;
+    let head_timeout = st.config().preview_head_timeout;
+    let mut resp = match tokio::time::timeout(head_timeout, sender.send_request(req)).await {
+        Ok(Ok(r)) => r,
+        Ok(Err(e)) => {
+            return Err(preview_error(
+                StatusCode::BAD_GATEWAY,
+                codes::PREVIEW_UNREACHABLE,
+                format!("The sandbox's server closed the connection: {e}"),
+            ))
+        }
+        Err(_) => {
+            conn_cut_on_timeout.cancel();
+            return Err(preview_error(
+                StatusCode::GATEWAY_TIMEOUT,
+                codes::PREVIEW_UNREACHABLE,
+                format!(
+                    "The sandbox's server did not answer within {} s.",
+                    head_timeout.as_secs()
+                ),
+            ));
+        }
+    };
     if resp.status() == StatusCode::SWITCHING_PROTOCOLS {
         if let Some(client_side) = upgrade {
             let guest_side = hyper::upgrade::on(&mut resp);
             tokio::spawn(async move {
+                let _slot = slot;
                 let (Ok(c), Ok(g)) = (client_side.await, guest_side.await) else {
                     return;
                 };

@@ -2,7 +2,9 @@
 //! previews: what the sandbox and lifecycle services call.
 
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex, Weak};
+
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use tokio_util::sync::CancellationToken;
 
@@ -16,6 +18,9 @@ pub(super) const KIND: &str = "preview";
 #[derive(Default)]
 pub(crate) struct Live {
     cancels: Mutex<HashMap<(String, u16), CancellationToken>>,
+    /// The requests each preview serves now; an entry lives while one of
+    /// its permits does.
+    slots: Mutex<HashMap<(String, u16), Weak<Semaphore>>>,
 }
 
 impl Live {
@@ -23,6 +28,28 @@ impl Live {
     pub(super) fn token(&self, sandbox: &str, port: u16) -> CancellationToken {
         let mut m = self.cancels.lock().unwrap_or_else(|p| p.into_inner());
         m.entry((sandbox.to_string(), port)).or_default().clone()
+    }
+
+    /// A place for one more request to the preview, of at most `max` at
+    /// once; `None` when all are taken. Never waits.
+    pub(crate) fn slot(
+        &self,
+        sandbox: &str,
+        port: u16,
+        max: usize,
+    ) -> Option<OwnedSemaphorePermit> {
+        let mut m = self.slots.lock().unwrap_or_else(|p| p.into_inner());
+        let key = (sandbox.to_string(), port);
+        let sem = match m.get(&key).and_then(Weak::upgrade) {
+            Some(s) => s,
+            None => {
+                m.retain(|_, w| w.strong_count() > 0);
+                let s = Arc::new(Semaphore::new(max.clamp(1, Semaphore::MAX_PERMITS)));
+                m.insert(key, Arc::downgrade(&s));
+                s
+            }
+        };
+        sem.try_acquire_owned().ok()
     }
 
     /// Closes what was opened so far.
@@ -78,5 +105,17 @@ mod tests {
         live.sandbox_gone("a");
         assert!(a.is_cancelled() && a2.is_cancelled());
         assert!(!b.is_cancelled());
+    }
+
+    #[test]
+    fn a_preview_serves_at_most_its_share_at_once() {
+        let live = Live::default();
+        let a = live.slot("s", 80, 2).unwrap();
+        let _b = live.slot("s", 80, 2).unwrap();
+        assert!(live.slot("s", 80, 2).is_none());
+        // Another port of the same sandbox has its own.
+        assert!(live.slot("s", 81, 2).is_some());
+        drop(a);
+        assert!(live.slot("s", 80, 2).is_some());
     }
 }

@@ -16,6 +16,7 @@ pub(crate) mod live;
 use rand::RngCore;
 use runtime_api::codes;
 use runtime_host::{DuplexStream, HostError};
+use tokio::sync::OwnedSemaphorePermit;
 use tokio_util::sync::CancellationToken;
 
 use crate::domain::access::KeyInfo;
@@ -245,6 +246,15 @@ pub(crate) async fn wake(st: &AppState, sandbox: &str) -> ApiResult<()> {
 
 /// A new connection to the guest's port, and what closes it when the
 /// preview is rotated, made private or deleted.
+/// A place for one more request to the preview (at most
+/// `preview_max_concurrent` at once, so anonymous visitors cannot take every
+/// tunnel of the sandbox); `None` when they are all taken.
+pub(crate) fn slot(st: &AppState, sandbox: &str, port: u16) -> Option<OwnedSemaphorePermit> {
+    st.inner
+        .previews
+        .slot(sandbox, port, st.config().preview_max_concurrent)
+}
+
 pub(crate) async fn connect(
     st: &AppState,
     sandbox: &str,
