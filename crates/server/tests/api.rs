@@ -635,6 +635,34 @@ async fn a_duplicate_in_flight_waits_then_replays() {
 }
 
 #[tokio::test]
+async fn commands_and_kernels_take_only_valid_variable_names() {
+    let t = T::new();
+    let id = t.running(json!({})).await;
+    for (path, body) in [
+        (
+            format!("/v1/sandboxes/{id}:exec"),
+            json!({"command": "true", "env": {"OK_1": "a", "BAD=NAME": "b", "1X": "c"}}),
+        ),
+        (
+            format!("/v1/sandboxes/{id}/interpreter/contexts"),
+            json!({"language": "python", "env": {"BAD=NAME": "b", "1X": "c"}}),
+        ),
+    ] {
+        let (s, v) = t.json("POST", &path, Some(body)).await;
+        assert_eq!(s, StatusCode::BAD_REQUEST, "{path}: {v}");
+        assert_error(&v, 400, "invalid_request");
+        let mut fields: Vec<&str> = v["error"]["details"]["issues"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|i| i["field"].as_str().unwrap())
+            .collect();
+        fields.sort();
+        assert_eq!(fields, ["env.1X", "env.BAD=NAME"], "{path}: {v}");
+    }
+}
+
+#[tokio::test]
 async fn exec_answers_json_with_exit_code_and_stdin() {
     let t = T::new();
     let id = t.running(json!({"env": {"A": "1", "B": "2"}})).await;

@@ -304,6 +304,22 @@ fn error_chain(e: &dyn std::error::Error) -> String {
     out
 }
 
+/// Most bytes of a guest's own message that an answer repeats.
+const GUEST_MESSAGE_BYTES: usize = 4096;
+
+/// A guest's message as an answer may carry it: cut at
+/// [`GUEST_MESSAGE_BYTES`] (on a character boundary), with a mark.
+fn guest_message(m: &str) -> String {
+    if m.len() <= GUEST_MESSAGE_BYTES {
+        return m.to_string();
+    }
+    let mut end = GUEST_MESSAGE_BYTES;
+    while !m.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}… ({} bytes cut)", &m[..end], m.len() - end)
+}
+
 fn host_parts(e: &HostError) -> Parts {
     let p = |status, code, message: String| Parts {
         status,
@@ -317,6 +333,8 @@ fn host_parts(e: &HostError) -> Parts {
         HostError::Guest {
             failure, message, ..
         } => {
+            // The guest wrote it: at most a few lines of it go back.
+            let message = &guest_message(message);
             let (status, code) = match failure {
                 GuestFailure::FileNotFound => (StatusCode::NOT_FOUND, codes::FILE_NOT_FOUND),
                 GuestFailure::IsADirectory => (StatusCode::CONFLICT, codes::IS_A_DIRECTORY),
@@ -391,6 +409,22 @@ mod tests {
     use super::*;
     use runtime_api::{Issue, SandboxState};
     use runtime_host::BootStage;
+
+    #[test]
+    fn a_guests_long_message_is_cut_in_the_answer() {
+        let long = "é".repeat(10_000);
+        let e = ApiError::Host(HostError::Guest {
+            id: "s1".into(),
+            failure: GuestFailure::PermissionDenied,
+            message: long.clone(),
+        });
+        let (status, code, message, _) = answer(e);
+        assert_eq!((status, code.as_str()), (403, codes::PERMISSION_DENIED));
+        assert!(message.len() < 4200, "{}", message.len());
+        assert!(message.ends_with("bytes cut)"), "{message}");
+        assert!(long.starts_with(message.split('…').next().unwrap()));
+        assert_eq!(guest_message("short"), "short");
+    }
 
     /// Status, code and message of `e`'s answer, and its body's details.
     fn answer(e: ApiError) -> (u16, String, String, Option<Value>) {

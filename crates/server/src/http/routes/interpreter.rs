@@ -13,7 +13,7 @@ use crate::domain::interpreter::{
 };
 use crate::domain::process::MAX_TIMEOUT_MS;
 use crate::error::{ApiError, ApiResult};
-use crate::http::extract::{json_object, no_fields, Fields};
+use crate::http::extract::{check_env, json_object, no_fields, Fields};
 use crate::http::reply::ndjson;
 use crate::http::{Ctx, Reply};
 use crate::service::interpreter::{self, CreateContext, Ran, RunCommand, RunEvent};
@@ -93,7 +93,8 @@ async fn create(st: AppState, ctx: Ctx, id: String, body: Bytes) -> ApiResult<Re
     let cid = f.string("id");
     let language = f.string("language");
     let cwd = f.string("cwd");
-    let env = f.string_map("env", 256).unwrap_or_default();
+    let env = f.string_map("env", 256);
+    let env = check_env(&mut f, env).unwrap_or_default();
     if let Some(c) = &cid {
         if !valid_context_id(c) {
             f.issue(

@@ -13,7 +13,7 @@ use serde_json::{json, Value};
 
 use crate::domain::process::{signal_number, MAX_TIMEOUT_MS, SIGTERM};
 use crate::error::{ApiError, ApiResult};
-use crate::http::extract::{json_object, query_object, Fields};
+use crate::http::extract::{check_env, json_object, query_object, Fields};
 use crate::http::reply::{ndjson, ndjson_now};
 use crate::http::{Ctx, Reply};
 use crate::service::processes::{
@@ -104,7 +104,8 @@ fn command(f: &mut Fields<'_>) -> Command {
         }
     };
     let cwd = f.string("cwd");
-    let env = f.string_map("env", 256).unwrap_or_default();
+    let env = f.string_map("env", 256);
+    let env = check_env(f, env).unwrap_or_default();
     let stdin_text = f.string("stdin");
     let stdin_b64 = f.string("stdinBase64");
     let mut stdin = None;
