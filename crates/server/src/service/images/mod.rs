@@ -13,6 +13,7 @@
 
 mod build;
 mod layers;
+pub(crate) mod registries;
 
 use runtime_api::codes;
 use std::collections::BTreeMap;
