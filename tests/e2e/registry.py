@@ -12,6 +12,12 @@ serves both), and `args` are the `runtime serve` flags that send those names
 to them through the egress proxy, as real registries would be reached.
 `Registries(root, extra_names=["mirror.example.com"])` adds names served by
 the public instance, e.g. a Docker Hub mirror for `--registry-mirror`.
+With a server of a test module's own, share its CA:
+
+    srv = Server(root)
+    regs = Registries(root / "registries", egress=srv.egress)
+    srv.extra_args += regs.args
+    srv.start()
 
 Images are pushed with the OCI distribution API in plain Python
 (`Registry.push_image`, `Registry.push_index`). Their root file system is

@@ -1,20 +1,25 @@
 """The registry fixture itself (tests/e2e/registry.py), with plain HTTP
-calls and no runtime server: what it pushes is served back byte for byte,
+calls: what it pushes is served back byte for byte,
 the index has both platforms, the private instance refuses anonymous pulls,
-and a corrupted blob no longer matches its digest."""
+a corrupted blob no longer matches its digest, and (with a server of its
+own) a guest reaches both by name through the egress proxy."""
 from __future__ import annotations
 
 import gzip
 import hashlib
 import io
 import json
+import os
+import shutil
 import tarfile
+import tempfile
 from pathlib import Path
 
 import pytest
 import zstandard
 
 import registry as R
+from conftest import Server
 
 
 @pytest.fixture(scope="module")
@@ -148,3 +153,47 @@ def test_args_map_the_names_to_the_instances(regs):
     assert pairs == {R.PUBLIC: f"127.0.0.1:{regs.public.port}", R.PRIVATE: f"127.0.0.1:{regs.private.port}",
                      "mirror.example.com": f"127.0.0.1:{regs.public.port}"}
     assert args[-2:] == ["--egress-test-root", str(regs.ca_pem)]
+
+
+@pytest.fixture(scope="module")
+def proxied():
+    """A server of its own whose egress proxy reaches the registries by
+    their names, the CA shared with its EgressServers."""
+    root = Path(tempfile.mkdtemp(prefix="runtime-e2e-registry-"))
+    os.chmod(root, 0o711)
+    srv = Server(root)
+    regs = R.Registries(root / "registries", egress=srv.egress)
+    srv.extra_args += regs.args
+    try:
+        srv.start()
+        yield srv, regs
+    finally:
+        srv.delete_all_sandboxes()
+        srv.stop()
+        srv.egress.close()
+        regs.close()
+        srv.kill_leftover_qemu()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_a_guest_reaches_both_by_name_through_the_egress_proxy(proxied):
+    """The names resolve to the instances through the proxy, with the
+    certificate of the one test CA, as real registries would be reached."""
+    from withruntime import Runtime
+    srv, regs = proxied
+    assert "--egress-test-root" not in regs.args  # the EgressServers' CA serves both
+    pushed = R.publish_private(regs, "team/app", "v1")
+    with Runtime(api_key=srv.admin_key(), base_url=srv.url) as rt:
+        sbx = rt.sandboxes.create()
+        try:
+            sbx.files.write("/tmp/ca.pem", regs.ca_pem.read_bytes())
+            def code(url: str, *extra: str) -> str:
+                r = sbx.exec(f"curl -s --max-time 30 --cacert /tmp/ca.pem -o /dev/null -w '%{{http_code}}' "
+                             f"{' '.join(extra)} '{url}'", timeout_ms=60_000)
+                return r.stdout.strip()
+            assert code(f"https://{R.PUBLIC}/v2/") == "200"
+            assert code(f"https://{R.PRIVATE}/v2/{pushed.repo}/manifests/{pushed.tag}") == "401"
+            assert code(f"https://{R.PRIVATE}/v2/{pushed.repo}/manifests/{pushed.tag}",
+                        f"-u {R.USER}:{R.PASSWORD}", f"-H 'accept: {R.OCI_MANIFEST}'") == "200"
+        finally:
+            sbx.delete()
