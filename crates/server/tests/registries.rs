@@ -399,6 +399,7 @@ async fn a_key_keeps_a_bounded_number_and_sets_replay_by_idempotency_key() {
 
     // One idempotency key: the first answer again, not a second set.
     let body = json!({"registry": "r1.example.com", "username": "again", "password": "p"});
+    let body_sent = body.clone();
     let path = "/v1/images/registries";
     let (s1, v1, r1) = t
         .call(&a, "POST", path, Some(body.clone()), Some("set-1"))
@@ -413,6 +414,15 @@ async fn a_key_keeps_a_bounded_number_and_sets_replay_by_idempotency_key() {
         Some(json!(true))
     );
     assert_eq!(v1, v2);
+    // The stored fingerprint is keyed: a plain hash of the request would
+    // let whoever reads the store test guesses of the password.
+    let mut plain = format!("POST {path}?\n").into_bytes();
+    plain.extend_from_slice(body_sent.to_string().as_bytes());
+    let plain = format!("{:x}", <sha2::Sha256 as sha2::Digest>::digest(&plain));
+    assert!(
+        t.on_disk(plain.as_bytes()).is_empty(),
+        "the store holds the body's plain hash"
+    );
     let other = json!({"registry": "r1.example.com", "username": "other", "password": "p"});
     let (s3, v3, _) = t.call(&a, "POST", path, Some(other), Some("set-1")).await;
     assert_eq!(s3.as_u16() / 100, 4, "{v3}");

@@ -590,6 +590,12 @@ pub(crate) fn session_sandbox(r: &Route) -> Option<&str> {
     }
 }
 
+/// Routes whose body carries a secret (an egress secret's value, a
+/// registry's password): their idempotency fingerprint is keyed.
+pub(crate) fn carries_secret(r: &Route) -> bool {
+    matches!(r, Route::PutSecret(_) | Route::SetRegistry)
+}
+
 /// Routes that show what is inside a sandbox (files, commands and their
 /// output, the interpreter), which read-only keys may not read.
 pub(crate) fn reveals_contents(r: &Route) -> bool {
