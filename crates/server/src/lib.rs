@@ -146,6 +146,9 @@ struct Inner {
     host: Arc<dyn Host>,
     /// Bumped on every sandbox state change; waits re-read the store.
     changes: watch::Sender<u64>,
+    /// Bumped on every change of an image's record or log; followers of a
+    /// build's log re-read the store.
+    image_changes: watch::Sender<u64>,
     /// One lifecycle lock per sandbox: start, stop and destroy never overlap.
     lifecycle: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     /// Serializes name checks with inserts.
@@ -185,6 +188,7 @@ impl AppState {
         AppState {
             inner: Arc::new(Inner {
                 changes: watch::channel(0).0,
+                image_changes: watch::channel(0).0,
                 lifecycle: Mutex::new(HashMap::new()),
                 create_lock: tokio::sync::Mutex::new(()),
                 inflight: http::idempotency::Inflight::default(),
@@ -243,6 +247,12 @@ impl AppState {
 
     fn notify_change(&self) {
         self.inner.changes.send_modify(|v| *v = v.wrapping_add(1));
+    }
+
+    fn notify_image_change(&self) {
+        self.inner
+            .image_changes
+            .send_modify(|v| *v = v.wrapping_add(1));
     }
 
     fn lifecycle_lock(&self, id: &str) -> Arc<tokio::sync::Mutex<()>> {
