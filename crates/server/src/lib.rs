@@ -153,6 +153,8 @@ struct Inner {
     lifecycle: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     /// Serializes name checks with inserts.
     create_lock: tokio::sync::Mutex<()>,
+    /// Held while images are pruned and while a new image is inserted.
+    prune_gate: Mutex<()>,
     inflight: http::idempotency::Inflight,
     procs: service::processes::Table,
     /// The interpreter's contexts and their kernels.
@@ -191,6 +193,7 @@ impl AppState {
                 image_changes: watch::channel(0).0,
                 lifecycle: Mutex::new(HashMap::new()),
                 create_lock: tokio::sync::Mutex::new(()),
+                prune_gate: Mutex::new(()),
                 inflight: http::idempotency::Inflight::default(),
                 procs: service::processes::Table::new(config.clock),
                 interpreter: service::interpreter::Contexts::default(),

@@ -49,6 +49,7 @@ pub(crate) enum Route {
     ImageLogs(String),
     DeleteImage(String),
     ImageAction(String, String),
+    PruneImages,
     CreateVolume,
     ListVolumes,
     GetVolume(String),
@@ -352,6 +353,10 @@ pub(crate) fn route(method: &Method, raw_path: &str) -> ApiResult<Route> {
             Method::GET => Route::ListImages,
             _ => return Err(not_allowed()),
         },
+        ["v1", "images"] if verb.as_deref() == Some("prune") => match m {
+            Method::POST => Route::PruneImages,
+            _ => return Err(not_allowed()),
+        },
         ["v1", "images", "resolve"] if verb_or_none(false) => match m {
             Method::GET => Route::ResolveImage,
             _ => return Err(not_allowed()),
@@ -490,6 +495,7 @@ pub const ROUTE_SAMPLES: &[(&str, &str)] = &[
     ("GET", "/v1/images/i1/logs"),
     ("DELETE", "/v1/images/i1"),
     ("POST", "/v1/images/i1:delete"),
+    ("POST", "/v1/images:prune"),
     ("POST", "/v1/volumes"),
     ("GET", "/v1/volumes"),
     ("GET", "/v1/volumes/v1"),
@@ -711,9 +717,10 @@ mod tests {
             Route::KeyAction(..) => 72,
             Route::ConsoleLog(_) => 73,
             Route::UsageDaily => 74,
+            Route::PruneImages => 75,
         }
     }
-    const VARIANTS: usize = 75;
+    const VARIANTS: usize = 76;
 
     #[test]
     fn products_not_served_here_are_unavailable_not_missing() {

@@ -12,11 +12,11 @@ use crate::error::{ApiError, ApiResult};
 use crate::http::extract::{
     checked_labels, checked_name, json_object, no_fields, page_after, query_object, Fields,
 };
-use crate::http::{Ctx, Reply};
 use crate::http::reply::ndjson;
+use crate::http::{Ctx, Reply};
 use crate::service::images::{self, BuildSource, CreateImage, FollowEvent};
-use futures::StreamExt;
 use crate::AppState;
+use futures::StreamExt;
 
 fn render(d: &Image, log: &[LogLine]) -> Value {
     let steps: Vec<Value> = d
@@ -243,10 +243,9 @@ pub(super) async fn action(
             let tag = f.string("tag");
             match &tag {
                 None => f.issue("tag", "is required"),
-                Some(t) if !valid_tag(t) => f.issue(
-                    "tag",
-                    "is 1-128 characters without ':', '@', '/' or spaces",
-                ),
+                Some(t) if !valid_tag(t) => {
+                    f.issue("tag", "is 1-128 characters without ':', '@', '/' or spaces")
+                }
                 Some(_) => {}
             }
             f.finish()?;
@@ -260,4 +259,12 @@ pub(super) async fn action(
             path: format!("/v1/images/{id}:{verb}"),
         }),
     }
+}
+
+/// `POST /v1/images:prune` (admin keys): removes the layers and blobs no
+/// image uses.
+pub(super) async fn prune(st: AppState, ctx: Ctx, body: Bytes) -> ApiResult<Reply> {
+    no_fields(&body)?;
+    let p = images::prune_for(&st, &ctx.key).await?;
+    Reply::ok(json!({"removedLayers": p.layers, "removedBlobs": p.blobs, "freedBytes": p.bytes}))
 }

@@ -14,6 +14,7 @@
 mod build;
 mod follow;
 mod layers;
+mod prune;
 
 use runtime_api::codes;
 use std::collections::BTreeMap;
@@ -33,6 +34,7 @@ use crate::AppState;
 
 pub(crate) use build::recover;
 pub(crate) use follow::{follow, FollowEvent};
+pub(crate) use prune::{prune_for, prune_if_short};
 
 /// What a build is written as.
 pub(crate) enum BuildSource {
@@ -110,7 +112,13 @@ fn missing<'a>(r: &str, name: &str, own: impl Iterator<Item = &'a Image>) -> Api
     tags.dedup();
     let mut numbers: Vec<u32> = versions.iter().map(|d| d.version).collect();
     numbers.sort_unstable();
-    let list = |v: Vec<String>| if v.is_empty() { "none".to_string() } else { v.join(", ") };
+    let list = |v: Vec<String>| {
+        if v.is_empty() {
+            "none".to_string()
+        } else {
+            v.join(", ")
+        }
+    };
     ApiError::Missing {
         code: codes::IMAGE_NOT_FOUND,
         message: format!(
@@ -119,7 +127,9 @@ fn missing<'a>(r: &str, name: &str, own: impl Iterator<Item = &'a Image>) -> Api
             list(numbers.iter().map(|n| n.to_string()).collect())
         ),
         details: Some(json!({"ref": r, "name": name, "tags": tags, "versions": numbers})),
-        hint: Some(format!("Name one of them: {name}:<tag> or {name}@<version>.")),
+        hint: Some(format!(
+            "Name one of them: {name}:<tag> or {name}@<version>."
+        )),
     }
 }
 
@@ -337,7 +347,15 @@ pub(crate) fn create(st: &AppState, key: &KeyInfo, cmd: CreateImage) -> ApiResul
         build_seconds: None,
         build_vm: None,
     };
-    st.store().insert_image(&mut d)?;
+    {
+        // Not while a prune removes layers this build may start on.
+        let _g = st
+            .inner
+            .prune_gate
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        st.store().insert_image(&mut d)?;
+    }
     tracing::info!(image_id = %d.id, version = d.version, steps = d.steps.len(), "image queued");
     let st2 = st.clone();
     let id = d.id.clone();
