@@ -54,7 +54,10 @@ pub(crate) fn prune(st: &AppState) -> ApiResult<Pruned> {
         }
     };
     let data = st.config().data_dir.clone();
+    // Backing files are compared as the file system resolves them, so a
+    // data directory named through a link still matches.
     let layers_dir = layers::dir(st);
+    let layers_dir = layers_dir.canonicalize().unwrap_or(layers_dir);
     let mut named: HashSet<String> = HashSet::new();
     for d in st.store().images()? {
         named.insert(d.base_key.clone());
@@ -63,6 +66,7 @@ pub(crate) fn prune(st: &AppState) -> ApiResult<Pruned> {
     // Every disk that may rest on a layer: outside the layers, and the
     // named layers themselves.
     let mut roots = Vec::new();
+    let data = data.canonicalize().unwrap_or(data);
     disks_under(&data, &layers_dir, MAX_DEPTH, &mut roots).map_err(io("listing disks"))?;
     roots.extend(named.iter().map(|k| layers::disk(st, k)));
     let mut used: HashSet<String> = named;
@@ -147,6 +151,7 @@ pub(crate) fn prune_if_short(st: &AppState) {
 
 /// The layer key of `disk` when it is a layer's disk.
 fn layer_of(layers_dir: &Path, disk: &Path) -> Option<String> {
+    let disk = disk.canonicalize().unwrap_or_else(|_| disk.to_path_buf());
     let rest = disk.strip_prefix(layers_dir).ok()?;
     let first = rest.components().next()?;
     Some(first.as_os_str().to_string_lossy().into_owned())
