@@ -136,6 +136,52 @@ def test_a_failed_build_names_the_step_and_its_output(runtime):
         runtime.images.create(dockerfile="FROM runtime\nONBUILD RUN true\n")
 
 
+def test_a_build_log_is_followed_as_it_is_written(server, runtime):
+    recipe = {"commands": ["echo first-line; sleep 4; echo second-line"]}
+    image = runtime.images.create(name="e2e-follow", recipe=recipe)
+    request = urllib.request.Request(
+        f"{server.url}/v1/images/{image['id']}/logs?follow=true",
+        headers={"Authorization": f"Bearer {server.admin_key()}", "Accept": "application/x-ndjson"})
+    events, state_at_first_line = [], None
+    with urllib.request.urlopen(request, timeout=600) as response:
+        assert response.headers["Content-Type"].startswith("application/x-ndjson")
+        for raw in response:
+            if not raw.strip():
+                continue  # a heartbeat
+            event = json.loads(raw)
+            events.append(event)
+            if event.get("text") == "first-line":
+                # The step's first output arrives while the step still runs.
+                state_at_first_line = runtime.images.get(image["id"])["state"]
+            if event["type"] in ("done", "error"):
+                break
+    assert state_at_first_line == "building", events
+    *lines, last = events
+    assert last["type"] == "done" and last["image"]["state"] == "ready", last
+    assert all(e["type"] == "line" and {"seq", "step", "stream", "text"} <= e.keys() for e in lines), lines
+    texts = [e["text"] for e in lines]
+    assert texts.index("first-line") < texts.index("second-line"), texts
+    # The client's on_log gets the same lines through the stream; a rebuild
+    # is cached whole.
+    seen = []
+    again = runtime.images.build(name="e2e-follow", recipe=recipe, on_log=seen.append)
+    assert again["state"] == "ready" and again["version"] == 2
+    assert any("(cached)" in line["text"] for line in seen), seen
+    assert [line["seq"] for line in seen] == sorted(line["seq"] for line in seen)
+    # Tags by hand: `prod` on version 1, then on 2; the name lists them
+    # when a reference names nothing.
+    first = runtime.images.tag(image["id"], "prod")
+    assert "prod" in first["tags"]
+    runtime.images.tag("e2e-follow@2", "prod")
+    assert runtime.images.resolve("e2e-follow:prod")["id"] == again["id"]
+    assert "prod" not in runtime.images.get(image["id"])["tags"]
+    runtime.images.untag("e2e-follow@2", "prod")
+    with pytest.raises(ClientError) as caught:
+        runtime.images.resolve("e2e-follow:prod")
+    assert caught.value.code == "image_not_found"
+    assert "latest" in str(caught.value) and "1, 2" in str(caught.value)
+
+
 def test_an_images_start_command_runs_in_each_new_sandbox(runtime):
     image = runtime.images.build(name="e2e-start", recipe={"workdir": "/srv/s", "commands": ["touch built"]},
                                  start={"command": "echo up-$(pwd) > /tmp/start-ran; exec sleep 600"},

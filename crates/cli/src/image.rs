@@ -335,6 +335,20 @@ pub(crate) enum RemoteCmd {
         image: String,
         tag: String,
     },
+    /// Take a tag off an image version.
+    Untag {
+        #[command(flatten)]
+        conn: ConnArgs,
+        image: String,
+        tag: String,
+    },
+    /// Remove the layers and blobs no image uses (admin keys).
+    Prune {
+        #[command(flatten)]
+        conn: ConnArgs,
+        #[arg(long)]
+        json: bool,
+    },
     /// Delete images (refused while a sandbox uses one).
     #[command(alias = "delete")]
     Rm {
@@ -494,6 +508,21 @@ async fn resolve_image(t: &client::Target, r: &str) -> anyhow::Result<String> {
         .context("the server's answer has no image id")
 }
 
+/// `tag` or `untag` (`verb`) on the image `image` names.
+async fn retag(conn: ConnArgs, image: &str, tag: &str, verb: &str) -> anyhow::Result<i32> {
+    let t = conn.target()?;
+    let id = resolve_image(&t, image).await?;
+    let v = t
+        .json(
+            "POST",
+            &format!("/v1/images/{}:{verb}", client::enc(&id)),
+            Some(&json!({ "tag": tag })),
+        )
+        .await?;
+    println!("{id} {}", label(&v));
+    Ok(0)
+}
+
 pub(crate) async fn remote(cmd: RemoteCmd) -> anyhow::Result<i32> {
     use crate::output::{self, cell};
     match cmd {
@@ -562,17 +591,21 @@ pub(crate) async fn remote(cmd: RemoteCmd) -> anyhow::Result<i32> {
             }
             Ok(0)
         }
-        RemoteCmd::Tag { conn, image, tag } => {
+        RemoteCmd::Tag { conn, image, tag } => retag(conn, &image, &tag, "tag").await,
+        RemoteCmd::Untag { conn, image, tag } => retag(conn, &image, &tag, "untag").await,
+        RemoteCmd::Prune { conn, json } => {
             let t = conn.target()?;
-            let id = resolve_image(&t, &image).await?;
-            let v = t
-                .json(
-                    "POST",
-                    &format!("/v1/images/{}:tag", client::enc(&id)),
-                    Some(&json!({ "tag": tag })),
-                )
-                .await?;
-            println!("{id} {}", label(&v));
+            let v = t.json("POST", "/v1/images:prune", Some(&json!({}))).await?;
+            if json {
+                println!("{v}");
+            } else {
+                println!(
+                    "removed {} layers and {} blobs, {:.1} MiB",
+                    v["removedLayers"].as_u64().unwrap_or(0),
+                    v["removedBlobs"].as_u64().unwrap_or(0),
+                    v["freedBytes"].as_u64().unwrap_or(0) as f64 / 1048576.0
+                );
+            }
             Ok(0)
         }
         RemoteCmd::Registry(cmd) => registry(cmd).await,

@@ -33,6 +33,7 @@ mod capture;
 mod cgroup;
 mod convert;
 mod cpu_time;
+pub mod disk_files;
 mod disks;
 #[cfg(test)]
 mod fake_guest;

@@ -77,6 +77,15 @@ pub enum ApiError {
         what: &'static str,
         id: String,
     },
+    /// A 404 that says more than "no such thing": what exists instead
+    /// (`details`) and what to do (`hint`).
+    #[error("{message}")]
+    Missing {
+        code: &'static str,
+        message: String,
+        details: Option<Value>,
+        hint: Option<String>,
+    },
     #[error("name {name} is taken")]
     NameTaken {
         name: String,

@@ -146,10 +146,15 @@ struct Inner {
     host: Arc<dyn Host>,
     /// Bumped on every sandbox state change; waits re-read the store.
     changes: watch::Sender<u64>,
+    /// Bumped on every change of an image's record or log; followers of a
+    /// build's log re-read the store.
+    image_changes: watch::Sender<u64>,
     /// One lifecycle lock per sandbox: start, stop and destroy never overlap.
     lifecycle: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     /// Serializes name checks with inserts.
     create_lock: tokio::sync::Mutex<()>,
+    /// Held while images are pruned and while a new image is inserted.
+    prune_gate: Mutex<()>,
     inflight: http::idempotency::Inflight,
     procs: service::processes::Table,
     /// The interpreter's contexts and their kernels.
@@ -185,8 +190,10 @@ impl AppState {
         AppState {
             inner: Arc::new(Inner {
                 changes: watch::channel(0).0,
+                image_changes: watch::channel(0).0,
                 lifecycle: Mutex::new(HashMap::new()),
                 create_lock: tokio::sync::Mutex::new(()),
+                prune_gate: Mutex::new(()),
                 inflight: http::idempotency::Inflight::default(),
                 procs: service::processes::Table::new(config.clock),
                 interpreter: service::interpreter::Contexts::default(),
@@ -250,6 +257,12 @@ impl AppState {
 
     fn notify_change(&self) {
         self.inner.changes.send_modify(|v| *v = v.wrapping_add(1));
+    }
+
+    fn notify_image_change(&self) {
+        self.inner
+            .image_changes
+            .send_modify(|v| *v = v.wrapping_add(1));
     }
 
     fn lifecycle_lock(&self, id: &str) -> Arc<tokio::sync::Mutex<()>> {

@@ -4,6 +4,7 @@
 
 mod fake;
 
+use std::collections::HashSet;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -3735,6 +3736,337 @@ async fn tags_go_to_the_newest_ready_version_whatever_order_builds_end_in() {
             .await;
         assert_eq!(v["tags"], json!([]), "{first} first: {v}");
     }
+}
+
+#[tokio::test]
+async fn tags_move_by_hand_and_a_reference_that_names_nothing_lists_what_exists() {
+    let t = T::new();
+    let b = create_key(&t.dir, Some("b"), false, false).unwrap();
+    let v1 = built(
+        &t,
+        json!({"name": "web", "dockerfile": "FROM runtime\nENV V=1"}),
+    )
+    .await;
+    let v2 = built(
+        &t,
+        json!({"name": "web", "dockerfile": "FROM runtime\nENV V=2"}),
+    )
+    .await;
+    let (id1, id2) = (v1["id"].as_str().unwrap(), v2["id"].as_str().unwrap());
+    let t = &t;
+    let resolve = |r: &str| {
+        let path = format!("/v1/images/resolve?ref={r}");
+        async move { t.json("GET", &path, None).await }
+    };
+    // `prod` on version 1, then moved to version 2: one version holds a tag.
+    let (s, v) = t
+        .json(
+            "POST",
+            &format!("/v1/images/{id1}:tag"),
+            Some(json!({"tag": "prod"})),
+        )
+        .await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert_eq!(v["tags"], json!(["prod"]), "{v}");
+    assert_eq!(resolve("web:prod").await.1["id"], id1);
+    let (s, v) = t
+        .json(
+            "POST",
+            &format!("/v1/images/{id2}:tag"),
+            Some(json!({"tag": "prod"})),
+        )
+        .await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert_eq!(v["tags"], json!(["latest", "prod"]), "{v}");
+    assert_eq!(resolve("web:prod").await.1["id"], id2);
+    let (_, old) = t.json("GET", &format!("/v1/images/{id1}"), None).await;
+    assert_eq!(old["tags"], json!([]), "{old}");
+    // Untagged, `web:prod` names nothing, and the answer lists what exists.
+    let (s, v) = t
+        .json(
+            "POST",
+            &format!("/v1/images/{id2}:untag"),
+            Some(json!({"tag": "prod"})),
+        )
+        .await;
+    assert_eq!((s, &v["tags"]), (StatusCode::OK, &json!(["latest"])), "{v}");
+    let (s, v) = resolve("web:prod").await;
+    assert_eq!(s, StatusCode::NOT_FOUND, "{v}");
+    assert_error(&v, 404, "image_not_found");
+    assert_eq!(v["error"]["details"]["tags"], json!(["latest"]), "{v}");
+    assert_eq!(v["error"]["details"]["versions"], json!([1, 2]), "{v}");
+    let message = v["error"]["message"].as_str().unwrap();
+    assert!(
+        message.contains("latest") && message.contains("1, 2"),
+        "{v}"
+    );
+    // A name never built: how to build it.
+    let (s, v) = resolve("python:3.12-slim").await;
+    assert_eq!(s, StatusCode::NOT_FOUND, "{v}");
+    assert_eq!(v["error"]["details"]["versions"], json!([]), "{v}");
+    assert!(
+        v["error"]["hint"]
+            .as_str()
+            .unwrap()
+            .contains("image=\"python:3.12-slim\""),
+        "{v}"
+    );
+    // Bad tags are named; an image without a name has no tags; another key
+    // does not see the image at all.
+    for body in [
+        json!({}),
+        json!({"tag": "a:b"}),
+        json!({"tag": "x", "other": 1}),
+    ] {
+        let (s, v) = t
+            .json("POST", &format!("/v1/images/{id1}:tag"), Some(body.clone()))
+            .await;
+        assert_eq!(s, StatusCode::BAD_REQUEST, "{body} -> {v}");
+    }
+    let (_, v) = t
+        .json(
+            "POST",
+            &format!("/v1/images/{id1}:tag"),
+            Some(json!({"tag": "a b", "x": 1})),
+        )
+        .await;
+    let fields: Vec<&str> = v["error"]["details"]["issues"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|i| i["field"].as_str().unwrap())
+        .collect();
+    assert!(fields.contains(&"tag") && fields.contains(&"x"), "{v}");
+    let unnamed = built(t, json!({"dockerfile": "FROM runtime"})).await;
+    let (s, v) = t
+        .json(
+            "POST",
+            &format!("/v1/images/{}:tag", unnamed["id"].as_str().unwrap()),
+            Some(json!({"tag": "x"})),
+        )
+        .await;
+    assert_eq!(s, StatusCode::CONFLICT, "{v}");
+    let (s, v) = t
+        .json_as(
+            &b,
+            "POST",
+            &format!("/v1/images/{id1}:tag"),
+            Some(json!({"tag": "x"})),
+            &[],
+        )
+        .await;
+    assert_eq!(s, StatusCode::NOT_FOUND, "{v}");
+    let (_, mine) = t.json("GET", &format!("/v1/images/{id1}"), None).await;
+    assert_eq!(mine["tags"], json!([]), "{mine}");
+}
+
+/// The NDJSON events of a followed log, collected whole.
+async fn followed(t: &T, id: &str, after: u64) -> Vec<Value> {
+    let body = t
+        .stream(
+            "GET",
+            format!("/v1/images/{id}/logs?follow=true&after={after}"),
+            None,
+        )
+        .await
+        .unwrap();
+    body.split(|b| *b == b'\n')
+        .filter(|l| !l.is_empty())
+        .map(|l| serde_json::from_slice(l).unwrap())
+        .collect()
+}
+
+#[tokio::test]
+async fn a_followed_build_log_streams_each_line_as_written_then_the_image() {
+    let t = T::new();
+    t.host.script(
+        "set -e\necho one; sleep 1; echo two\nsync",
+        vec![
+            Step::Out(b"one\n".to_vec()),
+            Step::Sleep(600),
+            Step::Out(b"two\n".to_vec()),
+            Step::Exit(0),
+        ],
+    );
+    let (s, v) = t
+        .json(
+            "POST",
+            "/v1/images",
+            Some(json!({"name": "slow", "dockerfile": "FROM runtime\nRUN echo one; sleep 1; echo two"})),
+        )
+        .await;
+    assert_eq!(s, StatusCode::CREATED, "{v}");
+    let id = v["id"].as_str().unwrap().to_string();
+    // Followed from the start, while it builds: every line, then `done`.
+    let started = std::time::Instant::now();
+    let events = followed(&t, &id, 0).await;
+    assert!(
+        started.elapsed() >= Duration::from_millis(500),
+        "{events:?}"
+    );
+    let (last, lines) = events.split_last().unwrap();
+    assert_eq!(last["type"], "done", "{events:?}");
+    assert_eq!(last["image"]["state"], "ready", "{last}");
+    assert!(lines.iter().all(|e| e["type"] == "line"), "{events:?}");
+    let texts: Vec<&str> = lines.iter().map(|e| e["text"].as_str().unwrap()).collect();
+    let one = texts.iter().position(|l| *l == "one").unwrap();
+    let two = texts.iter().position(|l| *l == "two").unwrap();
+    assert!(one < two, "{texts:?}");
+    assert_eq!(lines[two]["step"], 0, "{events:?}");
+    let seqs: Vec<u64> = lines.iter().map(|e| e["seq"].as_u64().unwrap()).collect();
+    assert!(seqs.windows(2).all(|w| w[0] < w[1]), "{seqs:?}");
+    // From a seq on, only what came after it; the image's plain log agrees.
+    let after = seqs[one];
+    let rest = followed(&t, &id, after).await;
+    assert_eq!(rest.len(), events.len() - one - 1, "{rest:?}");
+    assert!(rest[0]["seq"].as_u64().unwrap() > after, "{rest:?}");
+    let (_, plain) = t.json("GET", &format!("/v1/images/{id}/logs"), None).await;
+    assert_eq!(
+        plain["lines"].as_array().unwrap().len(),
+        lines.len(),
+        "{plain}"
+    );
+    // An image nobody has: a 404 answer, not a stream.
+    let (s, v) = t
+        .json("GET", "/v1/images/nope/logs?follow=true", None)
+        .await;
+    assert_eq!(s, StatusCode::NOT_FOUND, "{v}");
+    let (s, v) = t
+        .json("GET", &format!("/v1/images/{id}/logs?follow=maybe"), None)
+        .await;
+    assert_eq!(s, StatusCode::BAD_REQUEST, "{v}");
+}
+
+#[tokio::test]
+async fn a_prune_removes_only_the_layers_and_blobs_nothing_uses() {
+    let t = T::new();
+    let layers = t.dir.join("images").join("layers");
+    let run = |args: &[&str]| {
+        let ok = std::process::Command::new(args[0])
+            .args(&args[1..])
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok, "{args:?}");
+    };
+    for cmd in ["echo kept", "echo gone"] {
+        t.host
+            .script(&format!("set -e\n{cmd}\nsync"), vec![Step::Exit(0)]);
+    }
+    let kept = built(
+        &t,
+        json!({"name": "kept", "dockerfile": "FROM runtime\nRUN echo kept"}),
+    )
+    .await;
+    let gone = built(
+        &t,
+        json!({"name": "gone", "dockerfile": "FROM runtime\nRUN echo gone"}),
+    )
+    .await;
+    assert_eq!(
+        (kept["state"].as_str(), gone["state"].as_str()),
+        (Some("ready"), Some("ready"))
+    );
+    let before: HashSet<String> = std::fs::read_dir(&layers)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(before.len(), 2, "{before:?}");
+    let (s, v) = t
+        .json(
+            "DELETE",
+            &format!("/v1/images/{}", gone["id"].as_str().unwrap()),
+            None,
+        )
+        .await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    // A layer no record names but a machine's disk rests on (through a
+    // qcow2 backing file), one nothing uses, and one too young to judge.
+    std::fs::create_dir_all(layers.join("rested-on")).unwrap();
+    let base = layers.join("rested-on").join("disk.qcow2");
+    run(&[
+        "qemu-img",
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        base.to_str().unwrap(),
+        "8M",
+    ]);
+    let vm = t.dir.join("vms").join("some-vm");
+    std::fs::create_dir_all(&vm).unwrap();
+    let overlay = vm.join("overlay.qcow2");
+    run(&[
+        "qemu-img",
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        "-F",
+        "qcow2",
+        "-b",
+        base.to_str().unwrap(),
+        overlay.to_str().unwrap(),
+    ]);
+    std::fs::create_dir_all(layers.join("orphan")).unwrap();
+    std::fs::write(layers.join("orphan").join("disk.qcow2"), b"x").unwrap();
+    std::fs::create_dir_all(layers.join("young")).unwrap();
+    let blobs = t.dir.join("images").join("blobs").join("sha256");
+    std::fs::create_dir_all(&blobs).unwrap();
+    std::fs::write(blobs.join("ab12"), b"blob").unwrap();
+    std::fs::write(blobs.join("fresh"), b"blob").unwrap();
+    for e in std::fs::read_dir(&layers).unwrap() {
+        let p = e.unwrap().path();
+        if !p.ends_with("young") {
+            run(&["touch", "-d", "1 hour ago", p.to_str().unwrap()]);
+        }
+    }
+    run(&[
+        "touch",
+        "-d",
+        "1 hour ago",
+        blobs.join("ab12").to_str().unwrap(),
+    ]);
+    // Only an admin key prunes.
+    let b = create_key(&t.dir, Some("b"), false, false).unwrap();
+    let (s, v) = t
+        .json_as(&b, "POST", "/v1/images:prune", Some(json!({})), &[])
+        .await;
+    assert_eq!(s, StatusCode::FORBIDDEN, "{v}");
+    let (s, v) = t.json("POST", "/v1/images:prune", Some(json!({}))).await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert_eq!(
+        (v["removedLayers"].as_u64(), v["removedBlobs"].as_u64()),
+        (Some(2), Some(1)),
+        "{v}"
+    );
+    let after: HashSet<String> = std::fs::read_dir(&layers)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert!(
+        after.contains("rested-on") && after.contains("young"),
+        "{after:?}"
+    );
+    assert!(!after.contains("orphan"), "{after:?}");
+    // The deleted image's layer went; the kept image's stayed and builds on.
+    assert_eq!(after.len(), 3, "{after:?} (before: {before:?})");
+    assert!(blobs.join("fresh").exists() && !blobs.join("ab12").exists());
+    let (_, again) = t.json("POST", "/v1/images:prune", Some(json!({}))).await;
+    assert_eq!(again["removedLayers"], 0, "{again}");
+    let child = built(
+        &t,
+        json!({"name": "kept", "dockerfile": "FROM runtime\nRUN echo kept"}),
+    )
+    .await;
+    assert!(
+        child["steps"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|s| s["state"] == "cached"),
+        "{child}"
+    );
 }
 
 // ---- sessions ----

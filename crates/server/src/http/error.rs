@@ -135,6 +135,16 @@ impl ApiError {
             ApiError::NotFound { code, what, id } => {
                 p(StatusCode::NOT_FOUND, code, format!("No {what} {id}."))
             }
+            ApiError::Missing {
+                code,
+                message,
+                details,
+                hint,
+            } => Parts {
+                details: details.clone(),
+                hint: hint.clone(),
+                ..p(StatusCode::NOT_FOUND, code, message.clone())
+            },
             ApiError::NameTaken { name, sandbox_id } => Parts {
                 details: sandbox_id.as_ref().map(|id| json!({ "sandboxId": id })),
                 hint: Some("Pick another name, or pass getOrCreate to reuse it.".into()),

@@ -53,6 +53,7 @@ pub(crate) enum Route {
     ImageLogs(String),
     DeleteImage(String),
     ImageAction(String, String),
+    PruneImages,
     CreateVolume,
     ListVolumes,
     GetVolume(String),
@@ -354,6 +355,10 @@ pub(crate) fn route(method: &Method, raw_path: &str) -> ApiResult<Route> {
             Method::GET => Route::ListImages,
             _ => return Err(not_allowed()),
         },
+        ["v1", "images"] if verb.as_deref() == Some("prune") => match m {
+            Method::POST => Route::PruneImages,
+            _ => return Err(not_allowed()),
+        },
         ["v1", "images", "resolve"] if verb_or_none(false) => match m {
             Method::GET => Route::ResolveImage,
             _ => return Err(not_allowed()),
@@ -502,6 +507,7 @@ pub const ROUTE_SAMPLES: &[(&str, &str)] = &[
     ("GET", "/v1/images/i1/logs"),
     ("DELETE", "/v1/images/i1"),
     ("POST", "/v1/images/i1:delete"),
+    ("POST", "/v1/images:prune"),
     ("POST", "/v1/volumes"),
     ("GET", "/v1/volumes"),
     ("GET", "/v1/volumes/v1"),
@@ -732,9 +738,10 @@ mod tests {
             Route::ListRegistries => 75,
             Route::SetRegistry => 76,
             Route::DeleteRegistry => 77,
+            Route::PruneImages => 78,
         }
     }
-    const VARIANTS: usize = 78;
+    const VARIANTS: usize = 79;
 
     #[test]
     fn products_not_served_here_are_unavailable_not_missing() {

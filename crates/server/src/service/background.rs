@@ -62,6 +62,12 @@ pub(crate) async fn reaper(st: AppState) {
             }
             crate::service::events::prune(&st, now);
         }
+        if n % 600 == 1 {
+            let st2 = st.clone();
+            let _ =
+                tokio::task::spawn_blocking(move || crate::service::images::prune_if_short(&st2))
+                    .await;
+        }
     }
 }
 

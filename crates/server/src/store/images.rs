@@ -159,14 +159,28 @@ impl Store {
 
     /// An image's log, oldest line first.
     pub(crate) fn image_log(&self, id: &str) -> Result<Vec<LogLine>, ServerError> {
+        self.image_log_after(id, 0, usize::MAX)
+    }
+
+    /// At most `limit` lines of an image's log after sequence number `after`,
+    /// oldest first.
+    pub(crate) fn image_log_after(
+        &self,
+        id: &str,
+        after: u64,
+        limit: usize,
+    ) -> Result<Vec<LogLine>, ServerError> {
         let conn = self.conn();
         let mut stmt = conn
             .prepare(
-                "SELECT seq, step, stream, text FROM image_logs WHERE image_id = ?1 ORDER BY seq",
+                "SELECT seq, step, stream, text FROM image_logs WHERE image_id = ?1 AND seq > ?2 \
+                 ORDER BY seq LIMIT ?3",
             )
             .map_err(store_err("read image log"))?;
+        let after = i64::try_from(after).unwrap_or(i64::MAX);
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
         let rows = stmt
-            .query_map(params![id], |r| {
+            .query_map(params![id, after, limit], |r| {
                 Ok((
                     r.get::<_, i64>(0)?,
                     r.get::<_, Option<i64>>(1)?,

@@ -12,9 +12,11 @@ use crate::error::{ApiError, ApiResult};
 use crate::http::extract::{
     checked_labels, checked_name, json_object, no_fields, page_after, query_object, Fields,
 };
+use crate::http::reply::ndjson;
 use crate::http::{Ctx, Reply};
-use crate::service::images::{self, BuildSource, CreateImage};
+use crate::service::images::{self, BuildSource, CreateImage, FollowEvent};
 use crate::AppState;
+use futures::StreamExt;
 
 fn render(d: &Image, log: &[LogLine]) -> Value {
     let steps: Vec<Value> = d
@@ -162,18 +164,30 @@ pub(super) async fn resolve(st: AppState, ctx: Ctx) -> ApiResult<Reply> {
 }
 
 pub(super) async fn logs(st: AppState, ctx: Ctx, id: String) -> ApiResult<Reply> {
-    let v = images::get(&st, &ctx.key, &id)?;
-    let after: u64 = ctx
-        .query
-        .iter()
-        .find(|(k, _)| k == "after")
-        .and_then(|(_, v)| v.parse().ok())
-        .unwrap_or(0);
-    if ctx.query.iter().any(|(k, v)| k == "follow" && v == "true") {
-        return Err(ApiError::Unsupported {
-            feature: "following build logs",
+    let q = query_object(&ctx.query, &[]);
+    let mut f = Fields::new(&q);
+    let after = f.q_int("after", 0, i64::MAX).unwrap_or(0) as u64;
+    let follow = f.q_bool("follow").unwrap_or(false);
+    f.finish()?;
+    if follow {
+        let events = images::follow(&st, &ctx.key, &id, after)?.map(|batch| {
+            batch
+                .into_iter()
+                .map(|e| match e {
+                    FollowEvent::Line(l) => json!({"type": "line", "seq": l.seq, "step": l.step,
+                                                   "stream": l.stream, "text": l.text}),
+                    FollowEvent::Done(v) => {
+                        json!({"type": "done", "image": render(&v.image, &v.log)})
+                    }
+                    FollowEvent::Continue(after) => json!({"type": "continue", "after": after}),
+                    FollowEvent::Error(e) => json!({"type": "error",
+                        "error": {"code": e.code(), "message": e.to_string()}}),
+                })
+                .collect::<Vec<Value>>()
         });
+        return Ok(Reply::Raw(ndjson(events, st.config().heartbeat)));
     }
+    let v = images::get(&st, &ctx.key, &id)?;
     let lines: Vec<Value> = v
         .log
         .iter()
@@ -223,12 +237,34 @@ pub(super) async fn action(
             no_fields(&body)?;
             delete(st, ctx, id).await
         }
-        "tag" | "untag" => Err(ApiError::Unsupported {
-            feature: "moving image tags",
-        }),
+        "tag" | "untag" => {
+            let obj = json_object(&body)?;
+            let mut f = Fields::new(&obj);
+            let tag = f.string("tag");
+            match &tag {
+                None => f.issue("tag", "is required"),
+                Some(t) if !valid_tag(t) => {
+                    f.issue("tag", "is 1-128 characters without ':', '@', '/' or spaces")
+                }
+                Some(_) => {}
+            }
+            f.finish()?;
+            let tag = tag.unwrap_or_default();
+            let d = images::tag(&st, &ctx.key, &id, &tag, verb == "tag").await?;
+            let v = images::view(&st, d)?;
+            Reply::ok(render(&v.image, &v.log))
+        }
         _ => Err(ApiError::RouteNotFound {
             method: "POST".into(),
             path: format!("/v1/images/{id}:{verb}"),
         }),
     }
+}
+
+/// `POST /v1/images:prune` (admin keys): removes the layers and blobs no
+/// image uses.
+pub(super) async fn prune(st: AppState, ctx: Ctx, body: Bytes) -> ApiResult<Reply> {
+    no_fields(&body)?;
+    let p = images::prune_for(&st, &ctx.key).await?;
+    Reply::ok(json!({"removedLayers": p.layers, "removedBlobs": p.blobs, "freedBytes": p.bytes}))
 }

@@ -70,6 +70,7 @@ pub(super) async fn dispatch(st: AppState, ctx: Ctx, r: Route, body: Bytes) -> A
         Route::ImageLogs(id) => images::logs(st, ctx, id).await,
         Route::DeleteImage(id) => images::delete(st, ctx, id).await,
         Route::ImageAction(id, verb) => images::action(st, ctx, id, verb, body).await,
+        Route::PruneImages => images::prune(st, ctx, body).await,
         Route::CreateVolume => volumes::create(st, ctx, body).await,
         Route::ListVolumes => volumes::list(st, ctx).await,
         Route::GetVolume(id) => volumes::get(st, ctx, id).await,

@@ -98,6 +98,7 @@ fn log(st: &AppState, id: &str, step: Option<usize>, stream: LogStream, text: &s
     {
         tracing::warn!(image_id = id, error = %e, "writing an image's log failed");
     }
+    st.notify_image_change();
 }
 
 /// Changes an image's record (a failure is logged: the build goes on).
@@ -109,6 +110,7 @@ fn update(st: &AppState, id: &str, f: impl FnOnce(&mut Image)) {
     if let Err(e) = r {
         tracing::warn!(image_id = id, error = %e, "recording an image's build failed");
     }
+    st.notify_image_change();
 }
 
 /// Changes one step of an image's record.

@@ -1,7 +1,7 @@
 //! The layers a build keeps: after each step the build machine's disk is
 //! captured as `data_dir/images/layers/<key>/disk.qcow2`, a qcow2 overlay
-//! on the layer it started from (or on the base image). Layers are never
-//! deleted: an image, a sandbox or a snapshot may rest on them.
+//! on the layer it started from (or on the base image). Layers go only
+//! when pruned (`prune.rs`), once nothing uses them.
 
 use std::path::PathBuf;
 
@@ -19,7 +19,7 @@ pub(super) enum LayerError {
     Capture(HostError),
 }
 
-fn dir(st: &AppState) -> PathBuf {
+pub(super) fn dir(st: &AppState) -> PathBuf {
     st.config().data_dir.join("images").join("layers")
 }
 

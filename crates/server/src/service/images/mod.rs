@@ -12,7 +12,9 @@
 //! boots (or restores its own template) on the last layer.
 
 mod build;
+mod follow;
 mod layers;
+mod prune;
 pub(crate) mod registries;
 
 use runtime_api::codes;
@@ -32,6 +34,8 @@ use crate::error::{ApiError, ApiResult};
 use crate::AppState;
 
 pub(crate) use build::recover;
+pub(crate) use follow::{follow, FollowEvent};
+pub(crate) use prune::{prune_for, prune_if_short};
 
 /// What a build is written as.
 pub(crate) enum BuildSource {
@@ -80,10 +84,67 @@ pub(crate) fn resolve(st: &AppState, key: &KeyInfo, r: &str) -> ApiResult<Image>
     }
     let wanted = ImageRef::parse(r).ok_or_else(|| not_found(r))?;
     let all = st.store().images()?;
-    wanted
-        .pick(all.iter().filter(|d| d.key_id == key.id))
-        .cloned()
-        .ok_or_else(|| not_found(r))
+    let own = || all.iter().filter(|d| d.key_id == key.id);
+    if let Some(d) = wanted.pick(own()) {
+        return Ok(d.clone());
+    }
+    Err(missing(r, &wanted.name, own()))
+}
+
+/// `image_not_found` for reference `r` that names nothing: for a name the
+/// key has built, its tags and versions (in `details` too); for a name it
+/// never built, how to build it.
+fn missing<'a>(r: &str, name: &str, own: impl Iterator<Item = &'a Image>) -> ApiError {
+    let versions: Vec<&Image> = own.filter(|d| d.name.as_deref() == Some(name)).collect();
+    if versions.is_empty() {
+        return ApiError::Missing {
+            code: codes::IMAGE_NOT_FOUND,
+            message: format!("No image {r}: no image of this key is named {name}."),
+            details: Some(json!({"ref": r, "name": name, "tags": [], "versions": []})),
+            hint: Some(format!(
+                "A sandbox starts only from an image built on this server: build it first, \
+                 e.g. runtime.images.build(name=\"{}\", image=\"{r}\"), then use that name.",
+                build_name(r)
+            )),
+        };
+    }
+    let mut tags: Vec<String> = versions.iter().flat_map(|d| d.tags.clone()).collect();
+    tags.sort();
+    tags.dedup();
+    let mut numbers: Vec<u32> = versions.iter().map(|d| d.version).collect();
+    numbers.sort_unstable();
+    let list = |v: Vec<String>| {
+        if v.is_empty() {
+            "none".to_string()
+        } else {
+            v.join(", ")
+        }
+    };
+    ApiError::Missing {
+        code: codes::IMAGE_NOT_FOUND,
+        message: format!(
+            "No image {r}. {name} has tags {} and versions {}.",
+            list(tags.clone()),
+            list(numbers.iter().map(|n| n.to_string()).collect())
+        ),
+        details: Some(json!({"ref": r, "name": name, "tags": tags, "versions": numbers})),
+        hint: Some(format!(
+            "Name one of them: {name}:<tag> or {name}@<version>."
+        )),
+    }
+}
+
+/// A name an image pulled from registry reference `r` could take: its
+/// repository's last part (`ghcr.io/acme/app:1.4` → `app`).
+fn build_name(r: &str) -> String {
+    let no_digest = r.split('@').next().unwrap_or(r);
+    let last = no_digest.rsplit('/').next().unwrap_or(no_digest);
+    let name = last.split(':').next().unwrap_or(last);
+    if name.is_empty() {
+        "app".into()
+    } else {
+        name.to_string()
+    }
 }
 
 /// `d` with its log.
@@ -287,7 +348,15 @@ pub(crate) fn create(st: &AppState, key: &KeyInfo, cmd: CreateImage) -> ApiResul
         build_seconds: None,
         build_vm: None,
     };
-    st.store().insert_image(&mut d)?;
+    {
+        // Not while a prune removes layers this build may start on.
+        let _g = st
+            .inner
+            .prune_gate
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        st.store().insert_image(&mut d)?;
+    }
     tracing::info!(image_id = %d.id, version = d.version, steps = d.steps.len(), "image queued");
     let st2 = st.clone();
     let id = d.id.clone();
@@ -329,4 +398,74 @@ pub(crate) async fn delete(st: &AppState, key: &KeyInfo, id: &str) -> ApiResult<
     }
     st.store().delete_image(id)?;
     Ok(())
+}
+
+/// `:tag` (`on`) and `:untag`: points `tag` of the image's name at this
+/// version, taking it from any other version of the name, or takes it
+/// off this version. Only a ready image takes a tag; only a named one has
+/// tags. Under the create lock, as a build's tags move when it is ready.
+pub(crate) async fn tag(
+    st: &AppState,
+    key: &KeyInfo,
+    id: &str,
+    tag: &str,
+    on: bool,
+) -> ApiResult<Image> {
+    let _g = st.inner.create_lock.lock().await;
+    let d = st
+        .store()
+        .get_image(id)?
+        .filter(|d| d.key_id == key.id || key.account_wide)
+        .ok_or_else(|| not_found(id))?;
+    let Some(name) = d.name.clone() else {
+        return Err(ApiError::Conflict {
+            code: codes::IMAGE_NOT_READY,
+            message: format!("Image {id} has no name, so it has no tags; build it with a name."),
+            details: Some(json!({"imageId": id})),
+        });
+    };
+    if !on {
+        let Some(d) = st.store().update_image(id, |d| {
+            let had = d.tags.len();
+            d.tags.retain(|t| t != tag);
+            d.tags.len() != had
+        })?
+        else {
+            return Err(not_found(id));
+        };
+        return Ok(d);
+    }
+    if d.state != ImageState::Ready {
+        return Err(ApiError::Conflict {
+            code: codes::IMAGE_NOT_READY,
+            message: format!(
+                "Image {id} is {}; only a ready image takes a tag.",
+                d.state.as_str()
+            ),
+            details: Some(json!({"imageId": id, "state": d.state})),
+        });
+    }
+    for other in st.store().images()? {
+        if other.id != d.id
+            && other.key_id == d.key_id
+            && other.name.as_deref() == Some(name.as_str())
+            && other.tags.iter().any(|t| t == tag)
+        {
+            st.store().update_image(&other.id, |o| {
+                o.tags.retain(|t| t != tag);
+                true
+            })?;
+        }
+    }
+    let Some(d) = st.store().update_image(id, |d| {
+        if d.tags.iter().any(|t| t == tag) {
+            return false;
+        }
+        d.tags.push(tag.to_string());
+        true
+    })?
+    else {
+        return Err(not_found(id));
+    };
+    Ok(d)
 }
