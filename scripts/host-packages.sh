@@ -62,4 +62,9 @@ apt-get install -y -qq --no-install-recommends chromium >/dev/null
 log "installing the interpreters the drivers' tests run on this host (guest/interp/tests)"
 apt-get install -y -qq --no-install-recommends \
   nodejs node-typescript r-base-core default-jdk-headless golang-go >/dev/null
+# Registry images: layers are decompressed with gzip and zstd on the host;
+# the e2e tests run Debian's reference registry and build test images from
+# the host's bash and a static busybox.
+log "installing zstd, docker-registry and busybox-static (registry images and their tests)"
+apt-get install -y -qq --no-install-recommends zstd docker-registry busybox-static >/dev/null
 log "done: $(qemu-system-x86_64 --version | head -1)"
