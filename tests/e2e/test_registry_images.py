@@ -37,7 +37,8 @@ def env():
     os.chmod(root, 0o711)
     srv = Server(root)
     reg = Registry(root / "registry", srv.egress.ca_pem, srv.egress.root / "ca.key")
-    srv.extra_args += reg.args
+    # The registry is also the Docker Hub mirror.
+    srv.extra_args += reg.args + ["--registry-mirror", f"docker.io={NAME}"]
     images = {}
     try:
         base = base_layer().bytes()
@@ -160,6 +161,19 @@ def test_an_index_gives_its_amd64_image(rt):
     assert "linux/amd64" in image["log"]
     with rt.sandboxes.create(image="multi") as sbx:
         assert sbx.exec("cat /platform").stdout == "amd64\n"
+
+
+def test_docker_hub_names_go_to_the_mirror_first(rt):
+    # `e2e/multi:1` is Docker Hub's `docker.io/e2e/multi:1`: the mirror has it.
+    image = rt.images.build(image="e2e/multi:1", poll_seconds=0.5)
+    assert image["state"] == "ready", image["error"]
+    assert image["pulled"].startswith("docker.io/e2e/multi:1@sha256:"), image["pulled"]
+    assert f"pulled from mirror {NAME}" in image["log"], image["log"]
+    # One the mirror lacks goes on to Docker Hub itself (out of reach here,
+    # or refusing an unknown repository: either way a failure naming it).
+    image = _failed_build(rt, image="e2e/not-on-the-mirror:1")
+    assert image["state"] == "failed" and "docker.io/e2e/not-on-the-mirror:1" in image["error"], image["error"]
+    assert f"mirror {NAME}:" in image["log"] and "pulling from docker.io" in image["log"], image["log"]
 
 
 def test_an_unknown_tag_fails_naming_it(env, rt):

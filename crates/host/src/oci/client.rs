@@ -18,7 +18,10 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use super::auth::{parse_challenge, Challenge};
 use super::PullError;
-use crate::types::Host;
+use crate::types::{EgressConnection, HostError};
+
+/// Opens a new connection into the egress proxy (as the pull's network).
+pub type Connector<'a> = dyn Fn() -> Result<EgressConnection, HostError> + Send + Sync + 'a;
 
 /// Most redirects one request follows.
 const MAX_REDIRECTS: usize = 5;
@@ -29,9 +32,8 @@ const MAX_SMALL_BODY: usize = 64 * 1024;
 
 /// A registry as one pull speaks to it.
 pub(super) struct Client<'a> {
-    pub(super) host: &'a dyn Host,
-    /// The network (build machine id) whose egress the pull uses.
-    pub(super) net: &'a str,
+    /// Connections through the egress of the pull's network.
+    pub(super) connect: &'a Connector<'a>,
     /// `https` or `http` (the operator's insecure registries).
     pub(super) scheme: &'static str,
     /// `host[:port]` the API answers on.
@@ -43,15 +45,13 @@ pub(super) struct Client<'a> {
 
 impl<'a> Client<'a> {
     pub(super) fn new(
-        host: &'a dyn Host,
-        net: &'a str,
+        connect: &'a Connector<'a>,
         scheme: &'static str,
         authority: String,
         credentials: Option<(String, String)>,
     ) -> Self {
         Client {
-            host,
-            net,
+            connect,
             scheme,
             authority,
             credentials,
@@ -85,7 +85,7 @@ impl<'a> Client<'a> {
         for _ in 0..=MAX_REDIRECTS {
             let ours = url.authority().map(|a| a.as_str()) == Some(self.authority.as_str());
             let auth = if ours { self.auth.clone() } else { None };
-            let resp = send(self.host, self.net, &url, accept, auth.as_deref()).await?;
+            let resp = send(self.connect, &url, accept, auth.as_deref()).await?;
             match resp.status() {
                 StatusCode::UNAUTHORIZED if ours && !challenged => {
                     challenged = true;
@@ -159,7 +159,7 @@ impl<'a> Client<'a> {
         let mut url = url;
         let mut resp = None;
         for _ in 0..=MAX_REDIRECTS {
-            let r = send(self.host, self.net, &url, None, basic.as_deref()).await?;
+            let r = send(self.connect, &url, None, basic.as_deref()).await?;
             if r.status().is_redirection() {
                 if let Some(loc) = r
                     .headers()
@@ -299,8 +299,7 @@ pub(super) async fn read_limited(
 
 /// One GET on a new connection through the egress proxy.
 async fn send(
-    host: &dyn Host,
-    net: &str,
+    connect: &Connector<'_>,
     url: &Uri,
     accept: Option<&str>,
     auth: Option<&str>,
@@ -316,9 +315,7 @@ async fn send(
         .authority()
         .map(|a| a.as_str().to_string())
         .unwrap_or_default();
-    let conn = host
-        .egress_connection(net)
-        .map_err(|e| transfer(e.to_string()))?;
+    let conn = connect().map_err(|e| transfer(e.to_string()))?;
     let mut io = conn.stream;
     let target = if https {
         url.path_and_query()
@@ -343,7 +340,7 @@ async fn send(
         let tls = conn
             .tls
             .ok_or_else(|| transfer("this host has no TLS client".into()))?;
-        connect(&mut io, &host_name, port)
+        tunnel(&mut io, &host_name, port)
             .await
             .map_err(|e| PullError::Connect {
                 host: format!("{host_name}:{port}"),
@@ -390,7 +387,7 @@ where
 }
 
 /// `CONNECT host:port` through the proxy; `Err` carries its answer.
-async fn connect(io: &mut tokio::io::DuplexStream, host: &str, port: u16) -> Result<(), String> {
+async fn tunnel(io: &mut tokio::io::DuplexStream, host: &str, port: u16) -> Result<(), String> {
     let head = format!("CONNECT {host}:{port} HTTP/1.1\r\nHost: {host}:{port}\r\n\r\n");
     io.write_all(head.as_bytes())
         .await

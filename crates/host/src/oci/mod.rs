@@ -24,6 +24,7 @@ pub use auth::{parse_challenge, Challenge};
 pub use manifest::{pick_platform, Descriptor, ImageConfig, Platform, RunConfig};
 pub use reference::{Reference, ReferenceError, DOCKER_HUB, DOCKER_HUB_API};
 
+pub use client::Connector;
 use client::{error_text, read_limited, Client};
 use manifest::{AnyManifest, ACCEPT, DOCKER_LIST, OCI_INDEX};
 
@@ -138,6 +139,18 @@ pub async fn pull(
     opts: &PullOptions,
     progress: &(dyn Fn(String) + Send + Sync),
 ) -> Result<Pulled, PullError> {
+    let connect = move || host.egress_connection(net);
+    pull_through(&connect, r, credentials, opts, progress).await
+}
+
+/// [`pull`] through any way into the egress proxy.
+pub async fn pull_through(
+    connect: &Connector<'_>,
+    r: &Reference,
+    credentials: Option<(String, String)>,
+    opts: &PullOptions,
+    progress: &(dyn Fn(String) + Send + Sync),
+) -> Result<Pulled, PullError> {
     let api = if r.registry == DOCKER_HUB {
         DOCKER_HUB_API.to_string()
     } else {
@@ -145,7 +158,7 @@ pub async fn pull(
     };
     // A mirror first (as Docker does for Docker Hub), then the registry.
     if let Some((_, mirror)) = opts.mirrors.iter().find(|(reg, _)| *reg == r.registry) {
-        let c = Client::new(host, net, scheme_for(opts, mirror), mirror.clone(), None);
+        let c = Client::new(connect, scheme_for(opts, mirror), mirror.clone(), None);
         match pull_from(c, r, opts, progress).await {
             Ok(p) => return Ok(p),
             Err(e @ PullError::Corrupt { .. }) | Err(e @ PullError::TooBig { .. }) => {
@@ -154,7 +167,7 @@ pub async fn pull(
             Err(e) => progress(format!("mirror {mirror}: {e}; pulling from {}", r.registry)),
         }
     }
-    let c = Client::new(host, net, scheme_for(opts, &r.registry), api, credentials);
+    let c = Client::new(connect, scheme_for(opts, &r.registry), api, credentials);
     pull_from(c, r, opts, progress).await
 }
 
@@ -599,6 +612,224 @@ mod tests {
         );
         assert_eq!(blob_path(d, "sha256:../../etc/passwd"), None);
         assert_eq!(blob_path(d, &format!("sha512:{hex}")), None);
+    }
+
+    use std::sync::{Arc, Mutex};
+
+    use tokio::io::AsyncReadExt as _;
+
+    use crate::types::EgressConnection;
+
+    /// (status, headers, body) for a request's target and Authorization.
+    type Answer = (u16, Vec<(String, String)>, Vec<u8>);
+    type Route = dyn Fn(&str, Option<&str>) -> Answer + Send + Sync;
+
+    /// A connector whose every connection is answered by `route`, as the
+    /// egress proxy forwarding plain-HTTP requests would (absolute URIs).
+    fn fake(route: Arc<Route>) -> impl Fn() -> Result<EgressConnection, crate::HostError> {
+        move || {
+            let (ours, mut theirs) = tokio::io::duplex(1 << 20);
+            let route = Arc::clone(&route);
+            tokio::spawn(async move {
+                let mut head = Vec::new();
+                let mut b = [0u8; 1];
+                while !head.ends_with(b"\r\n\r\n") {
+                    if theirs.read(&mut b).await.unwrap_or(0) == 0 {
+                        return;
+                    }
+                    head.push(b[0]);
+                }
+                let text = String::from_utf8_lossy(&head).to_string();
+                let target = text.split_whitespace().nth(1).unwrap_or("").to_string();
+                let auth = text.lines().find_map(|l| {
+                    let (k, v) = l.split_once(": ")?;
+                    k.eq_ignore_ascii_case("authorization")
+                        .then(|| v.to_string())
+                });
+                let (status, headers, body) = route(&target, auth.as_deref());
+                let mut out = format!(
+                    "HTTP/1.1 {status} X\r\ncontent-length: {}\r\nconnection: close\r\n",
+                    body.len()
+                );
+                for (k, v) in headers {
+                    out.push_str(&format!("{k}: {v}\r\n"));
+                }
+                out.push_str("\r\n");
+                let _ = theirs.write_all(out.as_bytes()).await;
+                let _ = theirs.write_all(&body).await;
+                let _ = theirs.shutdown().await;
+            });
+            Ok(EgressConnection {
+                stream: ours,
+                tls: None,
+            })
+        }
+    }
+
+    fn opts(dir: &Path) -> PullOptions {
+        PullOptions {
+            cache_dir: dir.to_path_buf(),
+            mirrors: Vec::new(),
+            insecure: vec!["reg.example.com".into()],
+            max_layer_bytes: 1 << 20,
+            max_image_bytes: 1 << 20,
+        }
+    }
+
+    #[tokio::test]
+    async fn a_pull_answers_the_token_challenge_and_follows_redirects_without_credentials() {
+        let dir = std::env::temp_dir().join(format!("oci-pull-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let config =
+            br#"{"architecture":"amd64","os":"linux","config":{"Env":["A=1"],"Cmd":["sh"]}}"#
+                .to_vec();
+        let layer = b"layer bytes".to_vec();
+        let (cd, ld) = (sha256_digest(&config), sha256_digest(&layer));
+        let basic_seen = format!(
+            "Basic {}",
+            base64::Engine::encode(&base64::engine::general_purpose::STANDARD, "u:p")
+        );
+        let manifest = serde_json::to_vec(&serde_json::json!({
+            "schemaVersion": 2,
+            "mediaType": "application/vnd.oci.image.manifest.v1+json",
+            "config": {"mediaType": "application/vnd.oci.image.config.v1+json", "digest": cd, "size": config.len()},
+            "layers": [{"mediaType": "application/vnd.oci.image.layer.v1.tar+gzip", "digest": ld, "size": layer.len()}],
+        }))
+        .unwrap();
+        let md = sha256_digest(&manifest);
+        let basic = format!(
+            "Basic {}",
+            base64::Engine::encode(&base64::engine::general_purpose::STANDARD, "u:p")
+        );
+        let seen: Arc<Mutex<Vec<String>>> = Arc::default();
+        let log = Arc::clone(&seen);
+        let route: Arc<Route> = Arc::new(move |target: &str, auth: Option<&str>| {
+            log.lock()
+                .unwrap()
+                .push(format!("{target} {}", auth.unwrap_or("-")));
+            let bearer = auth == Some("Bearer tok");
+            let challenge = vec![(
+                "www-authenticate".to_string(),
+                r#"Bearer realm="http://auth.example.com/token",service="reg",scope="repository:x:pull""#
+                    .to_string(),
+            )];
+            match target {
+                "http://auth.example.com/token?service=reg&scope=repository%3Ax%3Apull"
+                    if auth == Some(basic.as_str()) =>
+                {
+                    (200, vec![], br#"{"token":"tok"}"#.to_vec())
+                }
+                "http://reg.example.com/v2/x/manifests/1" if bearer => {
+                    (200, vec![], manifest.clone())
+                }
+                t if t.starts_with("http://reg.example.com/v2/x/blobs/") && bearer => {
+                    let to = if t.ends_with(&cd) { "/c" } else { "/l" };
+                    (
+                        307,
+                        vec![("location".into(), format!("http://cdn.example.net{to}"))],
+                        vec![],
+                    )
+                }
+                // The blob host gets no registry credentials.
+                "http://cdn.example.net/c" if auth.is_none() => (200, vec![], config.clone()),
+                "http://cdn.example.net/l" if auth.is_none() => (200, vec![], layer.clone()),
+                t if t.starts_with("http://reg.example.com/") => (401, challenge, vec![]),
+                _ => (403, vec![], b"no".to_vec()),
+            }
+        });
+        let connect = fake(route);
+        let r = Reference::parse("reg.example.com/x:1").unwrap();
+        let lines = Mutex::new(Vec::new());
+        let progress = |l: String| lines.lock().unwrap().push(l);
+        let creds = Some(("u".to_string(), "p".to_string()));
+        let p = pull_through(&connect, &r, creds, &opts(&dir), &progress)
+            .await
+            .unwrap();
+        assert_eq!(p.manifest_digest, md);
+        assert_eq!(p.config.env, Some(vec!["A=1".to_string()]));
+        assert_eq!(p.config.cmd, Some(vec!["sh".to_string()]));
+        assert_eq!(std::fs::read(&p.layers[0].path).unwrap(), b"layer bytes");
+        let seen = seen.lock().unwrap().clone();
+        assert_eq!(seen[0], "http://reg.example.com/v2/x/manifests/1 -");
+        assert!(
+            seen[1].starts_with("http://auth.example.com/token?") && seen[1].ends_with(&basic_seen)
+        );
+        assert!(lines
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|l| l.contains("layer 1/1") && l.ends_with("pulled")));
+        // The second pull finds the blobs kept (the token is asked anew).
+        let again = pull_through(
+            &connect,
+            &r,
+            Some(("u".into(), "p".into())),
+            &opts(&dir),
+            &progress,
+        )
+        .await
+        .unwrap();
+        assert_eq!(again.manifest_digest, md);
+        assert!(lines
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|l| l.contains("layer 1/1") && l.ends_with("(cached)")));
+        // Without credentials the token service refuses: the error says so.
+        let _ = std::fs::remove_dir_all(&dir);
+        let e = pull_through(&connect, &r, None, &opts(&dir), &progress)
+            .await
+            .unwrap_err();
+        assert!(matches!(e, PullError::Denied { .. }), "{e}");
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
+    #[tokio::test]
+    async fn a_blob_that_does_not_match_its_digest_is_not_kept() {
+        let dir = std::env::temp_dir().join(format!("oci-corrupt-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let config = br#"{"config":{}}"#.to_vec();
+        let cd = sha256_digest(&config);
+        let kept_config = cd.trim_start_matches("sha256:").to_string();
+        let ld = sha256_digest(b"the real layer");
+        let manifest = serde_json::to_vec(&serde_json::json!({
+            "schemaVersion": 2,
+            "config": {"digest": cd, "size": config.len()},
+            "layers": [{"digest": ld, "size": 14}],
+        }))
+        .unwrap();
+        let route: Arc<Route> = Arc::new(move |target: &str, _| match target {
+            "http://reg.example.com/v2/x/manifests/1" => (200, vec![], manifest.clone()),
+            t if t.ends_with(&cd) => (200, vec![], config.clone()),
+            _ => (200, vec![], b"not the layer!".to_vec()),
+        });
+        let connect = fake(route);
+        let r = Reference::parse("reg.example.com/x:1").unwrap();
+        let e = pull_through(&connect, &r, None, &opts(&dir), &|_| {})
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(&e, PullError::Corrupt { digest, .. } if *digest == ld),
+            "{e}"
+        );
+        assert!(e.to_string().contains(&ld), "{e}");
+        let kept: Vec<_> = std::fs::read_dir(dir.join("sha256"))
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        // Only the config: no layer, no partial file.
+        assert_eq!(kept, [kept_config]);
+        // A manifest asked for by digest must hash to it.
+        let pinned = Reference::parse(&format!("reg.example.com/x@{ld}")).unwrap();
+        let route: Arc<Route> = Arc::new(|_: &str, _| (200, vec![], b"{}".to_vec()));
+        let e = pull_through(&fake(route), &pinned, None, &opts(&dir), &|_| {})
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(&e, PullError::Corrupt { digest, .. } if *digest == ld),
+            "{e}"
+        );
+        std::fs::remove_dir_all(&dir).ok();
     }
 
     #[tokio::test]

@@ -105,6 +105,11 @@ pub(super) async fn base(
             reference: canonical.clone(),
             cause,
         })?;
+    if pulled.source != r.registry
+        && !(r.registry == oci::DOCKER_HUB && pulled.source == oci::DOCKER_HUB_API)
+    {
+        log(format!("{canonical}: pulled from mirror {}", pulled.source));
+    }
     let key = layer_key(&pulled.manifest_digest);
     let pinned = match &r.digest {
         Some(_) => canonical.clone(),
@@ -343,6 +348,13 @@ async fn unpack(
         (disk, 0o644),
     ] {
         std::fs::set_permissions(&p, std::fs::Permissions::from_mode(mode))?;
+    }
+    if layers::kept(st, key) {
+        // Another build unpacked the same image meanwhile: its layer may be
+        // in use already, so it stays and this copy goes.
+        let _ = std::fs::remove_dir_all(&partial);
+        log(format!("layer {} was kept meanwhile", short_key(key)));
+        return Ok(());
     }
     let _ = std::fs::remove_dir_all(&done);
     std::fs::rename(&partial, &done)?;

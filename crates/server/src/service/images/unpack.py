@@ -17,6 +17,9 @@ os.chmod(dst, 0o755)
 lost = os.path.join(dst, "lost+found")
 if os.path.isdir(lost) and not os.listdir(lost):
     os.rmdir(lost)
+# Nothing may be imported once inside the image: its files are not ours.
+sys.path.clear()
+sys.dont_write_bytecode = True
 os.chroot(dst)
 os.chdir("/")
 
