@@ -57,6 +57,7 @@ pub(super) enum BuildError {
 /// After a restart: builds that were under way failed (their finished steps
 /// stay cached, so building again resumes there); their machines end.
 pub(crate) async fn recover(st: &AppState) -> Result<(), crate::ServerError> {
+    super::pull::sweep(st);
     let images = match st.store().images() {
         Ok(d) => d,
         Err(e) => {

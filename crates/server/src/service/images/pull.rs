@@ -151,6 +151,27 @@ pub(super) async fn base(
     })
 }
 
+/// After a restart (no build runs yet): what pulls and unpacks cut short
+/// left, their scratch directories and partial blobs, is removed.
+pub(super) fn sweep(st: &AppState) {
+    let images = st.config().data_dir.join("images");
+    if let Err(e) = std::fs::remove_dir_all(images.join("unpack")) {
+        if e.kind() != std::io::ErrorKind::NotFound {
+            tracing::warn!(error = %e, "removing old unpack directories failed");
+        }
+    }
+    let Ok(blobs) = std::fs::read_dir(blobs_dir(st).join("sha256")) else {
+        return;
+    };
+    for entry in blobs.flatten() {
+        if entry.file_name().to_string_lossy().contains(".partial-") {
+            if let Err(e) = std::fs::remove_file(entry.path()) {
+                tracing::warn!(path = %entry.path().display(), error = %e, "removing a partial blob failed");
+            }
+        }
+    }
+}
+
 /// A kept layer's config; `None` when the layer is not whole.
 fn kept(st: &AppState, key: &str) -> Option<RunConfig> {
     if !layers::kept(st, key) {
