@@ -5,7 +5,7 @@
 # with them), the Python used by the end-to-end suite and the headless Chromium
 # its login test drives, and the interpreters (node with TypeScript, R, a JDK,
 # Go) that the interpreter drivers' tests start on this host, as the default
-# image has them. Idempotent; needs root.
+# image has them, and the container registry of the image-pull tests. Idempotent; needs root.
 # The backports source is derived from the machine's own Debian source so that
 # no mirror host is written down here.
 set -euo pipefail
@@ -62,9 +62,17 @@ apt-get install -y -qq --no-install-recommends chromium >/dev/null
 log "installing the interpreters the drivers' tests run on this host (guest/interp/tests)"
 apt-get install -y -qq --no-install-recommends \
   nodejs node-typescript r-base-core default-jdk-headless golang-go >/dev/null
-# Registry images: layers are decompressed with gzip and zstd on the host;
-# the e2e tests run Debian's reference registry and build test images from
-# the host's bash and a static busybox.
-log "installing zstd, docker-registry and busybox-static (registry images and their tests)"
-apt-get install -y -qq --no-install-recommends zstd docker-registry busybox-static >/dev/null
+log "installing the end-to-end suite's container registry and its test image's parts (tests/e2e/registry.py)"
+# docker-registry: the reference registry ("distribution"); apache2-utils:
+# htpasswd -B for its bcrypt logins; busybox-static and bash-static: the
+# test image's root file system, built with no network.
+apt-get install -y -qq --no-install-recommends \
+  docker-registry apache2-utils busybox-static bash-static >/dev/null
+# The package's own registry service is not wanted: tests start their own.
+if command -v systemctl >/dev/null && systemctl is-enabled docker-registry >/dev/null 2>&1; then
+  systemctl disable --now docker-registry >/dev/null 2>&1 || true
+fi
+# Registry images: layers are decompressed with gzip and zstd on the host.
+log "installing zstd (registry image layers)"
+apt-get install -y -qq --no-install-recommends zstd >/dev/null
 log "done: $(qemu-system-x86_64 --version | head -1)"

@@ -66,6 +66,31 @@ def _npm_tgz() -> bytes:
     return buf.getvalue()
 
 
+def _openssl(*args: str) -> None:
+    subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=60)
+
+
+def make_ca(root: Path, pem: Path, key: Path) -> None:
+    """A test CA (`pem`, `key`), the kind `--egress-test-root` trusts."""
+    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2",
+             "-subj", "/CN=runtime e2e test CA", "-keyout", str(key), "-out", str(pem),
+             "-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign")
+
+
+def make_leaf(root: Path, ca_pem: Path, ca_key: Path, stem: str, names: list[str],
+              ips: tuple[str, ...] = ()) -> tuple[Path, Path]:
+    """A server certificate for `names` (and `ips`) signed by the CA:
+    `root/<stem>.pem` and `root/<stem>.key`."""
+    sans = [f"DNS:{n}" for n in names] + [f"IP:{i}" for i in ips]
+    (root / f"{stem}.ext").write_text("subjectAltName=" + ",".join(sans) + "\n")
+    _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={names[0]}",
+             "-keyout", str(root / f"{stem}.key"), "-out", str(root / f"{stem}.csr"))
+    _openssl("x509", "-req", "-in", str(root / f"{stem}.csr"), "-CA", str(ca_pem),
+             "-CAkey", str(ca_key), "-CAcreateserial", "-days", "2", "-out", str(root / f"{stem}.pem"),
+             "-extfile", str(root / f"{stem}.ext"))
+    return root / f"{stem}.pem", root / f"{stem}.key"
+
+
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     wheel = b""
@@ -130,6 +155,7 @@ class EgressServers:
         self.root = root
         root.mkdir(parents=True, exist_ok=True)
         self.ca_pem = root / "test-ca.pem"
+        self.ca_key = root / "ca.key"
         self._make_certs()
         git_root = root / "git"
         self._make_repo(git_root)
@@ -146,20 +172,9 @@ class EgressServers:
         for s in (self.https, self.http):
             threading.Thread(target=s.serve_forever, daemon=True).start()
 
-    def _run(self, *args: str, cwd: Optional[Path] = None) -> None:
-        subprocess.run(args, check=True, capture_output=True, cwd=cwd, timeout=60)
-
     def _make_certs(self) -> None:
-        r = self.root
-        self._run("openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2",
-                  "-subj", "/CN=runtime e2e test CA", "-keyout", str(r / "ca.key"), "-out", str(self.ca_pem),
-                  "-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign")
-        (r / "leaf.ext").write_text("subjectAltName=" + ",".join(f"DNS:{n}" for n in HTTPS_NAMES) + "\n")
-        self._run("openssl", "req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=example.com",
-                  "-keyout", str(r / "leaf.key"), "-out", str(r / "leaf.csr"))
-        self._run("openssl", "x509", "-req", "-in", str(r / "leaf.csr"), "-CA", str(self.ca_pem),
-                  "-CAkey", str(r / "ca.key"), "-CAcreateserial", "-days", "2", "-out", str(r / "leaf.pem"),
-                  "-extfile", str(r / "leaf.ext"))
+        make_ca(self.root, self.ca_pem, self.ca_key)
+        make_leaf(self.root, self.ca_pem, self.ca_key, "leaf", HTTPS_NAMES)
 
     def _make_repo(self, git_root: Path) -> None:
         work = self.root / "git-work"

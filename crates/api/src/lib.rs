@@ -105,6 +105,7 @@ pub mod codes {
     pub const PREVIEW_TOKEN_INVALID: &str = "preview_token_invalid";
     pub const PREVIEW_UNREACHABLE: &str = "preview_unreachable";
     pub const SECRET_NOT_FOUND: &str = "secret_not_found";
+    pub const REGISTRY_NOT_FOUND: &str = "registry_not_found";
     pub const ENV_TAKEN: &str = "env_taken";
     pub const LOGIN_NOT_FOUND: &str = "login_not_found";
     pub const LINK_NOT_FOUND: &str = "link_not_found";

@@ -1,4 +1,4 @@
-//! `runtime image ls|logs|tag|rm` call the API of any server (see
+//! `runtime image ls|logs|tag|rm|registry` call the API of any server (see
 //! [`RemoteCmd`]). `runtime image build --file recipe.toml`: builds a custom image on a
 //! running server through its API (`POST /v1/images`, then `GET
 //! /v1/images/{id}` until the build ends), printing each step as it starts
@@ -345,6 +345,135 @@ pub(crate) enum RemoteCmd {
         #[arg(long)]
         json: bool,
     },
+    /// Credentials for private registries, used by this key's pulls.
+    #[command(subcommand)]
+    Registry(RegistryCmd),
+}
+
+/// `runtime image registry set|ls|rm`.
+#[derive(clap::Subcommand)]
+pub(crate) enum RegistryCmd {
+    /// Store (or replace) a registry's credential; the password, token or
+    /// ECR secret access key is read from stdin:
+    /// `echo "$TOKEN" | runtime image registry set ghcr.io --username me`.
+    Set {
+        #[command(flatten)]
+        conn: ConnArgs,
+        /// The registry's host[:port] (`docker.io` for Docker Hub).
+        registry: String,
+        /// The user name (with a password or token on stdin).
+        #[arg(long, required_unless_present = "access_key_id")]
+        username: Option<String>,
+        /// An Amazon ECR access key id (with its secret access key on stdin).
+        #[arg(long, conflicts_with = "username")]
+        access_key_id: Option<String>,
+    },
+    /// The stored credentials (never their secrets).
+    #[command(alias = "list")]
+    Ls {
+        #[command(flatten)]
+        conn: ConnArgs,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Delete stored credentials.
+    #[command(alias = "delete")]
+    Rm {
+        #[command(flatten)]
+        conn: ConnArgs,
+        #[arg(required = true)]
+        registries: Vec<String>,
+    },
+}
+
+/// The secret piped on stdin, without the line break `echo` adds.
+fn secret_from_stdin() -> anyhow::Result<String> {
+    use std::io::{IsTerminal, Read};
+    let stdin = std::io::stdin();
+    if stdin.is_terminal() {
+        bail!("pipe the secret on stdin: echo \"$TOKEN\" | runtime image registry set HOST --username USER");
+    }
+    let mut data = String::new();
+    stdin
+        .lock()
+        .take(64 << 10)
+        .read_to_string(&mut data)
+        .context("reading the secret from stdin")?;
+    let secret = data
+        .strip_suffix("\r\n")
+        .or_else(|| data.strip_suffix('\n'))
+        .unwrap_or(&data);
+    if secret.is_empty() {
+        bail!("stdin held no secret");
+    }
+    Ok(secret.to_string())
+}
+
+async fn registry(cmd: RegistryCmd) -> anyhow::Result<i32> {
+    use crate::output::{self, cell};
+    match cmd {
+        RegistryCmd::Set {
+            conn,
+            registry,
+            username,
+            access_key_id,
+        } => {
+            let t = conn.target()?;
+            let secret = secret_from_stdin()?;
+            let body = match (username, access_key_id) {
+                (_, Some(id)) => {
+                    json!({"registry": registry, "accessKeyId": id, "secretAccessKey": secret})
+                }
+                (u, None) => json!({"registry": registry, "username": u, "password": secret}),
+            };
+            let v = t.json("POST", "/v1/images/registries", Some(&body)).await?;
+            println!("{} {}", cell(&v["registry"]), cell(&v["kind"]));
+            Ok(0)
+        }
+        RegistryCmd::Ls { conn, json } => {
+            let t = conn.target()?;
+            let v = t.json("GET", "/v1/images/registries", None).await?;
+            if json {
+                output::json(&v["data"]);
+                return Ok(0);
+            }
+            let rows: Vec<Vec<String>> = v["data"]
+                .as_array()
+                .map(Vec::as_slice)
+                .unwrap_or_default()
+                .iter()
+                .map(|r| {
+                    let user = if r["kind"] == "ecr" {
+                        cell(&r["accessKeyId"])
+                    } else {
+                        cell(&r["username"])
+                    };
+                    vec![
+                        cell(&r["registry"]),
+                        cell(&r["kind"]),
+                        user,
+                        cell(&r["updatedAt"]),
+                    ]
+                })
+                .collect();
+            output::table(&["REGISTRY", "KIND", "USER", "UPDATED"], &rows);
+            Ok(0)
+        }
+        RegistryCmd::Rm { conn, registries } => {
+            let t = conn.target()?;
+            for r in registries {
+                let v = t
+                    .json(
+                        "POST",
+                        "/v1/images/registries:delete",
+                        Some(&json!({ "registry": r })),
+                    )
+                    .await?;
+                println!("deleted {}", cell(&v["registry"]));
+            }
+            Ok(0)
+        }
+    }
 }
 
 /// An image's id from an id, `name`, `name:tag` or `name@version`.
@@ -446,6 +575,7 @@ pub(crate) async fn remote(cmd: RemoteCmd) -> anyhow::Result<i32> {
             println!("{id} {}", label(&v));
             Ok(0)
         }
+        RemoteCmd::Registry(cmd) => registry(cmd).await,
         RemoteCmd::Rm { conn, images, json } => {
             let t = conn.target()?;
             for r in images {

@@ -233,6 +233,13 @@ impl AppState {
         &self.inner.store
     }
 
+    /// The user name and secret key `key_id` pulls from `registry` with
+    /// (`service::images::registries::credentials_for`), for tests that
+    /// drive the router.
+    pub fn registry_credentials(&self, key_id: &str, registry: &str) -> Option<(String, String)> {
+        service::images::registries::credentials_for(self, key_id, registry)
+    }
+
     fn host(&self) -> &Arc<dyn Host> {
         &self.inner.host
     }

@@ -18,6 +18,7 @@ pub(crate) mod network;
 pub(crate) mod preview;
 pub(crate) mod process;
 pub(crate) mod quota;
+pub(crate) mod registry;
 pub(crate) mod sandbox;
 pub(crate) mod secret;
 pub(crate) mod session;

@@ -5,9 +5,11 @@
 use base64::Engine;
 use chacha20poly1305::aead::{Aead, KeyInit, Payload};
 use chacha20poly1305::{XChaCha20Poly1305, XNonce};
+use hmac::{Hmac, Mac};
 use rand::RngCore;
 use serde::Serialize;
 use serde_json::{json, Map, Value};
+use sha2::Sha256;
 
 /// At most this many secrets.
 pub(crate) const MAX_SECRETS: usize = 50;
@@ -101,13 +103,34 @@ pub(crate) fn view(doc: &Value) -> Value {
 /// the name it was sealed with.
 pub(crate) struct Sealer {
     cipher: XChaCha20Poly1305,
+    /// Derived from the key, for [`Sealer::keyed_digest`].
+    mac_key: Vec<u8>,
 }
 
 impl Sealer {
     /// A sealer of a 32-byte key; `None` for a key of another length.
     pub(crate) fn from_key(key: &[u8]) -> Option<Sealer> {
         let cipher = XChaCha20Poly1305::new_from_slice(key).ok()?;
-        Some(Sealer { cipher })
+        let mut m = <Hmac<Sha256> as Mac>::new_from_slice(key).ok()?;
+        m.update(b"runtime keyed digest v1");
+        let mac_key = m.finalize().into_bytes().to_vec();
+        Some(Sealer { cipher, mac_key })
+    }
+
+    /// A digest of `data` that only this key can make (hex HMAC-SHA256
+    /// under a key derived from it): a fingerprint of a request that
+    /// carries a secret, which a plain hash would let anyone holding the
+    /// store test guesses against.
+    pub(crate) fn keyed_digest(&self, data: &[u8]) -> String {
+        let Ok(mut m) = <Hmac<Sha256> as Mac>::new_from_slice(&self.mac_key) else {
+            return String::new();
+        };
+        m.update(data);
+        m.finalize()
+            .into_bytes()
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect()
     }
 
     /// `value` sealed under `name`: base64 of a random nonce and the
@@ -232,5 +255,20 @@ mod tests {
         assert_eq!(s.unseal("A", "not base64!"), None);
         assert_eq!(s.unseal("A", "AAAA"), None);
         assert!(Sealer::from_key(&[0u8; 16]).is_none());
+    }
+
+    #[test]
+    fn keyed_digests_need_the_key() {
+        let s = Sealer::from_key(&[7u8; 32]).unwrap_or_else(|| panic!("a 32-byte key"));
+        let d = s.keyed_digest(b"POST /v1/images/registries?\n{}");
+        assert_eq!(d.len(), 64);
+        assert_eq!(d, s.keyed_digest(b"POST /v1/images/registries?\n{}"));
+        assert_ne!(d, s.keyed_digest(b"POST /v1/images/registries?\n{ }"));
+        assert_ne!(
+            d,
+            crate::domain::access::sha256_hex(b"POST /v1/images/registries?\n{}")
+        );
+        let other = Sealer::from_key(&[8u8; 32]).unwrap_or_else(|| panic!("a 32-byte key"));
+        assert_ne!(d, other.keyed_digest(b"POST /v1/images/registries?\n{}"));
     }
 }

@@ -34,7 +34,9 @@ use crate::domain::access::{sha256_hex, KeyInfo};
 use crate::domain::session::{is_session_token, Session};
 use crate::error::{ApiError, ApiResult};
 use crate::http::extract::parse_query;
-use crate::http::route::{body_limit, reveals_contents, route, session_sandbox, Route};
+use crate::http::route::{
+    body_limit, carries_secret, reveals_contents, route, session_sandbox, Route,
+};
 use crate::AppState;
 
 /// What a handler answers.
@@ -373,9 +375,17 @@ async fn serve(
             fp.extend_from_slice(parts.uri.query().unwrap_or("").as_bytes());
             fp.push(b'\n');
             fp.extend_from_slice(&bytes);
+            // A body that carries a secret is fingerprinted with a key of
+            // the server's, so the stored fingerprint cannot be used to
+            // test guesses of the secret.
+            let fingerprint = if carries_secret(&r) {
+                st.sealer()?.keyed_digest(&fp)
+            } else {
+                sha256_hex(&fp)
+            };
             Some(idempotency::Request {
                 idem_key: k.to_string(),
-                fingerprint: sha256_hex(&fp),
+                fingerprint,
             })
         }
         _ => None,

@@ -45,6 +45,10 @@ pub(crate) enum Route {
     CreateImage,
     ListImages,
     ResolveImage,
+    /// `/v1/images/registries[:delete]`: the key's registry credentials.
+    ListRegistries,
+    SetRegistry,
+    DeleteRegistry,
     GetImage(String),
     ImageLogs(String),
     DeleteImage(String),
@@ -149,9 +153,7 @@ fn unavailable(s: &[&str]) -> Option<&'static str> {
         |t: &[(&str, &'static str)], seg: &str| t.iter().find(|(p, _)| *p == seg).map(|(_, n)| *n);
     match s {
         ["v1", "usage", "requests" | "export" | "compare"] => Some("Usage breakdowns"),
-        ["v1", "images", "registries" | "context", ..] => {
-            Some("Registry logins and build contexts")
-        }
+        ["v1", "images", "context", ..] => Some("Build contexts"),
         ["v1", "volumes", _, "attachments", ..] => Some("Volume attachments"),
         ["v1", "sandboxes", _, "files", "archive", "uploads", ..] => {
             Some("Chunked archive uploads")
@@ -356,6 +358,13 @@ pub(crate) fn route(method: &Method, raw_path: &str) -> ApiResult<Route> {
             Method::GET => Route::ResolveImage,
             _ => return Err(not_allowed()),
         },
+        ["v1", "images", "registries"] => match (&m, verb.as_deref()) {
+            (&Method::GET, None) => Route::ListRegistries,
+            (&Method::POST, None) => Route::SetRegistry,
+            (&Method::POST, Some("delete")) => Route::DeleteRegistry,
+            (&Method::POST, Some(_)) => return Err(not_found()),
+            _ => return Err(not_allowed()),
+        },
         ["v1", "images", id] => match (&m, &verb) {
             (&Method::GET, None) => Route::GetImage(id.to_string()),
             (&Method::DELETE, None) => Route::DeleteImage(id.to_string()),
@@ -486,6 +495,9 @@ pub const ROUTE_SAMPLES: &[(&str, &str)] = &[
     ("POST", "/v1/images"),
     ("GET", "/v1/images"),
     ("GET", "/v1/images/resolve?ref=app"),
+    ("GET", "/v1/images/registries"),
+    ("POST", "/v1/images/registries"),
+    ("POST", "/v1/images/registries:delete"),
     ("GET", "/v1/images/i1"),
     ("GET", "/v1/images/i1/logs"),
     ("DELETE", "/v1/images/i1"),
@@ -576,6 +588,12 @@ pub(crate) fn session_sandbox(r: &Route) -> Option<&str> {
         | Route::Terminal(id) => Some(id),
         _ => None,
     }
+}
+
+/// Routes whose body carries a secret (an egress secret's value, a
+/// registry's password): their idempotency fingerprint is keyed.
+pub(crate) fn carries_secret(r: &Route) -> bool {
+    matches!(r, Route::PutSecret(_) | Route::SetRegistry)
 }
 
 /// Routes that show what is inside a sandbox (files, commands and their
@@ -711,9 +729,12 @@ mod tests {
             Route::KeyAction(..) => 72,
             Route::ConsoleLog(_) => 73,
             Route::UsageDaily => 74,
+            Route::ListRegistries => 75,
+            Route::SetRegistry => 76,
+            Route::DeleteRegistry => 77,
         }
     }
-    const VARIANTS: usize = 75;
+    const VARIANTS: usize = 78;
 
     #[test]
     fn products_not_served_here_are_unavailable_not_missing() {
@@ -727,11 +748,7 @@ mod tests {
                 "Chunked archive uploads",
             ),
             ("GET", "/v1/sandboxes/x/processes/p1/files", "Traced files"),
-            (
-                "GET",
-                "/v1/images/registries",
-                "Registry logins and build contexts",
-            ),
+            ("POST", "/v1/images/context/missing", "Build contexts"),
             ("GET", "/v1/usage/export", "Usage breakdowns"),
         ] {
             assert_eq!(
@@ -746,6 +763,27 @@ mod tests {
             Some(Route::FilesAction("x".into(), "mkdir".into()))
         );
         assert_eq!(route(&Method::GET, "/v1/usage").ok(), Some(Route::Usage));
+        // Registry credentials come before image ids.
+        assert_eq!(
+            route(&Method::GET, "/v1/images/registries").ok(),
+            Some(Route::ListRegistries)
+        );
+        assert_eq!(
+            route(&Method::POST, "/v1/images/registries").ok(),
+            Some(Route::SetRegistry)
+        );
+        assert_eq!(
+            route(&Method::POST, "/v1/images/registries:delete").ok(),
+            Some(Route::DeleteRegistry)
+        );
+        assert!(matches!(
+            route(&Method::DELETE, "/v1/images/registries"),
+            Err(ApiError::MethodNotAllowed { .. })
+        ));
+        assert!(matches!(
+            route(&Method::POST, "/v1/images/registries:tag"),
+            Err(ApiError::RouteNotFound { .. })
+        ));
         assert_eq!(
             route(&Method::GET, "/v1/events").ok(),
             Some(Route::ListEvents)

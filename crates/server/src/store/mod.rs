@@ -1,5 +1,6 @@
 //! The embedded SQLite store: keys, sandboxes, snapshots, processes,
-//! idempotency records, images (`images.rs`), volumes (`volumes.rs`), and
+//! idempotency records, images (`images.rs`), volumes (`volumes.rs`),
+//! private-registry credentials (`registries.rs`), and
 //! events with webhooks and their deliveries (`events.rs`).
 //!
 //! One connection behind a mutex; every call is short and never held across
@@ -13,6 +14,7 @@ mod images;
 mod keys;
 mod links;
 mod processes;
+mod registries;
 mod sandboxes;
 mod sessions;
 mod snapshots;
@@ -25,7 +27,7 @@ use rusqlite::Connection;
 
 use crate::error::ServerError;
 
-pub(super) const SCHEMA_VERSION: i64 = 11;
+pub(super) const SCHEMA_VERSION: i64 = 12;
 
 const SCHEMA_V1: &str = "
 CREATE TABLE IF NOT EXISTS keys (
@@ -201,6 +203,22 @@ CREATE TABLE IF NOT EXISTS file_links (
     revoked_ms INTEGER
 );
 CREATE INDEX IF NOT EXISTS file_links_sandbox ON file_links(sandbox_id);
+";
+
+/// Private-registry credentials (v12): one per key and registry, the
+/// secret sealed (`registries.rs`).
+const SCHEMA_V12: &str = "
+CREATE TABLE IF NOT EXISTS registry_credentials (
+    key_id TEXT NOT NULL,
+    registry TEXT NOT NULL,
+    kind TEXT NOT NULL,
+    username TEXT NOT NULL,
+    sealed TEXT NOT NULL,
+    secret_bytes INTEGER NOT NULL,
+    created_ms INTEGER NOT NULL,
+    updated_ms INTEGER NOT NULL,
+    PRIMARY KEY (key_id, registry)
+);
 ";
 
 /// Events, webhooks and their deliveries (v10). Events and deliveries are
@@ -402,6 +420,10 @@ pub(crate) fn open_connection(data_dir: &Path) -> Result<Connection, ServerError
         conn.execute_batch(SCHEMA_V11)
             .map_err(store_err("migrate v11"))?;
     }
+    if version < 12 {
+        conn.execute_batch(SCHEMA_V12)
+            .map_err(store_err("migrate v12"))?;
+    }
     if version < SCHEMA_VERSION {
         conn.pragma_update(None, "user_version", SCHEMA_VERSION)
             .map_err(store_err("set user_version"))?;
@@ -426,5 +448,6 @@ pub(crate) use events::{Attempt, DeliveryRow, EventQuery, EventRow, SealedSecret
 pub(crate) use idempotency::{StoredAnswer, PENDING_SANDBOX};
 pub(crate) use keys::insert_key;
 pub(crate) use processes::{ProcEnd, ProcRow};
+pub(crate) use registries::PutRegistry;
 pub(crate) use sandboxes::SandboxRow;
 pub(crate) use snapshots::SnapshotRow;

@@ -19,6 +19,7 @@ mod images;
 mod keys;
 pub(crate) mod network;
 mod previews;
+mod registries;
 pub(crate) mod sandboxes;
 mod secrets;
 mod sessions;
@@ -62,6 +63,9 @@ pub(super) async fn dispatch(st: AppState, ctx: Ctx, r: Route, body: Bytes) -> A
         Route::CreateImage => images::create(st, ctx, body).await,
         Route::ListImages => images::list(st, ctx).await,
         Route::ResolveImage => images::resolve(st, ctx).await,
+        Route::ListRegistries => registries::list(st, ctx).await,
+        Route::SetRegistry => registries::set(st, ctx, body).await,
+        Route::DeleteRegistry => registries::delete(st, ctx, body).await,
         Route::GetImage(id) => images::get(st, ctx, id).await,
         Route::ImageLogs(id) => images::logs(st, ctx, id).await,
         Route::DeleteImage(id) => images::delete(st, ctx, id).await,

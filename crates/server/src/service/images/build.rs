@@ -216,7 +216,7 @@ async fn pull_base(st: &AppState, id: &str, p: super::Pending) -> Result<Image, 
     let _ = crate::service::network::prepare_guest(st, &net);
     update(st, id, |d| d.build_vm = Some(net.clone()));
     // Credentials of the caller's key for this registry (images.registries).
-    let credentials = credentials_for(st, &p.key_id, &p.reference.registry);
+    let credentials = super::registries::credentials_for(st, &p.key_id, &p.reference.registry);
     let pulled = super::pull::base(st, id, &net, &p.reference, credentials).await;
     crate::service::network::sandbox_gone(st, &net);
     update(st, id, |d| d.build_vm = None);
@@ -240,12 +240,6 @@ async fn pull_base(st: &AppState, id: &str, p: super::Pending) -> Result<Image, 
         tracing::warn!(image_id = id, error = %e, "recording a pulled base failed");
     }
     out.ok_or(BuildError::Gone)
-}
-
-/// The credentials the key `key_id` keeps for `registry`; none until the
-/// registries API stores some.
-fn credentials_for(_st: &AppState, _key_id: &str, _registry: &str) -> Option<(String, String)> {
-    None
 }
 
 async fn run_build(

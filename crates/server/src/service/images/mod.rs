@@ -14,6 +14,7 @@
 mod build;
 mod layers;
 mod pull;
+pub(crate) mod registries;
 
 use runtime_api::codes;
 use std::collections::BTreeMap;
