@@ -215,3 +215,36 @@ def test_bad_references_are_refused_naming_the_field(rt):
         rt.images.create(dockerfile="FROM registry.example.com/x:-bad\n")
     issues = e.value.details["issues"]
     assert [i["field"] for i in issues] == ["dockerfile"] and "tag" in issues[0]["message"], issues
+
+
+def test_a_private_image_pulls_with_the_keys_credentials():
+    """The private registry of tests/e2e/registry.py (htpasswd, Basic):
+    refused without credentials, pulled with the key's images.registries."""
+    from withruntime import Runtime
+    from registry import PRIVATE, PASSWORD, USER, Registries, publish_private
+    root = Path(tempfile.mkdtemp(prefix="runtime-e2e-private-"))
+    os.chmod(root, 0o711)
+    srv = Server(root)
+    regs = Registries(root / "registries", egress=srv.egress)
+    try:
+        srv.extra_args += regs.args
+        publish_private(regs)
+        srv.start()
+        with Runtime(api_key=srv.admin_key(), base_url=srv.url) as rt:
+            ref = f"{PRIVATE}/team/private:latest"
+            image = _failed_build(rt, image=ref)
+            assert image["state"] == "failed" and "refused access" in image["error"], image["error"]
+            rt.images.registries.set(PRIVATE, username=USER, password=PASSWORD)
+            image = rt.images.build(name="private", image=ref, poll_seconds=0.5)
+            assert image["state"] == "ready", image["error"]
+            assert PASSWORD not in image["log"]
+            with rt.sandboxes.create(image="private") as sbx:
+                assert sbx.exec("echo $GREETING").stdout == "hello from the registry\n"
+    finally:
+        if srv.proc is not None:
+            srv.delete_all_sandboxes()
+        srv.stop()
+        srv.egress.close()
+        srv.kill_leftover_qemu()
+        regs.close()
+        shutil.rmtree(root, ignore_errors=True)
