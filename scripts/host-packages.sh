@@ -72,4 +72,7 @@ apt-get install -y -qq --no-install-recommends \
 if command -v systemctl >/dev/null && systemctl is-enabled docker-registry >/dev/null 2>&1; then
   systemctl disable --now docker-registry >/dev/null 2>&1 || true
 fi
+# Registry images: layers are decompressed with gzip and zstd on the host.
+log "installing zstd (registry image layers)"
+apt-get install -y -qq --no-install-recommends zstd >/dev/null
 log "done: $(qemu-system-x86_64 --version | head -1)"

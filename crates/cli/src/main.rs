@@ -161,6 +161,15 @@ struct NetArgs {
     /// `create_answer`), so the crash tests hit it exactly.
     #[arg(long = "test-crash-at", hide = true, value_name = "POINT")]
     test_crash_at: Option<String>,
+    /// Image builds pull REGISTRY's images (`docker.io` for Docker Hub)
+    /// from MIRROR (`host[:port]`) first, then from the registry itself.
+    /// Repeatable.
+    #[arg(long = "registry-mirror", value_name = "REGISTRY=MIRROR")]
+    registry_mirror: Vec<String>,
+    /// Image builds speak plain HTTP to this registry or mirror
+    /// (`host[:port]`), for labs and tests. Repeatable.
+    #[arg(long = "registry-insecure", value_name = "HOST[:PORT]")]
+    registry_insecure: Vec<String>,
 }
 
 impl NetArgs {
@@ -175,6 +184,21 @@ impl NetArgs {
             c.webhook_allow.push(a);
         }
         c.webhook_second_ms = i64::from(self.webhook_test_second_ms.max(1));
+        for m in &self.registry_mirror {
+            let (reg, mirror) = m
+                .split_once('=')
+                .filter(|(r, m)| !r.is_empty() && !m.is_empty() && !m.contains('/'))
+                .with_context(|| format!("--registry-mirror {m}: expected REGISTRY=HOST[:PORT]"))?;
+            c.registry_mirrors
+                .push((reg.to_ascii_lowercase(), mirror.to_ascii_lowercase()));
+        }
+        for h in &self.registry_insecure {
+            anyhow::ensure!(
+                !h.is_empty() && !h.contains('/'),
+                "--registry-insecure {h}: expected HOST[:PORT]"
+            );
+            c.registry_insecure.push(h.to_ascii_lowercase());
+        }
         c.test_crash_at = self.test_crash_at.clone();
         if let Some(p) = &self.test_crash_at {
             eprintln!("runtime: WARNING: test-only crash point {p} is set (--test-crash-at)");

@@ -138,6 +138,13 @@ impl Egress {
         proxy::serve(self.inner.clone(), io, net).await
     }
 
+    /// The TLS client configuration the proxy verifies destinations with
+    /// (the system's roots plus the test roots), for a client on the host
+    /// that tunnels through the proxy and verifies the far end itself.
+    pub fn client_tls(&self) -> Option<Arc<rustls::ClientConfig>> {
+        self.inner.client_tls.clone()
+    }
+
     /// What the proxy carried for every sandbox since it started.
     pub fn traffic(&self) -> Traffic {
         self.inner.limits.traffic()

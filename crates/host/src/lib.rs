@@ -26,6 +26,7 @@
 //! - `network`: the egress proxy of the guests' outbound connections, per sandbox as the control plane sets it.
 //! - `link`: the multiplexed agent channel; `tunnel`: TCP tunnels over its streams.
 //! - `cgroup`: a cgroup per machine; `artifacts`: kernel and base image; `volume`: volume files.
+//! - `oci`: pulling registry images (manifests, blobs, the blob cache) through the egress proxy.
 
 mod accel;
 pub mod artifacts;
@@ -45,6 +46,7 @@ mod launch;
 mod link;
 mod machine;
 mod network;
+pub mod oci;
 mod pump;
 mod qemu;
 mod qmp;

@@ -459,6 +459,12 @@ impl Host for QemuHost {
         self.networks.set(id, net);
     }
 
+    fn egress_connection(&self, id: &str) -> Result<crate::EgressConnection, HostError> {
+        self.networks
+            .connection(id)
+            .ok_or_else(|| HostError::NoSuchMachine { id: id.to_owned() })
+    }
+
     fn forget_network(&self, id: &str) {
         self.networks.forget(id);
     }

@@ -95,6 +95,20 @@ impl Networks {
     }
 }
 
+impl Networks {
+    /// One end of a new proxy connection from `id`, served like its guest's.
+    pub(crate) fn connection(&self, id: &str) -> Option<crate::types::EgressConnection> {
+        let net = self.view(id)?;
+        let (ours, theirs) = tokio::io::duplex(256 * 1024);
+        let egress = self.egress.clone();
+        tokio::spawn(async move { egress.serve(theirs, net).await });
+        Some(crate::types::EgressConnection {
+            stream: ours,
+            tls: self.egress.client_tls(),
+        })
+    }
+}
+
 impl Outbound for Networks {
     fn accept(&self, sandbox_id: &str, conn: DuplexStream) {
         let Some(net) = self.view(sandbox_id) else {

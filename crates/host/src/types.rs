@@ -336,6 +336,14 @@ pub enum HostError {
     },
 }
 
+/// A connection into the egress proxy ([`Host::egress_connection`]).
+pub struct EgressConnection {
+    pub stream: DuplexStream,
+    /// The system's roots plus the operator's test roots; `None` when the
+    /// host has no TLS client.
+    pub tls: Option<Arc<rustls::ClientConfig>>,
+}
+
 /// A host's free memory and space, in bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Room {
@@ -447,6 +455,15 @@ pub trait Host: Send + Sync + 'static {
     /// which open connections follow at once. Until it is set, the guest's
     /// connections are closed.
     fn set_network(&self, id: &str, net: GuestNet);
+    /// A connection to this host's egress proxy as if network `id`'s guest
+    /// had opened it (its rules, the test mapping, byte counting apply), for
+    /// work the host does on the guest's behalf, such as pulling a registry
+    /// image for a build ([`crate::oci`]). The stream speaks the proxy's
+    /// protocols (`CONNECT`, absolute-URI requests); `tls` verifies the far
+    /// end of a `CONNECT` as the proxy itself would.
+    fn egress_connection(&self, id: &str) -> Result<EgressConnection, HostError> {
+        Err(HostError::NoSuchMachine { id: id.to_owned() })
+    }
     /// Forgets `id`'s network: its open connections end, new ones close.
     fn forget_network(&self, id: &str);
 }

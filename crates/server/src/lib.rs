@@ -103,6 +103,12 @@ pub struct Config {
     /// TEST ONLY (`--test-crash-at`): the step at which the server kills
     /// itself, for the crash tests ([`runtime_host::crash_point`]).
     pub test_crash_at: Option<String>,
+    /// Registry mirrors (`--registry-mirror docker.io=host[:port]`): the
+    /// mirror is asked first for that registry's images.
+    pub registry_mirrors: Vec<(String, String)>,
+    /// Registries (or mirrors) pulled from over plain HTTP
+    /// (`--registry-insecure host[:port]`, for labs and tests).
+    pub registry_insecure: Vec<String>,
 }
 
 impl Config {
@@ -130,6 +136,8 @@ impl Config {
             quotas: Quotas::default(),
             reserve: Reserve::default(),
             test_crash_at: None,
+            registry_mirrors: Vec::new(),
+            registry_insecure: Vec::new(),
         }
     }
 }

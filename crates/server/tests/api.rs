@@ -3427,7 +3427,14 @@ async fn image_requests_are_checked_before_any_build() {
             json!({"dockerfile": "FROM runtime\nUSER nobody"}),
             "dockerfile",
         ),
-        (json!({"image": "python:3.12", "recipe": {}}), "image"),
+        (json!({"image": "python:3.12", "recipe": {}}), "recipe"),
+        // Neither one of the caller's images nor a registry reference.
+        (json!({"image": "Not A Ref"}), "image"),
+        (json!({"recipe": {"base": "Nope!"}}), "recipe"),
+        (
+            json!({"dockerfile": "FROM reg.example.com/x:-bad"}),
+            "dockerfile",
+        ),
         (json!({"recipe": {}, "name": "a:b"}), "name"),
     ];
     for (body, field) in cases {
@@ -3442,12 +3449,13 @@ async fn image_requests_are_checked_before_any_build() {
             "{body} -> {v}"
         );
     }
-    // A base that does not exist, an image a create names that does not.
+    // A base id that is not one of ours (any other name is a registry
+    // reference), an image a create names that does not exist.
     let (s, v) = t
         .json(
             "POST",
             "/v1/images",
-            Some(json!({"recipe": {"base": "nope"}})),
+            Some(json!({"recipe": {"base": "0b6c1c52-5bd4-4f43-9d36-0d1c3c1e6f00"}})),
         )
         .await;
     assert_eq!(s, StatusCode::NOT_FOUND, "{v}");
@@ -3483,6 +3491,47 @@ async fn finished(t: &T, id: &str) -> Value {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     panic!("image {id} never finished building");
+}
+
+#[tokio::test]
+async fn a_registry_reference_is_queued_as_a_pull_and_fails_naming_it() {
+    let t = T::new();
+    // Not one of the caller's names: a registry image, read as Docker does.
+    let (s, v) = t
+        .json(
+            "POST",
+            "/v1/images",
+            Some(json!({"name": "py", "image": "python:3.12-slim"})),
+        )
+        .await;
+    assert_eq!(s, StatusCode::CREATED, "{v}");
+    assert_eq!(v["source"], "image", "{v}");
+    assert_eq!(v["pulled"], "docker.io/library/python:3.12-slim", "{v}");
+    assert_eq!(v["steps"], json!([]), "{v}");
+    // The fake host has no egress: the pull fails, naming the reference,
+    // and the image is failed, with no layer left.
+    let v = finished(&t, v["id"].as_str().unwrap()).await;
+    assert_eq!(v["state"], "failed", "{v}");
+    let err = v["error"].as_str().unwrap();
+    assert!(
+        err.starts_with("pulling docker.io/library/python:3.12-slim:"),
+        "{err}"
+    );
+    // A name of the caller's own still means that image.
+    let app = built(
+        &t,
+        json!({"name": "python", "dockerfile": "FROM runtime\nENV A=1"}),
+    )
+    .await;
+    assert_eq!(app["state"], "ready", "{app}");
+    let (s, v) = t
+        .json("POST", "/v1/images", Some(json!({"image": "python"})))
+        .await;
+    assert_eq!(s, StatusCode::CREATED, "{v}");
+    assert_eq!(v["base"], app["id"], "{v}");
+    assert_eq!(v["pulled"], Value::Null, "{v}");
+    let v = finished(&t, v["id"].as_str().unwrap()).await;
+    assert_eq!(v["state"], "ready", "{v}");
 }
 
 #[tokio::test]

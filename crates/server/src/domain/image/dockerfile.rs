@@ -76,7 +76,11 @@ pub(crate) fn parse(
                 }
                 seen_from = true;
                 let r = substitute(rest, &argv, &[]);
-                let r = r.split_whitespace().next().unwrap_or("");
+                // `--platform=…` is ours to choose (linux/amd64).
+                let r = r
+                    .split_whitespace()
+                    .find(|t| !t.starts_with("--"))
+                    .unwrap_or("");
                 if !matches!(
                     r,
                     "runtime" | "default" | "runtime:latest" | "default:latest"
@@ -399,6 +403,10 @@ mod tests {
         }
         let base = |t: &str, args: &[(&str, &str)]| build(t, &[], args).unwrap().1.base;
         assert_eq!(base("FROM app:1 AS build", &[]).as_deref(), Some("app:1"));
+        assert_eq!(
+            base("FROM --platform=linux/amd64 python:3.12-slim", &[]).as_deref(),
+            Some("python:3.12-slim")
+        );
         assert_eq!(base("from app@2", &[]).as_deref(), Some("app@2"));
         assert_eq!(base("ARG B=app\nFROM $B", &[]).as_deref(), Some("app"));
         assert_eq!(

@@ -90,6 +90,8 @@ impl ImageUser {
 pub(crate) enum Source {
     Recipe,
     Dockerfile,
+    /// A registry image as it is (`image` of a build).
+    Image,
 }
 
 /// One step of a build.
@@ -160,6 +162,11 @@ pub(crate) struct Image {
     /// The build machine while one runs (ended by a restart's recovery).
     #[serde(default)]
     pub(crate) build_vm: Option<String>,
+    /// The registry image the build starts from (`FROM`, a recipe's
+    /// `base`, or `image`): as written until pulled, then its canonical
+    /// reference with the manifest's digest.
+    #[serde(default)]
+    pub(crate) pulled: Option<String>,
 }
 
 impl Image {
@@ -171,7 +178,13 @@ impl Image {
     /// Whether a sandbox of it boots on the server's own image unchanged
     /// (no steps, no base of ours): it then needs no disk of its own.
     pub(crate) fn is_plain_base(&self) -> bool {
-        self.disk_key() == self.base_key && self.base.is_none()
+        self.disk_key() == self.base_key && self.base.is_none() && self.pulled.is_none()
+    }
+
+    /// Whether the steps start from a disk of ours (a base image's or a
+    /// pulled one's) rather than the server's own image.
+    pub(crate) fn has_base_disk(&self) -> bool {
+        self.base.is_some() || self.pulled.is_some()
     }
 }
 
@@ -436,6 +449,7 @@ mod tests {
             ready_at: None,
             build_seconds: None,
             build_vm: None,
+            pulled: None,
         }
     }
 

@@ -37,6 +37,7 @@ fn render(d: &Image, log: &[LogLine]) -> Value {
     json!({
         "id": d.id, "kind": "image", "name": d.name, "version": d.version, "tags": d.tags,
         "labels": d.labels, "state": d.state, "error": d.error, "source": d.source, "base": d.base,
+        "pulled": d.pulled,
         "steps": steps, "env": d.env.iter().map(|(k, _)| k).collect::<Vec<_>>(),
         "workdir": d.workdir, "user": d.user, "start": d.start, "createdAt": d.created_at,
         "readyAt": d.ready_at, "buildSeconds": d.build_seconds, "log": log.join("\n"),
@@ -58,6 +59,7 @@ fn parse_create(body: &[u8]) -> ApiResult<CreateImage> {
     let tags = f.raw("tags").cloned();
     let recipe = f.raw("recipe").cloned();
     let dockerfile = f.string("dockerfile");
+    let image = f.string("image");
     let files = f.raw("files").cloned();
     let build_args = f.string_map("buildArgs", 64).unwrap_or_default();
     let env = f.string_map("env", 64).unwrap_or_default();
@@ -70,7 +72,6 @@ fn parse_create(body: &[u8]) -> ApiResult<CreateImage> {
             f.issue("region", "this server has one region, local");
         }
     }
-    f.refuse("image", "building from a registry image is not supported by this server; use a recipe or a Dockerfile FROM one of its images");
     f.refuse(
         "context",
         "build contexts are not supported by this server; give small files inline in files",
@@ -83,8 +84,15 @@ fn parse_create(body: &[u8]) -> ApiResult<CreateImage> {
         "dockerignore",
         "build contexts are not supported by this server",
     );
-    if recipe.is_some() == dockerfile.is_some() {
-        f.issue("recipe", "give exactly one of recipe and dockerfile");
+    let sources = [recipe.is_some(), dockerfile.is_some(), image.is_some()];
+    if sources.iter().filter(|s| **s).count() != 1 {
+        f.issue("recipe", "give exactly one of image, recipe and dockerfile");
+    }
+    if image.as_ref().is_some_and(|i| i.trim().is_empty()) {
+        f.issue(
+            "image",
+            "must be an image reference such as python:3.12-slim",
+        );
     }
     let tags: Vec<String> = match tags {
         None | Some(Value::Null) => vec!["latest".to_string()],
@@ -118,14 +126,15 @@ fn parse_create(body: &[u8]) -> ApiResult<CreateImage> {
             ))
         }
     };
-    let source = match (recipe, dockerfile) {
-        (Some(r), _) => BuildSource::Recipe(r),
-        (None, Some(text)) => BuildSource::Dockerfile(text),
-        // `finish` refused a body with neither.
-        (None, None) => {
+    let source = match (recipe, dockerfile, image) {
+        (Some(r), _, _) => BuildSource::Recipe(r),
+        (None, Some(text), _) => BuildSource::Dockerfile(text),
+        (None, None, Some(i)) => BuildSource::Image(i),
+        // `finish` refused a body with none.
+        (None, None, None) => {
             return Err(ApiError::invalid(
                 "recipe",
-                "give exactly one of recipe and dockerfile",
+                "give exactly one of image, recipe and dockerfile",
             ))
         }
     };
@@ -137,7 +146,9 @@ fn parse_create(body: &[u8]) -> ApiResult<CreateImage> {
         files,
         build_args,
         env,
-        start: start.filter(|s| !s.is_null()),
+        // `null` drops the image's own (a Dockerfile's CMD, a registry
+        // image's config).
+        start,
     })
 }
 

@@ -48,11 +48,16 @@ pub(super) enum BuildError {
     KeepDisk { n: usize, cause: HostError },
     #[error("{0}")]
     Io(std::io::Error),
+    #[error("{0}")]
+    Pull(super::pull::PullFailed),
+    #[error("on the pulled image: {0}")]
+    Replan(ApiError),
 }
 
 /// After a restart: builds that were under way failed (their finished steps
 /// stay cached, so building again resumes there); their machines end.
 pub(crate) async fn recover(st: &AppState) -> Result<(), crate::ServerError> {
+    super::pull::sweep(st);
     let images = match st.store().images() {
         Ok(d) => d,
         Err(e) => {
@@ -90,7 +95,13 @@ fn fail_running_steps(d: &mut Image) {
 
 /// Appends `text`'s lines to an image's log (a failure is logged: the
 /// build goes on).
-fn log(st: &AppState, id: &str, step: Option<usize>, stream: LogStream, text: &str) {
+pub(super) fn log_line(
+    st: &AppState,
+    id: &str,
+    step: Option<usize>,
+    stream: LogStream,
+    text: &str,
+) {
     let lines: Vec<&str> = text.lines().collect();
     if let Err(e) = st
         .store()
@@ -100,6 +111,8 @@ fn log(st: &AppState, id: &str, step: Option<usize>, stream: LogStream, text: &s
     }
     st.notify_image_change();
 }
+
+use log_line as log;
 
 /// Changes an image's record (a failure is logged: the build goes on).
 fn update(st: &AppState, id: &str, f: impl FnOnce(&mut Image)) {
@@ -123,9 +136,9 @@ fn update_step(st: &AppState, id: &str, index: usize, f: impl FnOnce(&mut Step))
 }
 
 /// Builds image `id` and records how that ended.
-pub(super) async fn build(st: AppState, id: String) {
+pub(super) async fn build(st: AppState, id: String, pending: Option<super::Pending>) {
     let started = Instant::now();
-    let result = run_build(&st, &id).await;
+    let result = run_build(&st, &id, pending).await;
     let secs = started.elapsed().as_secs_f64();
     match result {
         Ok(()) => {
@@ -190,7 +203,52 @@ pub(super) async fn build(st: AppState, id: String) {
     }
 }
 
-async fn run_build(st: &AppState, id: &str) -> Result<(), BuildError> {
+/// Pulls a registry base into a layer, then reads the build's steps again
+/// on its key and config; answers the image as recorded then.
+async fn pull_base(st: &AppState, id: &str, p: super::Pending) -> Result<Image, BuildError> {
+    // The pull goes through a network of its own with the build machine's
+    // settings (default rules, no egress secrets); the unpack machine uses
+    // it too, and recovery ends it as a build machine.
+    let net = uuid::Uuid::new_v4().to_string();
+    let settings = crate::domain::network::CreateNet {
+        rules: None,
+        secrets: Some(Vec::new()),
+    };
+    crate::service::network::store_create(st, &net, &settings).map_err(BuildError::Network)?;
+    let _ = crate::service::network::prepare_guest(st, &net);
+    update(st, id, |d| d.build_vm = Some(net.clone()));
+    // Credentials of the caller's key for this registry (images.registries).
+    let credentials = super::registries::credentials_for(st, &p.key_id, &p.reference.registry);
+    let pulled = super::pull::base(st, id, &net, &p.reference, credentials).await;
+    crate::service::network::sandbox_gone(st, &net);
+    update(st, id, |d| d.build_vm = None);
+    let base = pulled.map_err(BuildError::Pull)?;
+    let (state, start) = super::registry_state(&base.config);
+    let plan =
+        super::plan(&base.key, state, &p.source, &p.input, start).map_err(BuildError::Replan)?;
+    let mut out = None;
+    let r = st.store().update_image(id, |d| {
+        d.base_key = base.key.clone();
+        d.steps = plan.steps.clone();
+        d.env = plan.state.env.clone();
+        d.workdir = plan.state.workdir.clone();
+        d.user = plan.state.user;
+        d.start = plan.start.clone();
+        d.pulled = Some(base.pinned.clone());
+        out = Some(d.clone());
+        true
+    });
+    if let Err(e) = r {
+        tracing::warn!(image_id = id, error = %e, "recording a pulled base failed");
+    }
+    out.ok_or(BuildError::Gone)
+}
+
+async fn run_build(
+    st: &AppState,
+    id: &str,
+    pending: Option<super::Pending>,
+) -> Result<(), BuildError> {
     let d = match st.store().get_image(id) {
         Ok(Some(d)) => d,
         Ok(None) => return Err(BuildError::Gone),
@@ -200,6 +258,10 @@ async fn run_build(st: &AppState, id: &str) -> Result<(), BuildError> {
         }
     };
     update(st, id, |d| d.state = ImageState::Building);
+    let d = match pending {
+        Some(p) => pull_base(st, id, p).await?,
+        None => d,
+    };
     // The longest prefix already kept.
     let mut from = d
         .steps
@@ -208,7 +270,7 @@ async fn run_build(st: &AppState, id: &str) -> Result<(), BuildError> {
         .count();
     let base_layer = match from.checked_sub(1) {
         Some(last) => d.steps.get(last).map(|s| s.key.clone()),
-        None => d.base.is_some().then(|| d.base_key.clone()),
+        None => d.has_base_disk().then(|| d.base_key.clone()),
     };
     for s in d.steps.iter().take(from) {
         log(
@@ -251,7 +313,7 @@ async fn run_build(st: &AppState, id: &str) -> Result<(), BuildError> {
             key: steps::short_key(&k),
         }),
         // The first step's machine may come from the default template.
-        no_template: from > 0 || d.base.is_some(),
+        no_template: from > 0 || d.has_base_disk(),
     };
     log(
         st,

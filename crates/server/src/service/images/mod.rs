@@ -15,11 +15,13 @@ mod build;
 mod follow;
 mod layers;
 mod prune;
+mod pull;
 pub(crate) mod registries;
 
 use runtime_api::codes;
 use std::collections::BTreeMap;
 
+use runtime_host::oci::Reference;
 use runtime_host::RunAs;
 use serde_json::{json, Value};
 
@@ -38,10 +40,13 @@ pub(crate) use follow::{follow, FollowEvent};
 pub(crate) use prune::{prune_for, prune_if_short};
 
 /// What a build is written as.
+#[derive(Clone)]
 pub(crate) enum BuildSource {
     /// A recipe object (checked by `domain::image::recipe`).
     Recipe(Value),
     Dockerfile(String),
+    /// A registry image as it is (`image`).
+    Image(String),
 }
 
 /// A build, as its create asks (the fields already checked).
@@ -55,7 +60,8 @@ pub(crate) struct CreateImage {
     pub(crate) files: Vec<InlineFile>,
     pub(crate) build_args: Vec<(String, String)>,
     pub(crate) env: Vec<(String, String)>,
-    /// Wins over a Dockerfile's `CMD`/`ENTRYPOINT`.
+    /// Wins over a Dockerfile's `CMD`/`ENTRYPOINT` and a registry image's
+    /// config; `null` drops those.
     pub(crate) start: Option<Value>,
 }
 
@@ -244,13 +250,158 @@ pub(crate) fn disk_of(st: &AppState, id: &str) -> Option<runtime_host::ImageDisk
     })
 }
 
+/// Where a build starts.
+enum BaseOf {
+    /// The server's own image.
+    Ours,
+    /// One of the caller's ready images.
+    Image(Box<Image>),
+    /// A registry image, pulled when the build runs.
+    Registry(Reference),
+}
+
+/// What `r` names: one of the caller's images (by id or name), or else a
+/// registry image. Only a ref that is neither is refused (naming `field`).
+fn base_of(st: &AppState, key: &KeyInfo, r: Option<&str>, field: &str) -> ApiResult<BaseOf> {
+    let Some(r) = r else {
+        return Ok(BaseOf::Ours);
+    };
+    if r == "runtime" || r == "default" {
+        return Ok(BaseOf::Ours);
+    }
+    match for_create(st, key, r) {
+        Ok(d) => {
+            let base = st.store().get_image(&d.id)?.ok_or_else(|| not_found(r))?;
+            Ok(BaseOf::Image(Box::new(base)))
+        }
+        // An id that is not ours stays a 404, not a pull of a repository
+        // named like it.
+        Err(e @ ApiError::NotFound { .. }) if uuid::Uuid::parse_str(r).is_ok() => Err(e),
+        Err(ApiError::NotFound { .. }) => Reference::parse(r).map(BaseOf::Registry).map_err(|e| {
+            ApiError::invalid(
+                field,
+                format!("{r} is neither one of your images nor a registry reference: {e}"),
+            )
+        }),
+        Err(e) => Err(e),
+    }
+}
+
+/// A build read into steps.
+pub(super) struct Plan {
+    pub(super) steps: Vec<steps_mod::Step>,
+    pub(super) state: BuildState,
+    pub(super) start: Option<Value>,
+    pub(super) source: Source,
+}
+
+use crate::domain::image as steps_mod;
+
+/// Reads `source` into steps on `base_key`, starting in `state`. `start` is
+/// the create's own (`Some(null)` drops any), `inherited` the base's.
+pub(super) fn plan(
+    base_key: &str,
+    state: BuildState,
+    source: &BuildSource,
+    cmd: &PlanInput,
+    inherited: Option<Value>,
+) -> ApiResult<Plan> {
+    let invalid_dockerfile = |e: ImageError| ApiError::invalid("dockerfile", e.to_string());
+    let mut b = Steps::new(base_key, state);
+    for (k, v) in &cmd.env {
+        b.state.set_env(k, v);
+    }
+    let mut start = cmd.start.clone();
+    let source = match source {
+        BuildSource::Dockerfile(text) => {
+            let parsed = dockerfile::parse(&mut b, text, &cmd.files, &cmd.build_args)
+                .map_err(invalid_dockerfile)?;
+            start = start.or(parsed.start);
+            Source::Dockerfile
+        }
+        BuildSource::Recipe(r) => {
+            recipe::parse(&mut b, r).map_err(|e| ApiError::invalid("recipe", e.to_string()))?;
+            Source::Recipe
+        }
+        BuildSource::Image(_) => Source::Image,
+    };
+    let start = start.or(inherited).filter(|s| !s.is_null());
+    if b.steps.len() > steps::MAX_STEPS {
+        return Err(ApiError::invalid(
+            "recipe",
+            ImageError::TooManySteps.to_string(),
+        ));
+    }
+    Ok(Plan {
+        steps: b.steps,
+        state: b.state,
+        start,
+        source,
+    })
+}
+
+/// What a build's steps are read from besides its source.
+#[derive(Clone)]
+pub(super) struct PlanInput {
+    pub(super) files: Vec<InlineFile>,
+    pub(super) build_args: Vec<(String, String)>,
+    pub(super) env: Vec<(String, String)>,
+    pub(super) start: Option<Value>,
+}
+
+/// A registry base the build pulls first, then reads its steps again on.
+pub(super) struct Pending {
+    pub(super) reference: Reference,
+    pub(super) source: BuildSource,
+    pub(super) input: PlanInput,
+    pub(super) key_id: String,
+}
+
+/// The build state and start a registry image's config gives: its `Env`,
+/// `WorkingDir`, `User` (root when empty, `root` or 0; any other user is
+/// the sandbox user, uid 1000), `Entrypoint` + `Cmd` as an argv.
+pub(super) fn registry_state(c: &runtime_host::oci::RunConfig) -> (BuildState, Option<Value>) {
+    let mut state = BuildState {
+        env: Vec::new(),
+        workdir: None,
+        user: ImageUser::Root,
+    };
+    for e in c.env.iter().flatten() {
+        if let Some((k, v)) = e.split_once('=') {
+            if !k.is_empty() {
+                state.set_env(k, v);
+            }
+        }
+    }
+    state.workdir = c
+        .working_dir
+        .clone()
+        .filter(|w| crate::domain::image::valid_abs(w) && w != "/");
+    let user = c.user.as_deref().unwrap_or_default();
+    let name = user.split(':').next().unwrap_or_default();
+    state.user = if matches!(name, "" | "root" | "0") {
+        ImageUser::Root
+    } else {
+        ImageUser::User
+    };
+    let argv: Vec<String> = c
+        .entrypoint
+        .iter()
+        .flatten()
+        .chain(c.cmd.iter().flatten())
+        .cloned()
+        .collect();
+    let start = (!argv.is_empty()).then(|| json!({ "command": argv }));
+    (state, start)
+}
+
 /// Reads the build into steps on its base, keeps the image (`queued`, the
 /// next version of its name) and starts building it in the background.
 pub(crate) fn create(st: &AppState, key: &KeyInfo, cmd: CreateImage) -> ApiResult<Image> {
     let invalid_dockerfile = |e: ImageError| ApiError::invalid("dockerfile", e.to_string());
     // The base first: its key starts the chain and its state carries over.
-    let base_ref = match &cmd.source {
-        BuildSource::Recipe(r) => recipe::base(r),
+    let (base_ref, field) = match &cmd.source {
+        BuildSource::Recipe(r) => (recipe::base(r), "recipe"),
         // Read FROM before the rest: a dry parse finds the base.
         BuildSource::Dockerfile(text) => {
             let mut probe = Steps::new(
@@ -261,13 +412,23 @@ pub(crate) fn create(st: &AppState, key: &KeyInfo, cmd: CreateImage) -> ApiResul
                     user: ImageUser::Root,
                 },
             );
-            dockerfile::parse(&mut probe, text, &cmd.files, &cmd.build_args)
+            let base = dockerfile::parse(&mut probe, text, &cmd.files, &cmd.build_args)
                 .map_err(invalid_dockerfile)?
-                .base
+                .base;
+            (base, "dockerfile")
         }
+        BuildSource::Image(r) => (Some(r.clone()), "image"),
     };
-    let (base_key, base_id, state) = match &base_ref {
-        None => (
+    let input = PlanInput {
+        files: cmd.files.clone(),
+        build_args: cmd.build_args.clone(),
+        env: cmd.env.clone(),
+        start: cmd.start.clone(),
+    };
+    let mut pending = None;
+    let (base_key, base_id, state, inherited) = match base_of(st, key, base_ref.as_deref(), field)?
+    {
+        BaseOf::Ours => (
             layers::base_key(),
             None,
             // On the server's own image, a Dockerfile starts as root (as
@@ -276,49 +437,38 @@ pub(crate) fn create(st: &AppState, key: &KeyInfo, cmd: CreateImage) -> ApiResul
                 env: Vec::new(),
                 workdir: None,
                 user: match cmd.source {
-                    BuildSource::Dockerfile(_) => ImageUser::Root,
+                    BuildSource::Dockerfile(_) | BuildSource::Image(_) => ImageUser::Root,
                     BuildSource::Recipe(_) => ImageUser::User,
                 },
             },
+            None,
         ),
-        Some(r) => {
+        BaseOf::Image(base) => {
             // On one of ours, both go on as the user it ended with, like
             // its env and workdir.
-            let d = for_create(st, key, r)?;
-            let base = st.store().get_image(&d.id)?.ok_or_else(|| not_found(r))?;
             let state = BuildState {
                 env: base.env.clone(),
                 workdir: base.workdir.clone(),
                 user: base.user,
             };
-            (base.disk_key().to_string(), Some(base.id), state)
+            let inherited = matches!(cmd.source, BuildSource::Image(_))
+                .then(|| base.start.clone())
+                .flatten();
+            (base.disk_key().to_string(), Some(base.id), state, inherited)
+        }
+        BaseOf::Registry(r) => {
+            // Read now to check it; read again on the pulled image's
+            // config and layer once the build has them.
+            let key = format!(
+                "pending-{}",
+                crate::domain::access::sha256_hex(r.canonical().as_bytes())
+            );
+            let (state, _) = registry_state(&Default::default());
+            pending = Some(r);
+            (key, None, state, None)
         }
     };
-    let mut b = Steps::new(base_key.clone(), state);
-    for (k, v) in &cmd.env {
-        b.state.set_env(k, v);
-    }
-    let mut start = cmd.start;
-    let source = match &cmd.source {
-        BuildSource::Dockerfile(text) => {
-            let parsed = dockerfile::parse(&mut b, text, &cmd.files, &cmd.build_args)
-                .map_err(invalid_dockerfile)?;
-            if start.is_none() {
-                start = parsed.start;
-            }
-            Source::Dockerfile
-        }
-        BuildSource::Recipe(r) => {
-            recipe::parse(&mut b, r).map_err(|e| ApiError::invalid("recipe", e.to_string()))?;
-            Source::Recipe
-        }
-    };
-    if b.steps.len() > steps::MAX_STEPS {
-        return Err(ApiError::invalid(
-            "recipe",
-            ImageError::TooManySteps.to_string(),
-        ));
-    }
+    let p = plan(&base_key, state, &cmd.source, &input, inherited)?;
     let now = st.now_ms();
     let mut d = Image {
         id: uuid::Uuid::new_v4().to_string(),
@@ -334,19 +484,20 @@ pub(crate) fn create(st: &AppState, key: &KeyInfo, cmd: CreateImage) -> ApiResul
         labels: cmd.labels,
         state: ImageState::Queued,
         error: None,
-        source,
+        source: p.source,
         base: base_id,
         base_key,
-        steps: b.steps,
-        env: b.state.env,
-        workdir: b.state.workdir,
-        user: b.state.user,
-        start,
+        steps: p.steps,
+        env: p.state.env,
+        workdir: p.state.workdir,
+        user: p.state.user,
+        start: p.start,
         created_at: iso(now),
         created_ms: now,
         ready_at: None,
         build_seconds: None,
         build_vm: None,
+        pulled: pending.as_ref().map(Reference::canonical),
     };
     {
         // Not while a prune removes layers this build may start on.
@@ -358,9 +509,15 @@ pub(crate) fn create(st: &AppState, key: &KeyInfo, cmd: CreateImage) -> ApiResul
         st.store().insert_image(&mut d)?;
     }
     tracing::info!(image_id = %d.id, version = d.version, steps = d.steps.len(), "image queued");
+    let pending = pending.map(|reference| Pending {
+        reference,
+        source: cmd.source,
+        input,
+        key_id: key.id.clone(),
+    });
     let st2 = st.clone();
     let id = d.id.clone();
-    st.spawn(async move { build::build(st2, id).await });
+    st.spawn(async move { build::build(st2, id, pending).await });
     Ok(d)
 }
 
@@ -468,4 +625,99 @@ pub(crate) async fn tag(
         return Err(not_found(id));
     };
     Ok(d)
+
+#[cfg(test)]
+mod tests {
+    use runtime_host::oci::RunConfig;
+
+    use super::*;
+
+    fn config(user: Option<&str>) -> RunConfig {
+        RunConfig {
+            env: Some(vec![
+                "PATH=/usr/local/bin:/usr/bin".into(),
+                "A=b=c".into(),
+                "NOEQUALS".into(),
+                "=x".into(),
+            ]),
+            working_dir: Some("/app".into()),
+            user: user.map(str::to_string),
+            cmd: Some(vec!["python3".into()]),
+            entrypoint: Some(vec!["tini".into(), "--".into()]),
+        }
+    }
+
+    #[test]
+    fn a_registry_config_gives_env_workdir_user_and_start() {
+        let (state, start) = registry_state(&config(None));
+        assert_eq!(
+            state.env,
+            [
+                ("PATH".to_string(), "/usr/local/bin:/usr/bin".to_string()),
+                ("A".to_string(), "b=c".to_string())
+            ]
+        );
+        assert_eq!(state.workdir.as_deref(), Some("/app"));
+        assert_eq!(state.user, ImageUser::Root);
+        assert_eq!(start, Some(json!({"command": ["tini", "--", "python3"]})));
+        for root in ["root", "0", "0:0", "root:root", ""] {
+            assert_eq!(
+                registry_state(&config(Some(root))).0.user,
+                ImageUser::Root,
+                "{root}"
+            );
+        }
+        for other in ["1000", "node", "nobody:nogroup", "999"] {
+            assert_eq!(
+                registry_state(&config(Some(other))).0.user,
+                ImageUser::User,
+                "{other}"
+            );
+        }
+        // Nothing to run, and a workdir that is not absolute, give none.
+        let bare = RunConfig {
+            working_dir: Some("rel".into()),
+            ..RunConfig::default()
+        };
+        let (state, start) = registry_state(&bare);
+        assert_eq!((state.workdir, start), (None, None));
+    }
+
+    #[test]
+    fn a_create_start_wins_and_null_drops_the_inherited_one() {
+        let input = |start: Option<Value>| PlanInput {
+            files: Vec::new(),
+            build_args: Vec::new(),
+            env: Vec::new(),
+            start,
+        };
+        let (state, inherited) = registry_state(&config(None));
+        let source = BuildSource::Image("x".into());
+        let p = plan("k", state.clone(), &source, &input(None), inherited.clone());
+        assert_eq!(p.ok().and_then(|p| p.start), inherited);
+        let own = json!({"command": "serve"});
+        let p = plan(
+            "k",
+            state.clone(),
+            &source,
+            &input(Some(own.clone())),
+            inherited.clone(),
+        );
+        assert_eq!(p.ok().and_then(|p| p.start), Some(own));
+        let p = plan(
+            "k",
+            state.clone(),
+            &source,
+            &input(Some(Value::Null)),
+            inherited.clone(),
+        );
+        assert_eq!(p.ok().map(|p| p.start), Some(None));
+        // A Dockerfile's CMD replaces the base's.
+        let df = BuildSource::Dockerfile("FROM x\nCMD [\"a\"]".into());
+        let p = plan("k", state, &df, &input(None), inherited);
+        assert_eq!(
+            p.ok().and_then(|p| p.start),
+            Some(json!({"command": "'a'"}))
+        );
+    }
 }

@@ -1,0 +1,250 @@
+"""Images from a container registry through the official client: a real
+registry (Debian's docker-registry, pull_registry.py) on loopback plays
+`registry.example.com`, reached through the build's egress. `image=` builds
+boot with the image's env, workdir, user and start command; `FROM <ref>`
+goes on with a RUN; an index gives its amd64 image; gzip and zstd layers,
+whiteouts and opaque directories apply; a second build reuses the blob
+cache and the unpacked layer; unknown references and corrupt blobs fail
+clearly and leave nothing half-made."""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import Server
+from pull_registry import NAME, Layer, Registry, base_layer
+
+REPO = "e2e/app"
+APP = f"{NAME}/{REPO}:1"
+CONFIG = {
+    "Env": ["PATH=/usr/local/bin:/usr/bin:/bin", "GREETING=hello from the registry"],
+    "WorkingDir": "/srv/app",
+    "Entrypoint": ["bash", "-c"],
+    "Cmd": ["echo started-in-$(pwd) > /tmp/started; exec sleep 600"],
+}
+
+
+@pytest.fixture(scope="module")
+def env():
+    """A server of this module's own (its egress maps registry.example.com
+    to the registry), the registry and the images pushed to it."""
+    root = Path(tempfile.mkdtemp(prefix="runtime-e2e-registry-"))
+    os.chmod(root, 0o711)
+    srv = Server(root)
+    reg = Registry(root / "registry", srv.egress.ca_pem, srv.egress.root / "ca.key")
+    # The registry is also the Docker Hub mirror.
+    srv.extra_args += reg.args + ["--registry-mirror", f"docker.io={NAME}"]
+    images = {}
+    try:
+        base = base_layer().bytes()
+        # A zstd layer over it: a whiteout, an opaque directory, a new file.
+        top = (Layer().dir("srv").dir("srv/app").file("srv/app/.wh.remove-me", b"")
+               .dir("opt").dir("opt/data").file("opt/data/.wh..wh..opq", b"")
+               .file("opt/data/new", b"new\n").file("etc/zstd-was-here", b"zstd\n").bytes())
+        images["app"] = reg.image(REPO, "1", [(base, "gzip"), (top, "zstd")], CONFIG)
+        # An index: arm64 first, then amd64, each marking its platform.
+        arm = reg.image("e2e/multi", None, [(base, "gzip"), (Layer().file("platform", b"arm64\n").bytes(), "gzip")],
+                        {"Env": ["PATH=/bin"]}, arch="arm64")
+        amd = reg.image("e2e/multi", None, [(base, "gzip"), (Layer().file("platform", b"amd64\n").bytes(), "gzip")],
+                        {"Env": ["PATH=/bin"]})
+        reg.index("e2e/multi", "1", [(arm[0], arm[1], "arm64"), (amd[0], amd[1], "amd64")])
+        # An image whose one layer the registry serves corrupted.
+        bad_layer = Layer().file("bad", b"x" * 4096).bytes()
+        images["corrupt"] = reg.image("e2e/corrupt", "1", [(bad_layer, "gzip")], {"Env": ["PATH=/bin"]})
+        srv.start()
+    except Exception:
+        reg.close()
+        srv.egress.close()
+        raise
+    try:
+        yield srv, reg, images
+    finally:
+        srv.delete_all_sandboxes()
+        srv.stop()
+        srv.egress.close()
+        srv.kill_leftover_qemu()
+        reg.close()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def rt(env):
+    from withruntime import Runtime
+    srv = env[0]
+    with Runtime(api_key=srv.admin_key(), base_url=srv.url) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def app_image(rt):
+    return rt.images.build(name="py", image=APP, poll_seconds=0.5)
+
+
+def _failed_build(rt, **fields) -> dict:
+    image = rt.images.create(**fields)
+    while image["state"] in ("queued", "building"):
+        time.sleep(0.5)
+        image = rt.images.get(image["id"])
+    return image
+
+
+def test_an_image_boots_with_its_config_and_layers(env, rt, app_image):
+    digest = env[2]["app"][0]
+    assert app_image["state"] == "ready", app_image["error"]
+    assert app_image["source"] == "image"
+    assert app_image["pulled"] == f"{APP}@{digest}"
+    assert app_image["workdir"] == "/srv/app" and app_image["user"] == "root"
+    assert app_image["start"] == {"command": CONFIG["Entrypoint"] + CONFIG["Cmd"]}
+    assert "GREETING" in app_image["env"]
+    log = app_image["log"]
+    assert "layer 1/2" in log and "layer 2/2" in log and "MiB" in log, log
+    with rt.sandboxes.create(image="py") as sbx:
+        assert sbx.exec("echo $GREETING").stdout == "hello from the registry\n"
+        # The start command ran in the image's workdir.
+        deadline = time.monotonic() + 60
+        out = ""
+        while time.monotonic() < deadline and not out:
+            out = sbx.exec("cat /tmp/started 2>/dev/null || true").stdout
+            time.sleep(0.5)
+        assert out == "started-in-/srv/app\n"
+        # The zstd layer's whiteout and opaque directory, and its new file.
+        assert sbx.exec("ls /srv/app").stdout.split() == ["keep-me"]
+        assert sbx.exec("ls /opt/data").stdout.split() == ["new"]
+        assert sbx.exec("cat /etc/zstd-was-here").stdout == "zstd\n"
+        # The sandbox user was added, owning /workspace; files work.
+        assert sbx.exec("id -u; stat -c %u /workspace").stdout.split() == ["1000", "1000"]
+        sbx.files.write("/workspace/note.txt", "written through the API\n")
+        assert sbx.exec("cat /workspace/note.txt").stdout == "written through the API\n"
+        # Pause and wake, then a fork, on the pulled root file system.
+        sbx.pause()
+        sbx.wake()
+        assert sbx.exec("cat /workspace/note.txt; cat /tmp/started").stdout == \
+            "written through the API\nstarted-in-/srv/app\n"
+        copy = sbx.fork()
+        try:
+            assert copy.id != sbx.id
+            assert copy.exec("cat /workspace/note.txt /etc/zstd-was-here").stdout == \
+                "written through the API\nzstd\n"
+        finally:
+            copy.delete()
+
+
+def test_from_a_registry_image_with_a_run_step_and_the_cache(env, rt, app_image):
+    srv = env[0]
+    image = rt.images.build(name="py-run", dockerfile=f"FROM {APP}\nRUN echo built-$GREETING > /srv/app/built\n",
+                            poll_seconds=0.5)
+    assert image["state"] == "ready", image["error"]
+    # The second pull of the same image: blobs and the unpacked layer kept.
+    assert "(cached)" in image["log"] and "pulled" not in image["log"].replace("pulled image", ""), image["log"]
+    assert image["start"] == app_image["start"]
+    with rt.sandboxes.create(image="py-run") as sbx:
+        assert sbx.exec("cat /srv/app/built").stdout == "built-hello from the registry\n"
+    blobs = list((srv.data_dir / "images/blobs/sha256").iterdir())
+    assert blobs and not [b for b in blobs if "partial" in b.name]
+    # A recipe's base: its commands run as the image's user (root), in its
+    # workdir, with its env.
+    image = rt.images.build(name="py-recipe", recipe={"base": APP, "commands": ["echo $GREETING-$(id -u) > r.txt"]},
+                            poll_seconds=0.5)
+    assert image["state"] == "ready", image["error"]
+    with rt.sandboxes.create(image="py-recipe") as sbx:
+        assert sbx.exec("cat /srv/app/r.txt").stdout == "hello from the registry-0\n"
+
+
+def test_an_index_gives_its_amd64_image(rt):
+    image = rt.images.build(name="multi", image=f"{NAME}/e2e/multi:1", poll_seconds=0.5)
+    assert image["state"] == "ready", image["error"]
+    assert "linux/amd64" in image["log"]
+    with rt.sandboxes.create(image="multi") as sbx:
+        assert sbx.exec("cat /platform").stdout == "amd64\n"
+
+
+def test_docker_hub_names_go_to_the_mirror_first(rt):
+    # `e2e/multi:1` is Docker Hub's `docker.io/e2e/multi:1`: the mirror has it.
+    image = rt.images.build(image="e2e/multi:1", poll_seconds=0.5)
+    assert image["state"] == "ready", image["error"]
+    assert image["pulled"].startswith("docker.io/e2e/multi:1@sha256:"), image["pulled"]
+    assert f"pulled from mirror {NAME}" in image["log"], image["log"]
+    # One the mirror lacks goes on to Docker Hub itself (out of reach here,
+    # or refusing an unknown repository: either way a failure naming it).
+    image = _failed_build(rt, image="e2e/not-on-the-mirror:1")
+    assert image["state"] == "failed" and "docker.io/e2e/not-on-the-mirror:1" in image["error"], image["error"]
+    assert f"mirror {NAME}:" in image["log"] and "pulling from docker.io" in image["log"], image["log"]
+
+
+def test_an_unknown_tag_fails_naming_it(env, rt):
+    image = _failed_build(rt, image=f"{NAME}/e2e/app:nope")
+    assert image["state"] == "failed"
+    assert f"{NAME}/e2e/app:nope" in image["error"] and "MANIFEST_UNKNOWN" in image["error"], image["error"]
+    image = _failed_build(rt, image=f"{NAME}/e2e/nothing-here:1")
+    assert image["state"] == "failed" and "not found" in image["error"], image["error"]
+
+
+def test_a_corrupt_blob_is_refused_by_digest(env, rt):
+    srv, reg, images = env
+    import json
+    import urllib.request  # noqa: F401
+    # The layer of e2e/corrupt, spoiled in the registry's storage.
+    status, _, body = reg._req("GET", f"/v2/e2e/corrupt/manifests/1",
+                               headers={"Accept": "application/vnd.oci.image.manifest.v1+json"})
+    layer = json.loads(body)["layers"][0]["digest"]
+    reg.corrupt(layer)
+    image = _failed_build(rt, name="bad", image=f"{NAME}/e2e/corrupt:1")
+    assert image["state"] == "failed"
+    assert layer in image["error"] and "corrupt" in image["error"], image["error"]
+    hexd = layer.split(":")[1]
+    assert not (srv.data_dir / "images/blobs/sha256" / hexd).exists()
+    assert not [p for p in (srv.data_dir / "images/blobs/sha256").iterdir() if "partial" in p.name]
+    layers = srv.data_dir / "images/layers"
+    assert not [p for p in layers.iterdir() if p.name.endswith(".partial")]
+    assert not (srv.data_dir / "images/unpack").exists() or not list((srv.data_dir / "images/unpack").iterdir())
+
+
+def test_bad_references_are_refused_naming_the_field(rt):
+    from withruntime import InvalidRequestError
+    with pytest.raises(InvalidRequestError) as e:
+        rt.images.create(image="Not A Ref")
+    issues = e.value.details["issues"]
+    assert [i["field"] for i in issues] == ["image"], issues
+    assert "Not A Ref" in issues[0]["message"] and "repository" in issues[0]["message"], issues
+    with pytest.raises(InvalidRequestError) as e:
+        rt.images.create(dockerfile="FROM registry.example.com/x:-bad\n")
+    issues = e.value.details["issues"]
+    assert [i["field"] for i in issues] == ["dockerfile"] and "tag" in issues[0]["message"], issues
+
+
+def test_a_private_image_pulls_with_the_keys_credentials():
+    """The private registry of tests/e2e/registry.py (htpasswd, Basic):
+    refused without credentials, pulled with the key's images.registries."""
+    from withruntime import Runtime
+    from registry import PRIVATE, PASSWORD, USER, Registries, publish_private
+    root = Path(tempfile.mkdtemp(prefix="runtime-e2e-private-"))
+    os.chmod(root, 0o711)
+    srv = Server(root)
+    regs = Registries(root / "registries", egress=srv.egress)
+    try:
+        srv.extra_args += regs.args
+        publish_private(regs)
+        srv.start()
+        with Runtime(api_key=srv.admin_key(), base_url=srv.url) as rt:
+            ref = f"{PRIVATE}/team/private:latest"
+            image = _failed_build(rt, image=ref)
+            assert image["state"] == "failed" and "refused access" in image["error"], image["error"]
+            rt.images.registries.set(PRIVATE, username=USER, password=PASSWORD)
+            image = rt.images.build(name="private", image=ref, poll_seconds=0.5)
+            assert image["state"] == "ready", image["error"]
+            assert PASSWORD not in image["log"]
+            with rt.sandboxes.create(image="private") as sbx:
+                assert sbx.exec("echo $GREETING").stdout == "hello from the registry\n"
+    finally:
+        if srv.proc is not None:
+            srv.delete_all_sandboxes()
+        srv.stop()
+        srv.egress.close()
+        srv.kill_leftover_qemu()
+        regs.close()
+        shutil.rmtree(root, ignore_errors=True)
