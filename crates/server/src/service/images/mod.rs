@@ -625,6 +625,7 @@ pub(crate) async fn tag(
         return Err(not_found(id));
     };
     Ok(d)
+}
 
 #[cfg(test)]
 mod tests {
