@@ -49,6 +49,10 @@ pub(crate) enum Route {
     ImageLogs(String),
     DeleteImage(String),
     ImageAction(String, String),
+    /// `POST /v1/images/context/missing`.
+    ContextMissing,
+    /// `PUT /v1/images/context/{sha256}`: one chunk, raw bytes.
+    ContextPut(String),
     CreateVolume,
     ListVolumes,
     GetVolume(String),
@@ -149,9 +153,7 @@ fn unavailable(s: &[&str]) -> Option<&'static str> {
         |t: &[(&str, &'static str)], seg: &str| t.iter().find(|(p, _)| *p == seg).map(|(_, n)| *n);
     match s {
         ["v1", "usage", "requests" | "export" | "compare"] => Some("Usage breakdowns"),
-        ["v1", "images", "registries" | "context", ..] => {
-            Some("Registry logins and build contexts")
-        }
+        ["v1", "images", "registries", ..] => Some("Registry logins"),
         ["v1", "volumes", _, "attachments", ..] => Some("Volume attachments"),
         ["v1", "sandboxes", _, "files", "archive", "uploads", ..] => {
             Some("Chunked archive uploads")
@@ -352,6 +354,14 @@ pub(crate) fn route(method: &Method, raw_path: &str) -> ApiResult<Route> {
             Method::GET => Route::ListImages,
             _ => return Err(not_allowed()),
         },
+        ["v1", "images", "context", "missing"] if verb_or_none(false) => match m {
+            Method::POST => Route::ContextMissing,
+            _ => return Err(not_allowed()),
+        },
+        ["v1", "images", "context", sha] if verb_or_none(false) => match m {
+            Method::PUT => Route::ContextPut(sha.to_string()),
+            _ => return Err(not_allowed()),
+        },
         ["v1", "images", "resolve"] if verb_or_none(false) => match m {
             Method::GET => Route::ResolveImage,
             _ => return Err(not_allowed()),
@@ -436,6 +446,7 @@ pub(super) fn body_limit(r: &Route) -> usize {
         Route::FileContentPut(_) | Route::UploadChunk(..) | Route::ArchivePut(_) => {
             crate::domain::files::CHUNK_BYTES
         }
+        Route::ContextPut(_) => crate::domain::image::context::CHUNK_BYTES,
         _ => 8 << 20,
     }
 }
@@ -490,6 +501,11 @@ pub const ROUTE_SAMPLES: &[(&str, &str)] = &[
     ("GET", "/v1/images/i1/logs"),
     ("DELETE", "/v1/images/i1"),
     ("POST", "/v1/images/i1:delete"),
+    ("POST", "/v1/images/context/missing"),
+    (
+        "PUT",
+        "/v1/images/context/0000000000000000000000000000000000000000000000000000000000000000",
+    ),
     ("POST", "/v1/volumes"),
     ("GET", "/v1/volumes"),
     ("GET", "/v1/volumes/v1"),
@@ -711,9 +727,11 @@ mod tests {
             Route::KeyAction(..) => 72,
             Route::ConsoleLog(_) => 73,
             Route::UsageDaily => 74,
+            Route::ContextMissing => 75,
+            Route::ContextPut(_) => 76,
         }
     }
-    const VARIANTS: usize = 75;
+    const VARIANTS: usize = 77;
 
     #[test]
     fn products_not_served_here_are_unavailable_not_missing() {
@@ -727,11 +745,7 @@ mod tests {
                 "Chunked archive uploads",
             ),
             ("GET", "/v1/sandboxes/x/processes/p1/files", "Traced files"),
-            (
-                "GET",
-                "/v1/images/registries",
-                "Registry logins and build contexts",
-            ),
+            ("GET", "/v1/images/registries", "Registry logins"),
             ("GET", "/v1/usage/export", "Usage breakdowns"),
         ] {
             assert_eq!(

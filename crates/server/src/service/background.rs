@@ -62,6 +62,9 @@ pub(crate) async fn reaper(st: AppState) {
             }
             crate::service::events::prune(&st, now);
         }
+        if n % 3600 == 2 {
+            crate::service::images::context::prune(&st);
+        }
     }
 }
 

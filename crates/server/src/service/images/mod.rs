@@ -12,6 +12,7 @@
 //! boots (or restores its own template) on the last layer.
 
 mod build;
+pub(crate) mod context;
 mod layers;
 
 use runtime_api::codes;
@@ -21,10 +22,11 @@ use runtime_host::RunAs;
 use serde_json::{json, Value};
 
 use crate::domain::access::{visible, KeyInfo};
+use crate::domain::image::context::{ContextRequest, Ignore};
 use crate::domain::image::steps::{self, BuildState, Steps};
 use crate::domain::image::{
-    dockerfile, recipe, start_argv, Image, ImageError, ImageRef, ImageState, ImageUser, InlineFile,
-    LogLine, Source,
+    context as ctx, dockerfile, recipe, start_argv, Image, ImageError, ImageRef, ImageState,
+    ImageUser, InlineFile, LogLine, Source,
 };
 use crate::domain::time::iso;
 use crate::error::{ApiError, ApiResult};
@@ -52,6 +54,12 @@ pub(crate) struct CreateImage {
     pub(crate) env: Vec<(String, String)>,
     /// Wins over a Dockerfile's `CMD`/`ENTRYPOINT`.
     pub(crate) start: Option<Value>,
+    /// The uploaded build context a Dockerfile's COPY reads.
+    pub(crate) context: Option<ContextRequest>,
+    /// Its `.dockerignore` (applied again here).
+    pub(crate) dockerignore: Option<String>,
+    /// The stage to build.
+    pub(crate) target: Option<String>,
 }
 
 /// An image as answered: its record and its log.
@@ -184,8 +192,32 @@ pub(crate) fn disk_of(st: &AppState, id: &str) -> Option<runtime_host::ImageDisk
 
 /// Reads the build into steps on its base, keeps the image (`queued`, the
 /// next version of its name) and starts building it in the background.
-pub(crate) fn create(st: &AppState, key: &KeyInfo, cmd: CreateImage) -> ApiResult<Image> {
-    let invalid_dockerfile = |e: ImageError| ApiError::invalid("dockerfile", e.to_string());
+pub(crate) async fn create(st: &AppState, key: &KeyInfo, cmd: CreateImage) -> ApiResult<Image> {
+    let invalid_dockerfile = |e: ImageError| match e {
+        ImageError::NoSuchTarget(_) => ApiError::invalid("target", e.to_string()),
+        e => ApiError::invalid("dockerfile", e.to_string()),
+    };
+    // The context first: every chunk there, the archive whole and as listed.
+    let manifest = match &cmd.context {
+        Some(c) => {
+            let mut m = context::manifest(st, &key.id, &c.archive)
+                .await
+                .map_err(|e| ApiError::invalid("context", e.to_string()))?;
+            ctx::check_listed(&m, &c.files)
+                .map_err(|e| ApiError::invalid("context", e.to_string()))?;
+            if let Some(text) = &cmd.dockerignore {
+                m.ignore(&Ignore::parse(text));
+            }
+            Some(m)
+        }
+        None => None,
+    };
+    let inputs = dockerfile::Inputs {
+        files: &cmd.files,
+        context: manifest.as_ref(),
+        args: &cmd.build_args,
+        target: cmd.target.as_deref(),
+    };
     // The base first: its key starts the chain and its state carries over.
     let base_ref = match &cmd.source {
         BuildSource::Recipe(r) => recipe::base(r),
@@ -199,7 +231,7 @@ pub(crate) fn create(st: &AppState, key: &KeyInfo, cmd: CreateImage) -> ApiResul
                     user: ImageUser::Root,
                 },
             );
-            dockerfile::parse(&mut probe, text, &cmd.files, &cmd.build_args)
+            dockerfile::parse(&mut probe, text, inputs)
                 .map_err(invalid_dockerfile)?
                 .base
         }
@@ -239,8 +271,7 @@ pub(crate) fn create(st: &AppState, key: &KeyInfo, cmd: CreateImage) -> ApiResul
     let mut start = cmd.start;
     let source = match &cmd.source {
         BuildSource::Dockerfile(text) => {
-            let parsed = dockerfile::parse(&mut b, text, &cmd.files, &cmd.build_args)
-                .map_err(invalid_dockerfile)?;
+            let parsed = dockerfile::parse(&mut b, text, inputs).map_err(invalid_dockerfile)?;
             if start.is_none() {
                 start = parsed.start;
             }
@@ -285,6 +316,7 @@ pub(crate) fn create(st: &AppState, key: &KeyInfo, cmd: CreateImage) -> ApiResul
         ready_at: None,
         build_seconds: None,
         build_vm: None,
+        context: cmd.context.map(|c| c.archive),
     };
     st.store().insert_image(&mut d)?;
     tracing::info!(image_id = %d.id, version = d.version, steps = d.steps.len(), "image queued");
