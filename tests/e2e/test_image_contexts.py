@@ -16,8 +16,10 @@ from pathlib import Path
 
 import pytest
 from withruntime import InvalidRequestError
+from withruntime import RuntimeError as ClientError
 
 from conftest import assert_error_body, http
+from egress_servers import BIG
 
 DOCKERFILE = """\
 # syntax=docker/dockerfile:1
@@ -36,6 +38,7 @@ EOF
 RUN <<EOF
 python3 -c "print(open('/etc/app.conf').read().split()[-1])" > /srv/app/built.txt
 EOF
+ADD --checksum=sha256:BIG_SHA http://pypi.example.net/big /opt/dl/
 COPY . /ctx/
 COPY app/ ./
 RUN cat config.txt > config.copy
@@ -43,6 +46,9 @@ RUN cat config.txt > config.copy
 FROM app AS extra
 RUN echo should-not-run > /extra.txt
 """
+# `ADD <url>` fetches this 8 MiB body from the local server that plays
+# pypi.example.net, through the build machine's egress proxy.
+DOCKERFILE = DOCKERFILE.replace("BIG_SHA", hashlib.sha256(BIG).hexdigest())
 
 
 def _folder(root: Path, config: str) -> Path:
@@ -80,7 +86,7 @@ def test_a_context_build_its_copies_stages_and_a_rebuild(runtime, tmp_path):
     assert "cached" not in _states(image), image["steps"]
     # The stage `extra` was not built; `base` and `app` were, as one chain.
     assert not any("should-not-run" in s["instruction"] for s in image["steps"])
-    assert len(image["steps"]) == 9, image["steps"]
+    assert len(image["steps"]) == 10, image["steps"]
 
     with runtime.sandboxes.create(image="e2e-ctx") as sbx:
         def sh(cmd: str) -> str:
@@ -98,6 +104,9 @@ def test_a_context_build_its_copies_stages_and_a_rebuild(runtime, tmp_path):
         # ADD unpacked the local tar.gz; the heredocs made a file and ran.
         assert sh("cat /opt/vendor/pkg/hello.txt") == "from the tarball\n"
         assert sh("cat /etc/app.conf /srv/app/built.txt") == "mode = heredoc\nheredoc\n"
+        # ADD of a URL downloaded it (root's, 0600, as Docker leaves it).
+        assert sh("stat -c '%U %a' /opt/dl/big") == "root 600\n"
+        assert sh("sudo sha256sum /opt/dl/big").split()[0] == hashlib.sha256(BIG).hexdigest()
         # What .dockerignore leaves out never reached the image.
         listing = sh("cd /ctx && find . -type f | sort").split()
         assert "./app/app.py" in listing and "./Dockerfile" in listing, listing
@@ -110,9 +119,18 @@ def test_a_context_build_its_copies_stages_and_a_rebuild(runtime, tmp_path):
     again = runtime.images.build(name="e2e-ctx", dockerfile=DOCKERFILE, context_dir=str(folder),
                                  target="app", poll_seconds=0.5)
     states = _states(again)
-    assert states == ["cached"] * 6 + ["done"] * 3, again["steps"]
+    assert states == ["cached"] * 7 + ["done"] * 3, again["steps"]
     with runtime.sandboxes.create(image="e2e-ctx") as sbx:
         assert sbx.exec("cat /srv/app/config.copy").stdout == "version=2\n"
+
+
+def test_a_download_that_is_not_its_checksum_fails_the_build(runtime, tmp_path):
+    (tmp_path / "keep.txt").write_text("k\n")
+    wrong = "0" * 64
+    with pytest.raises(ClientError) as caught:
+        runtime.images.build(dockerfile=f"FROM runtime\nADD --checksum=sha256:{wrong} http://pypi.example.net/big /big\n",
+                             context_dir=str(tmp_path), poll_seconds=0.5)
+    assert "step 1 (ADD http://pypi.example.net/big /big (sha256 000000000000)) exited with code 1" in str(caught.value)
 
 
 def test_refusals_name_the_line_and_what_to_do(runtime, tmp_path):

@@ -310,7 +310,13 @@ async fn run_step(st: &AppState, d: &Image, vm: &str, s: &Step) -> Result<(), Bu
                 cause,
             })?;
     }
-    let script = format!("set -e\n{}\nsync", s.script.as_deref().unwrap_or("true"));
+    // In a subshell: its status is its last command's, so a failing `a &&
+    // b` at the end fails the step (after `set -e` alone, bash would go on
+    // to `sync` and succeed).
+    let script = format!(
+        "(\nset -e\n{}\n) && sync",
+        s.script.as_deref().unwrap_or("true")
+    );
     let mut env = s.env.clone();
     env.push(("DEBIAN_FRONTEND".into(), "noninteractive".into()));
     let spec = ExecSpec {
