@@ -253,7 +253,11 @@ pub(crate) fn read_archive(r: impl Read) -> Result<Manifest, ContextError> {
     let mut m = Manifest::default();
     let mut total: u64 = 0;
     let mut buf = vec![0u8; 64 << 10];
-    for entry in ar.entries().map_err(not_archive)? {
+    for (n, entry) in ar.entries().map_err(not_archive)?.enumerate() {
+        // Directories count too: headers cost the sender nothing compressed.
+        if n >= 2 * MAX_FILES {
+            return Err(ContextError::TooManyFiles);
+        }
         let mut e = entry.map_err(not_archive)?;
         let raw = String::from_utf8_lossy(&e.path_bytes()).into_owned();
         let path = clean_path(&raw).ok_or_else(|| ContextError::BadPath(raw.clone()))?;
@@ -562,6 +566,13 @@ mod tests {
             .unwrap_err()
             .to_string()
             .starts_with("the archive is not a gzipped tar"));
+        let dirs: Vec<String> = (0..2 * MAX_FILES + 1).map(|i| format!("d{i}/")).collect();
+        let many: Vec<(&str, char, &[u8])> =
+            dirs.iter().map(|d| (d.as_str(), 'd', &b""[..])).collect();
+        assert_eq!(
+            read_archive(&tgz(&many)[..]).err(),
+            Some(ContextError::TooManyFiles)
+        );
     }
 
     #[test]
