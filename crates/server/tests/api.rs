@@ -3593,8 +3593,10 @@ async fn a_name_resolves_to_its_ready_version_while_a_new_one_builds_or_after_it
     let (_, v) = t.json("GET", &format!("/v1/sandboxes/{sbx}"), None).await;
     assert_eq!(v["image"], v1["id"], "{v}");
     // So does one still building; once ready, the name is its.
-    t.host
-        .script("set -e\nslow\nsync", vec![Step::Sleep(400), Step::Exit(0)]);
+    t.host.script(
+        "(\nset -e\nslow\n) && sync",
+        vec![Step::Sleep(400), Step::Exit(0)],
+    );
     let (s, v3) = t
         .json(
             "POST",
@@ -3611,7 +3613,7 @@ async fn a_name_resolves_to_its_ready_version_while_a_new_one_builds_or_after_it
     assert_eq!(v["id"], v3["id"], "{v}");
     // A name with no ready version yet still names its build (not ready).
     t.host.script(
-        "set -e\nslower\nsync",
+        "(\nset -e\nslower\n) && sync",
         vec![Step::Sleep(2000), Step::Exit(0)],
     );
     let (_, fresh) = t
@@ -3692,10 +3694,10 @@ async fn an_image_name_belongs_to_its_key_and_resolves_only_among_its_images() {
 #[tokio::test]
 async fn tags_go_to_the_newest_ready_version_whatever_order_builds_end_in() {
     let t = T::new();
-    // A build step's command is its script between `set -e` and `sync`.
+    // A build step's command is its script in a subshell after `set -e`, then `sync`.
     let hold = |cmd: &str, ms: u64| {
         t.host.script(
-            &format!("set -e\n{cmd}\nsync"),
+            &format!("(\nset -e\n{cmd}\n) && sync"),
             vec![Step::Sleep(ms), Step::Exit(0)],
         );
     };
