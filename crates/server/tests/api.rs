@@ -3643,8 +3643,10 @@ async fn a_name_resolves_to_its_ready_version_while_a_new_one_builds_or_after_it
     let (_, v) = t.json("GET", &format!("/v1/sandboxes/{sbx}"), None).await;
     assert_eq!(v["image"], v1["id"], "{v}");
     // So does one still building; once ready, the name is its.
-    t.host
-        .script("set -e\nslow\nsync", vec![Step::Sleep(400), Step::Exit(0)]);
+    t.host.script(
+        "(\nset -e\nslow\n) && sync",
+        vec![Step::Sleep(400), Step::Exit(0)],
+    );
     let (s, v3) = t
         .json(
             "POST",
@@ -3661,7 +3663,7 @@ async fn a_name_resolves_to_its_ready_version_while_a_new_one_builds_or_after_it
     assert_eq!(v["id"], v3["id"], "{v}");
     // A name with no ready version yet still names its build (not ready).
     t.host.script(
-        "set -e\nslower\nsync",
+        "(\nset -e\nslower\n) && sync",
         vec![Step::Sleep(2000), Step::Exit(0)],
     );
     let (_, fresh) = t
@@ -3742,10 +3744,10 @@ async fn an_image_name_belongs_to_its_key_and_resolves_only_among_its_images() {
 #[tokio::test]
 async fn tags_go_to_the_newest_ready_version_whatever_order_builds_end_in() {
     let t = T::new();
-    // A build step's command is its script between `set -e` and `sync`.
+    // A build step's command is its script in a subshell after `set -e`, then `sync`.
     let hold = |cmd: &str, ms: u64| {
         t.host.script(
-            &format!("set -e\n{cmd}\nsync"),
+            &format!("(\nset -e\n{cmd}\n) && sync"),
             vec![Step::Sleep(ms), Step::Exit(0)],
         );
     };
@@ -3929,7 +3931,7 @@ async fn followed(t: &T, id: &str, after: u64) -> Vec<Value> {
 async fn a_followed_build_log_streams_each_line_as_written_then_the_image() {
     let t = T::new();
     t.host.script(
-        "set -e\necho one; sleep 1; echo two\nsync",
+        "(\nset -e\necho one; sleep 1; echo two\n) && sync",
         vec![
             Step::Out(b"one\n".to_vec()),
             Step::Sleep(600),
@@ -4000,7 +4002,7 @@ async fn a_prune_removes_only_the_layers_and_blobs_nothing_uses() {
     };
     for cmd in ["echo kept", "echo gone"] {
         t.host
-            .script(&format!("set -e\n{cmd}\nsync"), vec![Step::Exit(0)]);
+            .script(&format!("(\nset -e\n{cmd}\n) && sync"), vec![Step::Exit(0)]);
     }
     let kept = built(
         &t,
@@ -4939,4 +4941,212 @@ async fn an_idempotent_create_resent_after_a_crash_answers_its_sandbox() {
         (StatusCode::CREATED, Some(id.as_str()))
     );
     assert_eq!(v["state"], "running", "{v}");
+}
+
+// ---- build contexts ----
+
+fn sha_hex(data: &[u8]) -> String {
+    hex::encode(Sha256::digest(data))
+}
+
+/// A gzipped tar of `(path, data)` files.
+fn tgz(files: &[(&str, &[u8])]) -> Vec<u8> {
+    let mut b = tar::Builder::new(Vec::new());
+    for (p, d) in files {
+        let mut h = tar::Header::new_ustar();
+        h.set_size(d.len() as u64);
+        h.set_mode(0o644);
+        b.append_data(&mut h, p, *d).unwrap();
+    }
+    let raw = b.into_inner().unwrap();
+    let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+    std::io::Write::write_all(&mut gz, &raw).unwrap();
+    gz.finish().unwrap()
+}
+
+impl T {
+    async fn put_chunk(&self, key: &str, sha: &str, data: Vec<u8>) -> (StatusCode, Value) {
+        let (s, _, b) = self
+            .call(
+                "PUT",
+                &format!("/v1/images/context/{sha}"),
+                Some(key),
+                &[("content-type", "application/octet-stream")],
+                Body::from(data),
+            )
+            .await;
+        (s, serde_json::from_slice(&b).unwrap_or(Value::Null))
+    }
+
+    async fn missing(&self, key: &str, digests: &[&str]) -> Value {
+        let (s, v) = self
+            .json_as(
+                key,
+                "POST",
+                "/v1/images/context/missing",
+                Some(json!({ "digests": digests })),
+                &[],
+            )
+            .await;
+        assert_eq!(s, StatusCode::OK, "{v}");
+        v["missing"].clone()
+    }
+}
+
+fn issue(v: &Value) -> String {
+    v["error"]["details"]["issues"][0]["message"]
+        .as_str()
+        .unwrap_or("")
+        .to_string()
+}
+
+#[tokio::test]
+async fn context_chunks_are_kept_per_key_and_checked() {
+    let t = T::new();
+    let a = create_key(&t.dir, Some("a"), false, false).unwrap();
+    let b = create_key(&t.dir, Some("b"), false, false).unwrap();
+    let data = b"chunk one".to_vec();
+    let sha = sha_hex(&data);
+    assert_eq!(t.missing(&a, &[&sha, &sha]).await, json!([sha]));
+    let (s, v) = t.put_chunk(&a, &sha, data.clone()).await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert_eq!(v, json!({"sha256": sha, "size": 9}));
+    assert_eq!(t.missing(&a, &[&sha]).await, json!([]));
+    // Another key's upload does not count for b, and b learns nothing of it.
+    assert_eq!(t.missing(&b, &[&sha]).await, json!([sha]));
+    // A body that is not its name's digest.
+    let wrong = sha_hex(b"other");
+    let (s, v) = t.put_chunk(&b, &wrong, data.clone()).await;
+    assert_eq!(s, StatusCode::BAD_REQUEST, "{v}");
+    assert_error(&v, 400, "invalid_request");
+    assert_eq!(
+        issue(&v),
+        format!("the body's SHA-256 is {sha}, not {wrong}")
+    );
+    assert_eq!(t.missing(&b, &[&wrong]).await, json!([wrong]));
+    // Names that are no digest; a chunk over 1 MiB; an empty one.
+    let (s, v) = t.put_chunk(&a, "ABC", data.clone()).await;
+    assert_eq!(s, StatusCode::BAD_REQUEST, "{v}");
+    let big = vec![7u8; (1 << 20) + 1];
+    let (s, _) = t.put_chunk(&a, &sha_hex(&big), big).await;
+    assert_eq!(s, StatusCode::PAYLOAD_TOO_LARGE);
+    let (s, _) = t.put_chunk(&a, &sha_hex(b""), Vec::new()).await;
+    assert_eq!(s, StatusCode::BAD_REQUEST);
+    let (s, v) = t
+        .json_as(
+            &a,
+            "POST",
+            "/v1/images/context/missing",
+            Some(json!({"digests": ["x"]})),
+            &[],
+        )
+        .await;
+    assert_eq!(s, StatusCode::BAD_REQUEST, "{v}");
+    assert_eq!(issue(&v), "x is not a SHA-256 (64 lowercase hex digits)");
+    let (s, v) = t
+        .json_as(
+            &a,
+            "POST",
+            "/v1/images/context/missing",
+            Some(json!({"digests": 3})),
+            &[],
+        )
+        .await;
+    assert_eq!(s, StatusCode::BAD_REQUEST, "{v}");
+    let (s, _, _) = t
+        .call(
+            "GET",
+            "/v1/images/context/missing",
+            Some(&a),
+            &[],
+            Body::empty(),
+        )
+        .await;
+    assert_eq!(s, StatusCode::METHOD_NOT_ALLOWED);
+}
+
+#[tokio::test]
+async fn a_context_build_needs_its_chunks_whole_and_as_listed() {
+    let t = T::new();
+    let a = create_key(&t.dir, Some("a"), false, false).unwrap();
+    let b = create_key(&t.dir, Some("b"), false, false).unwrap();
+    let archive = tgz(&[("app/main.py", b"print(1)\n"), ("README", b"hi\n")]);
+    let sha = sha_hex(&archive);
+    let files = json!([
+        {"path": "app/main.py", "sha256": sha_hex(b"print(1)\n"), "size": 9, "mode": 420},
+        {"path": "README", "sha256": sha_hex(b"hi\n"), "size": 3, "mode": 420},
+    ]);
+    let body = |files: &Value| {
+        json!({"dockerfile": "FROM runtime\nCOPY app/ /srv/\n", "context": {
+            "archive": {"sha256": sha, "size": archive.len(), "chunks": [sha]}, "files": files}})
+    };
+    // Not uploaded yet: the 400 lists the chunk.
+    let (s, v) = t
+        .json_as(&a, "POST", "/v1/images", Some(body(&files)), &[])
+        .await;
+    assert_eq!(s, StatusCode::BAD_REQUEST, "{v}");
+    assert_eq!(
+        issue(&v),
+        format!("chunks missing on this server (upload them first): {sha}")
+    );
+    assert_eq!(
+        t.put_chunk(&a, &sha, archive.clone()).await.0,
+        StatusCode::OK
+    );
+    // b may not build on a's chunk.
+    let (s, v) = t
+        .json_as(&b, "POST", "/v1/images", Some(body(&files)), &[])
+        .await;
+    assert_eq!(s, StatusCode::BAD_REQUEST, "{v}");
+    assert!(issue(&v).contains(&sha), "{v}");
+    // A list that does not match the archive.
+    let mut other = files.clone();
+    other[1]["sha256"] = json!(sha_hex(b"else"));
+    let (s, v) = t
+        .json_as(&a, "POST", "/v1/images", Some(body(&other)), &[])
+        .await;
+    assert_eq!(s, StatusCode::BAD_REQUEST, "{v}");
+    assert_eq!(
+        issue(&v),
+        "files lists README, which the archive does not have (or has with other contents)"
+    );
+    let (s, v) = t
+        .json_as(
+            &a,
+            "POST",
+            "/v1/images",
+            Some(body(&json!([files[0].clone()]))),
+            &[],
+        )
+        .await;
+    assert_eq!(s, StatusCode::BAD_REQUEST, "{v}");
+    assert_eq!(
+        issue(&v),
+        "the archive has README, which files does not list"
+    );
+    // A size that is not the archive's.
+    let mut wrong = body(&files);
+    wrong["context"]["archive"]["size"] = json!(archive.len() + 1);
+    let (s, v) = t.json_as(&a, "POST", "/v1/images", Some(wrong), &[]).await;
+    assert_eq!(s, StatusCode::BAD_REQUEST, "{v}");
+    assert!(
+        issue(&v).contains("not archive.size and archive.sha256"),
+        "{v}"
+    );
+    // Inline files and a context together; a context with a recipe.
+    let mut both = body(&files);
+    both["files"] = json!([{"path": "a", "content": "x"}]);
+    let (s, v) = t.json_as(&a, "POST", "/v1/images", Some(both), &[]).await;
+    assert_eq!(s, StatusCode::BAD_REQUEST, "{v}");
+    assert_eq!(v["error"]["details"]["issues"][0]["field"], "files");
+    // Whole and listed: queued, its COPY step names what it copies.
+    let (s, v) = t
+        .json_as(&a, "POST", "/v1/images", Some(body(&files)), &[])
+        .await;
+    assert_eq!(s, StatusCode::CREATED, "{v}");
+    let step = v["steps"][0]["instruction"].as_str().unwrap_or("");
+    assert!(
+        step.starts_with("COPY app/ /srv/ (1 files, 9 bytes, sha256 "),
+        "{v}"
+    );
 }

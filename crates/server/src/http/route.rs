@@ -54,6 +54,10 @@ pub(crate) enum Route {
     DeleteImage(String),
     ImageAction(String, String),
     PruneImages,
+    /// `POST /v1/images/context/missing`.
+    ContextMissing,
+    /// `PUT /v1/images/context/{sha256}`: one chunk, raw bytes.
+    ContextPut(String),
     CreateVolume,
     ListVolumes,
     GetVolume(String),
@@ -154,7 +158,6 @@ fn unavailable(s: &[&str]) -> Option<&'static str> {
         |t: &[(&str, &'static str)], seg: &str| t.iter().find(|(p, _)| *p == seg).map(|(_, n)| *n);
     match s {
         ["v1", "usage", "requests" | "export" | "compare"] => Some("Usage breakdowns"),
-        ["v1", "images", "context", ..] => Some("Build contexts"),
         ["v1", "volumes", _, "attachments", ..] => Some("Volume attachments"),
         ["v1", "sandboxes", _, "files", "archive", "uploads", ..] => {
             Some("Chunked archive uploads")
@@ -359,6 +362,14 @@ pub(crate) fn route(method: &Method, raw_path: &str) -> ApiResult<Route> {
             Method::POST => Route::PruneImages,
             _ => return Err(not_allowed()),
         },
+        ["v1", "images", "context", "missing"] if verb_or_none(false) => match m {
+            Method::POST => Route::ContextMissing,
+            _ => return Err(not_allowed()),
+        },
+        ["v1", "images", "context", sha] if verb_or_none(false) => match m {
+            Method::PUT => Route::ContextPut(sha.to_string()),
+            _ => return Err(not_allowed()),
+        },
         ["v1", "images", "resolve"] if verb_or_none(false) => match m {
             Method::GET => Route::ResolveImage,
             _ => return Err(not_allowed()),
@@ -450,6 +461,7 @@ pub(super) fn body_limit(r: &Route) -> usize {
         Route::FileContentPut(_) | Route::UploadChunk(..) | Route::ArchivePut(_) => {
             crate::domain::files::CHUNK_BYTES
         }
+        Route::ContextPut(_) => crate::domain::image::context::CHUNK_BYTES,
         _ => 8 << 20,
     }
 }
@@ -508,6 +520,11 @@ pub const ROUTE_SAMPLES: &[(&str, &str)] = &[
     ("DELETE", "/v1/images/i1"),
     ("POST", "/v1/images/i1:delete"),
     ("POST", "/v1/images:prune"),
+    ("POST", "/v1/images/context/missing"),
+    (
+        "PUT",
+        "/v1/images/context/0000000000000000000000000000000000000000000000000000000000000000",
+    ),
     ("POST", "/v1/volumes"),
     ("GET", "/v1/volumes"),
     ("GET", "/v1/volumes/v1"),
@@ -739,9 +756,11 @@ mod tests {
             Route::SetRegistry => 76,
             Route::DeleteRegistry => 77,
             Route::PruneImages => 78,
+            Route::ContextMissing => 79,
+            Route::ContextPut(_) => 80,
         }
     }
-    const VARIANTS: usize = 79;
+    const VARIANTS: usize = 81;
 
     #[test]
     fn products_not_served_here_are_unavailable_not_missing() {
@@ -755,7 +774,6 @@ mod tests {
                 "Chunked archive uploads",
             ),
             ("GET", "/v1/sandboxes/x/processes/p1/files", "Traced files"),
-            ("POST", "/v1/images/context/missing", "Build contexts"),
             ("GET", "/v1/usage/export", "Usage breakdowns"),
         ] {
             assert_eq!(

@@ -68,6 +68,9 @@ pub(crate) async fn reaper(st: AppState) {
                 tokio::task::spawn_blocking(move || crate::service::images::prune_if_short(&st2))
                     .await;
         }
+        if n % 3600 == 2 {
+            crate::service::images::context::prune(&st);
+        }
     }
 }
 

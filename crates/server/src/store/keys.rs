@@ -35,4 +35,17 @@ impl Store {
             .optional()
             .map_err(store_err("find key"))
     }
+
+    /// The ids of the keys not revoked.
+    pub(crate) fn live_key_ids(&self) -> Result<Vec<String>, ServerError> {
+        let conn = self.conn();
+        let mut q = conn
+            .prepare("SELECT id FROM keys WHERE revoked_at IS NULL")
+            .map_err(store_err("list keys"))?;
+        let rows = q
+            .query_map([], |r| r.get::<_, String>(0))
+            .map_err(store_err("list keys"))?;
+        rows.collect::<Result<_, _>>()
+            .map_err(store_err("list keys"))
+    }
 }

@@ -1,20 +1,30 @@
 //! The Dockerfiles this server builds (docs/images.md "Dockerfiles"):
-//! `FROM` (first, once), `RUN`, `COPY`/`ADD` of files given inline, `ENV`,
-//! `WORKDIR`, `USER`, `ARG` (with `buildArgs`), and `CMD`/`ENTRYPOINT` read
-//! as the image's `start`; a few others are accepted and ignored.
+//! `FROM` (with `AS name`, one of several stages, `ARG`s before it),
+//! `RUN` (shell, JSON and heredoc forms; `--mount=type=cache` runs without
+//! the cache), `COPY`/`ADD` from the build context, from inline files or
+//! from a heredoc (`--chown`, `--chmod`; `ADD` of a local tar archive
+//! unpacks it, `ADD` of a URL downloads it in the build machine), `ENV`,
+//! `WORKDIR`, `USER`, `ARG` (with `buildArgs`, and the platform's
+//! `TARGETARCH` and friends), `SHELL`, and `CMD`/`ENTRYPOINT` read as the
+//! image's `start`; a few others are accepted and ignored, and the forms
+//! this server cannot honour are refused with what to do instead.
+//!
+//! Multi-stage: the build makes the target stage (`target`, or the last)
+//! and the stages it is built `FROM`, as one chain of steps; stages it does
+//! not need are not built.
 
 use serde_json::{json, Value};
 
-use super::steps::{sh_quote, shell_form, Steps};
+use super::context::{glob_match, is_glob, Manifest};
+use super::steps::{sh_quote, shell_form, CopyEntry, CopyPlan, Steps};
 use super::{valid_abs, ImageError, ImageUser, InlineFile};
+use crate::domain::access::sha256_hex;
 
 /// What is wrong with one instruction.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub(crate) enum Problem {
     #[error("the first instruction must be FROM")]
     FirstNotFrom,
-    #[error("multi-stage builds are not supported")]
-    MultiStage,
     #[error("expected KEY=VALUE")]
     ExpectedKeyEqualsValue,
     #[error("expected KEY VALUE")]
@@ -29,206 +39,911 @@ pub(crate) enum Problem {
     CopyArguments,
     #[error("{0} is not among the build's files")]
     NotAmongFiles(String),
+    #[error("{0}: no such file or directory in the build context")]
+    NotInContext(String),
+    #[error("{0} points outside the build context")]
+    OutsideContext(String),
     #[error("the destination must be a path without ..")]
     DestinationNotNormal,
+    #[error("several sources need a destination directory ending in /")]
+    DestinationNotADirectory,
     #[error("not a supported instruction")]
     Unsupported,
+    #[error("ONBUILD is not supported: put those instructions in the Dockerfile that builds FROM this image")]
+    Onbuild,
+    #[error("RUN --mount=type={0} is not supported: {hint}", hint = mount_hint(.0))]
+    Mount(String),
+    #[error("ADD of a git repository is not supported: RUN git clone … instead (git is in the base image)")]
+    GitAdd,
+    #[error("COPY --exclude is not supported: leave the files out with .dockerignore, or remove them with a RUN")]
+    Exclude,
+    #[error("COPY --from={0} is not supported by this server: build that stage's files in this stage, or make it an image of yours and build FROM it")]
+    CopyFrom(String),
+    #[error("unknown option {0}")]
+    UnknownOption(String),
+    #[error("--chmod={0}: expected octal digits such as 0755")]
+    BadChmod(String),
+    #[error("--chown={0}: only root (0) and runtime (1000) exist")]
+    BadChown(String),
+    #[error("--checksum={0}: expected sha256:<64 hex digits>")]
+    BadChecksum(String),
+    #[error("--checksum is only for ADD of a URL")]
+    ChecksumNotUrl,
+    #[error("heredoc <<{0} has no closing {0} line")]
+    UnclosedHeredoc(String),
+    #[error("FROM {0}: names this stage or a later one")]
+    FromLaterStage(String),
+    #[error("a stage named {0} is already there")]
+    StageTwice(String),
+    #[error("expected FROM <image> [AS <name>]")]
+    FromArguments,
+}
+
+fn mount_hint(kind: &str) -> &'static str {
+    match kind {
+        "secret" => "pass the value as a build argument (kept in the image's steps) or give it to sandboxes at create",
+        "ssh" => "fetch over https (with a token in a build argument) instead",
+        _ => "COPY the files in first",
+    }
 }
 
 /// What a Dockerfile says besides its steps.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub(crate) struct Parsed {
-    /// The image `FROM` names; `None` for the server's own.
+    /// The image the built chain starts `FROM`; `None` for the server's own.
     pub(crate) base: Option<String>,
-    /// The last `CMD` or `ENTRYPOINT`, as `{"command": …}`.
+    /// The last `CMD` or `ENTRYPOINT` of the chain, as `{"command": …}`.
     pub(crate) start: Option<Value>,
 }
 
-/// Reads `text` into `b`'s steps. `files` are what `COPY` may name; `args`
-/// the build's `buildArgs`.
-pub(crate) fn parse(
-    b: &mut Steps,
-    text: &str,
-    files: &[InlineFile],
-    args: &[(String, String)],
-) -> Result<Parsed, ImageError> {
-    let mut out = Parsed::default();
-    let mut argv: Vec<(String, String)> = Vec::new();
-    let mut seen_from = false;
-    for (n, l) in logical_lines(text).iter().enumerate() {
-        let (op, rest) = l
-            .split_once(char::is_whitespace)
-            .unwrap_or((l.as_str(), ""));
-        let rest = rest.trim();
-        let op = op.to_ascii_uppercase();
-        let at = |problem: Problem| ImageError::Instruction {
-            n: n + 1,
-            op: op.clone(),
-            problem,
-        };
-        if !seen_from && op != "FROM" && op != "ARG" {
-            return Err(at(Problem::FirstNotFrom));
-        }
-        match op.as_str() {
-            "FROM" => {
-                if seen_from {
-                    return Err(at(Problem::MultiStage));
-                }
-                seen_from = true;
-                let r = substitute(rest, &argv, &[]);
-                // `--platform=…` is ours to choose (linux/amd64).
-                let r = r
-                    .split_whitespace()
-                    .find(|t| !t.starts_with("--"))
-                    .unwrap_or("");
-                if !matches!(
-                    r,
-                    "runtime" | "default" | "runtime:latest" | "default:latest"
-                ) {
-                    out.base = Some(r.to_string());
-                }
-            }
-            "ARG" => {
-                let (k, default) = match rest.split_once('=') {
-                    Some((k, v)) => (k.trim(), Some(v.trim().trim_matches('"'))),
-                    None => (rest, None),
-                };
-                let v = args
-                    .iter()
-                    .find(|(a, _)| a == k)
-                    .map(|(_, v)| v.clone())
-                    .or(default.map(str::to_string))
-                    .unwrap_or_default();
-                argv.retain(|(a, _)| a != k);
-                argv.push((k.to_string(), v));
-            }
-            "ENV" => {
-                let rest = substitute(rest, &argv, &b.state.env);
-                if rest.contains('=') {
-                    for pair in rest.split_whitespace() {
-                        let (k, v) = pair
-                            .split_once('=')
-                            .ok_or_else(|| at(Problem::ExpectedKeyEqualsValue))?;
-                        b.state.set_env(k, v.trim_matches('"'));
-                    }
-                } else {
-                    let (k, v) = rest
-                        .split_once(char::is_whitespace)
-                        .ok_or_else(|| at(Problem::ExpectedKeyValue))?;
-                    b.state.set_env(k, v.trim().trim_matches('"'));
-                }
-            }
-            "WORKDIR" => {
-                let w = substitute(rest, &argv, &b.state.env);
-                let w = if w.starts_with('/') {
-                    w
-                } else {
-                    format!(
-                        "{}/{w}",
-                        b.state
-                            .workdir
-                            .as_deref()
-                            .unwrap_or("")
-                            .trim_end_matches('/')
-                    )
-                };
-                if !valid_abs(&w) {
-                    return Err(at(Problem::WorkdirNotNormal));
-                }
-                b.workdir(&w);
-            }
-            "USER" => {
-                let u = substitute(rest, &argv, &b.state.env);
-                b.state.user = match u.as_str() {
-                    "root" | "0" | "0:0" => ImageUser::Root,
-                    // The sandbox user is `runtime` in the image (it was
-                    // `user` on the older base; both names mean uid 1000).
-                    "runtime" | "runtime:runtime" | "user" | "1000" | "1000:1000" | "sandbox" => {
-                        ImageUser::User
-                    }
-                    other => return Err(at(Problem::UnknownUser(other.to_string()))),
-                };
-            }
-            "RUN" => {
-                let cmd = shell_form(rest).ok_or_else(|| at(Problem::BadJsonForm))?;
-                // ARG values are in the step's environment, as in Docker.
-                let prefix: String = argv
-                    .iter()
-                    .map(|(k, v)| format!("{k}={} ", sh_quote(v)))
-                    .collect();
-                let script = if prefix.is_empty() {
-                    cmd.clone()
-                } else {
-                    format!("export {prefix}; {cmd}")
-                };
-                b.push(format!("RUN {cmd}"), script);
-            }
-            "COPY" | "ADD" => {
-                let parts: Vec<String> = substitute(rest, &argv, &b.state.env)
-                    .split_whitespace()
-                    .filter(|p| !p.starts_with("--"))
-                    .map(str::to_string)
-                    .collect();
-                let Some((dest, srcs)) = parts.split_last().filter(|(_, s)| !s.is_empty()) else {
-                    return Err(at(Problem::CopyArguments));
-                };
-                let base_dir = b.state.workdir.clone().unwrap_or_else(|| "/".into());
-                for src in srcs {
-                    let src = src.trim_start_matches("./");
-                    let f = files
-                        .iter()
-                        .find(|f| f.path.trim_start_matches("./").trim_start_matches('/') == src)
-                        .ok_or_else(|| at(Problem::NotAmongFiles(src.to_string())))?;
-                    // `dir/`, `.` and `dir/.` name a directory to copy into.
-                    let into_dir = dest.ends_with('/')
-                        || dest == "."
-                        || dest.ends_with("/.")
-                        || srcs.len() > 1;
-                    let target = if into_dir {
-                        format!(
-                            "{}/{}",
-                            dest.trim_end_matches('/'),
-                            src.rsplit('/').next().unwrap_or(src)
-                        )
-                    } else {
-                        dest.clone()
-                    };
-                    let target = if target.starts_with('/') {
-                        target
-                    } else {
-                        format!("{}/{target}", base_dir.trim_end_matches('/'))
-                    };
-                    if !valid_abs(&target) {
-                        return Err(at(Problem::DestinationNotNormal));
-                    }
-                    b.file(&target, &f.data, f.mode);
-                }
-            }
-            "CMD" | "ENTRYPOINT" => {
-                let cmd = shell_form(rest).ok_or_else(|| at(Problem::BadJsonForm))?;
-                out.start = Some(json!({ "command": cmd }));
-            }
-            "LABEL" | "EXPOSE" | "MAINTAINER" | "SHELL" | "STOPSIGNAL" | "HEALTHCHECK"
-            | "VOLUME" => {}
-            _ => return Err(at(Problem::Unsupported)),
+/// What COPY and ADD may read, and what the build is asked for.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Inputs<'a> {
+    /// Files given inline (`files`).
+    pub(crate) files: &'a [InlineFile],
+    /// The uploaded build context, if any.
+    pub(crate) context: Option<&'a Manifest>,
+    /// `buildArgs`.
+    pub(crate) args: &'a [(String, String)],
+    /// The stage to build (`target`); the last when `None`.
+    pub(crate) target: Option<&'a str>,
+}
+
+/// The arguments every build has, as on a linux/amd64 builder.
+const PLATFORM_ARGS: &[(&str, &str)] = &[
+    ("TARGETPLATFORM", "linux/amd64"),
+    ("TARGETOS", "linux"),
+    ("TARGETARCH", "amd64"),
+    ("TARGETVARIANT", ""),
+    ("BUILDPLATFORM", "linux/amd64"),
+    ("BUILDOS", "linux"),
+    ("BUILDARCH", "amd64"),
+    ("BUILDVARIANT", ""),
+];
+
+/// The most entries all of a build's COPY steps may place.
+pub(crate) const MAX_COPY_ENTRIES: usize = 100_000;
+
+/// One heredoc of an instruction.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Heredoc {
+    /// The word after `<<` (unquoted).
+    name: String,
+    /// `<<-`: leading tabs are stripped.
+    strip_tabs: bool,
+    /// The body's lines as written, each with its newline.
+    raw: String,
+}
+
+impl Heredoc {
+    /// The body as its reader sees it.
+    fn body(&self) -> String {
+        if self.strip_tabs {
+            self.raw
+                .split_inclusive('\n')
+                .map(|l| l.trim_start_matches('\t'))
+                .collect()
+        } else {
+            self.raw.clone()
         }
     }
-    if !seen_from {
+}
+
+/// One instruction: where it starts, its word and the rest.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Instr {
+    line: usize,
+    op: String,
+    rest: String,
+    heredocs: Vec<Heredoc>,
+}
+
+struct Stage {
+    name: Option<String>,
+    /// The FROM line's instruction (for its errors).
+    from: Instr,
+    /// What it is built FROM, args substituted.
+    base: String,
+    instrs: Vec<Instr>,
+}
+
+/// Reads `text` into `b`'s steps.
+pub(crate) fn parse(b: &mut Steps, text: &str, inputs: Inputs<'_>) -> Result<Parsed, ImageError> {
+    let instrs = instructions(text)?;
+    // ARGs before the first FROM: usable in FROM, and re-declared in a stage.
+    let mut global: Vec<(String, String)> = PLATFORM_ARGS
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    let mut stages: Vec<Stage> = Vec::new();
+    for ins in instrs {
+        let at = |problem: Problem| err_at(&ins, problem);
+        if ins.op == "FROM" {
+            let words: Vec<String> = substitute(&ins.rest, &global, &[])
+                .split_whitespace()
+                .filter(|w| !w.starts_with("--platform"))
+                .map(str::to_string)
+                .collect();
+            let (base, name) = match words.as_slice() {
+                [b] => (b.clone(), None),
+                [b, as_, n] if as_.eq_ignore_ascii_case("as") => {
+                    (b.clone(), Some(n.to_ascii_lowercase()))
+                }
+                _ => return Err(at(Problem::FromArguments)),
+            };
+            if let Some(n) = &name {
+                if stages.iter().any(|s| s.name.as_ref() == Some(n)) {
+                    return Err(at(Problem::StageTwice(n.clone())));
+                }
+            }
+            stages.push(Stage {
+                name,
+                from: ins.clone(),
+                base,
+                instrs: Vec::new(),
+            });
+            continue;
+        }
+        match stages.last_mut() {
+            Some(s) => s.instrs.push(ins),
+            None if ins.op == "ARG" => {
+                for (k, v) in arg_decls(&ins.rest, &global, inputs.args) {
+                    set(&mut global, &k, &v);
+                }
+            }
+            None => return Err(at(Problem::FirstNotFrom)),
+        }
+    }
+    if stages.is_empty() {
         return Err(ImageError::NoFrom);
+    }
+    // The target, then the stages it is built FROM, back to an image.
+    let mut at = match inputs.target {
+        Some(t) => stages
+            .iter()
+            .position(|s| s.name.as_deref() == Some(t.to_ascii_lowercase().as_str()))
+            .ok_or_else(|| ImageError::NoSuchTarget(t.to_string()))?,
+        None => stages.len() - 1,
+    };
+    let mut chain = vec![at];
+    loop {
+        let s = &stages[at];
+        match stage_index(&stages, &s.base) {
+            Some(i) if i >= at => {
+                return Err(err_at(&s.from, Problem::FromLaterStage(s.base.clone())));
+            }
+            Some(i) => {
+                chain.push(i);
+                at = i;
+            }
+            None => break,
+        }
+    }
+    chain.reverse();
+    let root = &stages[chain[0]];
+    let mut out = Parsed {
+        base: (!matches!(
+            root.base.as_str(),
+            "runtime" | "default" | "runtime:latest" | "default:latest"
+        ))
+        .then(|| root.base.clone()),
+        start: None,
+    };
+    let mut shell: Option<Vec<String>> = None;
+    let mut copies = 0usize;
+    for i in chain {
+        // Global ARGs stay visible in each stage (as this server always
+        // had them); the platform's only where a stage declares them.
+        let mut argv: Vec<(String, String)> = global
+            .iter()
+            .filter(|(k, _)| !PLATFORM_ARGS.iter().any(|(p, _)| p == k))
+            .cloned()
+            .collect();
+        for ins in &stages[i].instrs {
+            instruction(
+                b,
+                ins,
+                inputs,
+                &global,
+                &mut argv,
+                &mut shell,
+                &mut out,
+                &mut copies,
+            )?;
+        }
     }
     Ok(out)
 }
 
-/// The instructions of `text`: blank lines and comment lines dropped (also
-/// inside a continued instruction), lines ending in `\` joined with the
-/// next.
-fn logical_lines(text: &str) -> Vec<String> {
-    let mut logical = Vec::new();
+/// The stage a FROM or `--from` names: its name, or its index.
+fn stage_index(stages: &[Stage], r: &str) -> Option<usize> {
+    let r = r.to_ascii_lowercase();
+    stages
+        .iter()
+        .position(|s| s.name.as_deref() == Some(r.as_str()))
+        .or_else(|| r.parse::<usize>().ok().filter(|i| *i < stages.len()))
+}
+
+fn err_at(ins: &Instr, problem: Problem) -> ImageError {
+    ImageError::Instruction {
+        line: ins.line,
+        op: ins.op.clone(),
+        problem,
+    }
+}
+
+fn set(vars: &mut Vec<(String, String)>, k: &str, v: &str) {
+    vars.retain(|(a, _)| a != k);
+    vars.push((k.to_string(), v.to_string()));
+}
+
+/// The names and values an `ARG` line declares: a build arg wins, then the
+/// default, then (inside a stage) the global value of the same name.
+fn arg_decls(
+    rest: &str,
+    global: &[(String, String)],
+    args: &[(String, String)],
+) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    for word in quoted_words(rest) {
+        let (k, default) = match word.split_once('=') {
+            Some((k, v)) => (k, Some(substitute(v.trim_matches('"'), global, &[]))),
+            None => (word.as_str(), None),
+        };
+        let v = args
+            .iter()
+            .find(|(a, _)| a == k)
+            .map(|(_, v)| v.clone())
+            .or(default)
+            .or_else(|| global.iter().find(|(a, _)| a == k).map(|(_, v)| v.clone()))
+            .unwrap_or_default();
+        out.push((k.to_string(), v));
+    }
+    out
+}
+
+/// Words split at spaces outside double quotes (the quotes kept).
+fn quoted_words(s: &str) -> Vec<String> {
+    let mut out = Vec::new();
     let mut cur = String::new();
-    for line in text.lines() {
-        let t = line.trim();
+    let mut quoted = false;
+    for c in s.chars() {
+        if c == '"' {
+            quoted = !quoted;
+        }
+        if c.is_whitespace() && !quoted {
+            if !cur.is_empty() {
+                out.push(std::mem::take(&mut cur));
+            }
+        } else {
+            cur.push(c);
+        }
+    }
+    if !cur.is_empty() {
+        out.push(cur);
+    }
+    out
+}
+
+/// Leading `--name[=value]` options of an instruction, and what follows.
+fn options(rest: &str) -> (Vec<(String, String)>, String) {
+    let mut opts = Vec::new();
+    let mut rest = rest.trim_start();
+    while let Some(o) = rest.strip_prefix("--") {
+        let end = o.find(char::is_whitespace).unwrap_or(o.len());
+        let word = &o[..end];
+        let (k, v) = word.split_once('=').unwrap_or((word, ""));
+        opts.push((k.to_ascii_lowercase(), v.to_string()));
+        rest = o[end..].trim_start();
+    }
+    (opts, rest.to_string())
+}
+
+#[allow(clippy::too_many_arguments)]
+fn instruction(
+    b: &mut Steps,
+    ins: &Instr,
+    inputs: Inputs<'_>,
+    global: &[(String, String)],
+    argv: &mut Vec<(String, String)>,
+    shell: &mut Option<Vec<String>>,
+    out: &mut Parsed,
+    copies: &mut usize,
+) -> Result<(), ImageError> {
+    let at = |problem: Problem| err_at(ins, problem);
+    let rest = ins.rest.as_str();
+    match ins.op.as_str() {
+        "ARG" => {
+            for (k, v) in arg_decls(rest, global, inputs.args) {
+                set(argv, &k, &v);
+            }
+        }
+        "ENV" => {
+            let rest = substitute(rest, argv, &b.state.env);
+            if rest.contains('=') {
+                for pair in rest.split_whitespace() {
+                    let (k, v) = pair
+                        .split_once('=')
+                        .ok_or_else(|| at(Problem::ExpectedKeyEqualsValue))?;
+                    b.state.set_env(k, v.trim_matches('"'));
+                }
+            } else {
+                let (k, v) = rest
+                    .split_once(char::is_whitespace)
+                    .ok_or_else(|| at(Problem::ExpectedKeyValue))?;
+                b.state.set_env(k, v.trim().trim_matches('"'));
+            }
+        }
+        "WORKDIR" => {
+            let w = substitute(rest, argv, &b.state.env);
+            let w = absolute(&w, b.state.workdir.as_deref());
+            if !valid_abs(&w) {
+                return Err(at(Problem::WorkdirNotNormal));
+            }
+            b.workdir(&w);
+        }
+        "USER" => {
+            let u = substitute(rest, argv, &b.state.env);
+            b.state.user = match u.as_str() {
+                "root" | "0" | "0:0" => ImageUser::Root,
+                // The sandbox user is `runtime` in the image (it was
+                // `user` on the older base; both names mean uid 1000).
+                "runtime" | "runtime:runtime" | "user" | "1000" | "1000:1000" | "sandbox" => {
+                    ImageUser::User
+                }
+                other => return Err(at(Problem::UnknownUser(other.to_string()))),
+            };
+        }
+        "RUN" => {
+            let (opts, cmd) = options(rest);
+            for (k, v) in &opts {
+                match k.as_str() {
+                    "mount" => {
+                        let kind = v
+                            .split(',')
+                            .find_map(|p| p.strip_prefix("type="))
+                            .unwrap_or("bind");
+                        if kind != "cache" && kind != "tmpfs" {
+                            return Err(at(Problem::Mount(kind.to_string())));
+                        }
+                    }
+                    "network" | "security" => {}
+                    _ => return Err(at(Problem::UnknownOption(format!("--{k}")))),
+                }
+            }
+            let cmd = run_command(&cmd, &ins.heredocs, shell.as_deref())
+                .ok_or_else(|| at(Problem::BadJsonForm))?;
+            // ARG values are in the step's environment, as in Docker.
+            let prefix: String = argv
+                .iter()
+                .map(|(k, v)| format!("{k}={} ", sh_quote(v)))
+                .collect();
+            let script = if prefix.is_empty() {
+                cmd.clone()
+            } else {
+                format!("export {prefix}; {cmd}")
+            };
+            let shown = match ins.heredocs.first() {
+                Some(_) => format!("RUN {}", rest.trim()),
+                None => format!("RUN {cmd}"),
+            };
+            b.push(shown, script);
+        }
+        "COPY" | "ADD" => copy(b, ins, inputs, argv, copies)?,
+        "SHELL" => {
+            let words: Vec<String> =
+                serde_json::from_str(rest).map_err(|_| at(Problem::BadJsonForm))?;
+            if words.is_empty() {
+                return Err(at(Problem::BadJsonForm));
+            }
+            *shell = Some(words);
+        }
+        "CMD" | "ENTRYPOINT" => {
+            let cmd = shell_form(rest).ok_or_else(|| at(Problem::BadJsonForm))?;
+            out.start = Some(json!({ "command": cmd }));
+        }
+        "ONBUILD" => return Err(at(Problem::Onbuild)),
+        "LABEL" | "EXPOSE" | "MAINTAINER" | "STOPSIGNAL" | "HEALTHCHECK" | "VOLUME" => {}
+        _ => return Err(at(Problem::Unsupported)),
+    }
+    Ok(())
+}
+
+/// `p` made absolute against the working directory.
+fn absolute(p: &str, workdir: Option<&str>) -> String {
+    if p.starts_with('/') {
+        p.to_string()
+    } else {
+        format!("{}/{p}", workdir.unwrap_or("").trim_end_matches('/'))
+    }
+}
+
+/// The shell command a RUN runs: its exec form quoted, its shell form as
+/// it is (through `SHELL` when one is set), with its heredocs; a bare
+/// `RUN <<EOF` runs the heredoc as a script (by its own `#!` when it has
+/// one).
+fn run_command(cmd: &str, heredocs: &[Heredoc], shell: Option<&[String]>) -> Option<String> {
+    if cmd.starts_with('[') {
+        return shell_form(cmd);
+    }
+    let through_shell = |c: &str| match shell {
+        Some(words) => format!(
+            "{} {}",
+            words
+                .iter()
+                .map(|w| sh_quote(w))
+                .collect::<Vec<_>>()
+                .join(" "),
+            sh_quote(c)
+        ),
+        None => c.to_string(),
+    };
+    let bare = heredocs.len() == 1 && {
+        let t = cmd.trim();
+        t.starts_with("<<") && !t.contains(char::is_whitespace)
+    };
+    if bare {
+        let body = heredocs[0].body();
+        if body.starts_with("#!") {
+            let b64 = base64::Engine::encode(&base64::engine::general_purpose::STANDARD, &body);
+            return Some(format!(
+                "f=$(mktemp) && printf '%s' {} | base64 -d > \"$f\" && chmod 700 \"$f\" && \"$f\"; s=$?; rm -f \"$f\"; exit $s",
+                sh_quote(&b64)
+            ));
+        }
+        return Some(match shell {
+            Some(_) => through_shell(&body),
+            None => format!("bash -c {}", sh_quote(&body)),
+        });
+    }
+    let mut full = cmd.to_string();
+    for h in heredocs {
+        full.push('\n');
+        full.push_str(&h.raw);
+        full.push_str(&h.name);
+    }
+    Some(through_shell(&full))
+}
+
+/// Owner words `--chown` takes: only the guest's two users.
+fn owner_id(w: &str) -> Option<u32> {
+    match w {
+        "root" | "0" => Some(0),
+        "runtime" | "user" | "sandbox" | "1000" => Some(1000),
+        _ => None,
+    }
+}
+
+fn parse_chown(v: &str) -> Option<(u32, u32)> {
+    let (u, g) = v.split_once(':').unwrap_or((v, v));
+    Some((owner_id(u)?, owner_id(g)?))
+}
+
+/// A git repository as `ADD` would clone it.
+fn is_git(src: &str) -> bool {
+    src.starts_with("git@")
+        || src.starts_with("git://")
+        || ((src.starts_with("https://") || src.starts_with("http://"))
+            && (src.split('#').next().unwrap_or("").ends_with(".git")))
+}
+
+/// `.tar`, `.tar.gz`, `.tgz`, `.tar.bz2`, `.tar.xz`: what `ADD` unpacks.
+fn is_tar(name: &str) -> bool {
+    [
+        ".tar", ".tar.gz", ".tgz", ".tar.bz2", ".tbz2", ".tar.xz", ".txz",
+    ]
+    .iter()
+    .any(|e| name.ends_with(e))
+}
+
+/// COPY and ADD.
+fn copy(
+    b: &mut Steps,
+    ins: &Instr,
+    inputs: Inputs<'_>,
+    argv: &[(String, String)],
+    copies: &mut usize,
+) -> Result<(), ImageError> {
+    let at = |problem: Problem| err_at(ins, problem);
+    let add = ins.op == "ADD";
+    let (opts, rest) = options(&substitute(&ins.rest, argv, &b.state.env));
+    let mut chown = None;
+    let mut chmod = None;
+    let mut checksum = None;
+    for (k, v) in &opts {
+        match k.as_str() {
+            "chown" => {
+                chown = Some(parse_chown(v).ok_or_else(|| at(Problem::BadChown(v.clone())))?)
+            }
+            "chmod" => {
+                chmod = Some(
+                    u32::from_str_radix(v, 8)
+                        .ok()
+                        .filter(|m| *m <= 0o7777 && !v.is_empty())
+                        .ok_or_else(|| at(Problem::BadChmod(v.clone())))?,
+                )
+            }
+            "from" => return Err(at(Problem::CopyFrom(v.clone()))),
+            "exclude" => return Err(at(Problem::Exclude)),
+            "checksum" if add => {
+                let hex = v
+                    .strip_prefix("sha256:")
+                    .filter(|h| h.len() == 64 && h.bytes().all(|c| c.is_ascii_hexdigit()))
+                    .ok_or_else(|| at(Problem::BadChecksum(v.clone())))?;
+                checksum = Some(hex.to_ascii_lowercase());
+            }
+            "link" | "keep-git-dir" => {}
+            _ => return Err(at(Problem::UnknownOption(format!("--{k}")))),
+        }
+    }
+    let words: Vec<String> = if rest.starts_with('[') {
+        serde_json::from_str(&rest).map_err(|_| at(Problem::BadJsonForm))?
+    } else {
+        rest.split_whitespace().map(str::to_string).collect()
+    };
+    let Some((dest, srcs)) = words.split_last().filter(|(_, s)| !s.is_empty()) else {
+        return Err(at(Problem::CopyArguments));
+    };
+    let base_dir = b.state.workdir.clone().unwrap_or_else(|| "/".into());
+    // `dir/`, `.` and `dir/.` name a directory to copy into.
+    let dest_is_dir = dest.ends_with('/') || dest == "." || dest.ends_with("/.");
+    let dest_abs = absolute(dest, Some(&base_dir));
+    if !valid_abs(&dest_abs) {
+        return Err(at(Problem::DestinationNotNormal));
+    }
+    if checksum.is_some()
+        && !srcs
+            .iter()
+            .all(|s| s.starts_with("http://") || s.starts_with("https://"))
+    {
+        return Err(at(Problem::ChecksumNotUrl));
+    }
+    // Heredocs: each `<<name` source is a file of that name.
+    let heredoc_of = |s: &str| {
+        let name = s
+            .strip_prefix("<<")?
+            .trim_start_matches('-')
+            .trim_matches(['"', '\'']);
+        ins.heredocs.iter().find(|h| h.name == name)
+    };
+    let into_dir = dest_is_dir || srcs.len() > 1;
+    let target_for = |name: &str| {
+        if into_dir {
+            format!("{}/{name}", dest_abs.trim_end_matches('/'))
+        } else {
+            dest_abs.clone()
+        }
+    };
+    let mut plan: Vec<CopyEntry> = Vec::new();
+    let mut archives: Vec<String> = Vec::new();
+    let owner_of = |user: ImageUser| {
+        chown.unwrap_or(match user {
+            ImageUser::Root => (0, 0),
+            ImageUser::User => (1000, 1000),
+        })
+    };
+    for src in srcs {
+        if let Some(h) = heredoc_of(src) {
+            let target = target_for(&h.name);
+            if !valid_abs(&target) {
+                return Err(at(Problem::DestinationNotNormal));
+            }
+            let owner = owner_of(b.state.user);
+            b.file_owned(&target, h.body().as_bytes(), chmod, owner);
+            continue;
+        }
+        if src.starts_with("http://")
+            || src.starts_with("https://")
+            || src.starts_with("git@")
+            || src.starts_with("git://")
+        {
+            if !add || is_git(src) {
+                return Err(at(if is_git(src) {
+                    Problem::GitAdd
+                } else {
+                    Problem::NotInContext(src.clone())
+                }));
+            }
+            let name = src
+                .split(['?', '#'])
+                .next()
+                .unwrap_or("")
+                .rsplit('/')
+                .next()
+                .filter(|n| !n.is_empty())
+                .unwrap_or("download");
+            let target = if dest_is_dir {
+                format!("{}/{name}", dest_abs.trim_end_matches('/'))
+            } else {
+                dest_abs.clone()
+            };
+            if !valid_abs(&target) {
+                return Err(at(Problem::DestinationNotNormal));
+            }
+            let (u, g) = chown.unwrap_or((0, 0));
+            let mut script = format!(
+                "mkdir -p {d} && curl -fsSL --retry 2 -o {t} {url}",
+                d = sh_quote(parent(&target)),
+                t = sh_quote(&target),
+                url = sh_quote(src)
+            );
+            if let Some(sum) = &checksum {
+                script.push_str(&format!(
+                    " && echo {} | sha256sum -c - >/dev/null",
+                    sh_quote(&format!("{sum}  {target}"))
+                ));
+            }
+            script.push_str(&format!(
+                " && chmod {m:o} {t} && chown {u}:{g} {t}",
+                m = chmod.unwrap_or(0o600),
+                t = sh_quote(&target)
+            ));
+            let shown = match &checksum {
+                Some(s) => format!("ADD {src} {target} (sha256 {})", &s[..12]),
+                None => format!("ADD {src} {target}"),
+            };
+            b.as_root(|s| s.push(shown, script));
+            continue;
+        }
+        match inputs.context {
+            None => {
+                // The inline files.
+                let name = src.trim_start_matches("./");
+                let f = inputs
+                    .files
+                    .iter()
+                    .find(|f| f.path.trim_start_matches("./").trim_start_matches('/') == name)
+                    .ok_or_else(|| at(Problem::NotAmongFiles(name.to_string())))?;
+                let target = if into_dir {
+                    format!(
+                        "{}/{}",
+                        dest.trim_end_matches('/'),
+                        name.rsplit('/').next().unwrap_or(name)
+                    )
+                } else {
+                    dest.clone()
+                };
+                let target = absolute(&target, Some(&base_dir));
+                if !valid_abs(&target) {
+                    return Err(at(Problem::DestinationNotNormal));
+                }
+                match (chown, chmod) {
+                    (None, None) => b.file(&target, &f.data, f.mode),
+                    _ => b.file_owned(&target, &f.data, chmod.or(f.mode), owner_of(b.state.user)),
+                }
+            }
+            Some(m) => {
+                let dest_abs = normal(&dest_abs);
+                let found = context_sources(m, src).map_err(at)?;
+                if is_glob(src) && !into_dir && found.len() > 1 {
+                    return Err(at(Problem::DestinationNotADirectory));
+                }
+                let owner = chown.unwrap_or((0, 0));
+                for (path, rel, kind) in found {
+                    let target = if kind != Found::Named || into_dir {
+                        // What a directory or a glob names goes into the destination.
+                        if rel.is_empty() {
+                            continue;
+                        }
+                        format!("{}/{rel}", dest_abs.trim_end_matches('/'))
+                    } else {
+                        dest_abs.clone()
+                    };
+                    if !valid_abs(&target) || target == "/" {
+                        return Err(at(Problem::DestinationNotNormal));
+                    }
+                    match m.files.get(&path) {
+                        Some(f) if add && kind == Found::Named && is_tar(&path) => {
+                            // Unpacked into the destination, as a directory.
+                            archives.push(dest_abs.clone());
+                            plan.push(CopyEntry {
+                                src: path.clone(),
+                                sha256: f.sha256.clone(),
+                                dst: format!("\0archive-{}", archives.len()),
+                                mode: 0o600,
+                                uid: 0,
+                                gid: 0,
+                                dir: false,
+                            });
+                        }
+                        Some(f) => plan.push(CopyEntry {
+                            src: path.clone(),
+                            sha256: f.sha256.clone(),
+                            dst: target.trim_start_matches('/').to_string(),
+                            mode: chmod.unwrap_or(f.mode),
+                            uid: owner.0,
+                            gid: owner.1,
+                            dir: false,
+                        }),
+                        None => plan.push(CopyEntry {
+                            src: path.clone(),
+                            sha256: String::new(),
+                            dst: target.trim_start_matches('/').to_string(),
+                            mode: chmod.unwrap_or(0o755),
+                            uid: owner.0,
+                            gid: owner.1,
+                            dir: true,
+                        }),
+                    }
+                }
+            }
+        }
+    }
+    if inputs.context.is_some() && !plan.is_empty() {
+        let files = plan.iter().filter(|e| !e.dir).count();
+        *copies += plan.len();
+        if *copies > MAX_COPY_ENTRIES {
+            return Err(ImageError::TooManyCopies);
+        }
+        let canonical = serde_json::to_string(&plan).unwrap_or_default();
+        let digest = sha256_hex(canonical.as_bytes());
+        let dir = format!(".runtime-copy/{digest}");
+        // Archives wait beside the pieces, to be unpacked where they point.
+        for e in plan.iter_mut().filter(|e| e.dst.starts_with('\0')) {
+            e.dst = format!("{dir}/{}", &e.dst[1..]);
+        }
+        let d = sh_quote(&format!("/{dir}"));
+        let mut script =
+            format!("cat {d}/part-* | tar -x --numeric-owner -p --keep-directory-symlink -C /");
+        for (i, target) in archives.iter().enumerate() {
+            script.push_str(&format!(
+                " && mkdir -p {t} && tar -x --no-same-owner -f {d}/archive-{n} -C {t}",
+                t = sh_quote(target),
+                n = i + 1
+            ));
+        }
+        script.push_str(&format!(" && rm -rf {d}"));
+        let bytes: u64 = plan
+            .iter()
+            .filter_map(|e| {
+                inputs
+                    .context
+                    .and_then(|m| m.files.get(&e.src))
+                    .map(|f| f.size)
+            })
+            .sum();
+        let shown = format!(
+            "{} {} ({files} files, {bytes} bytes, sha256 {})",
+            ins.op,
+            ins.rest.trim(),
+            &digest[..12]
+        );
+        b.as_root(|s| {
+            s.push_copy(
+                shown,
+                script,
+                CopyPlan {
+                    dir: format!("/{dir}"),
+                    entries: plan,
+                },
+            )
+        });
+    }
+    Ok(())
+}
+
+/// An absolute path without `.` parts or doubled slashes.
+fn normal(p: &str) -> String {
+    let parts: Vec<&str> = p
+        .split('/')
+        .filter(|c| !c.is_empty() && *c != ".")
+        .collect();
+    format!("/{}", parts.join("/"))
+}
+
+/// The directory a path is in.
+fn parent(p: &str) -> &str {
+    match p.rfind('/') {
+        Some(0) | None => "/",
+        Some(i) => &p[..i],
+    }
+}
+
+/// How a COPY source found a context path.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Found {
+    /// The source names this file.
+    Named,
+    /// A file in a directory the source names, or one its glob matches.
+    Inside,
+    /// A directory in one the source names.
+    Dir,
+}
+
+/// What a COPY source names in the context: `(path, path relative to what
+/// the source names, is a directory)`. A file is named whole (relative:
+/// its base name); a directory stands for everything in it; a glob for
+/// every file and directory it matches.
+fn context_sources(m: &Manifest, src: &str) -> Result<Vec<(String, String, Found)>, Problem> {
+    let trimmed = src.trim_start_matches('/');
+    let mut parts: Vec<&str> = Vec::new();
+    for p in trimmed.split('/').filter(|p| !p.is_empty() && *p != ".") {
+        if p == ".." {
+            if parts.pop().is_none() {
+                return Err(Problem::OutsideContext(src.to_string()));
+            }
+        } else {
+            parts.push(p);
+        }
+    }
+    let clean = parts.join("/");
+    let base = |p: &str| p.rsplit('/').next().unwrap_or(p).to_string();
+    let mut out = Vec::new();
+    let add_dir = |out: &mut Vec<(String, String, Found)>, dir: &str| {
+        let prefix = if dir.is_empty() {
+            String::new()
+        } else {
+            format!("{dir}/")
+        };
+        for d in m.dirs.iter().filter(|d| d.starts_with(&prefix)) {
+            out.push((d.clone(), d[prefix.len()..].to_string(), Found::Dir));
+        }
+        for f in m.files.keys().filter(|f| f.starts_with(&prefix)) {
+            out.push((f.clone(), f[prefix.len()..].to_string(), Found::Inside));
+        }
+    };
+    if is_glob(&clean) {
+        // Docker copies a matched directory's contents (not the directory).
+        for d in m.dirs.iter().filter(|d| glob_match(&clean, d)) {
+            add_dir(&mut out, d);
+        }
+        for f in m.files.keys().filter(|f| glob_match(&clean, f)) {
+            if !out.iter().any(|(p, _, _)| p == f) {
+                out.push((f.clone(), base(f), Found::Inside));
+            }
+        }
+    } else if clean.is_empty() || m.dirs.contains(&clean) {
+        add_dir(&mut out, &clean);
+        if clean.is_empty() && m.files.is_empty() {
+            return Ok(out);
+        }
+    } else if m.files.contains_key(&clean) {
+        out.push((clean.clone(), base(&clean), Found::Named));
+    }
+    if out.is_empty() && !clean.is_empty() {
+        return Err(Problem::NotInContext(src.to_string()));
+    }
+    Ok(out)
+}
+
+/// The instructions of `text`, each with its first line's number: blank
+/// lines and comment lines dropped (also inside a continued instruction),
+/// lines ending in `\` joined with the next, heredocs (`<<EOF`, `<<-EOF`,
+/// `<<"EOF"`) read up to their closing word.
+fn instructions(text: &str) -> Result<Vec<Instr>, ImageError> {
+    let lines: Vec<&str> = text.lines().collect();
+    let mut out = Vec::new();
+    let mut cur = String::new();
+    let mut start = 0;
+    let mut i = 0;
+    while i < lines.len() {
+        let t = lines[i].trim();
+        i += 1;
         if t.is_empty() || t.starts_with('#') {
             continue;
+        }
+        if cur.is_empty() {
+            start = i;
         }
         if let Some(head) = t.strip_suffix('\\') {
             cur.push_str(head);
@@ -236,12 +951,95 @@ fn logical_lines(text: &str) -> Vec<String> {
             continue;
         }
         cur.push_str(t);
-        logical.push(std::mem::take(&mut cur));
+        let logical = std::mem::take(&mut cur);
+        let (op, rest) = logical
+            .split_once(char::is_whitespace)
+            .unwrap_or((logical.as_str(), ""));
+        let op = op.to_ascii_uppercase();
+        let mut heredocs = Vec::new();
+        if matches!(op.as_str(), "RUN" | "COPY" | "ADD") {
+            for (name, strip_tabs) in heredoc_markers(rest) {
+                let mut raw = String::new();
+                loop {
+                    let Some(l) = lines.get(i) else {
+                        return Err(ImageError::Instruction {
+                            line: start,
+                            op: op.clone(),
+                            problem: Problem::UnclosedHeredoc(name),
+                        });
+                    };
+                    i += 1;
+                    let closing = if strip_tabs {
+                        l.trim_start_matches('\t')
+                    } else {
+                        l
+                    };
+                    if closing == name {
+                        break;
+                    }
+                    raw.push_str(l);
+                    raw.push('\n');
+                }
+                heredocs.push(Heredoc {
+                    name,
+                    strip_tabs,
+                    raw,
+                });
+            }
+        }
+        out.push(Instr {
+            line: start,
+            op,
+            rest: rest.trim().to_string(),
+            heredocs,
+        });
     }
     if !cur.is_empty() {
-        logical.push(cur);
+        let (op, rest) = cur
+            .split_once(char::is_whitespace)
+            .unwrap_or((cur.as_str(), ""));
+        out.push(Instr {
+            line: start,
+            op: op.to_ascii_uppercase(),
+            rest: rest.trim().to_string(),
+            heredocs: Vec::new(),
+        });
     }
-    logical
+    Ok(out)
+}
+
+/// The heredocs an instruction opens, in order: `(word, strips tabs)`.
+fn heredoc_markers(rest: &str) -> Vec<(String, bool)> {
+    let mut out = Vec::new();
+    let mut s = rest;
+    while let Some(i) = s.find("<<") {
+        let after = &s[i + 2..];
+        if after.starts_with('<') {
+            s = after.trim_start_matches('<');
+            continue;
+        }
+        let (strip, after) = match after.strip_prefix('-') {
+            Some(a) => (true, a),
+            None => (false, after),
+        };
+        let (word, len) = match after.chars().next() {
+            Some(q @ ('"' | '\'')) => match after[1..].find(q) {
+                Some(end) => (after[1..end + 1].to_string(), end + 2),
+                None => (String::new(), 0),
+            },
+            _ => {
+                let end = after
+                    .find(|c: char| !(c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | '-')))
+                    .unwrap_or(after.len());
+                (after[..end].to_string(), end)
+            }
+        };
+        if !word.is_empty() {
+            out.push((word, strip));
+        }
+        s = &after[len.max(1).min(after.len())..];
+    }
+    out
 }
 
 /// `$NAME` and `${NAME}` replaced by the build's variables (ENV before
@@ -318,7 +1116,16 @@ mod tests {
             .iter()
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect();
-        let p = parse(&mut b, text, files, &args).map_err(|e| e.to_string())?;
+        let p = parse(
+            &mut b,
+            text,
+            Inputs {
+                files,
+                args: &args,
+                ..Inputs::default()
+            },
+        )
+        .map_err(|e| e.to_string())?;
         Ok((b, p))
     }
 
@@ -403,10 +1210,6 @@ mod tests {
         }
         let base = |t: &str, args: &[(&str, &str)]| build(t, &[], args).unwrap().1.base;
         assert_eq!(base("FROM app:1 AS build", &[]).as_deref(), Some("app:1"));
-        assert_eq!(
-            base("FROM --platform=linux/amd64 python:3.12-slim", &[]).as_deref(),
-            Some("python:3.12-slim")
-        );
         assert_eq!(base("from app@2", &[]).as_deref(), Some("app@2"));
         assert_eq!(base("ARG B=app\nFROM $B", &[]).as_deref(), Some("app"));
         assert_eq!(
@@ -611,10 +1414,10 @@ mod tests {
         // A continuation at the end of the text ends the instruction.
         let b = ok("FROM runtime\nRUN a \\");
         assert_eq!(instructions(&b), ["RUN a"]);
-        // Numbers count instructions, not lines.
+        // Numbers are the line an instruction starts on.
         assert_eq!(
             err("# c\n\nFROM runtime\nRUN a \\\n b\nONBUILD x", &[]),
-            "Dockerfile instruction 3 (ONBUILD): not a supported instruction"
+            "Dockerfile line 6 (ONBUILD): ONBUILD is not supported: put those instructions in the Dockerfile that builds FROM this image"
         );
     }
 
@@ -623,67 +1426,67 @@ mod tests {
         let e = |t: &str| err(t, &[file("a", "A")]);
         assert_eq!(
             e("RUN true"),
-            "Dockerfile instruction 1 (RUN): the first instruction must be FROM"
+            "Dockerfile line 1 (RUN): the first instruction must be FROM"
         );
         assert_eq!(
             e("ARG A\nenv A=1"),
-            "Dockerfile instruction 2 (ENV): the first instruction must be FROM"
+            "Dockerfile line 2 (ENV): the first instruction must be FROM"
         );
         assert_eq!(
-            e("FROM runtime\nFROM app"),
-            "Dockerfile instruction 2 (FROM): multi-stage builds are not supported"
+            e("FROM runtime\nFROM app AS a AS b"),
+            "Dockerfile line 2 (FROM): expected FROM <image> [AS <name>]"
         );
         assert_eq!(
             e("FROM runtime\nENV A=1 B"),
-            "Dockerfile instruction 2 (ENV): expected KEY=VALUE"
+            "Dockerfile line 2 (ENV): expected KEY=VALUE"
         );
         assert_eq!(
             e("FROM runtime\nENV A"),
-            "Dockerfile instruction 2 (ENV): expected KEY VALUE"
+            "Dockerfile line 2 (ENV): expected KEY VALUE"
         );
         assert_eq!(
             e("FROM runtime\nWORKDIR /a/../b"),
-            "Dockerfile instruction 2 (WORKDIR): must be a path without .."
+            "Dockerfile line 2 (WORKDIR): must be a path without .."
         );
         assert_eq!(
             e("FROM runtime\nWORKDIR ../b"),
-            "Dockerfile instruction 2 (WORKDIR): must be a path without .."
+            "Dockerfile line 2 (WORKDIR): must be a path without .."
         );
         assert_eq!(
             e("FROM runtime\nUSER nobody"),
-            "Dockerfile instruction 2 (USER): user nobody: only root and runtime (uid 1000) exist"
+            "Dockerfile line 2 (USER): user nobody: only root and runtime (uid 1000) exist"
         );
         assert_eq!(
             e("FROM runtime\nRUN [\"a\", 1]"),
-            "Dockerfile instruction 2 (RUN): bad JSON form"
+            "Dockerfile line 2 (RUN): bad JSON form"
         );
         assert_eq!(
             e("FROM runtime\nCMD [nope"),
-            "Dockerfile instruction 2 (CMD): bad JSON form"
+            "Dockerfile line 2 (CMD): bad JSON form"
         );
         assert_eq!(
             e("FROM runtime\nENTRYPOINT [1]"),
-            "Dockerfile instruction 2 (ENTRYPOINT): bad JSON form"
+            "Dockerfile line 2 (ENTRYPOINT): bad JSON form"
         );
         assert_eq!(
             e("FROM runtime\nCOPY a"),
-            "Dockerfile instruction 2 (COPY): expected COPY <src>... <dest>"
+            "Dockerfile line 2 (COPY): expected COPY <src>... <dest>"
         );
         assert_eq!(
-            e("FROM runtime\nCOPY --chown=1 a"),
-            "Dockerfile instruction 2 (COPY): expected COPY <src>... <dest>"
+            e("FROM runtime\nCOPY --chown=root a"),
+            "Dockerfile line 2 (COPY): expected COPY <src>... <dest>"
         );
         assert_eq!(
             e("FROM runtime\nADD missing.txt /x"),
-            "Dockerfile instruction 2 (ADD): missing.txt is not among the build's files"
+            "Dockerfile line 2 (ADD): missing.txt is not among the build's files"
         );
         assert_eq!(
             e("FROM runtime\nCOPY a ../x"),
-            "Dockerfile instruction 2 (COPY): the destination must be a path without .."
+            "Dockerfile line 2 (COPY): the destination must be a path without .."
         );
         assert_eq!(
             e("FROM runtime\nONBUILD RUN true"),
-            "Dockerfile instruction 2 (ONBUILD): not a supported instruction"
+            "Dockerfile line 2 (ONBUILD): ONBUILD is not supported: put those instructions in the Dockerfile that builds FROM this image"
         );
         assert_eq!(e(""), "a Dockerfile needs FROM");
         assert_eq!(e("# only a comment\n"), "a Dockerfile needs FROM");
@@ -732,6 +1535,430 @@ mod tests {
         assert_eq!(
             instructions(&b),
             ["RUN apt-get update  && apt-get install -y jq  && true"]
+        );
+    }
+
+    fn manifest(files: &[(&str, &str)]) -> Manifest {
+        let mut m = Manifest::default();
+        for (p, data) in files {
+            let mut at = *p;
+            while let Some(i) = at.rfind('/') {
+                at = &at[..i];
+                m.dirs.insert(at.to_string());
+            }
+            m.files.insert(
+                p.to_string(),
+                crate::domain::image::context::ContextFile {
+                    sha256: sha256_hex(data.as_bytes()),
+                    size: data.len() as u64,
+                    mode: 0o644,
+                },
+            );
+        }
+        m
+    }
+
+    fn with_context(text: &str, m: &Manifest) -> Result<(Steps, Parsed), String> {
+        with(text, m, None)
+    }
+
+    fn with(text: &str, m: &Manifest, target: Option<&str>) -> Result<(Steps, Parsed), String> {
+        let mut b = Steps::new(
+            "base-abc",
+            BuildState {
+                env: Vec::new(),
+                workdir: None,
+                user: ImageUser::Root,
+            },
+        );
+        let p = parse(
+            &mut b,
+            text,
+            Inputs {
+                context: Some(m),
+                target,
+                ..Inputs::default()
+            },
+        )
+        .map_err(|e| e.to_string())?;
+        Ok((b, p))
+    }
+
+    /// What a COPY step places: (dst, src or "dir", mode, uid).
+    fn placed(b: &Steps, i: usize) -> Vec<(String, String, u32, u32)> {
+        b.steps[i]
+            .copy
+            .as_ref()
+            .map(|p| {
+                p.entries
+                    .iter()
+                    .map(|e| {
+                        let src = if e.dir {
+                            "dir".to_string()
+                        } else {
+                            e.src.clone()
+                        };
+                        (e.dst.clone(), src, e.mode, e.uid)
+                    })
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    fn own(v: &[(&str, &str, u32, u32)]) -> Vec<(String, String, u32, u32)> {
+        v.iter()
+            .map(|(a, b, m, u)| (a.to_string(), b.to_string(), *m, *u))
+            .collect()
+    }
+
+    #[test]
+    fn copy_from_the_context_follows_dockers_rules() {
+        let m = manifest(&[
+            ("app.py", "print(1)"),
+            ("src/a.rs", "a"),
+            ("src/sub/b.rs", "b"),
+            ("docs/x.md", "x"),
+            ("docs/y.md", "y"),
+        ]);
+        let (b, _) = with_context(
+            "FROM runtime\nWORKDIR /w\nCOPY . .\nCOPY src/ /opt/src\nCOPY app.py /bin/run\n\
+             COPY docs/*.md /d/\nCOPY --chown=runtime:runtime --chmod=0755 app.py src/sub ./x/",
+            &m,
+        )
+        .unwrap();
+        // `.` is the whole context, into the workdir.
+        assert_eq!(
+            placed(&b, 1),
+            own(&[
+                ("w/docs", "dir", 0o755, 0),
+                ("w/src", "dir", 0o755, 0),
+                ("w/src/sub", "dir", 0o755, 0),
+                ("w/app.py", "app.py", 0o644, 0),
+                ("w/docs/x.md", "docs/x.md", 0o644, 0),
+                ("w/docs/y.md", "docs/y.md", 0o644, 0),
+                ("w/src/a.rs", "src/a.rs", 0o644, 0),
+                ("w/src/sub/b.rs", "src/sub/b.rs", 0o644, 0),
+            ])
+        );
+        // A directory's contents go into the destination.
+        assert_eq!(
+            placed(&b, 2),
+            own(&[
+                ("opt/src/sub", "dir", 0o755, 0),
+                ("opt/src/a.rs", "src/a.rs", 0o644, 0),
+                ("opt/src/sub/b.rs", "src/sub/b.rs", 0o644, 0),
+            ])
+        );
+        // One file to a path without a slash is that path.
+        assert_eq!(placed(&b, 3), own(&[("bin/run", "app.py", 0o644, 0)]));
+        assert_eq!(
+            placed(&b, 4),
+            own(&[
+                ("d/x.md", "docs/x.md", 0o644, 0),
+                ("d/y.md", "docs/y.md", 0o644, 0)
+            ])
+        );
+        assert_eq!(
+            placed(&b, 5),
+            own(&[
+                ("w/x/app.py", "app.py", 0o755, 1000),
+                ("w/x/b.rs", "src/sub/b.rs", 0o755, 1000)
+            ])
+        );
+        assert!(b.steps[5].instruction.starts_with(
+            "COPY --chown=runtime:runtime --chmod=0755 app.py src/sub ./x/ (2 files, 9 bytes, sha256 "
+        ));
+        // Each copy runs as root and unpacks its pieces at /.
+        assert!(b.steps[1].root);
+        let script = b.steps[1].script.clone().unwrap_or_default();
+        let dir = b.steps[1]
+            .copy
+            .as_ref()
+            .map(|p| p.dir.clone())
+            .unwrap_or_default();
+        assert!(
+            dir.starts_with("/.runtime-copy/") && dir.len() == 15 + 64,
+            "{dir}"
+        );
+        assert_eq!(
+            script,
+            format!("cat '{dir}'/part-* | tar -x --numeric-owner -p --keep-directory-symlink -C / && rm -rf '{dir}'")
+        );
+    }
+
+    #[test]
+    fn a_changed_context_file_changes_its_copys_key_and_later_ones_only() {
+        let text = "FROM runtime\nRUN echo first\nCOPY a.txt /a\nCOPY b.txt /b\nRUN echo last";
+        let keys = |m: &Manifest| {
+            with_context(text, m)
+                .unwrap()
+                .0
+                .steps
+                .iter()
+                .map(|s| s.key.clone())
+                .collect::<Vec<_>>()
+        };
+        let one = keys(&manifest(&[("a.txt", "A"), ("b.txt", "B")]));
+        let two = keys(&manifest(&[("a.txt", "A"), ("b.txt", "B2")]));
+        assert_eq!(one[..2], two[..2]);
+        assert_ne!(one[2], two[2]);
+        assert_ne!(one[3], two[3]);
+        // A file no COPY reads changes nothing.
+        let three = keys(&manifest(&[("a.txt", "A"), ("b.txt", "B"), ("c.txt", "C")]));
+        assert_eq!(one, three);
+    }
+
+    #[test]
+    fn copy_sources_missing_or_outside_the_context_are_refused() {
+        let m = manifest(&[("a.txt", "A"), ("b.txt", "B")]);
+        let e = |t: &str| with_context(t, &m).err().unwrap_or_default();
+        assert_eq!(
+            e("FROM runtime\nCOPY nope.txt /x"),
+            "Dockerfile line 2 (COPY): nope.txt: no such file or directory in the build context"
+        );
+        assert_eq!(
+            e("FROM runtime\nCOPY *.md /x/"),
+            "Dockerfile line 2 (COPY): *.md: no such file or directory in the build context"
+        );
+        assert_eq!(
+            e("FROM runtime\nCOPY ../etc/passwd /x"),
+            "Dockerfile line 2 (COPY): ../etc/passwd points outside the build context"
+        );
+        assert_eq!(
+            e("FROM runtime\nCOPY *.txt /x"),
+            "Dockerfile line 2 (COPY): several sources need a destination directory ending in /"
+        );
+        assert_eq!(
+            e("FROM runtime\nCOPY --chown=nobody a.txt /x"),
+            "Dockerfile line 2 (COPY): --chown=nobody: only root (0) and runtime (1000) exist"
+        );
+        assert_eq!(
+            e("FROM runtime\nCOPY --chmod=9 a.txt /x"),
+            "Dockerfile line 2 (COPY): --chmod=9: expected octal digits such as 0755"
+        );
+        // `--link` is accepted (layers are ours to keep).
+        assert!(with_context("FROM runtime\nCOPY --link a.txt /x", &m).is_ok());
+    }
+
+    #[test]
+    fn add_unpacks_local_tars_and_downloads_urls() {
+        let m = manifest(&[("pkg.tar.gz", "gz"), ("plain.txt", "p")]);
+        // Into a directory ending in / or not, an archive unpacks there.
+        let (b, _) = with_context("FROM runtime\nADD pkg.tar.gz /opt/a/", &m).unwrap();
+        assert!(b.steps[0]
+            .script
+            .as_deref()
+            .unwrap_or("")
+            .contains("-C '/opt/a'"));
+        let sum = "a".repeat(64);
+        let (b, _) = with_context(
+            &format!(
+                "FROM runtime\nADD pkg.tar.gz /opt/pkg\nADD plain.txt /p\n\
+                 ADD --checksum=sha256:{sum} https://example.com/f.bin /dl/\nADD https://example.com/x /x"
+            ),
+            &m,
+        )
+        .unwrap();
+        let p = b.steps[0].copy.as_ref().unwrap();
+        assert_eq!(p.entries[0].dst, format!("{}/archive-1", &p.dir[1..]));
+        let script = b.steps[0].script.clone().unwrap_or_default();
+        assert!(
+            script.contains(&format!(
+                "mkdir -p '/opt/pkg' && tar -x --no-same-owner -f '{}'/archive-1 -C '/opt/pkg'",
+                p.dir
+            )),
+            "{script}"
+        );
+        // A file that is not an archive is copied as it is.
+        assert_eq!(placed(&b, 1), own(&[("p", "plain.txt", 0o644, 0)]));
+        assert_eq!(
+            b.steps[2].script.as_deref(),
+            Some(&*format!(
+                "mkdir -p '/dl' && curl -fsSL --retry 2 -o '/dl/f.bin' 'https://example.com/f.bin' && \
+                 echo '{sum}  /dl/f.bin' | sha256sum -c - >/dev/null && chmod 600 '/dl/f.bin' && chown 0:0 '/dl/f.bin'"
+            ))
+        );
+        assert!(b.steps[2].instruction.contains("(sha256 aaaaaaaaaaaa)"));
+        assert!(b.steps[3]
+            .script
+            .as_deref()
+            .unwrap_or("")
+            .contains("-o '/x' 'https://example.com/x'"));
+        let e = |t: &str| with_context(t, &m).err().unwrap_or_default();
+        assert_eq!(
+            e("FROM runtime\nADD https://example.com/r.git /src"),
+            "Dockerfile line 2 (ADD): ADD of a git repository is not supported: RUN git clone … instead (git is in the base image)"
+        );
+        assert!(e("FROM runtime\nADD git@example.com:r.git /src").contains("git repository"));
+        assert_eq!(
+            e("FROM runtime\nADD --checksum=sha256:abc https://example.com/f /f"),
+            "Dockerfile line 2 (ADD): --checksum=sha256:abc: expected sha256:<64 hex digits>"
+        );
+        assert_eq!(
+            e(&format!(
+                "FROM runtime\nADD --checksum=sha256:{sum} plain.txt /f"
+            )),
+            "Dockerfile line 2 (ADD): --checksum is only for ADD of a URL"
+        );
+        assert!(e("FROM runtime\nCOPY https://example.com/f /f").contains("no such file"));
+    }
+
+    #[test]
+    fn heredocs_run_as_scripts_feed_commands_and_make_files() {
+        let (b, _) = build(
+            "FROM runtime\nRUN <<EOF\necho one\necho two\nEOF\nRUN python3 <<PY > /out\nprint(1)\nPY\n\
+             RUN <<-EOT\n\techo tabbed\n\tEOT\nRUN <<EOF\n#!/usr/bin/env python3\nprint(2)\nEOF\n\
+             COPY <<EOF /etc/conf\nk = v\n# not a comment\nEOF\nCOPY --chmod=755 <<a.sh <<b.sh /bin/\necho a\na.sh\necho b\nb.sh\nRUN true",
+            &[],
+            &[],
+        )
+        .unwrap();
+        assert_eq!(
+            b.steps[0].script.as_deref(),
+            Some("bash -c 'echo one\necho two\n'")
+        );
+        assert_eq!(b.steps[0].instruction, "RUN <<EOF");
+        assert_eq!(
+            b.steps[1].script.as_deref(),
+            Some("python3 <<PY > /out\nprint(1)\nPY")
+        );
+        assert_eq!(
+            b.steps[2].script.as_deref(),
+            Some("bash -c 'echo tabbed\n'")
+        );
+        let shebang = b.steps[3].script.clone().unwrap_or_default();
+        assert!(
+            shebang.starts_with(
+                "f=$(mktemp) && printf '%s' 'IyEvdXNyL2Jpbi9lbnYgcHl0aG9uMwpwcmludCgyKQo='"
+            ),
+            "{shebang}"
+        );
+        assert!(b.steps[4]
+            .instruction
+            .starts_with("COPY /etc/conf (22 bytes, sha256 "));
+        assert!(b.steps[4]
+            .script
+            .as_deref()
+            .unwrap_or("")
+            .contains("chown 0:0 '/etc/conf'"));
+        assert!(b.steps[5]
+            .instruction
+            .starts_with("COPY /bin/a.sh (7 bytes"));
+        assert!(b.steps[5]
+            .script
+            .as_deref()
+            .unwrap_or("")
+            .contains("chmod 755 '/bin/a.sh'"));
+        assert!(b.steps[6]
+            .instruction
+            .starts_with("COPY /bin/b.sh (7 bytes"));
+        assert_eq!(b.steps[7].instruction, "RUN true");
+        assert_eq!(
+            err("FROM runtime\nRUN <<EOF\necho never closed\n", &[]),
+            "Dockerfile line 2 (RUN): heredoc <<EOF has no closing EOF line"
+        );
+        // `<<<` is a here-string, not a heredoc.
+        let b = ok("FROM runtime\nRUN cat <<< hi");
+        assert_eq!(b.steps[0].script.as_deref(), Some("cat <<< hi"));
+    }
+
+    #[test]
+    fn args_before_from_shell_and_mounts() {
+        let (b, p) = build(
+            "ARG BASE=app\nARG V=1\nFROM ${BASE}:v$V\nARG TARGETARCH\nARG TARGETPLATFORM\n\
+             RUN echo $TARGETARCH\nSHELL [\"/bin/sh\", \"-c\"]\nRUN echo hi\nRUN --mount=type=cache,target=/root/.cache pip list",
+            &[],
+            &[],
+        )
+        .unwrap();
+        assert_eq!(p.base.as_deref(), Some("app:v1"));
+        assert_eq!(
+            b.steps[0].script.as_deref(),
+            Some("export BASE='app' V='1' TARGETARCH='amd64' TARGETPLATFORM='linux/amd64' ; echo $TARGETARCH")
+        );
+        assert_eq!(
+            b.steps[1].script.as_deref(),
+            Some("export BASE='app' V='1' TARGETARCH='amd64' TARGETPLATFORM='linux/amd64' ; '/bin/sh' '-c' 'echo hi'")
+        );
+        assert!(b.steps[2]
+            .script
+            .as_deref()
+            .unwrap_or("")
+            .ends_with("'/bin/sh' '-c' 'pip list'"));
+        assert_eq!(
+            build("ARG T=runtime\nFROM $TARGETOS-$T", &[], &[])
+                .unwrap()
+                .1
+                .base
+                .as_deref(),
+            Some("linux-runtime")
+        );
+        let e = |t: &str| err(t, &[]);
+        assert_eq!(
+            e("FROM runtime\nRUN --mount=type=secret,id=tok cat /run/secrets/tok"),
+            "Dockerfile line 2 (RUN): RUN --mount=type=secret is not supported: pass the value as a build argument (kept in the image's steps) or give it to sandboxes at create"
+        );
+        assert!(e("FROM runtime\nRUN --mount=type=ssh git clone x")
+            .contains("--mount=type=ssh is not supported"));
+        assert!(e("FROM runtime\nRUN --mount=target=/src make")
+            .contains("--mount=type=bind is not supported: COPY the files in first"));
+        assert_eq!(
+            e("FROM runtime\nRUN --frobnicate true"),
+            "Dockerfile line 2 (RUN): unknown option --frobnicate"
+        );
+        assert_eq!(
+            e("FROM runtime\nSHELL bash"),
+            "Dockerfile line 2 (SHELL): bad JSON form"
+        );
+        assert_eq!(
+            e("FROM runtime\nCOPY --exclude=*.md . /x"),
+            "Dockerfile line 2 (COPY): COPY --exclude is not supported: leave the files out with .dockerignore, or remove them with a RUN"
+        );
+    }
+
+    #[test]
+    fn stages_build_the_target_and_what_it_is_built_from() {
+        let m = manifest(&[("a", "A")]);
+        let text = "FROM runtime AS base\nENV B=1\nRUN echo base\n\
+                    FROM runtime AS unused\nRUN echo unused\nONBUILD RUN x\n\
+                    FROM base AS app\nRUN echo app\n\
+                    FROM app\nRUN echo last\nCMD run";
+        let (b, p) = with(text, &m, None).unwrap();
+        assert_eq!(
+            instructions(&b),
+            ["RUN echo base", "RUN echo app", "RUN echo last"]
+        );
+        assert_eq!(p.base, None);
+        assert_eq!(p.start, Some(json!({"command": "run"})));
+        assert_eq!(env(&b), [("B", "1")]);
+        let (b, p) = with(text, &m, Some("APP")).unwrap();
+        assert_eq!(instructions(&b), ["RUN echo base", "RUN echo app"]);
+        assert_eq!(p.start, None);
+        let (b, _) = with(text, &m, Some("base")).unwrap();
+        assert_eq!(instructions(&b), ["RUN echo base"]);
+        // The same steps make the same keys: a target shares its stages' cache.
+        let (full, _) = with(text, &m, None).unwrap();
+        assert_eq!(full.steps[0].key, b.steps[0].key);
+        // An unused stage is not read, so its refusal does not count...
+        assert_eq!(
+            with(text, &m, Some("unused")).err().unwrap_or_default(),
+            "Dockerfile line 6 (ONBUILD): ONBUILD is not supported: put those instructions in the Dockerfile that builds FROM this image"
+        );
+        assert_eq!(
+            with(text, &m, Some("nope")).err().unwrap_or_default(),
+            "no stage is named nope"
+        );
+        // ...a stage by index, and the chain's root names the image.
+        let (_, p) = with("FROM app:1\nRUN a\nFROM 0\nRUN b", &m, None).unwrap();
+        assert_eq!(p.base.as_deref(), Some("app:1"));
+        let e = |t: &str| with(t, &m, None).err().unwrap_or_default();
+        assert_eq!(
+            e("FROM runtime AS a\nFROM runtime AS A"),
+            "Dockerfile line 2 (FROM): a stage named a is already there"
+        );
+        assert_eq!(
+            e("FROM runtime AS a\nCOPY --from=a /x /y"),
+            "Dockerfile line 2 (COPY): COPY --from=a is not supported by this server: build that stage's files in this stage, or make it an image of yours and build FROM it"
         );
     }
 }

@@ -5,6 +5,7 @@
 //! into steps are [`recipe`] and [`dockerfile`]; the steps and their key
 //! chain are [`steps`].
 
+pub(crate) mod context;
 pub(crate) mod dockerfile;
 pub(crate) mod recipe;
 pub(crate) mod steps;
@@ -110,6 +111,10 @@ pub(crate) struct Step {
     pub(crate) env: Vec<(String, String)>,
     pub(crate) workdir: Option<String>,
     pub(crate) seconds: Option<f64>,
+    /// Context files the build places in the machine before the script
+    /// runs (a COPY or ADD from the build context).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) copy: Option<steps::CopyPlan>,
 }
 
 /// Who wrote a line of a build's log.
@@ -167,6 +172,9 @@ pub(crate) struct Image {
     /// reference with the manifest's digest.
     #[serde(default)]
     pub(crate) pulled: Option<String>,
+    /// The build context's archive, which COPY steps read from.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) context: Option<context::ArchiveRef>,
 }
 
 impl Image {
@@ -407,10 +415,10 @@ pub(crate) enum ImageError {
     UnknownEncoding { path: String, encoding: String },
     #[error("{0}: bad mode")]
     BadMode(String),
-    /// Instruction `n` (from 1, after joining continued lines) is wrong.
-    #[error("Dockerfile instruction {n} ({op}): {problem}")]
+    /// The instruction starting on line `line` (from 1) is wrong.
+    #[error("Dockerfile line {line} ({op}): {problem}")]
     Instruction {
-        n: usize,
+        line: usize,
         op: String,
         problem: dockerfile::Problem,
     },
@@ -418,6 +426,13 @@ pub(crate) enum ImageError {
     NoFrom,
     #[error("at most {} steps", steps::MAX_STEPS)]
     TooManySteps,
+    #[error("no stage is named {0}")]
+    NoSuchTarget(String),
+    #[error(
+        "COPY and ADD may place at most {} files in one build",
+        dockerfile::MAX_COPY_ENTRIES
+    )]
+    TooManyCopies,
 }
 
 #[cfg(test)]
@@ -450,6 +465,7 @@ mod tests {
             build_seconds: None,
             build_vm: None,
             pulled: None,
+            context: None,
         }
     }
 
@@ -568,6 +584,7 @@ mod tests {
             env: Vec::new(),
             workdir: None,
             seconds: None,
+            copy: None,
         });
         assert_eq!(d.disk_key(), "k1");
         assert!(!d.is_plain_base());

@@ -6,6 +6,7 @@
 //! layer the build keeps after the step (`images/layers/<key>/`).
 
 use base64::Engine;
+use serde::{Deserialize, Serialize};
 use serde_json::json;
 
 use super::{ImageUser, Step, StepState};
@@ -67,7 +68,51 @@ impl Steps {
             env: self.state.env.clone(),
             workdir: self.state.workdir.clone(),
             seconds: None,
+            copy: None,
         });
+    }
+
+    /// A step that runs `script` after the build has placed `plan`'s
+    /// context files in the machine (as a tar cut into pieces in
+    /// `plan.dir`). The script names the plan's digest, so the key covers
+    /// the content of every file it places.
+    pub(crate) fn push_copy(&mut self, instruction: String, script: String, plan: CopyPlan) {
+        self.push(instruction, script);
+        if let Some(s) = self.steps.last_mut() {
+            s.copy = Some(plan);
+        }
+    }
+
+    /// A step that writes `data` to `path` with `mode` (or 0644), owned by
+    /// `owner` (uid, gid): COPY of an inline file or a heredoc with
+    /// `--chown` or `--chmod`.
+    pub(crate) fn file_owned(
+        &mut self,
+        path: &str,
+        data: &[u8],
+        mode: Option<u32>,
+        owner: (u32, u32),
+    ) {
+        let b64 = base64::engine::general_purpose::STANDARD.encode(data);
+        let dir = match path.rfind('/') {
+            Some(0) | None => "/",
+            Some(i) => &path[..i],
+        };
+        let script = format!(
+            "mkdir -p {d} && printf '%s' {b} | base64 -d > {p} && chmod {m:o} {p} && chown {u}:{g} {p}",
+            d = sh_quote(dir),
+            b = sh_quote(&b64),
+            p = sh_quote(path),
+            m = mode.unwrap_or(0o644),
+            u = owner.0,
+            g = owner.1,
+        );
+        let instruction = format!(
+            "COPY {path} ({} bytes, sha256 {})",
+            data.len(),
+            &sha256_hex(data)[..12]
+        );
+        self.as_root(|s| s.push(instruction, script));
     }
 
     /// A step that writes `data` to `path` (its directory made, `mode` or
@@ -114,6 +159,27 @@ impl Steps {
         self.state.user = user;
         r
     }
+}
+
+/// One thing a COPY places from the build context: the context file
+/// `src` (its `sha256`) at `dst` (relative to `/`), or a directory.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct CopyEntry {
+    pub(crate) src: String,
+    pub(crate) sha256: String,
+    pub(crate) dst: String,
+    pub(crate) mode: u32,
+    pub(crate) uid: u32,
+    pub(crate) gid: u32,
+    pub(crate) dir: bool,
+}
+
+/// What the build places before a COPY step's script runs: a tar of
+/// `entries` written into the machine in pieces, `dir/part-000000`, ….
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct CopyPlan {
+    pub(crate) dir: String,
+    pub(crate) entries: Vec<CopyEntry>,
 }
 
 /// The key of a step after `prev`.

@@ -7,6 +7,7 @@ use axum::body::Bytes;
 use axum::http::StatusCode;
 use serde_json::{json, Value};
 
+use crate::domain::image::context::{ContextRequest, MAX_DOCKERIGNORE_BYTES};
 use crate::domain::image::{valid_tag, Image, ImageState, InlineFile, LogLine, StepState};
 use crate::error::{ApiError, ApiResult};
 use crate::http::extract::{
@@ -72,18 +73,31 @@ fn parse_create(body: &[u8]) -> ApiResult<CreateImage> {
             f.issue("region", "this server has one region, local");
         }
     }
-    f.refuse(
-        "context",
-        "build contexts are not supported by this server; give small files inline in files",
-    );
-    f.refuse(
-        "target",
-        "multi-stage builds are not supported by this server",
-    );
-    f.refuse(
-        "dockerignore",
-        "build contexts are not supported by this server",
-    );
+    let context = f.raw("context").cloned().filter(|c| !c.is_null());
+    let dockerignore = f.string("dockerignore");
+    let target = f.string("target").filter(|t| !t.is_empty());
+    if dockerignore
+        .as_ref()
+        .is_some_and(|d| d.len() > MAX_DOCKERIGNORE_BYTES)
+    {
+        f.issue(
+            "dockerignore",
+            format!("at most {MAX_DOCKERIGNORE_BYTES} bytes"),
+        );
+    }
+    if (recipe.is_some() || image.is_some()) && (context.is_some() || target.is_some()) {
+        f.issue(
+            if context.is_some() {
+                "context"
+            } else {
+                "target"
+            },
+            "is for a dockerfile build, not a recipe or an image",
+        );
+    }
+    if context.is_some() && files.as_ref().is_some_and(|f| !f.is_null()) {
+        f.issue("files", "give files inline or a context, not both");
+    }
     let sources = [recipe.is_some(), dockerfile.is_some(), image.is_some()];
     if sources.iter().filter(|s| **s).count() != 1 {
         f.issue("recipe", "give exactly one of image, recipe and dockerfile");
@@ -112,6 +126,10 @@ fn parse_create(body: &[u8]) -> ApiResult<CreateImage> {
         );
     }
     f.finish()?;
+    let context = context
+        .map(|c| ContextRequest::parse(&c))
+        .transpose()
+        .map_err(|e| ApiError::invalid("context", e.to_string()))?;
     let files: Vec<InlineFile> = match &files {
         None | Some(Value::Null) => Vec::new(),
         Some(Value::Array(a)) => a
@@ -149,12 +167,15 @@ fn parse_create(body: &[u8]) -> ApiResult<CreateImage> {
         // `null` drops the image's own (a Dockerfile's CMD, a registry
         // image's config).
         start,
+        context,
+        dockerignore,
+        target,
     })
 }
 
 pub(super) async fn create(st: AppState, ctx: Ctx, body: Bytes) -> ApiResult<Reply> {
     let cmd = parse_create(&body)?;
-    let d = images::create(&st, &ctx.key, cmd)?;
+    let d = images::create(&st, &ctx.key, cmd).await?;
     Ok(Reply::Json(StatusCode::CREATED, render(&d, &[])))
 }
 
@@ -278,4 +299,36 @@ pub(super) async fn prune(st: AppState, ctx: Ctx, body: Bytes) -> ApiResult<Repl
     no_fields(&body)?;
     let p = images::prune_for(&st, &ctx.key).await?;
     Reply::ok(json!({"removedLayers": p.layers, "removedBlobs": p.blobs, "freedBytes": p.bytes}))
+}
+
+/// `POST /v1/images/context/missing` `{digests: [...]}`: `{missing: [...]}`,
+/// the caller's own chunks only.
+pub(super) async fn context_missing(st: AppState, ctx: Ctx, body: Bytes) -> ApiResult<Reply> {
+    let obj = json_object(&body)?;
+    let mut f = Fields::new(&obj);
+    let digests = f.raw("digests").cloned();
+    let digests: Vec<String> = match digests {
+        Some(Value::Array(a)) if a.iter().all(Value::is_string) => a
+            .iter()
+            .filter_map(|d| d.as_str().map(str::to_string))
+            .collect(),
+        _ => {
+            f.issue("digests", "must be a list of SHA-256 digests");
+            Vec::new()
+        }
+    };
+    f.finish()?;
+    let missing = images::context::missing(&st, &ctx.key, &digests)?;
+    Reply::ok(json!({ "missing": missing }))
+}
+
+/// `PUT /v1/images/context/{sha256}` with the chunk's raw bytes.
+pub(super) async fn context_put(
+    st: AppState,
+    ctx: Ctx,
+    sha: String,
+    body: Bytes,
+) -> ApiResult<Reply> {
+    let v = images::context::put(&st, &ctx.key, &sha, &body)?;
+    Reply::ok(v)
 }

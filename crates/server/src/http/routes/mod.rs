@@ -71,6 +71,8 @@ pub(super) async fn dispatch(st: AppState, ctx: Ctx, r: Route, body: Bytes) -> A
         Route::DeleteImage(id) => images::delete(st, ctx, id).await,
         Route::ImageAction(id, verb) => images::action(st, ctx, id, verb, body).await,
         Route::PruneImages => images::prune(st, ctx, body).await,
+        Route::ContextMissing => images::context_missing(st, ctx, body).await,
+        Route::ContextPut(sha) => images::context_put(st, ctx, sha, body).await,
         Route::CreateVolume => volumes::create(st, ctx, body).await,
         Route::ListVolumes => volumes::list(st, ctx).await,
         Route::GetVolume(id) => volumes::get(st, ctx, id).await,

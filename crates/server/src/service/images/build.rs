@@ -8,7 +8,9 @@ use std::time::{Duration, Instant};
 
 use runtime_host::{ExecEvent, ExecSpec, HostError, RunAs};
 
+use super::context;
 use super::layers::{self, LayerError};
+use crate::domain::image::context::ContextError;
 use crate::domain::image::steps::{self, StepEnd, StepOutput};
 use crate::domain::image::{tags_on_ready, Image, ImageState, LogStream, Step, StepState};
 use crate::domain::time::iso;
@@ -43,6 +45,12 @@ pub(super) enum BuildError {
         instruction: String,
         end: StepEnd,
         tail: String,
+    },
+    #[error("step {n} ({instruction}): placing its files failed: {cause}")]
+    Place {
+        n: usize,
+        instruction: String,
+        cause: context::PlaceError,
     },
     #[error("step {n}: keeping its disk failed: {cause}")]
     KeepDisk { n: usize, cause: HostError },
@@ -332,7 +340,7 @@ async fn run_build(
             .await
             .map_err(BuildError::MachineStart)?;
         while let Some(s) = d.steps.get(from) {
-            run_step(st, id, &vm, s).await?;
+            run_step(st, &d, &vm, s).await?;
             from += 1;
         }
         Ok(())
@@ -346,12 +354,33 @@ async fn run_build(
     result
 }
 
-async fn run_step(st: &AppState, id: &str, vm: &str, s: &Step) -> Result<(), BuildError> {
+async fn run_step(st: &AppState, d: &Image, vm: &str, s: &Step) -> Result<(), BuildError> {
+    let id = d.id.as_str();
     let started = Instant::now();
     let n = s.index + 1;
     update_step(st, id, s.index, |s| s.state = StepState::Running);
     log(st, id, Some(s.index), LogStream::System, &s.instruction);
-    let script = format!("set -e\n{}\nsync", s.script.as_deref().unwrap_or("true"));
+    if let Some(plan) = &s.copy {
+        let archive = d.context.as_ref().ok_or_else(|| BuildError::Place {
+            n,
+            instruction: s.instruction.clone(),
+            cause: context::PlaceError::Context(ContextError::Missing(Vec::new())),
+        })?;
+        context::place(st, &d.key_id, archive, plan, vm)
+            .await
+            .map_err(|cause| BuildError::Place {
+                n,
+                instruction: s.instruction.clone(),
+                cause,
+            })?;
+    }
+    // In a subshell: its status is its last command's, so a failing `a &&
+    // b` at the end fails the step (after `set -e` alone, bash would go on
+    // to `sync` and succeed).
+    let script = format!(
+        "(\nset -e\n{}\n) && sync",
+        s.script.as_deref().unwrap_or("true")
+    );
     let mut env = s.env.clone();
     env.push(("DEBIAN_FRONTEND".into(), "noninteractive".into()));
     let spec = ExecSpec {

@@ -12,6 +12,7 @@
 //! boots (or restores its own template) on the last layer.
 
 mod build;
+pub(crate) mod context;
 mod follow;
 mod layers;
 mod prune;
@@ -26,10 +27,11 @@ use runtime_host::RunAs;
 use serde_json::{json, Value};
 
 use crate::domain::access::{visible, KeyInfo};
+use crate::domain::image::context::{ContextRequest, Ignore};
 use crate::domain::image::steps::{self, BuildState, Steps};
 use crate::domain::image::{
-    dockerfile, recipe, start_argv, Image, ImageError, ImageRef, ImageState, ImageUser, InlineFile,
-    LogLine, Source,
+    context as ctx, dockerfile, recipe, start_argv, Image, ImageError, ImageRef, ImageState,
+    ImageUser, InlineFile, LogLine, Source,
 };
 use crate::domain::time::iso;
 use crate::error::{ApiError, ApiResult};
@@ -63,6 +65,12 @@ pub(crate) struct CreateImage {
     /// Wins over a Dockerfile's `CMD`/`ENTRYPOINT` and a registry image's
     /// config; `null` drops those.
     pub(crate) start: Option<Value>,
+    /// The uploaded build context a Dockerfile's COPY reads.
+    pub(crate) context: Option<ContextRequest>,
+    /// Its `.dockerignore` (applied again here).
+    pub(crate) dockerignore: Option<String>,
+    /// The stage to build.
+    pub(crate) target: Option<String>,
 }
 
 /// An image as answered: its record and its log.
@@ -276,13 +284,19 @@ fn base_of(st: &AppState, key: &KeyInfo, r: Option<&str>, field: &str) -> ApiRes
         }
         // An id that is not ours stays a 404, not a pull of a repository
         // named like it.
-        Err(e @ ApiError::NotFound { .. }) if uuid::Uuid::parse_str(r).is_ok() => Err(e),
-        Err(ApiError::NotFound { .. }) => Reference::parse(r).map(BaseOf::Registry).map_err(|e| {
-            ApiError::invalid(
-                field,
-                format!("{r} is neither one of your images nor a registry reference: {e}"),
-            )
-        }),
+        Err(e @ (ApiError::NotFound { .. } | ApiError::Missing { .. }))
+            if uuid::Uuid::parse_str(r).is_ok() =>
+        {
+            Err(e)
+        }
+        Err(ApiError::NotFound { .. } | ApiError::Missing { .. }) => {
+            Reference::parse(r).map(BaseOf::Registry).map_err(|e| {
+                ApiError::invalid(
+                    field,
+                    format!("{r} is neither one of your images nor a registry reference: {e}"),
+                )
+            })
+        }
         Err(e) => Err(e),
     }
 }
@@ -306,7 +320,10 @@ pub(super) fn plan(
     cmd: &PlanInput,
     inherited: Option<Value>,
 ) -> ApiResult<Plan> {
-    let invalid_dockerfile = |e: ImageError| ApiError::invalid("dockerfile", e.to_string());
+    let invalid_dockerfile = |e: ImageError| match e {
+        ImageError::NoSuchTarget(_) => ApiError::invalid("target", e.to_string()),
+        e => ApiError::invalid("dockerfile", e.to_string()),
+    };
     let mut b = Steps::new(base_key, state);
     for (k, v) in &cmd.env {
         b.state.set_env(k, v);
@@ -314,8 +331,13 @@ pub(super) fn plan(
     let mut start = cmd.start.clone();
     let source = match source {
         BuildSource::Dockerfile(text) => {
-            let parsed = dockerfile::parse(&mut b, text, &cmd.files, &cmd.build_args)
-                .map_err(invalid_dockerfile)?;
+            let inputs = dockerfile::Inputs {
+                files: &cmd.files,
+                context: cmd.context.as_ref(),
+                args: &cmd.build_args,
+                target: cmd.target.as_deref(),
+            };
+            let parsed = dockerfile::parse(&mut b, text, inputs).map_err(invalid_dockerfile)?;
             start = start.or(parsed.start);
             Source::Dockerfile
         }
@@ -347,6 +369,9 @@ pub(super) struct PlanInput {
     pub(super) build_args: Vec<(String, String)>,
     pub(super) env: Vec<(String, String)>,
     pub(super) start: Option<Value>,
+    /// The uploaded context (`.dockerignore` applied) COPY reads.
+    pub(super) context: Option<ctx::Manifest>,
+    pub(super) target: Option<String>,
 }
 
 /// A registry base the build pulls first, then reads its steps again on.
@@ -397,8 +422,32 @@ pub(super) fn registry_state(c: &runtime_host::oci::RunConfig) -> (BuildState, O
 
 /// Reads the build into steps on its base, keeps the image (`queued`, the
 /// next version of its name) and starts building it in the background.
-pub(crate) fn create(st: &AppState, key: &KeyInfo, cmd: CreateImage) -> ApiResult<Image> {
-    let invalid_dockerfile = |e: ImageError| ApiError::invalid("dockerfile", e.to_string());
+pub(crate) async fn create(st: &AppState, key: &KeyInfo, cmd: CreateImage) -> ApiResult<Image> {
+    let invalid_dockerfile = |e: ImageError| match e {
+        ImageError::NoSuchTarget(_) => ApiError::invalid("target", e.to_string()),
+        e => ApiError::invalid("dockerfile", e.to_string()),
+    };
+    // The context first: every chunk there, the archive whole and as listed.
+    let manifest = match &cmd.context {
+        Some(c) => {
+            let mut m = context::manifest(st, &key.id, &c.archive)
+                .await
+                .map_err(|e| ApiError::invalid("context", e.to_string()))?;
+            ctx::check_listed(&m, &c.files)
+                .map_err(|e| ApiError::invalid("context", e.to_string()))?;
+            if let Some(text) = &cmd.dockerignore {
+                m.ignore(&Ignore::parse(text));
+            }
+            Some(m)
+        }
+        None => None,
+    };
+    let inputs = dockerfile::Inputs {
+        files: &cmd.files,
+        context: manifest.as_ref(),
+        args: &cmd.build_args,
+        target: cmd.target.as_deref(),
+    };
     // The base first: its key starts the chain and its state carries over.
     let (base_ref, field) = match &cmd.source {
         BuildSource::Recipe(r) => (recipe::base(r), "recipe"),
@@ -412,7 +461,7 @@ pub(crate) fn create(st: &AppState, key: &KeyInfo, cmd: CreateImage) -> ApiResul
                     user: ImageUser::Root,
                 },
             );
-            let base = dockerfile::parse(&mut probe, text, &cmd.files, &cmd.build_args)
+            let base = dockerfile::parse(&mut probe, text, inputs)
                 .map_err(invalid_dockerfile)?
                 .base;
             (base, "dockerfile")
@@ -424,6 +473,8 @@ pub(crate) fn create(st: &AppState, key: &KeyInfo, cmd: CreateImage) -> ApiResul
         build_args: cmd.build_args.clone(),
         env: cmd.env.clone(),
         start: cmd.start.clone(),
+        context: manifest.clone(),
+        target: cmd.target.clone(),
     };
     let mut pending = None;
     let (base_key, base_id, state, inherited) = match base_of(st, key, base_ref.as_deref(), field)?
@@ -498,6 +549,7 @@ pub(crate) fn create(st: &AppState, key: &KeyInfo, cmd: CreateImage) -> ApiResul
         build_seconds: None,
         build_vm: None,
         pulled: pending.as_ref().map(Reference::canonical),
+        context: cmd.context.map(|c| c.archive),
     };
     {
         // Not while a prune removes layers this build may start on.
@@ -691,6 +743,8 @@ mod tests {
             build_args: Vec::new(),
             env: Vec::new(),
             start,
+            context: None,
+            target: None,
         };
         let (state, inherited) = registry_state(&config(None));
         let source = BuildSource::Image("x".into());
