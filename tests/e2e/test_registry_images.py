@@ -5,7 +5,9 @@ boot with the image's env, workdir, user and start command; `FROM <ref>`
 goes on with a RUN; an index gives its amd64 image; gzip and zstd layers,
 whiteouts and opaque directories apply; a second build reuses the blob
 cache and the unpacked layer; unknown references and corrupt blobs fail
-clearly and leave nothing half-made."""
+clearly and leave nothing half-made. The drop-ins that build an image for
+every create work against it as Docker Hub's mirror: Prime's `docker_image`
+and Modal's `Image.debian_slim()`."""
 from __future__ import annotations
 
 import os
@@ -248,3 +250,51 @@ def test_a_private_image_pulls_with_the_keys_credentials():
         srv.kill_leftover_qemu()
         regs.close()
         shutil.rmtree(root, ignore_errors=True)
+
+
+def _publish_slim(reg, tag: str) -> None:
+    """A small image under Docker Hub's `python` name on the mirror, as the
+    drop-ins ask for it (bash and busybox; no Python: the flows below need
+    none)."""
+    reg.image("library/python", tag, [(base_layer().bytes(), "gzip")],
+              {"Env": ["PATH=/usr/local/bin:/usr/bin:/bin", "FROM_IMAGE=" + tag], "Cmd": ["bash"]})
+
+
+def test_the_prime_drop_in_creates_from_a_docker_image(env, rt):
+    from withruntime.prime import CreateSandboxRequest, SandboxClient
+    _, reg, _ = env
+    _publish_slim(reg, "3.11-slim")
+    client = SandboxClient(rt)
+    created = client.create(CreateSandboxRequest(name="prime-e2e", docker_image="python:3.11-slim",
+                                                 disk_size_gb=3, environment_vars={"WHO": "prime"}))
+    try:
+        client.wait_for_creation(created.id)
+        out = client.execute_command(created.id, "echo $FROM_IMAGE $WHO; cat /srv/app/keep-me")
+        assert out.exit_code == 0, out
+        assert out.stdout == "3.11-slim prime\nkept\n", out
+        # Built as the Dockerfile the drop-in writes, on the pulled image.
+        image = rt.images.get(rt.sandboxes.get(created.id).info["image"])
+        assert "library/python" in image["pulled"] and "@sha256:" in image["pulled"], image
+        assert image["source"] == "dockerfile", image
+    finally:
+        client.delete(created.id)
+
+
+def test_the_modal_drop_in_builds_debian_slim_for_a_create(env, rt):
+    from withruntime import modal
+    _, reg, _ = env
+    _publish_slim(reg, "3.11-slim-bookworm")
+    lines = []
+    image = modal.Image.debian_slim(python_version="3.11")
+    app = modal.App.lookup("e2e-modal", create_if_missing=True, client=rt)
+    sb = modal.Sandbox.create(app=app, image=image, client=rt, env={"WHO": "modal"})
+    try:
+        process = sb.exec("bash", "-c", "echo $FROM_IMAGE $WHO $(id -u)")
+        process.wait()
+        assert process.returncode == 0
+        assert process.stdout.read() == "3.11-slim-bookworm modal 0\n"
+    finally:
+        sb.terminate()
+    # Its image was built from the Dockerfile Modal writes, on the pulled base.
+    pulled = [i["pulled"] for i in rt.images.list().data if i.get("source") == "dockerfile" and i.get("pulled")]
+    assert any("library/python" in p for p in pulled), pulled
