@@ -321,20 +321,13 @@ async fn document(
     if !status.is_success() {
         let body = client::read_small(resp, &url).await.unwrap_or_default();
         let answer = format!("{} {}", status.as_u16(), error_text(&body));
-        return Err(match status.as_u16() {
-            404 => PullError::NotFound {
-                reference: canonical.to_string(),
-                answer,
-            },
-            401 | 403 => PullError::Denied {
-                registry: r.registry.clone(),
-                answer,
-            },
-            _ => PullError::Registry {
-                reference: canonical.to_string(),
-                answer,
-            },
-        });
+        return Err(refusal(
+            status.as_u16(),
+            &r.registry,
+            canonical.to_string(),
+            canonical.to_string(),
+            answer,
+        ));
     }
     let body = read_limited(resp, &url, MAX_DOCUMENT).await?;
     let digest = sha256_digest(&body);
@@ -379,20 +372,13 @@ async fn blob(
     if !status.is_success() {
         let body = client::read_small(resp, &url).await.unwrap_or_default();
         let answer = format!("{} {}", status.as_u16(), error_text(&body));
-        return Err(match status.as_u16() {
-            404 => PullError::NotFound {
-                reference: format!("{} blob {}", r.canonical(), d.digest),
-                answer,
-            },
-            401 | 403 => PullError::Denied {
-                registry: r.registry.clone(),
-                answer,
-            },
-            _ => PullError::Registry {
-                reference: r.canonical(),
-                answer,
-            },
-        });
+        return Err(refusal(
+            status.as_u16(),
+            &r.registry,
+            format!("{} blob {}", r.canonical(), d.digest),
+            r.canonical(),
+            answer,
+        ));
     }
     let nanos = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -584,6 +570,29 @@ pub async fn decompress(l: &PulledLayer, out: &Path, max: u64) -> Result<u64, Pu
     }
     dst.flush().await.map_err(io("writing a layer"))?;
     Ok(written)
+}
+
+/// A registry's refusal (`status`, its `answer`) as an error: a 404 names
+/// what was asked for (`missing`), a 401 or 403 the registry, anything
+/// else the image's `reference`.
+fn refusal(
+    status: u16,
+    registry: &str,
+    missing: String,
+    reference: String,
+    answer: String,
+) -> PullError {
+    match status {
+        404 => PullError::NotFound {
+            reference: missing,
+            answer,
+        },
+        401 | 403 => PullError::Denied {
+            registry: registry.to_string(),
+            answer,
+        },
+        _ => PullError::Registry { reference, answer },
+    }
 }
 
 #[cfg(test)]
