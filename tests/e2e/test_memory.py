@@ -311,3 +311,38 @@ def server_get(server, sandbox_id: str) -> dict:
                                  headers={"Authorization": f"Bearer {server.admin_key()}"})
     with urllib.request.urlopen(req, timeout=60) as r:
         return json.loads(r.read())
+
+
+def clock_lag(sbx) -> tuple[float, float]:
+    """How far the guest's clock is behind the host's (seconds), and the
+    uncertainty of that reading (half the exec's round trip)."""
+    before = time.time()
+    r = sbx.exec("date +%s.%N")
+    after = time.time()
+    assert r.exit_code == 0, r
+    return (before + after) / 2 - float(r.stdout), (after - before) / 2
+
+
+def assert_clock_right(sbx, when: str) -> None:
+    lag, slack = clock_lag(sbx)
+    assert abs(lag) <= 1.0 + slack, f"{when}: the guest's clock is {lag:.3f} s behind the host's"
+
+
+def test_the_clock_is_right_after_a_minute_paused_and_after_a_snapshot(server, runtime, mem_sbx):
+    sbx = mem_sbx
+    assert_clock_right(sbx, "after the create")
+    sbx.pause()
+    time.sleep(60)
+    sbx.wake()
+    assert_clock_right(sbx, "after a minute paused")
+    # A snapshot stops the vCPUs while it copies the memory and the disk
+    # (made bigger here, so the stop is long enough to show).
+    assert sbx.exec("dd if=/dev/zero of=/workspace/fill bs=1M count=256 status=none && sync",
+                    timeout_ms=120_000).exit_code == 0
+    snap = sbx.snapshot(name="e2e-clock")
+    try:
+        assert_clock_right(sbx, "after a snapshot of the running sandbox")
+        with Sandbox.create(snapshot=snap["id"]) as restored:
+            assert_clock_right(restored, "in a sandbox made from the snapshot")
+    finally:
+        runtime.snapshots.delete(snap["id"])

@@ -107,3 +107,65 @@ def test_json_logs_carry_the_request_id_of_the_answer(json_logs):
     answered = [r for r in mine if r["message"] == "answered"]
     assert answered and answered[0]["status"] == 404, mine
     assert answered[0]["span"]["path"] == "/v1/sandboxes/sbx_not_here"
+
+
+@pytest.fixture(scope="module")
+def inspected():
+    """A server whose guests trust its test servers' CA (`--guest-ca`), as
+    an operator behind a TLS-inspecting proxy gives that proxy's CA."""
+    root = Path(tempfile.mkdtemp(prefix="runtime-e2e-guest-ca-"))
+    os.chmod(root, 0o711)
+    srv = Server(root)
+    # A key and a comment beside the certificate: only the certificate goes in.
+    bundle = root / "operator-ca.pem"
+    bundle.write_text("# the inspecting proxy's CA\n" + srv.egress.ca_pem.read_text()
+                      + (srv.egress.root / "ca.key").read_text())
+    srv.extra_args += ["--guest-ca", str(bundle)]
+    srv.start()
+    try:
+        yield srv
+    finally:
+        srv.delete_all_sandboxes()
+        srv.stop()
+        srv.egress.close()
+        srv.kill_leftover_qemu()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+# HTTPS to a test server whose certificate only the test CA signs; no -k.
+VERIFIED = "curl -sS --max-time 60 https://example.com/echo/tls"
+
+
+def test_guest_ca_is_trusted_in_the_sandboxes_of_the_server_given_it(server, sbx, inspected):
+    from withruntime import Runtime
+
+    # Without --guest-ca the test servers' certificate is nobody's.
+    r = sbx.exec(VERIFIED, timeout_ms=120_000)
+    assert r.exit_code != 0 and "certificate" in r.stderr, r
+    with Runtime(api_key=inspected.admin_key(), base_url=inspected.url) as rt:
+        s = rt.sandboxes.create(memory_mib=512)
+        try:
+            r = s.exec(VERIFIED, timeout_ms=120_000)
+            assert r.exit_code == 0 and json.loads(r.stdout)["host"] == "example.com", r
+            # Node reads NODE_EXTRA_CA_CERTS: the sandbox's CA and the operator's.
+            r = s.exec("node -e \"fetch('https://example.com/echo/node').then(r => r.json())"
+                       ".then(j => console.log(j.path))\"", timeout_ms=120_000)
+            assert r.exit_code == 0 and r.stdout.strip() == "/echo/node", r
+            bundle = s.exec("cat \"$NODE_EXTRA_CA_CERTS\"").stdout
+            assert bundle.count("BEGIN CERTIFICATE") == 2 and "PRIVATE KEY" not in bundle, bundle
+            assert "the inspecting proxy" not in bundle
+        finally:
+            s.delete()
+
+
+def test_a_guest_ca_file_without_a_certificate_stops_the_server(tmp_path):
+    bad = tmp_path / "bad.pem"
+    bad.write_text("not a certificate\n")
+    srv = Server(tmp_path / "srv", ("--guest-ca", str(bad)))
+    try:
+        with pytest.raises(RuntimeError) as failed:
+            srv.start()
+        assert "--guest-ca" in str(failed.value) and "holds no PEM certificate" in str(failed.value), failed.value
+    finally:
+        srv.stop()
+        srv.egress.close()

@@ -140,6 +140,12 @@ struct NetArgs {
         default_value_t = 4096
     )]
     egress_max_connections: usize,
+    /// An address that reaches this server from outside though none of
+    /// its interfaces carries it (a public IP NATed to it, a load
+    /// balancer): sandboxes may not connect to it, as to the server's own
+    /// addresses. Repeatable.
+    #[arg(long = "egress-deny-self", value_name = "IP")]
+    egress_deny_self: Vec<std::net::IpAddr>,
     /// Serve HTTPS (the API and the previews) with this PEM certificate
     /// chain; give a wildcard for `*.<preview domain>` to cover previews.
     #[arg(long, value_name = "PEM", requires = "tls_key")]
@@ -170,6 +176,11 @@ struct NetArgs {
     /// (`host[:port]`), for labs and tests. Repeatable.
     #[arg(long = "registry-insecure", value_name = "HOST[:PORT]")]
     registry_insecure: Vec<String>,
+    /// A PEM file of CA certificates every sandbox trusts beside the public
+    /// ones (for outbound traffic that passes a TLS-inspecting proxy).
+    /// Repeatable; off by default.
+    #[arg(long = "guest-ca", value_name = "PEM")]
+    guest_ca: Vec<PathBuf>,
 }
 
 impl NetArgs {
@@ -199,6 +210,9 @@ impl NetArgs {
             );
             c.registry_insecure.push(h.to_ascii_lowercase());
         }
+        for path in &self.guest_ca {
+            c.guest_cas.push_str(&guest_ca(path)?);
+        }
         c.test_crash_at = self.test_crash_at.clone();
         if let Some(p) = &self.test_crash_at {
             eprintln!("runtime: WARNING: test-only crash point {p} is set (--test-crash-at)");
@@ -217,6 +231,11 @@ impl NetArgs {
             e.max_connections > 0,
             "--egress-max-connections must be at least 1"
         );
+        e.deny_self = self
+            .egress_deny_self
+            .iter()
+            .map(|ip| ip.to_canonical())
+            .collect();
         for m in &self.egress_test_map {
             let (name, addr) = m
                 .split_once('=')
@@ -238,6 +257,40 @@ impl NetArgs {
         }
         Ok(e)
     }
+}
+
+/// The certificates of a `--guest-ca` file, each checked to be one a
+/// TLS client can trust, as PEM again (nothing else of the file reaches a
+/// guest).
+fn guest_ca(path: &std::path::Path) -> anyhow::Result<String> {
+    use base64::Engine;
+    let pem = std::fs::read_to_string(path)
+        .with_context(|| format!("--guest-ca: reading {}", path.display()))?;
+    let ders = pem_certificates(&pem);
+    anyhow::ensure!(
+        !ders.is_empty(),
+        "--guest-ca {}: holds no PEM certificate",
+        path.display()
+    );
+    let mut out = String::new();
+    for (i, der) in ders.into_iter().enumerate() {
+        let mut roots = rustls::RootCertStore::empty();
+        roots.add(der.clone().into()).map_err(|e| {
+            anyhow::anyhow!(
+                "--guest-ca {}: certificate {} is not usable: {e}",
+                path.display(),
+                i + 1
+            )
+        })?;
+        let b64 = base64::engine::general_purpose::STANDARD.encode(&der);
+        out.push_str("-----BEGIN CERTIFICATE-----\n");
+        for line in b64.as_bytes().chunks(64) {
+            out.push_str(std::str::from_utf8(line).unwrap_or_default());
+            out.push('\n');
+        }
+        out.push_str("-----END CERTIFICATE-----\n");
+    }
+    Ok(out)
 }
 
 /// The DER of each `CERTIFICATE` block of a PEM text.
@@ -790,5 +843,48 @@ fn main() -> anyhow::Result<()> {
             );
             Ok(())
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn file(dir: &std::path::Path, name: &str, text: &str) -> PathBuf {
+        let p = dir.join(name);
+        std::fs::write(&p, text).unwrap();
+        p
+    }
+
+    #[test]
+    fn a_guest_ca_file_gives_its_certificates_as_pem_and_nothing_else() {
+        let dir = std::env::temp_dir().join(format!("guest-ca-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let (a, b) = (
+            runtime_egress::SandboxCa::generate().unwrap(),
+            runtime_egress::SandboxCa::generate().unwrap(),
+        );
+        let text = format!(
+            "# a comment\n{}{}-----BEGIN PRIVATE KEY-----\nAAAA\n-----END PRIVATE KEY-----\n",
+            a.cert_pem(),
+            b.cert_pem()
+        );
+        let got = guest_ca(&file(&dir, "two.pem", &text)).unwrap();
+        let ders = pem_certificates(&got);
+        assert_eq!(
+            ders,
+            vec![a.cert_der().to_vec(), b.cert_der().to_vec()],
+            "{got}"
+        );
+        assert!(!got.contains("PRIVATE KEY") && !got.contains("comment"), "{got}");
+
+        let none = guest_ca(&file(&dir, "none.pem", "not a certificate\n")).unwrap_err();
+        assert!(none.to_string().contains("holds no PEM certificate"), "{none}");
+        let junk = "-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n";
+        let bad = guest_ca(&file(&dir, "junk.pem", junk)).unwrap_err();
+        assert!(bad.to_string().contains("certificate 1 is not usable"), "{bad}");
+        let missing = guest_ca(&dir.join("missing.pem")).unwrap_err();
+        assert!(missing.to_string().contains("reading"), "{missing}");
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -163,6 +163,43 @@ impl<R: AsyncRead + Unpin> AsyncRead for Watched<R> {
     }
 }
 
+/// The addresses that are this host, which no sandbox may reach: its
+/// interfaces' (read again at most every [`OwnAddrs::REFRESH`], so
+/// addresses that come later, IPv6 temporary ones for one, are refused
+/// too) and the operator's (`deny_self`: a public address in front of the
+/// host that no interface carries).
+pub(crate) struct OwnAddrs {
+    fixed: Vec<std::net::IpAddr>,
+    now: std::sync::Mutex<(std::time::Instant, Vec<std::net::IpAddr>)>,
+}
+
+impl OwnAddrs {
+    pub(crate) const REFRESH: std::time::Duration = std::time::Duration::from_secs(30);
+
+    pub(crate) fn new(fixed: Vec<std::net::IpAddr>) -> Self {
+        let now = Self::read(&fixed);
+        Self {
+            fixed,
+            now: std::sync::Mutex::new((std::time::Instant::now(), now)),
+        }
+    }
+
+    fn read(fixed: &[std::net::IpAddr]) -> Vec<std::net::IpAddr> {
+        let mut all = interface_addrs();
+        all.extend_from_slice(fixed);
+        all
+    }
+
+    /// The list now (a copy: it is short).
+    pub(crate) fn get(&self) -> Vec<std::net::IpAddr> {
+        let mut now = self.now.lock().unwrap_or_else(|p| p.into_inner());
+        if now.0.elapsed() >= Self::REFRESH {
+            *now = (std::time::Instant::now(), Self::read(&self.fixed));
+        }
+        now.1.clone()
+    }
+}
+
 /// The host's own interface addresses, which no sandbox may reach.
 pub(crate) fn interface_addrs() -> Vec<std::net::IpAddr> {
     use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
@@ -234,5 +271,19 @@ mod tests {
     #[test]
     fn finds_loopback_interface() {
         assert!(interface_addrs().iter().any(|a| a.is_loopback()));
+    }
+
+    #[test]
+    fn own_addresses_hold_the_interfaces_and_the_operators() {
+        let public: std::net::IpAddr = "203.0.113.7".parse().unwrap();
+        let own = OwnAddrs::new(vec![public]);
+        let got = own.get();
+        assert!(got.contains(&public), "{got:?}");
+        assert!(got.iter().any(|a| a.is_loopback()), "{got:?}");
+        // Read again once the refresh is due.
+        own.now.lock().unwrap().0 -= OwnAddrs::REFRESH;
+        own.now.lock().unwrap().1.clear();
+        let again = own.get();
+        assert!(again.contains(&public) && again.iter().any(|a| a.is_loopback()), "{again:?}");
     }
 }

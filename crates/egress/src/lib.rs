@@ -67,6 +67,10 @@ pub struct EgressConfig {
     /// Most DNS lookups one sandbox may have in flight; more wait for a
     /// slot within `connect_timeout`.
     pub max_lookups_per_sandbox: usize,
+    /// Addresses that reach this host from outside though no interface
+    /// carries them (a public address NATed to it, a load balancer in
+    /// front of it): refused like its own (`--egress-deny-self`).
+    pub deny_self: Vec<IpAddr>,
 }
 
 impl Default for EgressConfig {
@@ -81,6 +85,7 @@ impl Default for EgressConfig {
             max_connections: 4096,
             max_connections_per_sandbox: 256,
             max_lookups_per_sandbox: 16,
+            deny_self: Vec::new(),
         }
     }
 }
@@ -115,7 +120,7 @@ impl Egress {
                 None
             }
         };
-        let own: Vec<IpAddr> = io::interface_addrs();
+        let own = io::OwnAddrs::new(cfg.deny_self.clone());
         let limits = limits::Limits::new(cfg.max_connections, cfg.max_connections_per_sandbox);
         let dns = dns::Dns::system(cfg.connect_timeout, cfg.max_lookups_per_sandbox);
         Self {

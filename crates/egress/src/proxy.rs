@@ -35,7 +35,7 @@ type Body = BoxBody<Bytes, hyper::Error>;
 pub(crate) struct Inner {
     pub cfg: EgressConfig,
     pub client_tls: Option<Arc<rustls::ClientConfig>>,
-    pub own: Vec<IpAddr>,
+    pub own: crate::io::OwnAddrs,
     pub limits: Limits,
     pub dns: Dns,
 }
@@ -171,8 +171,9 @@ impl Inner {
         };
         // Refuse what no address could admit before asking any resolver, so
         // a refused name never leaves the host as a DNS query either.
+        let own = self.own.get();
         let base = Special {
-            own: self.own.clone(),
+            own: own.clone(),
             exempt: Vec::new(),
         };
         let pre = net.policy.borrow().clone();
@@ -193,10 +194,7 @@ impl Inner {
             tracing::debug!(sandbox_id = id, target = %host, port, decision = "failed", reason = "resolve");
             OpenError::Resolve
         })?;
-        let special = Special {
-            own: self.own.clone(),
-            exempt,
-        };
+        let special = Special { own, exempt };
         let addrs: Vec<IpAddr> = candidates.iter().map(|(ip, _)| *ip).collect();
         // The policy may have changed while resolving: decide on the newest.
         let policy = net.policy.borrow().clone();

@@ -566,3 +566,28 @@ async fn random_bytes_never_panic_or_hang() {
         assert!(matches!(joined, Ok(Ok(()))), "case {case}: {bytes:?}");
     }
 }
+
+#[tokio::test]
+async fn an_address_the_operator_names_as_this_host_is_refused_like_its_own() {
+    // A public address (no interface here carries it), named by
+    // `--egress-deny-self`: refused before any connection is tried, with
+    // the reason of the host's own addresses; another public address is
+    // not refused by the rules (it then fails to connect, as nothing is
+    // reachable here, which answers 502 and not 403).
+    let sbx = Sandbox::new(
+        EgressConfig {
+            deny_self: vec!["198.51.100.7".parse().unwrap()],
+            connect_timeout: Duration::from_secs(2),
+            ..EgressConfig::default()
+        },
+        Policy::open(),
+    );
+    let (a, _) = connect(&sbx, "198.51.100.7:443").await.unwrap();
+    assert_eq!(a.status, 403, "{a:?}");
+    assert_eq!(
+        a.header("x-runtime-egress").as_deref(),
+        Some("address-not-allowed")
+    );
+    let (b, _) = connect(&sbx, "198.51.100.8:443").await.unwrap();
+    assert_ne!(b.status, 403, "{b:?}");
+}

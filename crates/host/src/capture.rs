@@ -11,6 +11,7 @@ use runtime_proto::Request;
 use serde_json::json;
 
 use crate::disks::copy_sparse;
+use crate::guest_setup::set_clock;
 use std::sync::Arc;
 
 use crate::machine::{QemuHost, Vm};
@@ -131,8 +132,15 @@ impl QemuHost {
             .await
             .map_err(qerr)?;
         q.execute("cont", json!({})).await.map_err(qerr)?;
-        if let Some(l) = vm.link.lock().await.as_ref() {
+        let link = vm.link.lock().await.clone();
+        if let Some(l) = link {
             l.release();
+            // Its clock stood still while it was stopped.
+            match tokio::time::timeout(Duration::from_secs(10), set_clock(&l)).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => tracing::warn!(sandbox_id = id, error = %e, "setting the clock after a capture"),
+                Err(_) => tracing::warn!(sandbox_id = id, "setting the clock after a capture: no answer"),
+            }
         }
         Ok(())
     }

@@ -118,23 +118,44 @@ pub(crate) async fn setup(
     hostname: &str,
     ca_pem: Option<&str>,
 ) -> Result<(), LinkError> {
-    let now = std::time::SystemTime::now()
+    link.call(&Request::Setup {
+        hostname: hostname.to_owned(),
+        unix_time_ms: now_ms(),
+        entropy: fresh_entropy(),
+        ca_pem: ca_pem.map(str::to_owned),
+    })
+    .await?;
+    Ok(())
+}
+
+/// Sets the guest's clock to the host's (and stirs its entropy), keeping
+/// its hostname and CA: for a machine that ran on after its vCPUs were
+/// stopped (a capture), whose clock stood still meanwhile.
+pub(crate) async fn set_clock(link: &Link) -> Result<(), LinkError> {
+    link.call(&Request::Setup {
+        hostname: String::new(),
+        unix_time_ms: now_ms(),
+        entropy: fresh_entropy(),
+        ca_pem: None,
+    })
+    .await?;
+    Ok(())
+}
+
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_millis() as u64)
-        .unwrap_or(0);
+        .unwrap_or(0)
+}
+
+fn fresh_entropy() -> Vec<u8> {
     let mut entropy = vec![0u8; 64];
     if let Ok(mut f) = std::fs::File::open("/dev/urandom") {
         use std::io::Read;
         let _ = f.read_exact(&mut entropy);
     }
-    link.call(&Request::Setup {
-        hostname: hostname.to_owned(),
-        unix_time_ms: now,
-        entropy,
-        ca_pem: ca_pem.map(str::to_owned),
-    })
-    .await?;
-    Ok(())
+    entropy
 }
 
 #[cfg(test)]

@@ -40,6 +40,8 @@ struct Orphans {
 
 /// What is kept for streams not taken up (the oldest beyond it is dropped).
 const ORPHAN_BYTES: usize = 4 << 20;
+/// At most one warning about a guest's undecodable bytes per this long.
+const WARN_EVERY: Duration = Duration::from_secs(10);
 
 /// What an orphan frame costs beyond its payload (its place in the map).
 const ORPHAN_OVERHEAD: usize = 128;
@@ -283,6 +285,9 @@ impl Link {
         tokio::spawn(async move {
             let mut dec = Decoder::new();
             let mut buf = vec![0u8; 64 * 1024];
+            // A guest sending garbage would get one warning per read: at
+            // most one per WARN_EVERY, with the count of the others.
+            let (mut warned_at, mut unsaid) = (None::<std::time::Instant>, 0u64);
             loop {
                 let n = tokio::select! {
                     _ = closed_r.cancelled() => break,
@@ -294,7 +299,12 @@ impl Link {
                         Ok(Some(f)) => f,
                         Ok(None) => break,
                         Err(error) => {
-                            tracing::warn!(%error, "agent stream out of sync; dropping buffered bytes");
+                            if warned_at.is_none_or(|t| t.elapsed() >= WARN_EVERY) {
+                                tracing::warn!(%error, since_last = unsaid, "agent stream out of sync; dropping buffered bytes");
+                                (warned_at, unsaid) = (Some(std::time::Instant::now()), 0);
+                            } else {
+                                unsaid += 1;
+                            }
                             dec = Decoder::new();
                             break;
                         }

@@ -89,9 +89,14 @@ pub fn encode(frame: &Frame, out: &mut Vec<u8>) {
 }
 
 /// Incremental decoder: feed bytes as they arrive, take whole frames out.
+/// Frames taken leave the buffer at the next [`Decoder::feed`], once per
+/// read rather than once per frame (a stream of tiny frames would
+/// otherwise move the rest of the buffer for each one).
 #[derive(Default)]
 pub struct Decoder {
     buf: Vec<u8>,
+    /// Where the next frame starts in `buf`.
+    start: usize,
 }
 
 impl Decoder {
@@ -100,39 +105,48 @@ impl Decoder {
     }
 
     pub fn feed(&mut self, bytes: &[u8]) {
+        if self.start > 0 {
+            self.buf.drain(..self.start);
+            self.start = 0;
+        }
         self.buf.extend_from_slice(bytes);
     }
 
     /// Bytes held that do not yet form a whole frame.
     pub fn buffered(&self) -> usize {
-        self.buf.len()
+        self.buf.len() - self.start
     }
 
     /// The next whole frame, `Ok(None)` if more bytes are needed. After an
     /// error the stream is out of sync and the connection must be dropped.
     pub fn next_frame(&mut self) -> Result<Option<Frame>, ProtoError> {
-        if self.buf.len() < 4 {
+        let buf = &self.buf[self.start..];
+        if buf.len() < 4 {
             return Ok(None);
         }
-        let len = u32::from_be_bytes([self.buf[0], self.buf[1], self.buf[2], self.buf[3]]) as usize;
+        let len = u32::from_be_bytes([buf[0], buf[1], buf[2], buf[3]]) as usize;
         if len > MAX_FRAME {
             return Err(ProtoError::FrameTooLarge { len });
         }
         if len < HEADER_LEN {
             return Err(ProtoError::FrameTooShort { len });
         }
-        if self.buf.len() < 4 + len {
+        if buf.len() < 4 + len {
             return Ok(None);
         }
-        let kind = match self.buf[4] {
+        let kind = match buf[4] {
             1 => Kind::Control,
             2 => Kind::Data,
             kind => return Err(ProtoError::UnknownKind { kind }),
         };
-        let channel = self.buf[5];
-        let stream = u32::from_be_bytes([self.buf[6], self.buf[7], self.buf[8], self.buf[9]]);
-        let payload = self.buf[4 + HEADER_LEN..4 + len].to_vec();
-        self.buf.drain(..4 + len);
+        let channel = buf[5];
+        let stream = u32::from_be_bytes([buf[6], buf[7], buf[8], buf[9]]);
+        let payload = buf[4 + HEADER_LEN..4 + len].to_vec();
+        self.start += 4 + len;
+        if self.start == self.buf.len() {
+            self.buf.clear();
+            self.start = 0;
+        }
         Ok(Some(Frame {
             kind,
             channel,
@@ -161,6 +175,38 @@ mod tests {
         }
         assert_eq!(dec.buffered(), 0);
         out
+    }
+
+    #[test]
+    fn many_tiny_frames_of_one_read_come_out_in_order_and_the_rest_waits() {
+        let mut bytes = Vec::new();
+        for i in 0..10_000u32 {
+            encode(
+                &Frame {
+                    kind: Kind::Data,
+                    channel: 1,
+                    stream: i,
+                    payload: vec![i as u8],
+                },
+                &mut bytes,
+            );
+        }
+        let whole = bytes.len();
+        bytes.extend_from_slice(&[0, 0]); // half of the next frame's length
+        let mut dec = Decoder::new();
+        dec.feed(&bytes);
+        for i in 0..10_000u32 {
+            let f = dec.next_frame().unwrap().unwrap();
+            assert_eq!((f.stream, f.payload[0]), (i, i as u8));
+            assert_eq!(dec.buffered(), bytes.len() - whole * (i as usize + 1) / 10_000);
+        }
+        assert!(dec.next_frame().unwrap().is_none());
+        assert_eq!(dec.buffered(), 2);
+        // The next read completes it.
+        dec.feed(&[0, (HEADER_LEN + 1) as u8, 2, 3, 0, 0, 0, 9, 42]);
+        let f = dec.next_frame().unwrap().unwrap();
+        assert_eq!((f.kind, f.channel, f.stream, f.payload), (Kind::Data, 3, 9, vec![42]));
+        assert_eq!(dec.buffered(), 0);
     }
 
     #[test]

@@ -109,6 +109,9 @@ pub struct Config {
     /// Registries (or mirrors) pulled from over plain HTTP
     /// (`--registry-insecure host[:port]`, for labs and tests).
     pub registry_insecure: Vec<String>,
+    /// Certificates (PEM) every sandbox trusts beside the public ones and
+    /// its own CA (`--guest-ca`): empty unless the operator gives some.
+    pub guest_cas: String,
 }
 
 impl Config {
@@ -138,6 +141,7 @@ impl Config {
             test_crash_at: None,
             registry_mirrors: Vec::new(),
             registry_insecure: Vec::new(),
+            guest_cas: String::new(),
         }
     }
 }

@@ -165,14 +165,18 @@ fn ca(st: &AppState, id: &str) -> ApiResult<Arc<SandboxCa>> {
 }
 
 /// Sets the network of `id` on the host, unless it was set already, and
-/// answers the CA certificate its guest trusts: for its machine spec, so a
-/// machine never starts before its host knows its rules.
+/// answers the CA certificates its guest trusts (its own, then the
+/// operator's): for its machine spec, so a machine never starts before its
+/// host knows its rules.
 pub(crate) fn prepare_guest(st: &AppState, id: &str) -> Option<String> {
+    // The operator's certificates (`--guest-ca`) follow the sandbox's own:
+    // the guest's bundle and NODE_EXTRA_CA_CERTS hold them all.
+    let extra = &st.config().guest_cas;
     match live(st, id) {
-        Ok(ca) => Some(ca.cert_pem().to_string()),
+        Ok(ca) => Some(format!("{}\n{extra}", ca.cert_pem().trim_end())),
         Err(e) => {
             tracing::error!(sandbox_id = id, error = %e, "the sandbox has no network");
-            None
+            (!extra.is_empty()).then(|| extra.clone())
         }
     }
 }
