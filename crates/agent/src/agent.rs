@@ -137,6 +137,22 @@ impl Agent {
         }
     }
 
+    /// Like [`Agent::spawn`], on a pooled thread ([`crate::pool`]): for work
+    /// that leaves its thread as it found it.
+    fn spawn_pooled(self: &Arc<Self>, stream: u32, f: impl FnOnce() + Send + 'static) -> bool {
+        match crate::pool::run(f) {
+            Ok(_) => true,
+            Err(e) => {
+                log!("cannot start a thread: {e}");
+                self.out.reply_now(
+                    stream,
+                    &Fail::new(FailCode::Io, format!("cannot start a thread: {e}")).reply(),
+                );
+                false
+            }
+        }
+    }
+
     /// A file operation answered by one reply, run as `user`.
     fn file_op(
         self: &Arc<Self>,
@@ -223,7 +239,7 @@ impl Agent {
                 // Registered now, so stdin data right behind the request is kept.
                 lock(&self.streams).insert(stream, StreamState::Exec(Arc::clone(&ctl)));
                 let agent = Arc::clone(self);
-                if !self.spawn(stream, move || exec::run(agent, stream, req, ctl, input)) {
+                if !self.spawn_pooled(stream, move || exec::run(agent, stream, req, ctl, input)) {
                     self.forget(stream);
                 }
             }

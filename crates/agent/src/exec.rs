@@ -618,12 +618,11 @@ fn feed_stdin(fd: Arc<OwnedFd>, pty: bool, input: mpsc::Receiver<Input>) {
     }
 }
 
-fn spawn_thread(
-    name: &str,
-    f: impl FnOnce() + Send + 'static,
-) -> Option<std::thread::JoinHandle<()>> {
-    match std::thread::Builder::new().name(name.into()).spawn(f) {
-        Ok(h) => Some(h),
+/// Runs `f` on a pooled thread ([`crate::pool`]); `None` (logged) when no
+/// thread could be had.
+fn spawn_thread(name: &str, f: impl FnOnce() + Send + 'static) -> Option<crate::pool::Done> {
+    match crate::pool::run(f) {
+        Ok(done) => Some(done),
         Err(e) => {
             log!("cannot start a {name} thread: {e}");
             None
@@ -705,7 +704,7 @@ pub(crate) fn run(
     }
     *lock(&drain.0) = Some(Instant::now());
     for p in pumps {
-        let _ = p.join();
+        p.join();
     }
 
     let (mut exit_code, signal) = match status {

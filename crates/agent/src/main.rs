@@ -15,6 +15,7 @@ mod exec;
 mod files;
 mod init;
 mod link;
+mod pool;
 mod reaper;
 mod switch_root;
 mod sys;

@@ -619,6 +619,8 @@ async fn serve(
             .with_context(|| format!("making {} private", data_dir.display()))?;
     }
     let arts = tokio::task::spawn_blocking(build_artifacts).await??;
+    // Measured once, before any machine boots (their command line names it).
+    let tsc = tokio::task::spawn_blocking(runtime_host::host_tsc_khz).await?;
     let (mut accel, mut why) = choose_accel();
     let mut qemu_cfg = QemuConfig {
         state_dir: data_dir.join("vms"),
@@ -641,6 +643,12 @@ async fn serve(
         qemu_cfg.accel = accel;
     }
     eprintln!("runtime: accelerator {accel} ({why})");
+    match tsc {
+        Some(khz) => eprintln!("runtime: guests' TSC at the host's {khz} kHz"),
+        None => {
+            eprintln!("runtime: the host's TSC frequency is unknown; guests calibrate their own")
+        }
+    }
     let host = QemuHost::new(qemu_cfg).context("preparing the VM directory")?;
     if let Some(key) = runtime_server::ensure_admin_key(&data_dir)? {
         eprintln!(
@@ -876,13 +884,22 @@ mod tests {
             vec![a.cert_der().to_vec(), b.cert_der().to_vec()],
             "{got}"
         );
-        assert!(!got.contains("PRIVATE KEY") && !got.contains("comment"), "{got}");
+        assert!(
+            !got.contains("PRIVATE KEY") && !got.contains("comment"),
+            "{got}"
+        );
 
         let none = guest_ca(&file(&dir, "none.pem", "not a certificate\n")).unwrap_err();
-        assert!(none.to_string().contains("holds no PEM certificate"), "{none}");
+        assert!(
+            none.to_string().contains("holds no PEM certificate"),
+            "{none}"
+        );
         let junk = "-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n";
         let bad = guest_ca(&file(&dir, "junk.pem", junk)).unwrap_err();
-        assert!(bad.to_string().contains("certificate 1 is not usable"), "{bad}");
+        assert!(
+            bad.to_string().contains("certificate 1 is not usable"),
+            "{bad}"
+        );
         let missing = guest_ca(&dir.join("missing.pem")).unwrap_err();
         assert!(missing.to_string().contains("reading"), "{missing}");
         let _ = std::fs::remove_dir_all(&dir);

@@ -284,6 +284,9 @@ mod tests {
         own.now.lock().unwrap().0 -= OwnAddrs::REFRESH;
         own.now.lock().unwrap().1.clear();
         let again = own.get();
-        assert!(again.contains(&public) && again.iter().any(|a| a.is_loopback()), "{again:?}");
+        assert!(
+            again.contains(&public) && again.iter().any(|a| a.is_loopback()),
+            "{again:?}"
+        );
     }
 }

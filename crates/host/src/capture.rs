@@ -138,8 +138,13 @@ impl QemuHost {
             // Its clock stood still while it was stopped.
             match tokio::time::timeout(Duration::from_secs(10), set_clock(&l)).await {
                 Ok(Ok(())) => {}
-                Ok(Err(e)) => tracing::warn!(sandbox_id = id, error = %e, "setting the clock after a capture"),
-                Err(_) => tracing::warn!(sandbox_id = id, "setting the clock after a capture: no answer"),
+                Ok(Err(e)) => {
+                    tracing::warn!(sandbox_id = id, error = %e, "setting the clock after a capture")
+                }
+                Err(_) => tracing::warn!(
+                    sandbox_id = id,
+                    "setting the clock after a capture: no answer"
+                ),
             }
         }
         Ok(())

@@ -60,6 +60,6 @@ pub mod volume;
 
 pub use accel::{choose_accel, probe_boot};
 pub use machine::{QemuConfig, QemuHost};
-pub use qemu::Accel;
+pub use qemu::{host_tsc_khz, Accel};
 pub use tunnel::MAX_TUNNELS;
 pub use types::*;

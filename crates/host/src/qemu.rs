@@ -139,8 +139,69 @@ pub(crate) const INCOMING_URI: &str = "fd:3";
 
 /// The kernel command line. The agent is `/init` of the initramfs; it mounts
 /// `/dev/vda` and switches root itself. A panic or reboot ends QEMU.
+///
+/// `tsc=reliable`: under emulation (TCG) the guest's timer ticks come late,
+/// so the clocksource watchdog, comparing the TSC (the host's own counter,
+/// right) with the ticks (late), marked the TSC unstable and fell back to
+/// jiffies: a clock of 4 ms steps and no high-resolution timers, so every
+/// timed wait in the guest (poll, sleep, the scheduler's) took whole ticks.
+/// Under KVM the guest uses kvm-clock and this changes nothing.
+///
+/// `tsc=reliable` alone is not enough: the kernel calibrates the TSC
+/// against the PIT, which under emulation often fails ("could not calculate
+/// TSC khz", then jiffies again). So the host gives the frequency it
+/// measured itself ([`host_tsc_khz`]) as `tsc_early_khz`: the guest's TSC
+/// is the host's under TCG.
 pub(crate) const KERNEL_CMDLINE: &str =
-    "console=ttyS0 reboot=t panic=-1 quiet loglevel=4 random.trust_cpu=on";
+    "console=ttyS0 reboot=t panic=-1 quiet loglevel=4 random.trust_cpu=on tsc=reliable";
+
+/// The host's TSC frequency in kHz (rounded to 100 kHz so that it reads
+/// the same at every start of the server), or `None` where the TSC is not
+/// constant and nonstop or the measurements disagree (the guest then
+/// calibrates it itself, as before). Measured once per process, about
+/// 150 ms; the CLI asks for it at start.
+pub fn host_tsc_khz() -> Option<u64> {
+    static KHZ: std::sync::OnceLock<Option<u64>> = std::sync::OnceLock::new();
+    *KHZ.get_or_init(measure_tsc_khz)
+}
+
+#[cfg(target_arch = "x86_64")]
+fn measure_tsc_khz() -> Option<u64> {
+    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").ok()?;
+    let flags = cpuinfo.lines().find(|l| l.starts_with("flags"))?;
+    let has = |f: &str| flags.split_whitespace().any(|x| x == f);
+    if !(has("constant_tsc") && has("nonstop_tsc")) {
+        return None;
+    }
+    let sample = || {
+        let (t0, c0) = (std::time::Instant::now(), tsc());
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        let (c1, dt) = (tsc(), t0.elapsed());
+        c1.saturating_sub(c0) as f64 / dt.as_secs_f64() / 1000.0
+    };
+    let mut khz = [sample(), sample(), sample()];
+    khz.sort_by(f64::total_cmp);
+    // Three readings within 0.05% of each other, or none is trusted.
+    if !(khz[0] > 100_000.0 && (khz[2] - khz[0]) / khz[1] < 5e-4) {
+        tracing::warn!(
+            ?khz,
+            "the host's TSC frequency could not be measured steadily"
+        );
+        return None;
+    }
+    Some((khz[1] / 100.0).round() as u64 * 100)
+}
+
+#[cfg(target_arch = "x86_64")]
+fn tsc() -> u64 {
+    // SAFETY: RDTSC has no preconditions on x86_64.
+    unsafe { std::arch::x86_64::_rdtsc() }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn measure_tsc_khz() -> Option<u64> {
+    None
+}
 
 pub(crate) fn command_line(cfg: &VmConfig<'_>) -> Vec<OsString> {
     let p = cfg.paths;
@@ -217,7 +278,10 @@ pub(crate) fn command_line(cfg: &VmConfig<'_>) -> Vec<OsString> {
     a.push(cfg.initrd.as_os_str().to_owned());
     let mut push = |s: &str| a.push(OsString::from(s));
     push("-append");
-    push(KERNEL_CMDLINE);
+    push(&match host_tsc_khz() {
+        Some(khz) => format!("{KERNEL_CMDLINE} tsc_early_khz={khz}"),
+        None => KERNEL_CMDLINE.to_owned(),
+    });
     push("-drive");
     push(&format!(
         "file={},if=none,id=root,format=qcow2,discard=unmap,cache=writeback",

@@ -154,9 +154,11 @@ fn template_key(artifacts_key: &str, cpu_model: &str, spec: &MachineSpec) -> Str
     };
     // `r2`: the RAM is a backend named `ram`, the template's a file
     // beside a state without it (captures made before are of another
-    // machine and never restored).
+    // machine and never restored). `r3`: booted with `tsc=reliable` and the
+    // host's TSC frequency (qemu.rs), whose clock a template keeps.
+    let tsc = crate::qemu::host_tsc_khz().map_or(String::new(), |k| format!("-tsc{k}"));
     format!(
-        "{}-{}-r2-{}c-{}m-{}d{image}",
+        "{}-{}-r3-{}c-{}m-{}d{image}{tsc}",
         artifacts_key, cpu_model, spec.vcpu, spec.memory_mib, spec.disk_mib
     )
 }
@@ -201,9 +203,10 @@ mod tests {
 
     #[test]
     fn a_template_key_names_artifacts_cpu_and_shape() {
+        let tsc = crate::qemu::host_tsc_khz().map_or(String::new(), |k| format!("-tsc{k}"));
         assert_eq!(
             template_key("arts9", "max", &shape()),
-            "arts9-max-r2-2c-1024m-4096d"
+            format!("arts9-max-r3-2c-1024m-4096d{tsc}")
         );
         let with_image = MachineSpec {
             image: Some(ImageDisk {
@@ -214,7 +217,7 @@ mod tests {
         };
         assert_eq!(
             template_key("arts9", "host", &with_image),
-            "arts9-host-r2-2c-1024m-4096d-img-py312"
+            format!("arts9-host-r3-2c-1024m-4096d-img-py312{tsc}")
         );
     }
 

@@ -198,14 +198,20 @@ mod tests {
         for i in 0..10_000u32 {
             let f = dec.next_frame().unwrap().unwrap();
             assert_eq!((f.stream, f.payload[0]), (i, i as u8));
-            assert_eq!(dec.buffered(), bytes.len() - whole * (i as usize + 1) / 10_000);
+            assert_eq!(
+                dec.buffered(),
+                bytes.len() - whole * (i as usize + 1) / 10_000
+            );
         }
         assert!(dec.next_frame().unwrap().is_none());
         assert_eq!(dec.buffered(), 2);
         // The next read completes it.
         dec.feed(&[0, (HEADER_LEN + 1) as u8, 2, 3, 0, 0, 0, 9, 42]);
         let f = dec.next_frame().unwrap().unwrap();
-        assert_eq!((f.kind, f.channel, f.stream, f.payload), (Kind::Data, 3, 9, vec![42]));
+        assert_eq!(
+            (f.kind, f.channel, f.stream, f.payload),
+            (Kind::Data, 3, 9, vec![42])
+        );
         assert_eq!(dec.buffered(), 0);
     }
 
