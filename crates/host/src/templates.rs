@@ -96,6 +96,7 @@ impl QemuHost {
                 return Err(e);
             }
         };
+        crate::guest_setup::warm_up(vm.vm()).await;
         let result = self.keep_template(&id, vm.vm(), &partial, &dir).await;
         let vm_dir = vm.vm().paths.dir.clone();
         vm.end().await;
