@@ -21,10 +21,44 @@ impl QemuHost {
     /// yet, one is built in the background (once per shape at a time); a
     /// template that fails to restore is dropped. `false`: boot instead.
     pub(crate) async fn start_from_template(&self, spec: &MachineSpec) -> bool {
+        match self.template_for(spec) {
+            Some(dir) => match self.restore(spec, &dir).await {
+                Ok(()) => true,
+                Err(error) => {
+                    tracing::warn!(sandbox_id = %spec.id, %error, "restoring the template failed; booting");
+                    let _ = std::fs::remove_dir_all(&dir);
+                    false
+                }
+            },
+            None => false,
+        }
+    }
+
+    /// A warm machine (docs/memory.md, "Warm machines"): `spec` restored
+    /// from its shape's template, never booted. `Ok(false)` when there is
+    /// no template yet (one is then being built) or the spec cannot use
+    /// one; a template that fails to restore is dropped.
+    pub(crate) async fn start_warm_machine(&self, spec: &MachineSpec) -> Result<bool, HostError> {
+        let Some(dir) = self.template_for(spec) else {
+            return Ok(false);
+        };
+        match self.restore(spec, &dir).await {
+            Ok(()) => Ok(true),
+            Err(error) => {
+                let _ = std::fs::remove_dir_all(&dir);
+                Err(error)
+            }
+        }
+    }
+
+    /// The template directory `spec` restores from, if templates are on, the
+    /// spec can use one and it is there. Without it yet, its build starts
+    /// in the background (once per shape at a time).
+    fn template_for(&self, spec: &MachineSpec) -> Option<PathBuf> {
         // A template's machine has no volume drives, and a restored machine
         // must have exactly the devices it was captured with: boot instead.
         if !(self.cfg.templates && spec.volumes.is_empty() && !spec.no_template) {
-            return false;
+            return None;
         }
         let key = template_key(
             &self.cfg.artifacts.key,
@@ -33,14 +67,9 @@ impl QemuHost {
         );
         let dir = self.templates_dir().join(&key);
         if dir.join("memory.state").exists() {
-            match self.restore(spec, &dir).await {
-                Ok(()) => return true,
-                Err(error) => {
-                    tracing::warn!(sandbox_id = %spec.id, %error, "restoring the template failed; booting");
-                    let _ = std::fs::remove_dir_all(&dir);
-                }
-            }
-        } else if self
+            return Some(dir);
+        }
+        if self
             .building
             .lock()
             .map(|mut b| b.insert(key.clone()))
@@ -57,7 +86,7 @@ impl QemuHost {
                 }
             });
         }
-        false
+        None
     }
 
     /// Templates of other artifacts, and templates cut short.

@@ -14,6 +14,7 @@ pub(crate) mod link;
 pub(crate) mod metrics;
 pub(crate) mod money;
 pub(crate) mod names;
+pub(crate) mod pool;
 pub(crate) mod network;
 pub(crate) mod preview;
 pub(crate) mod process;
