@@ -306,6 +306,7 @@ impl Host for QemuHost {
 
     async fn assume(&self, spec: &MachineSpec) -> Result<(), HostError> {
         let id = spec.id.as_str();
+        let began = std::time::Instant::now();
         let vm = self.vm(id)?;
         // Until it is set up: a crash of the server meanwhile leaves a
         // machine the next one ends rather than adopts with another's setup.
@@ -316,6 +317,11 @@ impl Host for QemuHost {
             .await
             .map_err(|e| self.start_failed(id, BootStage::Agent, e.to_string()))?;
         std::fs::remove_file(&starting).map_err(Self::io(id, "mark the machine started"))?;
+        tracing::info!(
+            sandbox_id = id,
+            ms = began.elapsed().as_millis() as u64,
+            "warm machine set up"
+        );
         Ok(())
     }
 

@@ -9,7 +9,7 @@ use crate::disks::copy_sparse;
 use crate::machine::{QemuHost, Vm};
 use crate::qemu;
 use crate::ram::copy_ram;
-use crate::types::{Host, HostError, MachineSpec};
+use crate::types::{BootStage, Host, HostError, MachineSpec};
 
 impl QemuHost {
     fn templates_dir(&self) -> PathBuf {
@@ -42,13 +42,31 @@ impl QemuHost {
         let Some(dir) = self.template_for(spec) else {
             return Ok(false);
         };
-        match self.restore(spec, &dir).await {
-            Ok(()) => Ok(true),
-            Err(error) => {
-                let _ = std::fs::remove_dir_all(&dir);
-                Err(error)
-            }
+        if let Err(error) = self.restore(spec, &dir).await {
+            let _ = std::fs::remove_dir_all(&dir);
+            return Err(error);
         }
+        // A practice run of the setup a take sends (a CA written, the
+        // bundle rebuilt): under emulation the first run of that code in a
+        // restored guest is most of its time, and it should not be the
+        // take's. The take's own setup replaces this certificate.
+        let began = Instant::now();
+        let practice = async {
+            let link = self.link(&spec.id).await?;
+            crate::guest_setup::setup(&link, &spec.hostname, Some(PRACTICE_CA))
+                .await
+                .map_err(|e| self.start_failed(&spec.id, BootStage::Agent, e.to_string()))
+        };
+        if let Err(error) = practice.await {
+            let _ = self.destroy(&spec.id).await;
+            return Err(error);
+        }
+        tracing::info!(
+            sandbox_id = %spec.id,
+            ms = began.elapsed().as_millis() as u64,
+            "warm machine practised its setup"
+        );
+        Ok(true)
     }
 
     /// The template directory `spec` restores from, if templates are on, the
@@ -172,6 +190,11 @@ impl QemuHost {
             .map_err(Self::io(id, "sync template"))
     }
 }
+
+/// What a warm machine installs as its CA until a sandbox takes it: no
+/// certificate of anyone (the agent checks only its PEM frame), replaced by
+/// the sandbox's own at the take.
+const PRACTICE_CA: &str = "-----BEGIN CERTIFICATE-----\nd2FybSBtYWNoaW5lOiBubyBjZXJ0aWZpY2F0ZQ==\n-----END CERTIFICATE-----\n";
 
 /// Templates are keyed by the artifacts (kernel, image, agent), QEMU's CPU
 /// model and the machine's shape: a restore needs exactly the machine it

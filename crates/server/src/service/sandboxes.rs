@@ -568,14 +568,7 @@ pub(crate) async fn create(
                 if let Some(w) = warm {
                     w.keep();
                 }
-                drive(
-                    st,
-                    &row.record.id,
-                    Op::Start {
-                        from,
-                        warm: warmed,
-                    },
-                )?;
+                drive(st, &row.record.id, Op::Start { from, warm: warmed })?;
                 (row.record.id, false)
             }
         }
