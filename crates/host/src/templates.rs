@@ -37,15 +37,14 @@ impl QemuHost {
     /// A warm machine (docs/memory.md, "Warm machines"): `spec` restored
     /// from its shape's template, never booted. `Ok(false)` when there is
     /// no template yet (one is then being built) or the spec cannot use
-    /// one; a template that fails to restore is dropped.
+    /// one.
     pub(crate) async fn start_warm_machine(&self, spec: &MachineSpec) -> Result<bool, HostError> {
         let Some(dir) = self.template_for(spec) else {
             return Ok(false);
         };
-        if let Err(error) = self.restore(spec, &dir).await {
-            let _ = std::fs::remove_dir_all(&dir);
-            return Err(error);
-        }
+        // A failure here may be the host's load: the template stays (a
+        // create's own restore that fails drops it, as before).
+        self.restore(spec, &dir).await?;
         // A practice run of the setup a take sends (a CA written, the
         // bundle rebuilt): under emulation the first run of that code in a
         // restored guest is most of its time, and it should not be the
