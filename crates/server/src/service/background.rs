@@ -45,7 +45,7 @@ pub(crate) async fn reaper(st: AppState) {
             }
             Err(e) => tracing::error!(error = %e, "reading sandboxes for leases failed"),
         }
-        if n % 5 == 0 {
+        if n.is_multiple_of(5) {
             crate::service::pool::tend(&st).await;
         }
         if n % 60 == 1 {
