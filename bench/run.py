@@ -191,8 +191,10 @@ def measure_creates(binary: Path, timeout: float, levels: list[int], samples: in
                     got: list[float] = []
                     while len(got) < (samples if name != "cold boot" else max(5, samples // 4)):
                         if "pool" in name:
+                            # A full pool: no refill runs while a round is timed
+                            # (the round's own takes start refills).
                             deadline = time.monotonic() + 600
-                            while warm_machines(own.url, own.key) < level:
+                            while warm_machines(own.url, own.key) < pool:
                                 assert time.monotonic() < deadline, "the pool did not refill"
                                 time.sleep(0.5)
                         time.sleep(1)  # the deletes' teardown settles

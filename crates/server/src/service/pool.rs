@@ -54,6 +54,10 @@ struct Warm {
 const MAX_FAILURES: u32 = 3;
 /// How long a refill waits for its shape's template to be built.
 const TEMPLATE_WAIT: Duration = Duration::from_secs(600);
+/// How long a refill waits after the take that started it: a restore is
+/// CPU-heavy (under emulation most of a core for a few hundred ms), and the
+/// take's own setup in its guest should not share the CPU with it.
+const REFILL_DELAY: Duration = Duration::from_millis(300);
 
 impl Pools {
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Pool>> {
@@ -200,6 +204,7 @@ async fn fill(st: &AppState, key: &str) {
     let budget = st.config().warm_pool_memory_mib << 20;
     let target = st.config().warm_pool;
     let mut failures = 0;
+    pause(st, REFILL_DELAY).await;
     let waiting_since = tokio::time::Instant::now();
     loop {
         let next = {
