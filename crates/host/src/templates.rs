@@ -331,6 +331,33 @@ mod tests {
         assert!(partial.is_empty(), "left behind: {partial:?}");
     }
 
+    #[tokio::test]
+    async fn a_warm_machine_starts_only_from_a_template() {
+        use crate::fake_qemu::{Fake, FakeHost};
+        // Templates off: nothing starts.
+        let f = FakeHost::new("warm-off");
+        let id = f.id("w");
+        assert!(!f.host.start_warm(&f.spec(&id)).await.unwrap());
+        assert!(!f.paths(&id).dir.exists(), "a machine was started");
+        assert!(matches!(
+            f.host.assume(&f.spec(&id)).await,
+            Err(HostError::NoSuchMachine { .. })
+        ));
+        // Templates on, none built yet: nothing starts; the build begins.
+        let f = FakeHost::with("warm-none", true);
+        f.set(Fake::Exits);
+        let id = f.id("w");
+        assert!(!f.host.start_warm(&f.spec(&id)).await.unwrap());
+        assert!(!f.paths(&id).dir.exists(), "a machine was booted");
+        for _ in 0..1000 {
+            if f.host.building.lock().unwrap().is_empty() {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        assert!(f.host.building.lock().unwrap().is_empty(), "still building");
+    }
+
     #[test]
     fn templates_of_other_artifacts_or_cut_short_are_stale() {
         assert!(!is_stale("arts9-max-r2-2c-1024m-4096d", "arts9"));
