@@ -565,6 +565,10 @@ async fn serve(
     let mut config = runtime_server::Config::new(data_dir.clone());
     net.apply(&mut config)?;
     limits.apply(&mut config)?;
+    if !templates {
+        // Warm machines are template restores: without templates, none.
+        config.warm_pool = 0;
+    }
     config.prices = prices;
     std::fs::create_dir_all(&data_dir)
         .with_context(|| format!("creating {}", data_dir.display()))?;
