@@ -3,12 +3,20 @@
     .venv/bin/python bench/run.py            # starts its own server (like the e2e suite)
     .venv/bin/python bench/run.py -n 50      # more runs
     RUNTIME_API_URL=... RUNTIME_API_KEY=... .venv/bin/python bench/run.py   # an existing server
+    .venv/bin/python bench/run.py --creates  # create until running: pool on/off, 1, 10, 50 at once
 
 Over N sequential runs (default 20), each with a fresh sandbox, it measures:
 create until running; create through the first `python3 -c pass` exec; an
 exec of `true` in the running sandbox; delete; and, side by side, a local
 `python3 -c pass` subprocess as the floor. Prints a Markdown table and writes
 the samples to bench/results/<timestamp>.json.
+
+With --creates it measures create until running instead, at each level of
+--levels (creates sent at once, default 1,10,50), on three servers it starts
+in turn: cold boots (`--no-templates --warm-pool 0`, one at a time only: the
+reference), template restores (`--warm-pool 0`), and the warm pool
+(`--warm-pool P`, P the largest level, refilled before each round). Shape
+1 vCPU, 1 GiB. Each level gets at least --samples samples (default 20).
 """
 from __future__ import annotations
 
@@ -130,6 +138,90 @@ def measure(rt, runs: int) -> dict[str, list[float]]:
     return samples
 
 
+CREATE_SHAPE = {"vcpu": 1, "memory_mib": 1024}
+
+
+def warm_machines(url: str, key: str) -> float:
+    import urllib.request
+    req = urllib.request.Request(url + "/metrics", headers={"Authorization": f"Bearer {key}"})
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    text = opener.open(req, timeout=60).read().decode()
+    found = re.search(r"^runtime_warm_machines (\S+)$", text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+def create_round(rt, at_once: int) -> list[float]:
+    """`at_once` creates sent together; each one's create until running, ms."""
+    from concurrent.futures import ThreadPoolExecutor
+    import threading
+    gate = threading.Barrier(at_once)
+
+    def one(_):
+        gate.wait()
+        t0 = time.perf_counter()
+        sbx = rt.sandboxes.create(**CREATE_SHAPE)
+        took = (time.perf_counter() - t0) * 1000
+        assert sbx.state == "running", sbx.info
+        return sbx.id, took
+
+    with ThreadPoolExecutor(at_once) as ex:
+        made = list(ex.map(one, range(at_once)))
+    with ThreadPoolExecutor(min(at_once, 10)) as ex:
+        list(ex.map(lambda m: rt.sandboxes.delete(m[0]), made))
+    return [took for _, took in made]
+
+
+def measure_creates(binary: Path, timeout: float, levels: list[int], samples: int) -> dict:
+    """Create until running per server kind and level (ms samples)."""
+    from withruntime import Runtime
+    pool = max(levels)
+    kinds = [
+        ("cold boot", ("--no-templates", "--warm-pool", "0"), [1]),
+        ("template restore", ("--warm-pool", "0"), levels),
+        (f"warm pool ({pool})", ("--warm-pool", str(pool), "--warm-pool-memory-mib", str(pool * 256)), levels),
+    ]
+    out: dict = {}
+    for name, flags, kind_levels in kinds:
+        own = OwnServer(binary, timeout, flags)
+        try:
+            with Runtime(api_key=own.key, base_url=own.url, timeout=900) as rt:
+                # Untimed: the first create of the shape (it builds the template).
+                create_round(rt, 1)
+                for level in kind_levels:
+                    got: list[float] = []
+                    while len(got) < (samples if name != "cold boot" else max(5, samples // 4)):
+                        if "pool" in name:
+                            # A full pool: no refill runs while a round is timed
+                            # (the round's own takes start refills).
+                            deadline = time.monotonic() + 600
+                            while warm_machines(own.url, own.key) < pool:
+                                assert time.monotonic() < deadline, "the pool did not refill"
+                                time.sleep(0.5)
+                        time.sleep(1)  # the deletes' teardown settles
+                        got += create_round(rt, level)
+                        print(f"{name}, {level} at once: {len(got)} samples, last round p50 "
+                              f"{statistics.median(got[-level:]):.0f} ms", file=sys.stderr)
+                    out[f"{name}|{level}"] = got
+            out["accelerator"] = own.accelerator()
+        finally:
+            own.close()
+    return out
+
+
+def creates_table(found: dict) -> str:
+    lines = ["| create until running | at once | n | median ms | p95 ms | p95 / median of one |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for key, v in found.items():
+        if "|" not in key:
+            continue
+        name, level = key.split("|")
+        one = found.get(f"{name}|1")
+        ratio = percentile(v, 95) / statistics.median(one) if one else float("nan")
+        lines.append(f"| {name} | {level} | {len(v)} | {statistics.median(v):.0f} | {percentile(v, 95):.0f} "
+                     f"| {ratio:.1f} |")
+    return "\n".join(lines)
+
+
 def table(summary: dict[str, dict[str, float]], runs: int) -> str:
     lines = [f"| operation (n={runs}) | median ms | p95 ms |", "|---|---:|---:|"]
     for name, label in METRICS:
@@ -144,7 +236,30 @@ def main() -> int:
     parser.add_argument("--binary", type=Path, default=REPO / "target" / "release" / "runtime")
     parser.add_argument("--start-timeout", type=float, default=1200)
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
+    parser.add_argument("--creates", action="store_true",
+                        help="create until running with the pool on and off, at each level of --levels")
+    parser.add_argument("--levels", default="1,10,50")
+    parser.add_argument("--samples", type=int, default=20)
     args = parser.parse_args()
+
+    if args.creates:
+        levels = [int(x) for x in args.levels.split(",")]
+        found = measure_creates(args.binary, args.start_timeout, levels, args.samples)
+        now = datetime.now(timezone.utc)
+        result = {
+            "date": now.isoformat(timespec="seconds").replace("+00:00", "Z"),
+            "command": "python bench/run.py " + " ".join(sys.argv[1:]),
+            "accelerator": found.get("accelerator"),
+            "shape": CREATE_SHAPE,
+            "host": {"cpus": os.cpu_count(), "kernel": platform.release()},
+            "samples_ms": {k: v for k, v in found.items() if "|" in k},
+        }
+        args.out.mkdir(parents=True, exist_ok=True)
+        path = args.out / f"creates-{now.strftime('%Y%m%dT%H%M%SZ')}.json"
+        path.write_text(json.dumps(result, indent=2) + "\n")
+        print(creates_table(found))
+        print(f"\naccelerator: {found.get('accelerator')}; samples in {path}")
+        return 0
 
     from withruntime import Runtime, __version__
 

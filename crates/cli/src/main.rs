@@ -352,6 +352,15 @@ struct LimitArgs {
     /// Disk (MiB) a start must leave free in the data directory.
     #[arg(long, default_value_t = 2048)]
     reserve_disk_mib: u64,
+    /// Warm machines kept running per image and shape that a create has
+    /// used, restored from the shape's template ahead of time so a create
+    /// only gives one its identity (0: none; docs/memory.md).
+    #[arg(long, value_name = "N", default_value_t = runtime_server::DEFAULT_WARM_POOL)]
+    warm_pool: u32,
+    /// Host memory (MiB) all warm machines together may hold; they are
+    /// also ended whenever the host is short of memory.
+    #[arg(long, value_name = "MIB", default_value_t = runtime_server::DEFAULT_WARM_POOL_MEMORY_MIB)]
+    warm_pool_memory_mib: u64,
 }
 
 impl LimitArgs {
@@ -364,6 +373,8 @@ impl LimitArgs {
         if !(self.memory_overcommit.is_finite() && self.memory_overcommit > 0.0) {
             anyhow::bail!("--memory-overcommit takes a positive number");
         }
+        c.warm_pool = self.warm_pool;
+        c.warm_pool_memory_mib = self.warm_pool_memory_mib;
         c.reserve = runtime_server::Reserve {
             memory_mib: self.reserve_memory_mib,
             disk_mib: self.reserve_disk_mib,
@@ -607,6 +618,10 @@ async fn serve(
     let mut config = runtime_server::Config::new(data_dir.clone());
     net.apply(&mut config)?;
     limits.apply(&mut config)?;
+    if !templates {
+        // Warm machines are template restores: without templates, none.
+        config.warm_pool = 0;
+    }
     config.prices = prices;
     std::fs::create_dir_all(&data_dir)
         .with_context(|| format!("creating {}", data_dir.display()))?;

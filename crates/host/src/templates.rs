@@ -9,7 +9,7 @@ use crate::disks::copy_sparse;
 use crate::machine::{QemuHost, Vm};
 use crate::qemu;
 use crate::ram::copy_ram;
-use crate::types::{Host, HostError, MachineSpec};
+use crate::types::{BootStage, Host, HostError, MachineSpec};
 
 impl QemuHost {
     fn templates_dir(&self) -> PathBuf {
@@ -21,10 +21,61 @@ impl QemuHost {
     /// yet, one is built in the background (once per shape at a time); a
     /// template that fails to restore is dropped. `false`: boot instead.
     pub(crate) async fn start_from_template(&self, spec: &MachineSpec) -> bool {
+        match self.template_for(spec) {
+            Some(dir) => match self.restore(spec, &dir).await {
+                Ok(()) => true,
+                Err(error) => {
+                    tracing::warn!(sandbox_id = %spec.id, %error, "restoring the template failed; booting");
+                    let _ = std::fs::remove_dir_all(&dir);
+                    false
+                }
+            },
+            None => false,
+        }
+    }
+
+    /// A warm machine (docs/memory.md, "Warm machines"): `spec` restored
+    /// from its shape's template, never booted. `Ok(false)` when there is
+    /// no template yet (one is then being built) or the spec cannot use
+    /// one.
+    pub(crate) async fn start_warm_machine(&self, spec: &MachineSpec) -> Result<bool, HostError> {
+        let Some(dir) = self.template_for(spec) else {
+            return Ok(false);
+        };
+        // A failure here may be the host's load: the template stays (a
+        // create's own restore that fails drops it, as before).
+        self.restore(spec, &dir).await?;
+        // A practice run of the setup a take sends (a CA written, the
+        // bundle rebuilt): under emulation the first run of that code in a
+        // restored guest is most of its time, and it should not be the
+        // take's. The take's own setup replaces this certificate.
+        let began = Instant::now();
+        let practice = async {
+            let link = self.link(&spec.id).await?;
+            crate::guest_setup::setup(&link, &spec.hostname, Some(PRACTICE_CA))
+                .await
+                .map_err(|e| self.start_failed(&spec.id, BootStage::Agent, e.to_string()))
+        };
+        if let Err(error) = practice.await {
+            let _ = self.destroy(&spec.id).await;
+            return Err(error);
+        }
+        tracing::info!(
+            sandbox_id = %spec.id,
+            ms = began.elapsed().as_millis() as u64,
+            "warm machine practised its setup"
+        );
+        Ok(true)
+    }
+
+    /// The template directory `spec` restores from, if templates are on, the
+    /// spec can use one and it is there. Without it yet, its build starts
+    /// in the background (once per shape at a time).
+    fn template_for(&self, spec: &MachineSpec) -> Option<PathBuf> {
         // A template's machine has no volume drives, and a restored machine
         // must have exactly the devices it was captured with: boot instead.
         if !(self.cfg.templates && spec.volumes.is_empty() && !spec.no_template) {
-            return false;
+            return None;
         }
         let key = template_key(
             &self.cfg.artifacts.key,
@@ -33,14 +84,9 @@ impl QemuHost {
         );
         let dir = self.templates_dir().join(&key);
         if dir.join("memory.state").exists() {
-            match self.restore(spec, &dir).await {
-                Ok(()) => return true,
-                Err(error) => {
-                    tracing::warn!(sandbox_id = %spec.id, %error, "restoring the template failed; booting");
-                    let _ = std::fs::remove_dir_all(&dir);
-                }
-            }
-        } else if self
+            return Some(dir);
+        }
+        if self
             .building
             .lock()
             .map(|mut b| b.insert(key.clone()))
@@ -57,7 +103,7 @@ impl QemuHost {
                 }
             });
         }
-        false
+        None
     }
 
     /// Templates of other artifacts, and templates cut short.
@@ -144,6 +190,11 @@ impl QemuHost {
             .map_err(Self::io(id, "sync template"))
     }
 }
+
+/// What a warm machine installs as its CA until a sandbox takes it: no
+/// certificate of anyone (the agent checks only its PEM frame), replaced by
+/// the sandbox's own at the take.
+const PRACTICE_CA: &str = "-----BEGIN CERTIFICATE-----\nd2FybSBtYWNoaW5lOiBubyBjZXJ0aWZpY2F0ZQ==\n-----END CERTIFICATE-----\n";
 
 /// Templates are keyed by the artifacts (kernel, image, agent), QEMU's CPU
 /// model and the machine's shape: a restore needs exactly the machine it
@@ -282,6 +333,33 @@ mod tests {
             .map(|d| d.flatten().map(|e| e.file_name()).collect())
             .unwrap_or_default();
         assert!(partial.is_empty(), "left behind: {partial:?}");
+    }
+
+    #[tokio::test]
+    async fn a_warm_machine_starts_only_from_a_template() {
+        use crate::fake_qemu::{Fake, FakeHost};
+        // Templates off: nothing starts.
+        let f = FakeHost::new("warm-off");
+        let id = f.id("w");
+        assert!(!f.host.start_warm(&f.spec(&id)).await.unwrap());
+        assert!(!f.paths(&id).dir.exists(), "a machine was started");
+        assert!(matches!(
+            f.host.assume(&f.spec(&id)).await,
+            Err(HostError::NoSuchMachine { .. })
+        ));
+        // Templates on, none built yet: nothing starts; the build begins.
+        let f = FakeHost::with("warm-none", true);
+        f.set(Fake::Exits);
+        let id = f.id("w");
+        assert!(!f.host.start_warm(&f.spec(&id)).await.unwrap());
+        assert!(!f.paths(&id).dir.exists(), "a machine was booted");
+        for _ in 0..1000 {
+            if f.host.building.lock().unwrap().is_empty() {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        assert!(f.host.building.lock().unwrap().is_empty(), "still building");
     }
 
     #[test]

@@ -362,6 +362,24 @@ pub struct Room {
 pub trait Host: Send + Sync + 'static {
     /// Boots a machine and returns once its agent answers.
     async fn start(&self, spec: &MachineSpec) -> Result<(), HostError>;
+    /// A warm machine for a pool (docs/memory.md, "Warm machines"): starts
+    /// `spec` only by restoring its shape's pre-booted template, never by
+    /// booting. `Ok(false)` when that cannot be done now (no template yet,
+    /// one is being built; templates off; a spec with volumes): nothing was
+    /// started.
+    async fn start_warm(&self, _spec: &MachineSpec) -> Result<bool, HostError> {
+        Ok(false)
+    }
+    /// Gives a running warm machine (started by [`Host::start_warm`] under
+    /// `spec.id`) its sandbox's identity: hostname, clock, fresh entropy
+    /// with a reseed of the guest's CRNG, and the sandbox's CA, as a restore
+    /// does. A crash of the server meanwhile leaves a machine that is ended,
+    /// not adopted.
+    async fn assume(&self, spec: &MachineSpec) -> Result<(), HostError> {
+        Err(HostError::NoSuchMachine {
+            id: spec.id.clone(),
+        })
+    }
     /// Finds a machine left running by an earlier process of the server and
     /// reattaches to it; `false` if it is gone.
     async fn recover(&self, spec: &MachineSpec) -> Result<bool, HostError>;

@@ -50,6 +50,12 @@ pub use service::clock::Clock;
 pub use service::keys;
 pub use store::Store;
 
+/// Warm machines per image and shape, unless the operator says otherwise.
+pub const DEFAULT_WARM_POOL: u32 = 2;
+/// Host memory (MiB) all warm machines may hold, unless the operator says
+/// otherwise.
+pub const DEFAULT_WARM_POOL_MEMORY_MIB: u64 = 2048;
+
 /// The server's settings, loaded once by the CLI and passed down.
 #[derive(Debug, Clone)]
 pub struct Config {
@@ -100,6 +106,12 @@ pub struct Config {
     pub quotas: Quotas,
     /// What the host keeps free when admitting machines.
     pub reserve: Reserve,
+    /// Warm machines kept per image and shape a create used
+    /// (`--warm-pool`; 0: none). See docs/memory.md, "Warm machines".
+    pub warm_pool: u32,
+    /// Host memory all warm machines together may hold, in MiB
+    /// (`--warm-pool-memory-mib`).
+    pub warm_pool_memory_mib: u64,
     /// TEST ONLY (`--test-crash-at`): the step at which the server kills
     /// itself, for the crash tests ([`runtime_host::crash_point`]).
     pub test_crash_at: Option<String>,
@@ -138,6 +150,8 @@ impl Config {
             webhook_second_ms: 1000,
             quotas: Quotas::default(),
             reserve: Reserve::default(),
+            warm_pool: DEFAULT_WARM_POOL,
+            warm_pool_memory_mib: DEFAULT_WARM_POOL_MEMORY_MIB,
             test_crash_at: None,
             registry_mirrors: Vec::new(),
             registry_insecure: Vec::new(),
@@ -190,6 +204,8 @@ struct Inner {
     /// MCP sessions (`/mcp`).
     mcp: http::mcp::Sessions,
     hooks: service::webhooks::Hooks,
+    /// Warm machines per image and shape.
+    pools: service::pool::Pools,
     tasks: TaskTracker,
     cancel: CancellationToken,
 }
@@ -222,6 +238,7 @@ impl AppState {
                 logins: http::login::Pending::default(),
                 mcp: http::mcp::Sessions::default(),
                 hooks: service::webhooks::Hooks::default(),
+                pools: service::pool::Pools::default(),
                 tasks: TaskTracker::new(),
                 cancel: CancellationToken::new(),
                 config,
@@ -320,6 +337,8 @@ impl AppState {
         {
             tracing::warn!("tasks still running after the drain timeout");
         }
+        // Refills have stopped: no warm machine outlives the server.
+        service::pool::drain(self).await;
     }
 }
 

@@ -232,7 +232,7 @@ pub(crate) struct Free {
 
 /// What a machine needs free the moment it starts: its memory, up to what
 /// a start touches (the rest comes as the guest uses it).
-const START_MIB: u64 = 256;
+pub(crate) const START_MIB: u64 = 256;
 
 /// Whether the host can take machines of `asked_mib` memory in all now,
 /// beside running ones promised `promised_mib`: the refusal says which

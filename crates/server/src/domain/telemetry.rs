@@ -123,6 +123,9 @@ pub(crate) struct Telemetry {
     /// Machines started from a capture (forks, snapshots, restarts of a
     /// kept state).
     pub starts_capture: Timed,
+    /// Sandboxes started on a warm machine of the pool (its identity
+    /// given, no restore).
+    pub starts_warm: Timed,
     pub wakes: Timed,
     pub pauses: Timed,
     /// Commands started in guests, by kind (`exec`, `spawn`, `terminal`,
@@ -141,6 +144,7 @@ impl Default for Telemetry {
             sandboxes_created: Counter::default(),
             starts_image: Timed::default(),
             starts_capture: Timed::default(),
+            starts_warm: Timed::default(),
             wakes: Timed::default(),
             pauses: Timed::default(),
             processes: Labelled::new(16),
@@ -201,6 +205,9 @@ pub(crate) struct Gauges {
     pub egress: Option<EgressGauges>,
     /// Seconds since the server started.
     pub uptime_seconds: f64,
+    /// Warm machines ready in the pools, and the host memory they hold.
+    pub warm_machines: u64,
+    pub warm_bytes: u64,
 }
 
 /// The host's memory and space, in bytes.
@@ -268,6 +275,20 @@ impl Telemetry {
         }
         header(
             &mut o,
+            "runtime_warm_machines",
+            "gauge",
+            "Warm machines ready in the pools (no sandbox's yet).",
+        );
+        let _ = writeln!(o, "runtime_warm_machines {}", g.warm_machines);
+        header(
+            &mut o,
+            "runtime_warm_memory_bytes",
+            "gauge",
+            "Host memory the warm machines held when they were ready.",
+        );
+        let _ = writeln!(o, "runtime_warm_memory_bytes {}", g.warm_bytes);
+        header(
+            &mut o,
             "runtime_sandboxes_created_total",
             "counter",
             "Sandboxes created (creates and forks).",
@@ -282,11 +303,12 @@ impl Telemetry {
             &mut o,
             "runtime_machine_starts_total",
             "counter",
-            "Machines started, by what from (image or capture) and result.",
+            "Machines started, by what from (image, capture, or a warm machine of the pool) and result.",
         );
         for (from, t) in [
             ("image", &self.starts_image),
             ("capture", &self.starts_capture),
+            ("pool", &self.starts_warm),
         ] {
             for (result, c) in [("ok", &t.ok), ("failed", &t.failed)] {
                 let _ = writeln!(
@@ -305,6 +327,7 @@ impl Telemetry {
         for (from, t) in [
             ("image", &self.starts_image),
             ("capture", &self.starts_capture),
+            ("pool", &self.starts_warm),
         ] {
             t.seconds.render(
                 &mut o,
@@ -564,8 +587,15 @@ mod tests {
                 ..EgressGauges::default()
             }),
             uptime_seconds: 1.5,
+            warm_machines: 2,
+            warm_bytes: 5 << 20,
         };
         let text = t.render(&g, "v\"1");
+        assert_eq!(value(&text, "runtime_warm_machines"), Some(2.0));
+        assert_eq!(
+            value(&text, "runtime_warm_memory_bytes"),
+            Some((5 << 20) as f64)
+        );
         assert_eq!(
             value(&text, "runtime_sandboxes{state=\"running\"}"),
             Some(3.0)

@@ -45,6 +45,9 @@ pub(crate) async fn reaper(st: AppState) {
             }
             Err(e) => tracing::error!(error = %e, "reading sandboxes for leases failed"),
         }
+        if n.is_multiple_of(5) {
+            crate::service::pool::tend(&st).await;
+        }
         if n % 60 == 1 {
             let ttl = st.config().idempotency_ttl.as_millis() as i64;
             if let Err(e) = st.store().idem_purge(now - ttl) {

@@ -45,9 +45,12 @@ impl Drop for CaptureDir {
 
 /// What to do to a sandbox.
 pub(crate) enum Op {
-    /// Boot the `starting` sandbox, or restore it from a capture.
+    /// Boot the `starting` sandbox, or restore it from a capture; `warm`:
+    /// its machine is a warm one it took (`service::pool`), running
+    /// already, which only takes on its identity.
     Start {
         from: Option<Arc<CaptureDir>>,
+        warm: bool,
     },
     Stop {
         reason: &'static str,
@@ -194,17 +197,35 @@ async fn run(st: &AppState, row: SandboxRow, op: Op) {
     let id = row.record.id.clone();
     let now = st.now_ms();
     match op {
-        Op::Start { from } => {
+        Op::Start { from, warm } => {
+            let t0 = std::time::Instant::now();
             let spec = machine_spec(st, &row.record);
+            tracing::debug!(ms = t0.elapsed().as_millis() as u64, "machine spec made");
             let began = std::time::Instant::now();
+            let mut warmed = false;
             let result = match &from {
                 Some(dir) => st.host().restore(&spec, &dir.path).await,
+                None if warm => match st.host().assume(&spec).await {
+                    Ok(()) => {
+                        warmed = true;
+                        Ok(())
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "the warm machine could not take on the sandbox: starting another");
+                        if let Err(e) = st.host().stop(&id, false).await {
+                            tracing::warn!(error = %e, "ending the warm machine failed");
+                        }
+                        st.host().start(&spec).await
+                    }
+                },
                 None => st.host().start(&spec).await,
             };
             let restored = from.is_some();
             let t = &st.inner.telemetry;
             let timed = if restored {
                 &t.starts_capture
+            } else if warmed {
+                &t.starts_warm
             } else {
                 &t.starts_image
             };

@@ -107,13 +107,30 @@ pub(crate) async fn admit_machines(
     shapes: &[(u32, u32)],
     new_disk_mib: u64,
 ) -> ApiResult<()> {
+    admit_machine_quota(st, key_id, shapes, new_disk_mib)?;
+    admit_room(st, shapes).await
+}
+
+/// The quota part of [`admit_machines`]: no wait, so a create counts and
+/// inserts under its lock without holding it across a call to the host.
+pub(crate) fn admit_machine_quota(
+    st: &AppState,
+    key_id: &str,
+    shapes: &[(u32, u32)],
+    new_disk_mib: u64,
+) -> ApiResult<()> {
     let mut asked = Usage::default();
     for (vcpu, memory) in shapes {
         asked.add_machine(*vcpu, *memory);
     }
     asked.add("sandbox.disk_mib", new_disk_mib);
-    admit(st, key_id, &asked)?;
-    host_room(st, asked.get("sandbox.memory_mib")).await
+    admit(st, key_id, &asked)
+}
+
+/// The host part of [`admit_machines`]: room for machines of `shapes`.
+pub(crate) async fn admit_room(st: &AppState, shapes: &[(u32, u32)]) -> ApiResult<()> {
+    let asked: u64 = shapes.iter().map(|(_, m)| u64::from(*m)).sum();
+    host_room(st, asked).await
 }
 
 /// The host's room for machines of `asked_mib` memory in all, beside the

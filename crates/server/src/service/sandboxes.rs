@@ -200,7 +200,7 @@ pub(crate) fn restart(st: &AppState, id: &str) -> ApiResult<()> {
             temporary: false,
         })
     });
-    drive(st, id, Op::Start { from })?;
+    drive(st, id, Op::Start { from, warm: false })?;
     Ok(())
 }
 
@@ -484,6 +484,14 @@ pub(crate) async fn create(
     };
     let start_mode = if from.is_some() { "snapshot" } else { "boot" };
     crate::service::volumes::flush_writers(st, key, &volumes).await;
+    // The host's room is asked before the create lock (a new sandbox's
+    // only wait on the host), so creates at once wait for each other only
+    // for their counts and inserts. A `getOrCreate` may find its sandbox
+    // running and start nothing: it asks under the lock, as before.
+    let shape = [(record.vcpu, record.memory_mib)];
+    if !get_or_create {
+        crate::service::quotas::admit_room(st, &shape).await?;
+    }
     let (id, reused) = {
         let _g = st.inner.create_lock.lock().await;
         let holder = match &record.name {
@@ -512,13 +520,25 @@ pub(crate) async fn create(
                 // Before anything starts: a refusal costs nothing.
                 let lease = crate::domain::money::first_lease_seconds(record.timeout_seconds);
                 crate::service::billing::check_spend(st, &key.id, &record, lease, lease)?;
-                crate::service::quotas::admit_machines(
+                crate::service::quotas::admit_machine_quota(
                     st,
                     &key.id,
-                    &[(record.vcpu, record.memory_mib)],
+                    &shape,
                     u64::from(record.disk_mib),
-                )
-                .await?;
+                )?;
+                if get_or_create {
+                    crate::service::quotas::admit_room(st, &shape).await?;
+                }
+                // A warm machine of its image and shape, when it can take
+                // one: the sandbox gets the machine's id.
+                let warm = if crate::service::pool::fits(volumes.len(), snapshot.is_some()) {
+                    crate::service::pool::take(st, &record)
+                } else {
+                    None
+                };
+                if let Some(w) = &warm {
+                    record.id = w.id().to_owned();
+                }
                 let row = SandboxRow {
                     seq: 0,
                     key_id: key.id.clone(),
@@ -544,7 +564,11 @@ pub(crate) async fn create(
                 tracing::info!(sandbox_id = %row.record.id, "sandbox created");
                 st.inner.telemetry.sandboxes_created.inc();
                 crate::service::events::sandbox_event(st, &row, "sandbox.created", &[]);
-                drive(st, &row.record.id, Op::Start { from })?;
+                let warmed = warm.is_some();
+                if let Some(w) = warm {
+                    w.keep();
+                }
+                drive(st, &row.record.id, Op::Start { from, warm: warmed })?;
                 (row.record.id, false)
             }
         }

@@ -24,7 +24,10 @@ pub(crate) async fn scrape(st: &AppState) -> ApiResult<String> {
         connections_open: t.connections_open,
         refused: t.refused,
     });
+    let (warm_machines, warm_bytes) = st.inner.pools.gauges();
     let gauges = Gauges {
+        warm_machines,
+        warm_bytes,
         sandboxes,
         host,
         egress,

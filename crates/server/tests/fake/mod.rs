@@ -110,6 +110,12 @@ pub(crate) struct FakeHost {
     pub watches: Arc<Mutex<Vec<(String, String, mpsc::Sender<WatchUpdate>)>>>,
     /// What [`Host::room`] answers (none: the host cannot tell).
     pub room: Mutex<Option<Room>>,
+    /// Warm machines started ([`Host::start_warm`]), by id.
+    pub warm: Mutex<Vec<String>>,
+    /// Every spec [`Host::assume`] was given, in order.
+    pub assumed: Mutex<Vec<MachineSpec>>,
+    /// `assume` fails (the warm machine cannot take on its sandbox).
+    pub assume_fails: Mutex<bool>,
 }
 
 impl FakeHost {
@@ -203,6 +209,28 @@ impl Host for FakeHost {
         }
         self.started.lock().unwrap().push(spec.id.clone());
         self.specs.lock().unwrap().push(spec.clone());
+        for d in ["/", "/workspace"] {
+            self.dirs
+                .lock()
+                .unwrap()
+                .insert((spec.id.clone(), d.into()));
+        }
+        Ok(())
+    }
+
+    async fn start_warm(&self, spec: &MachineSpec) -> Result<bool, HostError> {
+        self.warm.lock().unwrap().push(spec.id.clone());
+        Ok(true)
+    }
+
+    async fn assume(&self, spec: &MachineSpec) -> Result<(), HostError> {
+        let known = self.warm.lock().unwrap().contains(&spec.id);
+        if !known || *self.assume_fails.lock().unwrap() {
+            return Err(HostError::NoSuchMachine {
+                id: spec.id.clone(),
+            });
+        }
+        self.assumed.lock().unwrap().push(spec.clone());
         for d in ["/", "/workspace"] {
             self.dirs
                 .lock()

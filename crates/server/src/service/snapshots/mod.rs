@@ -184,7 +184,7 @@ pub(crate) async fn fork(
             Ok(()) => {
                 for cid in task_ids {
                     let from = Some(capture.clone());
-                    if let Err(e) = drive(&st2, &cid, Op::Start { from }) {
+                    if let Err(e) = drive(&st2, &cid, Op::Start { from, warm: false }) {
                         tracing::error!(sandbox_id = %cid, error = %e, "starting a fork's copy failed");
                     }
                 }
