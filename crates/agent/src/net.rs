@@ -1,8 +1,7 @@
-//! Transparent egress set-up at boot (docs/network.md): an nftables rule
-//! that redirects every TCP connection to a non-loopback address to the
-//! agent's transparent listener, then a dummy interface with the default
-//! routes, so `connect()` to any address starts instead of failing with
-//! `ENETUNREACH`. Whatever escapes the rule (rules deleted by root, UDP, raw
+//! Transparent egress set-up at boot (docs/network.md): a dummy interface
+//! with the default routes, so `connect()` to any address starts instead of
+//! failing with `ENETUNREACH`, and an nftables rule that redirects every TCP
+//! connection routed to it to the agent's transparent listener. Whatever escapes the rule (rules deleted by root, UDP, raw
 //! sockets) goes to the dummy, which drops it.
 //!
 //! Both are written over netlink here, so the image needs no `nft` or `ip`
@@ -53,8 +52,6 @@ const NFT_MSG_NEWTABLE: u16 = 0;
 const NFT_MSG_NEWCHAIN: u16 = 3;
 const NFT_MSG_NEWRULE: u16 = 6;
 const NFPROTO_INET: u8 = 1;
-const NFPROTO_IPV4: u8 = 2;
-const NFPROTO_IPV6: u8 = 10;
 const NFTA_TABLE_NAME: u16 = 1;
 const NFTA_CHAIN_TABLE: u16 = 1;
 const NFTA_CHAIN_NAME: u16 = 3;
@@ -73,19 +70,13 @@ const NFTA_EXPR_NAME: u16 = 1;
 const NFTA_EXPR_DATA: u16 = 2;
 const NFTA_META_DREG: u16 = 1;
 const NFTA_META_KEY: u16 = 2;
-const NFT_META_NFPROTO: u32 = 15;
+const NFT_META_OIFNAME: u32 = 7;
 const NFT_META_L4PROTO: u32 = 16;
 const NFTA_CMP_SREG: u16 = 1;
 const NFTA_CMP_OP: u16 = 2;
 const NFTA_CMP_DATA: u16 = 3;
 const NFT_CMP_EQ: u32 = 0;
-const NFT_CMP_NEQ: u32 = 1;
 const NFTA_DATA_VALUE: u16 = 1;
-const NFTA_PAYLOAD_DREG: u16 = 1;
-const NFTA_PAYLOAD_BASE: u16 = 2;
-const NFTA_PAYLOAD_OFFSET: u16 = 3;
-const NFTA_PAYLOAD_LEN: u16 = 4;
-const NFT_PAYLOAD_NETWORK_HEADER: u32 = 1;
 const NFTA_IMMEDIATE_DREG: u16 = 1;
 const NFTA_IMMEDIATE_DATA: u16 = 2;
 const NFTA_REDIR_REG_PROTO_MIN: u16 = 1;
@@ -179,7 +170,7 @@ impl Msg {
 }
 
 fn pad(buf: &mut Vec<u8>) {
-    while buf.len() % 4 != 0 {
+    while !buf.len().is_multiple_of(4) {
         buf.push(0);
     }
 }
@@ -273,9 +264,11 @@ fn nft_type(msg: u16) -> u16 {
 }
 
 /// The nat rule: `table inet runtime { chain out { type nat hook output
-/// priority -100; ip daddr != 127.0.0.0/8 tcp redirect to :port; ip6 daddr
-/// != ::1 tcp redirect to :port } }`.
-pub(crate) fn redirect_tcp(port: u16) -> io::Result<()> {
+/// priority -100; oifname "runtime0" meta l4proto tcp redirect to :port } }`:
+/// every TCP connection the routes send to the dummy, that is to any
+/// address that is neither the guest's own nor on another interface of it
+/// (a bridge of containers inside).
+pub(crate) fn redirect_tcp(port: u16, ifname: &str) -> io::Result<()> {
     let chain = "out";
     let create = NLM_F_REQUEST | NLM_F_CREATE | NLM_F_ACK;
     let mut msgs = vec![Msg::new(NFNL_MSG_BATCH_BEGIN, NLM_F_REQUEST, 1, &nfgen(0)).finish()];
@@ -291,44 +284,30 @@ pub(crate) fn redirect_tcp(port: u16) -> io::Result<()> {
     m.be32(NFTA_CHAIN_POLICY, NF_ACCEPT)
         .str(NFTA_CHAIN_TYPE, "nat");
     msgs.push(m.finish());
-    // (family, daddr offset in the header, loopback bytes to compare)
-    let v4_lo = [127u8];
-    let v6_lo = Ipv6Addr::LOCALHOST.octets();
-    let rules: [(u8, u32, &[u8]); 2] = [(NFPROTO_IPV4, 16, &v4_lo), (NFPROTO_IPV6, 24, &v6_lo)];
-    for (i, (family, offset, lo)) in rules.into_iter().enumerate() {
-        let flags = NLM_F_REQUEST | NLM_F_CREATE | NLM_F_APPEND | NLM_F_ACK;
-        let mut m = Msg::new(
-            nft_type(NFT_MSG_NEWRULE),
-            flags,
-            4 + i as u32,
-            &nfgen(NFPROTO_INET),
-        );
-        m.str(NFTA_RULE_TABLE, TABLE).str(NFTA_RULE_CHAIN, chain);
-        m.begin(NFTA_RULE_EXPRESSIONS);
-        m.meta(NFT_META_NFPROTO).cmp(NFT_CMP_EQ, &[family]);
-        m.meta(NFT_META_L4PROTO)
-            .cmp(NFT_CMP_EQ, &[libc::IPPROTO_TCP as u8]);
-        m.expr("payload", |m| {
-            m.be32(NFTA_PAYLOAD_DREG, NFT_REG_1)
-                .be32(NFTA_PAYLOAD_BASE, NFT_PAYLOAD_NETWORK_HEADER)
-                .be32(NFTA_PAYLOAD_OFFSET, offset)
-                .be32(NFTA_PAYLOAD_LEN, lo.len() as u32);
-        });
-        m.cmp(NFT_CMP_NEQ, lo);
-        m.expr("immediate", |m| {
-            m.be32(NFTA_IMMEDIATE_DREG, NFT_REG_1);
-            m.begin(NFTA_IMMEDIATE_DATA)
-                .attr(NFTA_DATA_VALUE, &port.to_be_bytes())
-                .end();
-        });
-        m.expr("redir", |m| {
-            m.be32(NFTA_REDIR_REG_PROTO_MIN, NFT_REG_1);
-        });
-        m.end();
-        msgs.push(m.finish());
-    }
-    msgs.push(Msg::new(NFNL_MSG_BATCH_END, NLM_F_REQUEST, 6, &nfgen(0)).finish());
-    talk(libc::NETLINK_NETFILTER, &msgs, &[2, 3, 4, 5])
+    // An interface name as the kernel compares it: IFNAMSIZ bytes, NUL-padded.
+    let mut name = [0u8; 16];
+    let n = ifname.len().min(15);
+    name[..n].copy_from_slice(&ifname.as_bytes()[..n]);
+    let flags = NLM_F_REQUEST | NLM_F_CREATE | NLM_F_APPEND | NLM_F_ACK;
+    let mut m = Msg::new(nft_type(NFT_MSG_NEWRULE), flags, 4, &nfgen(NFPROTO_INET));
+    m.str(NFTA_RULE_TABLE, TABLE).str(NFTA_RULE_CHAIN, chain);
+    m.begin(NFTA_RULE_EXPRESSIONS);
+    m.meta(NFT_META_OIFNAME).cmp(NFT_CMP_EQ, &name);
+    m.meta(NFT_META_L4PROTO)
+        .cmp(NFT_CMP_EQ, &[libc::IPPROTO_TCP as u8]);
+    m.expr("immediate", |m| {
+        m.be32(NFTA_IMMEDIATE_DREG, NFT_REG_1);
+        m.begin(NFTA_IMMEDIATE_DATA)
+            .attr(NFTA_DATA_VALUE, &port.to_be_bytes())
+            .end();
+    });
+    m.expr("redir", |m| {
+        m.be32(NFTA_REDIR_REG_PROTO_MIN, NFT_REG_1);
+    });
+    m.end();
+    msgs.push(m.finish());
+    msgs.push(Msg::new(NFNL_MSG_BATCH_END, NLM_F_REQUEST, 5, &nfgen(0)).finish());
+    talk(libc::NETLINK_NETFILTER, &msgs, &[2, 3, 4])
 }
 
 fn ifindex(name: &str) -> io::Result<u32> {
@@ -406,7 +385,7 @@ pub(crate) static TRANSPARENT: std::sync::atomic::AtomicBool =
 /// that ignore the proxy variables then fail at once, as before.
 pub(crate) fn setup() {
     let t = std::time::Instant::now();
-    if let Err(e) = redirect_tcp(crate::tunnel::TRANSPARENT_PORT) {
+    if let Err(e) = redirect_tcp(crate::tunnel::TRANSPARENT_PORT, DUMMY) {
         crate::sys::log!("transparent egress off: cannot add the nat rule: {e}");
         return;
     }
@@ -444,21 +423,22 @@ mod tests {
         crate::init::lo_up().unwrap();
         let port = 10901;
         let listener = TcpListener::bind(("127.0.0.1", port)).unwrap();
-        redirect_tcp(port).unwrap();
         // Without a default route nothing starts: the dummy gives one.
         assert!(TcpStream::connect("203.0.113.9:4242").is_err());
-        match dummy_with_default_routes() {
-            Ok(()) => {}
-            // A host kernel without dummy interfaces: a route over lo instead.
+        let ifname = match dummy_with_default_routes() {
+            Ok(()) => DUMMY,
+            // A host kernel without dummy interfaces: the route goes over lo.
             Err(e) if e.raw_os_error() == Some(libc::EOPNOTSUPP) => {
                 let ok = std::process::Command::new("ip")
                     .args(["route", "add", "default", "dev", "lo"])
                     .status()
                     .unwrap();
                 assert!(ok.success());
+                "lo"
             }
             Err(e) => panic!("dummy: {e}"),
-        }
+        };
+        redirect_tcp(port, ifname).unwrap();
         let mut c = TcpStream::connect("203.0.113.9:4242").unwrap();
         let (mut s, _) = listener.accept().unwrap();
         let dst = crate::tunnel::original_dst(&s).unwrap();

@@ -582,7 +582,7 @@ fn outbound(agent: &Arc<Agent>, sock: TcpStream) {
     run(agent, t);
 }
 
-/// Where the nat rule sends every TCP connection to a non-loopback address.
+/// Where the nat rule sends every TCP connection routed to the dummy.
 pub(crate) const TRANSPARENT_PORT: u16 = 10801;
 /// `SO_ORIGINAL_DST` and `IP6T_SO_ORIGINAL_DST`: the address a redirected
 /// connection was made to, from conntrack.
