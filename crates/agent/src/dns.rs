@@ -330,7 +330,7 @@ pub(crate) fn start() -> bool {
 /// link or another server).
 pub(crate) fn write_resolv_conf() {
     let want = format!(
-        "# written by the sandbox agent at boot: names resolve inside the sandbox\nnameserver {RESOLVER}\noptions edns0 trust-ad\n"
+        "# written by the sandbox agent at boot: names resolve inside the sandbox\nnameserver {RESOLVER}\n"
     );
     let path = std::path::Path::new("/etc/resolv.conf");
     let is_file = std::fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_file());

@@ -331,6 +331,12 @@ fn down(agent: &Agent, t: &Tunnel) {
                 if let Some(c) = st.inbox.pop_front() {
                     break c;
                 }
+                if st.eof_in && st.head.is_some() {
+                    // The proxy hung up without a `200`: refused.
+                    drop(st);
+                    abort_and_forget(agent, t, true);
+                    return;
+                }
                 if st.eof_in {
                     drop(st);
                     let _ = t.sock.shutdown(std::net::Shutdown::Write);
@@ -717,6 +723,47 @@ fn transparent(agent: &Arc<Agent>, sock: TcpStream) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn transparent_tunnel() -> Arc<Tunnel> {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let c = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        with_prefix(1, c, Some(b"CONNECT x:1 HTTP/1.1\r\n\r\n".to_vec()))
+    }
+
+    #[test]
+    fn only_a_200_opens_a_transparent_tunnel_and_its_head_is_not_passed_on() {
+        let t = transparent_tunnel();
+        assert!(matches!(
+            proxy_answer(&t, b"HTTP/1.1 200 OK\r\nda"),
+            Answer::Waiting
+        ));
+        assert!(matches!(proxy_answer(&t, b"te: x\r\n"), Answer::Waiting));
+        // The head ends in this chunk; the server's first bytes follow it.
+        assert!(matches!(proxy_answer(&t, b"\r\nSSH-2.0"), Answer::Open(2)));
+        assert!(lock(&t.st).head.is_none());
+        assert!(matches!(proxy_answer(&t, b"more"), Answer::Open(0)));
+
+        let t = transparent_tunnel();
+        let refused = b"HTTP/1.1 403 Forbidden\r\nX-Runtime-Egress: port-not-allowed\r\n\r\nno";
+        assert!(matches!(proxy_answer(&t, refused), Answer::Refused));
+        let t = transparent_tunnel();
+        assert!(matches!(
+            proxy_answer(&t, &[b'x'; MAX_HEAD + 1]),
+            Answer::Refused
+        ));
+        let t = transparent_tunnel();
+        assert!(matches!(
+            proxy_answer(&t, b"HTTP/1.1 2000 OK\r\n\r\n"),
+            Answer::Refused
+        ));
+        // Other tunnels pass everything.
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let plain = new_tunnel(2, TcpStream::connect(l.local_addr().unwrap()).unwrap());
+        assert!(matches!(
+            proxy_answer(&plain, b"HTTP/1.1 403 x\r\n\r\n"),
+            Answer::Open(0)
+        ));
+    }
 
     #[test]
     fn targets_are_names_for_reserved_addresses_and_addresses_otherwise() {
