@@ -106,7 +106,7 @@ def test_raw_tcp_reaches_allowed_hosts_by_name_under_the_rules(server):
 
         # ssh itself, which knows nothing of proxies: it reads the server's
         # version before the key exchange fails on the echo server.
-        code, out, err = run(s, f"{BARE} ssh -v -o BatchMode=yes -o StrictHostKeyChecking=no"
+        code, out, err = run(s, f"{BARE} timeout 30 ssh -v -o BatchMode=yes -o StrictHostKeyChecking=no"
                                 f" -o ConnectTimeout=30 -p 22 {BANNER_NAME} true", timeout_ms=90_000)
         assert "remote software version RuntimeTest" in err, err[-2000:]
 
