@@ -133,8 +133,8 @@ def test_root_has_no_other_way_out(server):
     with Sandbox.create(user="root") as s:
         probes = {
             # a direct connection is carried to the proxy (docs/network.md,
-            # transparent egress): nothing answers but the rules' verdict
-            "direct": "python3 -c \"import socket; c=socket.create_connection(('93.184.215.14', 80), timeout=15);"
+            # transparent egress), which refuses a port the rules do not open
+            "direct": "python3 -c \"import socket; c=socket.create_connection(('93.184.215.14', 8080), timeout=15);"
                       " c.sendall(b'GET / HTTP/1.0\\r\\n\\r\\n'); assert c.recv(100)\"",
             # a raw socket can be made by root, but nothing comes back
             "raw": "python3 -c \"import socket; r=socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_ICMP);"

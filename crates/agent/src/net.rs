@@ -33,6 +33,7 @@ const NLA_F_NESTED: u16 = 0x8000;
 
 // rtnetlink
 const RTM_NEWLINK: u16 = 16;
+const RTM_DELLINK: u16 = 17;
 const RTM_NEWADDR: u16 = 20;
 const RTM_NEWROUTE: u16 = 24;
 const IFLA_IFNAME: u16 = 3;
@@ -323,6 +324,15 @@ fn ifindex(name: &str) -> io::Result<u32> {
 /// (IPv6 only when the kernel has it).
 pub(crate) fn dummy_with_default_routes() -> io::Result<()> {
     let create = NLM_F_REQUEST | NLM_F_CREATE | NLM_F_EXCL | NLM_F_ACK;
+    // The kernel makes a `dummy0` of its own at boot (numdummies=1): gone,
+    // so the guest sees lo and ours only.
+    if ifindex("dummy0").is_ok() {
+        let mut m = Msg::new(RTM_DELLINK, NLM_F_REQUEST | NLM_F_ACK, 9, &[0u8; 16]);
+        m.str(IFLA_IFNAME, "dummy0");
+        if let Err(e) = talk(libc::NETLINK_ROUTE, &[m.finish()], &[9]) {
+            crate::sys::log!("cannot delete dummy0: {e}");
+        }
+    }
     // ifinfomsg: family, pad, type, index, flags = IFF_UP, change = IFF_UP
     let mut ifi = vec![0u8; 16];
     ifi[8..12].copy_from_slice(&(libc::IFF_UP as u32).to_ne_bytes());
