@@ -60,6 +60,23 @@ print(banner.decode().strip(), '|', echo.decode().strip())
 """
 
 
+# An A query over TCP to the sandbox's resolver; prints the id and the address.
+DNS_OVER_TCP = r"""
+import socket, sys
+q = bytes.fromhex('123401000001000000000000')
+for label in sys.argv[1].split('.'):
+    q += bytes([len(label)]) + label.encode()
+q += b'\0\0\1\0\1'
+c = socket.create_connection(('127.0.0.53', 53), timeout=10)
+c.sendall(len(q).to_bytes(2, 'big') + q)
+n = int.from_bytes(c.recv(2), 'big')
+a = b''
+while len(a) < n:
+    a += c.recv(n - len(a))
+print(a[:2].hex(), socket.inet_ntoa(a[-4:]))
+"""
+
+
 def run(sbx, command: str, timeout_ms: int = 120_000) -> tuple[int, str, str]:
     r = sbx.exec(command, timeout_ms=timeout_ms)
     return r.exit_code, r.stdout, r.stderr
@@ -81,6 +98,10 @@ def test_names_resolve_inside_the_sandbox_to_reserved_addresses(server):
         assert first.startswith(("198.18.", "198.19.")), out
         assert again == first, "the same name (in any case) keeps its address"
         assert other != first and other.startswith(("198.18.", "198.19.")), out
+        # Over TCP too, with the same mapping.
+        s.files.write("/tmp/dns_tcp.py", DNS_OVER_TCP)
+        code, out, err = run(s, "python3 /tmp/dns_tcp.py example.net")
+        assert code == 0 and out.split() == ["1234", first], (out, err)
         # No AAAA answers: programs use IPv4.
         code, out, _ = run(s, "python3 -c \"import socket; print(socket.getaddrinfo('example.net', 80, socket.AF_INET6))\"")
         assert code != 0, out
