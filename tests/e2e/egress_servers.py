@@ -7,7 +7,10 @@ server is started with its TEST-ONLY settings (`--egress-test-map`,
 - `example.com`, `example.org`, `*.example.org` -> an HTTPS server whose
   certificate comes from a CA made here (trusted by the egress proxy through
   `--egress-test-root`; a guest trusts it only if a test gives it the file);
-- `example.net`, `*.example.net` -> the same handler over plain HTTP.
+- `example.net`, `*.example.net` -> the same handler over plain HTTP;
+- `ssh.example.com` -> a raw TCP server that speaks first, as sshd does
+  (`SSH-2.0-RuntimeTest`), then echoes each line it gets upper-cased: what
+  programs that ignore the proxy variables (ssh, database clients) reach.
 
 Both answer: `/echo...` with a JSON account of the request (method, path,
 headers, body); a PEP 503 index under `/simple/` with one wheel; an npm
@@ -22,6 +25,7 @@ import json
 import os
 import ssl
 import subprocess
+import socketserver
 import tarfile
 import threading
 import zipfile
@@ -31,6 +35,8 @@ from typing import Optional
 
 HTTPS_NAMES = ["example.com", "example.org", "*.example.org"]
 HTTP_NAMES = ["example.net", "*.example.net"]
+BANNER_NAME = "ssh.example.com"
+BANNER = b"SSH-2.0-RuntimeTest\r\n"
 BIG = hashlib.sha256(b"runtime").digest() * (8 * 1024 * 1024 // 32)
 WHEEL = "rtdemo-1.0-py3-none-any.whl"
 NPM_TGZ = "rtdemo-1.0.0.tgz"
@@ -148,6 +154,24 @@ class Handler(BaseHTTPRequestHandler):
     do_GET = do_POST = do_PUT = do_HEAD = _handle
 
 
+class BannerHandler(socketserver.StreamRequestHandler):
+    """Speaks first, then echoes lines upper-cased until the client leaves."""
+
+    def handle(self) -> None:
+        self.request.settimeout(60)
+        try:
+            self.wfile.write(BANNER)
+            for line in self.rfile:
+                self.wfile.write(line.upper())
+        except OSError:
+            pass
+
+
+class BannerServer(socketserver.ThreadingTCPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+
 class EgressServers:
     """Starts both servers; `args` are the `runtime serve` flags that use them."""
 
@@ -169,7 +193,8 @@ class EgressServers:
         ctx.load_cert_chain(root / "leaf.pem", root / "leaf.key")
         self.https.socket = ctx.wrap_socket(self.https.socket, server_side=True)
         self.http = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-        for s in (self.https, self.http):
+        self.banner = BannerServer(("127.0.0.1", 0), BannerHandler)
+        for s in (self.https, self.http, self.banner):
             threading.Thread(target=s.serve_forever, daemon=True).start()
 
     def _make_certs(self) -> None:
@@ -193,7 +218,7 @@ class EgressServers:
 
     @property
     def args(self) -> list[str]:
-        out = []
+        out = ["--egress-test-map", f"{BANNER_NAME}=127.0.0.1:{self.banner.server_address[1]}"]
         for name in HTTPS_NAMES:
             out += ["--egress-test-map", f"{name}=127.0.0.1:{self.https.server_address[1]}"]
         for name in HTTP_NAMES:
@@ -201,6 +226,6 @@ class EgressServers:
         return out + ["--egress-test-root", str(self.ca_pem)]
 
     def close(self) -> None:
-        for s in (self.https, self.http):
+        for s in (self.https, self.http, self.banner):
             s.shutdown()
             s.server_close()

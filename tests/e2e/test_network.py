@@ -132,13 +132,16 @@ def test_a_change_cuts_a_connection_already_open(server):
 def test_root_has_no_other_way_out(server):
     with Sandbox.create(user="root") as s:
         probes = {
-            # a direct connection: there is no route without a network card
-            "direct": "python3 -c \"import socket; socket.create_connection(('93.184.215.14', 80), timeout=5)\"",
-            # a raw socket can be made by root, but has nowhere to go
+            # a direct connection is carried to the proxy (docs/network.md,
+            # transparent egress), which refuses a port the rules do not open
+            "direct": "python3 -c \"import socket; c=socket.create_connection(('93.184.215.14', 8080), timeout=15);"
+                      " c.sendall(b'GET / HTTP/1.0\\r\\n\\r\\n'); assert c.recv(100)\"",
+            # a raw socket can be made by root, but nothing comes back
             "raw": "python3 -c \"import socket; r=socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_ICMP);"
-                   " r.sendto(b'\\x08\\x00\\xf7\\xff\\x00\\x00\\x00\\x00', ('93.184.215.14', 0))\"",
-            # without the proxy variables names do not even resolve
-            "unset": "env -u http_proxy -u HTTP_PROXY -u ALL_PROXY -u all_proxy curl -sS --max-time 10 http://example.net/",
+                   " r.settimeout(3); r.sendto(b'\\x08\\x00\\xf7\\xff\\x00\\x00\\x00\\x00', ('93.184.215.14', 0));"
+                   " r.recvfrom(2048)\"",
+            # without the proxy variables, private addresses stay refused
+            "unset": "env -u http_proxy -u HTTP_PROXY -u ALL_PROXY -u all_proxy curl -sS --max-time 10 http://10.0.0.1/",
             # another proxy port: nothing listens there
             "other proxy": "curl -sS --max-time 10 -x http://127.0.0.1:3128 http://example.net/",
             # a new interface cannot be made to carry anything either

@@ -596,6 +596,11 @@ pub(crate) fn serve(socket: Option<&Path>, reaper: &Arc<Reaper>, proxy_port: Opt
         tunnel::listen(&agent, (std::net::Ipv4Addr::LOCALHOST, port).into());
         tunnel::listen(&agent, (std::net::Ipv6Addr::LOCALHOST, port).into());
     }
+    if crate::net::TRANSPARENT.load(std::sync::atomic::Ordering::SeqCst) {
+        let port = tunnel::TRANSPARENT_PORT;
+        tunnel::listen_transparent(&agent, (std::net::Ipv4Addr::LOCALHOST, port).into());
+        tunnel::listen_transparent(&agent, (std::net::Ipv6Addr::LOCALHOST, port).into());
+    }
     read_loop(&agent, &link);
     agent.kill_all();
 }

@@ -75,7 +75,7 @@ fn ensure_stdio() {
     }
 }
 
-fn lo_up() -> io::Result<()> {
+pub(crate) fn lo_up() -> io::Result<()> {
     // SAFETY: plain syscall.
     let sock = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
     if sock < 0 {
@@ -248,6 +248,7 @@ pub(crate) fn run() {
     if let Err(e) = lo_up() {
         log!("bringing up lo: {e}");
     }
+    crate::net::setup();
     grow_root();
     workspace();
     log!("init done in {} ms", t.elapsed().as_millis());

@@ -11,10 +11,12 @@
 
 mod agent;
 mod cgroup;
+mod dns;
 mod exec;
 mod files;
 mod init;
 mod link;
+mod net;
 mod pool;
 mod reaper;
 mod switch_root;

@@ -44,11 +44,16 @@ struct St {
     aborted: bool,
     read_done: bool,
     write_done: bool,
+    /// A transparent connection: the proxy's answer to our `CONNECT`, read
+    /// so far; `None` once it said 200 (or for other tunnels).
+    head: Option<Vec<u8>>,
 }
 
 pub(crate) struct Tunnel {
     id: u32,
     sock: TcpStream,
+    /// What goes to the host before the socket's bytes (a `CONNECT`).
+    prefix: Option<Vec<u8>>,
     st: Mutex<St>,
     cv: Condvar,
 }
@@ -178,6 +183,26 @@ fn finish(agent: &Agent, t: &Tunnel, read: bool) {
 
 /// Socket -> host, within the host's credit.
 fn up(agent: &Agent, t: &Tunnel) {
+    if let Some(prefix) = &t.prefix {
+        let mut st = lock(&t.st);
+        while st.send.available() < prefix.len() && !st.aborted {
+            st = t.wait(st);
+        }
+        if st.aborted {
+            return;
+        }
+        st.send.sent(prefix.len());
+        drop(st);
+        agent.out.data(t.id, channel::INPUT, prefix);
+        // Nothing of the program's goes out before the proxy said yes.
+        let mut st = lock(&t.st);
+        while st.head.is_some() && !st.aborted {
+            st = t.wait(st);
+        }
+        if st.aborted {
+            return;
+        }
+    }
     let mut buf = vec![0u8; CHUNK];
     loop {
         let want = {
@@ -250,6 +275,50 @@ fn write_all(t: &Tunnel, mut buf: &[u8]) -> io::Result<()> {
     Ok(())
 }
 
+enum Answer {
+    /// The proxy's answer is not whole yet: nothing for the socket.
+    Waiting,
+    /// The tunnel is open; the socket's bytes start at this offset.
+    Open(usize),
+    /// The proxy refused (or answered nonsense): reset the program's connection.
+    Refused,
+}
+
+/// The longest answer head the proxy sends to a `CONNECT`.
+const MAX_HEAD: usize = 8 * 1024;
+
+/// For a transparent connection, reads the proxy's answer to its
+/// `CONNECT` off the front of what the host sends: only a `200` opens it.
+fn proxy_answer(t: &Tunnel, chunk: &[u8]) -> Answer {
+    let mut st = lock(&t.st);
+    let Some(head) = st.head.as_mut() else {
+        return Answer::Open(0);
+    };
+    let had = head.len();
+    head.extend_from_slice(chunk);
+    let Some(end) = head.windows(4).position(|w| w == b"\r\n\r\n") else {
+        return if head.len() > MAX_HEAD {
+            Answer::Refused
+        } else {
+            Answer::Waiting
+        };
+    };
+    let ok = head.starts_with(b"HTTP/1.1 200 ") || head.starts_with(b"HTTP/1.0 200 ");
+    if !ok {
+        let line = head.split(|&b| b == b'\r').next().unwrap_or_default();
+        log_limited!(
+            REFUSED,
+            "transparent connection refused by the proxy: {}",
+            String::from_utf8_lossy(line)
+        );
+        return Answer::Refused;
+    }
+    st.head = None;
+    drop(st);
+    t.cv.notify_all();
+    Answer::Open(end + 4 - had)
+}
+
 /// Host -> socket, granting credit as bytes are written.
 fn down(agent: &Agent, t: &Tunnel) {
     loop {
@@ -262,6 +331,12 @@ fn down(agent: &Agent, t: &Tunnel) {
                 if let Some(c) = st.inbox.pop_front() {
                     break c;
                 }
+                if st.eof_in && st.head.is_some() {
+                    // The proxy hung up without a `200`: refused.
+                    drop(st);
+                    abort_and_forget(agent, t, true);
+                    return;
+                }
                 if st.eof_in {
                     drop(st);
                     let _ = t.sock.shutdown(std::net::Shutdown::Write);
@@ -271,7 +346,17 @@ fn down(agent: &Agent, t: &Tunnel) {
                 st = t.wait(st);
             }
         };
-        if write_all(t, &chunk).is_err() {
+        let rest = match proxy_answer(t, &chunk) {
+            Answer::Waiting => &[][..],
+            Answer::Open(at) => &chunk[at..],
+            Answer::Refused => {
+                if !lock(&t.st).aborted {
+                    abort_and_forget(agent, t, true);
+                }
+                return;
+            }
+        };
+        if !rest.is_empty() && write_all(t, rest).is_err() {
             if !lock(&t.st).aborted {
                 abort_and_forget(agent, t, true);
             }
@@ -307,11 +392,20 @@ fn run(agent: &Arc<Agent>, t: Arc<Tunnel>) {
 }
 
 fn new_tunnel(id: u32, sock: TcpStream) -> Arc<Tunnel> {
+    with_prefix(id, sock, None)
+}
+
+fn with_prefix(id: u32, sock: TcpStream, prefix: Option<Vec<u8>>) -> Arc<Tunnel> {
     let _ = sock.set_nodelay(true);
+    let st = St {
+        head: prefix.as_ref().map(|_| Vec::new()),
+        ..St::default()
+    };
     Arc::new(Tunnel {
         id,
         sock,
-        st: Mutex::new(St::default()),
+        prefix,
+        st: Mutex::new(st),
         cv: Condvar::new(),
     })
 }
@@ -492,4 +586,205 @@ fn outbound(agent: &Arc<Agent>, sock: TcpStream) {
     agent.out.reply(t.id, &Reply::Outbound);
     agent.out.reply(t.id, &Reply::Credit { bytes: credit });
     run(agent, t);
+}
+
+/// Where the nat rule sends every TCP connection routed to the dummy.
+pub(crate) const TRANSPARENT_PORT: u16 = 10801;
+/// `SO_ORIGINAL_DST` and `IP6T_SO_ORIGINAL_DST`: the address a redirected
+/// connection was made to, from conntrack.
+const SO_ORIGINAL_DST: libc::c_int = 80;
+
+/// The address a redirected connection was made to (`None` when it was
+/// not redirected: someone connected to the port itself).
+pub(crate) fn original_dst(sock: &TcpStream) -> Option<SocketAddr> {
+    let fd = sock.as_raw_fd();
+    match sock.local_addr().ok()? {
+        SocketAddr::V4(_) => {
+            // SAFETY: sockaddr_in is plain data; all zeroes is valid.
+            let mut sa: libc::sockaddr_in = unsafe { std::mem::zeroed() };
+            let mut len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+            // SAFETY: getsockopt into a buffer of `len` bytes.
+            let r = unsafe {
+                libc::getsockopt(
+                    fd,
+                    libc::SOL_IP,
+                    SO_ORIGINAL_DST,
+                    (&mut sa as *mut libc::sockaddr_in).cast(),
+                    &mut len,
+                )
+            };
+            (r == 0).then(|| {
+                let ip = Ipv4Addr::from(u32::from_be(sa.sin_addr.s_addr));
+                SocketAddr::from((ip, u16::from_be(sa.sin_port)))
+            })
+        }
+        SocketAddr::V6(_) => {
+            // SAFETY: as above, for sockaddr_in6.
+            let mut sa: libc::sockaddr_in6 = unsafe { std::mem::zeroed() };
+            let mut len = std::mem::size_of::<libc::sockaddr_in6>() as libc::socklen_t;
+            // SAFETY: as above.
+            let r = unsafe {
+                libc::getsockopt(
+                    fd,
+                    libc::SOL_IPV6,
+                    SO_ORIGINAL_DST,
+                    (&mut sa as *mut libc::sockaddr_in6).cast(),
+                    &mut len,
+                )
+            };
+            (r == 0).then(|| {
+                let ip = Ipv6Addr::from(sa.sin6_addr.s6_addr);
+                SocketAddr::from((ip, u16::from_be(sa.sin6_port)))
+            })
+        }
+    }
+}
+
+/// What a redirected connection to `dst` asks the proxy for: the name
+/// behind a reserved address, or the address itself. `None`: nothing to
+/// ask (loopback, or a reserved address no name maps to).
+pub(crate) fn connect_target(
+    dst: SocketAddr,
+    name_of: impl Fn(Ipv4Addr) -> Option<String>,
+) -> Option<String> {
+    let port = dst.port();
+    let ip = match dst.ip() {
+        std::net::IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+            Some(v4) => std::net::IpAddr::V4(v4),
+            None => std::net::IpAddr::V6(v6),
+        },
+        v4 => v4,
+    };
+    if ip.is_loopback() || ip.is_unspecified() || port == 0 {
+        return None;
+    }
+    match ip {
+        std::net::IpAddr::V4(v4) if crate::dns::in_range(v4) => {
+            name_of(v4).map(|name| format!("{name}:{port}"))
+        }
+        std::net::IpAddr::V4(v4) => Some(format!("{v4}:{port}")),
+        std::net::IpAddr::V6(v6) => Some(format!("[{v6}]:{port}")),
+    }
+}
+
+/// Accepts the connections the nat rule redirects, each a guest-opened
+/// tunnel that starts with `CONNECT target` to the host's proxy.
+pub(crate) fn listen_transparent(agent: &Arc<Agent>, addr: SocketAddr) {
+    let listener = match TcpListener::bind(addr) {
+        Ok(l) => l,
+        Err(e) => {
+            if addr.is_ipv4() {
+                log!("cannot listen on {addr}: {e}");
+            }
+            return;
+        }
+    };
+    let a = Arc::clone(agent);
+    let spawned = std::thread::Builder::new()
+        .name("transparent".into())
+        .stack_size(STACK)
+        .spawn(move || loop {
+            match listener.accept() {
+                Ok((sock, _)) => transparent(&a, sock),
+                Err(e) => {
+                    log_limited!(REFUSED, "accept on {addr}: {e}");
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+            }
+        });
+    if let Err(e) = spawned {
+        log!("cannot start the transparent listener: {e}");
+    }
+}
+
+fn reset(sock: TcpStream) {
+    abort(None, &new_tunnel(0, sock));
+}
+
+fn transparent(agent: &Arc<Agent>, sock: TcpStream) {
+    let target = original_dst(&sock).and_then(|dst| connect_target(dst, crate::dns::name_of));
+    let Some(target) = target else {
+        reset(sock);
+        return;
+    };
+    let prefix = format!("CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n\r\n").into_bytes();
+    let t = with_prefix(agent.tunnels.fresh_id(), sock, Some(prefix));
+    let credit = lock(&t.st).recv.open();
+    if !agent.tunnels.insert(&t) {
+        log_limited!(REFUSED, "{MAX_TUNNELS} connections open: refusing another");
+        abort(None, &t);
+        return;
+    }
+    agent.out.reply(t.id, &Reply::Outbound);
+    agent.out.reply(t.id, &Reply::Credit { bytes: credit });
+    run(agent, t);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn transparent_tunnel() -> Arc<Tunnel> {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let c = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        with_prefix(1, c, Some(b"CONNECT x:1 HTTP/1.1\r\n\r\n".to_vec()))
+    }
+
+    #[test]
+    fn only_a_200_opens_a_transparent_tunnel_and_its_head_is_not_passed_on() {
+        let t = transparent_tunnel();
+        assert!(matches!(
+            proxy_answer(&t, b"HTTP/1.1 200 OK\r\nda"),
+            Answer::Waiting
+        ));
+        assert!(matches!(proxy_answer(&t, b"te: x\r\n"), Answer::Waiting));
+        // The head ends in this chunk; the server's first bytes follow it.
+        assert!(matches!(proxy_answer(&t, b"\r\nSSH-2.0"), Answer::Open(2)));
+        assert!(lock(&t.st).head.is_none());
+        assert!(matches!(proxy_answer(&t, b"more"), Answer::Open(0)));
+
+        let t = transparent_tunnel();
+        let refused = b"HTTP/1.1 403 Forbidden\r\nX-Runtime-Egress: port-not-allowed\r\n\r\nno";
+        assert!(matches!(proxy_answer(&t, refused), Answer::Refused));
+        let t = transparent_tunnel();
+        assert!(matches!(
+            proxy_answer(&t, &[b'x'; MAX_HEAD + 1]),
+            Answer::Refused
+        ));
+        let t = transparent_tunnel();
+        assert!(matches!(
+            proxy_answer(&t, b"HTTP/1.1 2000 OK\r\n\r\n"),
+            Answer::Refused
+        ));
+        // Other tunnels pass everything.
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let plain = new_tunnel(2, TcpStream::connect(l.local_addr().unwrap()).unwrap());
+        assert!(matches!(
+            proxy_answer(&plain, b"HTTP/1.1 403 x\r\n\r\n"),
+            Answer::Open(0)
+        ));
+    }
+
+    #[test]
+    fn targets_are_names_for_reserved_addresses_and_addresses_otherwise() {
+        let name_of = |ip: Ipv4Addr| {
+            (ip == Ipv4Addr::new(198, 18, 0, 7)).then(|| "db.example.com".to_string())
+        };
+        let t = |s: &str| connect_target(s.parse().unwrap(), name_of);
+        assert_eq!(t("198.18.0.7:5432").as_deref(), Some("db.example.com:5432"));
+        assert_eq!(
+            t("198.18.0.8:5432"),
+            None,
+            "a reserved address with no name"
+        );
+        assert_eq!(t("93.184.215.14:80").as_deref(), Some("93.184.215.14:80"));
+        assert_eq!(t("[2001:db8::1]:22").as_deref(), Some("[2001:db8::1]:22"));
+        assert_eq!(
+            t("[::ffff:198.18.0.7]:443").as_deref(),
+            Some("db.example.com:443")
+        );
+        assert_eq!(t("127.0.0.1:80"), None);
+        assert_eq!(t("[::1]:80"), None);
+        assert_eq!(t("0.0.0.0:80"), None);
+    }
 }

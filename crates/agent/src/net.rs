@@ -1,0 +1,468 @@
+//! Transparent egress set-up at boot (docs/network.md): a dummy interface
+//! with the default routes, so `connect()` to any address starts instead of
+//! failing with `ENETUNREACH`, and an nftables rule that redirects every TCP
+//! connection routed to it to the agent's transparent listener. Whatever escapes the rule (rules deleted by root, UDP, raw
+//! sockets) goes to the dummy, which drops it.
+//!
+//! Both are written over netlink here, so the image needs no `nft` or `ip`
+//! (registry images have neither).
+
+use std::io;
+use std::net::{Ipv4Addr, Ipv6Addr};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+
+use crate::sys::cvt;
+
+/// The interface that carries the default routes and drops what it gets.
+pub(crate) const DUMMY: &str = "runtime0";
+/// The dummy's own addresses (the source of redirected connections).
+pub(crate) const DUMMY_V4: Ipv4Addr = Ipv4Addr::new(198, 18, 0, 1);
+/// In the IPv6 benchmarking range (RFC 5180), never routed on the internet.
+pub(crate) const DUMMY_V6: Ipv6Addr = Ipv6Addr::new(0x2001, 2, 0, 0, 0, 0, 0, 1);
+/// The nftables table the agent owns.
+const TABLE: &str = "runtime";
+
+// netlink
+const NLM_F_REQUEST: u16 = 0x1;
+const NLM_F_ACK: u16 = 0x4;
+const NLM_F_EXCL: u16 = 0x200;
+const NLM_F_CREATE: u16 = 0x400;
+const NLM_F_APPEND: u16 = 0x800;
+const NLMSG_ERROR: u16 = 2;
+const NLA_F_NESTED: u16 = 0x8000;
+
+// rtnetlink
+const RTM_NEWLINK: u16 = 16;
+const RTM_DELLINK: u16 = 17;
+const RTM_NEWADDR: u16 = 20;
+const RTM_NEWROUTE: u16 = 24;
+const IFLA_IFNAME: u16 = 3;
+const IFLA_LINKINFO: u16 = 18;
+const IFLA_INFO_KIND: u16 = 1;
+const IFA_ADDRESS: u16 = 1;
+const IFA_LOCAL: u16 = 2;
+const IFA_F_NODAD: u8 = 0x02;
+const RTA_OIF: u16 = 4;
+const RTA_PREFSRC: u16 = 7;
+
+// nfnetlink / nf_tables
+const NFNL_SUBSYS_NFTABLES: u16 = 10;
+const NFNL_MSG_BATCH_BEGIN: u16 = 0x10;
+const NFNL_MSG_BATCH_END: u16 = 0x11;
+const NFT_MSG_NEWTABLE: u16 = 0;
+const NFT_MSG_NEWCHAIN: u16 = 3;
+const NFT_MSG_NEWRULE: u16 = 6;
+const NFPROTO_INET: u8 = 1;
+const NFTA_TABLE_NAME: u16 = 1;
+const NFTA_CHAIN_TABLE: u16 = 1;
+const NFTA_CHAIN_NAME: u16 = 3;
+const NFTA_CHAIN_HOOK: u16 = 4;
+const NFTA_CHAIN_POLICY: u16 = 5;
+const NFTA_CHAIN_TYPE: u16 = 7;
+const NFTA_HOOK_HOOKNUM: u16 = 1;
+const NFTA_HOOK_PRIORITY: u16 = 2;
+const NF_INET_LOCAL_OUT: u32 = 3;
+const NF_ACCEPT: u32 = 1;
+const NFTA_RULE_TABLE: u16 = 1;
+const NFTA_RULE_CHAIN: u16 = 2;
+const NFTA_RULE_EXPRESSIONS: u16 = 4;
+const NFTA_LIST_ELEM: u16 = 1;
+const NFTA_EXPR_NAME: u16 = 1;
+const NFTA_EXPR_DATA: u16 = 2;
+const NFTA_META_DREG: u16 = 1;
+const NFTA_META_KEY: u16 = 2;
+const NFT_META_OIFNAME: u32 = 7;
+const NFT_META_L4PROTO: u32 = 16;
+const NFTA_CMP_SREG: u16 = 1;
+const NFTA_CMP_OP: u16 = 2;
+const NFTA_CMP_DATA: u16 = 3;
+const NFT_CMP_EQ: u32 = 0;
+const NFTA_DATA_VALUE: u16 = 1;
+const NFTA_IMMEDIATE_DREG: u16 = 1;
+const NFTA_IMMEDIATE_DATA: u16 = 2;
+const NFTA_REDIR_REG_PROTO_MIN: u16 = 1;
+const NFT_REG_1: u32 = 1;
+
+/// A netlink message under construction: header, fixed part, attributes.
+struct Msg {
+    buf: Vec<u8>,
+    /// Offsets of the nests still open.
+    nests: Vec<usize>,
+}
+
+impl Msg {
+    fn new(ty: u16, flags: u16, seq: u32, fixed: &[u8]) -> Msg {
+        let mut buf = Vec::with_capacity(256);
+        buf.extend_from_slice(&0u32.to_ne_bytes());
+        buf.extend_from_slice(&ty.to_ne_bytes());
+        buf.extend_from_slice(&flags.to_ne_bytes());
+        buf.extend_from_slice(&seq.to_ne_bytes());
+        buf.extend_from_slice(&0u32.to_ne_bytes());
+        buf.extend_from_slice(fixed);
+        pad(&mut buf);
+        Msg {
+            buf,
+            nests: Vec::new(),
+        }
+    }
+
+    fn attr(&mut self, ty: u16, data: &[u8]) -> &mut Msg {
+        let len = (4 + data.len()) as u16;
+        self.buf.extend_from_slice(&len.to_ne_bytes());
+        self.buf.extend_from_slice(&ty.to_ne_bytes());
+        self.buf.extend_from_slice(data);
+        pad(&mut self.buf);
+        self
+    }
+
+    fn str(&mut self, ty: u16, s: &str) -> &mut Msg {
+        let mut v = s.as_bytes().to_vec();
+        v.push(0);
+        self.attr(ty, &v)
+    }
+
+    /// A big-endian u32, as nf_tables wants its numbers.
+    fn be32(&mut self, ty: u16, v: u32) -> &mut Msg {
+        self.attr(ty, &v.to_be_bytes())
+    }
+
+    fn begin(&mut self, ty: u16) -> &mut Msg {
+        self.nests.push(self.buf.len());
+        self.buf.extend_from_slice(&0u16.to_ne_bytes());
+        self.buf
+            .extend_from_slice(&(ty | NLA_F_NESTED).to_ne_bytes());
+        self
+    }
+
+    fn end(&mut self) -> &mut Msg {
+        if let Some(at) = self.nests.pop() {
+            let len = (self.buf.len() - at) as u16;
+            self.buf[at..at + 2].copy_from_slice(&len.to_ne_bytes());
+        }
+        self
+    }
+
+    /// One nf_tables expression: `name` with the attributes `body` adds.
+    fn expr(&mut self, name: &str, body: impl FnOnce(&mut Msg)) -> &mut Msg {
+        self.begin(NFTA_LIST_ELEM).str(NFTA_EXPR_NAME, name);
+        self.begin(NFTA_EXPR_DATA);
+        body(self);
+        self.end().end()
+    }
+
+    fn cmp(&mut self, op: u32, value: &[u8]) -> &mut Msg {
+        self.expr("cmp", |m| {
+            m.be32(NFTA_CMP_SREG, NFT_REG_1).be32(NFTA_CMP_OP, op);
+            m.begin(NFTA_CMP_DATA).attr(NFTA_DATA_VALUE, value).end();
+        })
+    }
+
+    fn meta(&mut self, key: u32) -> &mut Msg {
+        self.expr("meta", |m| {
+            m.be32(NFTA_META_KEY, key).be32(NFTA_META_DREG, NFT_REG_1);
+        })
+    }
+
+    fn finish(mut self) -> Vec<u8> {
+        let len = self.buf.len() as u32;
+        self.buf[0..4].copy_from_slice(&len.to_ne_bytes());
+        self.buf
+    }
+}
+
+fn pad(buf: &mut Vec<u8>) {
+    while !buf.len().is_multiple_of(4) {
+        buf.push(0);
+    }
+}
+
+fn nl_socket(proto: libc::c_int) -> io::Result<OwnedFd> {
+    // SAFETY: plain syscall.
+    let fd =
+        cvt(unsafe { libc::socket(libc::AF_NETLINK, libc::SOCK_RAW | libc::SOCK_CLOEXEC, proto) })?;
+    // SAFETY: a fresh fd we own.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    let tv = libc::timeval {
+        tv_sec: 5,
+        tv_usec: 0,
+    };
+    // SAFETY: a valid timeval on our socket.
+    cvt(unsafe {
+        libc::setsockopt(
+            fd.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_RCVTIMEO,
+            (&tv as *const libc::timeval).cast(),
+            std::mem::size_of::<libc::timeval>() as libc::socklen_t,
+        )
+    })?;
+    Ok(fd)
+}
+
+/// Sends `msgs` as one datagram and waits for an ack of each sequence
+/// number in `acks`; the first error the kernel reports is returned.
+fn talk(proto: libc::c_int, msgs: &[Vec<u8>], acks: &[u32]) -> io::Result<()> {
+    let fd = nl_socket(proto)?;
+    let out: Vec<u8> = msgs.concat();
+    // SAFETY: a zeroed sockaddr_nl is the kernel's address (pid 0).
+    let mut sa: libc::sockaddr_nl = unsafe { std::mem::zeroed() };
+    sa.nl_family = libc::AF_NETLINK as libc::sa_family_t;
+    // SAFETY: sends our buffer to the kernel.
+    let n = unsafe {
+        libc::sendto(
+            fd.as_raw_fd(),
+            out.as_ptr().cast(),
+            out.len(),
+            0,
+            (&sa as *const libc::sockaddr_nl).cast(),
+            std::mem::size_of::<libc::sockaddr_nl>() as libc::socklen_t,
+        )
+    };
+    if n < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let mut pending: Vec<u32> = acks.to_vec();
+    let mut buf = vec![0u8; 16 * 1024];
+    while !pending.is_empty() {
+        // SAFETY: reads into our buffer.
+        let n = unsafe { libc::recv(fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), 0) };
+        if n < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let mut rest = &buf[..n as usize];
+        while rest.len() >= 16 {
+            let len = u32::from_ne_bytes([rest[0], rest[1], rest[2], rest[3]]) as usize;
+            let ty = u16::from_ne_bytes([rest[4], rest[5]]);
+            let seq = u32::from_ne_bytes([rest[8], rest[9], rest[10], rest[11]]);
+            if len < 16 || len > rest.len() {
+                break;
+            }
+            if ty == NLMSG_ERROR && len >= 20 {
+                let code = i32::from_ne_bytes([rest[16], rest[17], rest[18], rest[19]]);
+                if code != 0 {
+                    return Err(io::Error::from_raw_os_error(-code));
+                }
+                pending.retain(|s| *s != seq);
+            }
+            let step = (len + 3) & !3;
+            rest = &rest[step.min(rest.len())..];
+        }
+    }
+    Ok(())
+}
+
+fn nfgen(family: u8) -> [u8; 4] {
+    let res = if family == 0 {
+        NFNL_SUBSYS_NFTABLES.to_be_bytes()
+    } else {
+        [0, 0]
+    };
+    [family, 0, res[0], res[1]]
+}
+
+fn nft_type(msg: u16) -> u16 {
+    (NFNL_SUBSYS_NFTABLES << 8) | msg
+}
+
+/// The nat rule: `table inet runtime { chain out { type nat hook output
+/// priority -100; oifname "runtime0" meta l4proto tcp redirect to :port } }`:
+/// every TCP connection the routes send to the dummy, that is to any
+/// address that is neither the guest's own nor on another interface of it
+/// (a bridge of containers inside).
+pub(crate) fn redirect_tcp(port: u16, ifname: &str) -> io::Result<()> {
+    let chain = "out";
+    let create = NLM_F_REQUEST | NLM_F_CREATE | NLM_F_ACK;
+    let mut msgs = vec![Msg::new(NFNL_MSG_BATCH_BEGIN, NLM_F_REQUEST, 1, &nfgen(0)).finish()];
+    let mut m = Msg::new(nft_type(NFT_MSG_NEWTABLE), create, 2, &nfgen(NFPROTO_INET));
+    m.str(NFTA_TABLE_NAME, TABLE);
+    msgs.push(m.finish());
+    let mut m = Msg::new(nft_type(NFT_MSG_NEWCHAIN), create, 3, &nfgen(NFPROTO_INET));
+    m.str(NFTA_CHAIN_TABLE, TABLE).str(NFTA_CHAIN_NAME, chain);
+    m.begin(NFTA_CHAIN_HOOK)
+        .be32(NFTA_HOOK_HOOKNUM, NF_INET_LOCAL_OUT)
+        .be32(NFTA_HOOK_PRIORITY, (-100i32) as u32)
+        .end();
+    m.be32(NFTA_CHAIN_POLICY, NF_ACCEPT)
+        .str(NFTA_CHAIN_TYPE, "nat");
+    msgs.push(m.finish());
+    // An interface name as the kernel compares it: IFNAMSIZ bytes, NUL-padded.
+    let mut name = [0u8; 16];
+    let n = ifname.len().min(15);
+    name[..n].copy_from_slice(&ifname.as_bytes()[..n]);
+    let flags = NLM_F_REQUEST | NLM_F_CREATE | NLM_F_APPEND | NLM_F_ACK;
+    let mut m = Msg::new(nft_type(NFT_MSG_NEWRULE), flags, 4, &nfgen(NFPROTO_INET));
+    m.str(NFTA_RULE_TABLE, TABLE).str(NFTA_RULE_CHAIN, chain);
+    m.begin(NFTA_RULE_EXPRESSIONS);
+    m.meta(NFT_META_OIFNAME).cmp(NFT_CMP_EQ, &name);
+    m.meta(NFT_META_L4PROTO)
+        .cmp(NFT_CMP_EQ, &[libc::IPPROTO_TCP as u8]);
+    m.expr("immediate", |m| {
+        m.be32(NFTA_IMMEDIATE_DREG, NFT_REG_1);
+        m.begin(NFTA_IMMEDIATE_DATA)
+            .attr(NFTA_DATA_VALUE, &port.to_be_bytes())
+            .end();
+    });
+    m.expr("redir", |m| {
+        m.be32(NFTA_REDIR_REG_PROTO_MIN, NFT_REG_1);
+    });
+    m.end();
+    msgs.push(m.finish());
+    msgs.push(Msg::new(NFNL_MSG_BATCH_END, NLM_F_REQUEST, 5, &nfgen(0)).finish());
+    talk(libc::NETLINK_NETFILTER, &msgs, &[2, 3, 4])
+}
+
+fn ifindex(name: &str) -> io::Result<u32> {
+    let c = crate::sys::cstring(name)?;
+    // SAFETY: a valid C string.
+    match unsafe { libc::if_nametoindex(c.as_ptr()) } {
+        0 => Err(io::Error::last_os_error()),
+        i => Ok(i),
+    }
+}
+
+/// The dummy interface, up, with its addresses and the default routes
+/// (IPv6 only when the kernel has it).
+pub(crate) fn dummy_with_default_routes() -> io::Result<()> {
+    let create = NLM_F_REQUEST | NLM_F_CREATE | NLM_F_EXCL | NLM_F_ACK;
+    // The kernel makes a `dummy0` of its own at boot (numdummies=1): gone,
+    // so the guest sees lo and ours only.
+    if ifindex("dummy0").is_ok() {
+        let mut m = Msg::new(RTM_DELLINK, NLM_F_REQUEST | NLM_F_ACK, 9, &[0u8; 16]);
+        m.str(IFLA_IFNAME, "dummy0");
+        if let Err(e) = talk(libc::NETLINK_ROUTE, &[m.finish()], &[9]) {
+            crate::sys::log!("cannot delete dummy0: {e}");
+        }
+    }
+    // ifinfomsg: family, pad, type, index, flags = IFF_UP, change = IFF_UP
+    let mut ifi = vec![0u8; 16];
+    ifi[8..12].copy_from_slice(&(libc::IFF_UP as u32).to_ne_bytes());
+    ifi[12..16].copy_from_slice(&(libc::IFF_UP as u32).to_ne_bytes());
+    let mut m = Msg::new(RTM_NEWLINK, create, 1, &ifi);
+    m.str(IFLA_IFNAME, DUMMY);
+    m.begin(IFLA_LINKINFO).str(IFLA_INFO_KIND, "dummy").end();
+    talk(libc::NETLINK_ROUTE, &[m.finish()], &[1])?;
+    let index = ifindex(DUMMY)?;
+    let idx = index.to_ne_bytes();
+    // ifaddrmsg: family, prefixlen, flags, scope, index
+    let a4 = [
+        libc::AF_INET as u8,
+        32,
+        0,
+        0,
+        idx[0],
+        idx[1],
+        idx[2],
+        idx[3],
+    ];
+    let mut m = Msg::new(RTM_NEWADDR, create, 2, &a4);
+    m.attr(IFA_LOCAL, &DUMMY_V4.octets())
+        .attr(IFA_ADDRESS, &DUMMY_V4.octets());
+    talk(libc::NETLINK_ROUTE, &[m.finish()], &[2])?;
+    // rtmsg: family, dst_len, src_len, tos, table main, protocol boot,
+    // scope link, type unicast, flags
+    let r4 = [libc::AF_INET as u8, 0, 0, 0, 254, 3, 253, 1, 0, 0, 0, 0];
+    let mut m = Msg::new(RTM_NEWROUTE, create, 3, &r4);
+    m.attr(RTA_OIF, &idx).attr(RTA_PREFSRC, &DUMMY_V4.octets());
+    talk(libc::NETLINK_ROUTE, &[m.finish()], &[3])?;
+    if std::path::Path::new("/proc/net/if_inet6").exists() {
+        let a6 = [
+            libc::AF_INET6 as u8,
+            128,
+            IFA_F_NODAD,
+            0,
+            idx[0],
+            idx[1],
+            idx[2],
+            idx[3],
+        ];
+        let mut m = Msg::new(RTM_NEWADDR, create, 4, &a6);
+        m.attr(IFA_ADDRESS, &DUMMY_V6.octets());
+        talk(libc::NETLINK_ROUTE, &[m.finish()], &[4])?;
+        let r6 = [libc::AF_INET6 as u8, 0, 0, 0, 254, 3, 0, 1, 0, 0, 0, 0];
+        let mut m = Msg::new(RTM_NEWROUTE, create, 5, &r6);
+        m.attr(RTA_OIF, &idx);
+        talk(libc::NETLINK_ROUTE, &[m.finish()], &[5])?;
+    }
+    Ok(())
+}
+
+/// Whether the nat rule is in place (the transparent listener is needed).
+pub(crate) static TRANSPARENT: std::sync::atomic::AtomicBool =
+    std::sync::atomic::AtomicBool::new(false);
+
+/// PID 1 at boot: the rule, the dummy and its routes, the resolver and
+/// `/etc/resolv.conf`. Without the rule nothing else is set up: programs
+/// that ignore the proxy variables then fail at once, as before.
+pub(crate) fn setup() {
+    let t = std::time::Instant::now();
+    if let Err(e) = redirect_tcp(crate::tunnel::TRANSPARENT_PORT, DUMMY) {
+        crate::sys::log!("transparent egress off: cannot add the nat rule: {e}");
+        return;
+    }
+    TRANSPARENT.store(true, std::sync::atomic::Ordering::SeqCst);
+    if let Err(e) = dummy_with_default_routes() {
+        crate::sys::log!("cannot set up {DUMMY} and the default routes: {e}");
+    }
+    if crate::dns::start() {
+        crate::dns::write_resolv_conf();
+    }
+    crate::sys::log!(
+        "transparent egress set up in {} ms",
+        t.elapsed().as_millis()
+    );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::{Read, Write};
+    use std::net::{SocketAddr, TcpListener, TcpStream};
+
+    /// The rule and the dummy in a network namespace of this test's own
+    /// thread (root only: skipped where a namespace cannot be made).
+    #[test]
+    fn the_rule_redirects_tcp_to_any_address_and_keeps_the_original() {
+        // SAFETY: plain syscall; only this thread moves.
+        if unsafe { libc::unshare(libc::CLONE_NEWNET) } != 0 {
+            eprintln!(
+                "skipped: cannot make a network namespace: {}",
+                io::Error::last_os_error()
+            );
+            return;
+        }
+        crate::init::lo_up().unwrap();
+        let port = 10901;
+        let listener = TcpListener::bind(("127.0.0.1", port)).unwrap();
+        // Without a default route nothing starts: the dummy gives one.
+        assert!(TcpStream::connect("203.0.113.9:4242").is_err());
+        let ifname = match dummy_with_default_routes() {
+            Ok(()) => DUMMY,
+            // A host kernel without dummy interfaces: the route goes over lo.
+            Err(e) if e.raw_os_error() == Some(libc::EOPNOTSUPP) => {
+                let ok = std::process::Command::new("ip")
+                    .args(["route", "add", "default", "dev", "lo"])
+                    .status()
+                    .unwrap();
+                assert!(ok.success());
+                "lo"
+            }
+            Err(e) => panic!("dummy: {e}"),
+        };
+        redirect_tcp(port, ifname).unwrap();
+        let mut c = TcpStream::connect("203.0.113.9:4242").unwrap();
+        let (mut s, _) = listener.accept().unwrap();
+        let dst = crate::tunnel::original_dst(&s).unwrap();
+        assert_eq!(dst, "203.0.113.9:4242".parse::<SocketAddr>().unwrap());
+        c.write_all(b"hi").unwrap();
+        let mut buf = [0u8; 2];
+        s.read_exact(&mut buf).unwrap();
+        assert_eq!(&buf, b"hi");
+        // A connection to the listener itself was not redirected: its
+        // original address is loopback, which asks the proxy for nothing.
+        let _d = TcpStream::connect(("127.0.0.1", port)).unwrap();
+        let (s2, _) = listener.accept().unwrap();
+        let dst = crate::tunnel::original_dst(&s2).unwrap();
+        assert_eq!(dst, SocketAddr::from(([127, 0, 0, 1], port)));
+        assert_eq!(crate::tunnel::connect_target(dst, |_| None), None);
+    }
+}
