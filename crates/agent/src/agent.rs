@@ -121,36 +121,27 @@ impl Agent {
 
     /// Runs `f` on a new thread; if none can be started, answers `Failed`.
     fn spawn(self: &Arc<Self>, stream: u32, f: impl FnOnce() + Send + 'static) -> bool {
-        match std::thread::Builder::new()
+        let started = std::thread::Builder::new()
             .name(format!("stream-{stream}"))
-            .spawn(f)
-        {
-            Ok(_) => true,
-            Err(e) => {
-                log!("cannot start a thread: {e}");
-                self.out.reply_now(
-                    stream,
-                    &Fail::new(FailCode::Io, format!("cannot start a thread: {e}")).reply(),
-                );
-                false
-            }
-        }
+            .spawn(f);
+        self.started(stream, started.map(drop))
     }
 
     /// Like [`Agent::spawn`], on a pooled thread ([`crate::pool`]): for work
     /// that leaves its thread as it found it.
     fn spawn_pooled(self: &Arc<Self>, stream: u32, f: impl FnOnce() + Send + 'static) -> bool {
-        match crate::pool::run(f) {
-            Ok(_) => true,
-            Err(e) => {
-                log!("cannot start a thread: {e}");
-                self.out.reply_now(
-                    stream,
-                    &Fail::new(FailCode::Io, format!("cannot start a thread: {e}")).reply(),
-                );
-                false
-            }
-        }
+        self.started(stream, crate::pool::run(f).map(drop))
+    }
+
+    /// Whether a stream's thread started; when not, the stream is answered.
+    fn started(&self, stream: u32, started: std::io::Result<()>) -> bool {
+        let Err(e) = started else { return true };
+        log!("cannot start a thread: {e}");
+        self.out.reply_now(
+            stream,
+            &Fail::new(FailCode::Io, format!("cannot start a thread: {e}")).reply(),
+        );
+        false
     }
 
     /// A file operation answered by one reply, run as `user`.
