@@ -480,11 +480,6 @@ fn install_ca(pem: &str) -> std::io::Result<()> {
     {
         return Ok(()); // a wake: already trusted
     }
-    if std::fs::read(ca).is_ok_and(|old| old == pem.as_bytes())
-        && std::fs::read(CA_BUNDLE).is_ok_and(|b| b.ends_with(pem.as_bytes()))
-    {
-        return Ok(()); // a wake: already trusted
-    }
     if let Some(dir) = ca.parent() {
         std::fs::create_dir_all(dir)?;
     }

@@ -545,6 +545,12 @@ pub(crate) fn close(agent: &Agent, stream: u32) {
 /// Accepts connections to the proxy port on `addr`, each a guest-opened
 /// tunnel. Returns once the listener runs (or could not bind).
 pub(crate) fn listen(agent: &Arc<Agent>, addr: SocketAddr) {
+    accept_on(agent, addr, "proxy-listen", outbound);
+}
+
+/// Runs a thread `name` that hands each connection accepted on `addr` to
+/// `each`. Returns once it runs (or `addr` could not be bound).
+fn accept_on(agent: &Arc<Agent>, addr: SocketAddr, name: &str, each: fn(&Arc<Agent>, TcpStream)) {
     let listener = match TcpListener::bind(addr) {
         Ok(l) => l,
         Err(e) => {
@@ -557,11 +563,11 @@ pub(crate) fn listen(agent: &Arc<Agent>, addr: SocketAddr) {
     };
     let a = Arc::clone(agent);
     let spawned = std::thread::Builder::new()
-        .name("proxy-listen".into())
+        .name(name.into())
         .stack_size(STACK)
         .spawn(move || loop {
             match listener.accept() {
-                Ok((sock, _)) => outbound(&a, sock),
+                Ok((sock, _)) => each(&a, sock),
                 Err(e) => {
                     log_limited!(REFUSED, "accept on {addr}: {e}");
                     // Out of fds or memory: let some tunnels end first.
@@ -570,7 +576,7 @@ pub(crate) fn listen(agent: &Arc<Agent>, addr: SocketAddr) {
             }
         });
     if let Err(e) = spawned {
-        log!("cannot start the proxy listener: {e}");
+        log!("cannot start the {name} thread: {e}");
     }
 }
 
@@ -670,31 +676,7 @@ pub(crate) fn connect_target(
 /// Accepts the connections the nat rule redirects, each a guest-opened
 /// tunnel that starts with `CONNECT target` to the host's proxy.
 pub(crate) fn listen_transparent(agent: &Arc<Agent>, addr: SocketAddr) {
-    let listener = match TcpListener::bind(addr) {
-        Ok(l) => l,
-        Err(e) => {
-            if addr.is_ipv4() {
-                log!("cannot listen on {addr}: {e}");
-            }
-            return;
-        }
-    };
-    let a = Arc::clone(agent);
-    let spawned = std::thread::Builder::new()
-        .name("transparent".into())
-        .stack_size(STACK)
-        .spawn(move || loop {
-            match listener.accept() {
-                Ok((sock, _)) => transparent(&a, sock),
-                Err(e) => {
-                    log_limited!(REFUSED, "accept on {addr}: {e}");
-                    std::thread::sleep(Duration::from_millis(50));
-                }
-            }
-        });
-    if let Err(e) = spawned {
-        log!("cannot start the transparent listener: {e}");
-    }
+    accept_on(agent, addr, "transparent", transparent);
 }
 
 fn reset(sock: TcpStream) {

@@ -208,11 +208,20 @@ fn template_key(artifacts_key: &str, cpu_model: &str, spec: &MachineSpec) -> Str
     // beside a state without it (captures made before are of another
     // machine and never restored). `r3`: booted with `tsc=reliable` and the
     // host's TSC frequency (qemu.rs), whose clock a template keeps.
-    let tsc = crate::qemu::host_tsc_khz().map_or(String::new(), |k| format!("-tsc{k}"));
     format!(
-        "{}-{}-r3-{}c-{}m-{}d{image}{tsc}",
-        artifacts_key, cpu_model, spec.vcpu, spec.memory_mib, spec.disk_mib
+        "{}-{}-r3-{}c-{}m-{}d{image}{}",
+        artifacts_key,
+        cpu_model,
+        spec.vcpu,
+        spec.memory_mib,
+        spec.disk_mib,
+        tsc_suffix()
     )
+}
+
+/// The host's TSC frequency as a template key names it (empty when unknown).
+fn tsc_suffix() -> String {
+    crate::qemu::host_tsc_khz().map_or(String::new(), |k| format!("-tsc{k}"))
 }
 
 /// The id of the machine that builds the template `key`: unique per key
@@ -255,7 +264,7 @@ mod tests {
 
     #[test]
     fn a_template_key_names_artifacts_cpu_and_shape() {
-        let tsc = crate::qemu::host_tsc_khz().map_or(String::new(), |k| format!("-tsc{k}"));
+        let tsc = tsc_suffix();
         assert_eq!(
             template_key("arts9", "max", &shape()),
             format!("arts9-max-r3-2c-1024m-4096d{tsc}")

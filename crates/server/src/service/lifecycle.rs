@@ -198,9 +198,7 @@ async fn run(st: &AppState, row: SandboxRow, op: Op) {
     let now = st.now_ms();
     match op {
         Op::Start { from, warm } => {
-            let t0 = std::time::Instant::now();
             let spec = machine_spec(st, &row.record);
-            tracing::debug!(ms = t0.elapsed().as_millis() as u64, "machine spec made");
             let began = std::time::Instant::now();
             let mut warmed = false;
             let result = match &from {

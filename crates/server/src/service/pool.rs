@@ -19,7 +19,6 @@ use runtime_api::Sandbox;
 use runtime_host::MachineSpec;
 
 use crate::domain::pool;
-use crate::domain::quota::Free;
 use crate::AppState;
 
 /// Every pool of this server.
@@ -191,12 +190,6 @@ fn refill(st: &AppState, key: &str) {
     ));
 }
 
-/// What a refill does next.
-enum Next {
-    Start(MachineSpec),
-    Done,
-}
-
 /// Starts warm machines for pool `key`, one at a time, until it has its
 /// size, the budget is reached, the host is short of memory, or the server
 /// shuts down.
@@ -207,6 +200,7 @@ async fn fill(st: &AppState, key: &str) {
     pause(st, REFILL_DELAY).await;
     let waiting_since = tokio::time::Instant::now();
     loop {
+        // The next machine to start, or `None`: the refill is done.
         let next = {
             let mut pools = st.inner.pools.lock();
             let used = used_bytes(&pools);
@@ -214,23 +208,23 @@ async fn fill(st: &AppState, key: &str) {
                 Some(p) if !st.inner.cancel.is_cancelled() => {
                     let estimate = p.last_bytes.unwrap_or(pool::FIRST_ESTIMATE_BYTES);
                     if pool::may_fill(p.ready.len(), target, used, estimate, budget) {
-                        Next::Start(MachineSpec {
+                        Some(MachineSpec {
                             id: uuid::Uuid::new_v4().to_string(),
                             ..p.spec.clone()
                         })
                     } else {
                         p.filling = false;
-                        Next::Done
+                        None
                     }
                 }
                 Some(p) => {
                     p.filling = false;
-                    Next::Done
+                    None
                 }
-                None => Next::Done,
+                None => None,
             }
         };
-        let Next::Start(spec) = next else { return };
+        let Some(spec) = next else { return };
         let stop = if short_of_memory(st).await {
             tracing::info!("the host is short of memory: the pool starts nothing");
             true
@@ -296,18 +290,9 @@ async fn pause(st: &AppState, d: Duration) {
 }
 
 async fn short_of_memory(st: &AppState) -> bool {
-    let Some(room) = st.host().room().await else {
-        return false;
-    };
-    let mib = |b: u64| b >> 20;
-    let free = Free {
-        memory_total: mib(room.memory_total),
-        memory_available: mib(room.memory_available),
-        ram_dir_total: mib(room.ram_dir_total),
-        ram_dir_free: mib(room.ram_dir_free),
-        disk: mib(room.disk_free),
-    };
-    pool::under_pressure(&free, &st.config().reserve)
+    crate::service::quotas::host_free(st)
+        .await
+        .is_some_and(|free| pool::under_pressure(&free, &st.config().reserve))
 }
 
 /// The reaper's look at the pools: under memory pressure every warm machine

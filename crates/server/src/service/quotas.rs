@@ -133,19 +133,24 @@ pub(crate) async fn admit_room(st: &AppState, shapes: &[(u32, u32)]) -> ApiResul
     host_room(st, asked).await
 }
 
-/// The host's room for machines of `asked_mib` memory in all, beside the
-/// memory promised to every key's running machines.
-async fn host_room(st: &AppState, asked_mib: u64) -> ApiResult<()> {
-    let Some(room) = st.host().room().await else {
-        return Ok(());
-    };
+/// What the host has free now, in MiB (`None`: it cannot tell).
+pub(crate) async fn host_free(st: &AppState) -> Option<Free> {
+    let room = st.host().room().await?;
     let mib = |b: u64| b >> 20;
-    let free = Free {
+    Some(Free {
         memory_total: mib(room.memory_total),
         memory_available: mib(room.memory_available),
         ram_dir_total: mib(room.ram_dir_total),
         ram_dir_free: mib(room.ram_dir_free),
         disk: mib(room.disk_free),
+    })
+}
+
+/// The host's room for machines of `asked_mib` memory in all, beside the
+/// memory promised to every key's running machines.
+async fn host_room(st: &AppState, asked_mib: u64) -> ApiResult<()> {
+    let Some(free) = host_free(st).await else {
+        return Ok(());
     };
     let promised: u64 = st
         .store()
