@@ -120,6 +120,10 @@ pub(crate) async fn run(t: &Target, id: &str, address: &str, specs: &[Spec]) -> 
             }
         });
     }
+    // One listener for the whole run: a new `ctrl_c()` each turn of the
+    // loop would miss a SIGINT that came while a frame was handled.
+    let ctrl_c = tokio::signal::ctrl_c();
+    tokio::pin!(ctrl_c);
     let result = async {
         loop {
             tokio::select! {
@@ -167,7 +171,7 @@ pub(crate) async fn run(t: &Target, id: &str, address: &str, specs: &[Spec]) -> 
                     Some(Ok(_)) => {}
                     Some(Err(e)) => return Err(anyhow::Error::new(e).context("the tunnel broke")),
                 },
-                _ = tokio::signal::ctrl_c() => return Ok(()),
+                _ = &mut ctrl_c => return Ok(()),
             }
         }
     }
