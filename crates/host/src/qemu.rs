@@ -447,10 +447,14 @@ pub(crate) fn sigkill(pid: u32) {
     }
 }
 
+/// How many 10 ms steps a kill waits for the process to be gone: a QEMU
+/// giving back gigabytes on a loaded machine can take seconds to exit.
+const KILL_WAIT_STEPS: u32 = 1000;
+
 /// SIGKILL, then wait (bounded) for the process to disappear.
 pub(crate) async fn kill(pid: u32) {
     sigkill(pid);
-    for _ in 0..200 {
+    for _ in 0..KILL_WAIT_STEPS {
         if ended(pid) {
             return;
         }
@@ -462,7 +466,7 @@ pub(crate) async fn kill(pid: u32) {
 /// dropped).
 pub(crate) fn kill_blocking(pid: u32) {
     sigkill(pid);
-    for _ in 0..200 {
+    for _ in 0..KILL_WAIT_STEPS {
         if ended(pid) {
             return;
         }
