@@ -177,9 +177,11 @@ pub(crate) async fn begin(st: &AppState, key: &KeyInfo, id: &str, b: Begin) -> A
     };
     let file = up.file.clone();
     // Counted and kept under one lock: two begins at once cannot both pass.
-    let kept = {
+    let limits = crate::service::quotas::limits(st, &row.key_id);
+    let kept = limits.and_then(|limits| {
         let mut m = st.inner.uploads.lock();
-        let fits = crate::service::quotas::admit_upload(st, under_way(&m, &row.key_id), b.size);
+        let fits =
+            crate::service::quotas::admit_upload(&limits, under_way(&m, &row.key_id), b.size);
         fits.map(|()| {
             let slot = UploadSlot {
                 sandbox: id.to_string(),
@@ -190,7 +192,7 @@ pub(crate) async fn begin(st: &AppState, key: &KeyInfo, id: &str, b: Begin) -> A
             };
             m.insert(upload_id.clone(), slot);
         })
-    };
+    });
     if let Err(e) = kept {
         let _ = tokio::fs::remove_file(&file).await;
         return Err(e);
