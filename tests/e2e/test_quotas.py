@@ -128,3 +128,30 @@ def test_a_keys_own_quotas_are_set_by_the_operator_while_the_server_runs(small):
         finally:
             for s in made:
                 rt.sandboxes.delete(s.id)
+
+
+def test_a_snapshot_is_refused_up_front_when_its_size_would_pass_the_quota(small):
+    """The host estimates a capture's size (the disk as written, the memory
+    held) before it starts: a sandbox that wrote 96 MiB cannot be captured
+    by a key with 64 MiB of snapshot quota, and nothing is left capturing."""
+    from withruntime import Runtime
+    from withruntime._errors import RuntimeError as RuntimeErr
+
+    key = small.create_key(name="snaps-" + os.urandom(3).hex())
+    key_id = key.split("_")[1]
+    assert keys_cli(small, "quota", key_id, "snapshot.mib=64").returncode == 0
+    with Runtime(api_key=key, base_url=small.url, wait_for_capacity=0) as rt:
+        sbx = rt.sandboxes.create(memory_mib=512)
+        try:
+            small_snap = sbx.snapshot(mode="disk")
+            assert small_snap["state"] == "ready", small_snap
+            rt.snapshots.delete(small_snap["id"])
+            sbx.exec("head -c 96M /dev/urandom > /workspace/big && sync")
+            with pytest.raises(RuntimeErr) as refused:
+                sbx.snapshot(mode="disk")
+            assert refused.value.code == "quota_exceeded", refused.value
+            assert refused.value.details["limit"] == "snapshot.mib"
+            assert refused.value.details["asked"] >= 96, refused.value.details
+            assert [s for s in rt.snapshots.list() if s["state"] not in ("failed", "deleted")] == []
+        finally:
+            rt.sandboxes.delete(sbx.id)

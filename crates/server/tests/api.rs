@@ -2921,6 +2921,29 @@ async fn quotas_bound_what_each_key_runs_and_keeps() {
 }
 
 #[tokio::test]
+async fn a_snapshot_asks_its_estimated_size_of_the_quota_before_the_capture() {
+    let t = T::with(|c| c.quotas.set("snapshot.mib=100").unwrap());
+    let id = t.running(json!({})).await;
+    let path = format!("/v1/sandboxes/{id}:snapshot");
+    let snapshot = || t.json("POST", &path, Some(json!({})));
+    // The host says the capture would take 150 MiB: refused up front.
+    *t.host.capture_bytes.lock().unwrap() = Some(150 << 20);
+    let (s, v) = snapshot().await;
+    assert_eq!(s, StatusCode::CONFLICT, "{v}");
+    assert_eq!(v["error"]["details"]["limit"], "snapshot.mib", "{v}");
+    assert_eq!(v["error"]["details"]["asked"], 150, "{v}");
+    assert_eq!(quota_row(&t, &t.admin, "snapshot.count").await["used"], 0);
+    // A byte over a MiB counts as a whole one; within the quota it is taken.
+    *t.host.capture_bytes.lock().unwrap() = Some((100 << 20) + 1);
+    let (s, v) = snapshot().await;
+    assert_eq!(v["error"]["details"]["asked"], 101, "{v}");
+    assert!(s.is_client_error(), "{v}");
+    *t.host.capture_bytes.lock().unwrap() = Some(100 << 20);
+    let (s, v) = snapshot().await;
+    assert!(s.is_success(), "{v}");
+}
+
+#[tokio::test]
 async fn a_keys_own_quotas_replace_the_servers_for_it_alone_while_it_runs() {
     let t = T::with(|c| c.quotas.set("sandbox.count=1").unwrap());
     let small = create_key(&t.dir, Some("small"), false, false).unwrap();
