@@ -160,3 +160,55 @@ print(json.dumps({"name": me["credentialName"], "limit": limits["daily"]["limitM
     failed = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120,
                             stdin=subprocess.DEVNULL)
     assert failed.returncode != 0
+
+
+def own_address() -> str | None:
+    """An address of this machine that is not loopback (connections from it
+    to 127.0.0.1 stay on this machine but do not come from loopback)."""
+    import socket
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        probe.connect(("192.0.2.250", 9))  # no packet is sent: picks a route
+        ip = probe.getsockname()[0]
+    except OSError:
+        return None
+    finally:
+        probe.close()
+    return None if ip.startswith("127.") else ip
+
+
+def test_the_approval_page_is_not_served_over_plain_http_to_another_address(server):
+    """Without TLS, the page that takes the admin key answers only this
+    machine's loopback: a browser elsewhere gets a 403 that says why, and
+    a post of the key from there approves nothing."""
+    import http.client
+
+    source = own_address()
+    if source is None:
+        pytest.skip("this machine has no address but loopback to connect from")
+
+    def call(method: str, path: str, body: str | None, frm: str | None):
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30,
+                                          source_address=(frm, 0) if frm else None)
+        try:
+            headers = {"content-type": "application/json" if path.startswith("/v1/")
+                       else "application/x-www-form-urlencoded"}
+            conn.request(method, path, body=body, headers=headers)
+            r = conn.getresponse()
+            return r.status, r.read().decode()
+        finally:
+            conn.close()
+
+    status, body = call("POST", "/v1/login/requests", json.dumps({"computer": "elsewhere"}), source)
+    assert status == 201, body
+    req = json.loads(body)
+    status, page = call("GET", req["approvePath"], None, source)
+    assert status == 403 and "plain HTTP" in page and "adminKey" not in page, page
+    status, _ = call("POST", req["approvePath"], f"adminKey={server.admin_key()}&decision=approve", source)
+    assert status == 403
+    poll = json.dumps({"pollToken": req["pollToken"]})
+    status, body = call("POST", f"/v1/login/requests/{req['id']}:poll", poll, source)
+    assert status == 200 and json.loads(body)["status"] == "pending", body
+    # From loopback the same page is served.
+    status, page = call("GET", req["approvePath"], None, None)
+    assert status == 200 and "adminKey" in page, page

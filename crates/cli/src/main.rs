@@ -153,6 +153,11 @@ struct NetArgs {
     /// The certificate's private key (PEM).
     #[arg(long, value_name = "PEM", requires = "tls_cert")]
     tls_key: Option<PathBuf>,
+    /// Let `runtime login`'s approval page, where the admin key is typed,
+    /// be used over plain HTTP from other machines. Without TLS it is
+    /// otherwise served only to this machine's loopback.
+    #[arg(long)]
+    login_over_http: bool,
     /// Webhooks may point at HOST (any port, or only PORT) over plain
     /// http:// and at loopback, private or link-local addresses, which are
     /// otherwise refused. Repeatable; `[v6]` in brackets.
@@ -189,6 +194,7 @@ impl NetArgs {
         if let (Some(cert), Some(key)) = (&self.tls_cert, &self.tls_key) {
             c.tls = Some((cert.clone(), key.clone()));
         }
+        c.login_over_http = self.login_over_http;
         for h in &self.webhook_allow_host {
             let a = runtime_server::AllowHost::parse(h)
                 .with_context(|| format!("--webhook-allow-host {h}: expected HOST[:PORT]"))?;

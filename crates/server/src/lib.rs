@@ -46,6 +46,7 @@ pub use domain::quota::{Limits as Quotas, Reserve};
 pub use domain::webhook::AllowHost;
 pub use error::{ApiError, ServerError};
 pub use http::route::ROUTE_SAMPLES;
+pub use http::serve::Peer;
 pub use service::clock::Clock;
 pub use service::keys;
 pub use store::Store;
@@ -87,6 +88,10 @@ pub struct Config {
     pub preview_head_timeout: Duration,
     /// Serve HTTPS with this certificate chain and key (PEM files).
     pub tls: Option<(PathBuf, PathBuf)>,
+    /// Let `runtime login`'s approval page, which takes the admin key, be
+    /// used over plain HTTP from other machines (otherwise only from this
+    /// one, or over TLS).
+    pub login_over_http: bool,
     /// What running, paused and kept sandboxes cost (docs/billing.md).
     pub prices: Prices,
     /// Where the service reads the time (tests run on tokio's paused time).
@@ -142,6 +147,7 @@ impl Config {
             preview_max_concurrent: 128,
             preview_head_timeout: Duration::from_secs(120),
             tls: None,
+            login_over_http: false,
             prices: Prices::default(),
             clock: Clock::System,
             header_read_timeout: Duration::from_secs(30),

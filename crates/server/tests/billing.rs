@@ -22,6 +22,28 @@ use runtime_server::{
 use serde_json::{json, Value};
 use tower::ServiceExt;
 
+/// A request to `router(st)` as if from `peer` over plain HTTP.
+async fn from_peer(
+    st: &AppState,
+    peer: &str,
+    method: &str,
+    path: &str,
+    body: String,
+) -> (StatusCode, String) {
+    let mut req = Request::builder()
+        .method(method)
+        .uri(path)
+        .header("content-type", "application/json")
+        .body(Body::from(body))
+        .unwrap();
+    req.extensions_mut()
+        .insert(runtime_server::Peer(peer.parse().unwrap()));
+    let resp = router(st.clone()).oneshot(req).await.unwrap();
+    let status = resp.status();
+    let b = resp.into_body().collect().await.unwrap().to_bytes();
+    (status, String::from_utf8_lossy(&b).into_owned())
+}
+
 struct T {
     dir: PathBuf,
     host: Arc<FakeHost>,
@@ -621,6 +643,73 @@ fn form(pairs: &[(&str, &str)]) -> String {
         })
         .collect::<Vec<_>>()
         .join("&")
+}
+
+#[tokio::test]
+async fn login_keeps_the_admin_key_off_plain_http_and_each_source_to_its_share() {
+    let t = T::new();
+    let begin = |peer: &'static str| {
+        let st = t.state.clone();
+        async move {
+            let (s, b) = from_peer(&st, peer, "POST", "/v1/login/requests", "{}".into()).await;
+            (s, serde_json::from_str::<Value>(&b).unwrap_or(Value::Null))
+        }
+    };
+    let (s, req) = begin("192.0.2.7:40000").await;
+    assert_eq!(s, StatusCode::CREATED, "{req}");
+    let page = req["approvePath"].as_str().unwrap().to_string();
+    // Over plain HTTP from another machine, the page that takes the admin
+    // key is refused, and so is a post of the key to it.
+    let (s, body) = from_peer(&t.state, "192.0.2.7:40001", "GET", &page, String::new()).await;
+    assert_eq!(s, StatusCode::FORBIDDEN, "{body}");
+    assert!(
+        body.contains("plain HTTP") && !body.contains("adminKey"),
+        "{body}"
+    );
+    let approve = form(&[("adminKey", &t.admin), ("decision", "approve")]);
+    let (s, _) = from_peer(&t.state, "[2001:db8::1]:5", "POST", &page, approve.clone()).await;
+    assert_eq!(s, StatusCode::FORBIDDEN);
+    // From this machine (v4, v6 or v4 in v6), it is served.
+    for local in ["127.0.0.1:9", "[::1]:9", "[::ffff:127.0.0.1]:9"] {
+        let (s, body) = from_peer(&t.state, local, "GET", &page, String::new()).await;
+        assert_eq!(s, StatusCode::OK, "{local}: {body}");
+        assert!(body.contains("adminKey"), "{body}");
+    }
+    // One address has at most 8 requests waiting; others still get theirs.
+    for _ in 1..8 {
+        assert_eq!(begin("192.0.2.7:1").await.0, StatusCode::CREATED);
+    }
+    let (s, v) = begin("192.0.2.7:2").await;
+    assert_eq!(s, StatusCode::CONFLICT, "{v}");
+    assert_eq!(v["error"]["code"], "busy", "{v}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("from this address"),
+        "{v}"
+    );
+    assert_eq!(begin("198.51.100.3:1").await.0, StatusCode::CREATED);
+
+    // The operator may allow plain HTTP (`--login-over-http`).
+    let mut config = Config::new(&t.dir);
+    config.login_over_http = true;
+    let open = AppState::new(config, open_store(&t.dir).unwrap(), t.host.clone());
+    let (s, req) = {
+        let (s, b) = from_peer(
+            &open,
+            "192.0.2.9:1",
+            "POST",
+            "/v1/login/requests",
+            "{}".into(),
+        )
+        .await;
+        (s, serde_json::from_str::<Value>(&b).unwrap())
+    };
+    assert_eq!(s, StatusCode::CREATED);
+    let page = req["approvePath"].as_str().unwrap();
+    let (s, body) = from_peer(&open, "192.0.2.9:2", "GET", page, String::new()).await;
+    assert_eq!(s, StatusCode::OK, "{body}");
 }
 
 #[tokio::test]

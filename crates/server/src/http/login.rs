@@ -25,10 +25,14 @@ use serde_json::{json, Value};
 use crate::domain::access::sha256_hex;
 use crate::error::{ApiError, ApiResult};
 use crate::http::extract::{json_object, parse_query, percent_decode, Fields};
+use crate::http::serve::Peer;
 use crate::AppState;
 
 const TTL: Duration = Duration::from_secs(15 * 60);
 const MAX_PENDING: usize = 64;
+/// Most requests one address may have waiting: one source cannot fill the
+/// server's [`MAX_PENDING`] for everyone else.
+const MAX_PENDING_PER_SOURCE: usize = 8;
 
 enum Outcome {
     Waiting,
@@ -42,6 +46,8 @@ struct LoginRequest {
     poll_hash: String,
     created: Instant,
     outcome: Outcome,
+    /// The address it came from (none: a caller in the same process).
+    source: Option<std::net::IpAddr>,
 }
 
 /// The login requests under way.
@@ -73,7 +79,27 @@ fn random_code() -> String {
     s
 }
 
+/// Whether a page that takes the admin key may be used over this
+/// connection: over TLS, from this machine, or where the operator allowed
+/// plain HTTP (`--login-over-http`). Otherwise the key would cross the
+/// network in clear.
+fn key_may_travel(st: &AppState, peer: Option<Peer>) -> bool {
+    st.config().tls.is_some() || st.config().login_over_http || peer.is_none_or(|p| p.is_loopback())
+}
+
+fn plain_http_refused() -> Response {
+    html(
+        StatusCode::FORBIDDEN,
+        "Connect a computer",
+        "<p id=\"result\">This server speaks plain HTTP, so an admin key typed here would cross \
+the network unencrypted. Open this page on the server's own machine (at its loopback address, \
+for instance through <code>ssh -L</code>), or have the operator serve HTTPS \
+(<code>--tls-cert</code>, <code>--tls-key</code>) or allow it with <code>--login-over-http</code>.</p>",
+    )
+}
+
 pub(crate) async fn handle(st: &AppState, req: Request) -> ApiResult<Response> {
+    let peer = req.extensions().get::<Peer>().copied();
     let (parts, body) = req.into_parts();
     let path = parts.uri.path().to_string();
     let body = axum::body::to_bytes(body, 64 << 10)
@@ -85,7 +111,7 @@ pub(crate) async fn handle(st: &AppState, req: Request) -> ApiResult<Response> {
         path: path.clone(),
     };
     match (parts.method.clone(), segs.as_slice()) {
-        (Method::POST, ["v1", "login", "requests"]) => begin(st, &body),
+        (Method::POST, ["v1", "login", "requests"]) => begin(st, &body, peer),
         (Method::POST, ["v1", "login", "requests", last]) => {
             let (id, verb) = last.split_once(':').ok_or_else(not_found)?;
             if verb != "poll" {
@@ -94,13 +120,17 @@ pub(crate) async fn handle(st: &AppState, req: Request) -> ApiResult<Response> {
             let id = percent_decode(id, false).ok_or_else(not_found)?;
             poll(st, &id, &body)
         }
+        (Method::GET | Method::POST, ["login", id]) if !key_may_travel(st, peer) => {
+            tracing::warn!(login = %id, peer = ?peer, "an approval page over plain HTTP from another machine was refused");
+            Ok(plain_http_refused())
+        }
         (Method::GET, ["login", id]) => Ok(page(st, id, None)),
         (Method::POST, ["login", id]) => Ok(decide(st, id, &body)),
         _ => Err(not_found()),
     }
 }
 
-fn begin(st: &AppState, body: &[u8]) -> ApiResult<Response> {
+fn begin(st: &AppState, body: &[u8], peer: Option<Peer>) -> ApiResult<Response> {
     let obj = json_object(body)?;
     let mut f = Fields::new(&obj);
     let computer = f.string("computer").unwrap_or_default();
@@ -115,12 +145,24 @@ fn begin(st: &AppState, body: &[u8]) -> ApiResult<Response> {
         uuid::Uuid::new_v4().simple()
     );
     let code = random_code();
+    let source = peer.map(|p| p.0.ip().to_canonical());
     {
         let mut m = st.inner.logins.lock();
-        if m.len() >= MAX_PENDING {
+        let from_source = m
+            .values()
+            .filter(|r| source.is_some() && r.source == source)
+            .count();
+        if m.len() >= MAX_PENDING || from_source >= MAX_PENDING_PER_SOURCE {
             return Err(ApiError::Conflict {
                 code: codes::BUSY,
-                message: "Too many login requests are waiting; try again later.".into(),
+                message: format!(
+                    "Too many login requests are waiting{}; try again later.",
+                    if from_source >= MAX_PENDING_PER_SOURCE {
+                        " from this address"
+                    } else {
+                        ""
+                    }
+                ),
                 details: None,
             });
         }
@@ -132,6 +174,7 @@ fn begin(st: &AppState, body: &[u8]) -> ApiResult<Response> {
                 poll_hash: sha256_hex(token.as_bytes()),
                 created: Instant::now(),
                 outcome: Outcome::Waiting,
+                source,
             },
         );
     }

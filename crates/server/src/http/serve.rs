@@ -30,6 +30,19 @@ pub(crate) struct Limits {
     pub(crate) drain: Duration,
 }
 
+/// The address a request's connection came from, put in its extensions
+/// by the accept loop (absent in in-process tests, which call the router
+/// directly).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Peer(pub std::net::SocketAddr);
+
+impl Peer {
+    /// Whether the connection came from this machine's loopback.
+    pub(crate) fn is_loopback(&self) -> bool {
+        self.0.ip().to_canonical().is_loopback()
+    }
+}
+
 /// Serves `app` on `listener` until `stop` resolves.
 pub(crate) async fn serve<L>(
     mut listener: L,
@@ -37,7 +50,7 @@ pub(crate) async fn serve<L>(
     limits: Limits,
     stop: impl Future<Output = ()>,
 ) where
-    L: axum::serve::Listener,
+    L: axum::serve::Listener<Addr = std::net::SocketAddr>,
 {
     let closing = CancellationToken::new();
     let open = TaskTracker::new();
@@ -51,7 +64,7 @@ pub(crate) async fn serve<L>(
             },
             () = &mut stop => break,
         };
-        let (io, _addr) = tokio::select! {
+        let (io, addr) = tokio::select! {
             c = listener.accept() => c,
             () = &mut stop => break,
         };
@@ -59,8 +72,15 @@ pub(crate) async fn serve<L>(
         builder
             .timer(TokioTimer::new())
             .header_read_timeout(limits.header_read);
+        let service = tower::ServiceExt::map_request(
+            app.clone(),
+            move |mut req: axum::http::Request<hyper::body::Incoming>| {
+                req.extensions_mut().insert(Peer(addr));
+                req
+            },
+        );
         let conn = builder
-            .serve_connection(TokioIo::new(io), TowerToHyperService::new(app.clone()))
+            .serve_connection(TokioIo::new(io), TowerToHyperService::new(service))
             .with_upgrades();
         let closing = closing.clone();
         open.spawn(async move {
