@@ -9,7 +9,7 @@
 //! and `FUZZ_ROUNDS` change it), so a failure names the request that
 //! made it.
 
-#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::type_complexity)]
 
 #[allow(dead_code)]
 mod fake;
