@@ -180,6 +180,23 @@ pub(crate) fn admit_upload(st: &AppState, under_way: (u64, u64), size: u64) -> A
     quota::check(&st.config().quotas, &used, &asked).map_err(|e| exceeded(&e))
 }
 
+/// Whether an upload under way may grow by `more` bytes beside those
+/// `key_id` has under way (`(count, bytes)`, the growing one counted).
+pub(crate) fn admit_upload_growth(
+    st: &AppState,
+    under_way: (u64, u64),
+    more: u64,
+) -> ApiResult<()> {
+    let mut used = Usage::default();
+    used.add("upload.mib", quota::mib_of(under_way.1));
+    let mut asked = Usage::default();
+    asked.add(
+        "upload.mib",
+        quota::mib_of(under_way.1 + more).saturating_sub(quota::mib_of(under_way.1)),
+    );
+    quota::check(&st.config().quotas, &used, &asked).map_err(|e| exceeded(&e))
+}
+
 /// Whether the sandbox may run one more process: ended ones are forgotten
 /// to make room, oldest first; running ones fill it.
 pub(crate) fn admit_process(st: &AppState, sandbox_id: &str) -> ApiResult<()> {
