@@ -176,7 +176,7 @@ pub(crate) async fn pack(
 /// The bytes of an archive to unpack: a body in memory (a one-shot `PUT`,
 /// at most 1 MiB) or an upload's file on the host's disk, read in pieces.
 pub(crate) enum Source {
-    Bytes(Vec<u8>),
+    Memory(Vec<u8>),
     File {
         path: std::path::PathBuf,
         size: u64,
@@ -246,7 +246,7 @@ pub(crate) async fn unpack(
 ) -> ApiResult<usize> {
     let row = find_running(st, key, id).await?;
     let size = data.len();
-    match unpack_into(st, id, path, user_of(&row, user), Source::Bytes(data)).await {
+    match unpack_into(st, id, path, user_of(&row, user), Source::Memory(data)).await {
         Ok(()) => Ok(size),
         Err(UnpackError::NotStarted(e) | UnpackError::Refused(e)) => Err(e),
     }
@@ -293,7 +293,7 @@ pub(crate) async fn unpack_into(
     };
     // The first bytes say whether it is gzipped.
     let (size, gzip, mut bytes, mut file) = match source {
-        Source::Bytes(data) => {
+        Source::Memory(data) => {
             let gzip = data.starts_with(&[0x1f, 0x8b]);
             (data.len() as u64, gzip, Some(data), None)
         }
