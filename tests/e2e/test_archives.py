@@ -269,3 +269,28 @@ def test_read_stream_takes_a_large_file_in_pieces(server, sbx):
     small = http(server, "GET", f"/v1/sandboxes/{sbx.id}/files/content?path=/workspace/arch/small.txt")
     assert small.body == b"small\n"
     assert small.headers["x-content-sha256"] == hashlib.sha256(b"small\n").hexdigest()
+
+
+def test_the_async_client_sends_and_streams_large_ones_too(sbx, tmp_path):
+    import asyncio
+
+    from withruntime import AsyncRuntime
+    src = tmp_path / "async"
+    _random_tree(src, {"x.bin": 1_800_000, "y/z.bin": 600_000})
+    members = {"solo.bin": os.urandom(1_300_000)}
+
+    async def scenario():
+        async with AsyncRuntime() as rt:
+            asbx = await rt.sandboxes.get(sbx.id)
+            await asbx.files.upload(str(src), "/workspace/arch/async-up")
+            await asbx.files.unarchive("/workspace/arch/async-un", _tar(members))
+            digest = hashlib.sha256()
+            async for piece in asbx.files.read_stream("/workspace/arch/async-un/solo.bin"):
+                digest.update(piece)
+            return digest.hexdigest()
+
+    streamed = asyncio.run(scenario())
+    assert _guest_sums(sbx, "/workspace/arch/async-up") == _local_sums(src)
+    want = hashlib.sha256(members["solo.bin"]).hexdigest()
+    assert _guest_sums(sbx, "/workspace/arch/async-un") == {"./solo.bin": want}
+    assert streamed == want
