@@ -399,6 +399,10 @@ enum KeysCmd {
         /// The most the key may commit in any 24 hours, in microdollars.
         #[arg(long)]
         daily_limit_micros: Option<u64>,
+        /// A quota of this key alone, NAME=VALUE in place of the server's
+        /// `--quota` (repeatable; `runtime keys quota` changes them later).
+        #[arg(long = "quota", value_name = "NAME=VALUE")]
+        quota: Vec<String>,
     },
     /// List the keys (never the keys themselves: only hashes are kept).
     List {
@@ -427,6 +431,17 @@ enum KeysCmd {
         /// Remove the limit.
         #[arg(long)]
         none: bool,
+    },
+    /// Show or set a key's own quotas, which replace the server's for it
+    /// alone (higher or lower); NAME=default gives it the server's back.
+    Quota {
+        #[arg(long)]
+        data_dir: Option<PathBuf>,
+        /// The key itself (rtcloud_...), its id or its name.
+        key: String,
+        /// NAME=VALUE (`sandbox.count=20`) or NAME=default.
+        #[arg(value_name = "NAME=VALUE")]
+        settings: Vec<String>,
     },
 }
 
@@ -707,12 +722,20 @@ fn keys(cmd: KeysCmd) -> anyhow::Result<()> {
             account_wide,
             name,
             daily_limit_micros,
+            quota,
         } => {
             let dir = data_dir(d);
+            // Checked before the key is made: a wrong one makes none.
+            keys::KeyQuotas::default()
+                .apply(&quota)
+                .map_err(|e| anyhow::anyhow!("--quota: {e}"))?;
             let key = runtime_server::create_key(&dir, name.as_deref(), read_only, account_wide)?;
+            let id = keys::key_id_of(&key).context("the new key has no id")?;
             if let Some(m) = daily_limit_micros {
-                let id = keys::key_id_of(&key).context("the new key has no id")?;
                 keys::set_daily_limit(&dir, id, Some(micros(m)?))?;
+            }
+            if !quota.is_empty() {
+                keys::set_quotas(&dir, id, &quota)?;
             }
             println!("{key}");
         }
@@ -720,8 +743,8 @@ fn keys(cmd: KeysCmd) -> anyhow::Result<()> {
             let all = keys::list_keys(&data_dir(d))?;
             if !json {
                 println!(
-                    "{:<36}  {:<24}  {:<6}  {:<8}  {:>14}  {:<24}  REVOKED",
-                    "ID", "NAME", "ACCESS", "SCOPE", "DAILY LIMIT µ$", "CREATED"
+                    "{:<36}  {:<24}  {:<6}  {:<8}  {:>14}  {:<24}  {:<24}  QUOTAS",
+                    "ID", "NAME", "ACCESS", "SCOPE", "DAILY LIMIT µ$", "CREATED", "REVOKED"
                 );
             }
             for k in all {
@@ -734,13 +757,14 @@ fn keys(cmd: KeysCmd) -> anyhow::Result<()> {
                             "access": if k.read_only { "read" } else { "full" },
                             "accountWide": k.account_wide,
                             "dailyLimitMicros": k.daily_limit_micros,
+                            "quotas": k.quotas,
                             "createdAt": k.created_at,
                             "revokedAt": k.revoked_at,
                         })
                     );
                 } else {
                     println!(
-                        "{:<36}  {:<24}  {:<6}  {:<8}  {:>14}  {:<24}  {}",
+                        "{:<36}  {:<24}  {:<6}  {:<8}  {:>14}  {:<24}  {:<24}  {}",
                         k.id,
                         k.name.as_deref().unwrap_or("-"),
                         if k.read_only { "read" } else { "full" },
@@ -749,6 +773,7 @@ fn keys(cmd: KeysCmd) -> anyhow::Result<()> {
                             .map_or_else(|| "-".to_string(), |m| m.to_string()),
                         k.created_at,
                         k.revoked_at.as_deref().unwrap_or("-"),
+                        quota_text(&k.quotas),
                     );
                 }
             }
@@ -775,8 +800,36 @@ fn keys(cmd: KeysCmd) -> anyhow::Result<()> {
                 None => eprintln!("runtime: key {} has no daily limit", k.id),
             }
         }
+        KeysCmd::Quota {
+            data_dir: d,
+            key,
+            settings,
+        } => {
+            let dir = data_dir(d);
+            let k = if settings.is_empty() {
+                keys::find_key(&dir, &key)?
+            } else {
+                keys::set_quotas(&dir, &key, &settings)?
+            };
+            println!("{}", quota_text(&k.quotas));
+            eprintln!(
+                "runtime: key {}'s other quotas are the server's (`runtime serve --quota`)",
+                k.id
+            );
+        }
     }
     Ok(())
+}
+
+/// A key's own quotas as `name=value` words (`-`: none, the server's).
+fn quota_text(q: &runtime_server::keys::KeyQuotas) -> String {
+    if q.is_empty() {
+        return "-".into();
+    }
+    q.iter()
+        .map(|(n, v)| format!("{n}={v}"))
+        .collect::<Vec<_>>()
+        .join(" ")
 }
 
 fn main() -> anyhow::Result<()> {

@@ -428,6 +428,28 @@ impl Host for QemuHost {
         crate::cpu_time::resident_bytes(vm.pid)
     }
 
+    fn capture_estimate(&self, id: &str, memory: bool) -> Option<u64> {
+        use std::os::unix::fs::MetadataExt;
+        // Allocated bytes: disks and RAM files are sparse, as captures are.
+        let allocated = |p: &Path| std::fs::metadata(p).map_or(0, |m| m.blocks() * 512);
+        let paths = self.paths(id);
+        if !paths.dir.is_dir() {
+            return None;
+        }
+        let mut bytes = allocated(&paths.overlay());
+        if memory {
+            bytes += match self.vm(id) {
+                // The RAM file it holds, or its QEMU's resident memory.
+                Ok(vm) => vm.ram.as_deref().map_or_else(
+                    || crate::cpu_time::resident_bytes(vm.pid).unwrap_or(0),
+                    allocated,
+                ),
+                Err(_) => allocated(&paths.paused_ram()) + allocated(&paths.paused_state()),
+            };
+        }
+        Some(bytes)
+    }
+
     async fn console_tail(&self, id: &str, max_bytes: usize) -> Option<String> {
         let paths = self.paths(id);
         if !paths.dir.is_dir() {

@@ -469,6 +469,12 @@ pub trait Host: Send + Sync + 'static {
     async fn memory_bytes(&self, _id: &str) -> Option<u64> {
         None
     }
+    /// About how many bytes a capture of the machine would take now (its
+    /// disk as written, and with `memory` the memory it holds), for the
+    /// snapshot quota before the capture; `None` when it cannot tell.
+    fn capture_estimate(&self, _id: &str, _memory: bool) -> Option<u64> {
+        None
+    }
     /// What the host has free for new machines now, for admission; `None`
     /// when it cannot tell (then nothing is refused for room).
     async fn room(&self) -> Option<Room> {

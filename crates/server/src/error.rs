@@ -32,6 +32,9 @@ pub enum ServerError {
     /// secret is never repeated: only the id it spells).
     #[error("the key given (id {id}) is not a key of this data directory")]
     KeyUnknown { id: String },
+    /// An operator's setting that cannot be applied (every bad one named).
+    #[error("{message}")]
+    BadSetting { message: String },
 }
 
 /// A request's failure. [`ApiError::parts`] is the one mapping to status and code.

@@ -2921,6 +2921,108 @@ async fn quotas_bound_what_each_key_runs_and_keeps() {
 }
 
 #[tokio::test]
+async fn a_snapshot_asks_its_estimated_size_of_the_quota_before_the_capture() {
+    let t = T::with(|c| c.quotas.set("snapshot.mib=100").unwrap());
+    let id = t.running(json!({})).await;
+    let path = format!("/v1/sandboxes/{id}:snapshot");
+    let snapshot = || t.json("POST", &path, Some(json!({})));
+    // The host says the capture would take 150 MiB: refused up front.
+    *t.host.capture_bytes.lock().unwrap() = Some(150 << 20);
+    let (s, v) = snapshot().await;
+    assert_eq!(s, StatusCode::CONFLICT, "{v}");
+    assert_eq!(v["error"]["details"]["limit"], "snapshot.mib", "{v}");
+    assert_eq!(v["error"]["details"]["asked"], 150, "{v}");
+    assert_eq!(quota_row(&t, &t.admin, "snapshot.count").await["used"], 0);
+    // A byte over a MiB counts as a whole one; within the quota it is taken.
+    *t.host.capture_bytes.lock().unwrap() = Some((100 << 20) + 1);
+    let (s, v) = snapshot().await;
+    assert_eq!(v["error"]["details"]["asked"], 101, "{v}");
+    assert!(s.is_client_error(), "{v}");
+    *t.host.capture_bytes.lock().unwrap() = Some(100 << 20);
+    let (s, v) = snapshot().await;
+    assert!(s.is_success(), "{v}");
+}
+
+#[tokio::test]
+async fn a_keys_own_quotas_replace_the_servers_for_it_alone_while_it_runs() {
+    let t = T::with(|c| c.quotas.set("sandbox.count=1").unwrap());
+    let small = create_key(&t.dir, Some("small"), false, false).unwrap();
+    let big = create_key(&t.dir, Some("big"), false, false).unwrap();
+    // Set on the data directory while the server runs, as `runtime keys
+    // quota` does: the next admission uses them.
+    runtime_server::keys::set_quotas(&t.dir, "big", &["sandbox.count=3".into()]).unwrap();
+    let k = runtime_server::keys::set_quotas(
+        &t.dir,
+        "small",
+        &["volume.count=0".into(), "process.count=7".into()],
+    )
+    .unwrap();
+    assert_eq!(k.quotas.get("volume.count"), Some(0));
+    // Every wrong setting is named, and none of them is applied.
+    let e = runtime_server::keys::set_quotas(
+        &t.dir,
+        "small",
+        &[
+            "sandbox.count=5".into(),
+            "sandbox.cores=2".into(),
+            "volume.mib=x".into(),
+        ],
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("sandbox.cores") && e.contains("\"x\""), "{e}");
+    let k = runtime_server::keys::find_key(&t.dir, "small").unwrap();
+    assert_eq!(k.quotas.get("sandbox.count"), None, "{k:?}");
+
+    let create = |key: &str| {
+        let key = key.to_string();
+        let t = &t;
+        async move {
+            t.json_as(
+                &key,
+                "POST",
+                "/v1/sandboxes",
+                Some(json!({"memoryMiB": 512})),
+                &[],
+            )
+            .await
+        }
+    };
+    for _ in 0..3 {
+        let (s, v) = create(&big).await;
+        assert_eq!(s, StatusCode::CREATED, "{v}");
+    }
+    let (_, v) = create(&big).await;
+    assert_eq!(v["error"]["details"]["max"], 3, "{v}");
+    let row = quota_row(&t, &big, "sandbox.count").await;
+    assert_eq!(
+        (row["max"].as_u64(), row["used"].as_u64()),
+        (Some(3), Some(3)),
+        "{row}"
+    );
+    // The small key keeps the server's sandbox quota and its own others.
+    let (s, v) = create(&small).await;
+    assert_eq!(s, StatusCode::CREATED, "{v}");
+    let (_, v) = create(&small).await;
+    assert_eq!(v["error"]["details"]["max"], 1, "{v}");
+    let (_, v) = t
+        .json_as(
+            &small,
+            "POST",
+            "/v1/volumes",
+            Some(json!({"sizeMiB": 64})),
+            &[],
+        )
+        .await;
+    assert_error(&v, 409, "quota_exceeded");
+    assert_eq!(v["error"]["details"]["limit"], "volume.count", "{v}");
+    assert_eq!(quota_row(&t, &small, "process.count").await["max"], 7);
+    // `default` gives the key the server's back.
+    runtime_server::keys::set_quotas(&t.dir, "big", &["sandbox.count=default".into()]).unwrap();
+    assert_eq!(quota_row(&t, &big, "sandbox.count").await["max"], 1);
+}
+
+#[tokio::test]
 async fn uploads_and_processes_have_quotas_per_key_and_sandbox() {
     let t = T::with(|c| {
         c.quotas.set("upload.count=1").unwrap();

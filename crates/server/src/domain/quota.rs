@@ -99,34 +99,101 @@ impl Default for Limits {
     }
 }
 
-impl Limits {
-    /// Sets one quota from the operator's `name=value`; the error names
-    /// the known quotas.
-    pub fn set(&mut self, setting: &str) -> Result<(), String> {
-        let known = || {
-            QUOTAS
-                .iter()
-                .map(|q| q.limit)
-                .collect::<Vec<_>>()
-                .join(", ")
-        };
-        let (name, value) = setting
-            .split_once('=')
-            .ok_or_else(|| format!("a quota is name=value, not {setting:?}"))?;
-        let q = QUOTAS
+/// One of the operator's settings, `name=value`: the quota it names and
+/// its new maximum (`None` for `name=default`: back to the server's). The
+/// error names the known quotas.
+pub(crate) fn parse_setting(setting: &str) -> Result<(&'static str, Option<u64>), String> {
+    let known = || {
+        QUOTAS
             .iter()
-            .find(|q| q.limit == name.trim())
-            .ok_or_else(|| format!("no quota is named {name:?}; the quotas: {}", known()))?;
-        let v: u64 = value
-            .trim()
-            .parse()
-            .map_err(|_| format!("quota {name} takes a whole number, not {value:?}"))?;
-        self.0.insert(q.limit, v);
+            .map(|q| q.limit)
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let (name, value) = setting
+        .split_once('=')
+        .ok_or_else(|| format!("a quota is name=value, not {setting:?}"))?;
+    let q = QUOTAS
+        .iter()
+        .find(|q| q.limit == name.trim())
+        .ok_or_else(|| format!("no quota is named {name:?}; the quotas: {}", known()))?;
+    let value = value.trim();
+    if value == "default" {
+        return Ok((q.limit, None));
+    }
+    let v: u64 = value
+        .parse()
+        .map_err(|_| format!("quota {name} takes a whole number or `default`, not {value:?}"))?;
+    Ok((q.limit, Some(v)))
+}
+
+impl Limits {
+    /// Sets one quota of every key from the operator's `name=value`
+    /// (`name=default`: the built-in default).
+    pub fn set(&mut self, setting: &str) -> Result<(), String> {
+        let (limit, v) = parse_setting(setting)?;
+        let default = QUOTAS.iter().find(|q| q.limit == limit).map(|q| q.default);
+        self.0.insert(limit, v.or(default).unwrap_or(u64::MAX));
         Ok(())
     }
 
     pub fn max(&self, limit: &str) -> u64 {
         self.0.get(limit).copied().unwrap_or(u64::MAX)
+    }
+
+    /// These limits with a key's own quotas in place of the server's
+    /// (names no quota has are ignored: a setting of a newer server).
+    pub(crate) fn for_key(&self, own: &KeyQuotas) -> Limits {
+        let mut l = self.clone();
+        for q in QUOTAS {
+            if let Some(v) = own.get(q.limit) {
+                l.0.insert(q.limit, v);
+            }
+        }
+        l
+    }
+}
+
+/// A key's own quotas, set by the operator (`runtime keys quota`): each
+/// replaces the server's for that key alone, higher or lower.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(transparent)]
+pub struct KeyQuotas(BTreeMap<String, u64>);
+
+impl KeyQuotas {
+    pub fn get(&self, limit: &str) -> Option<u64> {
+        self.0.get(limit).copied()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = (&str, u64)> {
+        self.0.iter().map(|(k, v)| (k.as_str(), *v))
+    }
+
+    /// Applies the operator's `name=value` settings in order
+    /// (`name=default` removes the key's own); every bad one is named.
+    pub fn apply(&mut self, settings: &[String]) -> Result<(), String> {
+        let mut next = self.0.clone();
+        let mut wrong = Vec::new();
+        for s in settings {
+            match parse_setting(s) {
+                Ok((limit, Some(v))) => {
+                    next.insert(limit.to_string(), v);
+                }
+                Ok((limit, None)) => {
+                    next.remove(limit);
+                }
+                Err(e) => wrong.push(e),
+            }
+        }
+        if !wrong.is_empty() {
+            return Err(wrong.join("; "));
+        }
+        self.0 = next;
+        Ok(())
     }
 }
 
@@ -294,6 +361,34 @@ mod tests {
             .set("sandbox.count=-1")
             .unwrap_err()
             .contains("whole number"));
+    }
+
+    #[test]
+    fn a_keys_own_quotas_replace_the_servers_for_it_alone() {
+        let mut server = Limits::default();
+        server.set("sandbox.count=10").unwrap();
+        let mut own = KeyQuotas::default();
+        own.apply(&["sandbox.count=2".into(), "snapshot.count=900".into()])
+            .unwrap();
+        let l = server.for_key(&own);
+        assert_eq!(l.max("sandbox.count"), 2);
+        assert_eq!(l.max("snapshot.count"), 900);
+        assert_eq!(l.max("volume.count"), 100);
+        assert_eq!(server.max("sandbox.count"), 10);
+        // `default` gives the key the server's quota back.
+        own.apply(&["sandbox.count=default".into()]).unwrap();
+        assert_eq!(server.for_key(&own).max("sandbox.count"), 10);
+        // Every bad setting is named, and none is applied.
+        let before = own.clone();
+        let e = own
+            .apply(&["sandbox.cores=1".into(), "volume.mib=lots".into()])
+            .unwrap_err();
+        assert!(e.contains("sandbox.cores") && e.contains("lots"), "{e}");
+        assert_eq!(own, before);
+        // Stored as a JSON object; names of a newer server are ignored.
+        let stored: KeyQuotas =
+            serde_json::from_str(r#"{"sandbox.count":3,"gpu.count":1}"#).unwrap();
+        assert_eq!(server.for_key(&stored).max("sandbox.count"), 3);
     }
 
     #[test]

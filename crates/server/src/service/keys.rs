@@ -8,6 +8,7 @@ use std::path::Path;
 
 use rusqlite::{params, Connection, OptionalExtension};
 
+pub use crate::domain::quota::KeyQuotas;
 use crate::error::ServerError;
 use crate::service::clock::now_iso;
 use crate::store::{open_connection, store_err};
@@ -20,6 +21,8 @@ pub struct KeyRecord {
     pub read_only: bool,
     pub account_wide: bool,
     pub daily_limit_micros: Option<i64>,
+    /// The quotas the operator set for this key alone.
+    pub quotas: KeyQuotas,
     pub created_at: String,
     pub revoked_at: Option<String>,
 }
@@ -27,7 +30,7 @@ pub struct KeyRecord {
 fn all(conn: &Connection) -> Result<Vec<KeyRecord>, ServerError> {
     let mut stmt = conn
         .prepare(
-            "SELECT id, name, read_only, account_wide, daily_limit_micros, created_at, revoked_at
+            "SELECT id, name, read_only, account_wide, daily_limit_micros, created_at, revoked_at, quotas
              FROM keys ORDER BY created_at, id",
         )
         .map_err(store_err("list keys"))?;
@@ -41,6 +44,7 @@ fn all(conn: &Connection) -> Result<Vec<KeyRecord>, ServerError> {
                 daily_limit_micros: r.get(4)?,
                 created_at: r.get(5)?,
                 revoked_at: r.get(6)?,
+                quotas: quotas_of(r.get(7)?)?,
             })
         })
         .map_err(store_err("list keys"))?;
@@ -48,9 +52,23 @@ fn all(conn: &Connection) -> Result<Vec<KeyRecord>, ServerError> {
         .map_err(store_err("list keys"))
 }
 
+/// A key's stored quotas (NULL: none of its own).
+fn quotas_of(text: Option<String>) -> rusqlite::Result<KeyQuotas> {
+    text.map_or(Ok(KeyQuotas::default()), |t| {
+        serde_json::from_str(&t).map_err(|e| {
+            rusqlite::Error::FromSqlConversionFailure(7, rusqlite::types::Type::Text, Box::new(e))
+        })
+    })
+}
+
 /// Every key of the data directory, oldest first, revoked ones included.
 pub fn list_keys(data_dir: &Path) -> Result<Vec<KeyRecord>, ServerError> {
     all(&open_connection(data_dir)?)
+}
+
+/// The key that is `which` (the key itself, its id or its name).
+pub fn find_key(data_dir: &Path, which: &str) -> Result<KeyRecord, ServerError> {
+    find(&open_connection(data_dir)?, which)
 }
 
 /// The one key that is `which` (the key itself, found by its hash), or
@@ -114,6 +132,34 @@ pub fn set_daily_limit(
     let conn = open_connection(data_dir)?;
     let k = find(&conn, which)?;
     set_limit_on(&conn, &k.id, micros)?;
+    find(&conn, &k.id)
+}
+
+/// Applies the operator's `name=value` settings to a key's own quotas
+/// (`name=default` gives it the server's back), all or none; answers the
+/// key as it is now. Takes effect on the server's next admission.
+pub fn set_quotas(
+    data_dir: &Path,
+    which: &str,
+    settings: &[String],
+) -> Result<KeyRecord, ServerError> {
+    let conn = open_connection(data_dir)?;
+    let k = find(&conn, which)?;
+    let mut quotas = k.quotas.clone();
+    quotas
+        .apply(settings)
+        .map_err(|message| ServerError::BadSetting { message })?;
+    let text = (!quotas.is_empty())
+        .then(|| serde_json::to_string(&quotas))
+        .transpose()
+        .map_err(|e| ServerError::Corrupt {
+            what: format!("the quotas of key {}: {e}", k.id),
+        })?;
+    conn.execute(
+        "UPDATE keys SET quotas = ?2 WHERE id = ?1",
+        params![k.id, text],
+    )
+    .map_err(store_err("set key quotas"))?;
     find(&conn, &k.id)
 }
 

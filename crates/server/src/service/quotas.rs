@@ -8,7 +8,7 @@
 use runtime_api::{codes, SandboxState};
 use serde_json::json;
 
-use crate::domain::quota::{self, Free, Usage, QUOTAS};
+use crate::domain::quota::{self, Free, Limits, Usage, QUOTAS};
 use crate::error::{ApiError, ApiResult};
 use crate::store::SandboxRow;
 use crate::AppState;
@@ -60,11 +60,17 @@ pub(crate) fn usage(st: &AppState, key_id: &str) -> ApiResult<Usage> {
     Ok(u)
 }
 
+/// The quotas `key_id` is held to: the server's, with the key's own in
+/// their place (`runtime keys quota`).
+pub(crate) fn limits(st: &AppState, key_id: &str) -> ApiResult<Limits> {
+    Ok(st.config().quotas.for_key(&st.store().key_quotas(key_id)?))
+}
+
 /// The `account` rows of `/v1/limits`: every quota with its maximum and
 /// what the key uses of it (processes are per sandbox: no use shown).
 pub(crate) fn rows(st: &AppState, key_id: &str) -> ApiResult<serde_json::Value> {
     let used = usage(st, key_id)?;
-    let limits = &st.config().quotas;
+    let limits = limits(st, key_id)?;
     Ok(QUOTAS
         .iter()
         .map(|q| {
@@ -96,7 +102,7 @@ fn exceeded(e: &quota::Exceeded) -> ApiError {
 /// Whether `key_id` may hold `asked` more.
 pub(crate) fn admit(st: &AppState, key_id: &str, asked: &Usage) -> ApiResult<()> {
     let used = usage(st, key_id)?;
-    quota::check(&st.config().quotas, &used, asked).map_err(|e| exceeded(&e))
+    quota::check(&limits(st, key_id)?, &used, asked).map_err(|e| exceeded(&e))
 }
 
 /// Whether `key_id` may start machines of `shapes` (vCPUs, memory MiB),
@@ -168,22 +174,23 @@ async fn host_room(st: &AppState, asked_mib: u64) -> ApiResult<()> {
     })
 }
 
-/// Whether an upload of `size` bytes fits beside those `key_id` has under
-/// way (`(count, bytes)`).
-pub(crate) fn admit_upload(st: &AppState, under_way: (u64, u64), size: u64) -> ApiResult<()> {
+/// Whether an upload of `size` bytes fits, within `limits`, beside those
+/// its key has under way (`(count, bytes)`).
+pub(crate) fn admit_upload(limits: &Limits, under_way: (u64, u64), size: u64) -> ApiResult<()> {
     let mut used = Usage::default();
     used.add("upload.count", under_way.0);
     used.add("upload.mib", quota::mib_of(under_way.1));
     let mut asked = Usage::default();
     asked.add("upload.count", 1);
     asked.add("upload.mib", quota::mib_of(size).max(1));
-    quota::check(&st.config().quotas, &used, &asked).map_err(|e| exceeded(&e))
+    quota::check(limits, &used, &asked).map_err(|e| exceeded(&e))
 }
 
-/// Whether an upload under way may grow by `more` bytes beside those
-/// `key_id` has under way (`(count, bytes)`, the growing one counted).
+/// Whether an upload under way may grow by `more` bytes, within `limits`,
+/// beside those its key has under way (`(count, bytes)`, the growing one
+/// counted).
 pub(crate) fn admit_upload_growth(
-    st: &AppState,
+    limits: &Limits,
     under_way: (u64, u64),
     more: u64,
 ) -> ApiResult<()> {
@@ -194,13 +201,15 @@ pub(crate) fn admit_upload_growth(
         "upload.mib",
         quota::mib_of(under_way.1 + more).saturating_sub(quota::mib_of(under_way.1)),
     );
-    quota::check(&st.config().quotas, &used, &asked).map_err(|e| exceeded(&e))
+    quota::check(limits, &used, &asked).map_err(|e| exceeded(&e))
 }
 
-/// Whether the sandbox may run one more process: ended ones are forgotten
-/// to make room, oldest first; running ones fill it.
-pub(crate) fn admit_process(st: &AppState, sandbox_id: &str) -> ApiResult<()> {
-    let max = st.config().quotas.max("process.count");
+/// Whether sandbox `sandbox_id` of key `key_id` may run one more process:
+/// ended ones are forgotten to make room, oldest first; running ones fill
+/// it.
+pub(crate) fn admit_process(st: &AppState, key_id: &str, sandbox_id: &str) -> ApiResult<()> {
+    let limits = limits(st, key_id)?;
+    let max = limits.max("process.count");
     st.inner
         .procs
         .make_room(st.store(), sandbox_id, max)
@@ -209,6 +218,6 @@ pub(crate) fn admit_process(st: &AppState, sandbox_id: &str) -> ApiResult<()> {
             used.add("process.count", running);
             let mut asked = Usage::default();
             asked.add("process.count", 1);
-            quota::check(&st.config().quotas, &used, &asked).map_err(|e| exceeded(&e))
+            quota::check(&limits, &used, &asked).map_err(|e| exceeded(&e))
         })
 }

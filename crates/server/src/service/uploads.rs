@@ -214,7 +214,8 @@ async fn keep(
     let file = up.file.clone();
     let archive = matches!(up.what, What::Archive { .. });
     // Counted and kept under one lock: two begins at once cannot both pass.
-    let kept = {
+    let limits = crate::service::quotas::limits(st, key_id);
+    let kept = limits.and_then(|limits| {
         let mut m = st.inner.uploads.lock();
         let open_here = m
             .values()
@@ -228,7 +229,7 @@ async fn keep(
                 MAX_ARCHIVE_UPLOADS,
             ))
         } else {
-            let fits = crate::service::quotas::admit_upload(st, under_way(&m, key_id), size);
+            let fits = crate::service::quotas::admit_upload(&limits, under_way(&m, key_id), size);
             fits.map(|()| {
                 let slot = UploadSlot {
                     sandbox: sandbox_id.to_string(),
@@ -241,7 +242,7 @@ async fn keep(
                 m.insert(upload_id.to_string(), slot);
             })
         }
-    };
+    });
     if let Err(e) = kept {
         let _ = tokio::fs::remove_file(&file).await;
         return Err(e);
@@ -402,9 +403,14 @@ pub(crate) async fn archive_chunk(
         Ok(ArchiveChunk::Append) => {
             let grown = *received + len;
             // The key's upload space counts the bytes so far.
+            let limits = crate::service::quotas::limits(st, &row.key_id)?;
             {
                 let m = st.inner.uploads.lock();
-                crate::service::quotas::admit_upload_growth(st, under_way(&m, &row.key_id), len)?;
+                crate::service::quotas::admit_upload_growth(
+                    &limits,
+                    under_way(&m, &row.key_id),
+                    len,
+                )?;
             }
             write_at(&file, offset, data).await?;
             *received = grown;

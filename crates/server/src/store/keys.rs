@@ -4,6 +4,7 @@ use rusqlite::{params, Connection, OptionalExtension};
 
 use super::{store_err, Store};
 use crate::domain::access::KeyInfo;
+use crate::domain::quota::KeyQuotas;
 use crate::error::ServerError;
 
 /// Inserts a key row (used by `create_key`, on its own connection).
@@ -34,6 +35,23 @@ impl Store {
             )
             .optional()
             .map_err(store_err("find key"))
+    }
+
+    /// The quotas the operator set for key `id` alone (none: the server's).
+    pub(crate) fn key_quotas(&self, id: &str) -> Result<KeyQuotas, ServerError> {
+        let text: Option<String> = self
+            .conn()
+            .query_row("SELECT quotas FROM keys WHERE id = ?1", params![id], |r| {
+                r.get(0)
+            })
+            .optional()
+            .map_err(store_err("read key quotas"))?
+            .flatten();
+        match text {
+            None => Ok(KeyQuotas::default()),
+            Some(t) => serde_json::from_str(&t)
+                .map_err(|e| super::corrupt(format!("the quotas of key {id}: {e}"))),
+        }
     }
 
     /// The ids of the keys not revoked.

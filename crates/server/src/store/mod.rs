@@ -27,7 +27,7 @@ use rusqlite::Connection;
 
 use crate::error::ServerError;
 
-pub(super) const SCHEMA_VERSION: i64 = 12;
+pub(super) const SCHEMA_VERSION: i64 = 13;
 
 const SCHEMA_V1: &str = "
 CREATE TABLE IF NOT EXISTS keys (
@@ -219,6 +219,12 @@ CREATE TABLE IF NOT EXISTS registry_credentials (
     updated_ms INTEGER NOT NULL,
     PRIMARY KEY (key_id, registry)
 );
+";
+
+/// A key's own quotas (v13): a JSON object of quota name to maximum, set
+/// by the operator; NULL, the server's for every quota.
+const SCHEMA_V13: &str = "
+ALTER TABLE keys ADD COLUMN quotas TEXT;
 ";
 
 /// Events, webhooks and their deliveries (v10). Events and deliveries are
@@ -423,6 +429,10 @@ pub(crate) fn open_connection(data_dir: &Path) -> Result<Connection, ServerError
     if version < 12 {
         conn.execute_batch(SCHEMA_V12)
             .map_err(store_err("migrate v12"))?;
+    }
+    if version < 13 {
+        conn.execute_batch(SCHEMA_V13)
+            .map_err(store_err("migrate v13"))?;
     }
     if version < SCHEMA_VERSION {
         conn.pragma_update(None, "user_version", SCHEMA_VERSION)

@@ -110,6 +110,8 @@ pub(crate) struct FakeHost {
     pub watches: Arc<Mutex<Vec<(String, String, mpsc::Sender<WatchUpdate>)>>>,
     /// What [`Host::room`] answers (none: the host cannot tell).
     pub room: Mutex<Option<Room>>,
+    /// What [`Host::capture_estimate`] answers (none: it cannot tell).
+    pub capture_bytes: Mutex<Option<u64>>,
     /// Warm machines started ([`Host::start_warm`]), by id.
     pub warm: Mutex<Vec<String>>,
     /// Every spec [`Host::assume`] was given, in order.
@@ -274,6 +276,10 @@ impl Host for FakeHost {
 
     async fn room(&self) -> Option<Room> {
         *self.room.lock().unwrap()
+    }
+
+    fn capture_estimate(&self, _id: &str, _memory: bool) -> Option<u64> {
+        *self.capture_bytes.lock().unwrap()
     }
 
     async fn connect(&self, id: &str, port: u16) -> Result<DuplexStream, HostError> {

@@ -27,6 +27,7 @@ fn wire(k: &KeyRecord, ctx: &Ctx) -> Value {
         "access": if k.read_only { "read" } else { "full" },
         "accountWide": k.account_wide,
         "dailyLimitMicros": k.daily_limit_micros,
+        "quotas": k.quotas,
         "createdAt": k.created_at,
         "revokedAt": k.revoked_at,
         "current": k.id == ctx.key.id,

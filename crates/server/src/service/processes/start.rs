@@ -112,7 +112,7 @@ pub(super) async fn start(st: &AppState, row: &SandboxRow, launch: Launch) -> Ap
         .unwrap_or_else(|| crate::domain::process::DEFAULT_CWD.into());
     let pty = launch.spec.pty.is_some();
     let stdin_pipe = launch.stdin_pipe;
-    crate::service::quotas::admit_process(st, &row.record.id)?;
+    crate::service::quotas::admit_process(st, &row.key_id, &row.record.id)?;
     st.inner.telemetry.process_started(launch.kind);
     let ExecHandle {
         pid,

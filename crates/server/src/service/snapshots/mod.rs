@@ -241,11 +241,16 @@ pub(crate) async fn snapshot(
     if mode == "memory" {
         crate::service::volumes::refuse_copy(st, &id, "memory snapshot")?;
     }
-    // Its size is known once taken: it asks for a MiB, so a key at its
-    // bytes' quota takes no more.
+    // Its size is known once taken: it asks for what the host estimates
+    // (the disk as written, the memory held), at least a MiB, so a key at
+    // its bytes' quota takes no more.
+    let estimate = st.host().capture_estimate(&id, mode == "memory");
     let mut asked = crate::domain::quota::Usage::default();
     asked.add("snapshot.count", 1);
-    asked.add("snapshot.mib", 1);
+    asked.add(
+        "snapshot.mib",
+        crate::domain::quota::mib_of(estimate.unwrap_or(0)).max(1),
+    );
     crate::service::quotas::admit(st, &key.id, &asked)?;
     let now = st.now_ms();
     let snap = Snapshot {
