@@ -718,6 +718,92 @@ impl Host for QemuHost {
         }
     }
 
+    async fn read_file_stream(
+        &self,
+        id: &str,
+        path: &str,
+        u: RunAs,
+    ) -> Result<FileStream, HostError> {
+        let link = self.link(id).await?;
+        let lost = || HostError::LinkLost { id: id.to_owned() };
+        let mut s = link.open().map_err(|_| lost())?;
+        s.send(&Request::ReadFile {
+            path: path.to_owned(),
+            user: user(u),
+        })
+        .map_err(|_| lost())?;
+        let too_large = |id: &str| HostError::Guest {
+            id: id.to_owned(),
+            failure: GuestFailure::TooLarge,
+            message: format!(
+                "{path} is larger than a read takes ({} MiB): read it in parts with a command",
+                MAX_READ_BYTES >> 20
+            ),
+        };
+        let size = match s.recv().await.ok_or_else(lost)? {
+            Incoming::Reply(Reply::FileStart { size }) if size > MAX_READ_BYTES => {
+                return Err(too_large(id))
+            }
+            Incoming::Reply(Reply::FileStart { size }) => size,
+            Incoming::Reply(other) => return Err(guest_err(id, other)),
+            Incoming::Data { .. } => {
+                return Err(HostError::Guest {
+                    id: id.to_owned(),
+                    failure: GuestFailure::BadRequest,
+                    message: "the guest sent a file's bytes before its size".into(),
+                })
+            }
+        };
+        // The guest's word is not trusted: what it sends is checked against
+        // the size it announced.
+        let (tx, rx) = tokio::sync::mpsc::channel(16);
+        let id = id.to_owned();
+        tokio::spawn(async move {
+            let mut got = 0u64;
+            loop {
+                let next = match s.recv().await {
+                    None => Err(HostError::LinkLost { id: id.clone() }),
+                    Some(Incoming::Data { bytes, .. }) => {
+                        got += bytes.len() as u64;
+                        if got > size {
+                            Err(HostError::Guest {
+                                id: id.clone(),
+                                failure: GuestFailure::Io,
+                                message: format!(
+                                    "the guest sent more than the {size} bytes it announced"
+                                ),
+                            })
+                        } else {
+                            Ok(Some(bytes))
+                        }
+                    }
+                    Some(Incoming::Reply(Reply::Done)) if got == size => Ok(None),
+                    Some(Incoming::Reply(Reply::Done)) => Err(HostError::Guest {
+                        id: id.clone(),
+                        failure: GuestFailure::Io,
+                        message: format!(
+                            "the file changed while it was read ({got} of {size} bytes)"
+                        ),
+                    }),
+                    Some(Incoming::Reply(other)) => Err(guest_err(&id, other)),
+                };
+                match next {
+                    Ok(Some(bytes)) => {
+                        if tx.send(Ok(bytes)).await.is_err() {
+                            return;
+                        }
+                    }
+                    Ok(None) => return,
+                    Err(e) => {
+                        let _ = tx.send(Err(e)).await;
+                        return;
+                    }
+                }
+            }
+        });
+        Ok(FileStream { size, pieces: rx })
+    }
+
     async fn write_file(
         &self,
         id: &str,

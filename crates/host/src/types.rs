@@ -182,6 +182,13 @@ pub enum WatchUpdate {
 /// A running watch. Dropping `stop` (or sending on it) ends it in the guest;
 /// its [`WatchUpdate::Ended`] still comes.
 #[derive(Debug)]
+/// A file's bytes as the guest sends them ([`Host::read_file_stream`]): its
+/// size first, then the pieces in order; an error ends it early.
+pub struct FileStream {
+    pub size: u64,
+    pub pieces: mpsc::Receiver<Result<Vec<u8>, HostError>>,
+}
+
 pub struct WatchHandle {
     /// The inotify watches it holds (directories).
     pub watches: u32,
@@ -427,6 +434,21 @@ pub trait Host: Send + Sync + 'static {
     /// `Exited` if it ended meanwhile.
     async fn attach(&self, id: &str, token: u64) -> Result<ExecHandle, HostError>;
     async fn read_file(&self, id: &str, path: &str, user: RunAs) -> Result<Vec<u8>, HostError>;
+    /// A file's bytes in pieces as the guest sends them, never collected
+    /// whole: its size once the guest opened it (a file that cannot be read
+    /// fails here, as [`Host::read_file`] does). By default, a whole read.
+    async fn read_file_stream(
+        &self,
+        id: &str,
+        path: &str,
+        user: RunAs,
+    ) -> Result<FileStream, HostError> {
+        let data = self.read_file(id, path, user).await?;
+        let (tx, rx) = mpsc::channel(1);
+        let size = data.len() as u64;
+        let _ = tx.try_send(Ok(data));
+        Ok(FileStream { size, pieces: rx })
+    }
     async fn write_file(
         &self,
         id: &str,

@@ -5252,3 +5252,101 @@ async fn a_context_build_needs_its_chunks_whole_and_as_listed() {
         "{v}"
     );
 }
+
+#[tokio::test]
+async fn archive_uploads_stage_ordered_chunks_on_disk_within_bounds() {
+    use std::os::unix::fs::PermissionsExt;
+    let t = T::with(|c| c.quotas.set("upload.mib=2").unwrap());
+    let id = t.running(json!({})).await;
+    let base = format!("/v1/sandboxes/{id}/files/archive/uploads");
+    let (s, v) = t
+        .json(
+            "POST",
+            &base,
+            Some(json!({"path": "/workspace/a", "gzip": false})),
+        )
+        .await;
+    assert_eq!(s, StatusCode::CREATED, "{v}");
+    assert_eq!(v["chunkBytes"], 1 << 20);
+    assert_eq!(v["maxBytes"], 1u64 << 30);
+    let u = v["uploadId"].as_str().unwrap().to_string();
+    let staged = t.dir.join("uploads").join(&u);
+    let put = |off: usize, data: Vec<u8>, key: String| {
+        let path = format!("{base}/{u}?offset={off}");
+        let t = &t;
+        async move {
+            let (s, _, body) = t
+                .call(
+                    "PUT",
+                    &path,
+                    Some(&t.admin),
+                    &[("idempotency-key", &key)],
+                    Body::from(data),
+                )
+                .await;
+            (s, serde_json::from_slice::<Value>(&body).unwrap())
+        }
+    };
+    let mib = 1 << 20;
+    let first: Vec<u8> = (0..mib).map(|i| (i % 253) as u8).collect();
+    let (s, v) = put(0, first.clone(), "a0".into()).await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert_eq!(v["received"], mib);
+    // On the host's disk, the server's alone, as it came.
+    assert_eq!(std::fs::read(&staged).unwrap(), first);
+    assert_eq!(
+        std::fs::metadata(&staged).unwrap().permissions().mode() & 0o777,
+        0o600
+    );
+    // A gap is refused, naming `offset` and the offset expected.
+    let (s, v) = put(mib + 1, vec![1], "a1".into()).await;
+    assert_eq!(s, StatusCode::BAD_REQUEST, "{v}");
+    assert_eq!(v["error"]["details"]["issues"][0]["field"], "offset");
+    assert!(
+        v["error"]["details"]["issues"][0]["message"]
+            .as_str()
+            .unwrap()
+            .contains(&mib.to_string()),
+        "{v}"
+    );
+    // A resend of the same bytes is taken; different bytes are not.
+    let (s, v) = put(0, first[..10].to_vec(), "a2".into()).await;
+    assert_eq!((s, &v["received"]), (StatusCode::OK, &json!(mib)), "{v}");
+    let (s, v) = put(0, vec![9; 10], "a3".into()).await;
+    assert_eq!(s, StatusCode::BAD_REQUEST, "{v}");
+    assert_eq!(std::fs::read(&staged).unwrap(), first);
+    // The key's upload space counts the bytes as they come.
+    let (s, _) = put(mib, vec![2; mib], "a4".into()).await;
+    assert_eq!(s, StatusCode::OK);
+    let (s, v) = put(2 * mib, vec![3; 10], "a5".into()).await;
+    assert_error(&v, 409, "quota_exceeded");
+    assert_eq!(s, StatusCode::CONFLICT);
+    assert_eq!(v["error"]["details"]["limit"], "upload.mib", "{v}");
+    assert_eq!(std::fs::metadata(&staged).unwrap().len(), 2 * mib as u64);
+    // Abort removes the bytes; the id is then unknown.
+    let (s, _) = t
+        .json("POST", &format!("{base}/{u}:abort"), Some(json!({})))
+        .await;
+    assert_eq!(s, StatusCode::OK);
+    assert!(!staged.exists());
+    let (_, v) = put(2 * mib, vec![3; 10], "a6".into()).await;
+    assert_error(&v, 404, "upload_not_found");
+
+    // At most 8 open per sandbox; deleting the sandbox removes them.
+    let mut ids = Vec::new();
+    for _ in 0..8 {
+        let (s, v) = t
+            .json("POST", &base, Some(json!({"path": "/workspace/b"})))
+            .await;
+        assert_eq!(s, StatusCode::CREATED, "{v}");
+        ids.push(v["uploadId"].as_str().unwrap().to_string());
+    }
+    let (_, v) = t
+        .json("POST", &base, Some(json!({"path": "/workspace/b"})))
+        .await;
+    assert_error(&v, 409, "quota_exceeded");
+    assert!(ids.iter().all(|u| t.dir.join("uploads").join(u).exists()));
+    let (s, _) = t.json("DELETE", &format!("/v1/sandboxes/{id}"), None).await;
+    assert!(s.is_success());
+    assert!(ids.iter().all(|u| !t.dir.join("uploads").join(u).exists()));
+}

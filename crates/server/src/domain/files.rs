@@ -103,6 +103,53 @@ pub(crate) fn chunk_fits(offset: u64, len: u64, size: u64) -> bool {
     offset.checked_add(len).is_some_and(|end| end <= size)
 }
 
+/// The largest archive a chunked archive upload takes (its bytes as sent,
+/// gzipped or not).
+pub(crate) const MAX_ARCHIVE_BYTES: u64 = 1 << 30;
+
+/// How many chunked archive uploads one sandbox may have open at once.
+pub(crate) const MAX_ARCHIVE_UPLOADS: usize = 8;
+
+/// What a chunk of an archive upload is, given the bytes received so far:
+/// archive uploads go in order, so the guest's tar can read them as one
+/// stream at the commit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ArchiveChunk {
+    /// It starts where the bytes so far end: appended.
+    Append,
+    /// It lies wholly within the bytes so far (a resend): compared with
+    /// them, never written again.
+    Resend,
+}
+
+/// Places a chunk of `len` bytes at `offset` of an archive upload that has
+/// `received` bytes, in an archive of at most `max` bytes; the error says
+/// what is wrong with `offset` (or the size).
+pub(crate) fn archive_chunk(
+    received: u64,
+    offset: u64,
+    len: u64,
+    max: u64,
+) -> Result<ArchiveChunk, String> {
+    let Some(end) = offset.checked_add(len) else {
+        return Err(format!("must be {received}, the bytes received so far"));
+    };
+    if offset == received {
+        if end > max {
+            return Err(format!(
+                "this chunk would take the archive past {max} bytes, the largest archive upload"
+            ));
+        }
+        return Ok(ArchiveChunk::Append);
+    }
+    if offset < received && end <= received {
+        return Ok(ArchiveChunk::Resend);
+    }
+    Err(format!(
+        "must be {received}, the bytes received so far (archive chunks go in order, without gaps or overlaps)"
+    ))
+}
+
 /// The bytes received without a gap from the start, from the chunks
 /// received (offset → length).
 pub(crate) fn covered(received: &BTreeMap<u64, u64>) -> u64 {
@@ -119,6 +166,26 @@ pub(crate) fn covered(received: &BTreeMap<u64, u64>) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn archive_chunks_go_in_order_without_gaps() {
+        let max = 10;
+        assert_eq!(archive_chunk(0, 0, 4, max), Ok(ArchiveChunk::Append));
+        assert_eq!(archive_chunk(4, 4, 6, max), Ok(ArchiveChunk::Append));
+        // A resend of bytes already there, whole or in part.
+        assert_eq!(archive_chunk(8, 0, 4, max), Ok(ArchiveChunk::Resend));
+        assert_eq!(archive_chunk(8, 4, 4, max), Ok(ArchiveChunk::Resend));
+        assert_eq!(archive_chunk(8, 8, 0, max), Ok(ArchiveChunk::Append));
+        // A gap, an overlap past the end, or a chunk past the largest.
+        let gap = archive_chunk(4, 5, 1, max).unwrap_err();
+        assert!(gap.starts_with("must be 4"), "{gap}");
+        let overlap = archive_chunk(4, 2, 4, max).unwrap_err();
+        assert!(overlap.starts_with("must be 4"), "{overlap}");
+        let big = archive_chunk(8, 8, 3, max).unwrap_err();
+        assert!(big.contains("past 10 bytes"), "{big}");
+        assert!(archive_chunk(0, u64::MAX, 2, max).is_err());
+        assert_eq!(archive_chunk(8, 8, 2, max), Ok(ArchiveChunk::Append));
+    }
 
     /// The matcher this one replaced: the definition, exponential in stars.
     fn reference(pat: &[u8], s: &[u8]) -> bool {

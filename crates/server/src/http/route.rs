@@ -28,6 +28,11 @@ pub(crate) enum Route {
     UploadBegin(String),
     UploadChunk(String, String),
     UploadAction(String, String, String),
+    /// `…/files/archive/uploads[/{u}[:commit|:abort]]`: a large archive in
+    /// ordered chunks.
+    ArchiveUploadBegin(String),
+    ArchiveUploadChunk(String, String),
+    ArchiveUploadAction(String, String, String),
     ProcSpawn(String),
     ProcList(String),
     ProcGet(String, String),
@@ -159,9 +164,6 @@ fn unavailable(s: &[&str]) -> Option<&'static str> {
     match s {
         ["v1", "usage", "requests" | "export" | "compare"] => Some("Usage breakdowns"),
         ["v1", "volumes", _, "attachments", ..] => Some("Volume attachments"),
-        ["v1", "sandboxes", _, "files", "archive", "uploads", ..] => {
-            Some("Chunked archive uploads")
-        }
         ["v1", "sandboxes", _, "processes", _, "files"] => Some("Traced files"),
         ["v1", "sandboxes", _, product, ..] => find(SANDBOX_PRODUCTS, product),
         ["v1", product, ..] => find(ACCOUNT_PRODUCTS, product),
@@ -229,6 +231,17 @@ pub(crate) fn route(method: &Method, raw_path: &str) -> ApiResult<Route> {
         ["v1", "sandboxes", id, "files", "archive"] if verb_or_none(false) => match m {
             Method::GET => Route::ArchiveGet(id.to_string()),
             Method::PUT => Route::ArchivePut(id.to_string()),
+            _ => return Err(not_allowed()),
+        },
+        ["v1", "sandboxes", id, "files", "archive", "uploads"] if verb_or_none(false) => match m {
+            Method::POST => Route::ArchiveUploadBegin(id.to_string()),
+            _ => return Err(not_allowed()),
+        },
+        ["v1", "sandboxes", id, "files", "archive", "uploads", u] => match (&m, &verb) {
+            (&Method::PUT, None) => Route::ArchiveUploadChunk(id.to_string(), u.to_string()),
+            (&Method::POST, Some(v)) => {
+                Route::ArchiveUploadAction(id.to_string(), u.to_string(), v.clone())
+            }
             _ => return Err(not_allowed()),
         },
         ["v1", "sandboxes", id, "files", "stat"] if verb_or_none(false) => match m {
@@ -458,9 +471,10 @@ pub(crate) fn route(method: &Method, raw_path: &str) -> ApiResult<Route> {
 /// The largest body a route reads.
 pub(super) fn body_limit(r: &Route) -> usize {
     match r {
-        Route::FileContentPut(_) | Route::UploadChunk(..) | Route::ArchivePut(_) => {
-            crate::domain::files::CHUNK_BYTES
-        }
+        Route::FileContentPut(_)
+        | Route::UploadChunk(..)
+        | Route::ArchivePut(_)
+        | Route::ArchiveUploadChunk(..) => crate::domain::files::CHUNK_BYTES,
         Route::ContextPut(_) => crate::domain::image::context::CHUNK_BYTES,
         _ => 8 << 20,
     }
@@ -495,6 +509,12 @@ pub const ROUTE_SAMPLES: &[(&str, &str)] = &[
     ("POST", "/v1/sandboxes/{id}/uploads"),
     ("PUT", "/v1/sandboxes/{id}/uploads/u1?offset=0"),
     ("POST", "/v1/sandboxes/{id}/uploads/u1:commit"),
+    ("POST", "/v1/sandboxes/{id}/files/archive/uploads"),
+    (
+        "PUT",
+        "/v1/sandboxes/{id}/files/archive/uploads/u1?offset=0",
+    ),
+    ("POST", "/v1/sandboxes/{id}/files/archive/uploads/u1:commit"),
     ("POST", "/v1/sandboxes/{id}/processes"),
     ("GET", "/v1/sandboxes/{id}/processes"),
     ("GET", "/v1/sandboxes/{id}/processes/p1"),
@@ -595,6 +615,9 @@ pub(crate) fn session_sandbox(r: &Route) -> Option<&str> {
         | Route::UploadBegin(id)
         | Route::UploadChunk(id, _)
         | Route::UploadAction(id, ..)
+        | Route::ArchiveUploadBegin(id)
+        | Route::ArchiveUploadChunk(id, _)
+        | Route::ArchiveUploadAction(id, ..)
         | Route::ProcSpawn(id)
         | Route::ProcList(id)
         | Route::ProcGet(id, _)
@@ -758,9 +781,12 @@ mod tests {
             Route::PruneImages => 78,
             Route::ContextMissing => 79,
             Route::ContextPut(_) => 80,
+            Route::ArchiveUploadBegin(_) => 81,
+            Route::ArchiveUploadChunk(..) => 82,
+            Route::ArchiveUploadAction(..) => 83,
         }
     }
-    const VARIANTS: usize = 81;
+    const VARIANTS: usize = 84;
 
     #[test]
     fn products_not_served_here_are_unavailable_not_missing() {
@@ -768,11 +794,6 @@ mod tests {
             ("GET", "/v1/otel-exports", "OpenTelemetry exports"),
             ("GET", "/v1/jobs", "Jobs"),
             ("POST", "/v1/sandboxes/x/mounts", "Bucket mounts"),
-            (
-                "PUT",
-                "/v1/sandboxes/x/files/archive/uploads/u1",
-                "Chunked archive uploads",
-            ),
             ("GET", "/v1/sandboxes/x/processes/p1/files", "Traced files"),
             ("GET", "/v1/usage/export", "Usage breakdowns"),
         ] {

@@ -33,6 +33,22 @@ pub(crate) async fn read(
     Ok(st.host().read_file(id, path, user_of(&row, user)).await?)
 }
 
+/// `GET …/files/content`, streamed: the file's size, then its bytes in
+/// pieces as the guest sends them.
+pub(crate) async fn read_stream(
+    st: &AppState,
+    key: &KeyInfo,
+    id: &str,
+    path: &str,
+    user: Option<&str>,
+) -> ApiResult<runtime_host::FileStream> {
+    let row = find_running(st, key, id).await?;
+    Ok(st
+        .host()
+        .read_file_stream(id, path, user_of(&row, user))
+        .await?)
+}
+
 /// A file as written: its path, size and SHA-256.
 pub(crate) struct Written {
     pub(crate) path: String,

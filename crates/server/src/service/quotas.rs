@@ -186,6 +186,24 @@ pub(crate) fn admit_upload(limits: &Limits, under_way: (u64, u64), size: u64) ->
     quota::check(limits, &used, &asked).map_err(|e| exceeded(&e))
 }
 
+/// Whether an upload under way may grow by `more` bytes, within `limits`,
+/// beside those its key has under way (`(count, bytes)`, the growing one
+/// counted).
+pub(crate) fn admit_upload_growth(
+    limits: &Limits,
+    under_way: (u64, u64),
+    more: u64,
+) -> ApiResult<()> {
+    let mut used = Usage::default();
+    used.add("upload.mib", quota::mib_of(under_way.1));
+    let mut asked = Usage::default();
+    asked.add(
+        "upload.mib",
+        quota::mib_of(under_way.1 + more).saturating_sub(quota::mib_of(under_way.1)),
+    );
+    quota::check(limits, &used, &asked).map_err(|e| exceeded(&e))
+}
+
 /// Whether sandbox `sandbox_id` of key `key_id` may run one more process:
 /// ended ones are forgotten to make room, oldest first; running ones fill
 /// it.

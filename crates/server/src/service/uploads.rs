@@ -1,7 +1,9 @@
 //! Chunked uploads: a file under the data dir's `uploads/` of the declared
 //! size, chunks written at their offsets in any order, and at commit the
-//! whole checked against its SHA-256 and written into the sandbox. Uploads
-//! live in memory (a restart forgets them and empties the directory).
+//! whole checked against its SHA-256 and written into the sandbox; or an
+//! archive, chunks appended in order, and at commit streamed from that file
+//! to the guest's tar. Uploads live in memory (a restart forgets them and
+//! empties the directory).
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -12,29 +14,49 @@ use runtime_host::RunAs;
 use serde_json::json;
 
 use crate::domain::access::{sha256_hex, KeyInfo};
-use crate::domain::files::{chunk_fits, covered};
+use crate::domain::files::{
+    self, chunk_fits, covered, ArchiveChunk, MAX_ARCHIVE_BYTES, MAX_ARCHIVE_UPLOADS,
+};
 use crate::error::{ApiError, ApiResult, ServerError};
+use crate::service::archives;
 use crate::service::files::user_of;
 use crate::service::sandboxes::{find, find_running};
 use crate::AppState;
 
 struct Upload {
     path: String,
-    size: u64,
-    sha256: String,
-    mode: Option<u32>,
     user: RunAs,
     file: PathBuf,
-    /// offset -> length of each chunk received.
-    received: BTreeMap<u64, u64>,
+    what: What,
+    /// Committed or aborted: a chunk that waited for the lock finds it gone.
+    done: bool,
+}
+
+/// A file at any offset and order, or an archive in order.
+enum What {
+    File {
+        size: u64,
+        sha256: String,
+        mode: Option<u32>,
+        /// offset -> length of each chunk received.
+        received: BTreeMap<u64, u64>,
+    },
+    Archive {
+        /// What `gzip` said at the start.
+        gzip: bool,
+        /// The bytes received, without a gap from the start.
+        received: u64,
+    },
 }
 
 /// An upload under way: its sandbox, the key that owns the sandbox (for
-/// the quotas), its size, when a chunk last came, and the upload.
+/// the quotas), its size (an archive's: the bytes so far), whether it is an
+/// archive, when a chunk last came, and the upload.
 struct UploadSlot {
     sandbox: String,
     key: String,
     size: u64,
+    archive: bool,
     touched_ms: i64,
     upload: Arc<tokio::sync::Mutex<Upload>>,
 }
@@ -94,23 +116,37 @@ impl Uploads {
         under_way(&self.lock(), key_id)
     }
 
+    /// The upload `upload_id` of the sandbox, of the kind asked (an
+    /// archive's id is unknown to the file routes, and the reverse).
     fn get(
         &self,
         sandbox_id: &str,
         upload_id: &str,
+        archive: bool,
         now_ms: i64,
     ) -> ApiResult<Arc<tokio::sync::Mutex<Upload>>> {
         match self.lock().get_mut(upload_id) {
-            Some(slot) if slot.sandbox == sandbox_id => {
+            Some(slot) if slot.sandbox == sandbox_id && slot.archive == archive => {
                 slot.touched_ms = now_ms;
                 Ok(slot.upload.clone())
             }
-            _ => Err(ApiError::NotFound {
-                code: codes::UPLOAD_NOT_FOUND,
-                what: "upload",
-                id: upload_id.to_string(),
-            }),
+            _ => Err(not_found(upload_id)),
         }
+    }
+
+    /// Forgets one upload and removes its file.
+    async fn remove(&self, upload_id: &str, u: &mut Upload) {
+        u.done = true;
+        self.lock().remove(upload_id);
+        let _ = tokio::fs::remove_file(&u.file).await;
+    }
+}
+
+fn not_found(upload_id: &str) -> ApiError {
+    ApiError::NotFound {
+        code: codes::UPLOAD_NOT_FOUND,
+        what: "upload",
+        id: upload_id.to_string(),
     }
 }
 
@@ -140,12 +176,9 @@ pub(crate) struct Begin {
     pub(crate) user: Option<String>,
 }
 
-/// `POST …/uploads`: makes room for the file and answers the upload's id.
-pub(crate) async fn begin(st: &AppState, key: &KeyInfo, id: &str, b: Begin) -> ApiResult<String> {
-    let row = find_running(st, key, id).await?;
-    let now = st.now_ms();
-    st.inner.uploads.expire(now);
-    let upload_id = format!("upl_{}", uuid::Uuid::new_v4().simple());
+/// Makes the file an upload's bytes wait in, of `size` bytes: readable by
+/// the server alone (the bytes are the tenant's).
+async fn stage(st: &AppState, upload_id: &str, size: u64) -> ApiResult<PathBuf> {
     let dir = st.inner.uploads.dir.clone();
     tokio::fs::DirBuilder::new()
         .recursive(true)
@@ -153,8 +186,7 @@ pub(crate) async fn begin(st: &AppState, key: &KeyInfo, id: &str, b: Begin) -> A
         .create(&dir)
         .await
         .map_err(io_err("create uploads dir", &dir))?;
-    let file = dir.join(&upload_id);
-    // The bytes are the tenant's: readable by the server alone.
+    let file = dir.join(upload_id);
     let fh = tokio::fs::OpenOptions::new()
         .write(true)
         .create(true)
@@ -163,41 +195,129 @@ pub(crate) async fn begin(st: &AppState, key: &KeyInfo, id: &str, b: Begin) -> A
         .open(&file)
         .await
         .map_err(io_err("create upload file", &file))?;
-    fh.set_len(b.size)
+    fh.set_len(size)
         .await
         .map_err(io_err("size upload file", &file))?;
-    let up = Upload {
-        path: b.path,
-        size: b.size,
-        sha256: b.sha256,
-        mode: b.mode,
-        user: user_of(&row, b.user.as_deref()),
-        file,
-        received: BTreeMap::new(),
-    };
+    Ok(file)
+}
+
+/// Keeps a new upload if the key's quotas (and, for an archive, the
+/// sandbox's bound on open archive uploads) let it; else removes its file.
+async fn keep(
+    st: &AppState,
+    key_id: &str,
+    sandbox_id: &str,
+    upload_id: &str,
+    size: u64,
+    up: Upload,
+) -> ApiResult<()> {
     let file = up.file.clone();
+    let archive = matches!(up.what, What::Archive { .. });
     // Counted and kept under one lock: two begins at once cannot both pass.
-    let limits = crate::service::quotas::limits(st, &row.key_id);
+    let limits = crate::service::quotas::limits(st, key_id);
     let kept = limits.and_then(|limits| {
         let mut m = st.inner.uploads.lock();
-        let fits =
-            crate::service::quotas::admit_upload(&limits, under_way(&m, &row.key_id), b.size);
-        fits.map(|()| {
-            let slot = UploadSlot {
-                sandbox: id.to_string(),
-                key: row.key_id.clone(),
-                size: b.size,
-                touched_ms: now,
-                upload: Arc::new(tokio::sync::Mutex::new(up)),
-            };
-            m.insert(upload_id.clone(), slot);
-        })
+        let open_here = m
+            .values()
+            .filter(|s| s.archive && s.sandbox == sandbox_id)
+            .count();
+        if archive && open_here >= MAX_ARCHIVE_UPLOADS {
+            Err(ApiError::quota(
+                format!(
+                    "This sandbox has {open_here} archive uploads open, the most it may: commit or abort one first."
+                ),
+                MAX_ARCHIVE_UPLOADS,
+            ))
+        } else {
+            let fits = crate::service::quotas::admit_upload(&limits, under_way(&m, key_id), size);
+            fits.map(|()| {
+                let slot = UploadSlot {
+                    sandbox: sandbox_id.to_string(),
+                    key: key_id.to_string(),
+                    size,
+                    archive,
+                    touched_ms: st.now_ms(),
+                    upload: Arc::new(tokio::sync::Mutex::new(up)),
+                };
+                m.insert(upload_id.to_string(), slot);
+            })
+        }
     });
     if let Err(e) = kept {
         let _ = tokio::fs::remove_file(&file).await;
         return Err(e);
     }
+    Ok(())
+}
+
+/// `POST …/uploads`: makes room for the file and answers the upload's id.
+pub(crate) async fn begin(st: &AppState, key: &KeyInfo, id: &str, b: Begin) -> ApiResult<String> {
+    let row = find_running(st, key, id).await?;
+    st.inner.uploads.expire(st.now_ms());
+    let upload_id = format!("upl_{}", uuid::Uuid::new_v4().simple());
+    let file = stage(st, &upload_id, b.size).await?;
+    let up = Upload {
+        path: b.path,
+        user: user_of(&row, b.user.as_deref()),
+        file,
+        what: What::File {
+            size: b.size,
+            sha256: b.sha256,
+            mode: b.mode,
+            received: BTreeMap::new(),
+        },
+        done: false,
+    };
+    keep(st, &row.key_id, id, &upload_id, b.size, up).await?;
     Ok(upload_id)
+}
+
+/// What `POST …/files/archive/uploads` asks: the folder it unpacks into,
+/// whether it is gzipped, and as whom.
+pub(crate) struct BeginArchive {
+    pub(crate) path: String,
+    pub(crate) gzip: bool,
+    pub(crate) user: Option<String>,
+}
+
+/// `POST …/files/archive/uploads`: an empty archive upload; its id.
+pub(crate) async fn begin_archive(
+    st: &AppState,
+    key: &KeyInfo,
+    id: &str,
+    b: BeginArchive,
+) -> ApiResult<String> {
+    let row = find_running(st, key, id).await?;
+    st.inner.uploads.expire(st.now_ms());
+    let upload_id = format!("upa_{}", uuid::Uuid::new_v4().simple());
+    let file = stage(st, &upload_id, 0).await?;
+    let up = Upload {
+        path: b.path,
+        user: user_of(&row, b.user.as_deref()),
+        file,
+        what: What::Archive {
+            gzip: b.gzip,
+            received: 0,
+        },
+        done: false,
+    };
+    keep(st, &row.key_id, id, &upload_id, 0, up).await?;
+    Ok(upload_id)
+}
+
+/// Writes `data` at `offset` of the upload's file.
+async fn write_at(file: &Path, offset: u64, data: Vec<u8>) -> ApiResult<()> {
+    let path = file.to_path_buf();
+    tokio::task::spawn_blocking(move || {
+        use std::os::unix::fs::FileExt;
+        let f = std::fs::OpenOptions::new().write(true).open(&path)?;
+        f.write_all_at(&data, offset)
+    })
+    .await
+    .map_err(|e| ApiError::Internal {
+        what: format!("upload write task: {e}"),
+    })?
+    .map_err(io_err("write upload chunk", file))
 }
 
 /// `PUT …/uploads/{u}?offset=`: writes one chunk at its offset.
@@ -210,28 +330,96 @@ pub(crate) async fn chunk(
     data: Vec<u8>,
 ) -> ApiResult<()> {
     find_running(st, key, id).await?;
-    let up = st.inner.uploads.get(id, upload_id, st.now_ms())?;
+    let up = st.inner.uploads.get(id, upload_id, false, st.now_ms())?;
     let mut u = up.lock().await;
-    let len = data.len() as u64;
-    if !chunk_fits(offset, len, u.size) {
-        return Err(ApiError::invalid(
-            "offset",
-            format!("offset + chunk length is past the size ({})", u.size),
-        ));
+    if u.done {
+        return Err(not_found(upload_id));
     }
     let file = u.file.clone();
-    tokio::task::spawn_blocking(move || {
-        use std::os::unix::fs::FileExt;
-        let f = std::fs::OpenOptions::new().write(true).open(&file)?;
-        f.write_all_at(&data, offset)
-    })
-    .await
-    .map_err(|e| ApiError::Internal {
-        what: format!("upload write task: {e}"),
-    })?
-    .map_err(io_err("write upload chunk", &u.file))?;
-    u.received.insert(offset, len);
+    let What::File { size, received, .. } = &mut u.what else {
+        return Err(not_found(upload_id));
+    };
+    let len = data.len() as u64;
+    if !chunk_fits(offset, len, *size) {
+        return Err(ApiError::invalid(
+            "offset",
+            format!("offset + chunk length is past the size ({size})"),
+        ));
+    }
+    write_at(&file, offset, data).await?;
+    received.insert(offset, len);
     Ok(())
+}
+
+/// `PUT …/files/archive/uploads/{u}?offset=`: appends one chunk (or takes
+/// a resend of bytes already there, if they are the same). Answers the
+/// bytes received so far. The sandbox need not be running: the bytes wait
+/// on the host's disk until the commit.
+pub(crate) async fn archive_chunk(
+    st: &AppState,
+    key: &KeyInfo,
+    id: &str,
+    upload_id: &str,
+    offset: u64,
+    data: Vec<u8>,
+) -> ApiResult<u64> {
+    let row = find(st, key, id)?;
+    let up = st.inner.uploads.get(id, upload_id, true, st.now_ms())?;
+    let mut u = up.lock().await;
+    if u.done {
+        return Err(not_found(upload_id));
+    }
+    let file = u.file.clone();
+    let What::Archive { received, .. } = &mut u.what else {
+        return Err(not_found(upload_id));
+    };
+    let len = data.len() as u64;
+    match files::archive_chunk(*received, offset, len, MAX_ARCHIVE_BYTES) {
+        Err(why) => Err(ApiError::invalid("offset", why)),
+        Ok(ArchiveChunk::Resend) => {
+            let path = file.clone();
+            let same = tokio::task::spawn_blocking(move || {
+                use std::os::unix::fs::FileExt;
+                let f = std::fs::File::open(&path)?;
+                let mut have = vec![0u8; data.len()];
+                f.read_exact_at(&mut have, offset)?;
+                Ok::<bool, std::io::Error>(have == data)
+            })
+            .await
+            .map_err(|e| ApiError::Internal {
+                what: format!("upload read task: {e}"),
+            })?
+            .map_err(io_err("read upload chunk", &file))?;
+            if !same {
+                return Err(ApiError::invalid(
+                    "offset",
+                    format!(
+                        "must be {received}, the bytes received so far: the bytes at {offset} differ from those sent before"
+                    ),
+                ));
+            }
+            Ok(*received)
+        }
+        Ok(ArchiveChunk::Append) => {
+            let grown = *received + len;
+            // The key's upload space counts the bytes so far.
+            let limits = crate::service::quotas::limits(st, &row.key_id)?;
+            {
+                let m = st.inner.uploads.lock();
+                crate::service::quotas::admit_upload_growth(
+                    &limits,
+                    under_way(&m, &row.key_id),
+                    len,
+                )?;
+            }
+            write_at(&file, offset, data).await?;
+            *received = grown;
+            if let Some(slot) = st.inner.uploads.lock().get_mut(upload_id) {
+                slot.size = grown;
+            }
+            Ok(grown)
+        }
+    }
 }
 
 /// An upload written into the sandbox.
@@ -250,51 +438,113 @@ pub(crate) async fn commit(
     upload_id: &str,
 ) -> ApiResult<Committed> {
     find_running(st, key, id).await?;
-    let up = st.inner.uploads.get(id, upload_id, st.now_ms())?;
-    let u = up.lock().await;
-    let have = covered(&u.received);
-    if have < u.size {
+    let up = st.inner.uploads.get(id, upload_id, false, st.now_ms())?;
+    let mut u = up.lock().await;
+    if u.done {
+        return Err(not_found(upload_id));
+    }
+    let What::File {
+        size,
+        sha256,
+        mode,
+        received,
+    } = &u.what
+    else {
+        return Err(not_found(upload_id));
+    };
+    let (size, sha256, mode) = (*size, sha256.clone(), *mode);
+    let have = covered(received);
+    if have < size {
         return Err(ApiError::Conflict {
             code: codes::UPLOAD_INCOMPLETE,
-            message: format!("The upload has bytes up to {have} of {}.", u.size),
-            details: Some(json!({ "receivedThrough": have, "size": u.size })),
+            message: format!("The upload has bytes up to {have} of {size}."),
+            details: Some(json!({ "receivedThrough": have, "size": size })),
         });
     }
     let data = tokio::fs::read(&u.file)
         .await
         .map_err(io_err("read upload file", &u.file))?;
     let got = sha256_hex(&data);
-    if got != u.sha256 {
+    if got != sha256 {
         return Err(ApiError::Unprocessable {
             code: codes::CHECKSUM_MISMATCH,
             message: "The uploaded bytes do not match the sha256 given at the start.".into(),
-            details: Some(json!({ "expected": u.sha256, "actual": got })),
+            details: Some(json!({ "expected": sha256, "actual": got })),
         });
     }
     st.host()
-        .write_file(id, &u.path, u.mode, u.user, data)
+        .write_file(id, &u.path, mode, u.user, data)
         .await?;
-    let _ = tokio::fs::remove_file(&u.file).await;
-    st.inner.uploads.lock().remove(upload_id);
+    st.inner.uploads.remove(upload_id, &mut u).await;
     Ok(Committed {
         path: u.path.clone(),
-        size: u.size,
-        sha256: u.sha256.clone(),
+        size,
+        sha256,
     })
 }
 
-/// `POST …/uploads/{u}:abort`: forgets the upload (the sandbox need not
-/// be running).
+/// `POST …/files/archive/uploads/{u}:commit`: unpacks the archive into its
+/// folder with the checks of `PUT …/files/archive`, streamed from the
+/// host's disk. The upload is gone afterwards whether the guest's tar took
+/// it or refused it (a refused archive never becomes good); one that could
+/// not reach the sandbox stays for another try. Answers the folder and the
+/// archive's size.
+pub(crate) async fn commit_archive(
+    st: &AppState,
+    key: &KeyInfo,
+    id: &str,
+    upload_id: &str,
+) -> ApiResult<(String, u64)> {
+    find_running(st, key, id).await?;
+    let up = st.inner.uploads.get(id, upload_id, true, st.now_ms())?;
+    let mut u = up.lock().await;
+    if u.done {
+        return Err(not_found(upload_id));
+    }
+    let What::Archive { gzip, received } = u.what else {
+        return Err(not_found(upload_id));
+    };
+    if received == 0 {
+        return Err(ApiError::Conflict {
+            code: codes::UPLOAD_INCOMPLETE,
+            message: "The archive upload has no bytes yet.".into(),
+            details: Some(json!({ "receivedThrough": 0 })),
+        });
+    }
+    let source = archives::Source::File {
+        path: u.file.clone(),
+        size: received,
+        gzip: Some(gzip),
+    };
+    let res = archives::unpack_into(st, id, &u.path, u.user, source).await;
+    match res {
+        Err(archives::UnpackError::NotStarted(e)) => Err(e),
+        Err(archives::UnpackError::Refused(e)) => {
+            st.inner.uploads.remove(upload_id, &mut u).await;
+            Err(e)
+        }
+        Ok(()) => {
+            st.inner.uploads.remove(upload_id, &mut u).await;
+            Ok((u.path.clone(), received))
+        }
+    }
+}
+
+/// `POST …/uploads/{u}:abort` (and the archive one): forgets the upload
+/// and removes its bytes (the sandbox need not be running).
 pub(crate) async fn abort(
     st: &AppState,
     key: &KeyInfo,
     id: &str,
     upload_id: &str,
+    archive: bool,
 ) -> ApiResult<()> {
     find(st, key, id)?;
-    let up = st.inner.uploads.get(id, upload_id, st.now_ms())?;
-    let u = up.lock().await;
-    let _ = tokio::fs::remove_file(&u.file).await;
-    st.inner.uploads.lock().remove(upload_id);
+    let up = st.inner.uploads.get(id, upload_id, archive, st.now_ms())?;
+    let mut u = up.lock().await;
+    if u.done {
+        return Err(not_found(upload_id));
+    }
+    st.inner.uploads.remove(upload_id, &mut u).await;
     Ok(())
 }

@@ -1,5 +1,6 @@
 //! Files and chunked uploads (contract §7): `…/files/content`, `/list`,
-//! `/stat`, `files:{mkdir,remove,rename,chmod}` and `…/uploads`.
+//! `/stat`, `files:{mkdir,remove,rename,chmod}`, `…/uploads`, and folder
+//! archives (`…/files/archive`, `…/files/archive/uploads`).
 
 use axum::body::{Body, Bytes};
 use axum::http::{header, HeaderValue, StatusCode};
@@ -8,7 +9,7 @@ use runtime_host::{EntryKind, FileEntry, FileOp};
 use serde_json::{json, Value};
 
 use crate::domain::access::sha256_hex;
-use crate::domain::files::{list_depth, valid_path, CHUNK_BYTES, MAX_GLOB};
+use crate::domain::files::{list_depth, valid_path, CHUNK_BYTES, MAX_ARCHIVE_BYTES, MAX_GLOB};
 use crate::domain::link;
 use crate::domain::time::iso;
 use crate::error::{ApiError, ApiResult};
@@ -59,8 +60,11 @@ fn entry_json(e: &FileEntry) -> Value {
     })
 }
 
-/// `GET …/files/content?path&user`: the bytes, with their length and
-/// SHA-256 in headers.
+/// `GET …/files/content?path&user`: the bytes, with their length in a
+/// header, and for a file of at most [`CHUNK_BYTES`] their SHA-256 too
+/// (read whole first). A larger file streams as the guest sends it, never
+/// held whole; one that fails part way cuts the stream, which the client
+/// sees as short of its length.
 pub(super) async fn read(st: AppState, ctx: Ctx, id: String) -> ApiResult<Reply> {
     let q = query_object(&ctx.query, &[]);
     let mut f = Fields::new(&q);
@@ -68,20 +72,33 @@ pub(super) async fn read(st: AppState, ctx: Ctx, id: String) -> ApiResult<Reply>
     let path = check_path(&mut f, "path", p);
     let user = f.one_of("user", USERS);
     f.finish()?;
-    let data = files::read(&st, &ctx.key, &id, &path, user.as_deref()).await?;
+    let mut fs = files::read_stream(&st, &ctx.key, &id, &path, user.as_deref()).await?;
+    let size = fs.size;
     let mut resp = Response::new(Body::from(Bytes::new()));
     let h = resp.headers_mut();
     h.insert(
         header::CONTENT_TYPE,
         HeaderValue::from_static("application/octet-stream"),
     );
-    if let Ok(v) = HeaderValue::from_str(&data.len().to_string()) {
+    if let Ok(v) = HeaderValue::from_str(&size.to_string()) {
         h.insert("x-content-length", v);
     }
-    if let Ok(v) = HeaderValue::from_str(&sha256_hex(&data)) {
-        h.insert("x-content-sha256", v);
+    if size <= CHUNK_BYTES as u64 {
+        let mut data = Vec::with_capacity(size as usize);
+        while let Some(piece) = fs.pieces.recv().await {
+            data.extend_from_slice(&piece?);
+        }
+        if let Ok(v) = HeaderValue::from_str(&sha256_hex(&data)) {
+            resp.headers_mut().insert("x-content-sha256", v);
+        }
+        *resp.body_mut() = Body::from(data);
+    } else {
+        let stream = futures::stream::unfold(fs.pieces, |mut rx| async move {
+            let piece = rx.recv().await?;
+            Some((piece.map(Bytes::from).map_err(std::io::Error::other), rx))
+        });
+        *resp.body_mut() = Body::from_stream(stream);
     }
-    *resp.body_mut() = Body::from(data);
     Ok(Reply::Raw(resp))
 }
 
@@ -441,12 +458,86 @@ pub(super) async fn upload_action(
             )
         }
         "abort" => {
-            uploads::abort(&st, &ctx.key, &id, &upload_id).await?;
+            uploads::abort(&st, &ctx.key, &id, &upload_id, false).await?;
             Reply::ok(json!({ "uploadId": upload_id, "aborted": true }))
         }
         _ => Err(ApiError::RouteNotFound {
             method: "POST".into(),
             path: format!("/v1/sandboxes/{id}/uploads/{upload_id}:{verb}"),
+        }),
+    }
+}
+
+/// `POST …/files/archive/uploads`: `{path, gzip?, user?}`.
+pub(super) async fn archive_upload_begin(
+    st: AppState,
+    ctx: Ctx,
+    id: String,
+    body: Bytes,
+) -> ApiResult<Reply> {
+    let obj = json_object(&body)?;
+    let mut f = Fields::new(&obj);
+    let p = f.string("path");
+    let path = check_path(&mut f, "path", p);
+    let gzip = f.bool("gzip").unwrap_or(true);
+    let user = f.one_of("user", USERS);
+    f.finish()?;
+    let b = uploads::BeginArchive { path, gzip, user };
+    let upload_id = uploads::begin_archive(&st, &ctx.key, &id, b).await?;
+    Ok(Reply::Json(
+        StatusCode::CREATED,
+        json!({
+            "uploadId": upload_id,
+            "chunkBytes": CHUNK_BYTES,
+            "maxBytes": MAX_ARCHIVE_BYTES,
+        }),
+    ))
+}
+
+/// `PUT …/files/archive/uploads/{u}?offset=`: the body is the next chunk.
+pub(super) async fn archive_upload_chunk(
+    st: AppState,
+    ctx: Ctx,
+    id: String,
+    upload_id: String,
+    body: Bytes,
+) -> ApiResult<Reply> {
+    let q = query_object(&ctx.query, &[]);
+    let mut f = Fields::new(&q);
+    let offset = f.q_int("offset", 0, i64::MAX);
+    if !f.present("offset") {
+        f.issue("offset", "is required");
+    }
+    f.finish()?;
+    let offset = offset.unwrap_or(0) as u64;
+    let len = body.len();
+    let received =
+        uploads::archive_chunk(&st, &ctx.key, &id, &upload_id, offset, Vec::from(body)).await?;
+    Reply::ok(json!({ "uploadId": upload_id, "offset": offset, "size": len, "received": received }))
+}
+
+/// `POST …/files/archive/uploads/{u}:{commit,abort}`.
+pub(super) async fn archive_upload_action(
+    st: AppState,
+    ctx: Ctx,
+    id: String,
+    upload_id: String,
+    verb: String,
+    body: Bytes,
+) -> ApiResult<Reply> {
+    no_fields(&body)?;
+    match verb.as_str() {
+        "commit" => {
+            let (path, size) = uploads::commit_archive(&st, &ctx.key, &id, &upload_id).await?;
+            Reply::ok(json!({ "path": path, "size": size, "committed": true }))
+        }
+        "abort" => {
+            uploads::abort(&st, &ctx.key, &id, &upload_id, true).await?;
+            Reply::ok(json!({ "uploadId": upload_id, "aborted": true }))
+        }
+        _ => Err(ApiError::RouteNotFound {
+            method: "POST".into(),
+            path: format!("/v1/sandboxes/{id}/files/archive/uploads/{upload_id}:{verb}"),
         }),
     }
 }

@@ -47,6 +47,11 @@ pub(super) async fn dispatch(st: AppState, ctx: Ctx, r: Route, body: Bytes) -> A
         Route::UploadBegin(id) => files::upload_begin(st, ctx, id, body).await,
         Route::UploadChunk(id, u) => files::upload_chunk(st, ctx, id, u, body).await,
         Route::UploadAction(id, u, verb) => files::upload_action(st, ctx, id, u, verb, body).await,
+        Route::ArchiveUploadBegin(id) => files::archive_upload_begin(st, ctx, id, body).await,
+        Route::ArchiveUploadChunk(id, u) => files::archive_upload_chunk(st, ctx, id, u, body).await,
+        Route::ArchiveUploadAction(id, u, verb) => {
+            files::archive_upload_action(st, ctx, id, u, verb, body).await
+        }
         Route::ProcSpawn(id) => processes::spawn(st, ctx, id, body).await,
         Route::ProcList(id) => processes::list(st, ctx, id).await,
         Route::ProcGet(id, pid) => processes::get(st, ctx, id, pid).await,
