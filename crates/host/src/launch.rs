@@ -204,7 +204,7 @@ impl QemuHost {
     ) -> Result<(), HostError> {
         let sock = paths.agent_sock();
         while !sock.exists() || !paths.qmp_sock().exists() {
-            if !qemu::is_our_qemu(pid, &paths.dir) {
+            if !qemu::is_our_qemu_async(pid, &paths.dir).await {
                 return Err(self.start_failed(
                     id,
                     BootStage::Spawn,
@@ -286,7 +286,7 @@ impl QemuHost {
                     }
                 },
                 _ = tokio::time::sleep(Duration::from_millis(100)) => {
-                    if !qemu::is_our_qemu(pid, &paths.dir) {
+                    if !qemu::is_our_qemu_async(pid, &paths.dir).await {
                         return Err(self.start_failed(id, BootStage::Kernel, "QEMU exited before the agent answered".into()));
                     }
                 }

@@ -185,7 +185,7 @@ impl QemuHost {
                 return Ok(l.clone());
             }
         }
-        if !qemu::is_our_qemu(vm.pid, &vm.paths.dir) {
+        if !qemu::is_our_qemu_async(vm.pid, &vm.paths.dir).await {
             return Err(HostError::LinkLost { id: id.to_owned() });
         }
         let (l, _) = Link::connect(
@@ -331,7 +331,10 @@ impl Host for QemuHost {
             return Ok(true);
         }
         let paths = self.paths(id);
-        let found = qemu::read_pid(&paths).filter(|&pid| qemu::is_our_qemu(pid, &paths.dir));
+        let found = match qemu::read_pid(&paths) {
+            Some(pid) if qemu::is_our_qemu_async(pid, &paths.dir).await => Some(pid),
+            _ => None,
+        };
         let Some(pid) = found else {
             // It ended under the earlier server: what it left goes too.
             self.end_untracked(id).await;

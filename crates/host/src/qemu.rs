@@ -404,6 +404,26 @@ pub(crate) fn is_our_qemu(pid: u32, dir: &Path) -> bool {
     text.contains("qemu-system") && text.contains(needle.as_ref())
 }
 
+/// [`is_our_qemu`] off the async workers, for async code: reading a
+/// process's command line takes its memory map's lock, which a QEMU
+/// mapping or faulting in its RAM on a busy host holds for seconds (twenty
+/// busy guests and one restoring stalled every request of the server for
+/// 3 to 13 s while a launch checked on its QEMU from a worker).
+pub(crate) async fn is_our_qemu_async(pid: u32, dir: &Path) -> bool {
+    let dir = dir.to_owned();
+    tokio::task::spawn_blocking(move || is_our_qemu(pid, &dir))
+        .await
+        .unwrap_or(false)
+}
+
+/// [`may_be_ours`] off the async workers (see [`is_our_qemu_async`]).
+pub(crate) async fn may_be_ours_async(pid: u32, dir: &Path) -> bool {
+    let dir = dir.to_owned();
+    tokio::task::spawn_blocking(move || may_be_ours(pid, &dir))
+        .await
+        .unwrap_or(false)
+}
+
 pub(crate) fn read_pid(paths: &VmPaths) -> Option<u32> {
     std::fs::read_to_string(paths.pidfile())
         .ok()?

@@ -29,8 +29,10 @@ impl QemuHost {
         link: Option<Link>,
         ram: Option<&Path>,
     ) {
-        if let Some(pid) = pid.filter(|&p| qemu::may_be_ours(p, dir)) {
-            qemu::kill(pid).await;
+        if let Some(pid) = pid {
+            if qemu::may_be_ours_async(pid, dir).await {
+                qemu::kill(pid).await;
+            }
         }
         if let Some(l) = link {
             l.drained(Duration::from_secs(2)).await;
