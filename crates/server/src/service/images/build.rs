@@ -151,6 +151,33 @@ fn update_step(st: &AppState, id: &str, index: usize, f: impl FnOnce(&mut Step))
     });
 }
 
+/// Pulls one registry image into a layer. The pull goes through a network
+/// of its own with the build machine's settings (default rules, no egress
+/// secrets); the unpack machine uses it too (and ends it), and recovery
+/// ends it as a build machine.
+async fn pull_one(
+    st: &AppState,
+    id: &str,
+    r: &runtime_host::oci::Reference,
+    key_id: &str,
+    failed: impl FnOnce(super::pull::PullFailed) -> BuildError,
+) -> Result<super::pull::Base, BuildError> {
+    let net = uuid::Uuid::new_v4().to_string();
+    let settings = crate::domain::network::CreateNet {
+        rules: None,
+        secrets: Some(Vec::new()),
+    };
+    crate::service::network::store_create(st, &net, &settings).map_err(BuildError::Network)?;
+    let _ = crate::service::network::prepare_guest(st, &net);
+    update(st, id, |d| d.build_vm = Some(net.clone()));
+    // Credentials of the caller's key for this registry (images.registries).
+    let credentials = super::registries::credentials_for(st, key_id, &r.registry);
+    let pulled = super::pull::base(st, id, &net, r, credentials).await;
+    crate::service::network::sandbox_gone(st, &net);
+    update(st, id, |d| d.build_vm = None);
+    pulled.map_err(failed)
+}
+
 /// Builds image `id` and records how that ended.
 pub(super) async fn build(st: AppState, id: String, pending: Option<super::Pending>) {
     let started = Instant::now();
@@ -224,51 +251,25 @@ pub(super) async fn build(st: AppState, id: String, pending: Option<super::Pendi
 /// then reads the build's steps again on their keys and configs; answers
 /// the image as recorded then.
 async fn pull_base(st: &AppState, id: &str, mut p: super::Pending) -> Result<Image, BuildError> {
-    // The pull goes through a network of its own with the build machine's
-    // settings (default rules, no egress secrets); the unpack machine uses
-    // it too, and recovery ends it as a build machine.
-    let net = uuid::Uuid::new_v4().to_string();
-    let settings = crate::domain::network::CreateNet {
-        rules: None,
-        secrets: Some(Vec::new()),
-    };
-    crate::service::network::store_create(st, &net, &settings).map_err(BuildError::Network)?;
-    let _ = crate::service::network::prepare_guest(st, &net);
-    update(st, id, |d| d.build_vm = Some(net.clone()));
-    let pulled = async {
-        let mut root = None;
-        if let Some(r) = &p.reference {
-            // Credentials of the caller's key for this registry (images.registries).
-            let credentials = super::registries::credentials_for(st, &p.key_id, &r.registry);
-            root = Some(
-                super::pull::base(st, id, &net, r, credentials)
-                    .await
-                    .map_err(BuildError::Pull)?,
-            );
-        }
-        for (written, r, what) in &p.others {
-            let credentials = super::registries::credentials_for(st, &p.key_id, &r.registry);
-            let base = super::pull::base(st, id, &net, r, credentials)
-                .await
-                .map_err(|cause| BuildError::PullFor {
-                    what: what.clone(),
-                    cause,
-                })?;
-            let (state, _) = super::registry_state(&base.config);
-            p.input.externals.insert(
-                written.clone(),
-                crate::domain::image::dockerfile::External {
-                    key: base.key,
-                    state,
-                },
-            );
-        }
-        Ok(root)
+    let mut root = None;
+    if let Some(r) = &p.reference {
+        root = Some(pull_one(st, id, r, &p.key_id, BuildError::Pull).await?);
     }
-    .await;
-    crate::service::network::sandbox_gone(st, &net);
-    update(st, id, |d| d.build_vm = None);
-    let root = pulled?;
+    for (written, r, what) in &p.others {
+        let failed = |cause| BuildError::PullFor {
+            what: what.clone(),
+            cause,
+        };
+        let base = pull_one(st, id, r, &p.key_id, failed).await?;
+        let (state, _) = super::registry_state(&base.config);
+        p.input.externals.insert(
+            written.clone(),
+            crate::domain::image::dockerfile::External {
+                key: base.key,
+                state,
+            },
+        );
+    }
     let (base_key, state, start, pinned) = match root {
         Some(base) => {
             let (state, start) = super::registry_state(&base.config);
