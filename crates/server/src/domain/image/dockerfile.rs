@@ -356,22 +356,28 @@ pub(crate) fn parse(b: &mut Steps, text: &str, inputs: Inputs<'_>) -> Result<Par
                 },
             })
     };
-    let initial = (b.prev().to_string(), b.state.clone());
-    // Where each built stage ended: its last key, its state, its SHELL.
-    let mut ends: Vec<Option<(String, BuildState, Option<Vec<String>>)>> = vec![None; stages.len()];
+    let initial = StageEnd {
+        key: b.prev().to_string(),
+        state: b.state.clone(),
+        shell: None,
+    };
+    // Where each built stage ended (each a stage needs is built before it).
+    let mut ends: Vec<Option<StageEnd>> = vec![None; stages.len()];
     let mut copies = 0usize;
     // Stages in order: each after those it needs, the target last.
     for i in (0..stages.len()).filter(|i| needed[*i]) {
         let s = &stages[i];
-        let (key, state, shell) = match stage_index(&stages, &s.base) {
-            Some(j) => ends[j]
-                .clone()
-                .unwrap_or_else(|| (initial.0.clone(), initial.1.clone(), None)),
-            None if i == root => (initial.0.clone(), initial.1.clone(), None),
+        let StageEnd { key, state, shell } = match stage_index(&stages, &s.base) {
+            Some(j) => ends[j].clone().unwrap_or_else(|| initial.clone()),
+            None if i == root => initial.clone(),
             None => {
                 external(&s.base, &s.from, false, &mut out);
                 let e = resolve(&s.base);
-                (e.key, e.state, None)
+                StageEnd {
+                    key: e.key,
+                    state: e.state,
+                    shell: None,
+                }
             }
         };
         if i == root && b.steps.is_empty() {
@@ -390,22 +396,17 @@ pub(crate) fn parse(b: &mut Steps, text: &str, inputs: Inputs<'_>) -> Result<Par
         // Only the target's chain gives the image its start command.
         let mut start = None;
         for ins in &s.instrs {
-            let from = match copy_from(ins, &global) {
-                Some(f) => Some(match stage_index(&stages, &f) {
-                    Some(j) => {
-                        let (key, _, _) = ends[j]
-                            .clone()
-                            .unwrap_or_else(|| (initial.0.clone(), initial.1.clone(), None));
-                        (f, key)
-                    }
-                    None => {
-                        external(&f, ins, true, &mut out);
-                        let key = resolve(&f).key;
-                        (f, key)
-                    }
-                }),
-                None => None,
-            };
+            let from = copy_from(ins, &global).map(|f| match stage_index(&stages, &f) {
+                Some(j) => {
+                    let key = ends[j].as_ref().unwrap_or(&initial).key.clone();
+                    (f, key)
+                }
+                None => {
+                    external(&f, ins, true, &mut out);
+                    let key = resolve(&f).key;
+                    (f, key)
+                }
+            });
             let mut ctx = Ctx {
                 inputs,
                 global: &global,
@@ -420,7 +421,11 @@ pub(crate) fn parse(b: &mut Steps, text: &str, inputs: Inputs<'_>) -> Result<Par
         if in_chain[i] && start.is_some() {
             out.start = start;
         }
-        ends[i] = Some((b.prev().to_string(), b.state.clone(), shell));
+        ends[i] = Some(StageEnd {
+            key: b.prev().to_string(),
+            state: b.state.clone(),
+            shell,
+        });
     }
     Ok(out)
 }
@@ -431,6 +436,14 @@ pub(crate) fn is_ours(r: &str) -> bool {
         r,
         "runtime" | "default" | "runtime:latest" | "default:latest"
     )
+}
+
+/// Where a built stage ended: its last key, its state, its `SHELL`.
+#[derive(Debug, Clone)]
+struct StageEnd {
+    key: String,
+    state: BuildState,
+    shell: Option<Vec<String>>,
 }
 
 /// What one instruction reads and changes besides the steps.
