@@ -10,8 +10,11 @@
 //! this server cannot honour are refused with what to do instead.
 //!
 //! Multi-stage: the build makes the target stage (`target`, or the last)
-//! and the stages it is built `FROM`, as one chain of steps; stages it does
-//! not need are not built.
+//! and every stage it needs (the one it is built `FROM`, those its `COPY
+//! --from` names, and theirs), in the Dockerfile's order, as one list of
+//! steps in which a stage's first step names the layer it runs on
+//! (`Step::on`) and a `COPY --from` the layer it copies out of
+//! (`Step::from_layer`); stages nothing needs are not read.
 
 use serde_json::{json, Value};
 

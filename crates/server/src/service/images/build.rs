@@ -1,7 +1,9 @@
-//! The build: one build machine on the longest kept prefix of the steps,
-//! each remaining step run in it as a command (network through the egress
-//! proxy like any sandbox's, no egress secrets), its disk kept as a layer
-//! after each. Every change to the image's record and log goes through the
+//! The build: a build machine on the layer the first step not kept runs
+//! on (another for each later stage of a multi-stage build that runs on
+//! another layer, with the layers its `COPY --from` steps copy out of as
+//! volumes), each remaining step run in it as a command (network through
+//! the egress proxy like any sandbox's, no egress secrets), its disk kept
+//! as a layer after each. Every change to the image's record and log goes through the
 //! store as it happens, so a client polling the image sees the build move.
 
 use std::time::{Duration, Instant};

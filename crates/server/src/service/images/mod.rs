@@ -6,9 +6,11 @@
 //! before it with the step itself and the build state it runs in (env,
 //! workdir, user): a hash chain starting at the base image's key
 //! (`domain::image::steps`). The disk after each step is kept as a layer
-//! ([`layers`]). A build finds the longest prefix of its steps already
-//! kept, boots one build machine on that layer, and runs the rest one by
-//! one as commands in it ([`build`]). A sandbox created with the image
+//! ([`layers`]). A build skips the steps already kept, boots a build
+//! machine on the layer the first other one runs on, and runs the rest one
+//! by one as commands in it, booting another where a stage of a
+//! multi-stage build starts on another layer or copies from a layer the
+//! machine lacks ([`build`]). A sandbox created with the image
 //! boots (or restores its own template) on the last layer.
 
 mod build;
