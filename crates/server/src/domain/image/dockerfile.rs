@@ -1073,7 +1073,7 @@ fn copy_from_layer(
             }
             "exclude" => return Err(at(Problem::Exclude)),
             "checksum" => return Err(at(Problem::ChecksumNotUrl)),
-            "from" | "link" | "parents" => {}
+            "from" | "link" => {}
             _ => return Err(at(Problem::UnknownOption(format!("--{k}")))),
         }
     }

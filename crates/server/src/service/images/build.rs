@@ -327,7 +327,7 @@ async fn run_build(
     // The steps already kept are not run (a step's layer rests on the
     // one it ran on, so those are kept too).
     let kept: Vec<bool> = d.steps.iter().map(|s| layers::kept(st, &s.key)).collect();
-    for s in d.steps.iter().filter(|s| kept[s.index]) {
+    for s in d.steps.iter().filter(|s| kept.get(s.index) == Some(&true)) {
         log(
             st,
             id,
