@@ -98,6 +98,23 @@ def base_layer() -> Layer:
     return layer
 
 
+def alpine_layer() -> Layer:
+    """An Alpine-like root: the static busybox and its applets, `/bin/sh`
+    -> busybox, no bash, no libc."""
+    layer = Layer()
+    for d in ("bin", "sbin", "usr", "usr/bin", "etc", "tmp", "root", "var"):
+        layer.dir(d, 0o1777 if d == "tmp" else 0o755)
+    layer.host_file("/bin/busybox")
+    applets = subprocess.run(["/bin/busybox", "--list"], check=True, capture_output=True,
+                             text=True).stdout.split()
+    for a in sorted(set(applets) - {"busybox", "bash"}):
+        layer.symlink(f"bin/{a}", "busybox")
+    layer.file("etc/passwd", b"root:x:0:0:root:/root:/bin/sh\n")
+    layer.file("etc/group", b"root:x:0:\n")
+    layer.file("etc/os-release", b"NAME=\"alpine-like test image\"\nID=alpine\n")
+    return layer
+
+
 class Registry:
     """`docker-registry serve` on 127.0.0.1, HTTPS for `registry.example.com`."""
 

@@ -19,10 +19,11 @@ from pathlib import Path
 import pytest
 
 from conftest import Server
-from pull_registry import NAME, Layer, Registry, base_layer
+from pull_registry import NAME, Layer, Registry, alpine_layer, base_layer
 
 REPO = "e2e/app"
 APP = f"{NAME}/{REPO}:1"
+ALPINE = f"{NAME}/e2e/alpine:3"
 CONFIG = {
     "Env": ["PATH=/usr/local/bin:/usr/bin:/bin", "GREETING=hello from the registry"],
     "WorkingDir": "/srv/app",
@@ -58,6 +59,9 @@ def env():
         # An image whose one layer the registry serves corrupted.
         bad_layer = Layer().file("bad", b"x" * 4096).bytes()
         images["corrupt"] = reg.image("e2e/corrupt", "1", [(bad_layer, "gzip")], {"Env": ["PATH=/bin"]})
+        # An Alpine-like image: busybox's sh, no bash.
+        images["alpine"] = reg.image("e2e/alpine", "3", [(alpine_layer().bytes(), "gzip")],
+                                     {"Env": ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"], "Cmd": ["/bin/sh"]})
         srv.start()
     except Exception:
         reg.close()
@@ -298,3 +302,75 @@ def test_the_modal_drop_in_builds_debian_slim_for_a_create(env, rt):
     # Its image was built from the Dockerfile Modal writes, on the pulled base.
     pulled = [i["pulled"] for i in rt.images.list().data if i.get("source") == "dockerfile" and i.get("pulled")]
     assert any("library/python" in p for p in pulled), pulled
+
+
+def test_an_image_without_bash_runs_shell_commands_through_sh(rt):
+    image = rt.images.build(name="alpine-like", dockerfile=f"FROM {ALPINE}\nRUN echo $((2+3)) > /five\n",
+                            poll_seconds=0.5)
+    assert image["state"] == "ready", image["error"]
+    with rt.sandboxes.create(image="alpine-like") as sbx:
+        # No bash there: the string runs through the image's sh (busybox).
+        assert sbx.exec("test -e /bin/bash || test -e /usr/bin/bash || echo no-bash").stdout == "no-bash\n"
+        assert sbx.exec("echo $((1+2))").stdout == "3\n"
+        assert sbx.exec("cat /five; echo $SHELL").stdout == "5\n/bin/sh\n"
+        # Files and argv commands as before.
+        sbx.files.write("/tmp/note", "via files\n")
+        assert sbx.exec("cat /tmp/note").stdout == "via files\n"
+
+
+MULTI = f"""\
+FROM {APP} AS build
+RUN mkdir -p /out && echo "made-from-$(cat /etc/zstd-was-here)-$((6*7))" > /out/value \\
+ && mkdir -p /out/tree/sub && echo deep > /out/tree/sub/file
+FROM {APP} AS unused
+RUN echo never-built-marker
+FROM {ALPINE}
+WORKDIR /app
+COPY --from=build /out/value ./value
+COPY --from=build --chown=runtime:runtime --chmod=0700 /out/tree /app/tree
+COPY --from={APP} /srv/app/keep-me /from-image
+CMD ["cat", "/app/value"]
+"""
+
+
+def test_a_multi_stage_build_copies_from_its_stages_and_an_image(rt):
+    image = rt.images.build(name="multi-stage", dockerfile=MULTI, poll_seconds=0.5)
+    assert image["state"] == "ready", image["error"]
+    log = image["log"]
+    # The stage nobody copies from is not built.
+    assert "never-built-marker" not in log, log
+    assert "COPY --from=build /out/value ./value (from layer" in log, log
+    with rt.sandboxes.create(image="multi-stage") as sbx:
+        # What only the build stage could make (a file of its image, its
+        # bash arithmetic), in the slim image; a directory's contents;
+        # a file of the image named by reference.
+        assert sbx.exec("cat /app/value").stdout == "made-from-zstd-42\n"
+        # (commands run as the sandbox user, uid 1000, which --chown made the owner)
+        r = sbx.exec("cat /app/tree/sub/file; stat -c '%a %u' /app/tree/sub /app/tree/sub/file")
+        assert r.stdout == "deep\n700 1000\n700 1000\n", (r.stdout, r.stderr)
+        assert sbx.exec("cat /from-image").stdout == "kept\n"
+        # The final stage is the Alpine-like one: no bash came along.
+        assert sbx.exec("test -e /bin/bash || echo no-bash").stdout == "no-bash\n"
+    # The same build again: every step is cached, the copies included.
+    again = rt.images.build(name="multi-stage", dockerfile=MULTI, poll_seconds=0.5)
+    assert again["state"] == "ready", again["error"]
+    assert {s["state"] for s in again["steps"]} == {"cached"}, again["steps"]
+    # A change in the build stage reruns the copy out of it, not the
+    # other stage's steps before it.
+    changed = rt.images.build(name="multi-stage", dockerfile=MULTI.replace("6*7", "6*8"), poll_seconds=0.5)
+    assert changed["state"] == "ready", changed["error"]
+    states = {s["instruction"].split(" (")[0]: s["state"] for s in changed["steps"]}
+    assert states["WORKDIR /app"] == "cached", states
+    assert states["COPY --from=build /out/value ./value"] == "done", states
+    with rt.sandboxes.create(image="multi-stage") as sbx:
+        assert sbx.exec("cat /app/value").stdout == "made-from-zstd-48\n"
+
+
+def test_copy_from_an_unknown_stage_is_refused_naming_the_line(rt):
+    from withruntime import InvalidRequestError
+    with pytest.raises(InvalidRequestError) as e:
+        rt.images.create(dockerfile=f"FROM {APP} AS build\nRUN true\nFROM {ALPINE}\nCOPY --from=biuld /x /y\n")
+    issues = e.value.details["issues"]
+    assert [i["field"] for i in issues] == ["dockerfile"], issues
+    assert issues[0]["message"].startswith(
+        "Dockerfile line 4 (COPY): COPY --from=biuld: no stage is named biuld (the stages: build)"), issues

@@ -185,11 +185,32 @@ fn plan(req: &ExecRequest) -> Result<Plan, Fail> {
         .find(|(k, _)| k == "PATH")
         .map(|(_, v)| v.as_str())
         .unwrap_or("");
-    let Some(path) = resolve(argv0, path_var) else {
-        return Err(Fail::new(
-            FailCode::CommandNotFound,
-            format!("{argv0}: command not found"),
-        ));
+    let mut argv = req.argv.clone();
+    let found = resolve(argv0, path_var).filter(|p| !is_bash(argv0) || Path::new(p).is_file());
+    let path = match found {
+        Some(p) => p,
+        // An image without bash (Alpine, busybox): a shell command runs
+        // through its POSIX `sh` instead (`bash -c`/`-lc`/`-l` take the
+        // same options there).
+        None if is_bash(argv0) => {
+            let Some(sh) = resolve("sh", path_var) else {
+                return Err(Fail::new(
+                    FailCode::CommandNotFound,
+                    format!("{argv0}: command not found (and no sh either)"),
+                ));
+            };
+            argv[0] = "sh".into();
+            if let Some(slot) = env.iter_mut().find(|(k, _)| k == "SHELL") {
+                slot.1 = sh.clone();
+            }
+            sh
+        }
+        None => {
+            return Err(Fail::new(
+                FailCode::CommandNotFound,
+                format!("{argv0}: command not found"),
+            ))
+        }
     };
     let cwd = match &req.cwd {
         Some(cwd) if !cwd.starts_with('/') => {
@@ -206,8 +227,7 @@ fn plan(req: &ExecRequest) -> Result<Plan, Fail> {
     let nul = |_| bad("a NUL byte in argv, env or cwd");
     Ok(Plan {
         path: cstring(&path).map_err(nul)?,
-        argv: req
-            .argv
+        argv: argv
             .iter()
             .map(|a| cstring(a))
             .collect::<Result<_, _>>()
@@ -239,6 +259,11 @@ fn uid_name(passwd: &str, uid: u32) -> Option<String> {
         let uid_field = fields.nth(1)?;
         (!name.is_empty() && uid_field.parse() == Ok(uid)).then(|| name.to_string())
     })
+}
+
+/// `bash` by name or at its usual paths: what falls back to `sh`.
+fn is_bash(argv0: &str) -> bool {
+    matches!(argv0, "bash" | "/bin/bash" | "/usr/bin/bash")
 }
 
 /// Looks `argv0` up in `PATH` like execvp; a name with a slash is taken as is.
@@ -735,7 +760,80 @@ pub(crate) fn run(
 
 #[cfg(test)]
 mod tests {
-    use super::uid_name;
+    use super::{plan, uid_name};
+    use runtime_proto::{ExecRequest, User};
+
+    fn request(argv: &[&str], path: &std::path::Path) -> ExecRequest {
+        ExecRequest {
+            argv: argv.iter().map(|a| a.to_string()).collect(),
+            cwd: Some("/".into()),
+            env: vec![("PATH".into(), path.display().to_string())],
+            user: User::Root,
+            timeout_ms: None,
+            stdin: false,
+            pty: None,
+            kill_group_on_exit: false,
+        }
+    }
+
+    fn argv_of(p: &super::Plan) -> Vec<String> {
+        p.argv
+            .iter()
+            .map(|a| a.to_string_lossy().into_owned())
+            .collect()
+    }
+
+    #[test]
+    fn a_shell_command_runs_through_sh_when_there_is_no_bash() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = std::env::temp_dir().join(format!("rt-agent-sh-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap_or_default();
+        let exe = |name: &str| {
+            let p = dir.join(name);
+            std::fs::write(&p, "#!/bin/true\n").unwrap_or_default();
+            std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755))
+                .unwrap_or_default();
+        };
+        exe("sh");
+        let sh = dir.join("sh").display().to_string();
+        for argv in [
+            &["bash", "-c", "echo $((1+2))"][..],
+            &["bash", "-lc", "echo hi"],
+            &["bash", "-l"],
+        ] {
+            let p = plan(&request(argv, &dir))
+                .map_err(|e| e.message)
+                .unwrap_or_else(|m| panic!("{m}"));
+            assert_eq!(p.path.to_string_lossy(), sh);
+            let mut want: Vec<String> = argv.iter().map(|a| a.to_string()).collect();
+            want[0] = "sh".into();
+            assert_eq!(argv_of(&p), want);
+            assert!(p
+                .envp
+                .iter()
+                .any(|e| e.to_string_lossy() == format!("SHELL={sh}")));
+        }
+        // Another missing program is still not found; bash, once there, runs.
+        assert!(plan(&request(&["python3", "-c", "1"], &dir)).is_err());
+        exe("bash");
+        let p = plan(&request(&["bash", "-c", "true"], &dir)).map_err(|e| e.message);
+        assert_eq!(
+            p.map(|p| argv_of(&p)),
+            Ok(vec!["bash".to_string(), "-c".into(), "true".into()])
+        );
+        // Without sh either, the error says so.
+        let empty = dir.join("empty");
+        std::fs::create_dir_all(&empty).unwrap_or_default();
+        let e = plan(&request(&["bash", "-c", "true"], &empty))
+            .err()
+            .map(|e| e.message);
+        assert_eq!(
+            e.as_deref(),
+            Some("bash: command not found (and no sh either)")
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 
     #[test]
     fn uid_name_reads_the_passwd_file() {

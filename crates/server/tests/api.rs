@@ -4091,6 +4091,77 @@ async fn a_followed_build_log_streams_each_line_as_written_then_the_image() {
 }
 
 #[tokio::test]
+async fn a_multi_stage_build_boots_each_stage_with_the_layers_it_copies_from() {
+    let t = T::new();
+    for cmd in ["echo build", "echo final", "set -- '/run/runtime-from/"] {
+        t.host
+            .script(&format!("(\nset -e\n{cmd}*"), vec![Step::Exit(0)]);
+    }
+    let text = "FROM runtime AS build\nRUN echo build\nFROM runtime AS unused\nRUN echo unused\n\
+                FROM runtime\nRUN echo final\nCOPY --from=build /out /app/\n";
+    let v = built(&t, json!({"name": "ms", "dockerfile": text})).await;
+    assert_eq!(v["state"], "ready", "{v}");
+    let steps = v["steps"].as_array().unwrap();
+    let shown: Vec<&str> = steps
+        .iter()
+        .map(|s| s["instruction"].as_str().unwrap())
+        .collect();
+    assert_eq!(shown[..2], ["RUN echo build", "RUN echo final"]);
+    assert!(
+        shown[2].starts_with("COPY --from=build /out /app/ (from layer "),
+        "{shown:?}"
+    );
+    assert_eq!(shown.len(), 3, "the unused stage is not built: {shown:?}");
+    assert!(steps.iter().all(|s| s["state"] == "done"), "{v}");
+    // One machine per stage, both on the server's image; the second has
+    // the build stage's last layer as a volume (a raw copy, gone after).
+    let builds: Vec<runtime_host::MachineSpec> = t
+        .host
+        .specs
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|s| s.hostname == "build")
+        .cloned()
+        .collect();
+    assert_eq!(builds.len(), 2, "{builds:?}");
+    assert!(builds.iter().all(|s| s.image.is_none()));
+    assert!(builds[0].volumes.is_empty());
+    assert_eq!(builds[1].volumes.len(), 1);
+    let layers = t.dir.join("images").join("layers");
+    let first: Vec<String> = std::fs::read_dir(&layers)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    let mount = builds[1].volumes[0].path.clone();
+    let key = mount.trim_start_matches("/run/runtime-from/");
+    assert!(first.iter().any(|k| k == key), "{mount} {first:?}");
+    assert!(builds[1].volumes[0]
+        .file
+        .starts_with(t.dir.join("images").join("from")));
+    assert!(!builds[1].volumes[0].file.exists());
+    // Built again: every step cached, no machine.
+    let again = built(&t, json!({"name": "ms", "dockerfile": text})).await;
+    assert!(
+        again["steps"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|s| s["state"] == "cached"),
+        "{again}"
+    );
+    let machines = t
+        .host
+        .specs
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|s| s.hostname == "build")
+        .count();
+    assert_eq!(machines, 2);
+}
+
+#[tokio::test]
 async fn a_prune_removes_only_the_layers_and_blobs_nothing_uses() {
     let t = T::new();
     let layers = t.dir.join("images").join("layers");

@@ -342,7 +342,18 @@ impl Host for FakeHost {
         memory: bool,
     ) -> Result<(), HostError> {
         std::fs::create_dir_all(dest).unwrap();
-        std::fs::write(dest.join("disk.qcow2"), b"disk").unwrap();
+        // A real (empty) qcow2 where qemu-img is there, so that a build
+        // may copy a layer out of it (COPY --from).
+        let disk = dest.join("disk.qcow2");
+        let made = std::process::Command::new("qemu-img")
+            .args(["create", "-q", "-f", "qcow2"])
+            .arg(&disk)
+            .arg("1M")
+            .status()
+            .is_ok_and(|s| s.success());
+        if !made {
+            std::fs::write(&disk, b"disk").unwrap();
+        }
         if memory {
             std::fs::write(dest.join("memory.state"), b"memory").unwrap();
         }
@@ -445,11 +456,17 @@ impl Host for FakeHost {
                 emit(&sink, ExecEvent::Exited(exit(Some(0)))).await;
             });
         } else {
-            let steps = self
-                .scripts
-                .lock()
-                .unwrap()
+            let scripts = self.scripts.lock().unwrap().clone();
+            // A script ending in `*` stands for every command it starts.
+            let steps = scripts
                 .get(&cmd)
+                .or_else(|| {
+                    scripts.iter().find_map(|(k, v)| {
+                        k.strip_suffix('*')
+                            .filter(|p| cmd.starts_with(p))
+                            .map(|_| v)
+                    })
+                })
                 .cloned()
                 .unwrap_or(vec![
                     Step::Err(format!("bash: {cmd}: command not found\n").into_bytes()),

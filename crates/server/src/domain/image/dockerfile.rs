@@ -10,13 +10,16 @@
 //! this server cannot honour are refused with what to do instead.
 //!
 //! Multi-stage: the build makes the target stage (`target`, or the last)
-//! and the stages it is built `FROM`, as one chain of steps; stages it does
-//! not need are not built.
+//! and every stage it needs (the one it is built `FROM`, those its `COPY
+//! --from` names, and theirs), in the Dockerfile's order, as one list of
+//! steps in which a stage's first step names the layer it runs on
+//! (`Step::on`) and a `COPY --from` the layer it copies out of
+//! (`Step::from_layer`); stages nothing needs are not read.
 
 use serde_json::{json, Value};
 
 use super::context::{glob_match, is_glob, Manifest};
-use super::steps::{sh_quote, shell_form, CopyEntry, CopyPlan, Steps};
+use super::steps::{from_mount, sh_quote, shell_form, BuildState, CopyEntry, CopyPlan, Steps};
 use super::{valid_abs, ImageError, ImageUser, InlineFile};
 use crate::domain::access::sha256_hex;
 
@@ -57,8 +60,14 @@ pub(crate) enum Problem {
     GitAdd,
     #[error("COPY --exclude is not supported: leave the files out with .dockerignore, or remove them with a RUN")]
     Exclude,
-    #[error("COPY --from={0} is not supported by this server: build that stage's files in this stage, or make it an image of yours and build FROM it")]
-    CopyFrom(String),
+    #[error("COPY --from={0}: names this stage or a later one")]
+    CopyFromLater(String),
+    #[error("COPY --from={name}: no stage is named {name} (the stages: {stages}); to copy from an image, name it with its tag or registry ({name}:latest)")]
+    UnknownStage { name: String, stages: String },
+    #[error("{0} points outside the stage's file system")]
+    OutsideStage(String),
+    #[error("{0}: COPY --from copies paths of the stage or image, not a URL or heredoc")]
+    CopyFromSource(String),
     #[error("unknown option {0}")]
     UnknownOption(String),
     #[error("--chmod={0}: expected octal digits such as 0755")]
@@ -94,6 +103,54 @@ pub(crate) struct Parsed {
     pub(crate) base: Option<String>,
     /// The last `CMD` or `ENTRYPOINT` of the chain, as `{"command": …}`.
     pub(crate) start: Option<Value>,
+    /// The other images the build needs: the bases of the stages it builds
+    /// besides the target's chain, and the images `COPY --from` names.
+    pub(crate) externals: Vec<ExternalRef>,
+}
+
+/// An image a Dockerfile names outside the target's chain.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct ExternalRef {
+    /// As written (args substituted).
+    pub(crate) reference: String,
+    /// The line of the first instruction that names it.
+    pub(crate) line: usize,
+    /// `FROM` or `COPY`.
+    pub(crate) op: String,
+    /// Named by `COPY --from=` (not a stage's `FROM`).
+    pub(crate) copy: bool,
+}
+
+impl ExternalRef {
+    /// The error of a `COPY --from` that names neither a stage nor an image
+    /// (`stages`: the Dockerfile's stage names).
+    pub(crate) fn unknown_stage(&self, stages: &[String]) -> ImageError {
+        ImageError::Instruction {
+            line: self.line,
+            op: self.op.clone(),
+            problem: Problem::UnknownStage {
+                name: self.reference.clone(),
+                stages: if stages.is_empty() {
+                    "none has a name".into()
+                } else {
+                    stages.join(", ")
+                },
+            },
+        }
+    }
+}
+
+/// Where an image a Dockerfile names outside the target's chain starts:
+/// its layer's key and the build state a stage on it starts in.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct External {
+    pub(crate) key: String,
+    pub(crate) state: BuildState,
+}
+
+/// The key an external image has before it is pulled (the dry read).
+pub(crate) fn pending_key(reference: &str) -> String {
+    format!("pending-{}", sha256_hex(reference.as_bytes()))
 }
 
 /// What COPY and ADD may read, and what the build is asked for.
@@ -107,6 +164,10 @@ pub(crate) struct Inputs<'a> {
     pub(crate) args: &'a [(String, String)],
     /// The stage to build (`target`); the last when `None`.
     pub(crate) target: Option<&'a str>,
+    /// The images the Dockerfile names outside the target's chain, as
+    /// resolved (by the reference as written); one not there is read as
+    /// not yet pulled ([`pending_key`], the state of a bare image).
+    pub(crate) externals: Option<&'a std::collections::BTreeMap<String, External>>,
 }
 
 /// The arguments every build has, as on a linux/amd64 builder.
@@ -167,6 +228,15 @@ struct Stage {
     instrs: Vec<Instr>,
 }
 
+/// The `--from=` of a COPY (args before the first FROM substituted).
+fn copy_from(ins: &Instr, global: &[(String, String)]) -> Option<String> {
+    if ins.op != "COPY" && ins.op != "ADD" {
+        return None;
+    }
+    let (opts, _) = options(&substitute(&ins.rest, global, &[]));
+    opts.into_iter().find(|(k, _)| k == "from").map(|(_, v)| v)
+}
+
 /// Reads `text` into `b`'s steps.
 pub(crate) fn parse(b: &mut Steps, text: &str, inputs: Inputs<'_>) -> Result<Parsed, ImageError> {
     let instrs = instructions(text)?;
@@ -217,41 +287,108 @@ pub(crate) fn parse(b: &mut Steps, text: &str, inputs: Inputs<'_>) -> Result<Par
     if stages.is_empty() {
         return Err(ImageError::NoFrom);
     }
-    // The target, then the stages it is built FROM, back to an image.
-    let mut at = match inputs.target {
+    // The target, and every stage it needs: the one it is built FROM and
+    // those its COPY --from name, and theirs (each an earlier stage).
+    let target = match inputs.target {
         Some(t) => stages
             .iter()
             .position(|s| s.name.as_deref() == Some(t.to_ascii_lowercase().as_str()))
             .ok_or_else(|| ImageError::NoSuchTarget(t.to_string()))?,
         None => stages.len() - 1,
     };
-    let mut chain = vec![at];
-    loop {
-        let s = &stages[at];
+    let mut needed = vec![false; stages.len()];
+    let mut todo = vec![target];
+    while let Some(i) = todo.pop() {
+        if std::mem::replace(&mut needed[i], true) {
+            continue;
+        }
+        let s = &stages[i];
         match stage_index(&stages, &s.base) {
-            Some(i) if i >= at => {
+            Some(j) if j >= i => {
                 return Err(err_at(&s.from, Problem::FromLaterStage(s.base.clone())));
             }
-            Some(i) => {
-                chain.push(i);
-                at = i;
+            Some(j) => todo.push(j),
+            None => {}
+        }
+        for ins in &s.instrs {
+            if let Some(from) = copy_from(ins, &global) {
+                match stage_index(&stages, &from) {
+                    Some(j) if j >= i => return Err(err_at(ins, Problem::CopyFromLater(from))),
+                    Some(j) => todo.push(j),
+                    None => {}
+                }
             }
+        }
+    }
+    // The target's chain: it and the stages it is built FROM, back to an image.
+    let mut in_chain = vec![false; stages.len()];
+    let mut root = target;
+    loop {
+        in_chain[root] = true;
+        match stage_index(&stages, &stages[root].base) {
+            Some(j) => root = j,
             None => break,
         }
     }
-    chain.reverse();
-    let root = &stages[chain[0]];
     let mut out = Parsed {
-        base: (!matches!(
-            root.base.as_str(),
-            "runtime" | "default" | "runtime:latest" | "default:latest"
-        ))
-        .then(|| root.base.clone()),
+        base: (!is_ours(&stages[root].base)).then(|| stages[root].base.clone()),
         start: None,
+        externals: Vec::new(),
     };
-    let mut shell: Option<Vec<String>> = None;
+    fn external(reference: &str, ins: &Instr, copy: bool, out: &mut Parsed) {
+        if !out.externals.iter().any(|e| e.reference == reference) {
+            out.externals.push(ExternalRef {
+                reference: reference.to_string(),
+                line: ins.line,
+                op: ins.op.clone(),
+                copy,
+            });
+        }
+    }
+    let resolve = |reference: &str| -> External {
+        inputs
+            .externals
+            .and_then(|m| m.get(reference))
+            .cloned()
+            .unwrap_or_else(|| External {
+                key: pending_key(reference),
+                state: BuildState {
+                    env: Vec::new(),
+                    workdir: None,
+                    user: ImageUser::Root,
+                },
+            })
+    };
+    let initial = StageEnd {
+        key: b.prev().to_string(),
+        state: b.state.clone(),
+        shell: None,
+    };
+    // Where each built stage ended (each a stage needs is built before it).
+    let mut ends: Vec<Option<StageEnd>> = vec![None; stages.len()];
     let mut copies = 0usize;
-    for i in chain {
+    // Stages in order: each after those it needs, the target last.
+    for i in (0..stages.len()).filter(|i| needed[*i]) {
+        let s = &stages[i];
+        let StageEnd { key, state, shell } = match stage_index(&stages, &s.base) {
+            Some(j) => ends[j].clone().unwrap_or_else(|| initial.clone()),
+            None if i == root => initial.clone(),
+            None => {
+                external(&s.base, &s.from, false, &mut out);
+                let e = resolve(&s.base);
+                StageEnd {
+                    key: e.key,
+                    state: e.state,
+                    shell: None,
+                }
+            }
+        };
+        if i == root && b.steps.is_empty() {
+            b.state = state;
+        } else {
+            b.restart(&key, state);
+        }
+        let mut shell = shell;
         // Global ARGs stay visible in each stage (as this server always
         // had them); the platform's only where a stage declares them.
         let mut argv: Vec<(String, String)> = global
@@ -259,20 +396,86 @@ pub(crate) fn parse(b: &mut Steps, text: &str, inputs: Inputs<'_>) -> Result<Par
             .filter(|(k, _)| !PLATFORM_ARGS.iter().any(|(p, _)| p == k))
             .cloned()
             .collect();
-        for ins in &stages[i].instrs {
-            instruction(
-                b,
-                ins,
+        // Only the target's chain gives the image its start command.
+        let mut start = None;
+        for ins in &s.instrs {
+            let from = copy_from(ins, &global).map(|f| match stage_index(&stages, &f) {
+                Some(j) => {
+                    let key = ends[j].as_ref().unwrap_or(&initial).key.clone();
+                    (f, key)
+                }
+                None => {
+                    external(&f, ins, true, &mut out);
+                    let key = resolve(&f).key;
+                    (f, key)
+                }
+            });
+            let mut ctx = Ctx {
                 inputs,
-                &global,
-                &mut argv,
-                &mut shell,
-                &mut out,
-                &mut copies,
-            )?;
+                global: &global,
+                argv: &mut argv,
+                shell: &mut shell,
+                start: &mut start,
+                copies: &mut copies,
+                from,
+            };
+            instruction(b, ins, &mut ctx)?;
         }
+        if in_chain[i] && start.is_some() {
+            out.start = start;
+        }
+        ends[i] = Some(StageEnd {
+            key: b.prev().to_string(),
+            state: b.state.clone(),
+            shell,
+        });
     }
     Ok(out)
+}
+
+/// The server's own image, as FROM or `--from` names it.
+pub(crate) fn is_ours(r: &str) -> bool {
+    matches!(
+        r,
+        "runtime" | "default" | "runtime:latest" | "default:latest"
+    )
+}
+
+/// Where a built stage ended: its last key, its state, its `SHELL`.
+#[derive(Debug, Clone)]
+struct StageEnd {
+    key: String,
+    state: BuildState,
+    shell: Option<Vec<String>>,
+}
+
+/// What one instruction reads and changes besides the steps.
+struct Ctx<'a, 'b> {
+    inputs: Inputs<'a>,
+    global: &'b [(String, String)],
+    argv: &'b mut Vec<(String, String)>,
+    shell: &'b mut Option<Vec<String>>,
+    start: &'b mut Option<Value>,
+    copies: &'b mut usize,
+    /// A COPY's `--from`: as written, and the key of the layer it names.
+    from: Option<(String, String)>,
+}
+
+/// The names of a Dockerfile's stages (`FROM … AS name`), for an error
+/// that lists them; none for a text that does not read.
+pub(crate) fn stage_names(text: &str) -> Vec<String> {
+    instructions(text)
+        .unwrap_or_default()
+        .iter()
+        .filter(|i| i.op == "FROM")
+        .filter_map(|i| {
+            let words: Vec<&str> = i.rest.split_whitespace().collect();
+            match words.as_slice() {
+                [.., as_, n] if as_.eq_ignore_ascii_case("as") => Some(n.to_ascii_lowercase()),
+                _ => None,
+            }
+        })
+        .collect()
 }
 
 /// The stage a FROM or `--from` names: its name, or its index.
@@ -359,27 +562,19 @@ fn options(rest: &str) -> (Vec<(String, String)>, String) {
     (opts, rest.to_string())
 }
 
-#[allow(clippy::too_many_arguments)]
-fn instruction(
-    b: &mut Steps,
-    ins: &Instr,
-    inputs: Inputs<'_>,
-    global: &[(String, String)],
-    argv: &mut Vec<(String, String)>,
-    shell: &mut Option<Vec<String>>,
-    out: &mut Parsed,
-    copies: &mut usize,
-) -> Result<(), ImageError> {
+fn instruction(b: &mut Steps, ins: &Instr, ctx: &mut Ctx<'_, '_>) -> Result<(), ImageError> {
+    let inputs = ctx.inputs;
+    let global = ctx.global;
     let at = |problem: Problem| err_at(ins, problem);
     let rest = ins.rest.as_str();
     match ins.op.as_str() {
         "ARG" => {
             for (k, v) in arg_decls(rest, global, inputs.args) {
-                set(argv, &k, &v);
+                set(ctx.argv, &k, &v);
             }
         }
         "ENV" => {
-            let rest = substitute(rest, argv, &b.state.env);
+            let rest = substitute(rest, ctx.argv, &b.state.env);
             if rest.contains('=') {
                 for pair in rest.split_whitespace() {
                     let (k, v) = pair
@@ -395,7 +590,7 @@ fn instruction(
             }
         }
         "WORKDIR" => {
-            let w = substitute(rest, argv, &b.state.env);
+            let w = substitute(rest, ctx.argv, &b.state.env);
             let w = absolute(&w, b.state.workdir.as_deref());
             if !valid_abs(&w) {
                 return Err(at(Problem::WorkdirNotNormal));
@@ -403,7 +598,7 @@ fn instruction(
             b.workdir(&w);
         }
         "USER" => {
-            let u = substitute(rest, argv, &b.state.env);
+            let u = substitute(rest, ctx.argv, &b.state.env);
             b.state.user = match u.as_str() {
                 "root" | "0" | "0:0" => ImageUser::Root,
                 // The sandbox user is `runtime` in the image (it was
@@ -431,10 +626,11 @@ fn instruction(
                     _ => return Err(at(Problem::UnknownOption(format!("--{k}")))),
                 }
             }
-            let cmd = run_command(&cmd, &ins.heredocs, shell.as_deref())
+            let cmd = run_command(&cmd, &ins.heredocs, ctx.shell.as_deref())
                 .ok_or_else(|| at(Problem::BadJsonForm))?;
             // ARG values are in the step's environment, as in Docker.
-            let prefix: String = argv
+            let prefix: String = ctx
+                .argv
                 .iter()
                 .map(|(k, v)| format!("{k}={} ", sh_quote(v)))
                 .collect();
@@ -449,18 +645,21 @@ fn instruction(
             };
             b.push(shown, script);
         }
-        "COPY" | "ADD" => copy(b, ins, inputs, argv, copies)?,
+        "COPY" | "ADD" => match ctx.from.clone() {
+            Some((name, layer)) => copy_from_layer(b, ins, ctx.argv, &name, &layer)?,
+            None => copy(b, ins, inputs, ctx.argv, ctx.copies)?,
+        },
         "SHELL" => {
             let words: Vec<String> =
                 serde_json::from_str(rest).map_err(|_| at(Problem::BadJsonForm))?;
             if words.is_empty() {
                 return Err(at(Problem::BadJsonForm));
             }
-            *shell = Some(words);
+            *ctx.shell = Some(words);
         }
         "CMD" | "ENTRYPOINT" => {
             let cmd = shell_form(rest).ok_or_else(|| at(Problem::BadJsonForm))?;
-            out.start = Some(json!({ "command": cmd }));
+            *ctx.start = Some(json!({ "command": cmd }));
         }
         "ONBUILD" => return Err(at(Problem::Onbuild)),
         "LABEL" | "EXPOSE" | "MAINTAINER" | "STOPSIGNAL" | "HEALTHCHECK" | "VOLUME" => {}
@@ -583,7 +782,6 @@ fn copy(
                         .ok_or_else(|| at(Problem::BadChmod(v.clone())))?,
                 )
             }
-            "from" => return Err(at(Problem::CopyFrom(v.clone()))),
             "exclude" => return Err(at(Problem::Exclude)),
             "checksum" if add => {
                 let hex = v
@@ -840,6 +1038,182 @@ fn copy(
         });
     }
     Ok(())
+}
+
+/// `COPY --from=<stage or image>`: one step, as root, that copies the
+/// sources out of `layer` (mounted at [`from_mount`] in the build machine)
+/// by Docker's rules: a directory's contents go into the destination, one
+/// file to a path without a trailing `/` is that path, several go into
+/// the destination as a directory; owners and modes as they are there
+/// unless `--chown`/`--chmod`. Sources are paths in that file system
+/// (relative ones from its root), with `*`, `?` and `[...]` globs.
+fn copy_from_layer(
+    b: &mut Steps,
+    ins: &Instr,
+    argv: &[(String, String)],
+    name: &str,
+    layer: &str,
+) -> Result<(), ImageError> {
+    let at = |problem: Problem| err_at(ins, problem);
+    let (opts, rest) = options(&substitute(&ins.rest, argv, &b.state.env));
+    let mut chown = None;
+    let mut chmod = None;
+    for (k, v) in &opts {
+        match k.as_str() {
+            "chown" => {
+                chown = Some(parse_chown(v).ok_or_else(|| at(Problem::BadChown(v.clone())))?)
+            }
+            "chmod" => {
+                chmod = Some(
+                    u32::from_str_radix(v, 8)
+                        .ok()
+                        .filter(|m| *m <= 0o7777 && !v.is_empty())
+                        .ok_or_else(|| at(Problem::BadChmod(v.clone())))?,
+                )
+            }
+            "exclude" => return Err(at(Problem::Exclude)),
+            "checksum" => return Err(at(Problem::ChecksumNotUrl)),
+            "from" | "link" => {}
+            _ => return Err(at(Problem::UnknownOption(format!("--{k}")))),
+        }
+    }
+    let words: Vec<String> = if rest.starts_with('[') {
+        serde_json::from_str(&rest).map_err(|_| at(Problem::BadJsonForm))?
+    } else {
+        rest.split_whitespace().map(str::to_string).collect()
+    };
+    let Some((dest, srcs)) = words.split_last().filter(|(_, s)| !s.is_empty()) else {
+        return Err(at(Problem::CopyArguments));
+    };
+    let base_dir = b.state.workdir.clone().unwrap_or_else(|| "/".into());
+    let dest_is_dir = dest.ends_with('/') || dest == "." || dest.ends_with("/.");
+    let dest_abs = normal(&absolute(dest, Some(&base_dir)));
+    if !valid_abs(&absolute(dest, Some(&base_dir))) {
+        return Err(at(Problem::DestinationNotNormal));
+    }
+    let into_dir = dest_is_dir || srcs.len() > 1 || srcs.iter().any(|s| is_glob(s));
+    let mount = from_mount(layer);
+    let d = sh_quote(&dest_abs);
+    let mut script = String::new();
+    for src in srcs {
+        if src.starts_with("<<") || src.contains("://") || src.starts_with("git@") {
+            return Err(at(Problem::CopyFromSource(src.clone())));
+        }
+        // A path in the stage's file system, from its root.
+        let mut parts: Vec<&str> = Vec::new();
+        for p in src.split('/').filter(|p| !p.is_empty() && *p != ".") {
+            if p == ".." {
+                if parts.pop().is_none() {
+                    return Err(at(Problem::OutsideStage(src.clone())));
+                }
+            } else {
+                parts.push(p);
+            }
+        }
+        let clean = parts.join("/");
+        let path = if clean.is_empty() {
+            sh_quote(&mount)
+        } else {
+            format!("{}/{}", sh_quote(&mount), glob_word(&clean))
+        };
+        let missing = sh_quote(&format!(
+            "COPY --from={name}: {src}: no such file or directory in {name}"
+        ));
+        // Each top-level thing placed, for --chown and --chmod.
+        let mut fix = String::new();
+        if let Some((u, g)) = chown {
+            fix.push_str(&format!(" && chown -hR {u}:{g} \"$t\""));
+        }
+        if let Some(m) = chmod {
+            fix.push_str(&format!(" && chmod -R {m:o} \"$t\""));
+        }
+        let fix_dir = if fix.is_empty() {
+            String::new()
+        } else {
+            format!(
+                "\n    for e in \"$s\"/* \"$s\"/.[!.]* \"$s\"/..?*; do {{ [ -e \"$e\" ] || [ -L \"$e\" ]; }} || continue; t={d}/\"${{e##*/}}\"{fix}; done"
+            )
+        };
+        let (file_target, file_copy) = if into_dir {
+            (
+                format!("{d}/\"${{s##*/}}\""),
+                format!("mkdir -p {d} && cp -a \"$s\" {d}/"),
+            )
+        } else {
+            (
+                d.clone(),
+                format!(
+                    "mkdir -p {} && cp -a \"$s\" {d}",
+                    sh_quote(parent(&dest_abs))
+                ),
+            )
+        };
+        script.push_str(&format!(
+            "set -- {path}\n\
+             {{ [ -e \"$1\" ] || [ -L \"$1\" ]; }} || {{ echo {missing} >&2; exit 1; }}\n\
+             for s do\n  \
+             if [ -d \"$s\" ] && [ ! -L \"$s\" ]; then\n    \
+             mkdir -p {d} && cp -a \"$s\"/. {d}/{fix_dir}\n  \
+             else\n    \
+             {file_copy}{file_fix}\n  \
+             fi\n\
+             done\n",
+            file_fix = if fix.is_empty() {
+                String::new()
+            } else {
+                format!(" && t={file_target}{fix}")
+            },
+        ));
+    }
+    let shown = format!(
+        "{} {} (from layer {})",
+        ins.op,
+        ins.rest.trim(),
+        super::steps::short_key(layer)
+            .chars()
+            .take(12)
+            .collect::<String>()
+    );
+    b.as_root(|s| s.push_from(shown, script, layer));
+    Ok(())
+}
+
+/// A path as one shell word: quoted, but for the glob characters `*` and
+/// `?` and plain `[...]` classes, which the shell then expands.
+fn glob_word(p: &str) -> String {
+    let mut out = String::new();
+    let mut lit = String::new();
+    let mut rest = p;
+    while let Some(c) = rest.chars().next() {
+        let class = (c == '[').then(|| rest.find(']')).flatten().filter(|end| {
+            *end > 1
+                && rest[1..*end]
+                    .chars()
+                    .all(|k| k.is_ascii_alphanumeric() || "!^-_.".contains(k))
+        });
+        let raw = match (c, class) {
+            ('*' | '?', _) => Some(c.len_utf8()),
+            ('[', Some(end)) => Some(end + 1),
+            _ => None,
+        };
+        match raw {
+            Some(n) => {
+                if !lit.is_empty() {
+                    out.push_str(&sh_quote(&std::mem::take(&mut lit)));
+                }
+                out.push_str(&rest[..n]);
+                rest = &rest[n..];
+            }
+            None => {
+                lit.push(c);
+                rest = &rest[c.len_utf8()..];
+            }
+        }
+    }
+    if !lit.is_empty() {
+        out.push_str(&sh_quote(&lit));
+    }
+    out
 }
 
 /// An absolute path without `.` parts or doubled slashes.
@@ -1958,7 +2332,317 @@ mod tests {
         );
         assert_eq!(
             e("FROM runtime AS a\nCOPY --from=a /x /y"),
-            "Dockerfile line 2 (COPY): COPY --from=a is not supported by this server: build that stage's files in this stage, or make it an image of yours and build FROM it"
+            "Dockerfile line 2 (COPY): COPY --from=a: names this stage or a later one"
         );
+        assert_eq!(
+            with(
+                "FROM runtime AS a\nCOPY --from=b /x /y\nFROM runtime AS b",
+                &m,
+                Some("a")
+            )
+            .err()
+            .unwrap_or_default(),
+            "Dockerfile line 2 (COPY): COPY --from=b: names this stage or a later one"
+        );
+        // Nothing needs stage a when b is the target: it is not read.
+        assert!(with(
+            "FROM runtime AS a\nCOPY --from=b /x /y\nFROM runtime AS b",
+            &m,
+            None
+        )
+        .is_ok());
+    }
+
+    const MULTI: &str = "FROM golang:1.22 AS build\nWORKDIR /src\nRUN go build -o /out/app .\n\
+                         FROM runtime AS unused\nRUN echo unused\n\
+                         FROM alpine:3.20 AS tools\nRUN echo tools > /t\n\
+                         FROM runtime\nCOPY --from=build /out/app /usr/local/bin/app\n\
+                         COPY --from=2 /t /t\nCOPY --chmod=0755 --from=busybox:1.36 /bin/busybox /bin/\nCMD app";
+
+    fn multi(externals: Option<&std::collections::BTreeMap<String, External>>) -> (Steps, Parsed) {
+        let mut b = Steps::new(
+            "base-abc",
+            BuildState {
+                env: Vec::new(),
+                workdir: None,
+                user: ImageUser::Root,
+            },
+        );
+        let p = parse(
+            &mut b,
+            MULTI,
+            Inputs {
+                externals,
+                ..Inputs::default()
+            },
+        );
+        (b, p.unwrap_or_default())
+    }
+
+    #[test]
+    fn a_multi_stage_build_makes_the_stages_the_target_copies_from_and_no_other() {
+        let (b, p) = multi(None);
+        let shown: Vec<&str> = instructions(&b);
+        assert_eq!(shown.len(), 6, "{shown:?}");
+        assert_eq!(
+            shown[..3],
+            [
+                "WORKDIR /src",
+                "RUN go build -o /out/app .",
+                "RUN echo tools > /t"
+            ]
+        );
+        assert!(
+            shown[3].starts_with("COPY --from=build /out/app /usr/local/bin/app (from layer "),
+            "{}",
+            shown[3]
+        );
+        assert!(shown[4].starts_with("COPY --from=2 /t /t (from layer "));
+        assert!(!shown.iter().any(|s| s.contains("unused")));
+        // The images besides the target's chain, where they are named first.
+        let ext: Vec<(&str, usize, &str, bool)> = p
+            .externals
+            .iter()
+            .map(|e| (e.reference.as_str(), e.line, e.op.as_str(), e.copy))
+            .collect();
+        assert_eq!(
+            ext,
+            [
+                ("golang:1.22", 1, "FROM", false),
+                ("alpine:3.20", 6, "FROM", false),
+                ("busybox:1.36", 11, "COPY", true)
+            ]
+        );
+        assert_eq!(p.base, None);
+        assert_eq!(p.start, Some(json!({"command": "app"})));
+        // Each stage starts on its base's layer (before a pull: a pending
+        // key); the target's on the build's base, after the others.
+        let on: Vec<Option<&str>> = b.steps.iter().map(|s| s.on.as_deref()).collect();
+        let golang = pending_key("golang:1.22");
+        let alpine = pending_key("alpine:3.20");
+        assert_eq!(
+            on,
+            [
+                Some(golang.as_str()),
+                None,
+                Some(alpine.as_str()),
+                Some("base-abc"),
+                None,
+                None
+            ]
+        );
+        // Each COPY --from copies out of that stage's last layer (or the
+        // image's), mounted where its script reads it, as root.
+        let from: Vec<Option<&str>> = b.steps.iter().map(|s| s.from_layer.as_deref()).collect();
+        let busybox = pending_key("busybox:1.36");
+        assert_eq!(
+            from,
+            [
+                None,
+                None,
+                None,
+                Some(b.steps[1].key.as_str()),
+                Some(b.steps[2].key.as_str()),
+                Some(busybox.as_str())
+            ]
+        );
+        for i in 3..6 {
+            let layer = b.steps[i].from_layer.clone().unwrap_or_default();
+            assert!(b.steps[i]
+                .script
+                .as_deref()
+                .unwrap_or("")
+                .contains(&from_mount(&layer)));
+            assert!(b.steps[i].root);
+        }
+        // The build stage's WORKDIR is its own; the image's is the target's.
+        assert_eq!(b.steps[1].workdir.as_deref(), Some("/src"));
+        assert_eq!(b.state.workdir, None);
+    }
+
+    #[test]
+    fn a_copy_from_key_covers_the_stage_it_copies_from() {
+        let (before, _) = multi(None);
+        // Once pulled, golang's layer and config (its env, workdir) count.
+        let mut m = std::collections::BTreeMap::new();
+        m.insert(
+            "golang:1.22".to_string(),
+            External {
+                key: "oci-v1-golang".into(),
+                state: BuildState {
+                    env: vec![("GOPATH".into(), "/go".into())],
+                    workdir: Some("/go".into()),
+                    user: ImageUser::Root,
+                },
+            },
+        );
+        let (after, _) = multi(Some(&m));
+        assert_eq!(after.steps[0].on.as_deref(), Some("oci-v1-golang"));
+        assert_eq!(
+            after.steps[1].env,
+            [("GOPATH".to_string(), "/go".to_string())]
+        );
+        let changed: Vec<bool> = before
+            .steps
+            .iter()
+            .zip(&after.steps)
+            .map(|(a, b)| a.key != b.key)
+            .collect();
+        // The build stage, the copy out of it and every step after it
+        // change; the tools stage does not.
+        assert_eq!(changed, [true, true, false, true, true, true]);
+        assert_eq!(
+            after.steps[3].from_layer.as_deref(),
+            Some(after.steps[1].key.as_str())
+        );
+    }
+
+    #[test]
+    fn from_an_earlier_stage_and_copy_from_it_chain_on_its_last_layer() {
+        let m = manifest(&[("a", "A")]);
+        let (b, p) = with(
+            "FROM runtime AS a\nRUN echo a > /a\nFROM a\nCOPY --from=a /a /b\nCOPY --from=0 / /copy/",
+            &m,
+            None,
+        )
+        .unwrap();
+        assert!(p.externals.is_empty());
+        assert_eq!(b.steps[0].on, None);
+        assert_eq!(b.steps[1].on.as_deref(), Some(b.steps[0].key.as_str()));
+        assert_eq!(
+            b.steps[1].from_layer.as_deref(),
+            Some(b.steps[0].key.as_str())
+        );
+        assert_eq!(
+            b.steps[2].from_layer.as_deref(),
+            Some(b.steps[0].key.as_str())
+        );
+        // A single-stage build's keys are what they were.
+        let (single, _) = with("FROM runtime AS a\nRUN echo a > /a", &m, None).unwrap();
+        assert_eq!(single.steps[0].key, b.steps[0].key);
+        assert_eq!(single.steps[0].on, None);
+    }
+
+    #[test]
+    fn copy_from_names_a_stage_an_image_or_is_refused_naming_the_line() {
+        let m = manifest(&[("a", "A")]);
+        let text = "FROM runtime AS build\nRUN true\nFROM runtime\nCOPY --from=biuld /x /y";
+        let (_, p) = with(text, &m, None).unwrap();
+        // An unknown name is read as an image; the service refuses a bare
+        // word that names none of the caller's images.
+        assert_eq!(p.externals.len(), 1);
+        assert_eq!(
+            p.externals[0].unknown_stage(&stage_names(text)).to_string(),
+            "Dockerfile line 4 (COPY): COPY --from=biuld: no stage is named biuld (the stages: build); to copy from an image, name it with its tag or registry (biuld:latest)"
+        );
+        assert_eq!(
+            stage_names("FROM a AS One\nFROM b\nFROM c as two"),
+            ["one", "two"]
+        );
+        let e = |t: &str| with(t, &m, None).err().unwrap_or_default();
+        assert_eq!(
+            e("FROM runtime AS b\nFROM runtime\nCOPY --from=b ../../etc/x /y"),
+            "Dockerfile line 3 (COPY): ../../etc/x points outside the stage's file system"
+        );
+        assert_eq!(
+            e("FROM runtime AS b\nFROM runtime\nCOPY --from=b <<EOF /y\nx\nEOF"),
+            "Dockerfile line 3 (COPY): <<EOF: COPY --from copies paths of the stage or image, not a URL or heredoc"
+        );
+        assert_eq!(
+            e("FROM runtime AS b\nFROM runtime\nCOPY --from=b --chown=nobody /x /y"),
+            "Dockerfile line 3 (COPY): --chown=nobody: only root (0) and runtime (1000) exist"
+        );
+    }
+
+    /// Runs a COPY --from step's script with `sh`, its mount and
+    /// destinations moved under `dir`.
+    fn run_copy(b: &Steps, i: usize, dir: &std::path::Path) -> std::process::Output {
+        let s = &b.steps[i];
+        let layer = s.from_layer.clone().unwrap_or_default();
+        let script = s
+            .script
+            .clone()
+            .unwrap_or_default()
+            .replace(&from_mount(&layer), &format!("{}/src", dir.display()))
+            .replace("'/dst", &format!("'{}/dst", dir.display()));
+        std::process::Command::new("sh")
+            .arg("-c")
+            .arg(format!("set -e\n{script}"))
+            .output()
+            .unwrap_or_else(|e| panic!("sh: {e}"))
+    }
+
+    #[test]
+    fn a_copy_from_script_follows_dockers_rules() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = std::env::temp_dir().join(format!("rt-copy-from-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let src = dir.join("src");
+        for d in ["out/sub", "etc"] {
+            std::fs::create_dir_all(src.join(d)).unwrap_or_default();
+        }
+        for (f, text) in [
+            ("out/app", "app"),
+            ("out/.hidden", "h"),
+            ("out/sub/x.txt", "x"),
+            ("etc/a.conf", "a"),
+            ("etc/b.conf", "b"),
+        ] {
+            std::fs::write(src.join(f), text).unwrap_or_default();
+        }
+        let m = manifest(&[("a", "A")]);
+        let (b, _) = with(
+            "FROM runtime AS s\nRUN true\nFROM runtime\nWORKDIR /dst\n\
+             COPY --from=s /out /dst/tree\nCOPY --from=s out/app /dst/bin/app\n\
+             COPY --from=s /etc/*.conf conf/\nCOPY --from=s --chmod=0700 /out/app /out/sub/x.txt /dst/two\n\
+             COPY --from=s /nope /dst/x",
+            &m,
+            None,
+        )
+        .unwrap();
+        let read = |p: &str| std::fs::read_to_string(dir.join(p)).unwrap_or_default();
+        let mode = |p: &str| {
+            std::fs::metadata(dir.join(p))
+                .map(|m| m.permissions().mode() & 0o7777)
+                .unwrap_or(0)
+        };
+        for i in 2..6 {
+            let out = run_copy(&b, i, &dir);
+            assert!(
+                out.status.success(),
+                "step {i}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        // A directory's contents (dot files too), recursively.
+        assert_eq!(
+            (
+                read("dst/tree/app"),
+                read("dst/tree/.hidden"),
+                read("dst/tree/sub/x.txt")
+            ),
+            ("app".to_string(), "h".to_string(), "x".to_string())
+        );
+        // One file to a path is that path; a relative source is from the root.
+        assert_eq!(read("dst/bin/app"), "app");
+        // A glob, into a directory under the workdir.
+        assert_eq!(
+            (read("dst/conf/a.conf"), read("dst/conf/b.conf")),
+            ("a".into(), "b".into())
+        );
+        // Several sources into a directory, with --chmod.
+        assert_eq!(
+            (read("dst/two/app"), read("dst/two/x.txt")),
+            ("app".into(), "x".into())
+        );
+        assert_eq!((mode("dst/two/app"), mode("dst/two/x.txt")), (0o700, 0o700));
+        // A source that is not there fails the step, saying so.
+        let out = run_copy(&b, 6, &dir);
+        assert!(!out.status.success());
+        assert_eq!(
+            String::from_utf8_lossy(&out.stderr).trim(),
+            "COPY --from=s: /nope: no such file or directory in s"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

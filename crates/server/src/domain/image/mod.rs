@@ -115,6 +115,16 @@ pub(crate) struct Step {
     /// runs (a COPY or ADD from the build context).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(crate) copy: Option<steps::CopyPlan>,
+    /// The layer this step runs on when it is not the step before's (the
+    /// base's for the first): the first step of a stage of a multi-stage
+    /// build that is not built on the stage before it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) on: Option<String>,
+    /// A `COPY --from`'s source: the layer (another stage's last, or a
+    /// pulled image's) the build machine gets as a volume, mounted at
+    /// [`steps::from_mount`] while the step runs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) from_layer: Option<String>,
 }
 
 /// Who wrote a line of a build's log.
@@ -187,12 +197,6 @@ impl Image {
     /// (no steps, no base of ours): it then needs no disk of its own.
     pub(crate) fn is_plain_base(&self) -> bool {
         self.disk_key() == self.base_key && self.base.is_none() && self.pulled.is_none()
-    }
-
-    /// Whether the steps start from a disk of ours (a base image's or a
-    /// pulled one's) rather than the server's own image.
-    pub(crate) fn has_base_disk(&self) -> bool {
-        self.base.is_some() || self.pulled.is_some()
     }
 }
 
@@ -585,6 +589,8 @@ mod tests {
             workdir: None,
             seconds: None,
             copy: None,
+            on: None,
+            from_layer: None,
         });
         assert_eq!(d.disk_key(), "k1");
         assert!(!d.is_plain_base());

@@ -42,6 +42,8 @@ pub(crate) struct Steps {
     pub(crate) steps: Vec<Step>,
     pub(crate) state: BuildState,
     prev: String,
+    /// Set by [`Steps::restart`]: the layer the next step runs on.
+    on: Option<String>,
 }
 
 impl Steps {
@@ -51,7 +53,21 @@ impl Steps {
             steps: Vec::new(),
             state,
             prev: base_key.into(),
+            on: None,
         }
+    }
+
+    /// The key the next step chains from (the last step's, or the base's).
+    pub(crate) fn prev(&self) -> &str {
+        &self.prev
+    }
+
+    /// Starts another chain (a stage of a multi-stage build): later steps
+    /// chain from `key`, in `state`, and the next one runs on that layer.
+    pub(crate) fn restart(&mut self, key: &str, state: BuildState) {
+        self.prev = key.to_string();
+        self.state = state;
+        self.on = Some(key.to_string());
     }
 
     /// A step running `script` as the build's user, in its state.
@@ -69,7 +85,19 @@ impl Steps {
             workdir: self.state.workdir.clone(),
             seconds: None,
             copy: None,
+            on: self.on.take(),
+            from_layer: None,
         });
+    }
+
+    /// A `COPY --from` step: `script` copies out of layer `layer`, mounted
+    /// at [`from_mount`]`(layer)`, which the script names (so the key
+    /// covers the layer, and through its key all that made it).
+    pub(crate) fn push_from(&mut self, instruction: String, script: String, layer: &str) {
+        self.push(instruction, script);
+        if let Some(s) = self.steps.last_mut() {
+            s.from_layer = Some(layer.to_string());
+        }
     }
 
     /// A step that runs `script` after the build has placed `plan`'s
@@ -180,6 +208,12 @@ pub(crate) struct CopyEntry {
 pub(crate) struct CopyPlan {
     pub(crate) dir: String,
     pub(crate) entries: Vec<CopyEntry>,
+}
+
+/// Where a `COPY --from` step finds its source layer's files in the
+/// build machine (on `/run`, a tmpfs: no layer keeps the mount point).
+pub(crate) fn from_mount(layer: &str) -> String {
+    format!("/run/runtime-from/{layer}")
 }
 
 /// The key of a step after `prev`.

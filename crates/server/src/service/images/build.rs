@@ -1,7 +1,9 @@
-//! The build: one build machine on the longest kept prefix of the steps,
-//! each remaining step run in it as a command (network through the egress
-//! proxy like any sandbox's, no egress secrets), its disk kept as a layer
-//! after each. Every change to the image's record and log goes through the
+//! The build: a build machine on the layer the first step not kept runs
+//! on (another for each later stage of a multi-stage build that runs on
+//! another layer, with the layers its `COPY --from` steps copy out of as
+//! volumes), each remaining step run in it as a command (network through
+//! the egress proxy like any sandbox's, no egress secrets), its disk kept
+//! as a layer after each. Every change to the image's record and log goes through the
 //! store as it happens, so a client polling the image sees the build move.
 
 use std::time::{Duration, Instant};
@@ -58,14 +60,22 @@ pub(super) enum BuildError {
     Io(std::io::Error),
     #[error("{0}")]
     Pull(super::pull::PullFailed),
+    #[error("{what}: {cause}")]
+    PullFor {
+        what: String,
+        cause: super::pull::PullFailed,
+    },
     #[error("on the pulled image: {0}")]
     Replan(ApiError),
+    #[error("{0}")]
+    Source(String),
 }
 
 /// After a restart: builds that were under way failed (their finished steps
 /// stay cached, so building again resumes there); their machines end.
 pub(crate) async fn recover(st: &AppState) -> Result<(), crate::ServerError> {
     super::pull::sweep(st);
+    sweep_scratch(st);
     let images = match st.store().images() {
         Ok(d) => d,
         Err(e) => {
@@ -143,6 +153,33 @@ fn update_step(st: &AppState, id: &str, index: usize, f: impl FnOnce(&mut Step))
     });
 }
 
+/// Pulls one registry image into a layer. The pull goes through a network
+/// of its own with the build machine's settings (default rules, no egress
+/// secrets); the unpack machine uses it too (and ends it), and recovery
+/// ends it as a build machine.
+async fn pull_one(
+    st: &AppState,
+    id: &str,
+    r: &runtime_host::oci::Reference,
+    key_id: &str,
+    failed: impl FnOnce(super::pull::PullFailed) -> BuildError,
+) -> Result<super::pull::Base, BuildError> {
+    let net = uuid::Uuid::new_v4().to_string();
+    let settings = crate::domain::network::CreateNet {
+        rules: None,
+        secrets: Some(Vec::new()),
+    };
+    crate::service::network::store_create(st, &net, &settings).map_err(BuildError::Network)?;
+    let _ = crate::service::network::prepare_guest(st, &net);
+    update(st, id, |d| d.build_vm = Some(net.clone()));
+    // Credentials of the caller's key for this registry (images.registries).
+    let credentials = super::registries::credentials_for(st, key_id, &r.registry);
+    let pulled = super::pull::base(st, id, &net, r, credentials).await;
+    crate::service::network::sandbox_gone(st, &net);
+    update(st, id, |d| d.build_vm = None);
+    pulled.map_err(failed)
+}
+
 /// Builds image `id` and records how that ended.
 pub(super) async fn build(st: AppState, id: String, pending: Option<super::Pending>) {
     let started = Instant::now();
@@ -211,38 +248,55 @@ pub(super) async fn build(st: AppState, id: String, pending: Option<super::Pendi
     }
 }
 
-/// Pulls a registry base into a layer, then reads the build's steps again
-/// on its key and config; answers the image as recorded then.
-async fn pull_base(st: &AppState, id: &str, p: super::Pending) -> Result<Image, BuildError> {
-    // The pull goes through a network of its own with the build machine's
-    // settings (default rules, no egress secrets); the unpack machine uses
-    // it too, and recovery ends it as a build machine.
-    let net = uuid::Uuid::new_v4().to_string();
-    let settings = crate::domain::network::CreateNet {
-        rules: None,
-        secrets: Some(Vec::new()),
+/// Pulls the registry images a build names (the base of its chain, and
+/// those other stages start FROM or `COPY --from` names) into layers,
+/// then reads the build's steps again on their keys and configs; answers
+/// the image as recorded then.
+async fn pull_base(st: &AppState, id: &str, mut p: super::Pending) -> Result<Image, BuildError> {
+    let mut root = None;
+    if let Some(r) = &p.reference {
+        root = Some(pull_one(st, id, r, &p.key_id, BuildError::Pull).await?);
+    }
+    for (written, r, what) in &p.others {
+        let failed = |cause| BuildError::PullFor {
+            what: what.clone(),
+            cause,
+        };
+        let base = pull_one(st, id, r, &p.key_id, failed).await?;
+        let (state, _) = super::registry_state(&base.config);
+        p.input.externals.insert(
+            written.clone(),
+            crate::domain::image::dockerfile::External {
+                key: base.key,
+                state,
+            },
+        );
+    }
+    let (base_key, state, start, pinned) = match root {
+        Some(base) => {
+            let (state, start) = super::registry_state(&base.config);
+            (base.key, state, start, Some(base.pinned))
+        }
+        None => (
+            p.base_key.clone(),
+            p.state.clone(),
+            p.inherited.clone(),
+            None,
+        ),
     };
-    crate::service::network::store_create(st, &net, &settings).map_err(BuildError::Network)?;
-    let _ = crate::service::network::prepare_guest(st, &net);
-    update(st, id, |d| d.build_vm = Some(net.clone()));
-    // Credentials of the caller's key for this registry (images.registries).
-    let credentials = super::registries::credentials_for(st, &p.key_id, &p.reference.registry);
-    let pulled = super::pull::base(st, id, &net, &p.reference, credentials).await;
-    crate::service::network::sandbox_gone(st, &net);
-    update(st, id, |d| d.build_vm = None);
-    let base = pulled.map_err(BuildError::Pull)?;
-    let (state, start) = super::registry_state(&base.config);
     let plan =
-        super::plan(&base.key, state, &p.source, &p.input, start).map_err(BuildError::Replan)?;
+        super::plan(&base_key, state, &p.source, &p.input, start).map_err(BuildError::Replan)?;
     let mut out = None;
     let r = st.store().update_image(id, |d| {
-        d.base_key = base.key.clone();
+        d.base_key = base_key.clone();
         d.steps = plan.steps.clone();
         d.env = plan.state.env.clone();
         d.workdir = plan.state.workdir.clone();
         d.user = plan.state.user;
         d.start = plan.start.clone();
-        d.pulled = Some(base.pinned.clone());
+        if let Some(pinned) = &pinned {
+            d.pulled = Some(pinned.clone());
+        }
         out = Some(d.clone());
         true
     });
@@ -270,17 +324,10 @@ async fn run_build(
         Some(p) => pull_base(st, id, p).await?,
         None => d,
     };
-    // The longest prefix already kept.
-    let mut from = d
-        .steps
-        .iter()
-        .take_while(|s| layers::kept(st, &s.key))
-        .count();
-    let base_layer = match from.checked_sub(1) {
-        Some(last) => d.steps.get(last).map(|s| s.key.clone()),
-        None => d.has_base_disk().then(|| d.base_key.clone()),
-    };
-    for s in d.steps.iter().take(from) {
+    // The steps already kept are not run (a step's layer rests on the
+    // one it ran on, so those are kept too).
+    let kept: Vec<bool> = d.steps.iter().map(|s| layers::kept(st, &s.key)).collect();
+    for s in d.steps.iter().filter(|s| kept.get(s.index) == Some(&true)) {
         log(
             st,
             id,
@@ -290,13 +337,112 @@ async fn run_build(
         );
     }
     update(st, id, |d| {
-        for s in d.steps.iter_mut().take(from) {
+        for s in d
+            .steps
+            .iter_mut()
+            .filter(|s| kept.get(s.index) == Some(&true))
+        {
             s.state = StepState::Cached;
         }
     });
-    if from == d.steps.len() {
+    let cached = kept.iter().filter(|k| **k).count();
+    if cached == d.steps.len() {
         return Ok(());
     }
+    let mut machine: Option<Machine> = None;
+    let result = async {
+        for (i, s) in d.steps.iter().enumerate() {
+            if kept[i] {
+                continue;
+            }
+            let on = on_layer(&d, i);
+            let fits = machine
+                .as_ref()
+                .is_some_and(|m| m.at == on && s.from_layer.iter().all(|l| m.sources.contains(l)));
+            if !fits {
+                if let Some(m) = machine.take() {
+                    end_machine(st, id, m).await;
+                }
+                // The sources this step and the rest of its chain copy
+                // from that are there now, as one machine's volumes.
+                let mut sources: Vec<String> = Vec::new();
+                for (j, later) in d.steps.iter().enumerate().skip(i) {
+                    if j > i && later.on.is_some() {
+                        break;
+                    }
+                    if let Some(l) = &later.from_layer {
+                        if !sources.contains(l) && (j == i || layers::kept(st, l)) {
+                            sources.push(l.clone());
+                        }
+                    }
+                }
+                log(
+                    st,
+                    id,
+                    None,
+                    LogStream::System,
+                    &format!(
+                        "build machine starting ({cached} of {} steps cached{})",
+                        d.steps.len(),
+                        if sources.is_empty() {
+                            String::new()
+                        } else {
+                            format!(", {} stage layers to copy from", sources.len())
+                        }
+                    ),
+                );
+                machine = Some(start_machine(st, &d, &on, sources).await?);
+            }
+            let m = machine.as_mut().ok_or(BuildError::Gone)?;
+            run_step(st, &d, &m.vm, s).await?;
+            m.at = s.key.clone();
+        }
+        Ok(())
+    }
+    .await;
+    if let Some(m) = machine.take() {
+        end_machine(st, id, m).await;
+    }
+    result
+}
+
+/// A build machine while it runs: on which layer its disk now is, and the
+/// source layers it has as volumes (with their scratch copies' folder).
+struct Machine {
+    vm: String,
+    at: String,
+    sources: Vec<String>,
+    scratch: Option<std::path::PathBuf>,
+}
+
+/// The layer step `i` runs on: its own `on` (a stage's first step), the
+/// step before's, or the base's.
+fn on_layer(d: &Image, i: usize) -> String {
+    match d.steps.get(i).and_then(|s| s.on.clone()) {
+        Some(k) => k,
+        None => match i.checked_sub(1).and_then(|j| d.steps.get(j)) {
+            Some(prev) => prev.key.clone(),
+            None => d.base_key.clone(),
+        },
+    }
+}
+
+/// Where the build's copies of `COPY --from` source layers go while its
+/// machine runs (removed with it, and at a restart).
+fn scratch_root(st: &AppState) -> std::path::PathBuf {
+    st.config().data_dir.join("images").join("from")
+}
+
+/// Boots a build machine on layer `on` (the server's own image for its
+/// base key) with `sources` (layers) as volumes at their mount points: each
+/// a raw copy of the layer's disk, which the machine may write (its journal
+/// is replayed at the mount) and which goes with it.
+async fn start_machine(
+    st: &AppState,
+    d: &Image,
+    on: &str,
+    sources: Vec<String>,
+) -> Result<Machine, BuildError> {
     let vm = uuid::Uuid::new_v4().to_string();
     // The build machine has the network of a sandbox with default rules
     // and no egress secrets.
@@ -305,7 +451,34 @@ async fn run_build(
         secrets: Some(Vec::new()),
     };
     crate::service::network::store_create(st, &vm, &net).map_err(BuildError::Network)?;
-    update(st, id, |d| d.build_vm = Some(vm.clone()));
+    update(st, &d.id, |d| d.build_vm = Some(vm.clone()));
+    let mut m = Machine {
+        vm: vm.clone(),
+        at: on.to_string(),
+        sources: sources.clone(),
+        scratch: None,
+    };
+    let ours = on == layers::base_key();
+    let mut volumes = Vec::new();
+    if !sources.is_empty() {
+        let dir = scratch_root(st).join(&vm);
+        m.scratch = Some(dir.clone());
+        let copies = copy_sources(st, &dir, &sources).await;
+        let files = match copies {
+            Ok(f) => f,
+            Err(e) => {
+                end_machine(st, &d.id, m).await;
+                return Err(e);
+            }
+        };
+        for (file, layer) in files.into_iter().zip(&sources) {
+            volumes.push(runtime_host::VolumeDrive {
+                file,
+                path: steps::from_mount(layer),
+                snapshot: false,
+            });
+        }
+    }
     let spec = runtime_host::MachineSpec {
         id: vm.clone(),
         vcpu: 2,
@@ -315,43 +488,92 @@ async fn run_build(
         disk_mib: 3072,
         hostname: "build".into(),
         guest_ca_pem: crate::service::network::prepare_guest(st, &vm),
-        volumes: Vec::new(),
-        image: base_layer.map(|k| runtime_host::ImageDisk {
-            disk: layers::disk(st, &k),
-            key: steps::short_key(&k),
+        volumes,
+        image: (!ours).then(|| runtime_host::ImageDisk {
+            disk: layers::disk(st, on),
+            key: steps::short_key(on),
         }),
-        // The first step's machine may come from the default template.
-        no_template: from > 0 || d.has_base_disk(),
+        // A machine on the server's own image may come from its template.
+        no_template: !ours,
     };
-    log(
-        st,
-        id,
-        None,
-        LogStream::System,
-        &format!(
-            "build machine starting ({} of {} steps cached)",
-            from,
-            d.steps.len()
-        ),
-    );
-    let result = async {
-        st.host()
-            .start(&spec)
-            .await
-            .map_err(BuildError::MachineStart)?;
-        while let Some(s) = d.steps.get(from) {
-            run_step(st, &d, &vm, s).await?;
-            from += 1;
+    if let Err(e) = st.host().start(&spec).await {
+        end_machine(st, &d.id, m).await;
+        return Err(BuildError::MachineStart(e));
+    }
+    Ok(m)
+}
+
+/// Raw copies of `layers`' disks in `dir`, in order (the guest mounts a
+/// volume as a raw ext4 file system).
+async fn copy_sources(
+    st: &AppState,
+    dir: &std::path::Path,
+    sources: &[String],
+) -> Result<Vec<std::path::PathBuf>, BuildError> {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::create_dir_all(dir).map_err(BuildError::Io)?;
+    for p in [scratch_root(st), dir.to_path_buf()] {
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o711))
+            .map_err(BuildError::Io)?;
+    }
+    let mut out = Vec::new();
+    for (n, layer) in sources.iter().enumerate() {
+        if layer == &layers::base_key() {
+            return Err(BuildError::Source(
+                "COPY --from the server's own image as it is: copy from a stage that has a step of its own (or from one of your images)".into(),
+            ));
         }
-        Ok(())
+        let disk = layers::disk(st, layer);
+        if !disk.exists() {
+            return Err(BuildError::Source(format!(
+                "the layer {} to copy from is not there (pruned meanwhile?): build again",
+                steps::short_key(layer)
+            )));
+        }
+        let file = dir.join(format!("{n}.raw"));
+        let status = tokio::process::Command::new("qemu-img")
+            .args(["convert", "-q", "-f", "qcow2", "-O", "raw"])
+            .arg(&disk)
+            .arg(&file)
+            .env("PATH", "/usr/sbin:/sbin:/usr/bin:/bin")
+            .output()
+            .await
+            .map_err(BuildError::Io)?;
+        if !status.status.success() {
+            return Err(BuildError::Source(format!(
+                "copying layer {}: qemu-img convert: {}",
+                steps::short_key(layer),
+                String::from_utf8_lossy(&status.stderr).trim()
+            )));
+        }
+        out.push(file);
     }
-    .await;
-    if let Err(e) = st.host().destroy(&vm).await {
-        tracing::warn!(image_id = id, vm = %vm, error = %e, "ending the build machine failed");
+    Ok(out)
+}
+
+/// Ends a build machine, its network and its scratch copies.
+async fn end_machine(st: &AppState, id: &str, m: Machine) {
+    if let Err(e) = st.host().destroy(&m.vm).await {
+        tracing::warn!(image_id = id, vm = %m.vm, error = %e, "ending the build machine failed");
     }
-    crate::service::network::sandbox_gone(st, &vm);
+    crate::service::network::sandbox_gone(st, &m.vm);
     update(st, id, |d| d.build_vm = None);
-    result
+    if let Some(dir) = m.scratch {
+        if let Err(e) = std::fs::remove_dir_all(&dir) {
+            if e.kind() != std::io::ErrorKind::NotFound {
+                tracing::warn!(path = %dir.display(), error = %e, "removing a build's copies failed");
+            }
+        }
+    }
+}
+
+/// After a restart: the copies of source layers that builds left.
+fn sweep_scratch(st: &AppState) {
+    if let Err(e) = std::fs::remove_dir_all(scratch_root(st)) {
+        if e.kind() != std::io::ErrorKind::NotFound {
+            tracing::warn!(error = %e, "removing old build copies failed");
+        }
+    }
 }
 
 async fn run_step(st: &AppState, d: &Image, vm: &str, s: &Step) -> Result<(), BuildError> {

@@ -6,9 +6,11 @@
 //! before it with the step itself and the build state it runs in (env,
 //! workdir, user): a hash chain starting at the base image's key
 //! (`domain::image::steps`). The disk after each step is kept as a layer
-//! ([`layers`]). A build finds the longest prefix of its steps already
-//! kept, boots one build machine on that layer, and runs the rest one by
-//! one as commands in it ([`build`]). A sandbox created with the image
+//! ([`layers`]). A build skips the steps already kept, boots a build
+//! machine on the layer the first other one runs on, and runs the rest one
+//! by one as commands in it, booting another where a stage of a
+//! multi-stage build starts on another layer or copies from a layer the
+//! machine lacks ([`build`]). A sandbox created with the image
 //! boots (or restores its own template) on the last layer.
 
 mod build;
@@ -336,6 +338,7 @@ pub(super) fn plan(
                 context: cmd.context.as_ref(),
                 args: &cmd.build_args,
                 target: cmd.target.as_deref(),
+                externals: Some(&cmd.externals),
             };
             let parsed = dockerfile::parse(&mut b, text, inputs).map_err(invalid_dockerfile)?;
             start = start.or(parsed.start);
@@ -372,14 +375,65 @@ pub(super) struct PlanInput {
     /// The uploaded context (`.dockerignore` applied) COPY reads.
     pub(super) context: Option<ctx::Manifest>,
     pub(super) target: Option<String>,
+    /// The images a multi-stage Dockerfile names besides its chain's base
+    /// (other stages' bases, `COPY --from`), as resolved so far: a
+    /// registry image is here once pulled.
+    pub(super) externals: BTreeMap<String, dockerfile::External>,
 }
 
-/// A registry base the build pulls first, then reads its steps again on.
+/// Registry images the build pulls first, then reads its steps again on:
+/// the base of its chain, and those a multi-stage Dockerfile names besides.
 pub(super) struct Pending {
-    pub(super) reference: Reference,
+    /// The chain's base, when it is a registry image.
+    pub(super) reference: Option<Reference>,
+    /// The others: as written, the reference, and the instruction naming
+    /// it (`Dockerfile line 3 (COPY)`).
+    pub(super) others: Vec<(String, Reference, String)>,
+    /// The chain's base when it is not pulled: its key, state and start.
+    pub(super) base_key: String,
+    pub(super) state: BuildState,
+    pub(super) inherited: Option<Value>,
     pub(super) source: BuildSource,
     pub(super) input: PlanInput,
     pub(super) key_id: String,
+}
+
+/// Where an image a Dockerfile names outside its chain starts, when it is
+/// the server's or one of the caller's (`None`: a registry image).
+fn external_of(
+    st: &AppState,
+    key: &KeyInfo,
+    e: &dockerfile::ExternalRef,
+    stages: &[String],
+) -> ApiResult<Option<dockerfile::External>> {
+    let ours = || dockerfile::External {
+        key: layers::base_key(),
+        state: BuildState {
+            env: Vec::new(),
+            workdir: None,
+            user: ImageUser::Root,
+        },
+    };
+    if dockerfile::is_ours(&e.reference) {
+        return Ok(Some(ours()));
+    }
+    match base_of(st, key, Some(&e.reference), "dockerfile")? {
+        BaseOf::Ours => Ok(Some(ours())),
+        BaseOf::Image(base) => Ok(Some(dockerfile::External {
+            key: base.disk_key().to_string(),
+            state: BuildState {
+                env: base.env.clone(),
+                workdir: base.workdir.clone(),
+                user: base.user,
+            },
+        })),
+        // A bare word after --from is a stage's name mistyped more often
+        // than an image without its tag.
+        BaseOf::Registry(_) if e.copy && !e.reference.contains(['/', ':', '@', '.']) => Err(
+            ApiError::invalid("dockerfile", e.unknown_stage(stages).to_string()),
+        ),
+        BaseOf::Registry(_) => Ok(None),
+    }
 }
 
 /// The build state and start a registry image's config gives: its `Env`,
@@ -447,8 +501,11 @@ pub(crate) async fn create(st: &AppState, key: &KeyInfo, cmd: CreateImage) -> Ap
         context: manifest.as_ref(),
         args: &cmd.build_args,
         target: cmd.target.as_deref(),
+        externals: None,
     };
     // The base first: its key starts the chain and its state carries over.
+    let mut externals = Vec::new();
+    let mut stages = Vec::new();
     let (base_ref, field) = match &cmd.source {
         BuildSource::Recipe(r) => (recipe::base(r), "recipe"),
         // Read FROM before the rest: a dry parse finds the base.
@@ -461,13 +518,37 @@ pub(crate) async fn create(st: &AppState, key: &KeyInfo, cmd: CreateImage) -> Ap
                     user: ImageUser::Root,
                 },
             );
-            let base = dockerfile::parse(&mut probe, text, inputs)
-                .map_err(invalid_dockerfile)?
-                .base;
-            (base, "dockerfile")
+            let parsed = dockerfile::parse(&mut probe, text, inputs).map_err(invalid_dockerfile)?;
+            externals = parsed.externals;
+            stages = dockerfile::stage_names(text);
+            (parsed.base, "dockerfile")
         }
         BuildSource::Image(r) => (Some(r.clone()), "image"),
     };
+    // The other images a multi-stage build names: ours now, registry
+    // images once pulled.
+    let mut resolved = BTreeMap::new();
+    let mut others = Vec::new();
+    for e in &externals {
+        match external_of(st, key, e, &stages)? {
+            Some(x) => {
+                resolved.insert(e.reference.clone(), x);
+            }
+            None => {
+                let r = Reference::parse(&e.reference).map_err(|err| {
+                    ApiError::invalid(
+                        "dockerfile",
+                        format!("{} is not a registry reference: {err}", e.reference),
+                    )
+                })?;
+                others.push((
+                    e.reference.clone(),
+                    r,
+                    format!("Dockerfile line {} ({})", e.line, e.op),
+                ));
+            }
+        }
+    }
     let input = PlanInput {
         files: cmd.files.clone(),
         build_args: cmd.build_args.clone(),
@@ -475,6 +556,7 @@ pub(crate) async fn create(st: &AppState, key: &KeyInfo, cmd: CreateImage) -> Ap
         start: cmd.start.clone(),
         context: manifest.clone(),
         target: cmd.target.clone(),
+        externals: resolved,
     };
     let mut pending = None;
     let (base_key, base_id, state, inherited) = match base_of(st, key, base_ref.as_deref(), field)?
@@ -519,7 +601,13 @@ pub(crate) async fn create(st: &AppState, key: &KeyInfo, cmd: CreateImage) -> Ap
             (key, None, state, None)
         }
     };
-    let p = plan(&base_key, state, &cmd.source, &input, inherited)?;
+    let p = plan(
+        &base_key,
+        state.clone(),
+        &cmd.source,
+        &input,
+        inherited.clone(),
+    )?;
     let now = st.now_ms();
     let mut d = Image {
         id: uuid::Uuid::new_v4().to_string(),
@@ -561,8 +649,12 @@ pub(crate) async fn create(st: &AppState, key: &KeyInfo, cmd: CreateImage) -> Ap
         st.store().insert_image(&mut d)?;
     }
     tracing::info!(image_id = %d.id, version = d.version, steps = d.steps.len(), "image queued");
-    let pending = pending.map(|reference| Pending {
-        reference,
+    let pending = (pending.is_some() || !others.is_empty()).then(|| Pending {
+        reference: pending,
+        others,
+        base_key: d.base_key.clone(),
+        state,
+        inherited,
         source: cmd.source,
         input,
         key_id: key.id.clone(),
@@ -745,6 +837,7 @@ mod tests {
             start,
             context: None,
             target: None,
+            externals: BTreeMap::new(),
         };
         let (state, inherited) = registry_state(&config(None));
         let source = BuildSource::Image("x".into());

@@ -62,6 +62,8 @@ pub(crate) fn prune(st: &AppState) -> ApiResult<Pruned> {
     for d in st.store().images()? {
         named.insert(d.base_key.clone());
         named.extend(d.steps.iter().map(|s| s.key.clone()));
+        // What a COPY --from copied out of (a pulled image no step rests on).
+        named.extend(d.steps.iter().filter_map(|s| s.from_layer.clone()));
     }
     // Every disk that may rest on a layer: outside the layers, and the
     // named layers themselves.
