@@ -419,6 +419,18 @@ pub(super) async fn upload_begin(
     Ok(Reply::Json(StatusCode::CREATED, answer))
 }
 
+/// The `offset` a chunk's `PUT` must name.
+fn chunk_offset(ctx: &Ctx) -> ApiResult<u64> {
+    let q = query_object(&ctx.query, &[]);
+    let mut f = Fields::new(&q);
+    let offset = f.q_int("offset", 0, i64::MAX);
+    if !f.present("offset") {
+        f.issue("offset", "is required");
+    }
+    f.finish()?;
+    Ok(offset.unwrap_or(0) as u64)
+}
+
 /// `PUT …/uploads/{u}?offset=`: the body is one chunk.
 pub(super) async fn upload_chunk(
     st: AppState,
@@ -427,14 +439,7 @@ pub(super) async fn upload_chunk(
     upload_id: String,
     body: Bytes,
 ) -> ApiResult<Reply> {
-    let q = query_object(&ctx.query, &[]);
-    let mut f = Fields::new(&q);
-    let offset = f.q_int("offset", 0, i64::MAX);
-    if !f.present("offset") {
-        f.issue("offset", "is required");
-    }
-    f.finish()?;
-    let offset = offset.unwrap_or(0) as u64;
+    let offset = chunk_offset(&ctx)?;
     let len = body.len();
     uploads::chunk(&st, &ctx.key, &id, &upload_id, offset, Vec::from(body)).await?;
     Reply::ok(json!({ "uploadId": upload_id, "offset": offset, "size": len }))
@@ -502,14 +507,7 @@ pub(super) async fn archive_upload_chunk(
     upload_id: String,
     body: Bytes,
 ) -> ApiResult<Reply> {
-    let q = query_object(&ctx.query, &[]);
-    let mut f = Fields::new(&q);
-    let offset = f.q_int("offset", 0, i64::MAX);
-    if !f.present("offset") {
-        f.issue("offset", "is required");
-    }
-    f.finish()?;
-    let offset = offset.unwrap_or(0) as u64;
+    let offset = chunk_offset(&ctx)?;
     let len = body.len();
     let received =
         uploads::archive_chunk(&st, &ctx.key, &id, &upload_id, offset, Vec::from(body)).await?;
