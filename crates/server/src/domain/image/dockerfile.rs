@@ -755,14 +755,26 @@ fn is_tar(name: &str) -> bool {
     .any(|e| name.ends_with(e))
 }
 
-/// COPY and ADD.
-fn copy(
-    b: &mut Steps,
+/// What a COPY or ADD says: its options, checked, and its words (the
+/// sources, then the destination).
+struct CopyArgs {
+    chown: Option<(u32, u32)>,
+    chmod: Option<u32>,
+    /// ADD's `--checksum=sha256:<hex>`, lower-case.
+    checksum: Option<String>,
+    srcs: Vec<String>,
+    dest: String,
+}
+
+/// Parses a COPY or ADD's options and words (at least one source, then
+/// the destination); `from`: it copies out of
+/// another stage or image (`--from`), where a checksum has no URL to check.
+fn copy_args(
+    b: &Steps,
     ins: &Instr,
-    inputs: Inputs<'_>,
     argv: &[(String, String)],
-    copies: &mut usize,
-) -> Result<(), ImageError> {
+    from: bool,
+) -> Result<CopyArgs, ImageError> {
     let at = |problem: Problem| err_at(ins, problem);
     let add = ins.op == "ADD";
     let (opts, rest) = options(&substitute(&ins.rest, argv, &b.state.env));
@@ -783,6 +795,7 @@ fn copy(
                 )
             }
             "exclude" => return Err(at(Problem::Exclude)),
+            "checksum" if from => return Err(at(Problem::ChecksumNotUrl)),
             "checksum" if add => {
                 let hex = v
                     .strip_prefix("sha256:")
@@ -790,18 +803,46 @@ fn copy(
                     .ok_or_else(|| at(Problem::BadChecksum(v.clone())))?;
                 checksum = Some(hex.to_ascii_lowercase());
             }
-            "link" | "keep-git-dir" => {}
+            "from" if from => {}
+            "keep-git-dir" if !from => {}
+            "link" => {}
             _ => return Err(at(Problem::UnknownOption(format!("--{k}")))),
         }
     }
-    let words: Vec<String> = if rest.starts_with('[') {
+    let mut srcs: Vec<String> = if rest.starts_with('[') {
         serde_json::from_str(&rest).map_err(|_| at(Problem::BadJsonForm))?
     } else {
         rest.split_whitespace().map(str::to_string).collect()
     };
-    let Some((dest, srcs)) = words.split_last().filter(|(_, s)| !s.is_empty()) else {
-        return Err(at(Problem::CopyArguments));
-    };
+    let dest = srcs.pop().filter(|_| !srcs.is_empty());
+    let dest = dest.ok_or_else(|| at(Problem::CopyArguments))?;
+    Ok(CopyArgs {
+        chown,
+        chmod,
+        checksum,
+        srcs,
+        dest,
+    })
+}
+
+/// COPY and ADD.
+fn copy(
+    b: &mut Steps,
+    ins: &Instr,
+    inputs: Inputs<'_>,
+    argv: &[(String, String)],
+    copies: &mut usize,
+) -> Result<(), ImageError> {
+    let at = |problem: Problem| err_at(ins, problem);
+    let add = ins.op == "ADD";
+    let CopyArgs {
+        chown,
+        chmod,
+        checksum,
+        srcs,
+        dest,
+    } = copy_args(b, ins, argv, false)?;
+    let (dest, srcs) = (&dest, &srcs[..]);
     let base_dir = b.state.workdir.clone().unwrap_or_else(|| "/".into());
     // `dir/`, `.` and `dir/.` name a directory to copy into.
     let dest_is_dir = dest.ends_with('/') || dest == "." || dest.ends_with("/.");
@@ -1055,36 +1096,14 @@ fn copy_from_layer(
     layer: &str,
 ) -> Result<(), ImageError> {
     let at = |problem: Problem| err_at(ins, problem);
-    let (opts, rest) = options(&substitute(&ins.rest, argv, &b.state.env));
-    let mut chown = None;
-    let mut chmod = None;
-    for (k, v) in &opts {
-        match k.as_str() {
-            "chown" => {
-                chown = Some(parse_chown(v).ok_or_else(|| at(Problem::BadChown(v.clone())))?)
-            }
-            "chmod" => {
-                chmod = Some(
-                    u32::from_str_radix(v, 8)
-                        .ok()
-                        .filter(|m| *m <= 0o7777 && !v.is_empty())
-                        .ok_or_else(|| at(Problem::BadChmod(v.clone())))?,
-                )
-            }
-            "exclude" => return Err(at(Problem::Exclude)),
-            "checksum" => return Err(at(Problem::ChecksumNotUrl)),
-            "from" | "link" => {}
-            _ => return Err(at(Problem::UnknownOption(format!("--{k}")))),
-        }
-    }
-    let words: Vec<String> = if rest.starts_with('[') {
-        serde_json::from_str(&rest).map_err(|_| at(Problem::BadJsonForm))?
-    } else {
-        rest.split_whitespace().map(str::to_string).collect()
-    };
-    let Some((dest, srcs)) = words.split_last().filter(|(_, s)| !s.is_empty()) else {
-        return Err(at(Problem::CopyArguments));
-    };
+    let CopyArgs {
+        chown,
+        chmod,
+        srcs,
+        dest,
+        ..
+    } = copy_args(b, ins, argv, true)?;
+    let (dest, srcs) = (&dest, &srcs[..]);
     let base_dir = b.state.workdir.clone().unwrap_or_else(|| "/".into());
     let dest_is_dir = dest.ends_with('/') || dest == "." || dest.ends_with("/.");
     let dest_abs = normal(&absolute(dest, Some(&base_dir)));
