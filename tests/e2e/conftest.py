@@ -329,3 +329,38 @@ def assert_error_body(answer: Answer, status: int, code: Optional[str] = None) -
     assert isinstance(error["message"], str) and error["message"], error
     assert isinstance(error["requestId"], str) and error["requestId"], error
     return error
+
+
+def preview_fetch(server: Server, url: str, path: str = "/", headers: Optional[dict[str, str]] = None,
+                  timeout: float = 60) -> Answer:
+    """A GET of a preview's address as a browser sends it, to this server on
+    loopback with the address's host (its `*.localhost` names resolve nowhere
+    here). Waits up to `timeout` for the guest's server to answer; answers
+    the last reply (non-2xx returned, not raised)."""
+    import http.client
+    from urllib.parse import urlsplit
+    host = urlsplit(url).netloc
+    deadline = time.monotonic() + timeout
+    while True:
+        connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+        try:
+            connection.request("GET", path, headers={"Host": host, **(headers or {})})
+            reply = connection.getresponse()
+            answer = Answer(reply.status, {k.lower(): v for k, v in reply.getheaders()}, reply.read())
+        finally:
+            connection.close()
+        # 502: the preview is there, the guest's server not yet listening.
+        if answer.status != 502 or time.monotonic() > deadline:
+            return answer
+        time.sleep(0.5)
+
+
+def qemu_gone(server: Server, sandbox_id: str, timeout: float = 60) -> bool:
+    """Whether the sandbox's QEMU has ended within `timeout` seconds: a delete
+    answers before the machine's teardown is over."""
+    deadline = time.monotonic() + timeout
+    while server.qemu_pids(sandbox_id):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True

@@ -7,6 +7,7 @@ policy and tenant isolation. The fixture also passes
 second."""
 from __future__ import annotations
 
+import json
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -208,3 +209,43 @@ def test_another_key_sees_neither_events_nor_webhooks(server, hook, life):
             other.webhooks.deliveries(hook["id"])
     finally:
         other.close()
+
+
+def test_a_watch_with_webhook_sends_what_changed(runtime, hook, receiver):
+    sbx = runtime.sandboxes.create()
+    try:
+        sbx.exec("mkdir -p /workspace/app")
+        handle = sbx.files.watch("/workspace/app", recursive=True, id="sync", webhook=True, timeout_ms=0)
+        listed = {w["id"]: w for w in sbx.files.watches.list()}
+        assert listed["sync"]["webhook"] is True, listed
+        sbx.exec("echo one > /workspace/app/a.txt && mv /workspace/app/a.txt /workspace/app/b.txt")
+        deadline = time.monotonic() + 60
+        changes = []
+        while time.monotonic() < deadline:
+            bodies = [json.loads(b) for _, b in receiver.of_type("sandbox.files.changed")]
+            mine = [b["data"] for b in bodies if b["data"]["sandbox"]["id"] == sbx.id]
+            changes = [e for d in mine for e in d["events"]]
+            if any(e["type"] == "rename" for e in changes):
+                break
+            time.sleep(0.2)
+        assert mine and mine[0]["watch"] == {"id": "sync", "path": "/workspace/app"}, mine
+        assert {"type": "create", "path": "/workspace/app/a.txt", "isDir": False} in [
+            {k: e[k] for k in ("type", "path", "isDir")} for e in changes], changes
+        renamed = [e for e in changes if e["type"] == "rename"]
+        assert renamed and renamed[0]["path"] == "/workspace/app/b.txt", changes
+        assert renamed[0]["oldPath"] == "/workspace/app/a.txt"
+        assert all(d["more"] == 0 and d["overflow"] is False for d in mine), mine
+        # Its end is the last event it sends.
+        handle.stop()
+        deadline = time.monotonic() + 30
+        ended = []
+        while not ended and time.monotonic() < deadline:
+            ended = [json.loads(b)["data"]["ended"] for _, b in receiver.of_type("sandbox.files.changed")
+                     if json.loads(b)["data"]["sandbox"]["id"] == sbx.id and json.loads(b)["data"]["ended"]]
+            time.sleep(0.2)
+        assert ended == ["stopped"], ended
+        # Logged as an event of the sandbox too.
+        logged = runtime.events.list(resource_id=sbx.id, type="sandbox.files.changed")
+        assert logged["data"] and all(e["type"] == "sandbox.files.changed" for e in logged["data"]), logged
+    finally:
+        sbx.delete()

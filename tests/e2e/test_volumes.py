@@ -6,7 +6,9 @@ from __future__ import annotations
 import time
 
 import pytest
-from withruntime import ConflictError, InvalidRequestError, NotFoundError
+from withruntime import ConflictError, InvalidRequestError, NotFoundError, ServiceUnavailableError
+
+from conftest import client_for
 
 
 def _vol(volume_id: str, path: str, mode: str = "rw") -> dict:
@@ -99,3 +101,92 @@ def test_volume_paths_are_checked(runtime):
             runtime.sandboxes.create(volumes=[_vol("no-such-volume", "/data")])
     finally:
         runtime.volumes.delete(vid)
+
+
+def _delete_when_released(runtime, volume_id: str) -> None:
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            runtime.volumes.delete(volume_id)
+            return
+        except ConflictError:
+            assert time.monotonic() < deadline, "the volume stayed held after its sandboxes went"
+            time.sleep(0.2)
+
+
+def _df_mib(sandbox, path: str) -> int:
+    out = sandbox.exec(f"df -m --output=size {path} | tail -1")
+    assert out.exit_code == 0, out.stderr
+    return int(out.stdout.strip())
+
+
+def test_backup_restore_and_resize(server, runtime):
+    """A running writer's volume is backed up (frozen for the copy), its
+    bytes change, and the backup restored into a new volume, grown, brings
+    the original bytes back in a new sandbox, on a larger file system."""
+    vid = runtime.volumes.create(32, name="e2e-backed")["id"]
+    writer = runtime.sandboxes.create(volumes=[_vol(vid, "/data")])
+    restored_id = None
+    try:
+        out = writer.exec("echo original > /data/greeting && head -c 300000 /dev/urandom > /data/blob "
+                          "&& sha256sum /data/blob")
+        assert out.exit_code == 0, out.stderr
+        digest = out.stdout.split()[0]
+        before = _df_mib(writer, "/data")
+
+        backup = runtime.volumes.backup(vid, name="before-change", retention_days=2)
+        assert backup["state"] == "ready" and backup["volumeId"] == vid, backup
+        assert backup["sizeMiB"] == 32 and backup["name"] == "before-change"
+        assert backup["retentionDays"] == 2 and backup["expiresAt"] > backup["createdAt"]
+        # The writer was thawed: it writes on.
+        out = writer.exec("echo changed > /data/greeting && cat /data/greeting")
+        assert out.stdout == "changed\n", out.stderr
+
+        # A policy of daily backups is kept; schedules of their own are not served.
+        policy = runtime.volumes.set_backup_policy(vid, daily=True, retention_days=14)["backupPolicy"]
+        assert policy == {"daily": True, "retentionDays": 14, "schedule": None}
+        with pytest.raises(ServiceUnavailableError):
+            runtime.volumes.set_backup_policy(vid, every_minutes=30)
+        assert runtime.volumes.get_backup(backup["id"])["id"] == backup["id"]
+        assert [b["id"] for b in runtime.volumes.backups(vid).data] == [backup["id"]]
+        # An attached volume keeps its size.
+        with pytest.raises(ConflictError):
+            runtime.volumes.resize(vid, 64)
+
+        # Another key sees none of it, and restores nothing of it.
+        with client_for(server, server.create_key()) as other:
+            with pytest.raises(NotFoundError):
+                other.volumes.get_backup(backup["id"])
+            assert other.volumes.backups().data == []
+            with pytest.raises(NotFoundError):
+                other.volumes.restore(backup["id"])
+            with pytest.raises(NotFoundError):
+                other.volumes.delete_backup(backup["id"])
+
+        restored = runtime.volumes.restore(backup["id"], name="e2e-restored")
+        restored_id = restored["id"]
+        assert restored["restoredFrom"] == backup["id"] and restored["sizeMiB"] == 32, restored
+        # A detached volume grows (never shrinks); the guest grows its file
+        # system when it mounts it.
+        with pytest.raises(InvalidRequestError):
+            runtime.volumes.resize(restored_id, 16)
+        assert runtime.volumes.resize(restored_id, 96)["sizeMiB"] == 96
+
+        reader = _create_when_released(runtime, volumes=[_vol(restored_id, "/mnt/r")])
+        try:
+            assert reader.exec("cat /mnt/r/greeting").stdout == "original\n"
+            assert reader.exec("sha256sum /mnt/r/blob").stdout.split()[0] == digest
+            grown = _df_mib(reader, "/mnt/r")
+            assert grown > before + 50, (before, grown)
+            assert reader.exec("echo new > /mnt/r/more && cat /mnt/r/more").stdout == "new\n"
+        finally:
+            runtime.sandboxes.delete(reader.id)
+
+        assert runtime.volumes.delete_backup(backup["id"])["status"] == "deleted"
+        with pytest.raises(NotFoundError):
+            runtime.volumes.get_backup(backup["id"])
+    finally:
+        runtime.sandboxes.delete(writer.id)
+        _delete_when_released(runtime, vid)
+        if restored_id:
+            _delete_when_released(runtime, restored_id)

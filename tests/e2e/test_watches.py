@@ -100,7 +100,7 @@ def test_bad_input_answers_in_the_error_shape(server, sbx):
         sbx.files.watch("/workspace/w", batch_ms=-5)
     assert caught.value.status == 400 and "batchMs" in str(caught.value)
     answer = http(server, "POST", f"/v1/sandboxes/{sbx.id}/files/watches",
-                  {"path": "/workspace/w", "timeoutMs": -1, "events": ["explode"], "webhook": True})
+                  {"path": "/workspace/w", "timeoutMs": -1, "events": ["explode"], "webhook": "yes"})
     error = assert_error_body(answer, 400, "invalid_request")
     fields = sorted(i["field"] for i in error["details"]["issues"])
     assert fields == ["events[0]", "timeoutMs", "webhook"], error

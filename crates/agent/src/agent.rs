@@ -201,10 +201,17 @@ impl Agent {
                 unix_time_ms,
                 entropy,
                 ca_pem,
+                environment,
             } => {
                 let out = Arc::clone(&self.out);
                 self.spawn(stream, move || {
-                    let reply = match setup(&hostname, unix_time_ms, &entropy, ca_pem.as_deref()) {
+                    let reply = match setup(
+                        &hostname,
+                        unix_time_ms,
+                        &entropy,
+                        ca_pem.as_deref(),
+                        environment.as_deref(),
+                    ) {
                         Ok(()) => Reply::Done,
                         Err(message) => Reply::Failed {
                             code: FailCode::Io,
@@ -397,8 +404,14 @@ fn setup(
     unix_time_ms: u64,
     entropy: &[u8],
     ca_pem: Option<&str>,
+    environment: Option<&str>,
 ) -> Result<(), String> {
     let mut errors = Vec::new();
+    if let Some(env) = environment {
+        if let Err(e) = write_environment(env) {
+            errors.push(format!("writing {ENVIRONMENT_FILE}: {e}"));
+        }
+    }
     let done = match ca_pem {
         Some(pem) => install_ca(pem),
         // A template: keep the image's bundle now, so that each start from
@@ -465,6 +478,31 @@ fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
 
 /// Trusts `pem` system-wide: the CA on its own, and the bundle rebuilt as
 /// the pristine system bundle plus it.
+/// What the official client looks for to know it runs in a sandbox (and
+/// then calls `http://runtime.internal`); the host sends its content.
+const ENVIRONMENT_FILE: &str = "/run/runtime/environment.json";
+
+/// Writes the sandbox's environment file: root's, readable by everyone,
+/// replaced whole so a reader never sees half of it.
+fn write_environment(json: &str) -> std::io::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    if json.len() > 64 * 1024 {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            "the environment is too large",
+        ));
+    }
+    let file = Path::new(ENVIRONMENT_FILE);
+    if let Some(dir) = file.parent() {
+        std::fs::create_dir_all(dir)?;
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755))?;
+    }
+    let mut text = json.trim().to_owned();
+    text.push('\n');
+    write_atomic(file, text.as_bytes())?;
+    std::fs::set_permissions(file, std::fs::Permissions::from_mode(0o644))
+}
+
 fn install_ca(pem: &str) -> std::io::Result<()> {
     if !pem.contains("-----BEGIN CERTIFICATE-----") || pem.len() > 64 * 1024 {
         return Err(std::io::Error::new(

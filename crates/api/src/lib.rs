@@ -79,6 +79,7 @@ pub mod codes {
     pub const NOT_PAUSABLE: &str = "not_pausable";
     pub const PAUSE_FAILED: &str = "pause_failed";
     pub const WAKE_FAILED: &str = "wake_failed";
+    pub const SNAPSHOT_FAILED: &str = "snapshot_failed";
     pub const BUDGET_EXCEEDED: &str = "budget_exceeded";
     pub const SPENDING_LIMIT_REACHED: &str = "spending_limit_reached";
     pub const QUOTA_EXCEEDED: &str = "quota_exceeded";
@@ -94,6 +95,9 @@ pub mod codes {
     pub const VOLUME_ATTACHED: &str = "volume_attached";
     pub const VOLUME_RELEASING: &str = "volume_releasing";
     pub const VOLUME_CREATE_FAILED: &str = "volume_create_failed";
+    pub const VOLUME_BACKUP_NOT_FOUND: &str = "volume_backup_not_found";
+    pub const VOLUME_BACKUP_NOT_READY: &str = "volume_backup_not_ready";
+    pub const VOLUME_BACKUP_FAILED: &str = "volume_backup_failed";
     pub const STDIN_CLOSED: &str = "stdin_closed";
     pub const PROCESS_NOT_A_TERMINAL: &str = "process_not_a_terminal";
     pub const RESULT_NOT_FOUND: &str = "result_not_found";

@@ -653,6 +653,16 @@ async fn serve(
         let mode = std::fs::metadata(&data_dir)?.permissions().mode() & 0o7777;
         std::fs::set_permissions(&data_dir, std::fs::Permissions::from_mode(mode & !0o066))
             .with_context(|| format!("making {} private", data_dir.display()))?;
+        // Snapshots and kept disks are copied into a machine's own directory
+        // before it starts: no QEMU uid needs to reach them.
+        for private in ["snapshots", "disks"] {
+            let dir = data_dir.join(private);
+            std::fs::create_dir_all(&dir)
+                .and_then(|()| {
+                    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700))
+                })
+                .with_context(|| format!("making {} private", dir.display()))?;
+        }
     }
     let arts = tokio::task::spawn_blocking(build_artifacts).await??;
     // Measured once, before any machine boots (their command line names it).

@@ -11,6 +11,7 @@
 //! VMs, the store or the API server, which hands it streams and watch
 //! channels.
 
+mod api;
 mod ca;
 mod dns;
 mod error;
@@ -30,6 +31,7 @@ pub use rustls::pki_types::CertificateDer;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::sync::watch;
 
+pub use api::{ApiSlot, InternalApi, API_HOST, API_PORT};
 pub use ca::SandboxCa;
 pub use error::EgressError;
 pub use limits::Traffic;
@@ -71,6 +73,13 @@ pub struct EgressConfig {
     /// carries them (a public address NATed to it, a load balancer in
     /// front of it): refused like its own (`--egress-deny-self`).
     pub deny_self: Vec<IpAddr>,
+    /// Serves `http://runtime.internal` (the server's own API) once the
+    /// server has put its handler in; empty, that name is unreachable.
+    pub api: ApiSlot,
+    /// Most connections to `runtime.internal` one sandbox may have open at
+    /// once (each carries one request at a time); beyond it `429` with
+    /// `X-Runtime-Egress: api-busy`.
+    pub max_api_per_sandbox: usize,
 }
 
 impl Default for EgressConfig {
@@ -86,6 +95,8 @@ impl Default for EgressConfig {
             max_connections_per_sandbox: 256,
             max_lookups_per_sandbox: 16,
             deny_self: Vec::new(),
+            api: ApiSlot::default(),
+            max_api_per_sandbox: 16,
         }
     }
 }
@@ -123,8 +134,10 @@ impl Egress {
         let own = io::OwnAddrs::new(cfg.deny_self.clone());
         let limits = limits::Limits::new(cfg.max_connections, cfg.max_connections_per_sandbox);
         let dns = dns::Dns::system(cfg.connect_timeout, cfg.max_lookups_per_sandbox);
+        let api_slots = limits::PerSandbox::new(cfg.max_api_per_sandbox);
         Self {
             inner: Arc::new(proxy::Inner {
+                api_slots,
                 cfg,
                 client_tls,
                 own,
@@ -148,6 +161,12 @@ impl Egress {
     /// that tunnels through the proxy and verifies the far end itself.
     pub fn client_tls(&self) -> Option<Arc<rustls::ClientConfig>> {
         self.inner.client_tls.clone()
+    }
+
+    /// Where `http://runtime.internal` is served: the server sets its
+    /// handler here once it has one.
+    pub fn api(&self) -> &ApiSlot {
+        &self.inner.cfg.api
     }
 
     /// What the proxy carried for every sandbox since it started.

@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex, Weak};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::io::{AsyncRead, AsyncWrite, DuplexStream, ReadBuf};
 use tokio::net::TcpStream;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
@@ -186,26 +186,64 @@ impl Limits {
 }
 
 /// An upstream connection and its slot in the caps, given back on drop;
-/// the bytes either way are counted.
+/// the bytes either way of an outbound one are counted.
 pub(crate) struct Upstream {
-    stream: TcpStream,
-    permit: ConnPermit,
+    stream: Stream,
+    permit: Permit,
+}
+
+enum Stream {
+    Tcp(TcpStream),
+    /// A connection to the server's own API (`runtime.internal`).
+    Api(DuplexStream),
+}
+
+enum Permit {
+    Conn(ConnPermit),
+    /// A slot of the sandbox's API cap: not outbound, not counted.
+    Api(#[allow(dead_code)] OwnedSemaphorePermit),
 }
 
 impl Upstream {
     pub(crate) fn new(stream: TcpStream, permit: ConnPermit) -> Self {
-        Self { stream, permit }
+        Self {
+            stream: Stream::Tcp(stream),
+            permit: Permit::Conn(permit),
+        }
+    }
+
+    pub(crate) fn api(stream: DuplexStream, permit: OwnedSemaphorePermit) -> Self {
+        Self {
+            stream: Stream::Api(stream),
+            permit: Permit::Api(permit),
+        }
+    }
+
+    fn counters(&self) -> Option<&Counters> {
+        match &self.permit {
+            Permit::Conn(p) => Some(&p.traffic),
+            Permit::Api(_) => None,
+        }
     }
 
     fn sent(&self, r: &Poll<io::Result<usize>>) {
-        if let Poll::Ready(Ok(n)) = r {
-            self.permit
-                .traffic
-                .sent
-                .fetch_add(*n as u64, Ordering::Relaxed);
+        if let (Poll::Ready(Ok(n)), Some(c)) = (r, self.counters()) {
+            c.sent.fetch_add(*n as u64, Ordering::Relaxed);
         }
     }
 }
+
+impl Stream {
+    fn pin(&mut self) -> Pin<&mut (dyn AsyncReadWrite + Send)> {
+        match self {
+            Stream::Tcp(s) => Pin::new(s),
+            Stream::Api(s) => Pin::new(s),
+        }
+    }
+}
+
+trait AsyncReadWrite: AsyncRead + AsyncWrite + Unpin {}
+impl<T: AsyncRead + AsyncWrite + Unpin> AsyncReadWrite for T {}
 
 impl AsyncRead for Upstream {
     fn poll_read(
@@ -214,13 +252,10 @@ impl AsyncRead for Upstream {
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
         let before = buf.filled().len();
-        let r = Pin::new(&mut self.stream).poll_read(cx, buf);
-        if let Poll::Ready(Ok(())) = r {
+        let r = self.stream.pin().poll_read(cx, buf);
+        if let (Poll::Ready(Ok(())), Some(c)) = (&r, self.counters()) {
             let n = buf.filled().len().saturating_sub(before);
-            self.permit
-                .traffic
-                .received
-                .fetch_add(n as u64, Ordering::Relaxed);
+            c.received.fetch_add(n as u64, Ordering::Relaxed);
         }
         r
     }
@@ -232,17 +267,17 @@ impl AsyncWrite for Upstream {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
-        let r = Pin::new(&mut self.stream).poll_write(cx, buf);
+        let r = self.stream.pin().poll_write(cx, buf);
         self.sent(&r);
         r
     }
 
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.stream).poll_flush(cx)
+        self.stream.pin().poll_flush(cx)
     }
 
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.stream).poll_shutdown(cx)
+        self.stream.pin().poll_shutdown(cx)
     }
 
     fn poll_write_vectored(
@@ -250,13 +285,16 @@ impl AsyncWrite for Upstream {
         cx: &mut Context<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
-        let r = Pin::new(&mut self.stream).poll_write_vectored(cx, bufs);
+        let r = self.stream.pin().poll_write_vectored(cx, bufs);
         self.sent(&r);
         r
     }
 
     fn is_write_vectored(&self) -> bool {
-        self.stream.is_write_vectored()
+        match &self.stream {
+            Stream::Tcp(s) => s.is_write_vectored(),
+            Stream::Api(s) => s.is_write_vectored(),
+        }
     }
 }
 

@@ -38,6 +38,8 @@ pub(crate) struct Inner {
     pub own: crate::io::OwnAddrs,
     pub limits: Limits,
     pub dns: Dns,
+    /// Connections to `runtime.internal` open now, per sandbox.
+    pub api_slots: crate::limits::PerSandbox,
 }
 
 /// A destination that passed the rules, connected.
@@ -57,10 +59,15 @@ struct Checked {
     /// Where the connection really goes.
     socket: SocketAddr,
     special: Special,
+    /// `runtime.internal`: judged by name alone, served in the host.
+    api: bool,
 }
 
 impl Checked {
     fn check(&self, policy: &Policy, sni: Option<&Host>) -> Result<(), Refusal> {
+        if self.api {
+            return policy.check_api(self.port);
+        }
         policy.check(
             &self.host,
             self.port,
@@ -83,6 +90,8 @@ enum OpenError {
     Resolve,
     Connect,
     Full(CapFull),
+    /// The sandbox has this many connections to `runtime.internal` open.
+    ApiBusy(usize),
 }
 
 impl OpenError {
@@ -91,7 +100,7 @@ impl OpenError {
             OpenError::Refused(_) => 0x02,
             OpenError::BadHost | OpenError::Resolve => 0x04,
             OpenError::Connect => 0x05,
-            OpenError::Full(_) => 0x01,
+            OpenError::Full(_) | OpenError::ApiBusy(_) => 0x01,
         }
     }
 
@@ -117,6 +126,14 @@ impl OpenError {
                 StatusCode::SERVICE_UNAVAILABLE,
                 Some("too-many-connections"),
                 &full.to_string(),
+            ),
+            OpenError::ApiBusy(n) => text(
+                StatusCode::TOO_MANY_REQUESTS,
+                Some("api-busy"),
+                &format!(
+                    "this sandbox has {n} requests to {} open, the most a sandbox may; wait for one to end",
+                    crate::API_HOST
+                ),
             ),
         }
     }
@@ -164,6 +181,9 @@ impl Inner {
         if !host.is_valid() || port == 0 {
             tracing::debug!(sandbox_id = id, target = %host, port, decision = "refused", reason = "invalid host");
             return Err(OpenError::BadHost);
+        }
+        if host.name() == Some(crate::API_HOST) {
+            return self.open_api(net, host, port);
         }
         let refused = |r: Refusal| {
             tracing::debug!(sandbox_id = id, target = %host, port, decision = "refused", reason = %r);
@@ -219,6 +239,7 @@ impl Inner {
                         addr,
                         socket,
                         special,
+                        api: false,
                     };
                     return Ok(Opened { stream, target });
                 }
@@ -231,6 +252,42 @@ impl Inner {
             }
         }
         Err(OpenError::Connect)
+    }
+
+    /// `runtime.internal`: the rules by name, a slot of the sandbox's API
+    /// cap, then a connection to the server's own API in this process. It
+    /// takes no slot of the outbound caps and its bytes are not counted as
+    /// outbound traffic.
+    fn open_api(&self, net: &SandboxNet, host: Host, port: u16) -> Result<Opened, OpenError> {
+        let id = net.sandbox_id.as_str();
+        let policy = net.policy.borrow().clone();
+        policy.check_api(port).map_err(|r| {
+            tracing::debug!(sandbox_id = id, target = %host, port, decision = "refused", reason = %r);
+            OpenError::Refused(r)
+        })?;
+        let Some(api) = self.cfg.api.get() else {
+            return Err(OpenError::Connect);
+        };
+        let permit = self
+            .api_slots
+            .get(id)
+            .try_acquire_owned()
+            .map_err(|_| OpenError::ApiBusy(self.api_slots.size()))?;
+        let (ours, theirs) = tokio::io::duplex(64 * 1024);
+        api.serve(id, theirs);
+        tracing::debug!(sandbox_id = id, target = %host, port, decision = "allowed", "served by the API");
+        let unspecified = IpAddr::from([0, 0, 0, 0]);
+        Ok(Opened {
+            stream: Upstream::api(ours, permit),
+            target: Checked {
+                host,
+                port,
+                addr: unspecified,
+                socket: SocketAddr::new(unspecified, port),
+                special: Special::default(),
+                api: true,
+            },
+        })
     }
 
     fn test_host(&self, host: &Host) -> Option<SocketAddr> {
@@ -272,7 +329,8 @@ impl Inner {
 
     /// Whether a CONNECT or SOCKS target gets TLS interception.
     fn intercepts(&self, net: &SandboxNet, target: &Checked) -> bool {
-        target.port == 443
+        !target.api
+            && target.port == 443
             && target
                 .host
                 .name()

@@ -386,6 +386,32 @@ impl Policy {
     }
 }
 
+impl Policy {
+    /// Whether the sandbox may reach `runtime.internal` on `port`: the
+    /// rules by name alone (it has no address), so `internet: false`, a
+    /// `deny` naming it and an `allow` list that does not name it refuse it;
+    /// only port 80 is served, whatever `connect` says.
+    pub(crate) fn check_api(&self, port: u16) -> Result<(), Refusal> {
+        let host = crate::API_HOST;
+        if !self.rules.internet {
+            return Err(Refusal::InternetOff);
+        }
+        if port != crate::API_PORT {
+            return Err(Refusal::Port {
+                host: host.into(),
+                port,
+            });
+        }
+        if self.deny.iter().any(|p| p.matches_name(host)) {
+            return Err(Refusal::Denied { host: host.into() });
+        }
+        if self.allow.is_empty() || self.allow.iter().any(|p| p.matches_name(host)) {
+            return Ok(());
+        }
+        Err(Refusal::NotAllowed { host: host.into() })
+    }
+}
+
 /// A connection's target as the guest named it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum Host {

@@ -259,7 +259,8 @@ impl QemuHost {
     }
 
     /// A capture of paused machine `id` into `dest`: its disk, and with
-    /// `memory` links to its paused state (and RAM).
+    /// `memory` links to its paused state (and RAM). A machine ended keeping
+    /// its disk gives its disk.
     pub(crate) async fn capture_paused(
         &self,
         id: &str,
@@ -268,7 +269,9 @@ impl QemuHost {
     ) -> Result<(), HostError> {
         let paths = self.paths(id);
         let state = paths.paused_state();
-        if !state.exists() {
+        // Without a paused state, only the disk of a machine ended with
+        // `stop(id, true)` (its writes flushed) can be taken.
+        if !state.exists() && (memory || !paths.overlay().exists()) {
             return Err(HostError::NotPaused { id: id.to_owned() });
         }
         if memory {

@@ -33,6 +33,19 @@ pub fn backing_file(path: &Path) -> std::io::Result<Option<PathBuf>> {
     }))
 }
 
+/// The size qcow2 image `path` shows its guest (its header's), or `None`
+/// for a file that is not qcow2.
+pub fn virtual_size(path: &Path) -> std::io::Result<Option<u64>> {
+    let mut header = [0u8; 32];
+    let mut f = std::fs::File::open(path)?;
+    if f.read_exact(&mut header).is_err() || header[..4] != *b"QFI\xfb" {
+        return Ok(None);
+    }
+    Ok(Some(u64::from_be_bytes(
+        header[24..32].try_into().unwrap_or([0; 8]),
+    )))
+}
+
 /// The bytes free to an unprivileged writer on the file system of `path`.
 pub fn free_bytes(path: &Path) -> std::io::Result<u64> {
     use std::os::unix::ffi::OsStrExt;
@@ -80,9 +93,14 @@ mod tests {
             "top.qcow2",
         ]);
         assert_eq!(backing_file(&top).unwrap(), Some(dir.join("base.qcow2")));
+        assert_eq!(virtual_size(&top).unwrap(), Some(16 << 20));
+        run(&["resize", "-q", "-f", "qcow2", "top.qcow2", "48M"]);
+        assert_eq!(virtual_size(&top).unwrap(), Some(48 << 20));
+        assert!(virtual_size(&dir.join("missing")).is_err());
         assert_eq!(backing_file(&base).unwrap(), None);
         std::fs::write(dir.join("plain"), b"not a disk").unwrap();
         assert_eq!(backing_file(&dir.join("plain")).unwrap(), None);
+        assert_eq!(virtual_size(&dir.join("plain")).unwrap(), None);
         assert!(backing_file(&dir.join("missing")).is_err());
         assert!(free_bytes(&dir).unwrap() > 0);
         std::fs::remove_dir_all(&dir).unwrap();

@@ -23,6 +23,11 @@ impl QemuHost {
             std::os::unix::fs::chown(&paths.dir, Some(uid), Some(gid))
                 .map_err(Self::io(id, "chown vm dir"))?;
         }
+        // Its QEMU's and the server's alone: another machine's QEMU (another
+        // uid) can neither list it nor read its disk, state or console.
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&paths.dir, std::fs::Permissions::from_mode(0o700))
+            .map_err(Self::io(id, "chmod vm dir"))?;
         Ok(paths)
     }
 
@@ -82,15 +87,49 @@ impl QemuHost {
 pub(crate) fn hand_to_qemu(spec: &MachineSpec, paths: &VmPaths) -> Result<(), HostError> {
     let id = spec.id.as_str();
     if let Some((uid, gid)) = vm_uid(id) {
-        // QEMU reopens its disk as its own uid after a migration.
-        std::os::unix::fs::chown(paths.overlay(), Some(uid), Some(gid))
-            .map_err(QemuHost::io(id, "chown disk"))?;
+        // QEMU reopens its disk as its own uid after a migration; no other
+        // uid may read them.
+        use std::os::unix::fs::PermissionsExt;
+        let own = |file: &Path, what: &'static str| {
+            std::os::unix::fs::chown(file, Some(uid), Some(gid))
+                .and_then(|()| {
+                    std::fs::set_permissions(file, std::fs::Permissions::from_mode(0o600))
+                })
+                .map_err(QemuHost::io(id, what))
+        };
+        own(&paths.overlay(), "chown disk")?;
         for file in drive_files(spec, paths) {
-            std::os::unix::fs::chown(&file, Some(uid), Some(gid))
-                .map_err(QemuHost::io(id, "chown volume"))?;
+            own(&file, "chown volume")?;
         }
     }
     Ok(())
+}
+
+/// Grows the qcow2 image at `path` to `mib` MiB when it is smaller (never
+/// shrinks it).
+pub(crate) async fn grow_to(path: &Path, mib: u32) -> Result<(), String> {
+    let size = crate::disk_files::virtual_size(path)
+        .map_err(|e| format!("reading the disk's header: {e}"))?
+        .ok_or("the disk is not qcow2")?;
+    let want = u64::from(mib) << 20;
+    if want <= size {
+        return Ok(());
+    }
+    let out = tokio::process::Command::new("qemu-img")
+        .args(["resize", "-q", "-f", "qcow2"])
+        .arg(path)
+        .arg(want.to_string())
+        .output()
+        .await
+        .map_err(|e| format!("qemu-img resize: {e}"))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(format!(
+            "qemu-img resize: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        ))
+    }
 }
 
 /// Copies a disk image keeping its holes (and sharing extents where the

@@ -15,6 +15,38 @@ use crate::types::{BootStage, ExecEvent, HostError, MachineSpec, VolumeDrive};
 /// and mounts it, `nosuid,nodev`. Arguments: pairs of serial and path.
 const MOUNT_SCRIPT: &str = include_str!("mount_volumes.sh");
 
+/// Waits (up to 5 s) until the guest's kernel sees `/dev/vda` at its new
+/// size of `$1` sectors, then grows the ext4 file system on it, mounted.
+const GROW_SCRIPT: &str = r#"i=0
+while [ "$(cat /sys/block/vda/size)" -lt "$1" ]; do
+  i=$((i+1)); [ "$i" -gt 50 ] && { echo "/dev/vda did not grow"; exit 1; }
+  sleep 0.1
+done
+for t in /sbin/resize2fs /usr/sbin/resize2fs; do [ -x "$t" ] && exec "$t" /dev/vda; done
+echo "resize2fs is missing"; exit 1"#;
+
+/// Grows the root file system of the guest behind `link` once its disk has
+/// `disk_mib` MiB (run as root, by [`GROW_SCRIPT`]).
+pub(crate) async fn grow_root_fs(link: &Link, disk_mib: u32) -> Result<(), String> {
+    let sectors = u64::from(disk_mib) * 2048;
+    let argv = vec![
+        "/bin/sh".to_owned(),
+        "-c".to_owned(),
+        GROW_SCRIPT.to_owned(),
+        "grow-root".to_owned(),
+        sectors.to_string(),
+    ];
+    let (code, output) = run_root(link, argv, Duration::from_secs(120)).await?;
+    if code == Some(0) {
+        Ok(())
+    } else {
+        Err(format!(
+            "exit {code:?}: {}",
+            String::from_utf8_lossy(&output).trim()
+        ))
+    }
+}
+
 /// Mounts the spec's volumes in the guest (none: nothing to do).
 pub(crate) async fn mount_volumes(vm: &Vm, spec: &MachineSpec) -> Result<(), HostError> {
     if spec.volumes.is_empty() {
@@ -135,9 +167,11 @@ async fn run_root(
     Err("lost the link".into())
 }
 
-/// The guest's first request: its hostname, clock, entropy and CA.
+/// The guest's first request: its hostname, clock, entropy, CA and
+/// environment file (naming sandbox `id`).
 pub(crate) async fn setup(
     link: &Link,
+    id: &str,
     hostname: &str,
     ca_pem: Option<&str>,
 ) -> Result<(), LinkError> {
@@ -146,6 +180,7 @@ pub(crate) async fn setup(
         unix_time_ms: now_ms(),
         entropy: fresh_entropy(),
         ca_pem: ca_pem.map(str::to_owned),
+        environment: Some(crate::types::guest_environment(id).to_string()),
     })
     .await?;
     Ok(())
@@ -160,6 +195,7 @@ pub(crate) async fn set_clock(link: &Link) -> Result<(), LinkError> {
         unix_time_ms: now_ms(),
         entropy: fresh_entropy(),
         ca_pem: None,
+        environment: None,
     })
     .await?;
     Ok(())
@@ -288,13 +324,15 @@ mod tests {
             .duration_since(std::time::UNIX_EPOCH)
             .unwrap()
             .as_millis() as u64;
-        let done = tokio::spawn(async move { setup(&link, "sbx-host", Some("PEM")).await });
+        let done =
+            tokio::spawn(async move { setup(&link, "sbx-1", "sbx-host", Some("PEM")).await });
         let (sid, req) = guest.request().await.unwrap();
         let Request::Setup {
             hostname,
             unix_time_ms,
             entropy,
             ca_pem,
+            environment,
         } = req
         else {
             panic!("{req:?}")
@@ -304,6 +342,9 @@ mod tests {
         assert_eq!(entropy.len(), 64);
         assert!(entropy.iter().any(|&b| b != 0));
         assert_eq!(ca_pem.as_deref(), Some("PEM"));
+        let env: serde_json::Value = serde_json::from_str(&environment.unwrap()).unwrap();
+        assert_eq!(env["RUNTIME_SANDBOX_ID"], "sbx-1");
+        assert_eq!(env["RUNTIME_API_URL"], "http://runtime.internal");
         guest.reply(sid, &Reply::Done).await;
         done.await.unwrap().unwrap();
     }

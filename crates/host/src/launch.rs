@@ -112,9 +112,14 @@ impl QemuHost {
             "agent ready"
         );
         *vm.link.lock().await = Some(link.clone());
-        setup(&link, &spec.hostname, spec.guest_ca_pem.as_deref())
-            .await
-            .map_err(|e| self.start_failed(id, BootStage::Agent, e.to_string()))?;
+        setup(
+            &link,
+            &spec.id,
+            &spec.hostname,
+            spec.guest_ca_pem.as_deref(),
+        )
+        .await
+        .map_err(|e| self.start_failed(id, BootStage::Agent, e.to_string()))?;
         tracing::info!(
             sandbox_id = id,
             ms = started.elapsed().as_millis() as u64,

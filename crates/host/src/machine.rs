@@ -13,7 +13,7 @@ use crate::capture::CaptureFailed;
 use crate::cgroup::{self, Layout};
 use crate::convert::{exec_request, file_op_result, file_request, guest_err, user, watch_request};
 use crate::disks::copy_sparse;
-use crate::guest_setup::{mount_volumes, setup, sync_guest};
+use crate::guest_setup::{grow_root_fs, mount_volumes, setup, sync_guest};
 use crate::link::{Acceptor, Incoming, Link};
 use crate::network::Networks;
 use crate::pump::{self, pump};
@@ -313,9 +313,14 @@ impl Host for QemuHost {
         let starting = vm.paths.starting();
         std::fs::write(&starting, b"").map_err(Self::io(id, "mark the machine starting"))?;
         let link = self.link(id).await?;
-        setup(&link, &spec.hostname, spec.guest_ca_pem.as_deref())
-            .await
-            .map_err(|e| self.start_failed(id, BootStage::Agent, e.to_string()))?;
+        setup(
+            &link,
+            &spec.id,
+            &spec.hostname,
+            spec.guest_ca_pem.as_deref(),
+        )
+        .await
+        .map_err(|e| self.start_failed(id, BootStage::Agent, e.to_string()))?;
         std::fs::remove_file(&starting).map_err(Self::io(id, "mark the machine started"))?;
         tracing::info!(
             sandbox_id = id,
@@ -394,6 +399,26 @@ impl Host for QemuHost {
             ended.push(id);
         }
         ended
+    }
+
+    async fn grow_disk(&self, id: &str, disk_mib: u32) -> Result<(), HostError> {
+        let vm = self.vm(id)?;
+        let failed = |reason: String| HostError::Grow {
+            id: id.to_owned(),
+            reason,
+        };
+        let mut q = crate::qmp::Qmp::connect(&vm.paths.qmp_sock(), Duration::from_secs(10))
+            .await
+            .map_err(|e| failed(e.to_string()))?;
+        q.execute(
+            "block_resize",
+            serde_json::json!({"device": "root", "size": u64::from(disk_mib) << 20}),
+        )
+        .await
+        .map_err(|e| failed(e.to_string()))?;
+        drop(q);
+        let link = self.link(id).await?;
+        grow_root_fs(&link, disk_mib).await.map_err(failed)
     }
 
     async fn stop(&self, id: &str, keep_disk: bool) -> Result<(), HostError> {
@@ -519,6 +544,10 @@ impl Host for QemuHost {
         self.networks.forget(id);
     }
 
+    fn serve_api(&self, api: Option<Arc<dyn runtime_egress::InternalApi>>) {
+        self.networks.serve_api(api);
+    }
+
     async fn pause(&self, id: &str) -> Result<(), HostError> {
         let vm = self
             .take_vm(id)
@@ -611,6 +640,12 @@ impl Host for QemuHost {
         let incoming = if memory.exists() {
             Some(std::fs::File::open(&memory).map_err(Self::io(id, "open capture"))?)
         } else {
+            // A boot: its disk at the spec's size when that is larger (a
+            // resize, a create from a snapshot asking for more); the agent
+            // grows the file system as it boots.
+            crate::disks::grow_to(&paths.overlay(), spec.disk_mib)
+                .await
+                .map_err(|e| self.start_failed(id, BootStage::Disk, e))?;
             self.copy_snapshot_volumes(spec, &paths).await?;
             None
         };

@@ -80,6 +80,11 @@ impl Networks {
         }
     }
 
+    /// Serves `runtime.internal` with `api` from now on (`None`: no more).
+    pub(crate) fn serve_api(&self, api: Option<Arc<dyn runtime_egress::InternalApi>>) {
+        self.egress.api().set(api);
+    }
+
     /// What the proxy carried since it started.
     pub(crate) fn traffic(&self) -> runtime_egress::Traffic {
         self.egress.traffic()

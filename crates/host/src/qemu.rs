@@ -351,11 +351,20 @@ pub(crate) fn spawn(cfg: &VmConfig<'_>) -> std::io::Result<u32> {
         .stderr(Stdio::from(log2))
         .current_dir(&cfg.paths.dir);
     let incoming = cfg.incoming;
-    // SAFETY: setsid and dup2 are async-signal-safe and touch no memory of
-    // the parent; `incoming` is an fd the caller keeps open across spawn.
+    // A QEMU of its own uid also gets a network namespace of its own, with
+    // nothing in it: it needs no network (the guest's traffic goes through
+    // the server over its channel), so a guest that took over its QEMU
+    // reaches no service of the host, not even on loopback.
+    let own_net = cfg.run_as.is_some() && own_netns_works();
+    // SAFETY: setsid, unshare and dup2 are async-signal-safe system calls
+    // that touch no memory of the parent; `incoming` is an fd the caller
+    // keeps open across spawn.
     unsafe {
         cmd.pre_exec(move || {
             if libc::setsid() < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            if own_net && libc::unshare(libc::CLONE_NEWNET) < 0 {
                 return Err(std::io::Error::last_os_error());
             }
             if let Some(fd) = incoming {
@@ -391,6 +400,35 @@ pub(crate) fn spawn(cfg: &VmConfig<'_>) -> std::io::Result<u32> {
         let _ = child.wait();
     });
     Ok(pid)
+}
+
+/// Whether a child of this process can have a network namespace of its
+/// own (root, and not refused by a container's rules): probed once.
+pub(crate) fn own_netns_works() -> bool {
+    static WORKS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *WORKS.get_or_init(|| {
+        let mut probe = Command::new("true");
+        probe
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+        // SAFETY: unshare is an async-signal-safe system call.
+        unsafe {
+            probe.pre_exec(|| {
+                if libc::unshare(libc::CLONE_NEWNET) < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        let works = probe.status().is_ok_and(|s| s.success());
+        if !works {
+            tracing::warn!(
+                "QEMU cannot have a network namespace of its own here: it shares the host's"
+            );
+        }
+        works
+    })
 }
 
 /// Whether `pid` is alive and is a QEMU whose command line names `dir`.

@@ -52,7 +52,7 @@ impl QemuHost {
         let began = Instant::now();
         let practice = async {
             let link = self.link(&spec.id).await?;
-            crate::guest_setup::setup(&link, &spec.hostname, Some(PRACTICE_CA))
+            crate::guest_setup::setup(&link, &spec.id, &spec.hostname, Some(PRACTICE_CA))
                 .await
                 .map_err(|e| self.start_failed(&spec.id, BootStage::Agent, e.to_string()))
         };

@@ -334,6 +334,8 @@ pub enum HostError {
     LinkLost { id: String },
     #[error("timed out waiting for {what} of sandbox {id}")]
     Timeout { id: String, what: &'static str },
+    #[error("growing the disk of sandbox {id} failed: {reason}")]
+    Grow { id: String, reason: String },
     #[error("host I/O failed during {op} for sandbox {id}")]
     Io {
         id: String,
@@ -399,8 +401,18 @@ pub trait Host: Send + Sync + 'static {
     /// sandboxes still on record), with its directory, RAM file and cgroup,
     /// so nothing runs that no record owns. Answers the ids it ended.
     async fn sweep(&self, owned: &std::collections::HashSet<String>) -> Vec<String>;
-    /// Ends the machine; `keep_disk` keeps its disk for a later start.
+    /// Ends the machine; `keep_disk` keeps its disk (its guest's writes
+    /// flushed first) for a later start or a [`Host::capture`] without memory.
     async fn stop(&self, id: &str, keep_disk: bool) -> Result<(), HostError>;
+    /// Grows the running machine's disk to `disk_mib` and its root file
+    /// system with it, every program left running. By default: not
+    /// possible here (the caller restarts it at the new size instead).
+    async fn grow_disk(&self, id: &str, _disk_mib: u32) -> Result<(), HostError> {
+        Err(HostError::Grow {
+            id: id.to_owned(),
+            reason: "this host cannot grow a running machine's disk".into(),
+        })
+    }
     /// Ends the machine and removes everything it had on this host.
     async fn destroy(&self, id: &str) -> Result<(), HostError>;
     /// Stops the vCPUs, writes memory and device state beside the disk and
@@ -512,6 +524,22 @@ pub trait Host: Send + Sync + 'static {
     }
     /// Forgets `id`'s network: its open connections end, new ones close.
     fn forget_network(&self, id: &str);
+    /// Serves `http://runtime.internal` to this host's guests with `api`
+    /// (the server's own API, in its process), under each sandbox's rules;
+    /// `None` stops it. A host without guests ignores it.
+    fn serve_api(&self, _api: Option<Arc<dyn runtime_egress::InternalApi>>) {}
+}
+
+/// What a guest finds in `/run/runtime/environment.json` (written by its
+/// agent at every boot, wake, restore and warm-machine take) and what
+/// `GET http://runtime.internal/v1/environment` answers it: facts about the
+/// sandbox, nothing secret. The official client takes the file's presence
+/// as "in a sandbox" and sends its calls to `runtime.internal`.
+pub fn guest_environment(sandbox_id: &str) -> serde_json::Value {
+    serde_json::json!({
+        "RUNTIME_SANDBOX_ID": sandbox_id,
+        "RUNTIME_API_URL": format!("http://{}", runtime_egress::API_HOST),
+    })
 }
 
 /// One sandbox's network as its host's egress proxy applies it

@@ -157,6 +157,11 @@ pub enum Request {
         /// plus this CA (a later Setup replaces it, never appends).
         #[serde(default)]
         ca_pem: Option<String>,
+        /// The JSON the agent writes to `/run/runtime/environment.json`
+        /// (directory 0755, file 0644, replaced atomically); `None` keeps
+        /// the file as it is.
+        #[serde(default)]
+        environment: Option<String>,
     },
     /// Starts a process on this stream: [`Reply::Started`], output data,
     /// then [`Reply::Exited`].

@@ -194,6 +194,11 @@ struct Inner {
     /// Sandboxes whose last pause failed (they ran on), for the `:pause`
     /// answer: a sandbox running again may also have paused and been woken.
     pause_failed: Mutex<HashSet<String>>,
+    /// Volumes being backed up, resized or restored into: no sandbox
+    /// attaches them and no delete takes them meanwhile.
+    volume_ops: Mutex<HashSet<String>>,
+    /// When each volume's daily backup was last tried.
+    daily_tried: Mutex<HashMap<String, i64>>,
     uploads: service::uploads::Uploads,
     watches: service::watches::Watches,
     previews: service::previews::live::Live,
@@ -232,6 +237,8 @@ impl AppState {
                 procs: service::processes::Table::new(config.clock),
                 interpreter: service::interpreter::Contexts::default(),
                 pause_failed: Mutex::new(HashSet::new()),
+                volume_ops: Mutex::new(HashSet::new()),
+                daily_tried: Mutex::new(HashMap::new()),
                 uploads: service::uploads::Uploads::new(uploads_dir),
                 watches: service::watches::Watches::default(),
                 previews: service::previews::live::Live::default(),
@@ -411,6 +418,16 @@ pub fn router(state: AppState) -> axum::Router {
     http::router(state)
 }
 
+/// The API as code in a sandbox reaches it at `http://runtime.internal`:
+/// what [`run`] hands the host's egress proxy, public so tests drive it
+/// without a VM. Each connection it serves names its sandbox.
+pub fn in_sandbox_api(state: &AppState) -> Arc<dyn runtime_egress::InternalApi> {
+    Arc::new(http::internal::InSandboxApi::new(
+        router(state.clone()),
+        state.config().header_read_timeout,
+    ))
+}
+
 /// Reattaches to the sandboxes an earlier server left starting or running:
 /// found ones are `running`, the rest `stopped` with `stopReason: host_lost`.
 /// Then takes up the processes of the running ones (`lost` when the host no
@@ -441,6 +458,8 @@ pub async fn run(
     recover(&state).await?;
     state.start_background();
     let app = router(state.clone());
+    // Code in the sandboxes reaches the same router at runtime.internal.
+    state.host().serve_api(Some(in_sandbox_api(&state)));
     let limits = http::serve::Limits {
         header_read: state.config().header_read_timeout,
         max_connections: state.config().max_connections,
@@ -464,6 +483,7 @@ pub async fn run(
         }
         None => http::serve::serve(listener, app, limits, stop).await,
     }
+    state.host().serve_api(None);
     state.shutdown().await;
     Ok(())
 }

@@ -1898,6 +1898,210 @@ async fn restart_of_a_stopped_sandbox_that_is_not_persistent_is_409() {
     assert_error(&v, 409, "not_persistent");
 }
 
+// ---- :resize ----
+
+#[tokio::test]
+async fn a_resize_restarts_the_sandbox_at_its_new_shape_from_its_own_disk() {
+    let t = T::new();
+    let id = t
+        .running(json!({"vcpu": 1, "memoryMiB": 1024, "name": "sized"}))
+        .await;
+    // The same shape: nothing to do, nothing restarted.
+    let (s, v) = t.act(&id, "resize", json!({"vcpu": 1})).await;
+    assert_eq!((s, v["state"].as_str()), (StatusCode::OK, Some("running")));
+    assert!(t.host.captures.lock().unwrap().is_empty());
+
+    let (s, v) = t
+        .act(
+            &id,
+            "resize",
+            json!({"restart": true, "vcpu": 2, "memoryMiB": 2048, "diskMiB": 8192}),
+        )
+        .await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert_eq!(
+        (
+            v["id"].as_str(),
+            v["state"].as_str(),
+            v["vcpu"].as_u64(),
+            v["memoryMiB"].as_u64(),
+            v["diskMiB"].as_u64(),
+            v["name"].as_str()
+        ),
+        (
+            Some(id.as_str()),
+            Some("running"),
+            Some(2),
+            Some(2048),
+            Some(8192),
+            Some("sized")
+        ),
+        "{v}"
+    );
+    // Ended with its writes flushed, its disk taken, then booted from it at
+    // the new shape.
+    assert!(t.host.stopped.lock().unwrap().contains(&(id.clone(), true)));
+    let caps = t.host.captures.lock().unwrap().clone();
+    assert_eq!(caps.len(), 1);
+    assert_eq!((caps[0].0.as_str(), caps[0].2), (id.as_str(), false));
+    let kept = t.dir.join("disks").join(format!("{id}.resize"));
+    assert_eq!(
+        t.host.restored.lock().unwrap().last(),
+        Some(&(id.clone(), kept.clone()))
+    );
+    let spec = t.host.specs.lock().unwrap().last().unwrap().clone();
+    assert_eq!(
+        (spec.id.as_str(), spec.vcpu, spec.memory_mib, spec.disk_mib),
+        (id.as_str(), 2, 2048, 8192)
+    );
+    // Not persistent: its disk is not kept once it booted from it.
+    assert!(!kept.exists());
+}
+
+#[tokio::test]
+async fn a_resize_names_every_wrong_field_and_refuses_what_it_cannot_do() {
+    let t = T::with(|c| c.quotas.set("sandbox.memory_mib=3072").unwrap());
+    let id = t.running(json!({"vcpu": 1, "memoryMiB": 1024})).await;
+    let (s, v) = t.act(&id, "resize", json!({})).await;
+    assert_eq!(s, StatusCode::BAD_REQUEST, "{v}");
+    assert!(v.to_string().contains("vcpu"), "{v}");
+    let (s, v) = t
+        .act(
+            &id,
+            "resize",
+            json!({"vcpu": 0, "memoryMiB": "big", "diskMiB": 100, "restart": 1, "colour": "red"}),
+        )
+        .await;
+    assert_eq!(s, StatusCode::BAD_REQUEST, "{v}");
+    for field in ["vcpu", "memoryMiB", "diskMiB", "restart", "colour"] {
+        assert!(v.to_string().contains(field), "{field}: {v}");
+    }
+    // A disk only grows.
+    let (s, v) = t.act(&id, "resize", json!({"diskMiB": 3072})).await;
+    assert_eq!(s, StatusCode::BAD_REQUEST, "{v}");
+    assert!(v.to_string().contains("diskMiB"), "{v}");
+    // No restart allowed: more vCPUs, or a disk this host cannot grow live.
+    for ask in [
+        json!({"restart": false, "vcpu": 2}),
+        json!({"restart": false, "diskMiB": 8192}),
+    ] {
+        let (s, v) = t.act(&id, "resize", ask).await;
+        assert_eq!(s, StatusCode::CONFLICT, "{v}");
+        assert_error(&v, 409, "resize_needs_restart");
+    }
+    // Past the key's memory quota: refused, nothing changed.
+    let (s, v) = t.act(&id, "resize", json!({"memoryMiB": 4096})).await;
+    assert_error(&v, 409, "quota_exceeded");
+    assert_eq!(s, StatusCode::CONFLICT);
+    let v = t.sandbox(&id).await;
+    assert_eq!(
+        (
+            v["state"].as_str(),
+            v["memoryMiB"].as_u64(),
+            v["vcpu"].as_u64()
+        ),
+        (Some("running"), Some(1024), Some(1))
+    );
+    assert!(t.host.captures.lock().unwrap().is_empty());
+    // Unknown sandboxes are 404; a stopped one that is not persistent has
+    // no disk to start from.
+    let (s, v) = t.act("nope", "resize", json!({"vcpu": 2})).await;
+    assert_eq!(s, StatusCode::NOT_FOUND, "{v}");
+    t.act(&id, "stop", json!({})).await;
+    let (s, v) = t.act(&id, "resize", json!({"vcpu": 2})).await;
+    assert_eq!(s, StatusCode::CONFLICT, "{v}");
+    assert_error(&v, 409, "not_persistent");
+}
+
+#[tokio::test]
+async fn a_stopped_persistent_sandbox_resized_starts_at_its_new_shape() {
+    let t = T::new();
+    let id = t
+        .running(json!({"persistent": true, "vcpu": 1, "memoryMiB": 512}))
+        .await;
+    t.act(&id, "stop", json!({})).await;
+    let disk = t.dir.join("disks").join(&id);
+    assert!(disk.join("disk.qcow2").exists());
+    let (s, v) = t
+        .act(&id, "resize", json!({"memoryMiB": 1024, "diskMiB": 5000}))
+        .await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert_eq!(
+        (
+            v["state"].as_str(),
+            v["memoryMiB"].as_u64(),
+            v["diskMiB"].as_u64()
+        ),
+        (Some("running"), Some(1024), Some(5000))
+    );
+    assert_eq!(
+        t.host.restored.lock().unwrap().last(),
+        Some(&(id.clone(), disk.clone()))
+    );
+    // Its kept disk stays where a stop keeps it.
+    assert!(disk.join("disk.qcow2").exists());
+}
+
+#[tokio::test]
+async fn a_fork_that_keeps_its_snapshot_starts_the_copies_from_it_and_answers_it() {
+    let t = T::new();
+    let id = t.running(json!({"labels": {"team": "ml"}})).await;
+    let (s, v) = t
+        .json_as(
+            &t.admin.clone(),
+            "POST",
+            &format!("/v1/sandboxes/{id}:fork"),
+            Some(json!({"count": 2, "keepSnapshot": true})),
+            &[("prefer", "wait=10")],
+        )
+        .await;
+    assert_eq!(s, StatusCode::CREATED, "{v}");
+    let snap = &v["snapshot"];
+    let sid = snap["id"].as_str().expect("the kept snapshot").to_string();
+    assert_eq!(
+        (
+            snap["state"].as_str(),
+            snap["mode"].as_str(),
+            snap["sourceSandboxId"].as_str()
+        ),
+        (Some("ready"), Some("memory"), Some(id.as_str())),
+        "{snap}"
+    );
+    assert_eq!(snap["labels"], json!({"team": "ml"}));
+    let copies = v["sandboxes"].as_array().unwrap();
+    assert_eq!(copies.len(), 2);
+    assert!(copies.iter().all(|c| c["state"] == "running"), "{v}");
+    // One capture, the snapshot's, which both copies started from and
+    // which stays.
+    let caps = t.host.captures.lock().unwrap().clone();
+    assert_eq!(caps.len(), 1);
+    let kept = t.dir.join("snapshots").join(&sid);
+    assert_eq!(caps[0].1, kept);
+    let restored = t.host.restored.lock().unwrap().clone();
+    assert_eq!(restored.len(), 2);
+    assert!(
+        restored.iter().all(|(_, from)| *from == kept),
+        "{restored:?}"
+    );
+    assert!(kept.exists());
+    let (s, v) = t.json("GET", &format!("/v1/snapshots/{sid}"), None).await;
+    assert_eq!((s, v["state"].as_str()), (StatusCode::OK, Some("ready")));
+    // Without it, no snapshot is answered or kept.
+    let (s, v) = t
+        .json_as(
+            &t.admin.clone(),
+            "POST",
+            &format!("/v1/sandboxes/{id}:fork"),
+            Some(json!({"keepSnapshot": false})),
+            &[("prefer", "wait=10")],
+        )
+        .await;
+    assert_eq!(s, StatusCode::CREATED, "{v}");
+    assert!(v.get("snapshot").is_none(), "{v}");
+    let (_, list) = t.json("GET", "/v1/snapshots", None).await;
+    assert_eq!(list["data"].as_array().unwrap().len(), 1);
+}
+
 #[tokio::test]
 async fn fork_makes_running_copies_and_leaves_the_source_as_it_was() {
     let t = T::new();
@@ -2226,6 +2430,40 @@ async fn snapshot_then_get_list_create_from_it_and_delete() {
         .join("memory.state")
         .exists());
     assert_eq!(t.sandbox(&id).await["state"], "paused");
+    // A disk snapshot boots at any vCPUs and memory, on a disk no smaller
+    // than the one saved.
+    let disk_sid = v["id"].as_str().unwrap().to_string();
+    let (s, v) = t
+        .json(
+            "POST",
+            "/v1/sandboxes",
+            Some(json!({"snapshot": disk_sid, "vcpu": 2, "memoryMiB": 2048, "diskMiB": 3072})),
+        )
+        .await;
+    assert_eq!(s, StatusCode::BAD_REQUEST, "{v}");
+    let issues = v["error"]["details"]["issues"].as_array().unwrap();
+    assert_eq!(issues.len(), 1, "{v}");
+    assert_eq!(issues[0]["field"], "diskMiB");
+    let (s, v) = t
+        .json_as(
+            &t.admin.clone(),
+            "POST",
+            "/v1/sandboxes",
+            Some(json!({"snapshot": disk_sid, "vcpu": 2, "memoryMiB": 2048, "diskMiB": 8192})),
+            &[("prefer", "wait=10")],
+        )
+        .await;
+    assert_eq!(s, StatusCode::CREATED, "{v}");
+    assert_eq!(
+        (
+            v["vcpu"].as_u64(),
+            v["memoryMiB"].as_u64(),
+            v["diskMiB"].as_u64()
+        ),
+        (Some(2), Some(2048), Some(8192))
+    );
+    let spec = t.host.specs.lock().unwrap().last().unwrap().clone();
+    assert_eq!((spec.vcpu, spec.memory_mib, spec.disk_mib), (2, 2048, 8192));
 
     // Delete (the client's POST :delete, and DELETE), then it is gone.
     let (s, v) = t
@@ -2790,6 +3028,583 @@ async fn cpu_use_in_the_guest_keeps_a_sandbox_from_idling() {
 }
 
 // ---- volumes ----
+
+/// The fields a 400 names.
+fn issue_fields(v: &Value) -> Vec<String> {
+    v["error"]["details"]["issues"]
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .map(|i| i["field"].as_str().unwrap_or("").to_string())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+fn write_at(path: &std::path::Path, offset: u64, bytes: &[u8]) {
+    use std::os::unix::fs::FileExt;
+    let f = std::fs::OpenOptions::new().write(true).open(path).unwrap();
+    f.write_all_at(bytes, offset).unwrap();
+}
+
+#[tokio::test]
+async fn volumes_resize_back_up_and_restore_checking_input_and_owners() {
+    let t = T::new();
+    let (_, vol) = t
+        .json(
+            "POST",
+            "/v1/volumes",
+            Some(json!({"sizeMiB": 64, "name": "src"})),
+        )
+        .await;
+    let vid = vol["id"].as_str().unwrap().to_string();
+    assert_eq!(vol["restoredFrom"], Value::Null, "{vol}");
+    let file = t.dir.join("volumes").join(format!("{vid}.ext4"));
+    write_at(&file, 10 << 20, b"original bytes");
+
+    // Resize: every wrong field named; only growth; unknown volumes 404.
+    let tr = &t;
+    let resize = |body: Value| {
+        let path = format!("/v1/volumes/{vid}:resize");
+        async move { tr.json("POST", &path, Some(body)).await }
+    };
+    for (body, field) in [
+        (json!({}), "sizeMiB"),
+        (json!({"sizeMiB": 64}), "sizeMiB"),
+        (json!({"sizeMiB": 32}), "sizeMiB"),
+        (json!({"sizeMiB": "big"}), "sizeMiB"),
+        (json!({"sizeMiB": 2_000_000}), "sizeMiB"),
+        (json!({"sizeMiB": 128, "shrink": true}), "shrink"),
+    ] {
+        let (s, v) = resize(body.clone()).await;
+        assert_eq!(s, StatusCode::BAD_REQUEST, "{body} {v}");
+        assert_eq!(issue_fields(&v), [field], "{body} {v}");
+    }
+    let (s, v) = t
+        .json(
+            "POST",
+            "/v1/volumes/nope:resize",
+            Some(json!({"sizeMiB": 128})),
+        )
+        .await;
+    assert_eq!(s, StatusCode::NOT_FOUND, "{v}");
+    assert_error(&v, 404, "volume_not_found");
+    let (s, v) = resize(json!({"sizeMiB": 128})).await;
+    assert_eq!(
+        (s, v["sizeMiB"].as_u64()),
+        (StatusCode::OK, Some(128)),
+        "{v}"
+    );
+    assert_eq!(std::fs::metadata(&file).unwrap().len(), 128 << 20);
+    let (_, v) = t.json("GET", &format!("/v1/volumes/{vid}"), None).await;
+    assert_eq!(v["sizeMiB"], 128);
+
+    // Backup: bad fields named, each.
+    let backup_path = format!("/v1/volumes/{vid}:backup");
+    let (s, v) = t
+        .json(
+            "POST",
+            &backup_path,
+            Some(json!({"retentionDays": 0, "name": "", "daily": true})),
+        )
+        .await;
+    assert_eq!(s, StatusCode::BAD_REQUEST, "{v}");
+    let mut fields = issue_fields(&v);
+    fields.sort();
+    assert_eq!(fields, ["daily", "name", "retentionDays"], "{v}");
+    let (s, v) = t
+        .json("POST", &backup_path, Some(json!({"retentionDays": 366})))
+        .await;
+    assert_eq!(
+        (s, issue_fields(&v)),
+        (StatusCode::BAD_REQUEST, vec!["retentionDays".to_string()])
+    );
+    let (s, v) = t
+        .json("POST", "/v1/volumes/nope:backup", Some(json!({})))
+        .await;
+    assert_eq!(s, StatusCode::NOT_FOUND, "{v}");
+
+    let (s, b) = t
+        .json(
+            "POST",
+            &backup_path,
+            Some(json!({"name": "first", "retentionDays": 3})),
+        )
+        .await;
+    assert_eq!(s, StatusCode::CREATED, "{b}");
+    assert_eq!(
+        (
+            b["state"].as_str(),
+            b["volumeId"].as_str(),
+            b["sizeMiB"].as_u64(),
+            b["name"].as_str()
+        ),
+        (Some("ready"), Some(vid.as_str()), Some(128), Some("first")),
+        "{b}"
+    );
+    let created = time::OffsetDateTime::parse(
+        b["createdAt"].as_str().unwrap(),
+        &time::format_description::well_known::Rfc3339,
+    )
+    .unwrap();
+    let expires = time::OffsetDateTime::parse(
+        b["expiresAt"].as_str().unwrap(),
+        &time::format_description::well_known::Rfc3339,
+    )
+    .unwrap();
+    assert_eq!(expires - created, time::Duration::days(3));
+    let bid = b["id"].as_str().unwrap().to_string();
+    let copy = t.dir.join("volume-backups").join(format!("{bid}.img"));
+    assert_eq!(std::fs::read(&copy).unwrap(), std::fs::read(&file).unwrap());
+    assert!(b["storedBytes"].as_u64().unwrap() < 64 << 20, "{b}");
+    assert_eq!(b["sha256"].as_str().map(str::len), Some(64), "{b}");
+    // A default backup keeps 7 days.
+    let (_, b2) = t.json("POST", &backup_path, Some(json!({}))).await;
+    assert_eq!(b2["retentionDays"], 7, "{b2}");
+    let bid2 = b2["id"].as_str().unwrap().to_string();
+
+    // The volume's bytes change after the backup.
+    write_at(&file, 10 << 20, b"CHANGED bytes!");
+
+    // Lists: newest first, paged, filtered; bad queries named.
+    let (_, v) = t
+        .json(
+            "GET",
+            &format!("/v1/volume-backups?volumeId={vid}&limit=1"),
+            None,
+        )
+        .await;
+    assert_eq!(v["data"][0]["id"], bid2.as_str(), "{v}");
+    let next = v["nextCursor"].as_str().unwrap().to_string();
+    let (_, v) = t
+        .json(
+            "GET",
+            &format!("/v1/volume-backups?volumeId=src&limit=1&cursor={next}"),
+            None,
+        )
+        .await;
+    assert_eq!(v["data"][0]["id"], bid.as_str(), "{v}");
+    assert_eq!(v["nextCursor"], Value::Null, "{v}");
+    let (_, v) = t
+        .json("GET", "/v1/volume-backups?volumeId=other&state=ready", None)
+        .await;
+    assert_eq!(v["data"], json!([]), "{v}");
+    let (s, v) = t
+        .json(
+            "GET",
+            "/v1/volume-backups?state=lost&limit=0&cursor=zz",
+            None,
+        )
+        .await;
+    assert_eq!(s, StatusCode::BAD_REQUEST, "{v}");
+    let mut fields = issue_fields(&v);
+    fields.sort();
+    assert_eq!(fields, ["limit", "state"], "{v}");
+    let (s, v) = t.json("GET", "/v1/volume-backups/vb-nope", None).await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+    assert_error(&v, 404, "volume_backup_not_found");
+
+    // Another key sees none of it and restores nothing of it.
+    let other = create_key(&t.dir, Some("other"), false, false).unwrap();
+    let (s, _) = t
+        .json_as(
+            &other,
+            "GET",
+            &format!("/v1/volume-backups/{bid}"),
+            None,
+            &[],
+        )
+        .await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+    let (_, v) = t
+        .json_as(&other, "GET", "/v1/volume-backups", None, &[])
+        .await;
+    assert_eq!(v["data"], json!([]), "{v}");
+    for (path, body) in [
+        (format!("/v1/volume-backups/{bid}:delete"), json!({})),
+        ("/v1/volumes".to_string(), json!({"fromBackup": bid})),
+        (format!("/v1/volumes/{vid}:backup"), json!({})),
+        (format!("/v1/volumes/{vid}:resize"), json!({"sizeMiB": 256})),
+    ] {
+        let (s, v) = t.json_as(&other, "POST", &path, Some(body), &[]).await;
+        assert_eq!(s, StatusCode::NOT_FOUND, "{path} {v}");
+    }
+
+    // Restores: unknown backup 404; smaller than the backup, 400 naming
+    // sizeMiB; the backup's bytes and size, or larger.
+    let (s, v) = t
+        .json(
+            "POST",
+            "/v1/volumes",
+            Some(json!({"fromBackup": "vb-nope"})),
+        )
+        .await;
+    assert_eq!(s, StatusCode::NOT_FOUND, "{v}");
+    assert_error(&v, 404, "volume_backup_not_found");
+    let (s, v) = t
+        .json(
+            "POST",
+            "/v1/volumes",
+            Some(json!({"fromBackup": bid, "sizeMiB": 64})),
+        )
+        .await;
+    assert_eq!(
+        (s, issue_fields(&v)),
+        (StatusCode::BAD_REQUEST, vec!["sizeMiB".to_string()]),
+        "{v}"
+    );
+    let (s, v) = t
+        .json(
+            "POST",
+            "/v1/volumes",
+            Some(json!({"fromBackup": 7, "shared": true})),
+        )
+        .await;
+    assert_eq!(s, StatusCode::BAD_REQUEST, "{v}");
+    let mut fields = issue_fields(&v);
+    fields.sort();
+    assert_eq!(fields, ["fromBackup", "shared"], "{v}");
+    let (s, r) = t
+        .json(
+            "POST",
+            "/v1/volumes",
+            Some(json!({"fromBackup": bid, "name": "restored"})),
+        )
+        .await;
+    assert_eq!(s, StatusCode::CREATED, "{r}");
+    assert_eq!(
+        (r["sizeMiB"].as_u64(), r["restoredFrom"].as_str()),
+        (Some(128), Some(bid.as_str())),
+        "{r}"
+    );
+    let restored = t
+        .dir
+        .join("volumes")
+        .join(format!("{}.ext4", r["id"].as_str().unwrap()));
+    let bytes = std::fs::read(&restored).unwrap();
+    assert_eq!(&bytes[10 << 20..(10 << 20) + 14], b"original bytes");
+    assert_eq!(bytes.len(), 128 << 20);
+    let (s, r) = t
+        .json(
+            "POST",
+            "/v1/volumes",
+            Some(json!({"fromBackup": bid, "sizeMiB": 256})),
+        )
+        .await;
+    assert_eq!(
+        (s, r["sizeMiB"].as_u64()),
+        (StatusCode::CREATED, Some(256)),
+        "{r}"
+    );
+
+    // A backup whose copy changed on disk is refused, and makes nothing.
+    let copy2 = t.dir.join("volume-backups").join(format!("{bid2}.img"));
+    write_at(&copy2, 10 << 20, b"X");
+    let before = std::fs::read_dir(t.dir.join("volumes")).unwrap().count();
+    let (s, v) = t
+        .json("POST", "/v1/volumes", Some(json!({"fromBackup": bid2})))
+        .await;
+    assert_eq!(s, StatusCode::INTERNAL_SERVER_ERROR, "{v}");
+    assert!(v.to_string().contains("checksum"), "{v}");
+    assert_eq!(
+        std::fs::read_dir(t.dir.join("volumes")).unwrap().count(),
+        before
+    );
+
+    // Attaching to a running sandbox and backup schedules are not served.
+    for (verb, body) in [
+        ("attach", json!({"sandboxId": "s", "path": "/data"})),
+        ("backup-policy", json!({"schedule": {"everyMinutes": 15}})),
+        ("backup-policy", json!({"keep": {"last": 3}})),
+    ] {
+        let (s, v) = t
+            .json("POST", &format!("/v1/volumes/{vid}:{verb}"), Some(body))
+            .await;
+        assert_eq!(s, StatusCode::NOT_IMPLEMENTED, "{verb} {v}");
+        assert_error(&v, 501, "unavailable");
+    }
+    // A policy: daily backups and their retention, kept on the volume.
+    let policy_path = format!("/v1/volumes/{vid}:backup-policy");
+    assert_eq!(vol["backupPolicy"]["daily"], false, "{vol}");
+    let (s, v) = t
+        .json(
+            "POST",
+            &policy_path,
+            Some(json!({"daily": "yes", "retentionDays": 0, "hourly": 1})),
+        )
+        .await;
+    assert_eq!(s, StatusCode::BAD_REQUEST, "{v}");
+    let mut fields = issue_fields(&v);
+    fields.sort();
+    assert_eq!(fields, ["daily", "hourly", "retentionDays"], "{v}");
+    let (s, v) = t
+        .json(
+            "POST",
+            &policy_path,
+            Some(json!({"daily": true, "retentionDays": 14, "schedule": null})),
+        )
+        .await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert_eq!(
+        v["backupPolicy"],
+        json!({"daily": true, "retentionDays": 14, "schedule": null})
+    );
+    let (_, v) = t
+        .json("POST", &policy_path, Some(json!({"daily": false})))
+        .await;
+    assert_eq!(v["backupPolicy"]["retentionDays"], 14, "{v}");
+    let (_, v) = t.json("GET", &format!("/v1/volumes/{vid}"), None).await;
+    assert_eq!(v["backupPolicy"]["daily"], false, "{v}");
+    let (s, _) = t
+        .json("GET", &format!("/v1/volumes/{vid}/attachments/a1"), None)
+        .await;
+    assert_eq!(s, StatusCode::NOT_IMPLEMENTED);
+
+    // Attached: no resize; a running writer is frozen for its backup (and
+    // thawed after), and a writer that cannot be frozen is refused.
+    let a = t
+        .running(json!({"volumes": [{"volumeId": vid, "path": "/data"}]}))
+        .await;
+    let (s, v) = resize(json!({"sizeMiB": 512})).await;
+    assert_eq!(s, StatusCode::CONFLICT, "{v}");
+    assert_error(&v, 409, "volume_in_use");
+    let (s, v) = t.json("POST", &backup_path, Some(json!({}))).await;
+    assert_eq!(s, StatusCode::CONFLICT, "{v}");
+    assert!(v.to_string().contains("freeze"), "{v}");
+    t.host.script("/data", vec![Step::Exit(0)]);
+    let (s, v) = t.json("POST", &backup_path, Some(json!({}))).await;
+    assert_eq!(s, StatusCode::CREATED, "{v}");
+    let thaw = t.host.last_exec.lock().unwrap().clone().unwrap();
+    assert_eq!(thaw.argv, ["fsfreeze", "-u", "/data"]);
+    // Paused, it is copied as it is (no command runs in it).
+    t.act(&a, "pause", json!({})).await;
+    *t.host.last_exec.lock().unwrap() = None;
+    let (s, v) = t.json("POST", &backup_path, Some(json!({}))).await;
+    assert_eq!(s, StatusCode::CREATED, "{v}");
+    assert!(t.host.last_exec.lock().unwrap().is_none());
+
+    // Deletes: the owner's; then gone, file and all.
+    let (s, v) = t
+        .json(
+            "POST",
+            &format!("/v1/volume-backups/{bid}:delete"),
+            Some(json!({})),
+        )
+        .await;
+    assert_eq!(
+        (s, v["status"].as_str()),
+        (StatusCode::OK, Some("deleted")),
+        "{v}"
+    );
+    assert!(!copy.exists());
+    let (s, _) = t
+        .json("GET", &format!("/v1/volume-backups/{bid}"), None)
+        .await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+    let (s, _) = t
+        .json(
+            "POST",
+            &format!("/v1/volume-backups/{bid}:delete"),
+            Some(json!({})),
+        )
+        .await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+    // The quota counts backups.
+    let (_, v) = t.json("GET", "/v1/limits", None).await;
+    let row = v["account"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["limit"] == "volume_backup.count")
+        .cloned()
+        .unwrap_or_default();
+    assert_eq!(row["used"], 3, "{v}");
+}
+
+#[tokio::test]
+async fn volume_growth_and_backups_count_against_quotas() {
+    let t = T::new();
+    let k = create_key(&t.dir, Some("small"), false, false).unwrap();
+    runtime_server::keys::set_quotas(
+        &t.dir,
+        "small",
+        &["volume.mib=100".into(), "volume_backup.count=1".into()],
+    )
+    .unwrap();
+    let (s, vol) = t
+        .json_as(&k, "POST", "/v1/volumes", Some(json!({"sizeMiB": 64})), &[])
+        .await;
+    assert_eq!(s, StatusCode::CREATED, "{vol}");
+    let vid = vol["id"].as_str().unwrap().to_string();
+    let (s, v) = t
+        .json_as(
+            &k,
+            "POST",
+            &format!("/v1/volumes/{vid}:resize"),
+            Some(json!({"sizeMiB": 128})),
+            &[],
+        )
+        .await;
+    assert_eq!(s, StatusCode::CONFLICT, "{v}");
+    assert_eq!(v["error"]["details"]["limit"], "volume.mib", "{v}");
+    let (s, v) = t
+        .json_as(
+            &k,
+            "POST",
+            &format!("/v1/volumes/{vid}:resize"),
+            Some(json!({"sizeMiB": 100})),
+            &[],
+        )
+        .await;
+    assert_eq!(
+        (s, v["sizeMiB"].as_u64()),
+        (StatusCode::OK, Some(100)),
+        "{v}"
+    );
+    let backup = format!("/v1/volumes/{vid}:backup");
+    let (s, b) = t.json_as(&k, "POST", &backup, Some(json!({})), &[]).await;
+    assert_eq!(s, StatusCode::CREATED, "{b}");
+    let (s, v) = t.json_as(&k, "POST", &backup, Some(json!({})), &[]).await;
+    assert_eq!(s, StatusCode::CONFLICT, "{v}");
+    assert_eq!(v["error"]["details"]["limit"], "volume_backup.count", "{v}");
+    // A restore is a volume like any other: past volume.mib it is refused.
+    let (s, v) = t
+        .json_as(
+            &k,
+            "POST",
+            "/v1/volumes",
+            Some(json!({"fromBackup": b["id"]})),
+            &[],
+        )
+        .await;
+    assert_eq!(s, StatusCode::CONFLICT, "{v}");
+    assert_eq!(v["error"]["details"]["limit"], "volume.mib", "{v}");
+}
+
+#[tokio::test]
+async fn backups_expire_outlive_their_volume_and_leftovers_go_at_restart() {
+    let t = T::new();
+    let (_, vol) = t
+        .json("POST", "/v1/volumes", Some(json!({"sizeMiB": 16})))
+        .await;
+    let vid = vol["id"].as_str().unwrap().to_string();
+    let tr = &t;
+    let backup = |days: u32| {
+        let path = format!("/v1/volumes/{vid}:backup");
+        async move {
+            let (s, b) = tr
+                .json("POST", &path, Some(json!({"retentionDays": days})))
+                .await;
+            assert_eq!(s, StatusCode::CREATED, "{b}");
+            b["id"].as_str().unwrap().to_string()
+        }
+    };
+    let (short, long) = (backup(1).await, backup(30).await);
+    // Another volume is backed up daily, each kept 5 days.
+    let (_, daily) = t
+        .json("POST", "/v1/volumes", Some(json!({"sizeMiB": 16})))
+        .await;
+    let daily = daily["id"].as_str().unwrap().to_string();
+    let (s, v) = t
+        .json(
+            "POST",
+            &format!("/v1/volumes/{daily}:backup-policy"),
+            Some(json!({"daily": true, "retentionDays": 5})),
+        )
+        .await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    // Deleting the volume keeps its backups.
+    let (s, _) = t
+        .json(
+            "POST",
+            &format!("/v1/volumes/{vid}:delete"),
+            Some(json!({})),
+        )
+        .await;
+    assert_eq!(s, StatusCode::OK);
+    let (_, v) = t
+        .json("GET", &format!("/v1/volume-backups?volumeId={vid}"), None)
+        .await;
+    assert_eq!(v["data"].as_array().map(Vec::len), Some(2), "{v}");
+    t.state.shutdown().await;
+
+    // What a crash left: a half-made copy and a file no backup owns.
+    let dir = t.dir.join("volume-backups");
+    std::fs::write(dir.join("vb-x.partial"), b"half").unwrap();
+    std::fs::write(dir.join("stray.img"), b"stray").unwrap();
+    std::fs::write(t.dir.join("volumes").join("v-x.partial"), b"half").unwrap();
+    // A backup the crash cut short: its record still pending, its copy half
+    // written (as the server leaves them mid-copy).
+    {
+        let conn = rusqlite::Connection::open(t.dir.join("runtime.db")).unwrap();
+        conn.execute(
+            "INSERT INTO volume_backups (id, key_id, volume_id, name, state, size_mib, \
+             stored_bytes, sha256, retention_days, created_ms, expires_ms) \
+             SELECT 'vb-cut', key_id, volume_id, NULL, 'pending', size_mib, 0, '', 7, \
+             created_ms, expires_ms FROM volume_backups WHERE id = ?1",
+            rusqlite::params![long],
+        )
+        .unwrap();
+    }
+    std::fs::write(dir.join("vb-cut.partial"), b"half").unwrap();
+    // Two days on, the one-day backup has expired.
+    let later = time::OffsetDateTime::now_utc().unix_timestamp() * 1000 + 2 * 86_400_000;
+    let t2 = T::open(
+        t.dir.clone(),
+        t.admin.clone(),
+        Arc::new(FakeHost::default()),
+        |c| c.clock = Clock::following_tokio(later),
+    );
+    runtime_server::recover(&t2.state).await.unwrap();
+    assert!(!dir.join("vb-x.partial").exists());
+    assert!(!dir.join("vb-cut.partial").exists());
+    let (s, _) = t2.json("GET", "/v1/volume-backups/vb-cut", None).await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+    assert!(!dir.join("stray.img").exists());
+    assert!(!t.dir.join("volumes").join("v-x.partial").exists());
+    assert!(dir.join(format!("{long}.img")).exists());
+    t2.state.start_background();
+    let mut gone = false;
+    for _ in 0..100 {
+        let (s, _) = t2
+            .json("GET", &format!("/v1/volume-backups/{short}"), None)
+            .await;
+        if s == StatusCode::NOT_FOUND {
+            gone = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(gone, "the expired backup stayed");
+    // More than an hour after it was made, the daily volume has its backup.
+    let mut made = Value::Null;
+    for _ in 0..100 {
+        let (_, v) = t2
+            .json("GET", &format!("/v1/volume-backups?volumeId={daily}"), None)
+            .await;
+        if v["data"][0]["state"] == "ready" {
+            made = v["data"][0].clone();
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(
+        (made["name"].as_str(), made["retentionDays"].as_u64()),
+        (Some("daily"), Some(5)),
+        "{made}"
+    );
+    assert!(!dir.join(format!("{short}.img")).exists());
+    // The other restores into a new volume, though its own is gone.
+    let (s, r) = t2
+        .json("POST", "/v1/volumes", Some(json!({"fromBackup": long})))
+        .await;
+    assert_eq!(
+        (s, r["sizeMiB"].as_u64()),
+        (StatusCode::CREATED, Some(16)),
+        "{r}"
+    );
+    t2.state.shutdown().await;
+}
 
 /// The spec the fake host last started `id` with.
 fn started_spec(t: &T, id: &str) -> runtime_host::MachineSpec {
@@ -4840,7 +5655,7 @@ async fn file_watches_start_read_follow_stop_and_refuse_bad_input() {
         .json(
             "POST",
             &base,
-            Some(json!({"path": "rel", "batchMs": -5, "timeoutMs": "x", "events": ["create", "open"], "webhook": true, "colour": 1})),
+            Some(json!({"path": "rel", "batchMs": -5, "timeoutMs": "x", "events": ["create", "open"], "webhook": "yes", "colour": 1})),
         )
         .await;
     assert_error(&v, 400, "invalid_request");

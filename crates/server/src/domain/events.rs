@@ -16,6 +16,7 @@ pub(crate) const TYPES: &[&str] = &[
     "sandbox.start_failed",
     "sandbox.wake_failed",
     "sandbox.deleted",
+    "sandbox.files.changed",
     "snapshot.ready",
     "snapshot.failed",
     "snapshot.deleted",

@@ -12,6 +12,8 @@
 //!                      ▼  │        Stop  ▼            (WakeFailed: back to paused)
 //!                    stopped ◀─Halted── stopping
 //! ```
+//! `Resize` moves a running, paused or stopped sandbox to `starting`: its
+//! machine (if any) is ended keeping its disk, and it boots at its new shape.
 //! `MachineGone` (the host lost the machine or its saved state) ends any
 //! state with a machine in `stopped`; `Delete` ends every state in `stopped`.
 //! After a restart of the server, `Recovered` (the machine still runs) and
@@ -26,6 +28,9 @@ pub(crate) use runtime_api::SandboxState;
 pub(crate) enum Event {
     /// A stopped persistent sandbox starts again (from its kept disk).
     Restart,
+    /// It restarts at a new shape (`:resize`): from its disk, its programs
+    /// ended.
+    Resize,
     /// The machine booted or was restored.
     Booted,
     /// The machine did not come up.
@@ -67,6 +72,7 @@ pub(crate) fn next(from: SandboxState, event: Event) -> Result<SandboxState, Inv
     use SandboxState::*;
     let to = match (from, event) {
         (Stopped, Restart) => Starting,
+        (Running | Paused | Stopped, Resize) => Starting,
         (Starting, Booted) => Running,
         (Starting, BootFailed) => Stopped,
         (Running, Pause) => Pausing,
@@ -92,8 +98,9 @@ mod tests {
     use super::SandboxState::*;
     use super::*;
 
-    const EVENTS: [Event; 15] = [
+    const EVENTS: [Event; 16] = [
         Restart,
+        Resize,
         Booted,
         BootFailed,
         Pause,
@@ -111,9 +118,12 @@ mod tests {
     ];
 
     /// Every allowed edge, written out once more by hand: the table below
-    /// and `next` must agree on all 7 × 14 pairs.
+    /// and `next` must agree on all 7 × 16 pairs.
     const ALLOWED: &[(SandboxState, Event, SandboxState)] = &[
         (Stopped, Restart, Starting),
+        (Running, Resize, Starting),
+        (Paused, Resize, Starting),
+        (Stopped, Resize, Starting),
         (Starting, Booted, Running),
         (Starting, BootFailed, Stopped),
         (Running, Pause, Pausing),

@@ -19,7 +19,8 @@ pub(crate) struct Quota {
 
 /// Every quota, with its default. Sandboxes count while their machine
 /// runs (a paused or stopped one holds no CPU or memory), their disks while
-/// kept; snapshots and volumes while they exist; uploads while under way.
+/// kept; snapshots, volumes and volume backups while they exist; uploads
+/// while under way.
 pub(crate) const QUOTAS: &[Quota] = &[
     Quota {
         limit: "sandbox.count",
@@ -66,6 +67,18 @@ pub(crate) const QUOTAS: &[Quota] = &[
     Quota {
         limit: "volume.mib",
         label: "Size of volumes",
+        unit: "mib",
+        default: 4 << 20,
+    },
+    Quota {
+        limit: "volume_backup.count",
+        label: "Volume backups",
+        unit: "count",
+        default: 200,
+    },
+    Quota {
+        limit: "volume_backup.mib",
+        label: "Space taken by volume backups",
         unit: "mib",
         default: 4 << 20,
     },

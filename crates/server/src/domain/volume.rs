@@ -26,6 +26,101 @@ pub(crate) struct Volume {
     pub(crate) size_mib: u32,
     pub(crate) created_at: String,
     pub(crate) created_ms: i64,
+    /// The backup this volume was restored from.
+    #[serde(default)]
+    pub(crate) restored_from: Option<String>,
+    /// Its automatic backups; `None`: none (this server's default).
+    #[serde(default)]
+    pub(crate) backup_policy: Option<BackupPolicy>,
+}
+
+/// A volume's automatic backups: one a day while `daily`, each kept
+/// `retention_days`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub(crate) struct BackupPolicy {
+    pub(crate) daily: bool,
+    pub(crate) retention_days: u32,
+}
+
+impl Default for BackupPolicy {
+    fn default() -> Self {
+        BackupPolicy {
+            daily: false,
+            retention_days: DEFAULT_RETENTION_DAYS,
+        }
+    }
+}
+
+/// A day between automatic backups; the first an hour after the volume
+/// is made.
+pub(crate) const DAILY_MS: i64 = 86_400_000;
+pub(crate) const FIRST_DAILY_AFTER_MS: i64 = 3_600_000;
+
+/// Whether a volume made at `created_ms`, whose newest backup was made at
+/// `newest_ms`, is due its daily backup at `now`.
+pub(crate) fn daily_due(created_ms: i64, newest_ms: Option<i64>, now: i64) -> bool {
+    match newest_ms {
+        Some(t) => now >= t + DAILY_MS,
+        None => now >= created_ms + FIRST_DAILY_AFTER_MS,
+    }
+}
+
+/// How long a backup is kept, in days: 1 to 365, 7 unless asked.
+pub(crate) const MIN_RETENTION_DAYS: i64 = 1;
+pub(crate) const MAX_RETENTION_DAYS: i64 = 365;
+pub(crate) const DEFAULT_RETENTION_DAYS: u32 = 7;
+
+/// Where a backup stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum BackupState {
+    /// Its copy is being made; never restored from.
+    Pending,
+    /// Copied, synced, renamed into place and checked.
+    Ready,
+}
+
+impl BackupState {
+    pub(crate) fn as_str(self) -> &'static str {
+        match self {
+            BackupState::Pending => "pending",
+            BackupState::Ready => "ready",
+        }
+    }
+
+    pub(crate) fn parse(s: &str) -> Option<BackupState> {
+        match s {
+            "pending" => Some(BackupState::Pending),
+            "ready" => Some(BackupState::Ready),
+            _ => None,
+        }
+    }
+}
+
+/// A point-in-time copy of a volume, kept on the server's disk until it
+/// expires or is deleted; it outlives its volume.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct VolumeBackup {
+    pub(crate) id: String,
+    /// The key that made it: its owner.
+    pub(crate) key_id: String,
+    pub(crate) volume_id: String,
+    pub(crate) name: Option<String>,
+    pub(crate) state: BackupState,
+    /// The volume's size when it was taken: a restore's least size.
+    pub(crate) size_mib: u32,
+    /// Bytes its copy takes on disk (holes are not stored).
+    pub(crate) stored_bytes: u64,
+    /// Hex SHA-256 of its content, checked at every restore.
+    pub(crate) sha256: String,
+    pub(crate) retention_days: u32,
+    pub(crate) created_ms: i64,
+    pub(crate) expires_ms: i64,
+}
+
+/// When a backup made at `created_ms` and kept `days` days expires.
+pub(crate) fn expires_ms(created_ms: i64, days: u32) -> i64 {
+    created_ms + i64::from(days) * 86_400_000
 }
 
 /// How a sandbox has a volume.
@@ -180,6 +275,14 @@ mod tests {
                 "{bad}"
             );
         }
+    }
+
+    #[test]
+    fn a_daily_backup_is_due_an_hour_after_creation_then_a_day_after_the_last() {
+        assert!(!daily_due(0, None, FIRST_DAILY_AFTER_MS - 1));
+        assert!(daily_due(0, None, FIRST_DAILY_AFTER_MS));
+        assert!(!daily_due(0, Some(5), 5 + DAILY_MS - 1));
+        assert!(daily_due(0, Some(5), 5 + DAILY_MS));
     }
 
     #[test]

@@ -406,6 +406,7 @@ fn host_parts(e: &HostError) -> Parts {
         HostError::StartFailed { .. }
         | HostError::Io { .. }
         | HostError::Capture { .. }
+        | HostError::Grow { .. }
         | HostError::BadCapture { .. } => p(
             StatusCode::INTERNAL_SERVER_ERROR,
             codes::INTERNAL,

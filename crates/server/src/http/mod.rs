@@ -7,6 +7,7 @@ mod console;
 mod error;
 pub(crate) mod extract;
 pub(crate) mod idempotency;
+pub(crate) mod internal;
 pub(crate) mod links;
 pub(crate) mod login;
 pub(crate) mod mcp;

@@ -68,6 +68,10 @@ pub(crate) enum Route {
     GetVolume(String),
     DeleteVolume(String),
     VolumeAction(String, String),
+    ListVolumeBackups,
+    GetVolumeBackup(String),
+    /// `POST /v1/volume-backups/{id}:{verb}`.
+    VolumeBackupAction(String, String),
     /// `/v1/sandboxes/{id}/interpreter[/…]`: the method, the segments after
     /// `interpreter`, and the verb.
     Interpreter(Method, String, Vec<String>, Option<String>),
@@ -147,7 +151,6 @@ const ACCOUNT_PRODUCTS: &[(&str, &str)] = &[
     ("referrals", "Referrals"),
     ("switching", "Switching"),
     ("mcp", "The MCP catalog"),
-    ("volume-backups", "Volume backups"),
 ];
 
 const SANDBOX_PRODUCTS: &[(&str, &str)] = &[
@@ -459,6 +462,15 @@ pub(crate) fn route(method: &Method, raw_path: &str) -> ApiResult<Route> {
             (&Method::POST, Some(v)) => Route::KeyAction(k.to_string(), v.clone()),
             _ => return Err(not_allowed()),
         },
+        ["v1", "volume-backups"] if verb_or_none(false) => match m {
+            Method::GET => Route::ListVolumeBackups,
+            _ => return Err(not_allowed()),
+        },
+        ["v1", "volume-backups", b] => match (&m, &verb) {
+            (&Method::GET, None) => Route::GetVolumeBackup(b.to_string()),
+            (&Method::POST, Some(v)) => Route::VolumeBackupAction(b.to_string(), v.clone()),
+            _ => return Err(not_allowed()),
+        },
         ["v1", "webhook-deliveries", d] => match (&m, &verb) {
             (&Method::POST, Some(v)) => Route::DeliveryAction(d.to_string(), v.clone()),
             _ => return Err(not_allowed()),
@@ -550,6 +562,9 @@ pub const ROUTE_SAMPLES: &[(&str, &str)] = &[
     ("GET", "/v1/volumes/v1"),
     ("DELETE", "/v1/volumes/v1"),
     ("POST", "/v1/volumes/v1:delete"),
+    ("GET", "/v1/volume-backups"),
+    ("GET", "/v1/volume-backups/b1"),
+    ("POST", "/v1/volume-backups/b1:delete"),
     ("GET", "/v1/usage"),
     ("GET", "/v1/limits"),
     ("GET", "/v1/me"),
@@ -784,9 +799,12 @@ mod tests {
             Route::ArchiveUploadBegin(_) => 81,
             Route::ArchiveUploadChunk(..) => 82,
             Route::ArchiveUploadAction(..) => 83,
+            Route::ListVolumeBackups => 84,
+            Route::GetVolumeBackup(_) => 85,
+            Route::VolumeBackupAction(..) => 86,
         }
     }
-    const VARIANTS: usize = 84;
+    const VARIANTS: usize = 87;
 
     #[test]
     fn products_not_served_here_are_unavailable_not_missing() {

@@ -1,6 +1,6 @@
 //! What runs without a request: the reaper (leases, idle pauses,
 //! retention, old idempotency records and process output, expired
-//! snapshots, ended sessions and file links) and the recovery of what an earlier server left.
+//! snapshots and volume backups, ended sessions and file links) and the recovery of what an earlier server left.
 
 use std::time::Duration;
 
@@ -57,6 +57,9 @@ pub(crate) async fn reaper(st: AppState) {
                 .procs
                 .forget_old(st.store(), st.config().output_keep);
             crate::service::snapshots::expire(&st, now);
+            crate::service::volumes::expire_backups(&st, now);
+            let st2 = st.clone();
+            st.spawn(async move { crate::service::volumes::daily_backups(&st2).await });
             if let Err(e) = crate::service::links::prune(&st) {
                 tracing::error!(error = %e, "forgetting ended file links failed");
             }
@@ -103,6 +106,7 @@ pub(crate) async fn recover(st: &AppState) -> Result<(), ServerError> {
     let rows = st.store().live_sandboxes()?;
     sweep(st, &rows).await;
     crate::service::snapshots::recover(st);
+    crate::service::volumes::recover_backups(st);
     for row in rows {
         let id = row.record.id.clone();
         match row.record.state {

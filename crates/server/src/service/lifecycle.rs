@@ -11,7 +11,7 @@
 //! 5. records the outcome with a compare-and-set from the transitional state,
 //! 6. and tells the waiters.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use runtime_api::Sandbox;
@@ -62,13 +62,22 @@ pub(crate) enum Op {
     Wake {
         lease: Option<u32>,
     },
+    /// Boot the `starting` sandbox again from its own disk, at the shape its
+    /// record now has (`:resize`). `from`: the state it was in, whose
+    /// machine (running or paused) is ended first keeping its disk; `old`:
+    /// the shape (vCPUs, memory MiB, disk MiB, CPU floor) a running one
+    /// goes back to when its disk could not be kept.
+    Resize {
+        from: SandboxState,
+        old: (u32, u32, u32, u32),
+    },
 }
 
 impl Op {
     /// The request's event and the state the task expects to find.
     fn edge(&self) -> (Option<Event>, SandboxState) {
         match self {
-            Op::Start { .. } => (None, SandboxState::Starting),
+            Op::Start { .. } | Op::Resize { .. } => (None, SandboxState::Starting),
             Op::Stop { .. } => (Some(Event::Stop), SandboxState::Stopping),
             Op::Pause { .. } => (Some(Event::Pause), SandboxState::Pausing),
             Op::Wake { .. } => (Some(Event::Wake), SandboxState::Resuming),
@@ -81,6 +90,7 @@ impl Op {
             Op::Stop { .. } => "stop",
             Op::Pause { .. } => "pause",
             Op::Wake { .. } => "wake",
+            Op::Resize { .. } => "resize",
         }
     }
 }
@@ -197,67 +207,15 @@ async fn run(st: &AppState, row: SandboxRow, op: Op) {
     let id = row.record.id.clone();
     let now = st.now_ms();
     match op {
-        Op::Start { from, warm } => {
-            let spec = machine_spec(st, &row.record);
-            let began = std::time::Instant::now();
-            let mut warmed = false;
-            let result = match &from {
-                Some(dir) => st.host().restore(&spec, &dir.path).await,
-                None if warm => match st.host().assume(&spec).await {
-                    Ok(()) => {
-                        warmed = true;
-                        Ok(())
-                    }
-                    Err(e) => {
-                        tracing::warn!(error = %e, "the warm machine could not take on the sandbox: starting another");
-                        if let Err(e) = st.host().stop(&id, false).await {
-                            tracing::warn!(error = %e, "ending the warm machine failed");
-                        }
-                        st.host().start(&spec).await
-                    }
-                },
-                None => st.host().start(&spec).await,
-            };
-            let restored = from.is_some();
-            let t = &st.inner.telemetry;
-            let timed = if restored {
-                &t.starts_capture
-            } else if warmed {
-                &t.starts_warm
-            } else {
-                &t.starts_image
-            };
-            timed.record(outcome(&result), began.elapsed());
-            drop(from);
-            let now = st.now_ms();
-            let ev = if result.is_ok() {
-                Event::Booted
-            } else {
-                Event::BootFailed
-            };
-            let out = record(st, &id, SandboxState::Starting, ev, |r| match ev {
-                Event::Booted => {
-                    r.ready_at = Some(iso(now));
-                    r.last_active_at = Some(iso(now));
-                }
-                _ => {
-                    r.stop_reason = Some("start_failed".into());
-                    r.ended_at = Some(iso(now));
-                }
-            });
-            match (&result, out) {
-                (Ok(()), Ok((Some(row), _))) => {
-                    tracing::info!("sandbox running");
-                    start_image_command(st, &row, restored).await;
-                }
-                (Ok(()), Ok((None, _))) => tracing::info!("sandbox running"),
-                (Err(e), Ok(_)) => tracing::warn!(error = %e, "sandbox failed to start"),
-                (_, Err(e)) => tracing::error!(error = %e, "recording the start failed"),
-            }
-        }
+        Op::Start { from, warm } => boot(st, &row, from, warm).await,
+        Op::Resize { from, old } => resize(st, &row, from, old).await,
         Op::Stop { reason } => {
             if row.record.persistent {
-                keep_disk(st, &id).await;
+                // Ended first, its writes flushed: the kept disk has all of them.
+                if let Err(e) = st.host().stop(&id, true).await {
+                    tracing::warn!(error = %e, "host stop failed");
+                }
+                keep_disk(st, &id, &disk_dir(st, &id)).await;
             }
             if let Err(e) = st.host().stop(&id, false).await {
                 tracing::warn!(error = %e, "host stop failed; recording the sandbox as stopped");
@@ -363,6 +321,114 @@ async fn run(st: &AppState, row: SandboxRow, op: Op) {
     }
 }
 
+/// Boots the `starting` sandbox of `row` (or restores it from `from`, or
+/// has the warm machine it took take on its identity) and records how that
+/// went.
+async fn boot(st: &AppState, row: &SandboxRow, from: Option<Arc<CaptureDir>>, warm: bool) {
+    let id = row.record.id.clone();
+    let spec = machine_spec(st, &row.record);
+    let began = std::time::Instant::now();
+    let mut warmed = false;
+    let result = match &from {
+        Some(dir) => st.host().restore(&spec, &dir.path).await,
+        None if warm => match st.host().assume(&spec).await {
+            Ok(()) => {
+                warmed = true;
+                Ok(())
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "the warm machine could not take on the sandbox: starting another");
+                if let Err(e) = st.host().stop(&id, false).await {
+                    tracing::warn!(error = %e, "ending the warm machine failed");
+                }
+                st.host().start(&spec).await
+            }
+        },
+        None => st.host().start(&spec).await,
+    };
+    let restored = from.is_some();
+    let t = &st.inner.telemetry;
+    let timed = if restored {
+        &t.starts_capture
+    } else if warmed {
+        &t.starts_warm
+    } else {
+        &t.starts_image
+    };
+    timed.record(outcome(&result), began.elapsed());
+    drop(from);
+    let now = st.now_ms();
+    let ev = if result.is_ok() {
+        Event::Booted
+    } else {
+        Event::BootFailed
+    };
+    let out = record(st, &id, SandboxState::Starting, ev, |r| match ev {
+        Event::Booted => {
+            r.ready_at = Some(iso(now));
+            r.last_active_at = Some(iso(now));
+        }
+        _ => {
+            r.stop_reason = Some("start_failed".into());
+            r.ended_at = Some(iso(now));
+        }
+    });
+    match (&result, out) {
+        (Ok(()), Ok((Some(row), _))) => {
+            tracing::info!("sandbox running");
+            start_image_command(st, &row, restored).await;
+        }
+        (Ok(()), Ok((None, _))) => tracing::info!("sandbox running"),
+        (Err(e), Ok(_)) => tracing::warn!(error = %e, "sandbox failed to start"),
+        (_, Err(e)) => tracing::error!(error = %e, "recording the start failed"),
+    }
+}
+
+/// `:resize`: ends the machine of the sandbox (running or paused) keeping
+/// its disk, then boots that disk at the shape the record now has. One
+/// whose disk could not be kept is `stopped` (`resize_failed`) at its old
+/// shape.
+async fn resize(st: &AppState, row: &SandboxRow, from: SandboxState, old: (u32, u32, u32, u32)) {
+    let id = row.record.id.clone();
+    let persistent = row.record.persistent;
+    // A persistent sandbox's disk is kept where a stop keeps it; another's
+    // only until it has booted from it.
+    let dir = if persistent {
+        disk_dir(st, &id)
+    } else {
+        disk_dir(st, &id).with_extension("resize")
+    };
+    if from != SandboxState::Stopped {
+        if from == SandboxState::Running {
+            if let Err(e) = st.host().stop(&id, true).await {
+                tracing::warn!(error = %e, "ending the machine for the resize failed");
+            }
+        }
+        if !keep_disk(st, &id, &dir).await {
+            let now = st.now_ms();
+            let out = record(st, &id, SandboxState::Starting, Event::BootFailed, |r| {
+                (r.vcpu, r.memory_mib, r.disk_mib, r.cpu_floor_millis) = old;
+                r.stop_reason = Some("resize_failed".into());
+                r.ended_at = Some(iso(now));
+            });
+            if let Err(e) = out {
+                tracing::error!(error = %e, "recording the failed resize failed");
+            }
+            return;
+        }
+        if let Err(e) = st.host().stop(&id, false).await {
+            tracing::warn!(error = %e, "ending the machine for the resize failed");
+        }
+    }
+    let from = dir.join("disk.qcow2").exists().then(|| {
+        Arc::new(CaptureDir {
+            path: dir,
+            temporary: !persistent,
+        })
+    });
+    boot(st, row, from, false).await;
+}
+
 fn outcome<T, E>(r: &Result<T, E>) -> Outcome {
     if r.is_ok() {
         Outcome::Ok
@@ -447,30 +513,37 @@ pub(crate) fn disk_dir(st: &AppState, id: &str) -> PathBuf {
     st.config().data_dir.join("disks").join(id)
 }
 
-/// Captures the disk of a persistent sandbox (running or paused) into
-/// [`disk_dir`], replacing the previous capture only once the new one is
-/// whole. A failure keeps the previous one, if any.
-async fn keep_disk(st: &AppState, id: &str) {
-    let dest = disk_dir(st, id);
+/// Captures the disk of a sandbox (paused, or ended keeping its disk) into
+/// `dest` ([`disk_dir`] for a persistent one), replacing the previous
+/// capture only once the new one is whole. A failure keeps the previous
+/// one, if any; `false` then.
+async fn keep_disk(st: &AppState, id: &str, dest: &Path) -> bool {
     let fresh = dest.with_extension("new");
     remove_dir_quietly(&fresh);
     if let Some(parent) = dest.parent() {
         if let Err(e) = std::fs::create_dir_all(parent) {
             tracing::error!(error = %e, "creating the disks directory failed");
-            return;
+            return false;
         }
     }
     match st.host().capture(id, &fresh, false).await {
         Ok(()) => {
-            remove_dir_quietly(&dest);
-            match std::fs::rename(&fresh, &dest) {
-                Ok(()) => tracing::info!("disk kept for a restart"),
-                Err(e) => tracing::error!(error = %e, "keeping the disk capture failed"),
+            remove_dir_quietly(dest);
+            match std::fs::rename(&fresh, dest) {
+                Ok(()) => {
+                    tracing::info!("disk kept for a restart");
+                    true
+                }
+                Err(e) => {
+                    tracing::error!(error = %e, "keeping the disk capture failed");
+                    false
+                }
             }
         }
         Err(e) => {
             remove_dir_quietly(&fresh);
-            tracing::warn!(error = %e, "capturing the disk of a persistent sandbox failed");
+            tracing::warn!(error = %e, "capturing the disk of the sandbox failed");
+            false
         }
     }
 }

@@ -20,6 +20,7 @@ pub(crate) mod pool;
 pub(crate) mod previews;
 pub(crate) mod processes;
 pub(crate) mod quotas;
+pub(crate) mod resize;
 pub(crate) mod sandboxes;
 pub(crate) mod secrets;
 pub(crate) mod sessions;

@@ -54,6 +54,12 @@ pub(crate) fn usage(st: &AppState, key_id: &str) -> ApiResult<Usage> {
             u.add("volume.mib", u64::from(v.size_mib));
         }
     }
+    for b in st.store().backups()? {
+        if b.key_id == key_id {
+            u.add("volume_backup.count", 1);
+            u.add("volume_backup.mib", quota::mib_of(b.stored_bytes));
+        }
+    }
     let (n, bytes) = st.inner.uploads.under_way(key_id);
     u.add("upload.count", n);
     u.add("upload.mib", quota::mib_of(bytes));

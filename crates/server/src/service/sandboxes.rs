@@ -454,23 +454,43 @@ pub(crate) async fn create(
                 ("memoryMiB", s.memory_mib),
                 ("diskMiB", s.disk_mib),
             ];
+            // A memory snapshot resumes its machine as it was: its shape
+            // only. A disk snapshot boots fresh at any vCPUs and memory, on
+            // a disk at least as large as the one saved.
+            let disk_only = s.mode == "disk";
             let issues: Vec<runtime_api::Issue> = shape_given
                 .iter()
                 .filter_map(|(k, v)| {
                     let (_, w) = want.iter().find(|(n, _)| n == k)?;
-                    (v != w).then(|| runtime_api::Issue {
+                    let fits = match (disk_only, *k) {
+                        (true, "diskMiB") => v >= w,
+                        (true, _) => true,
+                        (false, _) => v == w,
+                    };
+                    let message = if disk_only {
+                        format!("must be at least {w}, the disk of snapshot {sid} (or left out)")
+                    } else {
+                        format!("must be {w}, the value of snapshot {sid} (or left out)")
+                    };
+                    (!fits).then(|| runtime_api::Issue {
                         field: (*k).to_string(),
-                        message: format!("must be {w}, the value of snapshot {sid} (or left out)"),
+                        message,
                     })
                 })
                 .collect();
             if !issues.is_empty() {
                 return Err(ApiError::Invalid { issues });
             }
+            let given = |k: &str| shape_given.iter().find(|(n, _)| *n == k).map(|(_, v)| *v);
             let r = &mut record;
             r.vcpu = s.vcpu;
             r.memory_mib = s.memory_mib;
             r.disk_mib = s.disk_mib;
+            if disk_only {
+                r.vcpu = given("vcpu").unwrap_or(s.vcpu);
+                r.memory_mib = given("memoryMiB").unwrap_or(s.memory_mib);
+                r.disk_mib = given("diskMiB").unwrap_or(s.disk_mib);
+            }
             if r.cpu == "reserved" && !floor_given {
                 r.cpu_floor_millis = r.vcpu * 1000;
             }
@@ -702,15 +722,7 @@ pub(crate) async fn restart_stopped(
             });
         }
         let _g = st.inner.create_lock.lock().await;
-        if let Some(n) = &row.record.name {
-            if let Some(h) = name_holder(st, &row.key_id, n, Some(id))? {
-                let sandbox_id = visible(key, &h).then(|| h.record.id.clone());
-                return Err(ApiError::NameTaken {
-                    name: n.clone(),
-                    sandbox_id,
-                });
-            }
-        }
+        name_free_for_restart(st, key, &row)?;
         let lease = crate::domain::money::first_lease_seconds(row.record.timeout_seconds);
         crate::service::billing::check_spend(st, &row.key_id, &row.record, lease, lease)?;
         admit_machine(st, &row, restarted_disk(&row)).await?;
@@ -720,6 +732,25 @@ pub(crate) async fn restart_stopped(
         wait_until(st, id, wait, |s| s != Starting).await?;
     }
     find(st, key, id)
+}
+
+/// A stopped sandbox starts again only while no other live one of its key
+/// took its name meanwhile (409 `name_taken`). Called under the create lock.
+pub(crate) fn name_free_for_restart(
+    st: &AppState,
+    key: &KeyInfo,
+    row: &SandboxRow,
+) -> ApiResult<()> {
+    if let Some(n) = &row.record.name {
+        if let Some(h) = name_holder(st, &row.key_id, n, Some(&row.record.id))? {
+            let sandbox_id = visible(key, &h).then(|| h.record.id.clone());
+            return Err(ApiError::NameTaken {
+                name: n.clone(),
+                sandbox_id,
+            });
+        }
+    }
+    Ok(())
 }
 
 /// `:pause`, waiting up to `wait` for the pause to end; 409 `pause_failed`

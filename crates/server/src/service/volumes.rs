@@ -28,15 +28,20 @@ use serde_json::json;
 use crate::domain::access::{visible, KeyInfo};
 use crate::domain::time::iso;
 pub(crate) use crate::domain::volume::Attachment;
-use crate::domain::volume::{hold_of, AttachMode, Hold, Volume};
+use crate::domain::volume::{
+    expires_ms, hold_of, AttachMode, BackupState, Hold, Volume, VolumeBackup, MIN_SIZE_MIB,
+};
 use crate::error::{ApiError, ApiResult};
 use crate::AppState;
 
 /// A new volume, as its create asks.
 pub(crate) struct CreateVolume {
-    pub(crate) size_mib: u32,
+    /// `None` only with `from_backup`: the backup's size.
+    pub(crate) size_mib: Option<u32>,
     pub(crate) name: Option<String>,
     pub(crate) labels: BTreeMap<String, String>,
+    /// A restore: the new volume holds this backup's bytes.
+    pub(crate) from_backup: Option<String>,
 }
 
 /// A sandbox holding a volume.
@@ -117,10 +122,32 @@ pub(crate) async fn create(
     key: &KeyInfo,
     cmd: CreateVolume,
 ) -> ApiResult<VolumeView> {
+    if key.read_only {
+        return Err(ApiError::Forbidden {
+            action: "create volumes",
+        });
+    }
     let _g = st.inner.create_lock.lock().await;
+    let source = match &cmd.from_backup {
+        Some(b) => Some(own_ready_backup(st, key, b, "restore")?),
+        None => None,
+    };
+    let size_mib = match (&source, cmd.size_mib) {
+        (Some(b), Some(n)) if n < b.size_mib => {
+            return Err(ApiError::invalid(
+                "sizeMiB",
+                format!(
+                    "must be at least the backup's {} MiB (or omitted: the backup's size)",
+                    b.size_mib
+                ),
+            ))
+        }
+        (Some(b), n) => n.unwrap_or(b.size_mib),
+        (None, n) => n.unwrap_or(MIN_SIZE_MIB as u32),
+    };
     let mut asked = crate::domain::quota::Usage::default();
     asked.add("volume.count", 1);
-    asked.add("volume.mib", u64::from(cmd.size_mib));
+    asked.add("volume.mib", u64::from(size_mib));
     crate::service::quotas::admit(st, &key.id, &asked)?;
     if let Some(n) = &cmd.name {
         if let Some(other) = st
@@ -142,12 +169,21 @@ pub(crate) async fn create(
         key_id: key.id.clone(),
         name: cmd.name,
         labels: cmd.labels,
-        size_mib: cmd.size_mib,
+        size_mib,
         created_at: iso(now),
         created_ms: now,
+        restored_from: source.as_ref().map(|b| b.id.clone()),
+        backup_policy: None,
     };
     let path = file(st, &d.id);
     let size = d.size_mib;
+    let from = source
+        .as_ref()
+        .map(|b| (backup_file(st, &b.id), b.sha256.clone()));
+    let _busy = match &source {
+        Some(b) => Some(Busy::mark(st, &b.id)?),
+        None => None,
+    };
     let made = tokio::task::spawn_blocking(move || {
         if let Some(dir) = path.parent() {
             std::fs::create_dir_all(dir)?;
@@ -155,7 +191,23 @@ pub(crate) async fn create(
             use std::os::unix::fs::PermissionsExt;
             std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o711))?;
         }
-        runtime_host::volume::create_volume_file(&path, size)
+        match from {
+            None => runtime_host::volume::create_volume_file(&path, size),
+            // A restore: the backup's bytes, checked against its sum on
+            // the way, grown to the size asked (the guest grows the file
+            // system at its next mount).
+            Some((backup, sha256)) => {
+                let partial = path.with_extension("partial");
+                let _ = std::fs::remove_file(&partial);
+                runtime_host::volume::copy_sparse(
+                    &backup,
+                    &partial,
+                    u64::from(size) << 20,
+                    Some(&sha256),
+                )?;
+                std::fs::rename(&partial, &path)
+            }
+        }
     })
     .await
     .map_err(|e| ApiError::Internal {
@@ -163,7 +215,11 @@ pub(crate) async fn create(
     })?;
     made.map_err(|e| ApiError::Failed {
         code: codes::VOLUME_CREATE_FAILED,
-        message: format!("The volume's file could not be made: {e}"),
+        message: if source.is_some() {
+            format!("The backup could not be restored: {e}")
+        } else {
+            format!("The volume's file could not be made: {e}")
+        },
     })?;
     st.store().insert_volume(&d)?;
     tracing::info!(volume_id = %d.id, size_mib = size, "volume created");
@@ -207,6 +263,9 @@ pub(crate) async fn delete(st: &AppState, key: &KeyInfo, id: &str) -> ApiResult<
     let d = find(st, key, id)?;
     if d.key_id != key.id && !key.account_wide {
         return Err(not_found(id));
+    }
+    if is_busy(st, &d.id) {
+        return Err(busy_error(&d.id));
     }
     let held = holders(st).await?;
     if let Some(h) = held.iter().find(|h| h.attachment.volume_id == d.id) {
@@ -331,6 +390,9 @@ pub(crate) async fn resolve(
     }
     let held = holders(st).await?;
     for a in out.iter().filter(|a| a.mode == AttachMode::Rw) {
+        if is_busy(st, &a.volume_id) {
+            return Err(busy_error(&a.volume_id));
+        }
         if let Some(h) = held
             .iter()
             .find(|h| h.attachment.volume_id == a.volume_id && h.attachment.mode == AttachMode::Rw)
@@ -439,4 +501,597 @@ pub(crate) fn refuse_copy(st: &AppState, sandbox_id: &str, what: &str) -> ApiRes
         ),
         details: Some(json!({"sandboxId": sandbox_id})),
     })
+}
+
+// ---- resize, backups and restores ----
+
+/// Marks a volume (or a backup) busy while a backup, resize or restore
+/// works on its file; unmarked when dropped.
+pub(crate) struct Busy {
+    st: AppState,
+    id: String,
+}
+
+impl Busy {
+    /// Marks `id`, or answers that another operation has it.
+    fn mark(st: &AppState, id: &str) -> ApiResult<Busy> {
+        let mut ops = st
+            .inner
+            .volume_ops
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        if !ops.insert(id.to_string()) {
+            return Err(busy_error(id));
+        }
+        Ok(Busy {
+            st: st.clone(),
+            id: id.to_string(),
+        })
+    }
+}
+
+impl Drop for Busy {
+    fn drop(&mut self) {
+        let mut ops = self
+            .st
+            .inner
+            .volume_ops
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        ops.remove(&self.id);
+    }
+}
+
+fn is_busy(st: &AppState, id: &str) -> bool {
+    st.inner
+        .volume_ops
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .contains(id)
+}
+
+/// A passing refusal (the client waits `volume_releasing` out).
+fn busy_error(id: &str) -> ApiError {
+    ApiError::Conflict {
+        code: codes::VOLUME_RELEASING,
+        message: format!(
+            "{id} is being backed up, resized or restored from; try again in a moment."
+        ),
+        details: Some(json!({"volumeId": id})),
+    }
+}
+
+fn backup_dir(st: &AppState) -> PathBuf {
+    st.config().data_dir.join("volume-backups")
+}
+
+/// A ready backup's file: written as `<id>.partial`, synced, then renamed.
+fn backup_file(st: &AppState, id: &str) -> PathBuf {
+    backup_dir(st).join(format!("{id}.img"))
+}
+
+fn backup_not_found(id: &str) -> ApiError {
+    ApiError::NotFound {
+        code: codes::VOLUME_BACKUP_NOT_FOUND,
+        what: "volume backup",
+        id: id.to_string(),
+    }
+}
+
+/// A volume `key` may change: its own, or any with an account-wide key.
+fn own(st: &AppState, key: &KeyInfo, which: &str, action: &'static str) -> ApiResult<Volume> {
+    if key.read_only {
+        return Err(ApiError::Forbidden { action });
+    }
+    let d = find(st, key, which)?;
+    if d.key_id != key.id && !key.account_wide {
+        return Err(not_found(which));
+    }
+    Ok(d)
+}
+
+/// Grows a volume no sandbox holds to `size_mib` (larger than it is): the
+/// file at once; its file system when a guest next mounts it.
+pub(crate) async fn resize(
+    st: &AppState,
+    key: &KeyInfo,
+    which: &str,
+    size_mib: u32,
+) -> ApiResult<VolumeView> {
+    let _g = st.inner.create_lock.lock().await;
+    let d = own(st, key, which, "resize volumes")?;
+    if size_mib <= d.size_mib {
+        return Err(ApiError::invalid(
+            "sizeMiB",
+            format!(
+                "must be larger than the volume's {} MiB: a volume only grows",
+                d.size_mib
+            ),
+        ));
+    }
+    let held = holders(st).await?;
+    if let Some(h) = held.iter().find(|h| h.attachment.volume_id == d.id) {
+        return Err(ApiError::Conflict {
+            code: codes::VOLUME_IN_USE,
+            message: format!(
+                "Volume {} is attached to sandbox {}; only a detached volume is resized \
+                 (a running machine's drive keeps its size).",
+                d.id, h.sandbox_id
+            ),
+            details: Some(json!({"volumeId": d.id, "sandboxId": h.sandbox_id})),
+        });
+    }
+    let _busy = Busy::mark(st, &d.id)?;
+    let mut asked = crate::domain::quota::Usage::default();
+    asked.add("volume.mib", u64::from(size_mib - d.size_mib));
+    // The volume counts against its owner's quota, whoever grows it.
+    crate::service::quotas::admit(st, &d.key_id, &asked)?;
+    let path = file(st, &d.id);
+    tokio::task::spawn_blocking(move || runtime_host::volume::grow_volume_file(&path, size_mib))
+        .await
+        .map_err(|e| ApiError::Internal {
+            what: e.to_string(),
+        })?
+        .map_err(|e| ApiError::Failed {
+            code: codes::VOLUME_CREATE_FAILED,
+            message: format!("The volume's file could not be grown: {e}"),
+        })?;
+    st.store().set_volume_size(&d.id, size_mib)?;
+    tracing::info!(volume_id = %d.id, from = d.size_mib, to = size_mib, "volume resized");
+    let d = Volume { size_mib, ..d };
+    Ok(view(st, d, &held))
+}
+
+/// A backup `key` sees.
+pub(crate) fn find_backup(st: &AppState, key: &KeyInfo, id: &str) -> ApiResult<VolumeBackup> {
+    match st.store().get_backup(id)? {
+        Some(b) if visible(key, &b.key_id) => Ok(b),
+        _ => Err(backup_not_found(id)),
+    }
+}
+
+/// A backup `key` may restore or delete (`doing`): its own (or any,
+/// account-wide), ready.
+fn own_ready_backup(
+    st: &AppState,
+    key: &KeyInfo,
+    id: &str,
+    doing: &str,
+) -> ApiResult<VolumeBackup> {
+    let b = find_backup(st, key, id)?;
+    if b.key_id != key.id && !key.account_wide {
+        return Err(backup_not_found(id));
+    }
+    if b.state != BackupState::Ready {
+        return Err(ApiError::Conflict {
+            code: codes::VOLUME_BACKUP_NOT_READY,
+            message: format!(
+                "Backup {id} is {}; {doing} it once it is ready.",
+                b.state.as_str()
+            ),
+            details: Some(json!({"backupId": id})),
+        });
+    }
+    Ok(b)
+}
+
+/// Backups `key` sees, newest first: of one volume, in one state.
+pub(crate) fn backups(
+    st: &AppState,
+    key: &KeyInfo,
+    volume_id: Option<&str>,
+    state: Option<BackupState>,
+) -> ApiResult<Vec<VolumeBackup>> {
+    // A name of the key's own volume names it; an id may be of a volume
+    // since deleted (its backups outlive it).
+    let volume_id = volume_id.map(|v| match find(st, key, v) {
+        Ok(d) => d.id,
+        Err(_) => v.to_string(),
+    });
+    Ok(st
+        .store()
+        .backups()?
+        .into_iter()
+        .filter(|b| visible(key, &b.key_id))
+        .filter(|b| volume_id.as_ref().is_none_or(|v| b.volume_id == *v))
+        .filter(|b| state.is_none_or(|s| b.state == s))
+        .collect())
+}
+
+/// Runs `argv` as root in a running sandbox; its exit code, or why not.
+async fn run_root(st: &AppState, sandbox_id: &str, argv: &[&str]) -> Result<i32, String> {
+    use runtime_host::{ExecEvent, ExecSpec, RunAs};
+    let spec = ExecSpec {
+        argv: argv.iter().map(|a| a.to_string()).collect(),
+        cwd: None,
+        env: Vec::new(),
+        user: RunAs::Root,
+        timeout: Some(std::time::Duration::from_secs(30)),
+        stdin: false,
+        pty: None,
+        kill_group_on_exit: true,
+    };
+    let mut handle = st
+        .host()
+        .exec(sandbox_id, spec)
+        .await
+        .map_err(|e| e.to_string())?;
+    let done = tokio::time::timeout(std::time::Duration::from_secs(35), async {
+        while let Some(ev) = handle.events.recv().await {
+            if let ExecEvent::Exited(x) = ev {
+                return x
+                    .code
+                    .ok_or_else(|| "it was killed or timed out".to_string());
+            }
+        }
+        Err("the guest's agent went away".to_string())
+    })
+    .await;
+    done.unwrap_or_else(|_| Err("it timed out".into()))
+}
+
+/// Holds a volume's running writer still for a consistent copy: its file
+/// system frozen (`fsfreeze`), thawed when dropped.
+struct Frozen {
+    st: AppState,
+    sandbox_id: String,
+    path: String,
+}
+
+impl Frozen {
+    async fn thaw(self) {
+        if let Err(e) = run_root(&self.st, &self.sandbox_id, &["fsfreeze", "-u", &self.path]).await
+        {
+            tracing::warn!(sandbox_id = %self.sandbox_id, error = %e, "thawing a volume after its backup failed");
+        }
+    }
+}
+
+/// What a backup asks.
+pub(crate) struct BackupVolume {
+    pub(crate) name: Option<String>,
+    pub(crate) retention_days: u32,
+}
+
+/// Backs a volume up now: a point-in-time sparse copy in the server's
+/// `volume-backups/`, checked (SHA-256 recorded) before it is `ready`.
+/// A detached volume, or one whose writer is paused or stopped, is copied
+/// as it is; a running writer's file system is frozen (`fsfreeze`, as root
+/// in its guest) for the copy and thawed after.
+pub(crate) async fn backup(
+    st: &AppState,
+    key: &KeyInfo,
+    which: &str,
+    cmd: BackupVolume,
+) -> ApiResult<VolumeBackup> {
+    let (d, writer, busy) = {
+        let _g = st.inner.create_lock.lock().await;
+        let d = own(st, key, which, "back volumes up")?;
+        let mut asked = crate::domain::quota::Usage::default();
+        asked.add("volume_backup.count", 1);
+        asked.add(
+            "volume_backup.mib",
+            crate::domain::quota::mib_of(view(st, d.clone(), &[]).used_bytes),
+        );
+        crate::service::quotas::admit(st, &key.id, &asked)?;
+        let held = holders(st).await?;
+        let writer = held
+            .into_iter()
+            .find(|h| h.attachment.volume_id == d.id && h.attachment.mode == AttachMode::Rw);
+        let busy = Busy::mark(st, &d.id)?;
+        (d, writer, busy)
+    };
+    // The writer neither starts, wakes, pauses nor stops during the copy.
+    let lock = writer.as_ref().map(|w| st.lifecycle_lock(&w.sandbox_id));
+    let _life = match &lock {
+        Some(l) => Some(
+            tokio::time::timeout(std::time::Duration::from_secs(30), l.lock())
+                .await
+                .map_err(|_| in_use(&d.id, writer.as_ref(), "is changing state"))?,
+        ),
+        None => None,
+    };
+    let mut frozen = None;
+    if let Some(w) = &writer {
+        if w.hold != Hold::Active {
+            return Err(in_use(&d.id, Some(w), "is releasing it"));
+        }
+        let state = st
+            .store()
+            .get_sandbox(&w.sandbox_id)?
+            .map(|r| r.record.state);
+        use crate::domain::lifecycle::SandboxState as S;
+        match state {
+            Some(S::Running) => {
+                match run_root(st, &w.sandbox_id, &["fsfreeze", "-f", &w.attachment.path]).await {
+                    Ok(0) => {
+                        frozen = Some(Frozen {
+                            st: st.clone(),
+                            sandbox_id: w.sandbox_id.clone(),
+                            path: w.attachment.path.clone(),
+                        })
+                    }
+                    Ok(code) => {
+                        return Err(in_use(
+                            &d.id,
+                            Some(w),
+                            &format!("could not freeze it (fsfreeze exited {code})"),
+                        ))
+                    }
+                    Err(e) => {
+                        return Err(in_use(
+                            &d.id,
+                            Some(w),
+                            &format!("could not freeze it ({e})"),
+                        ))
+                    }
+                }
+            }
+            // Flushed before it paused or stopped; it writes nothing now.
+            Some(S::Paused | S::Stopped) | None => {}
+            Some(s) => return Err(in_use(&d.id, Some(w), &format!("is {}", s.as_str()))),
+        }
+    }
+    let now = st.now_ms();
+    let mut b = VolumeBackup {
+        id: format!("vb-{}", uuid::Uuid::new_v4()),
+        key_id: key.id.clone(),
+        volume_id: d.id.clone(),
+        name: cmd.name,
+        state: BackupState::Pending,
+        size_mib: d.size_mib,
+        stored_bytes: 0,
+        sha256: String::new(),
+        retention_days: cmd.retention_days,
+        created_ms: now,
+        expires_ms: expires_ms(now, cmd.retention_days),
+    };
+    if let Err(e) = st.store().insert_backup(&b) {
+        if let Some(f) = frozen {
+            f.thaw().await;
+        }
+        return Err(e.into());
+    }
+    let (src, dir, done) = (file(st, &d.id), backup_dir(st), backup_file(st, &b.id));
+    let copied = tokio::task::spawn_blocking(move || {
+        std::fs::create_dir_all(&dir)?;
+        // Only the server reads backups (QEMU never opens them).
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700))?;
+        let partial = done.with_extension("partial");
+        let c = runtime_host::volume::copy_sparse(&src, &partial, 0, None)?;
+        std::fs::rename(&partial, &done)?;
+        runtime_host::volume::sync_dir(&dir)?;
+        Ok::<_, std::io::Error>(c)
+    })
+    .await;
+    if let Some(f) = frozen {
+        f.thaw().await;
+    }
+    drop(busy);
+    let copied = match copied {
+        Ok(Ok(c)) => c,
+        Ok(Err(e)) => return Err(failed_backup(st, &b.id, e.to_string())),
+        Err(e) => return Err(failed_backup(st, &b.id, e.to_string())),
+    };
+    st.store()
+        .backup_ready(&b.id, &copied.sha256, copied.stored_bytes)?;
+    b.state = BackupState::Ready;
+    b.sha256 = copied.sha256;
+    b.stored_bytes = copied.stored_bytes;
+    tracing::info!(backup_id = %b.id, volume_id = %d.id, stored_bytes = b.stored_bytes, "volume backed up");
+    Ok(b)
+}
+
+fn in_use(volume_id: &str, w: Option<&Holder>, why: &str) -> ApiError {
+    let sandbox_id = w.map(|w| w.sandbox_id.as_str()).unwrap_or("");
+    ApiError::Conflict {
+        code: codes::VOLUME_IN_USE,
+        message: format!(
+            "Volume {volume_id} is attached to sandbox {sandbox_id}, which {why}; \
+             no consistent backup can be taken now."
+        ),
+        details: Some(json!({"volumeId": volume_id, "sandboxId": sandbox_id})),
+    }
+}
+
+/// Forgets a backup whose copy failed (its record and any partial file).
+fn failed_backup(st: &AppState, id: &str, why: String) -> ApiError {
+    tracing::error!(backup_id = id, error = %why, "backing a volume up failed");
+    remove_backup_files(st, id);
+    if let Err(e) = st.store().delete_backup(id) {
+        tracing::error!(backup_id = id, error = %e, "forgetting a failed backup failed");
+    }
+    ApiError::Failed {
+        code: codes::VOLUME_BACKUP_FAILED,
+        message: format!("The volume could not be backed up: {why}"),
+    }
+}
+
+fn remove_backup_files(st: &AppState, id: &str) {
+    let done = backup_file(st, id);
+    for f in [done.with_extension("partial"), done] {
+        if let Err(e) = std::fs::remove_file(&f) {
+            if e.kind() != std::io::ErrorKind::NotFound {
+                tracing::warn!(backup_id = id, error = %e, "removing a backup's file failed");
+            }
+        }
+    }
+}
+
+/// Deletes a backup (its owner's, or any with an account-wide key).
+pub(crate) fn delete_backup(st: &AppState, key: &KeyInfo, id: &str) -> ApiResult<VolumeBackup> {
+    if key.read_only {
+        return Err(ApiError::Forbidden {
+            action: "delete volume backups",
+        });
+    }
+    let b = own_ready_backup(st, key, id, "delete")?;
+    let _busy = Busy::mark(st, &b.id)?;
+    st.store().delete_backup(&b.id)?;
+    remove_backup_files(st, &b.id);
+    tracing::info!(backup_id = %b.id, "volume backup deleted");
+    Ok(b)
+}
+
+/// Removes the backups whose retention ended (not one being restored).
+pub(crate) fn expire_backups(st: &AppState, now: i64) {
+    let list = match st.store().backups() {
+        Ok(l) => l,
+        Err(e) => {
+            tracing::error!(error = %e, "reading volume backups failed");
+            return;
+        }
+    };
+    for b in list
+        .into_iter()
+        .filter(|b| b.state == BackupState::Ready && b.expires_ms <= now)
+    {
+        let Ok(_busy) = Busy::mark(st, &b.id) else {
+            continue;
+        };
+        match st.store().delete_backup(&b.id) {
+            Ok(_) => {
+                remove_backup_files(st, &b.id);
+                tracing::info!(backup_id = %b.id, "volume backup expired: deleted");
+            }
+            Err(e) => {
+                tracing::error!(backup_id = %b.id, error = %e, "deleting an expired backup failed")
+            }
+        }
+    }
+}
+
+/// At start: a backup an earlier server left pending never finished; it
+/// goes, with its partial file, and so does any file no backup owns.
+pub(crate) fn recover_backups(st: &AppState) {
+    let list = match st.store().backups() {
+        Ok(l) => l,
+        Err(e) => {
+            tracing::error!(error = %e, "reading volume backups failed");
+            return;
+        }
+    };
+    for b in list.iter().filter(|b| b.state == BackupState::Pending) {
+        tracing::warn!(backup_id = %b.id, "a backup left unfinished: removed");
+        remove_backup_files(st, &b.id);
+        if let Err(e) = st.store().delete_backup(&b.id) {
+            tracing::error!(backup_id = %b.id, error = %e, "forgetting an unfinished backup failed");
+        }
+    }
+    let ready: std::collections::HashSet<String> = list
+        .into_iter()
+        .filter(|b| b.state == BackupState::Ready)
+        .map(|b| format!("{}.img", b.id))
+        .collect();
+    if let Ok(entries) = std::fs::read_dir(backup_dir(st)) {
+        for e in entries.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            if !ready.contains(&name) {
+                tracing::warn!(file = %name, "a backup file no backup owns: removed");
+                let _ = std::fs::remove_file(e.path());
+            }
+        }
+    }
+    // A volume's file made or restored halfway.
+    let volumes = st.config().data_dir.join("volumes");
+    if let Ok(entries) = std::fs::read_dir(volumes) {
+        for e in entries.flatten() {
+            if e.path().extension().is_some_and(|x| x == "partial") {
+                tracing::warn!(file = %e.path().display(), "a volume file left half made: removed");
+                let _ = std::fs::remove_file(e.path());
+            }
+        }
+    }
+}
+
+/// Sets a volume's backup policy: the fields given change, the others stay.
+pub(crate) async fn set_backup_policy(
+    st: &AppState,
+    key: &KeyInfo,
+    which: &str,
+    daily: Option<bool>,
+    retention_days: Option<u32>,
+) -> ApiResult<VolumeView> {
+    let _g = st.inner.create_lock.lock().await;
+    let d = own(st, key, which, "change volumes")?;
+    let mut policy = d.backup_policy.unwrap_or_default();
+    if let Some(on) = daily {
+        policy.daily = on;
+    }
+    if let Some(days) = retention_days {
+        policy.retention_days = days;
+    }
+    st.store().set_backup_policy(&d.id, policy)?;
+    let held = holders(st).await?;
+    Ok(view(
+        st,
+        Volume {
+            backup_policy: Some(policy),
+            ..d
+        },
+        &held,
+    ))
+}
+
+/// Makes the daily backups that are due (one pass at a time; a volume
+/// whose backup failed is tried again an hour later).
+pub(crate) async fn daily_backups(st: &AppState) {
+    let Ok(_pass) = Busy::mark(st, "daily backups") else {
+        return;
+    };
+    let now = st.now_ms();
+    let (volumes, backups) = match (st.store().volumes(), st.store().backups()) {
+        (Ok(v), Ok(b)) => (v, b),
+        (Err(e), _) | (_, Err(e)) => {
+            tracing::error!(error = %e, "reading volumes for daily backups failed");
+            return;
+        }
+    };
+    st.inner
+        .daily_tried
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .retain(|id, _| volumes.iter().any(|d| d.id == *id));
+    for d in volumes {
+        let Some(policy) = d.backup_policy.filter(|p| p.daily) else {
+            continue;
+        };
+        let newest = backups
+            .iter()
+            .filter(|b| b.volume_id == d.id)
+            .map(|b| b.created_ms)
+            .max();
+        if !crate::domain::volume::daily_due(d.created_ms, newest, now) {
+            continue;
+        }
+        {
+            let mut tried = st
+                .inner
+                .daily_tried
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
+            if tried.get(&d.id).is_some_and(|t| now < t + 3_600_000) {
+                continue;
+            }
+            tried.insert(d.id.clone(), now);
+        }
+        let owner = KeyInfo {
+            id: d.key_id.clone(),
+            read_only: false,
+            account_wide: false,
+        };
+        let cmd = BackupVolume {
+            name: Some("daily".into()),
+            retention_days: policy.retention_days,
+        };
+        match backup(st, &owner, &d.id, cmd).await {
+            Ok(b) => {
+                tracing::info!(volume_id = %d.id, backup_id = %b.id, "daily volume backup made")
+            }
+            Err(e) => {
+                tracing::warn!(volume_id = %d.id, error = %e, "a daily volume backup failed; tried again in an hour")
+            }
+        }
+    }
 }

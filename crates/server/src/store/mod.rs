@@ -27,7 +27,7 @@ use rusqlite::Connection;
 
 use crate::error::ServerError;
 
-pub(super) const SCHEMA_VERSION: i64 = 13;
+pub(super) const SCHEMA_VERSION: i64 = 14;
 
 const SCHEMA_V1: &str = "
 CREATE TABLE IF NOT EXISTS keys (
@@ -225,6 +225,29 @@ CREATE TABLE IF NOT EXISTS registry_credentials (
 /// by the operator; NULL, the server's for every quota.
 const SCHEMA_V13: &str = "
 ALTER TABLE keys ADD COLUMN quotas TEXT;
+";
+
+/// Volume backups (v14): one row per backup, `pending` while its copy is
+/// made (a restart removes those), `ready` once written, synced, renamed
+/// into place and checked; the backup a volume was restored from, and its
+/// backup policy (JSON; NULL: no automatic backups).
+const SCHEMA_V14: &str = "
+ALTER TABLE volumes ADD COLUMN restored_from TEXT;
+ALTER TABLE volumes ADD COLUMN backup_policy TEXT;
+CREATE TABLE IF NOT EXISTS volume_backups (
+    id TEXT PRIMARY KEY,
+    key_id TEXT NOT NULL,
+    volume_id TEXT NOT NULL,
+    name TEXT,
+    state TEXT NOT NULL,
+    size_mib INTEGER NOT NULL,
+    stored_bytes INTEGER NOT NULL,
+    sha256 TEXT NOT NULL,
+    retention_days INTEGER NOT NULL,
+    created_ms INTEGER NOT NULL,
+    expires_ms INTEGER NOT NULL
+);
+CREATE INDEX IF NOT EXISTS volume_backups_volume ON volume_backups(volume_id);
 ";
 
 /// Events, webhooks and their deliveries (v10). Events and deliveries are
@@ -433,6 +456,12 @@ pub(crate) fn open_connection(data_dir: &Path) -> Result<Connection, ServerError
     if version < 13 {
         conn.execute_batch(SCHEMA_V13)
             .map_err(store_err("migrate v13"))?;
+    }
+    if version < 14 {
+        let tx = conn.transaction().map_err(store_err("begin v14"))?;
+        tx.execute_batch(SCHEMA_V14)
+            .map_err(store_err("migrate v14"))?;
+        tx.commit().map_err(store_err("commit v14"))?;
     }
     if version < SCHEMA_VERSION {
         conn.pragma_update(None, "user_version", SCHEMA_VERSION)

@@ -4,15 +4,41 @@
 use rusqlite::{params, Connection, OptionalExtension, Transaction};
 
 use super::{corrupt, store_err, Store};
-use crate::domain::volume::{AttachMode, Attachment, Volume};
+use crate::domain::volume::{
+    AttachMode, Attachment, BackupPolicy, BackupState, Volume, VolumeBackup,
+};
 use crate::error::ServerError;
 
-const COLUMNS: &str = "id, key_id, name, labels, size_mib, created_at, created_ms";
+const COLUMNS: &str =
+    "id, key_id, name, labels, size_mib, created_at, created_ms, restored_from, backup_policy";
 
 fn insert_row(conn: &Connection, v: &Volume) -> Result<(), ServerError> {
     let labels = serde_json::to_string(&v.labels).map_err(|e| corrupt(e.to_string()))?;
     conn.execute(
-        &format!("INSERT INTO volumes ({COLUMNS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)"),
+        &format!("INSERT INTO volumes ({COLUMNS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)"),
+        params![
+            v.id,
+            v.key_id,
+            v.name,
+            labels,
+            v.size_mib,
+            v.created_at,
+            v.created_ms,
+            v.restored_from,
+            policy_text(v.backup_policy)?
+        ],
+    )
+    .map(|_| ())
+    .map_err(store_err("insert volume"))
+}
+
+/// A volume as the v6 table held it (the migration runs before v14 adds
+/// `restored_from`).
+fn insert_v6_row(conn: &Connection, v: &Volume) -> Result<(), ServerError> {
+    let labels = serde_json::to_string(&v.labels).map_err(|e| corrupt(e.to_string()))?;
+    conn.execute(
+        "INSERT INTO volumes (id, key_id, name, labels, size_mib, created_at, created_ms) \
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
         params![
             v.id,
             v.key_id,
@@ -27,7 +53,22 @@ fn insert_row(conn: &Connection, v: &Volume) -> Result<(), ServerError> {
     .map_err(store_err("insert volume"))
 }
 
-type RawVolume = (String, String, Option<String>, String, u32, String, i64);
+type RawVolume = (
+    String,
+    String,
+    Option<String>,
+    String,
+    u32,
+    String,
+    i64,
+    Option<String>,
+    Option<String>,
+);
+
+fn policy_text(p: Option<BackupPolicy>) -> Result<Option<String>, ServerError> {
+    p.map(|p| serde_json::to_string(&p).map_err(|e| corrupt(e.to_string())))
+        .transpose()
+}
 
 fn raw(r: &rusqlite::Row<'_>) -> rusqlite::Result<RawVolume> {
     Ok((
@@ -38,14 +79,20 @@ fn raw(r: &rusqlite::Row<'_>) -> rusqlite::Result<RawVolume> {
         r.get(4)?,
         r.get(5)?,
         r.get(6)?,
+        r.get(7)?,
+        r.get(8)?,
     ))
 }
 
 fn parse(
-    (id, key_id, name, labels, size_mib, created_at, created_ms): RawVolume,
+    (id, key_id, name, labels, size_mib, created_at, created_ms, restored_from, policy): RawVolume,
 ) -> Result<Volume, ServerError> {
     let labels =
         serde_json::from_str(&labels).map_err(|e| corrupt(format!("volume labels: {e}")))?;
+    let backup_policy = policy
+        .map(|p| serde_json::from_str(&p))
+        .transpose()
+        .map_err(|e| corrupt(format!("volume backup policy: {e}")))?;
     Ok(Volume {
         id,
         key_id,
@@ -54,6 +101,73 @@ fn parse(
         size_mib,
         created_at,
         created_ms,
+        restored_from,
+        backup_policy,
+    })
+}
+
+const BACKUP_COLUMNS: &str = "id, key_id, volume_id, name, state, size_mib, stored_bytes, \
+                              sha256, retention_days, created_ms, expires_ms";
+
+type RawBackup = (
+    String,
+    String,
+    String,
+    Option<String>,
+    String,
+    u32,
+    i64,
+    String,
+    u32,
+    i64,
+    i64,
+);
+
+fn raw_backup(r: &rusqlite::Row<'_>) -> rusqlite::Result<RawBackup> {
+    Ok((
+        r.get(0)?,
+        r.get(1)?,
+        r.get(2)?,
+        r.get(3)?,
+        r.get(4)?,
+        r.get(5)?,
+        r.get(6)?,
+        r.get(7)?,
+        r.get(8)?,
+        r.get(9)?,
+        r.get(10)?,
+    ))
+}
+
+fn parse_backup(
+    (
+        id,
+        key_id,
+        volume_id,
+        name,
+        state,
+        size_mib,
+        stored_bytes,
+        sha256,
+        retention_days,
+        created_ms,
+        expires_ms,
+    ): RawBackup,
+) -> Result<VolumeBackup, ServerError> {
+    let state = BackupState::parse(&state)
+        .ok_or_else(|| corrupt(format!("volume backup state {state}")))?;
+    Ok(VolumeBackup {
+        id,
+        key_id,
+        volume_id,
+        name,
+        state,
+        size_mib,
+        stored_bytes: stored_bytes.max(0) as u64,
+        sha256,
+        retention_days,
+        created_ms,
+        expires_ms,
     })
 }
 
@@ -117,6 +231,114 @@ impl Store {
             out.push(parse(r.map_err(store_err("list volumes"))?)?);
         }
         Ok(out)
+    }
+
+    /// Sets a volume's size (a resize).
+    pub(crate) fn set_volume_size(&self, id: &str, size_mib: u32) -> Result<bool, ServerError> {
+        self.conn()
+            .execute(
+                "UPDATE volumes SET size_mib = ?2 WHERE id = ?1",
+                params![id, size_mib],
+            )
+            .map(|n| n > 0)
+            .map_err(store_err("resize volume"))
+    }
+
+    /// Sets a volume's backup policy.
+    pub(crate) fn set_backup_policy(
+        &self,
+        id: &str,
+        policy: BackupPolicy,
+    ) -> Result<bool, ServerError> {
+        self.conn()
+            .execute(
+                "UPDATE volumes SET backup_policy = ?2 WHERE id = ?1",
+                params![id, policy_text(Some(policy))?],
+            )
+            .map(|n| n > 0)
+            .map_err(store_err("set volume backup policy"))
+    }
+
+    /// Inserts a backup (pending while its copy is made).
+    pub(crate) fn insert_backup(&self, b: &VolumeBackup) -> Result<(), ServerError> {
+        self.conn()
+            .execute(
+                &format!(
+                    "INSERT INTO volume_backups ({BACKUP_COLUMNS}) \
+                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11)"
+                ),
+                params![
+                    b.id,
+                    b.key_id,
+                    b.volume_id,
+                    b.name,
+                    b.state.as_str(),
+                    b.size_mib,
+                    b.stored_bytes as i64,
+                    b.sha256,
+                    b.retention_days,
+                    b.created_ms,
+                    b.expires_ms
+                ],
+            )
+            .map(|_| ())
+            .map_err(store_err("insert volume backup"))
+    }
+
+    /// Marks a pending backup ready, with its copy's checksum and size.
+    pub(crate) fn backup_ready(
+        &self,
+        id: &str,
+        sha256: &str,
+        stored_bytes: u64,
+    ) -> Result<bool, ServerError> {
+        self.conn()
+            .execute(
+                "UPDATE volume_backups SET state = 'ready', sha256 = ?2, stored_bytes = ?3 \
+                 WHERE id = ?1 AND state = 'pending'",
+                params![id, sha256, stored_bytes as i64],
+            )
+            .map(|n| n > 0)
+            .map_err(store_err("finish volume backup"))
+    }
+
+    pub(crate) fn get_backup(&self, id: &str) -> Result<Option<VolumeBackup>, ServerError> {
+        let raw = self
+            .conn()
+            .query_row(
+                &format!("SELECT {BACKUP_COLUMNS} FROM volume_backups WHERE id = ?1"),
+                params![id],
+                raw_backup,
+            )
+            .optional()
+            .map_err(store_err("get volume backup"))?;
+        raw.map(parse_backup).transpose()
+    }
+
+    /// Every backup, newest first.
+    pub(crate) fn backups(&self) -> Result<Vec<VolumeBackup>, ServerError> {
+        let conn = self.conn();
+        let mut stmt = conn
+            .prepare(&format!(
+                "SELECT {BACKUP_COLUMNS} FROM volume_backups ORDER BY created_ms DESC, id DESC"
+            ))
+            .map_err(store_err("list volume backups"))?;
+        let rows = stmt
+            .query_map([], raw_backup)
+            .map_err(store_err("list volume backups"))?;
+        let mut out = Vec::new();
+        for r in rows {
+            out.push(parse_backup(r.map_err(store_err("list volume backups"))?)?);
+        }
+        Ok(out)
+    }
+
+    /// Deletes a backup's record; answers whether it was there.
+    pub(crate) fn delete_backup(&self, id: &str) -> Result<bool, ServerError> {
+        self.conn()
+            .execute("DELETE FROM volume_backups WHERE id = ?1", params![id])
+            .map(|n| n > 0)
+            .map_err(store_err("delete volume backup"))
     }
 
     /// Deletes a volume's record; answers whether it was there.
@@ -216,7 +438,7 @@ pub(super) fn move_docs(tx: &Transaction<'_>) -> Result<(), ServerError> {
                 continue;
             }
         };
-        match insert_row(tx, &v) {
+        match insert_v6_row(tx, &v) {
             Ok(()) => {}
             // Not made by a server (creates checked names under a lock).
             Err(ServerError::Store { source, .. })
@@ -280,6 +502,8 @@ mod tests {
             size_mib: 64,
             created_at: "2024-01-01T00:00:00.000Z".into(),
             created_ms,
+            restored_from: None,
+            backup_policy: None,
         }
     }
 

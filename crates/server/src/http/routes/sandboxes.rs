@@ -330,7 +330,30 @@ pub(super) async fn action(
             let days = days.map(|d| d as u32);
             record(&svc::set_retention(&st, &ctx.key, &id, days)?.record)
         }
-        "resize" | "switch-image" => {
+        "resize" => {
+            let obj = json_object(&body)?;
+            let mut f = Fields::new(&obj);
+            let restart = f.bool("restart").unwrap_or(true);
+            let vcpu = f.int("vcpu", 1, 16).map(|n| n as u32);
+            let memory_mib = f.int("memoryMiB", 128, 65536).map(|n| n as u32);
+            let disk_mib = f.int("diskMiB", 3072, 1 << 20).map(|n| n as u32);
+            if !f.present("vcpu") && !f.present("memoryMiB") && !f.present("diskMiB") {
+                f.issue("vcpu", "give vcpu, memoryMiB or diskMiB");
+            }
+            f.finish()?;
+            let ask = crate::service::resize::Ask {
+                restart,
+                vcpu,
+                memory_mib,
+                disk_mib,
+            };
+            record(
+                &crate::service::resize::resize(&st, &ctx.key, &id, ask, wait_of(&ctx))
+                    .await?
+                    .record,
+            )
+        }
+        "switch-image" => {
             svc::find(&st, &ctx.key, &id)?;
             Err(ApiError::Unsupported {
                 feature: "this sandbox action",

@@ -30,8 +30,7 @@ pub(super) async fn fork(st: AppState, ctx: Ctx, id: String, body: Bytes) -> Api
         f.issue("name", "names one copy: leave it out when count is above 1");
     }
     let labels = checked_labels(&mut f);
-    // Accepted and without effect: no snapshot is kept after a fork here.
-    let _ = f.bool("keepSnapshot");
+    let keep_snapshot = f.bool("keepSnapshot").unwrap_or(false);
     let _ = f.one_of("funding", &["trial", "paid"]);
     let net = super::network::parse_create(&mut f, || {
         crate::service::secrets::names(&st, &ctx.key.id).unwrap_or_default()
@@ -42,13 +41,15 @@ pub(super) async fn fork(st: AppState, ctx: Ctx, id: String, body: Bytes) -> Api
         name,
         labels,
         net,
+        keep_snapshot,
     };
-    let copies = svc::fork(&st, &ctx.key, &id, req, wait_of(&ctx)).await?;
+    let (copies, kept) = svc::fork(&st, &ctx.key, &id, req, wait_of(&ctx)).await?;
     let out: Vec<Value> = copies.iter().map(|r| record_json(&r.record, &[])).collect();
-    Ok(Reply::Json(
-        StatusCode::CREATED,
-        json!({ "sandboxes": out }),
-    ))
+    let mut answer = json!({ "sandboxes": out });
+    if let Some(s) = kept {
+        answer["snapshot"] = s.wire();
+    }
+    Ok(Reply::Json(StatusCode::CREATED, answer))
 }
 
 pub(super) async fn snapshot(st: AppState, ctx: Ctx, id: String, body: Bytes) -> ApiResult<Reply> {

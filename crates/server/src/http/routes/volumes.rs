@@ -1,24 +1,28 @@
-//! `POST /v1/volumes`, `GET /v1/volumes[/{id}]`, `POST
-//! /v1/volumes/{id}:delete` (and `DELETE`), and the `volumes` field of a
-//! sandbox create (docs/volumes.md).
+//! `POST /v1/volumes` (and restores, `fromBackup`), `GET
+//! /v1/volumes[/{id}]`, `POST /v1/volumes/{id}:delete` (and `DELETE`),
+//! `:resize` and `:backup`, `/v1/volume-backups`, and the `volumes` field
+//! of a sandbox create (docs/volumes.md).
 
 use axum::body::Bytes;
 use axum::http::StatusCode;
 use serde_json::{json, Value};
 
+use crate::domain::time::iso;
 use crate::domain::volume::{
-    overlap, path_problem, AttachMode, Hold, MAX_ATTACH, MAX_SIZE_MIB, MIN_SIZE_MIB,
+    overlap, path_problem, AttachMode, BackupState, Hold, VolumeBackup, DEFAULT_RETENTION_DAYS,
+    MAX_ATTACH, MAX_RETENTION_DAYS, MAX_SIZE_MIB, MIN_RETENTION_DAYS, MIN_SIZE_MIB,
 };
 use crate::error::{ApiError, ApiResult};
 use crate::http::extract::{
     checked_labels, checked_name, json_object, no_fields, page_after, query_object, Fields,
 };
 use crate::http::{Ctx, Reply};
-use crate::service::volumes::{self, Attachment, CreateVolume, VolumeView};
+use crate::service::volumes::{self, Attachment, BackupVolume, CreateVolume, VolumeView};
 use crate::AppState;
 
 fn render(v: &VolumeView) -> Value {
     let d = &v.volume;
+    let policy = d.backup_policy.unwrap_or_default();
     let attachments: Vec<Value> = v
         .holders
         .iter()
@@ -39,6 +43,29 @@ fn render(v: &VolumeView) -> Value {
         "region": "local",
         "createdAt": d.created_at,
         "attachments": attachments,
+        "restoredFrom": d.restored_from,
+        "backupPolicy": {
+            "daily": policy.daily,
+            "retentionDays": policy.retention_days,
+            "schedule": null,
+        },
+    })
+}
+
+fn render_backup(b: &VolumeBackup) -> Value {
+    json!({
+        "id": b.id,
+        "kind": "volume_backup",
+        "volumeId": b.volume_id,
+        "name": b.name,
+        "state": b.state.as_str(),
+        "sizeMiB": b.size_mib,
+        "storedBytes": b.stored_bytes,
+        "sha256": (!b.sha256.is_empty()).then_some(b.sha256.as_str()),
+        "retentionDays": b.retention_days,
+        "region": "local",
+        "createdAt": iso(b.created_ms),
+        "expiresAt": iso(b.expires_ms),
     })
 }
 
@@ -46,8 +73,12 @@ pub(super) async fn create(st: AppState, ctx: Ctx, body: Bytes) -> ApiResult<Rep
     let obj = json_object(&body)?;
     let mut f = Fields::new(&obj);
     let size = f.int("sizeMiB", MIN_SIZE_MIB, MAX_SIZE_MIB);
-    if !f.present("sizeMiB") {
-        f.issue("sizeMiB", "is required");
+    let from_backup = f.string("fromBackup");
+    if from_backup.as_deref() == Some("") {
+        f.issue("fromBackup", "must name a backup");
+    }
+    if !f.present("sizeMiB") && !f.present("fromBackup") {
+        f.issue("sizeMiB", "is required (unless fromBackup is given)");
     }
     let name = checked_name(&mut f);
     let labels = checked_labels(&mut f).unwrap_or_default();
@@ -56,13 +87,13 @@ pub(super) async fn create(st: AppState, ctx: Ctx, body: Bytes) -> ApiResult<Rep
             f.issue("region", "this server has one region, local");
         }
     }
-    f.refuse("fromBackup", "backups are not supported by this server");
     f.refuse("shared", "shared disks are not supported by this server");
     f.finish()?;
     let cmd = CreateVolume {
-        size_mib: size.unwrap_or(MIN_SIZE_MIB) as u32,
+        size_mib: size.map(|n| n as u32),
         name,
         labels,
+        from_backup,
     };
     let v = volumes::create(&st, &ctx.key, cmd).await?;
     Ok(Reply::Json(StatusCode::CREATED, render(&v)))
@@ -111,15 +142,114 @@ pub(super) async fn action(
             no_fields(&body)?;
             delete(st, ctx, id).await
         }
-        "resize" | "attach" | "backup" | "backup-policy" => {
+        "resize" => {
+            let obj = json_object(&body)?;
+            let mut f = Fields::new(&obj);
+            let size = f.int("sizeMiB", MIN_SIZE_MIB, MAX_SIZE_MIB);
+            if !f.present("sizeMiB") {
+                f.issue("sizeMiB", "is required");
+            }
+            f.finish()?;
+            let size = size.unwrap_or(MIN_SIZE_MIB) as u32;
+            let v = volumes::resize(&st, &ctx.key, &id, size).await?;
+            Reply::ok(render(&v))
+        }
+        "backup" => {
+            let obj = json_object(&body)?;
+            let mut f = Fields::new(&obj);
+            let name = f.string("name");
+            if let Some(n) = &name {
+                if n.is_empty() || n.len() > 128 || n.chars().any(char::is_control) {
+                    f.issue(
+                        "name",
+                        "must be 1 to 128 characters without control characters",
+                    );
+                }
+            }
+            let days = f.int("retentionDays", MIN_RETENTION_DAYS, MAX_RETENTION_DAYS);
+            f.finish()?;
+            let cmd = BackupVolume {
+                name,
+                retention_days: days.map_or(DEFAULT_RETENTION_DAYS, |d| d as u32),
+            };
+            let b = volumes::backup(&st, &ctx.key, &id, cmd).await?;
+            Ok(Reply::Json(StatusCode::CREATED, render_backup(&b)))
+        }
+        // Hot-plugging a drive needs a bus with hot-plug, and the microVM's
+        // virtio-mmio has none (docs/volumes.md).
+        "attach" => {
             volumes::find(&st, &ctx.key, &id)?;
-            Err(ApiError::Unsupported {
-                feature: "this volume action",
+            Err(ApiError::Unavailable {
+                product: "Attaching volumes to running sandboxes (shared disks)",
             })
+        }
+        "backup-policy" => {
+            let obj = json_object(&body)?;
+            let mut f = Fields::new(&obj);
+            let daily = f.bool("daily");
+            let days = f.int("retentionDays", MIN_RETENTION_DAYS, MAX_RETENTION_DAYS);
+            // `schedule: null` is "back to daily backups": nothing to change.
+            let schedule = f.raw("schedule").filter(|v| !v.is_null()).is_some();
+            let keep = f.raw("keep").is_some();
+            f.finish()?;
+            volumes::find(&st, &ctx.key, &id)?;
+            if schedule || keep {
+                return Err(ApiError::Unavailable {
+                    product: "Volume backup schedules (everyMinutes, cron, keep)",
+                });
+            }
+            let v = volumes::set_backup_policy(&st, &ctx.key, &id, daily, days.map(|d| d as u32))
+                .await?;
+            Reply::ok(render(&v))
         }
         _ => Err(ApiError::RouteNotFound {
             method: "POST".into(),
             path: format!("/v1/volumes/{id}:{verb}"),
+        }),
+    }
+}
+
+/// `GET /v1/volume-backups?volumeId&state&limit&cursor`, newest first.
+pub(super) async fn list_backups(st: AppState, ctx: Ctx) -> ApiResult<Reply> {
+    let q = query_object(&ctx.query, &[]);
+    let mut f = Fields::new(&q);
+    let volume_id = f.string("volumeId").filter(|v| !v.is_empty());
+    let state = f
+        .one_of("state", &["pending", "ready"])
+        .and_then(|s| BackupState::parse(&s));
+    let limit = f.q_int("limit", 1, 100).unwrap_or(50) as usize;
+    let cursor = f.string("cursor").filter(|c| !c.is_empty());
+    f.finish()?;
+    let mut rows = volumes::backups(&st, &ctx.key, volume_id.as_deref(), state)?;
+    let next = page_after(&mut rows, cursor.as_deref(), limit, |b| b.id.as_str())?;
+    let data: Vec<Value> = rows.iter().map(render_backup).collect();
+    Reply::ok(json!({ "data": data, "nextCursor": next }))
+}
+
+pub(super) async fn get_backup(st: AppState, ctx: Ctx, id: String) -> ApiResult<Reply> {
+    Reply::ok(render_backup(&volumes::find_backup(&st, &ctx.key, &id)?))
+}
+
+/// `POST /v1/volume-backups/{id}:delete`.
+pub(super) async fn backup_action(
+    st: AppState,
+    ctx: Ctx,
+    id: String,
+    verb: String,
+    body: Bytes,
+) -> ApiResult<Reply> {
+    match verb.as_str() {
+        "delete" => {
+            no_fields(&body)?;
+            let b = volumes::delete_backup(&st, &ctx.key, &id)?;
+            Reply::ok(
+                json!({"id": b.id, "kind": "volume_backup", "volumeId": b.volume_id,
+                             "status": "deleted", "deletedAt": iso(st.now_ms())}),
+            )
+        }
+        _ => Err(ApiError::RouteNotFound {
+            method: "POST".into(),
+            path: format!("/v1/volume-backups/{id}:{verb}"),
         }),
     }
 }

@@ -101,12 +101,7 @@ pub(super) async fn create(st: AppState, ctx: Ctx, id: String, body: Bytes) -> A
             f.issue("id", "must be 1 to 64 letters, digits, '-', '_' or '.'");
         }
     }
-    if f.bool("webhook") == Some(true) {
-        f.issue(
-            "webhook",
-            "webhook deliveries of watches are not served by this server yet: read the watch's events instead",
-        );
-    }
+    let webhook = f.bool("webhook").unwrap_or(false);
     f.finish()?;
     let start = Start {
         path,
@@ -129,6 +124,7 @@ pub(super) async fn create(st: AppState, ctx: Ctx, id: String, body: Bytes) -> A
         timeout_ms: timeout_ms as u64,
         max_watches: max_watches as u32,
         id: watch_id,
+        webhook,
     };
     let w = watches::start(&st, &ctx.key, &id, start).await?;
     Ok(Reply::Json(StatusCode::CREATED, w.info()))

@@ -67,7 +67,13 @@ pub(crate) struct Fork {
     pub name: Option<String>,
     pub labels: Option<BTreeMap<String, String>>,
     pub net: crate::domain::network::CreateNet,
+    /// The copies start from a snapshot of the source that is kept (and
+    /// answered), rather than from a capture dropped once they started.
+    pub keep_snapshot: bool,
 }
+
+/// How long a fork with `keepSnapshot` waits for its snapshot.
+const KEPT_SNAPSHOT_WAIT: Duration = Duration::from_secs(600);
 
 /// `:fork`: `count` new sandboxes from a capture of `id`'s memory, each
 /// started as its source was; waits up to `wait` for them to leave
@@ -78,12 +84,13 @@ pub(crate) async fn fork(
     id: &str,
     req: Fork,
     wait: Option<Duration>,
-) -> ApiResult<Vec<SandboxRow>> {
+) -> ApiResult<(Vec<SandboxRow>, Option<Snapshot>)> {
     let Fork {
         count,
         name,
         labels,
         net,
+        keep_snapshot,
     } = req;
     let src = settled_source(st, key, id).await?;
     crate::service::volumes::refuse_copy(st, id, "fork")?;
@@ -92,6 +99,30 @@ pub(crate) async fn fork(
         .unwrap_or(i64::MAX)
         .saturating_mul(lease);
     crate::service::billing::check_spend(st, &key.id, &src.record, lease, copies_cost)?;
+    // Kept: a memory snapshot of the source, taken first (its own quota),
+    // which the copies then start from.
+    let kept = if keep_snapshot {
+        let req = NewSnapshot {
+            name: None,
+            labels: src.record.labels.clone(),
+            retention_days: DEFAULT_RETENTION_DAYS,
+            mode: "memory".into(),
+        };
+        let snap = snapshot(st, key, id, req, Some(KEPT_SNAPSHOT_WAIT)).await?;
+        if snap.state != "ready" {
+            return Err(ApiError::Failed {
+                code: codes::SNAPSHOT_FAILED,
+                message: format!(
+                    "The snapshot of sandbox {id} the fork was to keep is {}: {}",
+                    snap.state,
+                    snap.error.as_deref().unwrap_or("no copy was started")
+                ),
+            });
+        }
+        Some(snap)
+    } else {
+        None
+    };
 
     let now = st.now_ms();
     let copies: Vec<SandboxRow> = {
@@ -166,19 +197,32 @@ pub(crate) async fn fork(
     let st2 = st.clone();
     let src_id = id.to_string();
     let task_ids = ids.clone();
+    let kept_dir = kept.as_ref().map(|s| dir(st, &s.id));
     st.spawn(async move {
-        let capture = Arc::new(CaptureDir {
-            path: st2
-                .host()
-                .scratch_dir()
-                .unwrap_or_else(|| st2.config().data_dir.join("forks"))
-                .join(uuid::Uuid::new_v4().to_string()),
-            temporary: true,
-        });
-        let result = {
-            let lock = st2.lifecycle_lock(&src_id);
-            let _g = lock.lock().await;
-            st2.host().capture(&src_id, &capture.path, true).await
+        let (capture, result) = match kept_dir {
+            Some(path) => (
+                Arc::new(CaptureDir {
+                    path,
+                    temporary: false,
+                }),
+                Ok(()),
+            ),
+            None => {
+                let capture = Arc::new(CaptureDir {
+                    path: st2
+                        .host()
+                        .scratch_dir()
+                        .unwrap_or_else(|| st2.config().data_dir.join("forks"))
+                        .join(uuid::Uuid::new_v4().to_string()),
+                    temporary: true,
+                });
+                let result = {
+                    let lock = st2.lifecycle_lock(&src_id);
+                    let _g = lock.lock().await;
+                    st2.host().capture(&src_id, &capture.path, true).await
+                };
+                (capture, result)
+            }
         };
         match result {
             Ok(()) => {
@@ -209,7 +253,7 @@ pub(crate) async fn fork(
             out.push(r);
         }
     }
-    Ok(out)
+    Ok((out, kept))
 }
 
 /// A snapshot, parsed.

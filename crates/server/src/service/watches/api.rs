@@ -168,6 +168,11 @@ pub(crate) async fn start(
             }
         }
     });
+    if w.start.webhook {
+        let (st3, w3) = (st.clone(), Arc::clone(&w));
+        let (key_id, name) = (row.key_id.clone(), row.record.name.clone());
+        st.spawn(async move { super::hook::send_changes(&st3, &w3, &key_id, name).await });
+    }
     tracing::debug!(sandbox_id, watch_id = %w.id, "watch started");
     Ok(w)
 }

@@ -7,6 +7,7 @@
 //! memory: a restart of the server ends them.
 
 pub(crate) mod api;
+mod hook;
 pub(crate) mod wire;
 
 use std::collections::HashMap;
@@ -41,6 +42,8 @@ pub(crate) struct Start {
     pub(crate) timeout_ms: u64,
     pub(crate) max_watches: u32,
     pub(crate) id: Option<String>,
+    /// Its changes also go to the account's webhooks (`sandbox.files.changed`).
+    pub(crate) webhook: bool,
 }
 
 struct State {
@@ -119,7 +122,7 @@ impl Watch {
             "timeoutMs": st.timeout_ms,
             "maxWatches": st.max_watches,
             "watches": s.watches,
-            "webhook": false,
+            "webhook": st.webhook,
             "cursor": s.log.end(),
             "status": if s.ended.is_some() { "ended" } else { "running" },
             "endReason": s.ended,

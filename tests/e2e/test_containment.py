@@ -1,0 +1,69 @@
+"""What a guest that took over its QEMU would hold: a uid of its own, a
+network namespace with nothing in it, and no way to read another machine's
+files. Checked on the live QEMU processes of real sandboxes."""
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="QEMU drops to a uid of its own only when the server is root")
+
+
+def _uid(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("Uid:"):
+            return int(line.split()[2])  # effective
+    raise AssertionError(f"no Uid line for {pid}")
+
+
+def _one_qemu(server, sandbox_id: str) -> int:
+    pids = server.qemu_pids(sandbox_id)
+    assert len(pids) == 1, pids
+    return pids[0]
+
+
+def test_each_qemu_runs_alone_in_uid_network_and_files(server, runtime):
+    a = runtime.sandboxes.create(memory_mib=512)
+    b = runtime.sandboxes.create(memory_mib=512)
+    try:
+        seen = {}
+        for sbx in (a, b):
+            pid = _one_qemu(server, sbx.id)
+            uid = _uid(pid)
+            assert uid >= 2_000_000_000, uid
+            # A network namespace of its own, holding only a loopback.
+            net = os.readlink(f"/proc/{pid}/ns/net")
+            assert net != os.readlink("/proc/self/ns/net")
+            devices = [line.split(":")[0].strip()
+                       for line in Path(f"/proc/{pid}/net/dev").read_text().splitlines()[2:]]
+            assert devices == ["lo"], devices
+            # Its directory (QEMU's working directory) and disk are its own.
+            vm_dir = Path(os.readlink(f"/proc/{pid}/cwd"))
+            st = vm_dir.stat()
+            assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (uid, 0o700), (vm_dir, oct(st.st_mode))
+            disks = [f for f in vm_dir.iterdir() if f.suffix == ".qcow2"]
+            assert disks, list(vm_dir.iterdir())
+            seen[sbx.id] = (uid, net, vm_dir, disks[0])
+        assert seen[a.id][0] != seen[b.id][0]
+        assert seen[a.id][1] != seen[b.id][1]
+        # As b's QEMU's uid, a's directory cannot be listed nor its disk read;
+        # as a's own, it can.
+        for as_uid, ok in ((seen[b.id][0], False), (seen[a.id][0], True)):
+            for argv in (["ls", str(seen[a.id][2])], ["head", "-c", "1", str(seen[a.id][3])]):
+                run = subprocess.run(["setpriv", f"--reuid={as_uid}", f"--regid={as_uid}", "--clear-groups",
+                                      *argv], capture_output=True, timeout=30)
+                assert (run.returncode == 0) == ok, (as_uid, argv, run.stderr)
+        # The machine still pauses and wakes (QEMU reopens its disk as its
+        # own uid after the migration), in a namespace of its own again.
+        a.pause()
+        a.wake()
+        assert a.exec("echo awake").stdout == "awake\n"
+        pid = _one_qemu(server, a.id)
+        assert os.readlink(f"/proc/{pid}/ns/net") != os.readlink("/proc/self/ns/net")
+    finally:
+        runtime.sandboxes.delete(a.id)
+        runtime.sandboxes.delete(b.id)
