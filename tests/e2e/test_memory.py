@@ -9,7 +9,7 @@ import threading
 import time
 
 import pytest
-from withruntime import AsyncRuntime, ConflictError, Sandbox
+from withruntime import AsyncRuntime, ConflictError, NotFoundError, Sandbox
 
 SHAPE = {"vcpu": 1, "memory_mib": 1024}
 
@@ -346,3 +346,49 @@ def test_the_clock_is_right_after_a_minute_paused_and_after_a_snapshot(server, r
             assert_clock_right(restored, "in a sandbox made from the snapshot")
     finally:
         runtime.snapshots.delete(snap["id"])
+
+
+def _lines_after(proc, cursor: int, count: int) -> list[str]:
+    """The next `count` whole lines the process prints from `cursor` on."""
+    text = ""
+    for event in proc.output(cursor, timeout_seconds=30):
+        if event["type"] == "stdout":
+            text += event["data"]
+            if text.count("\n") >= count:
+                break
+    return text.splitlines()[:count]
+
+
+def test_the_copies_of_a_sandbox_carry_its_running_processes(runtime, mem_sbx):
+    sbx = mem_sbx
+    ticker = sbx.spawn("i=0; while :; do i=$((i+1)); echo tick-$i; sleep 0.2; done")
+    assert _lines_after(ticker, 0, 2) == ["tick-1", "tick-2"]
+    copy = sbx.fork()
+    snap = None
+    try:
+        carried = copy.process(ticker.id)
+        assert carried.info["state"] == "running", carried.info
+        assert carried.info["command"] == ticker.info["command"]
+        # Its output goes on in the copy from where the capture left it.
+        ticks = _lines_after(carried, carried.info.get("outputBytes", 0) or 0, 2)
+        assert all(t.startswith("tick-") for t in ticks), ticks
+        assert int(ticks[0][5:]) > 2, ticks
+        # Ended in the copy, it runs on in the source.
+        carried.kill("SIGKILL")
+        carried.wait()
+        assert copy.process(ticker.id).info["state"] == "exited"
+        assert sbx.process(ticker.id).info["state"] == "running"
+        # A memory snapshot carries it too, into a create from it.
+        snap = sbx.snapshot(name="e2e-carried")
+        assert snap["state"] == "ready", snap
+        with Sandbox.create(snapshot=snap["id"]) as restored:
+            again = restored.process(ticker.id)
+            assert again.info["state"] == "running", again.info
+            more = _lines_after(again, again.info.get("outputBytes", 0) or 0, 1)
+            assert more and more[0].startswith("tick-"), more
+        with pytest.raises(NotFoundError):
+            copy.process("proc_" + "0" * 32)
+    finally:
+        copy.delete()
+        if snap is not None:
+            runtime.snapshots.delete(snap["id"])

@@ -16,7 +16,6 @@ import uuid
 
 import pytest
 from conftest import preview_fetch, qemu_gone
-from withruntime import NotFoundError
 
 APP = f"modal-{uuid.uuid4().hex[:8]}"
 
@@ -152,9 +151,6 @@ def test_a_filesystem_snapshot_is_an_image_for_a_new_sandbox(app, sb):
         copy.terminate()
 
 
-@pytest.mark.xfail(strict=True, raises=NotFoundError,
-                   reason="server: a sandbox started from a memory snapshot has none of its source's process "
-                   "records, so the layer cannot find the entrypoint it reattaches to (process_not_found)")
 def test_a_memory_snapshot_continues_its_processes(runtime, app, image):
     from withruntime import modal
     ours = {"compat.provider": "modal", "modal.app": APP}

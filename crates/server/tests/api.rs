@@ -6236,3 +6236,86 @@ async fn archive_uploads_stage_ordered_chunks_on_disk_within_bounds() {
     assert!(s.is_success());
     assert!(ids.iter().all(|u| !t.dir.join("uploads").join(u).exists()));
 }
+
+#[tokio::test]
+async fn the_copies_of_a_sandbox_carry_its_running_processes_under_their_ids() {
+    let t = T::new();
+    let id = t.running(json!({})).await;
+    let (s, p) = t
+        .json(
+            "POST",
+            &format!("/v1/sandboxes/{id}/processes"),
+            Some(json!({"argv": ["cat"], "stdinMode": "pipe"})),
+        )
+        .await;
+    assert_eq!(s, StatusCode::CREATED, "{p}");
+    let pid = p["id"].as_str().unwrap().to_string();
+    let w = json!({"base64": base64::engine::general_purpose::STANDARD.encode("hi"), "offset": 0});
+    let (s, v) = t
+        .json(
+            "POST",
+            &format!("/v1/sandboxes/{id}/processes/{pid}:write"),
+            Some(w),
+        )
+        .await;
+    assert_eq!((s, v["offset"].as_u64()), (StatusCode::OK, Some(2)), "{v}");
+    let (s, v) = t
+        .json_as(
+            &t.admin.clone(),
+            "POST",
+            &format!("/v1/sandboxes/{id}:fork"),
+            Some(json!({})),
+            &[("prefer", "wait=10")],
+        )
+        .await;
+    assert_eq!(s, StatusCode::CREATED, "{v}");
+    let cid = v["sandboxes"][0]["id"].as_str().unwrap().to_string();
+    let (s, c) = t
+        .json("GET", &format!("/v1/sandboxes/{cid}/processes/{pid}"), None)
+        .await;
+    assert_eq!(s, StatusCode::OK, "{c}");
+    assert_eq!(
+        (
+            c["id"].as_str(),
+            c["state"].as_str(),
+            c["stdinOffset"].as_u64()
+        ),
+        (Some(pid.as_str()), Some("running"), Some(2)),
+        "{c}"
+    );
+    let (_, l) = t
+        .json("GET", &format!("/v1/sandboxes/{cid}/processes"), None)
+        .await;
+    assert_eq!(l["data"].as_array().map(Vec::len), Some(1), "{l}");
+    // The source keeps its own record of it.
+    let (s, src) = t
+        .json("GET", &format!("/v1/sandboxes/{id}/processes/{pid}"), None)
+        .await;
+    assert_eq!(
+        (s, src["state"].as_str()),
+        (StatusCode::OK, Some("running"))
+    );
+    // A memory snapshot carries it into a create from it; a disk one does not.
+    for (mode, carried) in [("memory", true), ("disk", false)] {
+        let (s, snap) = t
+            .json_as(
+                &t.admin.clone(),
+                "POST",
+                &format!("/v1/sandboxes/{id}:snapshot"),
+                Some(json!({"mode": mode})),
+                &[("prefer", "wait=10")],
+            )
+            .await;
+        assert_eq!(snap["state"], "ready", "{s} {snap}");
+        let rid = t.running(json!({"snapshot": snap["id"]})).await;
+        let (s, _) = t
+            .json("GET", &format!("/v1/sandboxes/{rid}/processes/{pid}"), None)
+            .await;
+        let want = if carried {
+            StatusCode::OK
+        } else {
+            StatusCode::NOT_FOUND
+        };
+        assert_eq!(s, want, "{mode}");
+    }
+}

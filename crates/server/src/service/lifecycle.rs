@@ -329,6 +329,11 @@ async fn boot(st: &AppState, row: &SandboxRow, from: Option<Arc<CaptureDir>>, wa
     let spec = machine_spec(st, &row.record);
     let began = std::time::Instant::now();
     let mut warmed = false;
+    // The processes its capture carries, taken up once it is restored.
+    let carried = from
+        .as_ref()
+        .map(|dir| crate::service::processes::carry::load(&dir.path))
+        .unwrap_or_default();
     let result = match &from {
         Some(dir) => st.host().restore(&spec, &dir.path).await,
         None if warm => match st.host().assume(&spec).await {
@@ -357,6 +362,10 @@ async fn boot(st: &AppState, row: &SandboxRow, from: Option<Arc<CaptureDir>>, wa
     };
     timed.record(outcome(&result), began.elapsed());
     drop(from);
+    if result.is_ok() {
+        // Before it is `running`, so a call that finds it running finds them.
+        crate::service::processes::carry::adopt(st, &id, row.record.memory_mib, carried).await;
+    }
     let now = st.now_ms();
     let ev = if result.is_ok() {
         Event::Booted

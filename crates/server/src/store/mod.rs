@@ -27,7 +27,7 @@ use rusqlite::Connection;
 
 use crate::error::ServerError;
 
-pub(super) const SCHEMA_VERSION: i64 = 14;
+pub(super) const SCHEMA_VERSION: i64 = 15;
 
 const SCHEMA_V1: &str = "
 CREATE TABLE IF NOT EXISTS keys (
@@ -250,6 +250,46 @@ CREATE TABLE IF NOT EXISTS volume_backups (
 CREATE INDEX IF NOT EXISTS volume_backups_volume ON volume_backups(volume_id);
 ";
 
+/// A process is named by its sandbox and its id (v15): the copies of a
+/// sandbox (a fork, a restore of a memory snapshot) take its running
+/// processes on under the same ids.
+const SCHEMA_V15: &str = "
+CREATE TABLE processes_v15 (
+    id TEXT NOT NULL,
+    sandbox_id TEXT NOT NULL,
+    token INTEGER NOT NULL,
+    guest_pid INTEGER NOT NULL,
+    kind TEXT NOT NULL,
+    command TEXT NOT NULL,
+    argv TEXT NOT NULL,
+    run_as TEXT NOT NULL,
+    pty INTEGER NOT NULL,
+    stdin_pipe INTEGER NOT NULL,
+    output_encoding TEXT NOT NULL,
+    state TEXT NOT NULL,
+    exit_code INTEGER,
+    signal INTEGER,
+    timed_out INTEGER NOT NULL DEFAULT 0,
+    out_of_memory INTEGER NOT NULL DEFAULT 0,
+    duration_ms INTEGER,
+    started_ms INTEGER NOT NULL,
+    ended_ms INTEGER,
+    output_bytes INTEGER NOT NULL DEFAULT 0,
+    stdin_offset INTEGER NOT NULL DEFAULT 0,
+    stdin_closed INTEGER NOT NULL DEFAULT 0,
+    cwd TEXT NOT NULL DEFAULT '/workspace',
+    PRIMARY KEY (sandbox_id, id)
+);
+INSERT INTO processes_v15 (id, sandbox_id, token, guest_pid, kind, command, argv, run_as, pty,
+    stdin_pipe, output_encoding, state, exit_code, signal, timed_out, out_of_memory, duration_ms,
+    started_ms, ended_ms, output_bytes, stdin_offset, stdin_closed, cwd)
+SELECT id, sandbox_id, token, guest_pid, kind, command, argv, run_as, pty,
+    stdin_pipe, output_encoding, state, exit_code, signal, timed_out, out_of_memory, duration_ms,
+    started_ms, ended_ms, output_bytes, stdin_offset, stdin_closed, cwd FROM processes;
+DROP TABLE processes;
+ALTER TABLE processes_v15 RENAME TO processes;
+";
+
 /// Events, webhooks and their deliveries (v10). Events and deliveries are
 /// bounded by age and count (service/events.rs prunes them).
 const SCHEMA_V10: &str = "
@@ -462,6 +502,12 @@ pub(crate) fn open_connection(data_dir: &Path) -> Result<Connection, ServerError
         tx.execute_batch(SCHEMA_V14)
             .map_err(store_err("migrate v14"))?;
         tx.commit().map_err(store_err("commit v14"))?;
+    }
+    if version < 15 {
+        let tx = conn.transaction().map_err(store_err("begin v15"))?;
+        tx.execute_batch(SCHEMA_V15)
+            .map_err(store_err("migrate v15"))?;
+        tx.commit().map_err(store_err("commit v15"))?;
     }
     if version < SCHEMA_VERSION {
         conn.pragma_update(None, "user_version", SCHEMA_VERSION)

@@ -7,7 +7,7 @@ use crate::error::ServerError;
 
 /// A process as stored (contract §6): what its record shows, plus the
 /// host's `token` to take it up again after a restart.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct ProcRow {
     pub id: String,
     pub sandbox_id: String,
@@ -155,32 +155,71 @@ impl Store {
         Ok(out)
     }
 
+    /// The stored processes of one sandbox, oldest first.
+    pub fn processes_of(&self, sandbox_id: &str) -> Result<Vec<ProcRow>, ServerError> {
+        let conn = self.conn();
+        let mut stmt = conn
+            .prepare(&format!(
+                "SELECT {PROC_COLUMNS} FROM processes WHERE sandbox_id = ?1 ORDER BY started_ms, id"
+            ))
+            .map_err(store_err("list processes"))?;
+        let rows = stmt
+            .query_map(params![sandbox_id], proc_row)
+            .map_err(store_err("list processes"))?;
+        let mut out = Vec::new();
+        for r in rows {
+            let (mut p, argv) = r.map_err(store_err("list processes"))?;
+            p.argv =
+                serde_json::from_str(&argv).map_err(|e| corrupt(format!("process argv: {e}")))?;
+            out.push(p);
+        }
+        Ok(out)
+    }
+
     /// Records how many output bytes a running process has produced.
-    pub fn process_output(&self, id: &str, output_bytes: u64) -> Result<(), ServerError> {
+    pub fn process_output(
+        &self,
+        sandbox_id: &str,
+        id: &str,
+        output_bytes: u64,
+    ) -> Result<(), ServerError> {
         self.conn()
             .execute(
-                "UPDATE processes SET output_bytes = ?2 WHERE id = ?1",
-                params![id, output_bytes as i64],
+                "UPDATE processes SET output_bytes = ?2 WHERE id = ?1 AND sandbox_id = ?3",
+                params![id, output_bytes as i64, sandbox_id],
             )
             .map(|_| ())
             .map_err(store_err("update process output"))
     }
 
-    pub fn process_stdin(&self, id: &str, offset: u64, closed: bool) -> Result<(), ServerError> {
+    pub fn process_stdin(
+        &self,
+        sandbox_id: &str,
+        id: &str,
+        offset: u64,
+        closed: bool,
+    ) -> Result<(), ServerError> {
         self.conn()
             .execute(
-                "UPDATE processes SET stdin_offset = ?2, stdin_closed = ?3 WHERE id = ?1",
-                params![id, offset as i64, closed],
+                "UPDATE processes SET stdin_offset = ?2, stdin_closed = ?3 \
+                 WHERE id = ?1 AND sandbox_id = ?4",
+                params![id, offset as i64, closed, sandbox_id],
             )
             .map(|_| ())
             .map_err(store_err("update process stdin"))
     }
 
-    pub fn process_ended(&self, id: &str, e: &ProcEnd) -> Result<(), ServerError> {
+    pub fn process_ended(
+        &self,
+        sandbox_id: &str,
+        id: &str,
+        e: &ProcEnd,
+    ) -> Result<(), ServerError> {
         self.conn()
             .execute(
                 "UPDATE processes SET state = ?2, exit_code = ?3, signal = ?4, timed_out = ?5, \
-                 out_of_memory = ?6, duration_ms = ?7, ended_ms = ?8, output_bytes = ?9 WHERE id = ?1",
+                 out_of_memory = ?6, duration_ms = ?7, ended_ms = ?8, output_bytes = ?9 \
+                 WHERE id = ?1 AND sandbox_id = ?10",
                 params![
                     id,
                     e.state,
@@ -191,6 +230,7 @@ impl Store {
                     e.duration_ms as i64,
                     e.ended_ms,
                     e.output_bytes as i64,
+                    sandbox_id,
                 ],
             )
             .map(|_| ())
@@ -206,9 +246,12 @@ impl Store {
             .map_err(store_err("delete processes"))
     }
 
-    pub fn delete_process(&self, id: &str) -> Result<(), ServerError> {
+    pub fn delete_process(&self, sandbox_id: &str, id: &str) -> Result<(), ServerError> {
         self.conn()
-            .execute("DELETE FROM processes WHERE id = ?1", params![id])
+            .execute(
+                "DELETE FROM processes WHERE id = ?1 AND sandbox_id = ?2",
+                params![id, sandbox_id],
+            )
             .map(|_| ())
             .map_err(store_err("delete process"))
     }

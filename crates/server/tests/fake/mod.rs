@@ -88,6 +88,9 @@ pub(crate) struct FakeHost {
     pub restored: Mutex<Vec<(String, std::path::PathBuf)>>,
     /// Every process started, by token; remove one to make `attach` fail.
     pub procs: Mutex<HashMap<u64, FakeProc>>,
+    /// The processes copies took up: their channels, kept open.
+    #[allow(clippy::type_complexity)]
+    pub copied: Mutex<Vec<(mpsc::Sender<ExecEvent>, mpsc::Receiver<ExecControl>)>>,
     pub next_token: Mutex<u64>,
     /// Per sandbox: `true` while paused (scripts wait between steps).
     pub gates: Mutex<HashMap<String, watch::Sender<bool>>>,
@@ -509,6 +512,18 @@ impl Host for FakeHost {
             .cloned()
             .ok_or_else(|| guest(id, GuestFailure::BadRequest, "no such process"))?;
         let (etx, erx) = mpsc::channel(1024);
+        if p.sandbox != id {
+            // A copy restored from its source's memory: the same process,
+            // its own from now on (it runs on, silent, until the copy goes).
+            let (ctx, crx) = mpsc::channel(16);
+            self.copied.lock().unwrap().push((etx, crx));
+            return Ok(ExecHandle {
+                pid: 42,
+                token,
+                events: erx,
+                control: ctx,
+            });
+        }
         let mut sink = p.events.lock().unwrap();
         if let Some(held) = sink.held.take() {
             // After a pause: what came meanwhile, then on as before.

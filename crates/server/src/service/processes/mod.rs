@@ -29,6 +29,7 @@
 //! An unstreamed exec in flight keeps waiting across the pause and answers
 //! after the wake.
 
+pub(crate) mod carry;
 mod follow;
 mod pump;
 pub(crate) mod recover;
@@ -345,7 +346,10 @@ pub(crate) async fn write(
         s.stdin_closed
     };
     if new_offset != current || close {
-        if let Err(e) = st.store().process_stdin(pid, new_offset, closed) {
+        if let Err(e) = st
+            .store()
+            .process_stdin(&proc.sandbox_id, pid, new_offset, closed)
+        {
             tracing::error!(process_id = %pid, error = %e, "recording the process's input failed");
         }
     }
@@ -406,7 +410,10 @@ pub(crate) async fn type_in(st: &AppState, proc: &Proc, bytes: Vec<u8>) -> bool 
         s.stdin_offset += n;
         s.stdin_offset
     };
-    if let Err(e) = st.store().process_stdin(&proc.id, offset, false) {
+    if let Err(e) = st
+        .store()
+        .process_stdin(&proc.sandbox_id, &proc.id, offset, false)
+    {
         tracing::error!(process_id = %proc.id, error = %e, "recording the process's input failed");
     }
     true

@@ -11,7 +11,9 @@ use crate::domain::lifecycle::SandboxState;
 use crate::domain::process::Exit;
 use crate::service::processes::pump::pump;
 use crate::service::processes::table::{run_as, Link, Proc, ProcState};
+use crate::store::ProcRow;
 use crate::AppState;
+use runtime_host::ExecControl;
 
 /// Takes up the processes of a sandbox that just woke (or whose pause
 /// failed) through [`Host::attach`](runtime_host::Host::attach): each one
@@ -109,51 +111,65 @@ pub(crate) async fn recover(st: &AppState) -> Result<(), crate::ServerError> {
             ),
             None => (row.guest_pid, mpsc::channel(1).0, None),
         };
-        let mut state = ProcState::new(st, row.output_bytes, row.stdin_offset, row.stdin_closed);
-        if detached {
-            // Taken up by the next wake.
-            state.link = Link::Detached;
-        }
-        if row.state != "running" {
-            state.exit = Some(Exit {
-                code: row.exit_code,
-                signal: row.signal,
-                timed_out: row.timed_out,
-                duration_ms: row.duration_ms.unwrap_or(0),
-                oom_kills: row.oom_kills,
-                lost: row.state == "lost",
-            });
-            state.ended_ms = Some(row.ended_ms.unwrap_or(row.started_ms));
-        }
-        let proc = Arc::new(Proc {
-            id: row.id.clone(),
-            sandbox_id: row.sandbox_id.clone(),
-            command: row.command,
-            argv: row.argv,
-            cwd: row.cwd,
-            memory_mib,
-            user: run_as(&row.user),
-            guest_pid,
-            pty: row.pty,
-            stdin_pipe: row.stdin_pipe,
-            base64_always: row.output_encoding == "base64",
-            started_ms: row.started_ms,
-            token: row.token,
-            state: Mutex::new(state),
-            changed: watch::channel(0).0,
-            control: Mutex::new(control),
-            writes: tokio::sync::Mutex::new(()),
-        });
+        let proc = from_row(st, row, memory_mib, guest_pid, control, detached);
         st.inner.procs.insert(proc.clone());
+        let running = proc.state().exit.is_none();
         match events {
             Some(events) => {
                 tracing::info!(sandbox_id = %proc.sandbox_id, process_id = %proc.id, "process taken up");
                 pump(st, proc, 0, events);
             }
             None if detached => {}
-            None if row.state == "running" => proc.lose(st.store(), st.now_ms()),
+            None if running => proc.lose(st.store(), st.now_ms()),
             None => {}
         }
     }
     Ok(())
+}
+
+/// A process of the table made from its stored `row`: `detached` waits for
+/// a wake (or an adoption) to take it up; one the row says ended keeps its
+/// end, without its output.
+pub(super) fn from_row(
+    st: &AppState,
+    row: ProcRow,
+    memory_mib: u32,
+    guest_pid: u32,
+    control: mpsc::Sender<ExecControl>,
+    detached: bool,
+) -> Arc<Proc> {
+    let mut state = ProcState::new(st, row.output_bytes, row.stdin_offset, row.stdin_closed);
+    if detached {
+        state.link = Link::Detached;
+    }
+    if row.state != "running" {
+        state.exit = Some(Exit {
+            code: row.exit_code,
+            signal: row.signal,
+            timed_out: row.timed_out,
+            duration_ms: row.duration_ms.unwrap_or(0),
+            oom_kills: row.oom_kills,
+            lost: row.state == "lost",
+        });
+        state.ended_ms = Some(row.ended_ms.unwrap_or(row.started_ms));
+    }
+    Arc::new(Proc {
+        id: row.id,
+        sandbox_id: row.sandbox_id,
+        command: row.command,
+        argv: row.argv,
+        cwd: row.cwd,
+        memory_mib,
+        user: run_as(&row.user),
+        guest_pid,
+        pty: row.pty,
+        stdin_pipe: row.stdin_pipe,
+        base64_always: row.output_encoding == "base64",
+        started_ms: row.started_ms,
+        token: row.token,
+        state: Mutex::new(state),
+        changed: watch::channel(0).0,
+        control: Mutex::new(control),
+        writes: tokio::sync::Mutex::new(()),
+    })
 }

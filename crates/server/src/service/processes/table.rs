@@ -21,7 +21,9 @@ use crate::AppState;
 
 /// The processes the server knows, running or ended (until forgotten).
 pub(crate) struct Table {
-    map: Mutex<HashMap<String, Arc<Proc>>>,
+    /// By sandbox and process id: the copies of a sandbox carry its
+    /// processes under their ids.
+    map: Mutex<HashMap<(String, String), Arc<Proc>>>,
     clock: Clock,
 }
 
@@ -34,19 +36,19 @@ impl Table {
         }
     }
 
-    fn lock(&self) -> MutexGuard<'_, HashMap<String, Arc<Proc>>> {
+    fn lock(&self) -> MutexGuard<'_, HashMap<(String, String), Arc<Proc>>> {
         self.map.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     pub(super) fn insert(&self, p: Arc<Proc>) {
-        self.lock().insert(p.id.clone(), p);
+        self.lock().insert((p.sandbox_id.clone(), p.id.clone()), p);
     }
 
     /// The process `pid` of the sandbox (404 `process_not_found` otherwise).
     pub(super) fn get(&self, sandbox_id: &str, pid: &str) -> ApiResult<Arc<Proc>> {
-        match self.lock().get(pid) {
-            Some(p) if p.sandbox_id == sandbox_id => Ok(p.clone()),
-            _ => Err(ApiError::NotFound {
+        match self.lock().get(&(sandbox_id.to_string(), pid.to_string())) {
+            Some(p) => Ok(p.clone()),
+            None => Err(ApiError::NotFound {
                 code: codes::PROCESS_NOT_FOUND,
                 what: "process",
                 id: pid.to_string(),
@@ -120,6 +122,7 @@ impl Table {
                 .iter()
                 .filter_map(|p| p.state().ended_ms.map(|t| (t, p.id.clone())))
                 .collect();
+            let key = |id: String| (sandbox_id.to_string(), id);
             let running = count - ended.len() as u64;
             if running >= max {
                 Some(running)
@@ -127,14 +130,14 @@ impl Table {
                 ended.sort();
                 let excess = (count + 1).saturating_sub(max) as usize;
                 for (_, id) in ended.into_iter().take(excess) {
-                    m.remove(&id);
-                    gone.push(id);
+                    m.remove(&key(id.clone()));
+                    gone.push(key(id));
                 }
                 None
             }
         };
-        for id in gone {
-            if let Err(e) = store.delete_process(&id) {
+        for (sandbox_id, id) in gone {
+            if let Err(e) = store.delete_process(&sandbox_id, &id) {
                 tracing::error!(process_id = %id, error = %e, "deleting the process record failed");
             }
         }
@@ -145,15 +148,15 @@ impl Table {
     pub(crate) fn forget_old(&self, store: &Store, keep: Duration) {
         let cutoff = self.clock.now_ms() - keep.as_millis() as i64;
         let mut gone = Vec::new();
-        self.lock().retain(|id, p| {
+        self.lock().retain(|key, p| {
             let keep = p.state().ended_ms.is_none_or(|t| t > cutoff);
             if !keep {
-                gone.push(id.clone());
+                gone.push(key.clone());
             }
             keep
         });
-        for id in gone {
-            if let Err(e) = store.delete_process(&id) {
+        for (sandbox_id, id) in gone {
+            if let Err(e) = store.delete_process(&sandbox_id, &id) {
                 tracing::error!(process_id = %id, error = %e, "deleting the process record failed");
             }
         }
@@ -286,7 +289,7 @@ impl Proc {
             s.persisted = s.out.end();
             end
         };
-        if let Err(e) = store.process_ended(&self.id, &end) {
+        if let Err(e) = store.process_ended(&self.sandbox_id, &self.id, &end) {
             tracing::error!(process_id = %self.id, error = %e, "recording the process's end failed");
         }
     }
@@ -307,7 +310,7 @@ impl Proc {
             s.persisted = s.out.end();
             s.out.end()
         };
-        if let Err(e) = store.process_output(&self.id, end) {
+        if let Err(e) = store.process_output(&self.sandbox_id, &self.id, end) {
             tracing::error!(process_id = %self.id, error = %e, "recording the process's output count failed");
         }
     }

@@ -219,7 +219,11 @@ pub(crate) async fn fork(
                 let result = {
                     let lock = st2.lifecycle_lock(&src_id);
                     let _g = lock.lock().await;
-                    st2.host().capture(&src_id, &capture.path, true).await
+                    let r = st2.host().capture(&src_id, &capture.path, true).await;
+                    if r.is_ok() {
+                        crate::service::processes::carry::save(&st2, &src_id, &capture.path);
+                    }
+                    r
                 };
                 (capture, result)
             }
@@ -326,7 +330,11 @@ pub(crate) async fn snapshot(
         let result = {
             let lock = st2.lifecycle_lock(&id);
             let _g = lock.lock().await;
-            st2.host().capture(&id, &path, memory).await
+            let r = st2.host().capture(&id, &path, memory).await;
+            if r.is_ok() && memory {
+                crate::service::processes::carry::save(&st2, &id, &path);
+            }
+            r
         };
         let size = size_of(&path);
         let at = iso(st2.now_ms());
