@@ -136,3 +136,37 @@ def test_an_idempotent_create_cut_short_makes_one_sandbox(server, runtime):
     finally:
         for s in runtime.sandboxes.list(labels=labels, include_stopped=True):
             runtime.sandboxes.delete(s.id)
+
+
+def test_an_idempotent_fork_and_snapshot_cut_short_act_once(server, runtime):
+    labels = {"suite": "e2e-crash-idempotent-copy"}
+    sbx = runtime.sandboxes.create(labels=labels)
+    try:
+        sbx.files.write("/workspace/copied.txt", "in every copy")
+        # The fork: the server dies once its copies are recorded, before it answers.
+        start_with_crash_point(server, "fork_answer")
+        with client_for(server, server.admin_key()) as once:
+            source = once.sandboxes.get(sbx.id)
+            crashes(server, lambda: source.fork(count=2, idempotency_key="crash-fork-1"))
+        copies = runtime.sandboxes.get(sbx.id).fork(count=2, idempotency_key="crash-fork-1")
+        made = [s for s in runtime.sandboxes.list(labels=labels, include_stopped=True) if s.id != sbx.id]
+        assert sorted(c.id for c in copies) == sorted(s.id for s in made), [s.info for s in made]
+        assert len(made) == 2
+        # The copies the crash cut short are failed starts, never running with no machine.
+        for c in made:
+            assert settled(runtime, c.id, ("running", "stopped")).state in ("running", "stopped")
+
+        # The snapshot: likewise.
+        start_with_crash_point(server, "snapshot_answer")
+        with client_for(server, server.admin_key()) as once:
+            source = once.sandboxes.get(sbx.id)
+            crashes(server, lambda: source.snapshot(name="once", idempotency_key="crash-snap-1"))
+        snap = runtime.sandboxes.get(sbx.id).snapshot(name="once", idempotency_key="crash-snap-1")
+        snaps = list(runtime.snapshots.list(sandbox_id=sbx.id))
+        assert [s["id"] for s in snaps] == [snap["id"]], snaps
+        assert snap["state"] in ("ready", "failed", "capturing"), snap
+    finally:
+        for s in runtime.sandboxes.list(labels=labels, include_stopped=True):
+            runtime.sandboxes.delete(s.id)
+        for s in runtime.snapshots.list(sandbox_id=sbx.id):
+            runtime.snapshots.delete(s["id"])

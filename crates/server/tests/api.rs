@@ -6319,3 +6319,109 @@ async fn the_copies_of_a_sandbox_carry_its_running_processes_under_their_ids() {
         assert_eq!(s, want, "{mode}");
     }
 }
+
+/// The idempotency record of `idem_key` as it is stored now (kind, body),
+/// waited for up to a second.
+async fn stored_answer(t: &T, idem_key: &str) -> Option<(String, Value)> {
+    let conn = rusqlite::Connection::open(t.dir.join("runtime.db")).unwrap();
+    conn.busy_timeout(Duration::from_secs(5)).unwrap();
+    for _ in 0..100 {
+        let row = conn
+            .query_row(
+                "SELECT kind, body FROM idempotency WHERE idem_key = ?1",
+                [idem_key],
+                |r| Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?)),
+            )
+            .ok();
+        if let Some((kind, body)) = row {
+            return Some((kind, serde_json::from_str(&body).unwrap()));
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    None
+}
+
+#[tokio::test]
+async fn an_idempotent_fork_or_snapshot_resent_after_a_crash_answers_what_it_made() {
+    let t = T::new();
+    let id = t.running(json!({"labels": {"crash": "fork"}})).await;
+    *t.host.capture_delay_ms.lock().unwrap() = 1500;
+    let mut servers = Vec::new();
+    for (verb, body, kind) in [
+        ("fork", json!({"count": 2}), "fork"),
+        ("snapshot", json!({"mode": "memory"}), "snapshot"),
+    ] {
+        let idem = format!("k-{verb}");
+        let first = {
+            let (dir, admin, host) = (t.dir.clone(), t.admin.clone(), t.host.clone());
+            let (path, body, idem) = (
+                format!("/v1/sandboxes/{id}:{verb}"),
+                body.clone(),
+                idem.clone(),
+            );
+            tokio::spawn(async move {
+                let t1 = T::open(dir, admin.clone(), host, |_| {});
+                let answer = t1
+                    .json_as(
+                        &admin,
+                        "POST",
+                        &path,
+                        Some(body),
+                        &[("idempotency-key", idem.as_str()), ("prefer", "wait=30")],
+                    )
+                    .await;
+                // Kept: dropping it would remove the data directory.
+                (answer, t1)
+            })
+        };
+        // While the first waits for its capture, its record is stored with
+        // what it made.
+        let (stored_kind, pending) = stored_answer(&t, &idem)
+            .await
+            .expect("no idempotency record beside what the request made");
+        assert_eq!(stored_kind, kind, "{pending}");
+        // A restarted server knows nothing of the request in flight: the
+        // resend answers what was made, and makes nothing more.
+        let (s, v) = t
+            .json_as(
+                &t.admin.clone(),
+                "POST",
+                &format!("/v1/sandboxes/{id}:{verb}"),
+                Some(body.clone()),
+                &[("idempotency-key", idem.as_str())],
+            )
+            .await;
+        assert_eq!(s, StatusCode::CREATED, "{v}");
+        assert_eq!(v["replayed"], true, "{v}");
+        let ((s1, v1), t1) = first.await.unwrap();
+        assert_eq!(s1, StatusCode::CREATED, "{v1}");
+        servers.push(t1);
+        if verb == "fork" {
+            let ids = |v: &Value| -> Vec<String> {
+                v["sandboxes"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|c| c["id"].as_str().unwrap().to_string())
+                    .collect()
+            };
+            assert_eq!(ids(&v).len(), 2, "{v}");
+            assert_eq!(ids(&v), ids(&v1));
+            assert_eq!(json!(ids(&v)), pending["sandboxIds"]);
+            let (_, list) = t
+                .json("GET", "/v1/sandboxes?label=crash%3Afork", None)
+                .await;
+            assert_eq!(list["data"].as_array().unwrap().len(), 3, "{list}");
+        } else {
+            assert_eq!(v["id"], pending["snapshotId"], "{v}");
+            assert_eq!(v["id"], v1["id"]);
+            let (_, list) = t
+                .json("GET", &format!("/v1/snapshots?sandboxId={id}"), None)
+                .await;
+            assert_eq!(list["data"].as_array().unwrap().len(), 1, "{list}");
+        }
+        // Once answered, the answer replaces the pending record.
+        let (stored_kind, _) = stored_answer(&t, &idem).await.unwrap();
+        assert_eq!(stored_kind, "json");
+    }
+}

@@ -20,7 +20,7 @@ use tokio::sync::watch;
 use crate::error::{ApiError, ApiResult};
 use crate::http::routes::processes;
 use crate::http::{deferred_body, json_bytes, Reply};
-use crate::store::{StoredAnswer, PENDING_SANDBOX};
+use crate::store::{StoredAnswer, PENDING_FORK, PENDING_SANDBOX, PENDING_SNAPSHOT};
 use crate::AppState;
 
 #[derive(Clone)]
@@ -105,6 +105,10 @@ fn replay(st: &AppState, stored: StoredAnswer) -> ApiResult<Response> {
             .and_then(Value::as_str)
             .unwrap_or_default();
         replayed(crate::http::routes::sandboxes::replay_created(st, id)?)
+    } else if stored.kind == PENDING_FORK {
+        replayed(crate::http::routes::snapshots::replay_forked(st, &body)?)
+    } else if stored.kind == PENDING_SNAPSHOT {
+        replayed(crate::http::routes::snapshots::replay_snapshot(st, &body)?)
     } else if stored.kind == "stream" {
         let sandbox_id = body
             .get("sandboxId")

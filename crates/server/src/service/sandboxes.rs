@@ -362,15 +362,32 @@ pub(crate) struct AnswerSlot {
     pub fingerprint: String,
 }
 
+impl AnswerSlot {
+    /// A pending record of `kind` naming what the request made (`body`),
+    /// stored with it at `now_ms`.
+    pub(crate) fn pending(
+        &self,
+        kind: &str,
+        body: serde_json::Value,
+        now_ms: i64,
+    ) -> crate::store::StoredAnswer {
+        crate::store::StoredAnswer {
+            fingerprint: self.fingerprint.clone(),
+            kind: kind.into(),
+            status: 201,
+            body: body.to_string(),
+            created_ms: now_ms,
+        }
+    }
+}
+
 /// The pending answer of a create of `id` at `now_ms`.
 fn pending_answer(slot: &AnswerSlot, id: &str, now_ms: i64) -> crate::store::StoredAnswer {
-    crate::store::StoredAnswer {
-        fingerprint: slot.fingerprint.clone(),
-        kind: crate::store::PENDING_SANDBOX.into(),
-        status: 201,
-        body: serde_json::json!({ "sandboxId": id }).to_string(),
-        created_ms: now_ms,
-    }
+    slot.pending(
+        crate::store::PENDING_SANDBOX,
+        serde_json::json!({ "sandboxId": id }),
+        now_ms,
+    )
 }
 
 /// A create's answer replayed from its pending record (the server died

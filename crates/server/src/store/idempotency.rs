@@ -10,12 +10,17 @@ use crate::error::ServerError;
 /// resend after a crash answers that sandbox instead of making another.
 /// The answer, once there, replaces it.
 pub(crate) const PENDING_SANDBOX: &str = "sandbox";
+/// Likewise for a fork, stored with its copies (`{"sandboxIds": […],
+/// "snapshotId": …|null}`).
+pub(crate) const PENDING_FORK: &str = "fork";
+/// Likewise for a snapshot, stored with its record (`{"snapshotId": …}`).
+pub(crate) const PENDING_SNAPSHOT: &str = "snapshot";
 
 #[derive(Debug, Clone)]
 pub struct StoredAnswer {
     pub fingerprint: String,
-    /// `json` (replay body), `stream` (body names the process to follow) or
-    /// [`PENDING_SANDBOX`].
+    /// `json` (replay body), `stream` (body names the process to follow),
+    /// [`PENDING_SANDBOX`], [`PENDING_FORK`] or [`PENDING_SNAPSHOT`].
     pub kind: String,
     pub status: u16,
     pub body: String,

@@ -530,7 +530,7 @@ impl Store {
 }
 
 pub(crate) use events::{Attempt, DeliveryRow, EventQuery, EventRow, SealedSecret, WebhookRow};
-pub(crate) use idempotency::{StoredAnswer, PENDING_SANDBOX};
+pub(crate) use idempotency::{StoredAnswer, PENDING_FORK, PENDING_SANDBOX, PENDING_SNAPSHOT};
 pub(crate) use keys::insert_key;
 pub(crate) use processes::{ProcEnd, ProcRow};
 pub(crate) use registries::PutRegistry;

@@ -85,6 +85,31 @@ impl Store {
         Ok(seq)
     }
 
+    /// Inserts the sandboxes (a fork's copies) and, in the same
+    /// transaction, `answer` as the idempotency record of the request that
+    /// made them: a crash leaves all of them and the record, or none.
+    pub fn insert_sandboxes_answered(
+        &self,
+        rows: &[SandboxRow],
+        answer: Option<(&str, &str, &StoredAnswer)>,
+    ) -> Result<(), ServerError> {
+        let mut conn = self.conn();
+        let tx = conn.transaction().map_err(store_err("begin"))?;
+        for row in rows {
+            let record = serde_json::to_string(&row.record).map_err(|e| corrupt(e.to_string()))?;
+            let env = serde_json::to_string(&row.env).map_err(|e| corrupt(e.to_string()))?;
+            tx.execute(
+                "INSERT INTO sandboxes (id, key_id, name, state, record, env) VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+                params![row.record.id, row.key_id, row.record.name, row.record.state.as_str(), record, env],
+            )
+            .map_err(store_err("insert sandbox"))?;
+        }
+        if let Some((key_id, idem_key, a)) = answer {
+            super::idempotency::put(&tx, key_id, idem_key, a)?;
+        }
+        tx.commit().map_err(store_err("commit"))
+    }
+
     pub fn get_sandbox(&self, id: &str) -> Result<Option<SandboxRow>, ServerError> {
         let conn = self.conn();
         get_row(&conn, id)

@@ -2,7 +2,7 @@
 
 use rusqlite::{params, Connection, OptionalExtension};
 
-use super::{corrupt, store_err, Store};
+use super::{corrupt, store_err, Store, StoredAnswer};
 use crate::domain::snapshot::Snapshot;
 use crate::error::ServerError;
 
@@ -47,14 +47,29 @@ fn get_snapshot_row(conn: &Connection, id: &str) -> Result<Option<SnapshotRow>, 
 
 impl Store {
     pub fn insert_snapshot(&self, key_id: &str, s: &Snapshot) -> Result<(), ServerError> {
+        self.insert_snapshot_answered(key_id, s, None)
+    }
+
+    /// Inserts the snapshot and, in the same transaction, `answer` as the
+    /// idempotency record of the request that made it.
+    pub fn insert_snapshot_answered(
+        &self,
+        key_id: &str,
+        s: &Snapshot,
+        answer: Option<(&str, &str, &StoredAnswer)>,
+    ) -> Result<(), ServerError> {
         let record = serde_json::to_string(s).map_err(|e| corrupt(e.to_string()))?;
-        self.conn()
-            .execute(
-                "INSERT INTO snapshots (id, key_id, sandbox_id, state, record) VALUES (?1, ?2, ?3, ?4, ?5)",
-                params![s.id, key_id, s.sandbox_id, s.state, record],
-            )
-            .map(|_| ())
-            .map_err(store_err("insert snapshot"))
+        let mut conn = self.conn();
+        let tx = conn.transaction().map_err(store_err("begin"))?;
+        tx.execute(
+            "INSERT INTO snapshots (id, key_id, sandbox_id, state, record) VALUES (?1, ?2, ?3, ?4, ?5)",
+            params![s.id, key_id, s.sandbox_id, s.state, record],
+        )
+        .map_err(store_err("insert snapshot"))?;
+        if let Some((key_id, idem_key, a)) = answer {
+            super::idempotency::put(&tx, key_id, idem_key, a)?;
+        }
+        tx.commit().map_err(store_err("commit"))
     }
 
     pub fn get_snapshot(&self, id: &str) -> Result<Option<SnapshotRow>, ServerError> {

@@ -66,6 +66,8 @@ pub(crate) struct FakeHost {
     /// Keyed by the command (last argv element).
     pub scripts: Mutex<HashMap<String, Vec<Step>>>,
     pub start_delay_ms: Mutex<u64>,
+    /// How long each capture takes.
+    pub capture_delay_ms: Mutex<u64>,
     pub recoverable: Mutex<HashSet<String>>,
     pub started: Mutex<Vec<String>>,
     pub stopped: Mutex<Vec<(String, bool)>>,
@@ -344,6 +346,8 @@ impl Host for FakeHost {
         dest: &std::path::Path,
         memory: bool,
     ) -> Result<(), HostError> {
+        let delay = *self.capture_delay_ms.lock().unwrap();
+        tokio::time::sleep(Duration::from_millis(delay)).await;
         std::fs::create_dir_all(dest).unwrap();
         // A real (empty) qcow2 where qemu-img is there, so that a build
         // may copy a layer out of it (COPY --from).

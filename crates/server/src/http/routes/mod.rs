@@ -23,7 +23,7 @@ mod registries;
 pub(crate) mod sandboxes;
 mod secrets;
 mod sessions;
-mod snapshots;
+pub(crate) mod snapshots;
 pub(crate) mod volumes;
 mod watches;
 

@@ -161,13 +161,20 @@ fn parse_create(st: &AppState, key: &KeyInfo, body: &[u8]) -> ApiResult<NewSandb
 
 pub(super) async fn create(st: AppState, ctx: Ctx, body: Bytes) -> ApiResult<Reply> {
     let mut req = parse_create(&st, &ctx.key, &body)?;
-    req.answer_slot = ctx.idem.as_ref().map(|r| svc::AnswerSlot {
+    req.answer_slot = answer_slot(&ctx);
+    let made = svc::create(&st, &ctx.key, req, wait_of(&ctx)).await?;
+    Ok(created_reply(&made))
+}
+
+/// Where the request's idempotent answer goes, when it has an
+/// `Idempotency-Key`: a change stores a pending record there with what it
+/// makes, in the same transaction.
+pub(super) fn answer_slot(ctx: &Ctx) -> Option<svc::AnswerSlot> {
+    ctx.idem.as_ref().map(|r| svc::AnswerSlot {
         key_id: ctx.key.id.clone(),
         idem_key: r.idem_key.clone(),
         fingerprint: r.fingerprint.clone(),
-    });
-    let made = svc::create(&st, &ctx.key, req, wait_of(&ctx)).await?;
-    Ok(created_reply(&made))
+    })
 }
 
 /// A create's answer: `201` with the new sandbox, `200` with the one

@@ -4,9 +4,11 @@ use std::time::Duration;
 
 use axum::body::Bytes;
 use axum::http::StatusCode;
+use runtime_api::codes;
 use serde_json::{json, Value};
 
 use crate::domain::names::valid_name;
+use crate::domain::snapshot::Snapshot;
 use crate::error::{ApiError, ApiResult};
 use crate::http::extract::{
     checked_labels, checked_name, json_object, no_fields, prefer_wait, query_object, Fields,
@@ -42,14 +44,55 @@ pub(super) async fn fork(st: AppState, ctx: Ctx, id: String, body: Bytes) -> Api
         labels,
         net,
         keep_snapshot,
+        answer_slot: super::sandboxes::answer_slot(&ctx),
     };
     let (copies, kept) = svc::fork(&st, &ctx.key, &id, req, wait_of(&ctx)).await?;
+    Ok(forked(&copies, kept.as_ref()))
+}
+
+/// A fork's answer: its copies and the snapshot it kept.
+fn forked(copies: &[crate::store::SandboxRow], kept: Option<&Snapshot>) -> Reply {
     let out: Vec<Value> = copies.iter().map(|r| record_json(&r.record, &[])).collect();
     let mut answer = json!({ "sandboxes": out });
     if let Some(s) = kept {
         answer["snapshot"] = s.wire();
     }
-    Ok(Reply::Json(StatusCode::CREATED, answer))
+    Reply::Json(StatusCode::CREATED, answer)
+}
+
+/// A fork's answer replayed from its pending record (the server died
+/// before the answer was stored): its copies and kept snapshot as they
+/// are now (deleted ones left out).
+pub(crate) fn replay_forked(st: &AppState, pending: &Value) -> ApiResult<Reply> {
+    let mut copies = Vec::new();
+    for id in pending["sandboxIds"].as_array().into_iter().flatten() {
+        if let Some(row) = st.store().get_sandbox(id.as_str().unwrap_or_default())? {
+            if row.deleted.is_none() {
+                copies.push(row);
+            }
+        }
+    }
+    let kept = match pending["snapshotId"].as_str() {
+        Some(id) => st.store().get_snapshot(id)?.map(|r| r.record),
+        None => None,
+    };
+    Ok(forked(&copies, kept.as_ref()))
+}
+
+/// A snapshot's answer replayed from its pending record: the snapshot as
+/// it is now.
+pub(crate) fn replay_snapshot(st: &AppState, pending: &Value) -> ApiResult<Reply> {
+    let id = pending["snapshotId"].as_str().unwrap_or_default();
+    let row = st
+        .store()
+        .get_snapshot(id)?
+        .filter(|r| r.deleted.is_none())
+        .ok_or_else(|| ApiError::NotFound {
+            code: codes::SNAPSHOT_NOT_FOUND,
+            what: "snapshot",
+            id: id.to_string(),
+        })?;
+    Ok(Reply::Json(StatusCode::CREATED, row.record.wire()))
 }
 
 pub(super) async fn snapshot(st: AppState, ctx: Ctx, id: String, body: Bytes) -> ApiResult<Reply> {
@@ -69,6 +112,7 @@ pub(super) async fn snapshot(st: AppState, ctx: Ctx, id: String, body: Bytes) ->
         labels,
         retention_days,
         mode,
+        answer_slot: super::sandboxes::answer_slot(&ctx),
     };
     let snap = svc::snapshot(&st, &ctx.key, &id, req, wait_of(&ctx)).await?;
     Ok(Reply::Json(StatusCode::CREATED, snap.wire()))

@@ -24,6 +24,7 @@ use crate::domain::snapshot::Snapshot;
 use crate::domain::time::{iso, parse_iso_ms};
 use crate::error::{ApiError, ApiResult};
 use crate::service::lifecycle::{drive, fail_start, CaptureDir, Op};
+use crate::service::sandboxes::AnswerSlot;
 use crate::service::sandboxes::{name_holder, settled_source, wait_until};
 use crate::store::{SandboxRow, SnapshotRow};
 use crate::AppState;
@@ -70,6 +71,8 @@ pub(crate) struct Fork {
     /// The copies start from a snapshot of the source that is kept (and
     /// answered), rather than from a capture dropped once they started.
     pub keep_snapshot: bool,
+    /// The request's idempotency record, stored with the copies.
+    pub answer_slot: Option<AnswerSlot>,
 }
 
 /// How long a fork with `keepSnapshot` waits for its snapshot.
@@ -91,6 +94,7 @@ pub(crate) async fn fork(
         labels,
         net,
         keep_snapshot,
+        answer_slot,
     } = req;
     let src = settled_source(st, key, id).await?;
     crate::service::volumes::refuse_copy(st, id, "fork")?;
@@ -107,6 +111,7 @@ pub(crate) async fn fork(
             labels: src.record.labels.clone(),
             retention_days: DEFAULT_RETENTION_DAYS,
             mode: "memory".into(),
+            answer_slot: None,
         };
         let snap = snapshot(st, key, id, req, Some(KEPT_SNAPSHOT_WAIT)).await?;
         if snap.state != "ready" {
@@ -178,15 +183,32 @@ pub(crate) async fn fork(
                 net.secrets.clone(),
             )?;
             row.record.secrets = crate::service::network::load(st, &row.record.id)?.secrets;
-            st.store().insert_sandbox(&row)?;
+            out.push(row);
+        }
+        // The copies and the request's pending record, in one transaction:
+        // a resend after a crash answers these copies and makes no more.
+        let pending = answer_slot.as_ref().map(|a| {
+            let ids: Vec<&str> = out.iter().map(|r| r.record.id.as_str()).collect();
+            let body = serde_json::json!({
+                "sandboxIds": ids,
+                "snapshotId": kept.as_ref().map(|s| s.id.clone()),
+            });
+            (a, a.pending(crate::store::PENDING_FORK, body, now))
+        });
+        st.store().insert_sandboxes_answered(
+            &out,
+            pending
+                .as_ref()
+                .map(|(a, p)| (a.key_id.as_str(), a.idem_key.as_str(), p)),
+        )?;
+        for row in &out {
             st.inner.telemetry.sandboxes_created.inc();
             crate::service::events::sandbox_event(
                 st,
-                &row,
+                row,
                 "sandbox.created",
                 &[("forkedFrom", serde_json::Value::from(src.record.id.clone()))],
             );
-            out.push(row);
         }
         out
     };
@@ -251,6 +273,7 @@ pub(crate) async fn fork(
             wait_until(st, cid, left, |s| s != SandboxState::Starting).await?;
         }
     }
+    runtime_host::crash_point(st.config().test_crash_at.as_deref(), "fork_answer");
     let mut out = Vec::with_capacity(ids.len());
     for cid in &ids {
         if let Some(r) = st.store().get_sandbox(cid)? {
@@ -267,6 +290,8 @@ pub(crate) struct NewSnapshot {
     pub retention_days: i64,
     /// `memory` or `disk`.
     pub mode: String,
+    /// The request's idempotency record, stored with the snapshot.
+    pub answer_slot: Option<AnswerSlot>,
 }
 
 /// `:snapshot`: captures `id` into a snapshot kept `retention_days`; waits
@@ -283,6 +308,7 @@ pub(crate) async fn snapshot(
         labels,
         retention_days: retention,
         mode,
+        answer_slot,
     } = req;
     let id = id.to_string();
     let src = settled_source(st, key, &id).await?;
@@ -320,7 +346,17 @@ pub(crate) async fn snapshot(
         error: None,
         source_image_id: src.record.image.clone(),
     };
-    st.store().insert_snapshot(&key.id, &snap)?;
+    let pending = answer_slot.as_ref().map(|a| {
+        let body = serde_json::json!({ "snapshotId": snap.id });
+        (a, a.pending(crate::store::PENDING_SNAPSHOT, body, now))
+    });
+    st.store().insert_snapshot_answered(
+        &key.id,
+        &snap,
+        pending
+            .as_ref()
+            .map(|(a, p)| (a.key_id.as_str(), a.idem_key.as_str(), p)),
+    )?;
     tracing::info!(sandbox_id = %id, snapshot_id = %snap.id, mode = %snap.mode, "snapshot requested");
     let sid = snap.id.clone();
     let st2 = st.clone();
@@ -391,6 +427,7 @@ pub(crate) async fn snapshot(
             }
         }
     }
+    runtime_host::crash_point(st.config().test_crash_at.as_deref(), "snapshot_answer");
     Ok(find(st, key, &snap.id)?.record)
 }
 
