@@ -4436,11 +4436,10 @@ async fn a_copy_of_a_directory_of_inline_files_copies_each_of_them() {
         )
         .await;
     assert_eq!(s, StatusCode::BAD_REQUEST, "{v}");
-    assert!(
-        v["error"]["message"]
-            .as_str()
-            .unwrap()
-            .contains("ctx/2 is not among the build's files"),
+    assert_eq!(
+        v["error"]["details"]["issues"],
+        json!([{"field": "dockerfile",
+                "message": "Dockerfile line 2 (COPY): ctx/2 is not among the build's files"}]),
         "{v}"
     );
 }
