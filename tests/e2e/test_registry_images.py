@@ -6,8 +6,9 @@ goes on with a RUN; an index gives its amd64 image; gzip and zstd layers,
 whiteouts and opaque directories apply; a second build reuses the blob
 cache and the unpacked layer; unknown references and corrupt blobs fail
 clearly and leave nothing half-made. The drop-ins that build an image for
-every create work against it as Docker Hub's mirror: Prime's `docker_image`
-and Modal's `Image.debian_slim()`."""
+every create work against it as Docker Hub's mirror: Prime's `docker_image`,
+Modal's `Image.debian_slim()` and Daytona's `CreateSandboxFromImageParams`
+(a reference, and `Image.debian_slim()` with steps on it)."""
 from __future__ import annotations
 
 import os
@@ -302,6 +303,70 @@ def test_the_modal_drop_in_builds_debian_slim_for_a_create(env, rt):
     # Its image was built from the Dockerfile Modal writes, on the pulled base.
     pulled = [i["pulled"] for i in rt.images.list().data if i.get("source") == "dockerfile" and i.get("pulled")]
     assert any("library/python" in p for p in pulled), pulled
+
+
+# The stand-ins of the Daytona test's python image: the test image has no
+# Debian or Python, so its apt-get, pip and python record how the build
+# called them, in the build machine.
+RECORDER = b'#!/bin/bash\necho "${0##*/} $*" >> /var/log/calls\n'
+
+
+def _publish_daytona_python(reg) -> None:
+    """Docker Hub's `python:3.12-slim` and `python:3.12-slim-bookworm` (what
+    Daytona's `Image.debian_slim("3.12")` starts from) on the mirror: one
+    image under both tags, so it is unpacked once. Over the base layer, the
+    recorders above and the busybox applets a COPY step uses."""
+    layer = Layer().dir("usr/local").dir("usr/local/bin").dir("var").dir("var/log")
+    for tool in ("apt-get", "pip", "python"):
+        layer.file(f"usr/local/bin/{tool}", RECORDER, 0o755)
+    for applet in ("base64", "chmod", "chown"):
+        layer.symlink(f"bin/{applet}", "busybox")
+    top = layer.bytes()
+    for tag in ("3.12-slim", "3.12-slim-bookworm"):
+        reg.image("library/python", tag, [(base_layer().bytes(), "gzip"), (top, "gzip")],
+                  {"Env": ["PATH=/usr/local/bin:/usr/bin:/bin", "FROM_IMAGE=python-slim"], "Cmd": ["bash"]})
+
+
+def test_the_daytona_drop_in_creates_from_registry_images(env, rt, tmp_path):
+    from withruntime.daytona import CreateSandboxFromImageParams, Daytona, Image
+    _, reg, _ = env
+    _publish_daytona_python(reg)
+    daytona = Daytona(client=rt)
+    # A reference as it is: pulled through the mirror, nothing built on it.
+    sandbox = daytona.create(CreateSandboxFromImageParams(image="python:3.12-slim"), timeout=300)
+    try:
+        r = sandbox.process.exec("echo $FROM_IMAGE; cat /srv/app/keep-me")
+        assert (r.exit_code, r.result) == (0, "python-slim\nkept\n"), r
+        image = rt.images.get(sandbox.withruntime.info["image"])
+        assert image["source"] == "image" and image["name"] == "python-3.12-slim", image
+        assert image["pulled"].startswith("docker.io/library/python:3.12-slim@sha256:"), image["pulled"]
+    finally:
+        daytona.delete(sandbox)
+    # debian_slim with Daytona's steps on it: the Dockerfile the client
+    # writes runs on the pulled image, as the image's user (root).
+    local = tmp_path / "local.txt"
+    local.write_bytes(b"from this machine\n")
+    image = (Image.debian_slim("3.12").pip_install("rtdemo").env({"WHO": "daytona"}).workdir("/srv/app")
+             .run_commands("echo $FROM_IMAGE-$WHO-$(id -u) > made.txt").add_local_file(str(local), "/opt/local.txt"))
+    logs: list[str] = []
+    sandbox = daytona.create(CreateSandboxFromImageParams(image=image), timeout=300,
+                             on_snapshot_create_logs=logs.append)
+    try:
+        r = sandbox.process.exec("cat /var/log/calls /srv/app/made.txt /opt/local.txt")
+        assert r.exit_code == 0, r
+        assert r.result == ("apt-get update\n"
+                            "apt-get install -y --no-install-recommends gcc gfortran build-essential\n"
+                            "pip install --upgrade pip\n"
+                            "python -m pip install rtdemo\n"
+                            "python-slim-daytona-0\n"
+                            "from this machine\n"), r.result
+        built = rt.images.get(sandbox.withruntime.info["image"])
+        assert built["source"] == "dockerfile", built
+        assert built["pulled"].startswith("docker.io/library/python:3.12-slim-bookworm@sha256:"), built["pulled"]
+        # The second tag is the same manifest: its unpacked layer was reused.
+        assert "pulled from mirror" in "".join(logs) and "(cached)" in "".join(logs), logs
+    finally:
+        daytona.delete(sandbox)
 
 
 def test_an_image_without_bash_runs_shell_commands_through_sh(rt):

@@ -4391,6 +4391,59 @@ async fn image_requests_are_checked_before_any_build() {
     t.running(json!({"image": "default"})).await;
 }
 
+#[tokio::test]
+async fn a_copy_of_a_directory_of_inline_files_copies_each_of_them() {
+    // The official client's Daytona layer sends `add_local_dir` (and a
+    // Dockerfile's `COPY ./conf/ ...`) as inline files under a directory.
+    let t = T::new();
+    let (s, v) = t
+        .json(
+            "POST",
+            "/v1/images",
+            Some(json!({
+                "dockerfile": "FROM runtime\nCOPY ctx/1 /opt/tree\nCOPY ./conf/ /etc/c/\n",
+                "files": [
+                    {"path": "ctx/1/top.txt", "content": "dG9w", "encoding": "base64"},
+                    {"path": "ctx/1/sub/deep.txt", "content": "deep"},
+                    {"path": "conf//a.conf", "content": "a", "mode": 0o600},
+                ],
+            })),
+        )
+        .await;
+    assert_eq!(s, StatusCode::CREATED, "{v}");
+    let steps: Vec<&str> = v["steps"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["instruction"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        steps,
+        [
+            "COPY /opt/tree/sub/deep.txt (4 bytes, sha256 74611c1d6455)",
+            "COPY /opt/tree/top.txt (3 bytes, sha256 28720365c5e7)",
+            "COPY /etc/c/a.conf (1 bytes, sha256 ca978112ca1b)",
+        ],
+        "{v}"
+    );
+    // A directory with nothing under it is still no source.
+    let (s, v) = t
+        .json(
+            "POST",
+            "/v1/images",
+            Some(json!({"dockerfile": "FROM runtime\nCOPY ctx/2 /x\n",
+                        "files": [{"path": "ctx/1/top.txt", "content": "top"}]})),
+        )
+        .await;
+    assert_eq!(s, StatusCode::BAD_REQUEST, "{v}");
+    assert_eq!(
+        v["error"]["details"]["issues"],
+        json!([{"field": "dockerfile",
+                "message": "Dockerfile line 2 (COPY): ctx/2 is not among the build's files"}]),
+        "{v}"
+    );
+}
+
 /// Builds `body` and waits until it is no longer queued or building.
 async fn built(t: &T, body: Value) -> Value {
     let (s, v) = t.json("POST", "/v1/images", Some(body.clone())).await;

@@ -32,6 +32,8 @@ pub(crate) enum Problem {
     ExpectedKeyEqualsValue,
     #[error("expected KEY VALUE")]
     ExpectedKeyValue,
+    #[error("a quote is not closed")]
+    UnclosedQuote,
     #[error("must be a path without ..")]
     WorkdirNotNormal,
     #[error("user {0}: only root and runtime (uid 1000) exist")]
@@ -525,6 +527,47 @@ fn arg_decls(
     out
 }
 
+/// `ENV`'s `K=V …` words as Docker reads them: split at spaces outside
+/// quotes, the quotes taken off (`K="two words"`, `K='a b'`), `\"`, `\\`
+/// and `\$` inside double quotes and a backslash before any character
+/// outside quotes kept as that character. None for an unclosed quote.
+fn env_words(s: &str) -> Option<Vec<String>> {
+    let mut out = Vec::new();
+    let mut cur: Option<String> = None;
+    let mut chars = s.chars();
+    while let Some(c) = chars.next() {
+        match c {
+            c if c.is_whitespace() => out.extend(cur.take()),
+            '\\' => cur
+                .get_or_insert_with(String::new)
+                .push(chars.next().unwrap_or('\\')),
+            '\'' => loop {
+                match chars.next()? {
+                    '\'' => break,
+                    c => cur.get_or_insert_with(String::new).push(c),
+                }
+            },
+            '"' => loop {
+                let word = cur.get_or_insert_with(String::new);
+                match chars.next()? {
+                    '"' => break,
+                    '\\' => match chars.next()? {
+                        c @ ('"' | '\\' | '$') => word.push(c),
+                        c => {
+                            word.push('\\');
+                            word.push(c);
+                        }
+                    },
+                    c => word.push(c),
+                }
+            },
+            c => cur.get_or_insert_with(String::new).push(c),
+        }
+    }
+    out.extend(cur);
+    Some(out)
+}
+
 /// Words split at spaces outside double quotes (the quotes kept).
 fn quoted_words(s: &str) -> Vec<String> {
     let mut out = Vec::new();
@@ -576,11 +619,11 @@ fn instruction(b: &mut Steps, ins: &Instr, ctx: &mut Ctx<'_, '_>) -> Result<(), 
         "ENV" => {
             let rest = substitute(rest, ctx.argv, &b.state.env);
             if rest.contains('=') {
-                for pair in rest.split_whitespace() {
+                for pair in env_words(&rest).ok_or_else(|| at(Problem::UnclosedQuote))? {
                     let (k, v) = pair
                         .split_once('=')
                         .ok_or_else(|| at(Problem::ExpectedKeyEqualsValue))?;
-                    b.state.set_env(k, v.trim_matches('"'));
+                    b.state.set_env(k, v);
                 }
             } else {
                 let (k, v) = rest
@@ -948,11 +991,49 @@ fn copy(
             None => {
                 // The inline files.
                 let name = src.trim_start_matches("./");
-                let f = inputs
+                let Some(f) = inputs
                     .files
                     .iter()
                     .find(|f| f.path.trim_start_matches("./").trim_start_matches('/') == name)
-                    .ok_or_else(|| at(Problem::NotAmongFiles(name.to_string())))?;
+                else {
+                    // A directory of them (`dir/a`, `dir/sub/b` for `COPY dir
+                    // /d`): its contents go into the destination, as Docker
+                    // copies a directory's.
+                    let dir = &normal(src)[1..];
+                    let mut inside: Vec<(String, &InlineFile)> = inputs
+                        .files
+                        .iter()
+                        .filter_map(|f| {
+                            let path = normal(&f.path);
+                            let rel = if dir.is_empty() {
+                                path[1..].to_string()
+                            } else {
+                                path[1..].strip_prefix(dir)?.strip_prefix('/')?.to_string()
+                            };
+                            Some((rel, f))
+                        })
+                        .collect();
+                    if inside.is_empty() {
+                        return Err(at(Problem::NotAmongFiles(name.to_string())));
+                    }
+                    inside.sort_by(|a, b| a.0.cmp(&b.0));
+                    for (rel, f) in inside {
+                        let target = normal(&format!("{}/{rel}", dest_abs.trim_end_matches('/')));
+                        if !valid_abs(&target) {
+                            return Err(at(Problem::DestinationNotNormal));
+                        }
+                        match (chown, chmod) {
+                            (None, None) => b.file(&target, &f.data, f.mode),
+                            _ => b.file_owned(
+                                &target,
+                                &f.data,
+                                chmod.or(f.mode),
+                                owner_of(b.state.user),
+                            ),
+                        }
+                    }
+                    continue;
+                };
                 let target = if into_dir {
                     format!(
                         "{}/{}",
@@ -1656,6 +1737,21 @@ mod tests {
             ]
         );
         assert!(b.steps.is_empty());
+        // Quoted values keep their spaces, as the official client's Daytona
+        // `Image.env` writes them (`ENV K="v"`, JSON's escapes).
+        let b = ok(r#"FROM runtime
+ENV S="two words" T='it''s' U=a\ b V="say \"hi\" \\ \$HOME \n" W="" X=1"#);
+        assert_eq!(
+            env(&b),
+            [
+                ("S", "two words"),
+                ("T", "its"),
+                ("U", "a b"),
+                ("V", r#"say "hi" \ $HOME \n"#),
+                ("W", ""),
+                ("X", "1")
+            ]
+        );
         // A later value replaces an earlier one; later steps run with it.
         let b = ok("FROM runtime\nENV A=1\nRUN one\nENV A=2\nRUN two");
         assert_eq!(b.steps[0].env, [("A".to_string(), "1".to_string())]);
@@ -1769,6 +1865,57 @@ mod tests {
     }
 
     #[test]
+    fn copy_of_a_directory_of_inline_files_copies_its_contents() {
+        // As the official client's Daytona layer sends add_local_dir and a
+        // Dockerfile's `COPY ./conf/ ...`: each file under the directory.
+        let files = [
+            file("ctx/1/b.txt", "B"),
+            file("ctx/1/sub/a.txt", "A"),
+            file("conf//c.txt", "C"),
+            file("ctx/10", "X"),
+        ];
+        let (b, _) = build(
+            "FROM runtime\nCOPY ctx/1 /opt/tree\nWORKDIR /w\nCOPY ./conf/ etc/\nCOPY ctx/10 /x",
+            &files,
+            &[],
+        )
+        .unwrap();
+        assert_eq!(
+            instructions(&b),
+            [
+                "COPY /opt/tree/b.txt (1 bytes, sha256 df7e70e50215)",
+                "COPY /opt/tree/sub/a.txt (1 bytes, sha256 559aead08264)",
+                "WORKDIR /w",
+                "COPY /w/etc/c.txt (1 bytes, sha256 6b23c0d5f35d)",
+                "COPY /x (1 bytes, sha256 4b68ab3847fe)",
+            ]
+        );
+        // `--chown` applies to each of them.
+        let (b, _) = build("FROM runtime\nCOPY --chown=user ctx/1 /t/", &files, &[]).unwrap();
+        let scripts: Vec<&str> = b.steps.iter().filter_map(|s| s.script.as_deref()).collect();
+        assert_eq!(scripts.len(), 2);
+        assert!(
+            scripts[0].ends_with("chown 1000:1000 '/t/b.txt'"),
+            "{}",
+            scripts[0]
+        );
+        assert!(
+            scripts[1].ends_with("chown 1000:1000 '/t/sub/a.txt'"),
+            "{}",
+            scripts[1]
+        );
+        // A prefix of a name is no directory; nothing under it is an error.
+        assert_eq!(
+            err("FROM runtime\nCOPY ctx/1/su /d", &files),
+            "Dockerfile line 2 (COPY): ctx/1/su is not among the build's files"
+        );
+        assert_eq!(
+            err("FROM runtime\nCOPY ctx /d", &files[..0]),
+            "Dockerfile line 2 (COPY): ctx is not among the build's files"
+        );
+    }
+
+    #[test]
     fn cmd_and_entrypoint_become_the_start_command() {
         let (_, p) = build(
             "FROM runtime\nCMD [\"python3\", \"-m\", \"http.server\"]",
@@ -1836,6 +1983,10 @@ mod tests {
         assert_eq!(
             e("FROM runtime\nENV A"),
             "Dockerfile line 2 (ENV): expected KEY VALUE"
+        );
+        assert_eq!(
+            e("FROM runtime\nENV A=\"open B=1"),
+            "Dockerfile line 2 (ENV): a quote is not closed"
         );
         assert_eq!(
             e("FROM runtime\nWORKDIR /a/../b"),
