@@ -122,6 +122,8 @@ pub(crate) async fn recover(st: &AppState) -> Result<(), crate::ServerError> {
                 duration_ms: row.duration_ms.unwrap_or(0),
                 oom_kills: row.oom_kills,
                 lost: row.state == "lost",
+                // Traced files are kept in memory only.
+                files: None,
             });
             state.ended_ms = Some(row.ended_ms.unwrap_or(row.started_ms));
         }
@@ -137,6 +139,7 @@ pub(crate) async fn recover(st: &AppState) -> Result<(), crate::ServerError> {
             pty: row.pty,
             stdin_pipe: row.stdin_pipe,
             base64_always: row.output_encoding == "base64",
+            traced: false,
             started_ms: row.started_ms,
             token: row.token,
             state: Mutex::new(state),
