@@ -21,6 +21,7 @@ use crate::agent::Agent;
 use crate::link::Outbox;
 use crate::reaper::Reaper;
 use crate::sys::{cstring, cvt, errno, kill_session, lock, log, poll1, Fail};
+use crate::trace::Trace;
 
 pub(crate) const SANDBOX_ID: u32 = 1000;
 const BASE_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
@@ -300,6 +301,7 @@ const STAGE_SETUP: u8 = 1;
 const STAGE_USER: u8 = 2;
 const STAGE_CWD: u8 = 3;
 const STAGE_EXEC: u8 = 4;
+const STAGE_TRACE: u8 = 5;
 
 struct ChildFds {
     stdin: RawFd,
@@ -321,6 +323,7 @@ unsafe fn child(
     envp: &[*const libc::c_char],
     fds: &ChildFds,
     cgroup: Option<&std::ffi::CStr>,
+    trace: Option<&Trace>,
 ) -> ! {
     unsafe fn fail(report: RawFd, stage: u8) -> ! {
         let e = errno().to_ne_bytes();
@@ -347,6 +350,12 @@ unsafe fn child(
         // Its own cgroup (while still root), so its out-of-memory kills count.
         if let Some(procs) = cgroup {
             crate::cgroup::join(procs);
+        }
+        // Its own mount namespace, traced (while still root).
+        if let Some(t) = trace {
+            if !t.enter() {
+                fail(fds.report, STAGE_TRACE);
+            }
         }
         if let Some(tty) = fds.ctty {
             if libc::ioctl(tty, libc::TIOCSCTTY, 0) < 0 {
@@ -406,7 +415,7 @@ struct Child {
     group: Option<crate::cgroup::Group>,
 }
 
-fn start(reaper: &Reaper, req: &ExecRequest) -> Result<Child, Fail> {
+fn start(reaper: &Reaper, req: &ExecRequest, trace: Option<&Trace>) -> Result<Child, Fail> {
     let plan = plan(req)?;
     let argv: Vec<*const libc::c_char> = plan
         .argv
@@ -508,7 +517,7 @@ fn start(reaper: &Reaper, req: &ExecRequest) -> Result<Child, Fail> {
     let pid = unsafe { libc::fork() };
     if pid == 0 {
         // SAFETY: we are the freshly forked child; argv/envp are NULL-terminated.
-        unsafe { child(&plan, &argv, &envp, &fds, cgroup) }
+        unsafe { child(&plan, &argv, &envp, &fds, cgroup, trace) }
     }
     if pid < 0 {
         return Err(io_fail("fork"));
@@ -552,6 +561,10 @@ fn start(reaper: &Reaper, req: &ExecRequest) -> Result<Child, Fail> {
                 &e,
             ),
             STAGE_USER => Fail::io("cannot switch user", &e),
+            STAGE_TRACE => Fail::new(
+                FailCode::Io,
+                format!("cannot trace the command's files: {e}"),
+            ),
             _ => Fail::io("cannot set up the process", &e),
         });
     }
@@ -664,7 +677,22 @@ pub(crate) fn run(
     input: mpsc::Receiver<Input>,
 ) {
     let out = Arc::clone(&agent.out);
-    let child = match start(&agent.reaper, &req) {
+    let trace = match req.trace_files.then(Trace::new).transpose() {
+        Ok(t) => t,
+        Err(e) => {
+            agent.forget(stream);
+            out.reply(
+                stream,
+                &Fail::new(
+                    FailCode::Io,
+                    format!("cannot trace the command's files: {e}"),
+                )
+                .reply(),
+            );
+            return;
+        }
+    };
+    let child = match start(&agent.reaper, &req, trace.as_ref()) {
         Ok(c) => c,
         Err(fail) => {
             agent.forget(stream);
@@ -672,6 +700,7 @@ pub(crate) fn run(
             return;
         }
     };
+    let collector = trace.map(Trace::collect);
     let pid = child.pid;
     ctl.pgid.store(pid, Ordering::SeqCst);
     *lock(&ctl.master) = child.master.clone();
@@ -731,6 +760,8 @@ pub(crate) fn run(
     for p in pumps {
         p.join();
     }
+    // Its output drained: what it (and what it started) opened is queued.
+    let files = collector.map(|c| c.finish());
 
     let (mut exit_code, signal) = match status {
         Some(s) if libc::WIFEXITED(s) => (Some(libc::WEXITSTATUS(s)), None),
@@ -750,6 +781,7 @@ pub(crate) fn run(
         duration_ms,
         out_of_memory: oom_kills > 0,
         oom_kills,
+        files,
     };
     agent.finished(stream, exited.clone());
     agent.forget(stream);
@@ -773,6 +805,7 @@ mod tests {
             stdin: false,
             pty: None,
             kill_group_on_exit: false,
+            trace_files: false,
         }
     }
 

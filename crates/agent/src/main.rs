@@ -21,6 +21,7 @@ mod pool;
 mod reaper;
 mod switch_root;
 mod sys;
+mod trace;
 mod tunnel;
 mod watch;
 

@@ -66,6 +66,8 @@ pub mod codes {
     pub const UPLOAD_INCOMPLETE: &str = "upload_incomplete";
     pub const OFFSET_MISMATCH: &str = "offset_mismatch";
     pub const PROCESS_NOT_RUNNING: &str = "process_not_running";
+    /// `GET …/processes/{pid}/files` of a traced process that still runs.
+    pub const PROCESS_RUNNING: &str = "process_running";
     pub const OUTPUT_GONE: &str = "output_gone";
     pub const UNSUPPORTED: &str = "unsupported";
     pub const UNAVAILABLE: &str = "unavailable";
@@ -100,6 +102,8 @@ pub mod codes {
     pub const VOLUME_BACKUP_FAILED: &str = "volume_backup_failed";
     pub const STDIN_CLOSED: &str = "stdin_closed";
     pub const PROCESS_NOT_A_TERMINAL: &str = "process_not_a_terminal";
+    /// `GET …/processes/{pid}/files` of a process started without `traceFiles`.
+    pub const PROCESS_NOT_TRACED: &str = "process_not_traced";
     pub const RESULT_NOT_FOUND: &str = "result_not_found";
     pub const CONTEXT_NOT_FOUND: &str = "context_not_found";
     pub const CONTEXT_EXISTS: &str = "context_exists";
@@ -263,6 +267,10 @@ pub struct ExecResult {
     pub process_id: String,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub out_of_memory: Option<Value>,
+    /// What a command run with `traceFiles: true` opened:
+    /// `{read, written, truncated}`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub files: Option<Value>,
 }
 
 /// One entry of `GET …/files/list` and `…/files/stat`.

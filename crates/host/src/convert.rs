@@ -4,6 +4,11 @@
 
 use runtime_proto::{Entry, EntryType, ExecRequest, FailCode, PtySize, Reply, Request, User};
 
+/// Most paths kept of each list a guest reports for a traced command.
+pub(crate) const MAX_TRACED_PATHS: usize = 10_000;
+/// The longest path kept of a traced command (Linux's `PATH_MAX`).
+const MAX_TRACED_PATH: usize = 4096;
+
 use crate::types::*;
 
 fn failure(code: FailCode) -> GuestFailure {
@@ -79,6 +84,62 @@ pub(crate) fn exec_request(spec: ExecSpec) -> ExecRequest {
         stdin: spec.stdin,
         pty: spec.pty.map(pty_size),
         kill_group_on_exit: spec.kill_group_on_exit,
+        trace_files: spec.trace_files,
+    }
+}
+
+/// The exit status an `Exited` reply reports; `None` for another reply.
+pub(crate) fn exit_status(reply: Reply) -> Option<ExitStatus> {
+    match reply {
+        Reply::Exited {
+            exit_code,
+            signal,
+            timed_out,
+            duration_ms,
+            out_of_memory,
+            oom_kills,
+            files,
+        } => Some(ExitStatus {
+            code: exit_code,
+            signal,
+            timed_out,
+            duration_ms,
+            oom_kills: oom_kills.max(u32::from(out_of_memory)),
+            files: files.map(traced_files),
+        }),
+        _ => None,
+    }
+}
+
+/// A guest's list of traced files, not trusted: only absolute paths of at
+/// most `PATH_MAX` bytes without NUL are kept, sorted, without repeats, at
+/// most [`MAX_TRACED_PATHS`] of each list; what is dropped makes it
+/// `truncated`.
+pub(crate) fn traced_files(f: runtime_proto::TracedFiles) -> TracedFiles {
+    let mut truncated = f.truncated;
+    let mut clean = |list: Vec<String>| {
+        let n = list.len();
+        let mut v: Vec<String> = list
+            .into_iter()
+            .filter(|p| p.starts_with('/') && p.len() <= MAX_TRACED_PATH && !p.contains('\0'))
+            .collect();
+        if v.len() < n {
+            truncated = true;
+        }
+        v.sort();
+        v.dedup();
+        if v.len() > MAX_TRACED_PATHS {
+            v.truncate(MAX_TRACED_PATHS);
+            truncated = true;
+        }
+        v
+    };
+    let read = clean(f.read);
+    let written = clean(f.written);
+    TracedFiles {
+        read,
+        written,
+        truncated,
     }
 }
 
@@ -269,6 +330,7 @@ mod tests {
             stdin: true,
             pty: Some(TermSize { cols: 80, rows: 24 }),
             kill_group_on_exit: false,
+            trace_files: true,
         });
         assert_eq!(
             req,
@@ -281,8 +343,49 @@ mod tests {
                 stdin: true,
                 pty: Some(PtySize { cols: 80, rows: 24 }),
                 kill_group_on_exit: false,
+                trace_files: true,
             }
         );
+    }
+
+    #[test]
+    fn traced_files_from_a_guest_are_checked() {
+        let f = traced_files(runtime_proto::TracedFiles {
+            read: vec![
+                "/b".into(),
+                "/a/".into(),
+                "/b".into(),
+                "relative".into(),
+                "/nul\0".into(),
+                format!("/{}", "x".repeat(5000)),
+            ],
+            written: vec!["/w".into()],
+            truncated: false,
+        });
+        assert_eq!(f.read, ["/a/", "/b"]);
+        assert_eq!(f.written, ["/w"]);
+        // The refused paths are a loss.
+        assert!(f.truncated);
+        let f = traced_files(runtime_proto::TracedFiles {
+            read: vec!["/a".into(), "/a".into()],
+            written: vec![],
+            truncated: false,
+        });
+        // A repeat is not.
+        assert_eq!((f.read.len(), f.truncated), (1, false));
+        let f = traced_files(runtime_proto::TracedFiles {
+            read: (0..MAX_TRACED_PATHS + 1).map(|i| format!("/{i}")).collect(),
+            written: vec![],
+            truncated: false,
+        });
+        assert_eq!(f.read.len(), MAX_TRACED_PATHS);
+        assert!(f.truncated);
+        let f = traced_files(runtime_proto::TracedFiles {
+            read: vec!["/a".into()],
+            written: vec![],
+            truncated: false,
+        });
+        assert!(!f.truncated);
     }
 
     #[test]

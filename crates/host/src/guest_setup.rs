@@ -143,6 +143,7 @@ async fn run_root(
         stdin: false,
         pty: None,
         kill_group_on_exit: true,
+        trace_files: false,
     };
     stream
         .send(&Request::Exec(req))
@@ -290,6 +291,7 @@ mod tests {
                     duration_ms: 3,
                     out_of_memory: false,
                     oom_kills: 0,
+                    files: None,
                 },
             )
             .await;

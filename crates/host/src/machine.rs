@@ -669,6 +669,16 @@ impl Host for QemuHost {
 
     async fn exec(&self, id: &str, spec: ExecSpec) -> Result<ExecHandle, HostError> {
         let link = self.link(id).await?;
+        if spec.trace_files && link.peer_version() < runtime_proto::TRACE_VERSION {
+            return Err(HostError::Guest {
+                id: id.to_owned(),
+                failure: GuestFailure::Unsupported,
+                message: format!(
+                    "this sandbox's agent speaks protocol {}, older than traced files: stop and start the sandbox (or create a new one) to trace a command's files",
+                    link.peer_version()
+                ),
+            });
+        }
         let lost = || HostError::LinkLost { id: id.to_owned() };
         let mut stream = link.open().map_err(|_| lost())?;
         stream
@@ -697,23 +707,10 @@ impl Host for QemuHost {
             .ok_or_else(lost)?;
         match reply {
             Reply::Started { pid } => Ok(pump::pump_after(stream, pid, early)),
-            Reply::Exited {
-                exit_code,
-                signal,
-                timed_out,
-                duration_ms,
-                out_of_memory,
-                oom_kills,
-            } => Ok(pump::exited(
-                token,
-                ExitStatus {
-                    code: exit_code,
-                    signal,
-                    timed_out,
-                    duration_ms,
-                    oom_kills: oom_kills.max(u32::from(out_of_memory)),
-                },
-            )),
+            r @ Reply::Exited { .. } => match crate::convert::exit_status(r.clone()) {
+                Some(status) => Ok(pump::exited(token, status)),
+                None => Err(guest_err(id, r)),
+            },
             other => Err(guest_err(id, other)),
         }
     }

@@ -4,7 +4,7 @@
 use runtime_proto::{channel, Reply, Request};
 use tokio::sync::mpsc;
 
-use crate::convert::pty_size;
+use crate::convert::{exit_status, pty_size};
 use crate::link::Incoming;
 use crate::types::{ExecControl, ExecEvent, ExecHandle, ExitStatus, WatchHandle, WatchUpdate};
 
@@ -39,9 +39,10 @@ pub(crate) fn pump_after(
                         Some(Incoming::Data { channel: channel::STDOUT, bytes }) => ExecEvent::Stdout(bytes),
                         Some(Incoming::Data { channel: channel::STDERR, bytes }) => ExecEvent::Stderr(bytes),
                         Some(Incoming::Data { .. }) => continue,
-                        Some(Incoming::Reply(Reply::Exited { exit_code, signal, timed_out, duration_ms, out_of_memory, oom_kills })) => {
-                            let oom_kills = oom_kills.max(u32::from(out_of_memory));
-                            let _ = ev_tx.send(ExecEvent::Exited(ExitStatus { code: exit_code, signal, timed_out, duration_ms, oom_kills })).await;
+                        Some(Incoming::Reply(r @ Reply::Exited { .. })) => {
+                            if let Some(status) = exit_status(r) {
+                                let _ = ev_tx.send(ExecEvent::Exited(status)).await;
+                            }
                             break;
                         }
                         Some(Incoming::Reply(_)) => continue,
@@ -195,6 +196,7 @@ mod tests {
             timed_out: false,
             duration_ms: 12,
             oom_kills: 0,
+            files: None,
         }
     }
 
@@ -206,6 +208,7 @@ mod tests {
             duration_ms: 12,
             out_of_memory: false,
             oom_kills: 0,
+            files: None,
         }
     }
 

@@ -83,6 +83,10 @@ pub struct ExecSpec {
     pub pty: Option<TermSize>,
     /// Kill what the command left in its process group when it exits.
     pub kill_group_on_exit: bool,
+    /// Record the files it (and what it starts) opens: the exit carries
+    /// them ([`ExitStatus::files`]). An agent older than that refuses the
+    /// exec ([`GuestFailure::Unsupported`]).
+    pub trace_files: bool,
 }
 
 /// What the control plane sends to a running process.
@@ -103,6 +107,20 @@ pub struct ExitStatus {
     pub duration_ms: u64,
     /// How many of its processes the guest's kernel killed for memory.
     pub oom_kills: u32,
+    /// What it opened, when it ran with [`ExecSpec::trace_files`].
+    pub files: Option<TracedFiles>,
+}
+
+/// The files a traced command opened, as the guest reported them (checked:
+/// absolute paths, sorted, each list bounded).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TracedFiles {
+    /// Every file and directory it opened (directories end in `/`).
+    pub read: Vec<String>,
+    /// Every file it opened for writing.
+    pub written: Vec<String>,
+    /// Some paths are missing.
+    pub truncated: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -135,6 +135,7 @@ fn cmd(argv: &[&str]) -> ExecSpec {
         stdin: false,
         pty: None,
         kill_group_on_exit: true,
+        trace_files: false,
     }
 }
 
@@ -1434,6 +1435,7 @@ async fn background(h: &QemuHost, id: &str, cmd_line: &str) {
             id,
             ExecSpec {
                 kill_group_on_exit: false,
+                trace_files: false,
                 ..cmd(&[
                     "bash",
                     "-c",

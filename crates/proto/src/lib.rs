@@ -29,11 +29,15 @@ pub use codec::{encode, Decoder, Frame, Kind, ProtoError, HEADER_LEN, MAX_FRAME,
 pub use messages::*;
 
 /// The protocol version this build speaks. 1: the first; 2: watches
-/// ([`Request::Watch`]).
-pub const VERSION: u32 = 2;
+/// ([`Request::Watch`]); 3: traced files ([`ExecRequest::trace_files`]).
+pub const VERSION: u32 = 3;
 
 /// The first version whose agents take [`Request::Watch`].
 pub const WATCH_VERSION: u32 = 2;
+
+/// The first version whose agents trace a command's files
+/// ([`ExecRequest::trace_files`], [`Reply::Exited`] `files`).
+pub const TRACE_VERSION: u32 = 3;
 
 /// The bit set in the ids of streams the guest opens (outbound tunnels);
 /// host-chosen ids never have it.

@@ -55,6 +55,31 @@ pub struct ExecRequest {
     /// process group (the documented behaviour of a foreground exec).
     #[serde(default)]
     pub kill_group_on_exit: bool,
+    /// Record the files the command and what it starts open
+    /// ([`Reply::Exited`] `files`). Only sent to agents of
+    /// [`crate::TRACE_VERSION`] or later (an older one would ignore it).
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub trace_files: bool,
+}
+
+fn is_false(b: &bool) -> bool {
+    !*b
+}
+
+/// The files a traced command opened, as [`Reply::Exited`] reports them.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TracedFiles {
+    /// Every file and directory it opened: absolute paths, symlinks
+    /// resolved, directories ending in `/`, sorted.
+    #[serde(default)]
+    pub read: Vec<String>,
+    /// Every file it opened for writing and closed, sorted.
+    #[serde(default)]
+    pub written: Vec<String>,
+    /// Some paths are missing (a bound was reached, or the kernel's queue
+    /// overflowed).
+    #[serde(default)]
+    pub truncated: bool,
 }
 
 /// A kind of change a watch reports.
@@ -329,6 +354,9 @@ pub enum Reply {
         /// killed for memory.
         #[serde(default)]
         oom_kills: u32,
+        /// What it opened, when it ran with [`ExecRequest::trace_files`].
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        files: Option<TracedFiles>,
     },
     /// Before the bytes of a read file.
     FileStart {
@@ -399,6 +427,7 @@ mod tests {
             stdin: false,
             pty: None,
             kill_group_on_exit: true,
+            trace_files: false,
         });
         let json = serde_json::to_string(&req).unwrap();
         assert_eq!(
@@ -543,9 +572,50 @@ mod tests {
         match r {
             Request::Exec(e) => {
                 assert_eq!(e.user, User::Sandbox);
-                assert!(!e.stdin && e.timeout_ms.is_none());
+                assert!(!e.stdin && e.timeout_ms.is_none() && !e.trace_files);
             }
             other => panic!("unexpected {other:?}"),
         }
+        // An exit of an agent before traced files has none.
+        let r: Reply = serde_json::from_str(
+            r#"{"ev":"exited","exit_code":0,"signal":null,"timed_out":false,"duration_ms":1}"#,
+        )
+        .unwrap();
+        assert!(matches!(r, Reply::Exited { files: None, .. }));
+    }
+
+    #[test]
+    fn traced_files_travel_on_the_exec_and_its_exit() {
+        let req = Request::Exec(ExecRequest {
+            argv: vec!["true".into()],
+            cwd: None,
+            env: vec![],
+            user: User::Root,
+            timeout_ms: None,
+            stdin: false,
+            pty: None,
+            kill_group_on_exit: false,
+            trace_files: true,
+        });
+        assert!(serde_json::to_string(&req)
+            .unwrap()
+            .ends_with(r#","kill_group_on_exit":false,"trace_files":true}"#));
+        let exited = Reply::Exited {
+            exit_code: Some(0),
+            signal: None,
+            timed_out: false,
+            duration_ms: 1,
+            out_of_memory: false,
+            oom_kills: 0,
+            files: Some(TracedFiles {
+                read: vec!["/etc/".into()],
+                written: vec!["/tmp/x".into()],
+                truncated: false,
+            }),
+        };
+        assert_eq!(
+            serde_json::to_string(&exited).unwrap(),
+            r#"{"ev":"exited","exit_code":0,"signal":null,"timed_out":false,"duration_ms":1,"out_of_memory":false,"oom_kills":0,"files":{"read":["/etc/"],"written":["/tmp/x"],"truncated":false}}"#
+        );
     }
 }

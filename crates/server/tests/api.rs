@@ -941,6 +941,145 @@ async fn process_output_polls_as_json_with_wait_ms() {
 }
 
 #[tokio::test]
+async fn traced_files_come_with_the_exit_and_from_the_process() {
+    let t = T::new();
+    let id = t.running(json!({})).await;
+    t.host
+        .script("build", vec![Step::Out(b"ok\n".to_vec()), Step::Exit(0)]);
+    let want = json!({"read": ["/etc/", "/usr/bin/build"], "written": ["/workspace/build.out"], "truncated": false});
+    // A plain exec: the answer carries them.
+    let (s, v) = t
+        .json(
+            "POST",
+            &format!("/v1/sandboxes/{id}:exec"),
+            Some(json!({"command": "build", "traceFiles": true})),
+        )
+        .await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert!(
+        t.host
+            .last_exec
+            .lock()
+            .unwrap()
+            .as_ref()
+            .unwrap()
+            .trace_files
+    );
+    assert_eq!(v["files"], want);
+    let exec_pid = v["processId"].as_str().unwrap().to_string();
+    // So does the process afterwards.
+    let (s, v) = t
+        .json(
+            "GET",
+            &format!("/v1/sandboxes/{id}/processes/{exec_pid}/files"),
+            None,
+        )
+        .await;
+    assert_eq!((s, &v), (StatusCode::OK, &want));
+    // Untraced: no files in the answer, and the process says why it has none.
+    let (_, v) = t
+        .json(
+            "POST",
+            &format!("/v1/sandboxes/{id}:exec"),
+            Some(json!({"command": "build", "traceFiles": false})),
+        )
+        .await;
+    assert!(v.get("files").is_none(), "{v}");
+    assert!(
+        !t.host
+            .last_exec
+            .lock()
+            .unwrap()
+            .as_ref()
+            .unwrap()
+            .trace_files
+    );
+    let plain = v["processId"].as_str().unwrap().to_string();
+    let (s, v) = t
+        .json(
+            "GET",
+            &format!("/v1/sandboxes/{id}/processes/{plain}/files"),
+            None,
+        )
+        .await;
+    assert_eq!(s, StatusCode::CONFLICT);
+    assert_eq!(v["error"]["code"], "process_not_traced");
+    // Streamed: the exit event carries them.
+    let (s, _, b) = t
+        .call(
+            "POST",
+            &format!("/v1/sandboxes/{id}:exec"),
+            Some(&t.admin),
+            &[("accept", "application/x-ndjson")],
+            Body::from(json!({"command": "build", "stream": true, "traceFiles": true}).to_string()),
+        )
+        .await;
+    assert_eq!(s, StatusCode::OK);
+    let ev = ndjson(&b);
+    let exit = ev.last().unwrap();
+    assert_eq!(exit["type"], "exit");
+    assert_eq!(exit["files"], want);
+    // A spawned process: 409 while it runs, the lists once it ended.
+    t.host
+        .script("slowbuild", vec![Step::Sleep(300), Step::Exit(0)]);
+    let (s, p) = t
+        .json(
+            "POST",
+            &format!("/v1/sandboxes/{id}/processes"),
+            Some(json!({"command": "slowbuild", "traceFiles": true})),
+        )
+        .await;
+    assert_eq!(s, StatusCode::CREATED, "{p}");
+    assert_eq!(p["traceFiles"], true);
+    let pid = p["id"].as_str().unwrap().to_string();
+    let files = format!("/v1/sandboxes/{id}/processes/{pid}/files");
+    let (s, v) = t.json("GET", &files, None).await;
+    assert_eq!(s, StatusCode::CONFLICT, "{v}");
+    assert_eq!(v["error"]["code"], "process_running");
+    let mut tries = 0;
+    let v = loop {
+        let (s, v) = t.json("GET", &files, None).await;
+        if s == StatusCode::OK {
+            break v;
+        }
+        tries += 1;
+        assert!(tries < 100, "{v}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert_eq!(v["written"], json!(["/workspace/slowbuild.out"]));
+    assert_eq!(v["truncated"], false);
+    // Unknown processes are 404; a wrong type is named.
+    let (s, _) = t
+        .json(
+            "GET",
+            &format!("/v1/sandboxes/{id}/processes/proc_nope/files"),
+            None,
+        )
+        .await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+    let (s, v) = t
+        .json(
+            "POST",
+            &format!("/v1/sandboxes/{id}:exec"),
+            Some(json!({"command": "build", "traceFiles": "yes"})),
+        )
+        .await;
+    assert_eq!(s, StatusCode::BAD_REQUEST);
+    assert_eq!(v["error"]["details"]["issues"][0]["field"], "traceFiles");
+    // An agent older than traced files: 501, and nothing ran.
+    *t.host.old_agent.lock().unwrap() = true;
+    let (s, v) = t
+        .json(
+            "POST",
+            &format!("/v1/sandboxes/{id}:exec"),
+            Some(json!({"command": "build", "traceFiles": true})),
+        )
+        .await;
+    assert_eq!(s, StatusCode::NOT_IMPLEMENTED, "{v}");
+    assert_eq!(v["error"]["code"], "unsupported");
+}
+
+#[tokio::test]
 async fn spawned_process_takes_offset_tracked_input() {
     let t = T::new();
     let id = t.running(json!({})).await;

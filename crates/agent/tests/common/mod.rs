@@ -64,6 +64,7 @@ pub(crate) fn exec_req(argv: &[&str]) -> ExecRequest {
         stdin: false,
         pty: None,
         kill_group_on_exit: true,
+        trace_files: false,
     }
 }
 

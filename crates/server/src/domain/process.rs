@@ -12,9 +12,11 @@
 //! whole for the JSON answer of an unstreamed exec ([`exec_result`]).
 
 use std::collections::VecDeque;
+use std::sync::Arc;
 
 use base64::Engine;
 use runtime_api::ExecResult;
+use runtime_host::TracedFiles;
 use serde_json::{json, Map, Value};
 
 /// The signals the server itself sends (the numbers are Linux's; the
@@ -390,6 +392,9 @@ pub(crate) struct Exit {
     /// How many of its processes the kernel killed for memory.
     pub(crate) oom_kills: u32,
     pub(crate) lost: bool,
+    /// What it opened, when it was traced (`traceFiles`); shared, as an
+    /// exit is cloned for every reader.
+    pub(crate) files: Option<Arc<TracedFiles>>,
 }
 
 impl Exit {
@@ -402,6 +407,7 @@ impl Exit {
             duration_ms,
             oom_kills: 0,
             lost: true,
+            files: None,
         }
     }
 
@@ -426,8 +432,16 @@ impl Exit {
         if let Some(oom) = out_of_memory(self.oom_kills, memory_mib) {
             v["outOfMemory"] = oom;
         }
+        if let Some(files) = &self.files {
+            v["files"] = files_json(files);
+        }
         v
     }
+}
+
+/// Traced files as the API answers them.
+pub(crate) fn files_json(f: &TracedFiles) -> Value {
+    json!({"read": f.read, "written": f.written, "truncated": f.truncated})
 }
 
 /// The `outOfMemory` report of a command whose processes the kernel
@@ -455,10 +469,20 @@ pub(crate) fn exec_result(
     guard_ms: u64,
     process_id: String,
     memory_mib: u32,
+    traced: bool,
 ) -> ExecResult {
     let (code, timed_out, duration, oom) = match exit {
         Some(e) => (e.code, e.timed_out, e.duration_ms, e.oom_kills),
         None => (None, true, guard_ms, 0),
+    };
+    let files = match exit {
+        Some(e) => e.files.as_deref().map(files_json),
+        // Traced, but never reported: nothing is known.
+        None if traced => Some(files_json(&TracedFiles {
+            truncated: true,
+            ..TracedFiles::default()
+        })),
+        None => None,
     };
     ExecResult {
         exit_code: code,
@@ -470,6 +494,7 @@ pub(crate) fn exec_result(
         duration_ms: duration,
         process_id,
         out_of_memory: out_of_memory(oom, memory_mib),
+        files,
     }
 }
 
@@ -666,8 +691,10 @@ mod tests {
             duration_ms: 12,
             oom_kills: 2,
             lost: false,
+            files: None,
         };
-        let r = exec_result(&o, Some(&exit), 99, "proc_1".into(), 512);
+        let r = exec_result(&o, Some(&exit), 99, "proc_1".into(), 512, false);
+        assert_eq!(r.files, None);
         assert_eq!(r.exit_code, Some(3));
         assert_eq!((r.stdout.as_str(), r.stderr.as_str()), ("out", "err"));
         assert_eq!((r.timed_out, r.duration_ms), (false, 12));
@@ -688,9 +715,30 @@ mod tests {
                    "durationMs": 12, "outOfMemory": oom})
         );
         // No exit within the guard: timed out after it.
-        let r = exec_result(&o, None, 99, "proc_1".into(), 512);
+        let r = exec_result(&o, None, 99, "proc_1".into(), 512, false);
         assert_eq!((r.exit_code, r.timed_out, r.duration_ms), (None, true, 99));
         assert_eq!(r.out_of_memory, None);
+        assert_eq!(r.files, None);
+        // Traced: what it opened, in the answer and the event.
+        let traced = Exit {
+            files: Some(Arc::new(TracedFiles {
+                read: vec!["/etc/".into(), "/etc/hostname".into()],
+                written: vec!["/tmp/x".into()],
+                truncated: false,
+            })),
+            ..exit.clone()
+        };
+        let want =
+            json!({"read": ["/etc/", "/etc/hostname"], "written": ["/tmp/x"], "truncated": false});
+        let r = exec_result(&o, Some(&traced), 99, "proc_1".into(), 512, true);
+        assert_eq!(r.files.as_ref(), Some(&want));
+        assert_eq!(traced.event(512)["files"], want);
+        // Traced, with no exit within the guard: nothing known, so truncated.
+        let r = exec_result(&o, None, 99, "proc_1".into(), 512, true);
+        assert_eq!(
+            r.files,
+            Some(json!({"read": [], "written": [], "truncated": true}))
+        );
         let lost = Exit::lost(7);
         assert_eq!(lost.state(), "lost");
         assert_eq!(lost.event(512)["exitCode"], Value::Null);

@@ -37,6 +37,8 @@ pub(crate) enum Route {
     ProcList(String),
     ProcGet(String, String),
     ProcOutput(String, String),
+    /// `…/processes/{pid}/files`: what a traced process opened.
+    ProcFiles(String, String),
     ProcAction(String, String, String),
     /// `…/files/watches[/{w}[/events]]`.
     WatchCreate(String),
@@ -167,7 +169,6 @@ fn unavailable(s: &[&str]) -> Option<&'static str> {
     match s {
         ["v1", "usage", "requests" | "export" | "compare"] => Some("Usage breakdowns"),
         ["v1", "volumes", _, "attachments", ..] => Some("Volume attachments"),
-        ["v1", "sandboxes", _, "processes", _, "files"] => Some("Traced files"),
         ["v1", "sandboxes", _, product, ..] => find(SANDBOX_PRODUCTS, product),
         ["v1", product, ..] => find(ACCOUNT_PRODUCTS, product),
         _ => None,
@@ -295,6 +296,10 @@ pub(crate) fn route(method: &Method, raw_path: &str) -> ApiResult<Route> {
         },
         ["v1", "sandboxes", id, "processes", pid, "output"] if verb_or_none(false) => match m {
             Method::GET => Route::ProcOutput(id.to_string(), pid.to_string()),
+            _ => return Err(not_allowed()),
+        },
+        ["v1", "sandboxes", id, "processes", pid, "files"] if verb_or_none(false) => match m {
+            Method::GET => Route::ProcFiles(id.to_string(), pid.to_string()),
             _ => return Err(not_allowed()),
         },
         ["v1", "sandboxes", id, "interpreter", rest @ ..] => Route::Interpreter(
@@ -533,6 +538,7 @@ pub const ROUTE_SAMPLES: &[(&str, &str)] = &[
     ("POST", "/v1/sandboxes/{id}/processes/p1:kill"),
     ("POST", "/v1/sandboxes/{id}/processes/p1:stdin"),
     ("GET", "/v1/sandboxes/{id}/processes/p1/output"),
+    ("GET", "/v1/sandboxes/{id}/processes/p1/files"),
     ("POST", "/v1/sandboxes/{id}/interpreter:run"),
     ("GET", "/v1/sandboxes/{id}/interpreter/contexts"),
     ("POST", "/v1/sandboxes/{id}/interpreter/contexts"),
@@ -637,6 +643,7 @@ pub(crate) fn session_sandbox(r: &Route) -> Option<&str> {
         | Route::ProcList(id)
         | Route::ProcGet(id, _)
         | Route::ProcOutput(id, _)
+        | Route::ProcFiles(id, _)
         | Route::ProcAction(id, ..)
         | Route::Interpreter(_, id, ..)
         | Route::Previews(id)
@@ -669,6 +676,7 @@ pub(crate) fn reveals_contents(r: &Route) -> bool {
             | Route::ProcList(_)
             | Route::ProcGet(..)
             | Route::ProcOutput(..)
+            | Route::ProcFiles(..)
             | Route::WatchList(_)
             | Route::WatchEvents(..)
             | Route::Interpreter(..)
@@ -802,9 +810,10 @@ mod tests {
             Route::ListVolumeBackups => 84,
             Route::GetVolumeBackup(_) => 85,
             Route::VolumeBackupAction(..) => 86,
+            Route::ProcFiles(..) => 87,
         }
     }
-    const VARIANTS: usize = 87;
+    const VARIANTS: usize = 88;
 
     #[test]
     fn products_not_served_here_are_unavailable_not_missing() {
@@ -812,7 +821,6 @@ mod tests {
             ("GET", "/v1/otel-exports", "OpenTelemetry exports"),
             ("GET", "/v1/jobs", "Jobs"),
             ("POST", "/v1/sandboxes/x/mounts", "Bucket mounts"),
-            ("GET", "/v1/sandboxes/x/processes/p1/files", "Traced files"),
             ("GET", "/v1/usage/export", "Usage breakdowns"),
         ] {
             assert_eq!(
@@ -822,6 +830,10 @@ mod tests {
             );
         }
         // What is served, or unknown, is not swallowed.
+        assert_eq!(
+            route(&Method::GET, "/v1/sandboxes/x/processes/p1/files").ok(),
+            Some(Route::ProcFiles("x".into(), "p1".into()))
+        );
         assert_eq!(
             route(&Method::POST, "/v1/sandboxes/x/files:mkdir").ok(),
             Some(Route::FilesAction("x".into(), "mkdir".into()))

@@ -42,6 +42,7 @@ pub(crate) fn tar_spec(argv: Vec<String>, user: RunAs, stdin: bool) -> ExecSpec 
         stdin,
         pty: None,
         kill_group_on_exit: true,
+        trace_files: false,
     }
 }
 

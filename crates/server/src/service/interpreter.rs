@@ -273,6 +273,7 @@ async fn start_kernel(st: &AppState, row: &SandboxRow, ctx: &Context) -> ApiResu
         stdin: true,
         pty: None,
         kill_group_on_exit: false,
+        trace_files: false,
     };
     let h = st.host().exec(&row.record.id, spec).await?;
     st.inner.telemetry.process_started("interpreter");

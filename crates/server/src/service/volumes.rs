@@ -458,6 +458,7 @@ async fn flush(st: &AppState, sandbox_id: &str) {
         stdin: false,
         pty: None,
         kill_group_on_exit: true,
+        trace_files: false,
     };
     let mut handle = match st.host().exec(sandbox_id, spec).await {
         Ok(h) => h,
@@ -710,6 +711,7 @@ async fn run_root(st: &AppState, sandbox_id: &str, argv: &[&str]) -> Result<i32,
         stdin: false,
         pty: None,
         kill_group_on_exit: true,
+        trace_files: false,
     };
     let mut handle = st
         .host()

@@ -8,7 +8,7 @@ use async_trait::async_trait;
 use runtime_host::{
     DuplexStream, EntryKind, ExecControl, ExecEvent, ExecHandle, ExecSpec, ExitStatus, FileEntry,
     FileOp, FileOpResult, GuestFailure, GuestNet, Host, HostError, MachineSpec, Room, RunAs,
-    WatchHandle, WatchSpec, WatchUpdate,
+    TracedFiles, WatchHandle, WatchSpec, WatchUpdate,
 };
 use tokio::sync::{mpsc, watch};
 
@@ -123,6 +123,8 @@ pub(crate) struct FakeHost {
     pub assumed: Mutex<Vec<MachineSpec>>,
     /// `assume` fails (the warm machine cannot take on its sandbox).
     pub assume_fails: Mutex<bool>,
+    /// The guest's agent predates traced files: a traced exec is refused.
+    pub old_agent: Mutex<bool>,
 }
 
 impl FakeHost {
@@ -395,6 +397,14 @@ impl Host for FakeHost {
 
     async fn exec(&self, _id: &str, spec: ExecSpec) -> Result<ExecHandle, HostError> {
         *self.last_exec.lock().unwrap() = Some(spec.clone());
+        if spec.trace_files && *self.old_agent.lock().unwrap() {
+            return Err(guest(
+                _id,
+                GuestFailure::Unsupported,
+                "this sandbox's agent is older than traced files",
+            ));
+        }
+        let traced = spec.trace_files;
         let (etx, erx) = mpsc::channel(16);
         let (ctx, mut crx) = mpsc::channel::<ExecControl>(16);
         let cmd = spec.argv.last().cloned().unwrap_or_default();
@@ -491,8 +501,17 @@ impl Host for FakeHost {
                             continue;
                         }
                         Step::Exit(c) => {
-                            *exited.lock().unwrap() = Some(exit(Some(c)));
-                            ExecEvent::Exited(exit(Some(c)))
+                            // A traced command "opened" what its name says.
+                            let status = ExitStatus {
+                                files: traced.then(|| TracedFiles {
+                                    read: vec!["/etc/".into(), format!("/usr/bin/{cmd}")],
+                                    written: vec![format!("/workspace/{cmd}.out")],
+                                    truncated: false,
+                                }),
+                                ..exit(Some(c))
+                            };
+                            *exited.lock().unwrap() = Some(status.clone());
+                            ExecEvent::Exited(status)
                         }
                     };
                     emit(&sink, ev).await;
@@ -723,5 +742,6 @@ fn exit(code: Option<i32>) -> ExitStatus {
         timed_out: false,
         duration_ms: 5,
         oom_kills: 0,
+        files: None,
     }
 }

@@ -55,6 +55,7 @@ pub(super) async fn dispatch(st: AppState, ctx: Ctx, r: Route, body: Bytes) -> A
         Route::ProcSpawn(id) => processes::spawn(st, ctx, id, body).await,
         Route::ProcList(id) => processes::list(st, ctx, id).await,
         Route::ProcGet(id, pid) => processes::get(st, ctx, id, pid).await,
+        Route::ProcFiles(id, pid) => processes::files(st, ctx, id, pid).await,
         Route::ProcOutput(id, pid) => processes::output(st, ctx, id, pid).await,
         Route::ProcAction(id, pid, verb) => processes::action(st, ctx, id, pid, verb, body).await,
         Route::WatchCreate(id) => watches::create(st, ctx, id, body).await,

@@ -120,12 +120,7 @@ fn command(f: &mut Fields<'_>) -> Command {
     }
     let timeout_ms = f.int("timeoutMs", 1, MAX_TIMEOUT_MS);
     let user = f.one_of("user", &["sandbox", "root"]).map(|u| run_as(&u));
-    if f.bool("traceFiles") == Some(true) {
-        f.issue(
-            "traceFiles",
-            "tracing files is not supported by this server yet",
-        );
-    }
+    let trace_files = f.bool("traceFiles").unwrap_or(false);
     Command {
         argv,
         cwd,
@@ -133,6 +128,7 @@ fn command(f: &mut Fields<'_>) -> Command {
         user,
         stdin,
         timeout_ms,
+        trace_files,
     }
 }
 
@@ -140,6 +136,11 @@ pub(super) async fn list(st: AppState, ctx: Ctx, id: String) -> ApiResult<Reply>
     let procs = processes::list(&st, &ctx.key, &id)?;
     let data: Vec<Value> = procs.iter().map(|p| p.info()).collect();
     Reply::ok(json!({ "data": data }))
+}
+
+/// `GET …/processes/{pid}/files`.
+pub(super) async fn files(st: AppState, ctx: Ctx, id: String, pid: String) -> ApiResult<Reply> {
+    Reply::ok(processes::files(&st, &ctx.key, &id, &pid)?)
 }
 
 pub(super) async fn get(st: AppState, ctx: Ctx, id: String, pid: String) -> ApiResult<Reply> {

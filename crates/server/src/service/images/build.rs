@@ -614,6 +614,7 @@ async fn run_step(st: &AppState, d: &Image, vm: &str, s: &Step) -> Result<(), Bu
         stdin: false,
         pty: None,
         kill_group_on_exit: true,
+        trace_files: false,
     };
     let mut h = st
         .host()

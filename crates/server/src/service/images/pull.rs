@@ -398,6 +398,7 @@ async fn run_script(st: &AppState, id: &str, vm: &str) -> Result<(), Unpacked> {
         stdin: false,
         pty: None,
         kill_group_on_exit: true,
+        trace_files: false,
     };
     let mut h = st
         .host()

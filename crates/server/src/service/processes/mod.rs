@@ -44,7 +44,9 @@ use runtime_host::{ExecControl, ExecSpec, RunAs, TermSize};
 use serde_json::{json, Value};
 
 use crate::domain::access::KeyInfo;
-use crate::domain::process::{exec_guard_ms, exec_result, timeout_ms, SIGKILL, SIGTERM};
+use crate::domain::process::{
+    exec_guard_ms, exec_result, files_json, timeout_ms, SIGKILL, SIGTERM,
+};
 use crate::error::{ApiError, ApiResult};
 use crate::service::processes::start::{env_in, start, start_terminal, Launch};
 use crate::service::sandboxes::{find, find_running};
@@ -67,6 +69,8 @@ pub(crate) struct Command {
     /// Input sent at the start (then closed).
     pub(crate) stdin: Option<Vec<u8>>,
     pub(crate) timeout_ms: Option<i64>,
+    /// Record the files it opens (`traceFiles`).
+    pub(crate) trace_files: bool,
 }
 
 /// `POST …:exec`.
@@ -126,6 +130,7 @@ impl Command {
                 stdin: self.stdin.is_some(),
                 pty: None,
                 kill_group_on_exit: !spawn,
+                trace_files: self.trace_files,
             },
             command,
             stdin_data: self.stdin,
@@ -186,6 +191,7 @@ pub(crate) async fn exec(
         guard_ms,
         proc.id.clone(),
         proc.memory_mib,
+        proc.traced,
     )))
 }
 
@@ -282,6 +288,31 @@ pub(crate) async fn output_polled(
             return Ok(json!({ "process": proc.info(), "chunks": chunks, "nextCursor": next }));
         }
     }
+}
+
+/// What a traced process opened, once it ended: 409 `process_running`
+/// before, 409 `process_not_traced` for a process started without
+/// `traceFiles`.
+pub(crate) fn files(st: &AppState, key: &KeyInfo, id: &str, pid: &str) -> ApiResult<Value> {
+    let proc = get(st, key, id, pid)?;
+    let s = proc.state();
+    if let Some(files) = s.exit.as_ref().and_then(|e| e.files.as_ref()) {
+        return Ok(files_json(files));
+    }
+    if !proc.traced {
+        return Err(ApiError::Conflict {
+            code: codes::PROCESS_NOT_TRACED,
+            message: format!(
+                "Process {pid} was not started with traceFiles: true, so its files were not recorded."
+            ),
+            details: Some(json!({"processId": pid})),
+        });
+    }
+    Err(ApiError::Conflict {
+        code: codes::PROCESS_RUNNING,
+        message: format!("Process {pid} is still running; its files are known once it ends."),
+        details: Some(json!({"processId": pid})),
+    })
 }
 
 /// Writes input at `offset` (bytes already received are skipped, so a

@@ -20,6 +20,7 @@ pub(super) fn exit_of(status: ExitStatus) -> Exit {
         duration_ms: status.duration_ms,
         oom_kills: status.oom_kills,
         lost: false,
+        files: status.files.map(std::sync::Arc::new),
     }
 }
 

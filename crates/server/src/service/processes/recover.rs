@@ -150,6 +150,8 @@ pub(super) fn from_row(
             duration_ms: row.duration_ms.unwrap_or(0),
             oom_kills: row.oom_kills,
             lost: row.state == "lost",
+            // Traced files are kept in memory only.
+            files: None,
         });
         state.ended_ms = Some(row.ended_ms.unwrap_or(row.started_ms));
     }
@@ -165,6 +167,9 @@ pub(super) fn from_row(
         pty: row.pty,
         stdin_pipe: row.stdin_pipe,
         base64_always: row.output_encoding == "base64",
+        // Traced files are kept in memory only: a process taken up again
+        // (a restart of the server, a copy's) counts as not traced.
+        traced: false,
         started_ms: row.started_ms,
         token: row.token,
         state: Mutex::new(state),

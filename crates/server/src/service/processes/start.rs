@@ -60,6 +60,7 @@ pub(crate) async fn start_terminal(
             stdin: true,
             pty: Some(size),
             kill_group_on_exit: false,
+            trace_files: false,
         },
         command,
         stdin_data: None,
@@ -91,6 +92,7 @@ pub(crate) async fn start_background(
             stdin: false,
             pty: None,
             kill_group_on_exit: false,
+            trace_files: false,
         },
         command,
         stdin_data: None,
@@ -111,6 +113,7 @@ pub(super) async fn start(st: &AppState, row: &SandboxRow, launch: Launch) -> Ap
         .clone()
         .unwrap_or_else(|| crate::domain::process::DEFAULT_CWD.into());
     let pty = launch.spec.pty.is_some();
+    let traced = launch.spec.trace_files;
     let stdin_pipe = launch.stdin_pipe;
     crate::service::quotas::admit_process(st, &row.key_id, &row.record.id)?;
     st.inner.telemetry.process_started(launch.kind);
@@ -140,6 +143,7 @@ pub(super) async fn start(st: &AppState, row: &SandboxRow, launch: Launch) -> Ap
         pty,
         stdin_pipe,
         base64_always: launch.base64_always,
+        traced,
         started_ms: st.now_ms(),
         token,
         state: Mutex::new(ProcState::new(st, 0, 0, stdin_closed)),

@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use runtime_api::codes;
-use runtime_host::{ExecControl, RunAs, TermSize};
+use runtime_host::{ExecControl, RunAs, TermSize, TracedFiles};
 use serde_json::{json, Value};
 use tokio::sync::{mpsc, watch};
 
@@ -223,6 +223,9 @@ pub(crate) struct Proc {
     pub(super) pty: bool,
     pub(super) stdin_pipe: bool,
     pub(super) base64_always: bool,
+    /// Started with `traceFiles` (in memory only: a process taken up after
+    /// a restart of the server counts as not traced).
+    pub(super) traced: bool,
     pub(super) started_ms: i64,
     /// Names the process to the host for [`Host::attach`](runtime_host::Host::attach).
     pub(super) token: u64,
@@ -266,8 +269,16 @@ impl Proc {
         true
     }
 
-    /// Records the end at `now`, in memory and in the store.
-    pub(super) fn finish(&self, store: &Store, now: i64, exit: Exit) {
+    /// Records the end at `now`, in memory and in the store. A traced
+    /// process whose files were not reported (lost) has an empty,
+    /// `truncated` trace.
+    pub(super) fn finish(&self, store: &Store, now: i64, mut exit: Exit) {
+        if self.traced && exit.files.is_none() {
+            exit.files = Some(Arc::new(TracedFiles {
+                truncated: true,
+                ..TracedFiles::default()
+            }));
+        }
         let end = {
             let mut s = self.state();
             if s.exit.is_some() {
@@ -368,6 +379,7 @@ impl Proc {
             "stdinOpen": self.stdin_pipe && !s.stdin_closed && s.exit.is_none(),
             "pty": self.pty,
             "outputEncoding": if self.base64_always { "base64" } else { "utf8" },
+            "traceFiles": self.traced,
             "outputBytes": s.out.end(),
         })
     }
