@@ -28,6 +28,7 @@ pub(crate) mod snapshots;
 pub(crate) mod telemetry;
 pub(crate) mod tunnels;
 pub(crate) mod uploads;
+pub(crate) mod usage;
 pub(crate) mod volumes;
 pub(crate) mod watches;
 pub(crate) mod webhooks;
