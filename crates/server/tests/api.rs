@@ -6240,7 +6240,7 @@ async fn archive_uploads_stage_ordered_chunks_on_disk_within_bounds() {
 // ---- Account usage: outbound, request counts, the settled export ----
 
 /// The sorted `field`s of a 400's issues.
-fn issue_fields(v: &Value) -> Vec<String> {
+fn sorted_issue_fields(v: &Value) -> Vec<String> {
     let mut f: Vec<String> = v["error"]["details"]["issues"]
         .as_array()
         .unwrap_or_else(|| panic!("no issues: {v}"))
@@ -6455,7 +6455,7 @@ async fn usage_requests_counts_answers_by_class_and_operation_per_key() {
         .await;
     assert_eq!(s, StatusCode::BAD_REQUEST);
     assert_error(&v, 400, "invalid_request");
-    assert_eq!(issue_fields(&v), ["bogus", "range"]);
+    assert_eq!(sorted_issue_fields(&v), ["bogus", "range"]);
 }
 
 fn rfc3339(t: time::OffsetDateTime) -> String {
@@ -6613,12 +6613,12 @@ async fn usage_export_pages_settled_charges_as_csv_and_keys_see_their_own() {
     assert_eq!(s, StatusCode::BAD_REQUEST);
     assert_error(&v, 400, "invalid_request");
     assert_eq!(
-        issue_fields(&v),
+        sorted_issue_fields(&v),
         ["bogus", "cursor", "limit", "since", "until"]
     );
     let (s, v) = t.json_as(&a, "GET", "/v1/usage/export", None, &[]).await;
     assert_eq!(s, StatusCode::BAD_REQUEST);
-    assert_eq!(issue_fields(&v), ["since", "until"]);
+    assert_eq!(sorted_issue_fields(&v), ["since", "until"]);
     let (s, v) = t
         .json_as(
             &a,
@@ -6629,7 +6629,7 @@ async fn usage_export_pages_settled_charges_as_csv_and_keys_see_their_own() {
         )
         .await;
     assert_eq!(s, StatusCode::BAD_REQUEST);
-    assert_eq!(issue_fields(&v), ["limit", "until"]);
+    assert_eq!(sorted_issue_fields(&v), ["limit", "until"]);
 }
 
 /// `s` (RFC 3339, whole seconds, `Z`) as the server writes times.
