@@ -339,6 +339,13 @@ struct PriceArgs {
     /// Per GiB-hour of a persistent sandbox's disk.
     #[arg(long, default_value_t = 153)]
     price_kept_disk_gib_hour: u64,
+    /// Per GiB a key's sandboxes send out in a month past the allowance
+    /// (0: outbound traffic is free).
+    #[arg(long, default_value_t = 0)]
+    price_outbound_gib: u64,
+    /// Bytes each key's sandboxes send out free each calendar month (UTC).
+    #[arg(long, default_value_t = 0)]
+    outbound_allowance_bytes: u64,
 }
 
 /// What each key may hold, and what the host keeps free (docs/security.md).
@@ -881,6 +888,8 @@ fn main() -> anyhow::Result<()> {
                 memory_gib_hour: prices.price_memory_gib_hour,
                 paused_gib_hour: prices.price_paused_gib_hour,
                 kept_disk_gib_hour: prices.price_kept_disk_gib_hour,
+                outbound_gib: prices.price_outbound_gib,
+                outbound_allowance_bytes: prices.outbound_allowance_bytes,
             };
             let rt = tokio::runtime::Builder::new_multi_thread()
                 .enable_all()

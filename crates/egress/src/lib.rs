@@ -173,4 +173,11 @@ impl Egress {
     pub fn traffic(&self) -> Traffic {
         self.inner.limits.traffic()
     }
+
+    /// The bytes each sandbox sent to destinations (its outbound traffic;
+    /// `runtime.internal` is not counted) since the last call, by sandbox
+    /// id. Each byte is answered once: the server adds them to its store.
+    pub fn take_outbound(&self) -> Vec<(String, u64)> {
+        self.inner.limits.take_outbound()
+    }
 }

@@ -78,6 +78,8 @@ pub(crate) struct ConnPermit {
     _host: OwnedSemaphorePermit,
     _sandbox: OwnedSemaphorePermit,
     traffic: Arc<Counters>,
+    /// This sandbox's outbound bytes not yet taken ([`Limits::take_outbound`]).
+    outbound: Arc<AtomicU64>,
 }
 
 /// What the proxy carried since it started, every sandbox together.
@@ -112,6 +114,12 @@ pub(crate) struct Limits {
     refused: AtomicU64,
     last_warn: Mutex<Option<Instant>>,
     traffic: Arc<Counters>,
+    /// Bytes each sandbox sent to destinations since they were last taken,
+    /// for the server's per-key outbound usage. An entry lives while a
+    /// connection of its sandbox is open or it has bytes not yet taken, so
+    /// the map holds at most one entry per sandbox that used the network
+    /// since the last take.
+    outbound: Mutex<HashMap<String, Arc<AtomicU64>>>,
 }
 
 impl Limits {
@@ -124,7 +132,30 @@ impl Limits {
             refused: AtomicU64::new(0),
             last_warn: Mutex::new(None),
             traffic: Arc::default(),
+            outbound: Mutex::new(HashMap::new()),
         }
+    }
+
+    fn outbound_of(&self, sandbox_id: &str) -> Arc<AtomicU64> {
+        let mut map = self.outbound.lock().unwrap_or_else(|e| e.into_inner());
+        Arc::clone(map.entry(sandbox_id.to_owned()).or_default())
+    }
+
+    /// The bytes each sandbox sent to destinations since the last call,
+    /// zeroed as they are taken (sandboxes with none are left out). A
+    /// sandbox with nothing open and nothing left to take is forgotten.
+    pub(crate) fn take_outbound(&self) -> Vec<(String, u64)> {
+        let mut map = self.outbound.lock().unwrap_or_else(|e| e.into_inner());
+        let mut taken = Vec::new();
+        map.retain(|id, n| {
+            let bytes = n.swap(0, Ordering::Relaxed);
+            if bytes > 0 {
+                taken.push((id.clone(), bytes));
+            }
+            // Only the map holds it: no connection can add to it any more.
+            Arc::strong_count(n) > 1
+        });
+        taken
     }
 
     /// A slot for one more connection of `sandbox_id`, or which cap is full.
@@ -137,6 +168,7 @@ impl Limits {
                     _host: h,
                     _sandbox: s,
                     traffic: Arc::clone(&self.traffic),
+                    outbound: self.outbound_of(sandbox_id),
                 }),
                 Err(_) => Err(CapFull::Host(self.max_host)),
             },
@@ -227,8 +259,9 @@ impl Upstream {
     }
 
     fn sent(&self, r: &Poll<io::Result<usize>>) {
-        if let (Poll::Ready(Ok(n)), Some(c)) = (r, self.counters()) {
-            c.sent.fetch_add(*n as u64, Ordering::Relaxed);
+        if let (Poll::Ready(Ok(n)), Permit::Conn(p)) = (r, &self.permit) {
+            p.traffic.sent.fetch_add(*n as u64, Ordering::Relaxed);
+            p.outbound.fetch_add(*n as u64, Ordering::Relaxed);
         }
     }
 }
@@ -351,5 +384,45 @@ mod tests {
         assert_eq!((t.connections, t.connections_open, t.refused), (1, 1, 1));
         drop(up);
         assert_eq!(l.traffic().connections_open, 0);
+    }
+
+    #[tokio::test]
+    async fn outbound_bytes_are_taken_per_sandbox_once() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let sink = tokio::spawn(async move {
+            for _ in 0..2 {
+                let (mut s, _) = listener.accept().await.unwrap();
+                let mut buf = Vec::new();
+                s.read_to_end(&mut buf).await.unwrap();
+            }
+        });
+        let l = Limits::new(4, 2);
+        let mut a = Upstream::new(
+            TcpStream::connect(addr).await.unwrap(),
+            l.connection("a").unwrap(),
+        );
+        let mut b = Upstream::new(
+            TcpStream::connect(addr).await.unwrap(),
+            l.connection("b").unwrap(),
+        );
+        a.write_all(b"abc").await.unwrap();
+        b.write_all(b"de").await.unwrap();
+        let mut taken = l.take_outbound();
+        taken.sort();
+        assert_eq!(taken, vec![("a".to_string(), 3), ("b".to_string(), 2)]);
+        // Taken once: nothing new, nothing again; open connections stay known.
+        assert_eq!(l.take_outbound(), vec![]);
+        assert_eq!(l.outbound.lock().unwrap().len(), 2);
+        a.write_all(b"fgh").await.unwrap();
+        a.shutdown().await.unwrap();
+        drop(a);
+        b.shutdown().await.unwrap();
+        drop(b);
+        // Closed, its last bytes are still taken, then it is forgotten.
+        assert_eq!(l.take_outbound(), vec![("a".to_string(), 3)]);
+        assert!(l.outbound.lock().unwrap().is_empty());
+        sink.await.unwrap();
     }
 }

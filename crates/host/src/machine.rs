@@ -284,6 +284,10 @@ impl Host for QemuHost {
         Some(self.networks.traffic())
     }
 
+    fn take_egress_outbound(&self) -> Vec<(String, u64)> {
+        self.networks.take_outbound()
+    }
+
     async fn room(&self) -> Option<crate::Room> {
         let (ram, state) = (self.ram_dir.to_path_buf(), self.cfg.state_dir.clone());
         tokio::task::spawn_blocking(move || ram::room(&ram, &state))

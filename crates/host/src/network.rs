@@ -90,6 +90,11 @@ impl Networks {
         self.egress.traffic()
     }
 
+    /// Each sandbox's outbound bytes since the last call.
+    pub(crate) fn take_outbound(&self) -> Vec<(String, u64)> {
+        self.egress.take_outbound()
+    }
+
     fn view(&self, id: &str) -> Option<SandboxNet> {
         self.lock().get(id).map(|l| SandboxNet {
             sandbox_id: id.to_owned(),

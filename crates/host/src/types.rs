@@ -515,6 +515,13 @@ pub trait Host: Send + Sync + 'static {
     fn egress_traffic(&self) -> Option<runtime_egress::Traffic> {
         None
     }
+    /// The bytes each machine's guest sent out through the egress proxy
+    /// since the last call, by machine id, each byte answered once (the
+    /// server keeps them as the sandbox's outbound usage); empty without a
+    /// proxy.
+    fn take_egress_outbound(&self) -> Vec<(String, u64)> {
+        Vec::new()
+    }
     /// The last `max_bytes` of the machine's serial console (the guest
     /// kernel's messages and what its agent logs there), as text; kept
     /// until the machine is destroyed. `None` when the host keeps none.

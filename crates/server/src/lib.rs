@@ -212,6 +212,8 @@ struct Inner {
     metrics: service::metrics::Metrics,
     /// The operator's counters (`GET /metrics`).
     telemetry: domain::telemetry::Telemetry,
+    /// API answers not yet written (`GET /v1/usage/requests`).
+    requests: service::usage::RequestBatch,
     /// When this server started, for its uptime.
     started: std::time::Instant,
     logins: http::login::Pending,
@@ -251,6 +253,7 @@ impl AppState {
                 meter: service::meter::Meter::default(),
                 metrics: service::metrics::Metrics::default(),
                 telemetry: domain::telemetry::Telemetry::default(),
+                requests: service::usage::RequestBatch::default(),
                 started: std::time::Instant::now(),
                 logins: http::login::Pending::default(),
                 mcp: http::mcp::Sessions::default(),
@@ -336,6 +339,8 @@ impl AppState {
         self.spawn(async move { service::meter::run(st).await });
         let st = self.clone();
         self.spawn(async move { service::webhooks::run(st).await });
+        let st = self.clone();
+        self.spawn(async move { service::usage::run(st).await });
     }
 
     /// One tick of the meter (one second of every sandbox). The background

@@ -6617,3 +6617,410 @@ async fn an_idempotent_fork_or_snapshot_resent_after_a_crash_answers_what_it_mad
         assert_eq!(stored_kind, "json");
     }
 }
+
+// ---- Account usage: outbound, request counts, the settled export ----
+
+/// The sorted `field`s of a 400's issues.
+fn sorted_issue_fields(v: &Value) -> Vec<String> {
+    let mut f: Vec<String> = v["error"]["details"]["issues"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no issues: {v}"))
+        .iter()
+        .map(|i| i["field"].as_str().unwrap().to_string())
+        .collect();
+    f.sort();
+    f
+}
+
+impl T {
+    /// A new key that is neither account-wide nor read-only, and its id.
+    async fn own_key(&self, name: &str) -> (String, String) {
+        let key = create_key(&self.dir, Some(name), false, false).unwrap();
+        let (s, me) = self.json_as(&key, "GET", "/v1/me", None, &[]).await;
+        assert_eq!(s, StatusCode::OK, "{me}");
+        let id = me["credentialId"].as_str().unwrap().to_string();
+        (key, id)
+    }
+
+    async fn running_as(&self, key: &str, body: Value) -> String {
+        let (s, v) = self
+            .json_as(
+                key,
+                "POST",
+                "/v1/sandboxes",
+                Some(body),
+                &[("prefer", "wait=10")],
+            )
+            .await;
+        assert_eq!(s, StatusCode::CREATED, "{v}");
+        v["id"].as_str().unwrap().to_string()
+    }
+
+    fn sent(&self, sandbox: &str, bytes: u64) {
+        *self
+            .host
+            .outbound
+            .lock()
+            .unwrap()
+            .entry(sandbox.to_string())
+            .or_default() += bytes;
+    }
+}
+
+#[tokio::test]
+async fn usage_answers_outbound_per_key_with_its_allowance_and_what_it_cost() {
+    // 1 µ$ a byte past 1,000 bytes a month.
+    let t = T::with(|c| {
+        c.prices.outbound_gib = 1 << 30;
+        c.prices.outbound_allowance_bytes = 1000;
+    });
+    let (a, a_id) = t.own_key("a").await;
+    let (b, b_id) = t.own_key("b").await;
+    let sa = t.running_as(&a, json!({})).await;
+    let sb = t.running_as(&b, json!({})).await;
+    t.sent(&sa, 1500);
+    t.sent(&sb, 300);
+    // Bytes of a machine no sandbox has are not anyone's.
+    t.sent("warm-nobody", 9999);
+
+    let (s, u) = t.json_as(&a, "GET", "/v1/usage", None, &[]).await;
+    assert_eq!(s, StatusCode::OK, "{u}");
+    let o = &u["outbound"];
+    assert_eq!(o["bytes"], "1500", "{u}");
+    assert_eq!(o["allowanceBytes"], "1000");
+    assert_eq!(o["coveredBytes"], "1000");
+    assert_eq!(o["chargedBytes"], "500");
+    assert_eq!(o["chargedMicros"], "500");
+    assert_eq!(o["keys"].as_array().unwrap().len(), 1, "{u}");
+    assert_eq!(o["keys"][0]["keyId"], a_id.as_str());
+    assert_eq!(o["keys"][0]["name"], "a");
+    let now = time::OffsetDateTime::now_utc();
+    assert_eq!(
+        o["month"],
+        format!("{:04}-{:02}", now.year(), u8::from(now.month()))
+    );
+    assert!(o["since"].as_str().unwrap().ends_with("-01T00:00:00.000Z"));
+    for field in ["credited", "expired", "takenBack"] {
+        assert_eq!(u[field], "0", "{field}: {u}");
+    }
+    // No daily limit: nothing bounds what is available, and no trial.
+    assert_eq!(u["available"], Value::Null);
+    assert_eq!(u["trial"], Value::Null);
+    assert_eq!(
+        u["rates"]["egress"]["outbound"]["microsPerGib"],
+        (1u64 << 30).to_string()
+    );
+
+    // More bytes are added once: they grow, and taking again adds nothing.
+    t.sent(&sa, 100);
+    let (_, u) = t.json_as(&a, "GET", "/v1/usage", None, &[]).await;
+    assert_eq!(u["outbound"]["bytes"], "1600");
+    let (_, u) = t.json_as(&a, "GET", "/v1/usage", None, &[]).await;
+    assert_eq!(u["outbound"]["bytes"], "1600");
+    assert_eq!(u["outbound"]["chargedMicros"], "600");
+
+    // B sees its own only, under its own allowance.
+    let (_, u) = t.json_as(&b, "GET", "/v1/usage", None, &[]).await;
+    assert_eq!(u["outbound"]["bytes"], "300", "{u}");
+    assert_eq!(u["outbound"]["chargedMicros"], "0");
+    assert_eq!(u["outbound"]["keys"][0]["keyId"], b_id.as_str());
+    // The account-wide admin sees both keys.
+    let (_, u) = t.json("GET", "/v1/usage", None).await;
+    assert_eq!(u["outbound"]["bytes"], "1900", "{u}");
+    assert_eq!(u["outbound"]["coveredBytes"], "1300");
+    assert_eq!(u["outbound"]["chargedMicros"], "600");
+    assert_eq!(u["outbound"]["keys"].as_array().unwrap().len(), 2);
+
+    // With a daily limit, available is what it leaves after spent and held.
+    let (s, v) = t
+        .json(
+            "POST",
+            &format!("/v1/keys/{a_id}:limit"),
+            Some(json!({"dailyLimitMicros": 5_000_000})),
+        )
+        .await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    let (_, u) = t.json_as(&a, "GET", "/v1/usage", None, &[]).await;
+    let (_, l) = t.json_as(&a, "GET", "/v1/limits", None, &[]).await;
+    let available: i64 = u["available"].as_str().unwrap().parse().unwrap();
+    // The running sandbox holds the rest of its lease.
+    assert!((1..5_000_000).contains(&available), "{u}");
+    assert_eq!(u["available"], l["daily"]["remainingMicros"], "{l}");
+}
+
+#[tokio::test]
+async fn usage_requests_counts_answers_by_class_and_operation_per_key() {
+    let t = T::new();
+    let (a, _) = t.own_key("a").await;
+    let (b, _) = t.own_key("b").await;
+    for _ in 0..3 {
+        let (s, _) = t.json_as(&a, "GET", "/v1/sandboxes", None, &[]).await;
+        assert_eq!(s, StatusCode::OK);
+    }
+    let (s, _) = t
+        .json_as(&a, "GET", "/v1/sandboxes/sbx_none", None, &[])
+        .await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+    // A call without a valid key is nobody's.
+    let (s, _) = t
+        .json_as("rtcloud_nope", "GET", "/v1/sandboxes", None, &[])
+        .await;
+    assert_eq!(s, StatusCode::UNAUTHORIZED);
+
+    let (s, r) = t
+        .json_as(&a, "GET", "/v1/usage/requests?range=24h", None, &[])
+        .await;
+    assert_eq!(s, StatusCode::OK, "{r}");
+    assert_eq!(r["range"], "24h");
+    // The own_key lookup of /v1/me counts too.
+    assert_eq!(r["calls"], "5", "{r}");
+    assert_eq!(r["clientErrors"], "1");
+    assert_eq!(r["serverErrors"], "0");
+    assert_eq!(r["errorPercent"], 20.0);
+    let op = |name: &str| {
+        r["operations"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|o| o["operation"] == name)
+            .cloned()
+            .unwrap_or_else(|| panic!("no {name}: {r}"))
+    };
+    assert_eq!(op("sandboxes.list")["calls"], "3");
+    assert_eq!(op("sandboxes.list")["errorPercent"], 0.0);
+    assert_eq!(op("sandboxes.get")["calls"], "1");
+    assert_eq!(op("sandboxes.get")["errorPercent"], 100.0);
+    assert_eq!(op("me.get")["calls"], "1");
+    let hours = r["hours"].as_array().unwrap();
+    assert!(!hours.is_empty() && hours.len() <= 2, "{r}");
+    let since = time::OffsetDateTime::parse(
+        r["since"].as_str().unwrap(),
+        &time::format_description::well_known::Rfc3339,
+    )
+    .unwrap();
+    let until = time::OffsetDateTime::parse(
+        r["until"].as_str().unwrap(),
+        &time::format_description::well_known::Rfc3339,
+    )
+    .unwrap();
+    let span = until - since;
+    assert!(span > time::Duration::hours(23) && span <= time::Duration::hours(24));
+
+    // The earlier call to usage/requests is counted by the next.
+    let (_, r) = t
+        .json_as(&a, "GET", "/v1/usage/requests?range=90d", None, &[])
+        .await;
+    assert_eq!(r["calls"], "6", "{r}");
+
+    // B sees only its own: its /v1/me.
+    let (_, r) = t.json_as(&b, "GET", "/v1/usage/requests", None, &[]).await;
+    assert_eq!(r["calls"], "1", "{r}");
+    assert_eq!(r["range"], "24h");
+    // The admin sees every key's.
+    let (_, r) = t.json("GET", "/v1/usage/requests?range=7d", None).await;
+    assert_eq!(r["calls"], "9", "{r}");
+
+    // A fresh server has none: errorPercent is null.
+    let fresh = T::new();
+    let (s, r) = fresh.json("GET", "/v1/usage/requests", None).await;
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(
+        (&r["calls"], &r["errorPercent"], &r["operations"]),
+        (&json!("0"), &Value::Null, &json!([])),
+        "{r}"
+    );
+
+    // A bad range, and a field it does not take, are named.
+    let (s, v) = t
+        .json_as(&a, "GET", "/v1/usage/requests?range=2d&bogus=1", None, &[])
+        .await;
+    assert_eq!(s, StatusCode::BAD_REQUEST);
+    assert_error(&v, 400, "invalid_request");
+    assert_eq!(sorted_issue_fields(&v), ["bogus", "range"]);
+}
+
+fn rfc3339(t: time::OffsetDateTime) -> String {
+    t.format(&time::format_description::well_known::Rfc3339)
+        .unwrap()
+}
+
+/// Every page of an export, following `nextCursor`.
+async fn export_pages(t: &T, key: &str, since: &str, until: &str, limit: usize) -> Vec<Value> {
+    let mut pages = Vec::new();
+    let mut cursor: Option<String> = None;
+    loop {
+        let mut path = format!("/v1/usage/export?since={since}&until={until}&limit={limit}");
+        if let Some(c) = &cursor {
+            path.push_str(&format!("&cursor={c}"));
+        }
+        let (s, v) = t.json_as(key, "GET", &path, None, &[]).await;
+        assert_eq!(s, StatusCode::OK, "{v}");
+        cursor = v["nextCursor"].as_str().map(str::to_string);
+        pages.push(v);
+        if cursor.is_none() {
+            return pages;
+        }
+        assert!(pages.len() < 100, "the cursor never ends");
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn usage_export_pages_settled_charges_as_csv_and_keys_see_their_own() {
+    let start = time::OffsetDateTime::now_utc().unix_timestamp() * 1000;
+    let t = T::with(|c| c.clock = Clock::following_tokio(start));
+    let (a, a_id) = t.own_key("a").await;
+    let (b, _) = t.own_key("b").await;
+    let sa = t.running_as(&a, json!({"name": "alpha,one"})).await;
+    let sb = t.running_as(&b, json!({})).await;
+    // Three minutes of charges, a few ticks each.
+    for _ in 0..9 {
+        t.state.meter_tick().await.unwrap();
+        tokio::time::advance(Duration::from_secs(20)).await;
+    }
+    // Past the last minute and the settling margin.
+    tokio::time::advance(Duration::from_secs(120)).await;
+    let (s, _) = t
+        .json_as(&a, "DELETE", &format!("/v1/sandboxes/{sa}"), None, &[])
+        .await;
+    assert_eq!(s, StatusCode::OK);
+    // The server's now, to the second.
+    let (_, r) = t.json("GET", "/v1/usage/requests", None).await;
+    let server_now = time::OffsetDateTime::parse(
+        r["until"].as_str().unwrap(),
+        &time::format_description::well_known::Rfc3339,
+    )
+    .unwrap();
+    let now = server_now.replace_millisecond(0).unwrap();
+    let since = rfc3339(now - time::Duration::hours(1));
+    let until = rfc3339(now + time::Duration::hours(1));
+
+    // The admin's export, two rows a page, is the one-page export cut up.
+    let whole = export_pages(&t, &t.admin.clone(), &since, &until, 1000).await;
+    assert_eq!(whole.len(), 1);
+    let rows = whole[0]["data"].as_array().unwrap().clone();
+    assert!(rows.len() >= 6, "{}", whole[0]);
+    let paged = export_pages(&t, &t.admin.clone(), &since, &until, 2).await;
+    assert_eq!(paged.len(), rows.len().div_ceil(2));
+    let csv: String = paged.iter().map(|p| p["csv"].as_str().unwrap()).collect();
+    assert_eq!(csv, whole[0]["csv"].as_str().unwrap());
+    let lines: Vec<&str> = csv.lines().collect();
+    assert_eq!(lines.len(), rows.len() + 1);
+    assert!(
+        lines[0].starts_with("intervalId,resourceId,keyId,name,"),
+        "{csv}"
+    );
+    assert_eq!(
+        csv.matches("intervalId").count(),
+        1,
+        "the header is on the first page only"
+    );
+    // A name with a comma is quoted.
+    assert!(csv.contains(",\"alpha,one\","), "{csv}");
+    // Final through the settling margin before now (until is later).
+    let margin = rfc3339(server_now - time::Duration::seconds(10));
+    for p in &paged {
+        assert_eq!(p["finalThrough"], t_iso_ms(&margin, &server_now), "{p}");
+        assert_eq!(p["since"], t_iso(&since));
+        assert_eq!(p["until"], t_iso(&until));
+    }
+
+    // Each sandbox's rows add up to what it was charged; the deleted one's
+    // rows are final, the running one's not.
+    let (_, admin_usage) = t.json("GET", "/v1/usage", None).await;
+    for (id, final_) in [(&sa, true), (&sb, false)] {
+        let mine: Vec<&Value> = rows.iter().filter(|r| r["resourceId"] == **id).collect();
+        assert!(mine.len() >= 3, "{id}: {rows:?}");
+        let sum: i64 = mine
+            .iter()
+            .map(|r| r["chargedMicros"].as_str().unwrap().parse::<i64>().unwrap())
+            .sum();
+        let charged = admin_usage["sandboxes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|s| s["sandboxId"] == **id)
+            .unwrap()["chargedMicros"]
+            .as_str()
+            .unwrap()
+            .parse::<i64>()
+            .unwrap();
+        assert_eq!(sum, charged, "{id}");
+        let billed: i64 = mine
+            .iter()
+            .map(|r| {
+                r["billedMilliseconds"]
+                    .as_str()
+                    .unwrap()
+                    .parse::<i64>()
+                    .unwrap()
+            })
+            .sum();
+        assert_eq!(billed, 9000, "{id}");
+        assert!(mine.iter().all(|r| r["final"] == final_), "{id}: {mine:?}");
+        assert!(mine.iter().all(|r| r["kind"] == "sandbox"));
+    }
+
+    // A and B each see their own sandbox's rows only.
+    let pages = export_pages(&t, &a, &since, &until, 1000).await;
+    let mine = pages[0]["data"].as_array().unwrap();
+    assert!(!mine.is_empty());
+    assert!(mine
+        .iter()
+        .all(|r| r["resourceId"] == sa.as_str() && r["keyId"] == a_id.as_str()));
+    let pages = export_pages(&t, &b, &since, &until, 1000).await;
+    assert!(pages[0]["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .all(|r| r["resourceId"] == sb.as_str()));
+
+    // A range that ends before the charges began has none, but a header.
+    let early = rfc3339(now - time::Duration::hours(2));
+    let pages = export_pages(&t, &a, &early, &since, 1000).await;
+    assert_eq!(pages[0]["data"], json!([]));
+    assert_eq!(pages[0]["csv"].as_str().unwrap().lines().count(), 1);
+    assert_eq!(pages[0]["finalThrough"], t_iso(&since));
+
+    // Every wrong field is named at once.
+    let (s, v) = t
+        .json_as(
+            &a,
+            "GET",
+            "/v1/usage/export?since=yesterday&until=2026-01-01T00:00:00%2B01:00&limit=0&cursor=zzz&bogus=1",
+            None,
+            &[],
+        )
+        .await;
+    assert_eq!(s, StatusCode::BAD_REQUEST);
+    assert_error(&v, 400, "invalid_request");
+    assert_eq!(
+        sorted_issue_fields(&v),
+        ["bogus", "cursor", "limit", "since", "until"]
+    );
+    let (s, v) = t.json_as(&a, "GET", "/v1/usage/export", None, &[]).await;
+    assert_eq!(s, StatusCode::BAD_REQUEST);
+    assert_eq!(sorted_issue_fields(&v), ["since", "until"]);
+    let (s, v) = t
+        .json_as(
+            &a,
+            "GET",
+            &format!("/v1/usage/export?since={until}&until={since}&limit=10001"),
+            None,
+            &[],
+        )
+        .await;
+    assert_eq!(s, StatusCode::BAD_REQUEST);
+    assert_eq!(sorted_issue_fields(&v), ["limit", "until"]);
+}
+
+/// `s` (RFC 3339, whole seconds, `Z`) as the server writes times.
+fn t_iso(s: &str) -> String {
+    format!("{}.000Z", s.trim_end_matches('Z'))
+}
+
+/// `s` (RFC 3339 to the second, maybe with a fraction) with the
+/// milliseconds of `t`, as the server writes times.
+fn t_iso_ms(s: &str, t: &time::OffsetDateTime) -> String {
+    let whole = &s[..19];
+    format!("{whole}.{:03}Z", t.millisecond())
+}

@@ -29,6 +29,11 @@ pub struct Prices {
     pub paused_gib_hour: u64,
     /// Per GiB-hour of a persistent sandbox's disk, in every state.
     pub kept_disk_gib_hour: u64,
+    /// Per GiB (2^30 bytes) a key's sandboxes send out in a calendar month
+    /// (UTC) past `outbound_allowance_bytes`; 0, outbound traffic is free.
+    pub outbound_gib: u64,
+    /// Bytes each key's sandboxes send out free each calendar month.
+    pub outbound_allowance_bytes: u64,
 }
 
 impl Default for Prices {
@@ -38,6 +43,8 @@ impl Default for Prices {
             memory_gib_hour: 7_500,
             paused_gib_hour: 119,
             kept_disk_gib_hour: 153,
+            outbound_gib: 0,
+            outbound_allowance_bytes: 0,
         }
     }
 }
@@ -138,6 +145,15 @@ pub(crate) fn settle(remainder: i128, units: i128) -> (i64, i128) {
     )
 }
 
+/// A month's outbound traffic: what the allowance covered, and what the
+/// bytes past it cost at `outbound_gib` per GiB, rounded down.
+pub(crate) fn outbound_cost(p: &Prices, bytes: u64) -> (u64, i64) {
+    let covered = bytes.min(p.outbound_allowance_bytes);
+    let over = i128::from(bytes - covered);
+    let micros = over * i128::from(p.outbound_gib) / (1i128 << 30);
+    (covered, i64::try_from(micros).unwrap_or(i64::MAX))
+}
+
 pub(crate) fn minute(ms: i64) -> i64 {
     ms / 60_000
 }
@@ -166,6 +182,23 @@ pub(crate) fn held_now<'a>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn outbound_past_the_allowance_costs_by_the_gib_rounded_down() {
+        let p = Prices {
+            outbound_gib: 90_000,
+            outbound_allowance_bytes: 1 << 30,
+            ..Prices::default()
+        };
+        assert_eq!(outbound_cost(&p, 0), (0, 0));
+        assert_eq!(outbound_cost(&p, 1 << 30), (1 << 30, 0));
+        assert_eq!(outbound_cost(&p, 3 << 30), (1 << 30, 180_000));
+        // Half a byte's price is not charged.
+        assert_eq!(outbound_cost(&p, (1 << 30) + 11_930), (1 << 30, 0));
+        assert_eq!(outbound_cost(&p, (1 << 30) + 11_931), (1 << 30, 1));
+        // The defaults: free.
+        assert_eq!(outbound_cost(&Prices::default(), u64::MAX), (0, 0));
+    }
     use serde_json::json;
 
     fn sandbox(vcpu: u32, memory_mib: u32, cpu: &str, floor: u32) -> Sandbox {

@@ -36,7 +36,7 @@ use crate::domain::session::{is_session_token, Session};
 use crate::error::{ApiError, ApiResult};
 use crate::http::extract::parse_query;
 use crate::http::route::{
-    body_limit, carries_secret, reveals_contents, route, session_sandbox, Route,
+    body_limit, carries_secret, operation, reveals_contents, route, session_sandbox, Route,
 };
 use crate::AppState;
 
@@ -121,6 +121,8 @@ async fn handle(State(st): State<AppState>, req: Request) -> Response {
     let rid = format!("req_{}", uuid::Uuid::new_v4().simple());
     // Set once a session's request from one of its pages is let in.
     let mut cors: Option<String> = None;
+    // Set once the caller is known: whose answer it is, and to what.
+    let mut counted: Option<(String, String)> = None;
     let span = tracing::info_span!("request", request_id = %rid, method = %req.method(), path = %req.uri().path());
     let mut resp = async {
         let result = if mcp::is_mcp_path(req.uri().path()) {
@@ -136,7 +138,7 @@ async fn handle(State(st): State<AppState>, req: Request) -> Response {
         } else if req.method() == Method::OPTIONS {
             preflight(&st, req.headers())
         } else {
-            serve(&st, req, &rid, &mut cors).await
+            serve(&st, req, &rid, &mut cors, &mut counted).await
         };
         let (resp, code) = match result {
             Ok(r) => (r, None),
@@ -150,6 +152,11 @@ async fn handle(State(st): State<AppState>, req: Request) -> Response {
         st.inner
             .telemetry
             .answered(resp.status().as_u16(), took, code);
+        if let Some((key_id, operation)) = counted.take() {
+            st.inner
+                .requests
+                .record(st.now_ms(), &key_id, operation, resp.status().as_u16());
+        }
         tracing::debug!(
             status = resp.status().as_u16(),
             ms = took.as_secs_f64() * 1e3,
@@ -309,10 +316,13 @@ async fn serve(
     req: Request,
     rid: &str,
     cors: &mut Option<String>,
+    counted: &mut Option<(String, String)>,
 ) -> ApiResult<Response> {
     let (mut parts, body) = req.into_parts();
     let caller = authenticate(st, &parts.headers)?;
+    *counted = Some((caller.key.id.clone(), "unknown".to_string()));
     let r = route(&parts.method, parts.uri.path())?;
+    *counted = Some((caller.key.id.clone(), operation(&r)));
     if let Some(session) = &caller.session {
         let origin = origin_of(&parts.headers);
         check_session(session, &r, origin)?;

@@ -116,6 +116,10 @@ pub(crate) enum Route {
     KeyAction(String, String),
     /// `/v1/usage/daily?days`: spending per UTC day (the console's usage).
     UsageDaily,
+    /// `/v1/usage/requests?range`: the account's API answers per hour.
+    UsageRequests,
+    /// `/v1/usage/export?since&until&cursor&limit`: settled usage as CSV.
+    UsageExport,
     /// `…/console?bytes`: the tail of the sandbox's serial console.
     ConsoleLog(String),
     /// A product the client knows that this server does not offer: its name.
@@ -167,7 +171,7 @@ fn unavailable(s: &[&str]) -> Option<&'static str> {
     let find =
         |t: &[(&str, &'static str)], seg: &str| t.iter().find(|(p, _)| *p == seg).map(|(_, n)| *n);
     match s {
-        ["v1", "usage", "requests" | "export" | "compare"] => Some("Usage breakdowns"),
+        ["v1", "usage", "compare"] => Some("Usage comparisons"),
         ["v1", "volumes", _, "attachments", ..] => Some("Volume attachments"),
         ["v1", "sandboxes", _, product, ..] => find(SANDBOX_PRODUCTS, product),
         ["v1", product, ..] => find(ACCOUNT_PRODUCTS, product),
@@ -431,6 +435,14 @@ pub(crate) fn route(method: &Method, raw_path: &str) -> ApiResult<Route> {
             Method::GET => Route::UsageDaily,
             _ => return Err(not_allowed()),
         },
+        ["v1", "usage", "requests"] if verb_or_none(false) => match m {
+            Method::GET => Route::UsageRequests,
+            _ => return Err(not_allowed()),
+        },
+        ["v1", "usage", "export"] if verb_or_none(false) => match m {
+            Method::GET => Route::UsageExport,
+            _ => return Err(not_allowed()),
+        },
         ["v1", "limits"] if verb_or_none(false) => match m {
             Method::GET => Route::Limits,
             _ => return Err(not_allowed()),
@@ -615,7 +627,152 @@ pub const ROUTE_SAMPLES: &[(&str, &str)] = &[
     ("POST", "/v1/keys/k1:limit"),
     ("GET", "/v1/sandboxes/{id}/console?bytes=4096"),
     ("GET", "/v1/usage/daily?days=7"),
+    ("GET", "/v1/usage/requests?range=24h"),
+    (
+        "GET",
+        "/v1/usage/export?since=2026-01-01T00:00:00Z&until=2026-01-02T00:00:00Z",
+    ),
 ];
+
+/// `product.verb` when `verb` is one of `known`, `product.other` otherwise:
+/// a key chooses the verb, and the counters keep a bounded set of names.
+fn act(product: &str, verb: &str, known: &[&str]) -> String {
+    if known.contains(&verb) {
+        format!("{product}.{verb}")
+    } else {
+        format!("{product}.other")
+    }
+}
+
+/// The operation a route is counted under in `GET /v1/usage/requests`:
+/// `product.verb`, from a fixed set of names.
+pub(crate) fn operation(r: &Route) -> String {
+    let fixed = |s: &str| s.to_string();
+    match r {
+        Route::CreateSandbox => fixed("sandboxes.create"),
+        Route::ListSandboxes => fixed("sandboxes.list"),
+        Route::GetSandbox(_) => fixed("sandboxes.get"),
+        Route::DeleteSandbox(_) => fixed("sandboxes.delete"),
+        Route::SandboxAction(_, v) => act(
+            "sandboxes",
+            v,
+            &[
+                "exec",
+                "stop",
+                "extend",
+                "update",
+                "pause",
+                "wake",
+                "fork",
+                "snapshot",
+                "restart",
+                "retention",
+                "resize",
+                "switch-image",
+            ],
+        ),
+        Route::FileContentGet(_) => fixed("files.read"),
+        Route::FileContentPut(_) => fixed("files.write"),
+        Route::FilesList(_) => fixed("files.list"),
+        Route::FilesStat(_) => fixed("files.stat"),
+        Route::FilesAction(_, v) => act(
+            "files",
+            v,
+            &["mkdir", "remove", "rename", "chmod", "link", "revoke-links"],
+        ),
+        Route::ArchiveGet(_) => fixed("files.archiveDownload"),
+        Route::ArchivePut(_) => fixed("files.archiveUpload"),
+        Route::UploadBegin(_) => fixed("uploads.create"),
+        Route::UploadChunk(..) => fixed("uploads.chunk"),
+        Route::UploadAction(_, _, v) => act("uploads", v, &["commit", "abort"]),
+        Route::ArchiveUploadBegin(_) => fixed("archiveUploads.create"),
+        Route::ArchiveUploadChunk(..) => fixed("archiveUploads.chunk"),
+        Route::ArchiveUploadAction(_, _, v) => act("archiveUploads", v, &["commit", "abort"]),
+        Route::ProcSpawn(_) => fixed("processes.spawn"),
+        Route::ProcList(_) => fixed("processes.list"),
+        Route::ProcGet(..) => fixed("processes.get"),
+        Route::ProcOutput(..) => fixed("processes.output"),
+        Route::ProcAction(_, _, v) => act(
+            "processes",
+            v,
+            &["write", "signal", "resize", "kill", "close-stdin"],
+        ),
+        Route::WatchCreate(_) => fixed("watches.create"),
+        Route::WatchList(_) => fixed("watches.list"),
+        Route::WatchEvents(..) => fixed("watches.events"),
+        Route::WatchDelete(..) => fixed("watches.delete"),
+        Route::ListSnapshots => fixed("snapshots.list"),
+        Route::GetSnapshot(_) => fixed("snapshots.get"),
+        Route::DeleteSnapshot(_) => fixed("snapshots.delete"),
+        Route::SnapshotAction(_, v) => act("snapshots", v, &["delete", "update", "extend"]),
+        Route::CreateImage => fixed("images.create"),
+        Route::ListImages => fixed("images.list"),
+        Route::ResolveImage => fixed("images.resolve"),
+        Route::ListRegistries => fixed("registries.list"),
+        Route::SetRegistry => fixed("registries.set"),
+        Route::DeleteRegistry => fixed("registries.delete"),
+        Route::GetImage(_) => fixed("images.get"),
+        Route::ImageLogs(_) => fixed("images.logs"),
+        Route::DeleteImage(_) => fixed("images.delete"),
+        Route::ImageAction(_, v) => act("images", v, &["delete", "tag", "untag"]),
+        Route::PruneImages => fixed("images.prune"),
+        Route::ContextMissing => fixed("images.contextMissing"),
+        Route::ContextPut(_) => fixed("images.contextPut"),
+        Route::CreateVolume => fixed("volumes.create"),
+        Route::ListVolumes => fixed("volumes.list"),
+        Route::GetVolume(_) => fixed("volumes.get"),
+        Route::DeleteVolume(_) => fixed("volumes.delete"),
+        Route::VolumeAction(_, v) => act(
+            "volumes",
+            v,
+            &["delete", "resize", "backup", "attach", "backup-policy"],
+        ),
+        Route::ListVolumeBackups => fixed("volumeBackups.list"),
+        Route::GetVolumeBackup(_) => fixed("volumeBackups.get"),
+        Route::VolumeBackupAction(_, v) => act("volumeBackups", v, &["delete"]),
+        Route::Interpreter(..) => fixed("interpreter"),
+        Route::Previews(_) => fixed("previews.list"),
+        Route::PreviewCreate(_) => fixed("previews.create"),
+        Route::PreviewGet(..) => fixed("previews.get"),
+        Route::PreviewDelete(..) => fixed("previews.delete"),
+        Route::PreviewAction(_, _, v) => act("previews", v, &["rotate"]),
+        Route::GetNetwork(_) => fixed("network.get"),
+        Route::PutNetwork(_) => fixed("network.set"),
+        Route::ListSecrets => fixed("secrets.list"),
+        Route::PutSecret(_) => fixed("secrets.set"),
+        Route::DeleteSecret(_) => fixed("secrets.delete"),
+        Route::JobSecrets => fixed("secrets.jobs"),
+        Route::Terminal(_) => fixed("sandboxes.terminal"),
+        Route::Tunnel(_) => fixed("sandboxes.tunnel"),
+        Route::Usage => fixed("usage.get"),
+        Route::Limits => fixed("limits.get"),
+        Route::Me => fixed("me.get"),
+        Route::SessionCreate(_) => fixed("sessions.create"),
+        Route::SessionList(_) => fixed("sessions.list"),
+        Route::SessionRevoke(..) => fixed("sessions.revoke"),
+        Route::Metrics(_) => fixed("sandboxes.metrics"),
+        Route::ListEvents => fixed("events.list"),
+        Route::CreateWebhook => fixed("webhooks.create"),
+        Route::ListWebhooks => fixed("webhooks.list"),
+        Route::GetWebhook(_) => fixed("webhooks.get"),
+        Route::DeleteWebhook(_) => fixed("webhooks.delete"),
+        Route::WebhookAction(_, v) => act(
+            "webhooks",
+            v,
+            &["update", "rotate-secret", "delete", "test"],
+        ),
+        Route::WebhookDeliveries(_) => fixed("webhooks.deliveries"),
+        Route::DeliveryAction(_, v) => act("webhookDeliveries", v, &["retry"]),
+        Route::ListKeys => fixed("keys.list"),
+        Route::CreateKey => fixed("keys.create"),
+        Route::KeyAction(_, v) => act("keys", v, &["revoke", "limit"]),
+        Route::UsageDaily => fixed("usage.daily"),
+        Route::UsageRequests => fixed("usage.requests"),
+        Route::UsageExport => fixed("usage.export"),
+        Route::ConsoleLog(_) => fixed("sandboxes.console"),
+        Route::Unavailable(_) => fixed("unavailable"),
+    }
+}
 
 /// The sandbox a session token may use this route on, when a session may
 /// use it at all: the sandbox's record, its commands, processes, files,
@@ -811,9 +968,11 @@ mod tests {
             Route::GetVolumeBackup(_) => 85,
             Route::VolumeBackupAction(..) => 86,
             Route::ProcFiles(..) => 87,
+            Route::UsageRequests => 88,
+            Route::UsageExport => 89,
         }
     }
-    const VARIANTS: usize = 88;
+    const VARIANTS: usize = 90;
 
     #[test]
     fn products_not_served_here_are_unavailable_not_missing() {
@@ -821,7 +980,7 @@ mod tests {
             ("GET", "/v1/otel-exports", "OpenTelemetry exports"),
             ("GET", "/v1/jobs", "Jobs"),
             ("POST", "/v1/sandboxes/x/mounts", "Bucket mounts"),
-            ("GET", "/v1/usage/export", "Usage breakdowns"),
+            ("GET", "/v1/usage/compare", "Usage comparisons"),
         ] {
             assert_eq!(
                 route(&Method::from_bytes(m.as_bytes()).unwrap(), p).ok(),
@@ -839,6 +998,14 @@ mod tests {
             Some(Route::FilesAction("x".into(), "mkdir".into()))
         );
         assert_eq!(route(&Method::GET, "/v1/usage").ok(), Some(Route::Usage));
+        assert_eq!(
+            route(&Method::GET, "/v1/usage/requests").ok(),
+            Some(Route::UsageRequests)
+        );
+        assert_eq!(
+            route(&Method::GET, "/v1/usage/export").ok(),
+            Some(Route::UsageExport)
+        );
         // Registry credentials come before image ids.
         assert_eq!(
             route(&Method::GET, "/v1/images/registries").ok(),

@@ -132,7 +132,7 @@ pub(crate) async fn tick(st: &AppState) -> Result<(), ServerError> {
             // Below a microdollar (a paused sandbox's storage): the record
             // stays as it is.
             st.store()
-                .save_charge(&row.key_id, &id, minute(now), 0, rest)?;
+                .save_charge(&row.key_id, &id, minute(now), 0, 1000, rest)?;
             continue;
         }
         let mut cap_reached = false;
@@ -155,8 +155,9 @@ pub(crate) async fn tick(st: &AppState) -> Result<(), ServerError> {
         if updated.is_none_or(|r| r.deleted.is_some()) {
             continue;
         }
+        let billed_ms = if units > 0 { 1000 } else { 0 };
         st.store()
-            .save_charge(&row.key_id, &id, minute(now), whole, rest)?;
+            .save_charge(&row.key_id, &id, minute(now), whole, billed_ms, rest)?;
         if whole > 0 {
             keys_charged.insert(row.key_id.clone(), ());
         }

@@ -29,6 +29,7 @@ pub(crate) mod switch;
 pub(crate) mod telemetry;
 pub(crate) mod tunnels;
 pub(crate) mod uploads;
+pub(crate) mod usage;
 pub(crate) mod volumes;
 pub(crate) mod watches;
 pub(crate) mod webhooks;

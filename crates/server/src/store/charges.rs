@@ -54,14 +54,15 @@ impl Store {
         Ok(i128::from(r.unwrap_or(0)))
     }
 
-    /// Keeps the remainder and adds the settled microdollars to the
-    /// minute's charges, in one transaction.
+    /// Keeps the remainder and adds the settled microdollars and the
+    /// billed milliseconds to the minute's charges, in one transaction.
     pub fn save_charge(
         &self,
         key_id: &str,
         id: &str,
         minute: i64,
         whole: i64,
+        billed_ms: i64,
         remainder: i128,
     ) -> Result<(), ServerError> {
         let mut conn = self.conn();
@@ -72,11 +73,12 @@ impl Store {
             params![id, i64::try_from(remainder).unwrap_or(0)],
         )
         .map_err(store_err("write meter"))?;
-        if whole > 0 {
+        if whole > 0 || billed_ms > 0 {
             tx.execute(
-                "INSERT INTO charges (key_id, sandbox_id, minute, micros) VALUES (?1, ?2, ?3, ?4)
-                 ON CONFLICT(key_id, sandbox_id, minute) DO UPDATE SET micros = micros + excluded.micros",
-                params![key_id, id, minute, whole],
+                "INSERT INTO charges (key_id, sandbox_id, minute, micros, billed_ms) VALUES (?1, ?2, ?3, ?4, ?5)
+                 ON CONFLICT(key_id, sandbox_id, minute) DO UPDATE SET
+                   micros = micros + excluded.micros, billed_ms = billed_ms + excluded.billed_ms",
+                params![key_id, id, minute, whole, billed_ms],
             )
             .map_err(store_err("write charge"))?;
         }

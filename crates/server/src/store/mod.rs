@@ -1,7 +1,8 @@
 //! The embedded SQLite store: keys, sandboxes, snapshots, processes,
 //! idempotency records, images (`images.rs`), volumes (`volumes.rs`),
-//! private-registry credentials (`registries.rs`), and
-//! events with webhooks and their deliveries (`events.rs`).
+//! private-registry credentials (`registries.rs`),
+//! events with webhooks and their deliveries (`events.rs`), and the
+//! account's usage: outbound bytes and API answers (`usage.rs`).
 //!
 //! One connection behind a mutex; every call is short and never held across
 //! an `.await`. Schema version lives in `PRAGMA user_version`.
@@ -18,6 +19,7 @@ mod registries;
 mod sandboxes;
 mod sessions;
 mod snapshots;
+mod usage;
 mod volumes;
 
 use std::path::Path;
@@ -27,7 +29,7 @@ use rusqlite::Connection;
 
 use crate::error::ServerError;
 
-pub(super) const SCHEMA_VERSION: i64 = 15;
+pub(super) const SCHEMA_VERSION: i64 = 16;
 
 const SCHEMA_V1: &str = "
 CREATE TABLE IF NOT EXISTS keys (
@@ -290,6 +292,33 @@ DROP TABLE processes;
 ALTER TABLE processes_v15 RENAME TO processes;
 ";
 
+/// The account's usage (v16): each key's outbound bytes per sandbox and
+/// calendar month (YYYYMM); its authenticated API answers per hour and
+/// operation, by status class (kept 90 days); the milliseconds each minute
+/// of charges billed (rows from before v15 have 0), and an index for the
+/// export's walk in order of minute.
+const SCHEMA_V16: &str = "
+CREATE TABLE IF NOT EXISTS outbound (
+    key_id TEXT NOT NULL,
+    sandbox_id TEXT NOT NULL,
+    month INTEGER NOT NULL,
+    bytes INTEGER NOT NULL,
+    PRIMARY KEY (key_id, sandbox_id, month)
+);
+CREATE INDEX IF NOT EXISTS outbound_month ON outbound(month, key_id);
+CREATE TABLE IF NOT EXISTS request_counts (
+    hour INTEGER NOT NULL,
+    key_id TEXT NOT NULL,
+    operation TEXT NOT NULL,
+    calls INTEGER NOT NULL,
+    client_errors INTEGER NOT NULL,
+    server_errors INTEGER NOT NULL,
+    PRIMARY KEY (hour, key_id, operation)
+);
+ALTER TABLE charges ADD COLUMN billed_ms INTEGER NOT NULL DEFAULT 0;
+CREATE INDEX IF NOT EXISTS charges_minute ON charges(minute, sandbox_id);
+";
+
 /// Events, webhooks and their deliveries (v10). Events and deliveries are
 /// bounded by age and count (service/events.rs prunes them).
 const SCHEMA_V10: &str = "
@@ -509,6 +538,12 @@ pub(crate) fn open_connection(data_dir: &Path) -> Result<Connection, ServerError
             .map_err(store_err("migrate v15"))?;
         tx.commit().map_err(store_err("commit v15"))?;
     }
+    if version < 16 {
+        let tx = conn.transaction().map_err(store_err("begin v16"))?;
+        tx.execute_batch(SCHEMA_V16)
+            .map_err(store_err("migrate v16"))?;
+        tx.commit().map_err(store_err("commit v16"))?;
+    }
     if version < SCHEMA_VERSION {
         conn.pragma_update(None, "user_version", SCHEMA_VERSION)
             .map_err(store_err("set user_version"))?;
@@ -536,3 +571,4 @@ pub(crate) use processes::{ProcEnd, ProcRow};
 pub(crate) use registries::PutRegistry;
 pub(crate) use sandboxes::SandboxRow;
 pub(crate) use snapshots::SnapshotRow;
+pub(crate) use usage::{ChargeRow, RequestCount};

@@ -105,6 +105,9 @@ pub(crate) struct FakeHost {
     pub forgotten: Mutex<Vec<String>>,
     /// The vCPU time `cpu_time` reports per sandbox (none: unknown).
     pub cpu: Mutex<HashMap<String, Duration>>,
+    /// Outbound bytes per sandbox not yet taken by
+    /// [`Host::take_egress_outbound`]; tests add to it.
+    pub outbound: Mutex<HashMap<String, u64>>,
     /// Every spec `start` was given, in order.
     pub specs: Mutex<Vec<MachineSpec>>,
     /// Interpreter drivers the fake plays, by their last argv element
@@ -205,6 +208,12 @@ impl FakeHost {
 
 #[async_trait]
 impl Host for FakeHost {
+    fn take_egress_outbound(&self) -> Vec<(String, u64)> {
+        std::mem::take(&mut *self.outbound.lock().unwrap())
+            .into_iter()
+            .collect()
+    }
+
     async fn start(&self, spec: &MachineSpec) -> Result<(), HostError> {
         let delay = *self.start_delay_ms.lock().unwrap();
         tokio::time::sleep(Duration::from_millis(delay)).await;

@@ -541,8 +541,10 @@ async fn api(st: &AppState, auth: Option<&HeaderValue>, call: tools::Call) -> An
         }
     };
     let span = tracing::info_span!("request", request_id = %rid, method = %call.method, path = %call.path, via = "mcp");
+    // A tool's call is an API answer of its key, counted as one.
+    let mut counted = None;
     let resp = async {
-        match super::serve(st, req, &rid, &mut None).await {
+        match super::serve(st, req, &rid, &mut None, &mut counted).await {
             Ok(r) => r,
             Err(e) => {
                 tracing::debug!(error = %e, "request refused");
@@ -553,6 +555,11 @@ async fn api(st: &AppState, auth: Option<&HeaderValue>, call: tools::Call) -> An
     .instrument(span)
     .await;
     let status = resp.status();
+    if let Some((key_id, operation)) = counted {
+        st.inner
+            .requests
+            .record(st.now_ms(), &key_id, operation, status.as_u16());
+    }
     let late = resp.headers().contains_key("runtime-late-answer");
     let json = resp
         .headers()

@@ -119,6 +119,8 @@ pub(super) async fn dispatch(st: AppState, ctx: Ctx, r: Route, body: Bytes) -> A
             what: "a WebSocket route reached the JSON dispatcher".into(),
         }),
         Route::Usage => account::usage(st, ctx).await,
+        Route::UsageRequests => account::usage_requests(st, ctx).await,
+        Route::UsageExport => account::usage_export(st, ctx).await,
         Route::Limits => account::limits(st, ctx).await,
         Route::Me => account::me(st, ctx).await,
         Route::SessionCreate(id) => sessions::create(st, ctx, id, body).await,
