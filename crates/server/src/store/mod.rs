@@ -295,7 +295,7 @@ ALTER TABLE processes_v15 RENAME TO processes;
 /// The account's usage (v16): each key's outbound bytes per sandbox and
 /// calendar month (YYYYMM); its authenticated API answers per hour and
 /// operation, by status class (kept 90 days); the milliseconds each minute
-/// of charges billed (rows from before v15 have 0), and an index for the
+/// of charges billed (rows from before v16 have 0), and an index for the
 /// export's walk in order of minute.
 const SCHEMA_V16: &str = "
 CREATE TABLE IF NOT EXISTS outbound (

@@ -1,4 +1,4 @@
-//! The account's usage tables (v15): each key's outbound bytes per sandbox
+//! The account's usage tables (v16): each key's outbound bytes per sandbox
 //! and calendar month, its authenticated API answers per hour and
 //! operation, and the settled charges the export pages through
 //! (`service/usage.rs`, docs/billing.md).
