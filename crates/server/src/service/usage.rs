@@ -17,6 +17,9 @@ use crate::domain::access::KeyInfo;
 use crate::domain::money::outbound_cost;
 use crate::error::ServerError;
 use crate::store::{ChargeRow, RequestCount};
+
+/// One settled row of the export: a sandbox's minute of charges.
+pub(crate) type ExportRow = ChargeRow;
 use crate::AppState;
 
 /// How often the batches are written to the store.

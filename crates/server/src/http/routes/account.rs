@@ -10,8 +10,7 @@ use crate::error::{ApiError, ApiResult};
 use crate::http::extract::{query_object, Fields};
 use crate::http::{Ctx, Reply};
 use crate::service::billing::{self, Day};
-use crate::service::usage::{self, Tally};
-use crate::store::ChargeRow;
+use crate::service::usage::{self, ExportRow, Tally};
 use crate::AppState;
 
 fn access(key: &KeyInfo) -> &'static str {
@@ -309,7 +308,7 @@ fn quoted_rates(st: &AppState) -> Value {
     ])
 }
 
-fn export_row(r: &ChargeRow, rates: &Value) -> Value {
+fn export_row(r: &ExportRow, rates: &Value) -> Value {
     let start = r.minute * 60_000;
     json!({
         "intervalId": format!("{}:{}", r.sandbox_id, r.minute),
