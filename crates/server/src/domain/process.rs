@@ -16,7 +16,6 @@ use std::sync::Arc;
 
 use base64::Engine;
 use runtime_api::ExecResult;
-use runtime_host::TracedFiles;
 use serde_json::{json, Map, Value};
 
 /// The signals the server itself sends (the numbers are Linux's; the
@@ -437,6 +436,17 @@ impl Exit {
         }
         v
     }
+}
+
+/// The files a traced command opened (`traceFiles`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub(crate) struct TracedFiles {
+    /// Every file and directory opened (directories end in `/`), sorted.
+    pub(crate) read: Vec<String>,
+    /// Every file opened for writing, sorted.
+    pub(crate) written: Vec<String>,
+    /// Some paths are missing.
+    pub(crate) truncated: bool,
 }
 
 /// Traced files as the API answers them.

@@ -7,7 +7,7 @@ use std::time::Duration;
 use runtime_host::{ExecEvent, ExitStatus};
 use tokio::sync::mpsc;
 
-use crate::domain::process::Exit;
+use crate::domain::process::{Exit, TracedFiles};
 use crate::service::processes::table::{Link, Proc};
 use crate::AppState;
 
@@ -20,7 +20,13 @@ pub(super) fn exit_of(status: ExitStatus) -> Exit {
         duration_ms: status.duration_ms,
         oom_kills: status.oom_kills,
         lost: false,
-        files: status.files.map(std::sync::Arc::new),
+        files: status.files.map(|f| {
+            std::sync::Arc::new(TracedFiles {
+                read: f.read,
+                written: f.written,
+                truncated: f.truncated,
+            })
+        }),
     }
 }
 

@@ -8,11 +8,11 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use runtime_api::codes;
-use runtime_host::{ExecControl, RunAs, TermSize, TracedFiles};
+use runtime_host::{ExecControl, RunAs, TermSize};
 use serde_json::{json, Value};
 use tokio::sync::{mpsc, watch};
 
-use crate::domain::process::{Exit, Output};
+use crate::domain::process::{Exit, Output, TracedFiles};
 use crate::domain::time::iso;
 use crate::error::{ApiError, ApiResult};
 use crate::service::clock::Clock;
