@@ -692,6 +692,7 @@ pub(crate) fn operation(r: &Route) -> String {
         Route::ProcList(_) => fixed("processes.list"),
         Route::ProcGet(..) => fixed("processes.get"),
         Route::ProcOutput(..) => fixed("processes.output"),
+        Route::ProcFiles(..) => fixed("processes.files"),
         Route::ProcAction(_, _, v) => act(
             "processes",
             v,

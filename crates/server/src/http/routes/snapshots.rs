@@ -4,7 +4,6 @@ use std::time::Duration;
 
 use axum::body::Bytes;
 use axum::http::StatusCode;
-use runtime_api::codes;
 use serde_json::{json, Value};
 
 use crate::domain::names::valid_name;
@@ -47,13 +46,13 @@ pub(super) async fn fork(st: AppState, ctx: Ctx, id: String, body: Bytes) -> Api
         answer_slot: super::sandboxes::answer_slot(&ctx),
     };
     let (copies, kept) = svc::fork(&st, &ctx.key, &id, req, wait_of(&ctx)).await?;
-    Ok(forked(&copies, kept.as_ref()))
+    let out: Vec<Value> = copies.iter().map(|r| record_json(&r.record, &[])).collect();
+    Ok(forked(out, kept.as_ref()))
 }
 
 /// A fork's answer: its copies and the snapshot it kept.
-fn forked(copies: &[crate::store::SandboxRow], kept: Option<&Snapshot>) -> Reply {
-    let out: Vec<Value> = copies.iter().map(|r| record_json(&r.record, &[])).collect();
-    let mut answer = json!({ "sandboxes": out });
+fn forked(copies: Vec<Value>, kept: Option<&Snapshot>) -> Reply {
+    let mut answer = json!({ "sandboxes": copies });
     if let Some(s) = kept {
         answer["snapshot"] = s.wire();
     }
@@ -64,35 +63,18 @@ fn forked(copies: &[crate::store::SandboxRow], kept: Option<&Snapshot>) -> Reply
 /// before the answer was stored): its copies and kept snapshot as they
 /// are now (deleted ones left out).
 pub(crate) fn replay_forked(st: &AppState, pending: &Value) -> ApiResult<Reply> {
-    let mut copies = Vec::new();
-    for id in pending["sandboxIds"].as_array().into_iter().flatten() {
-        if let Some(row) = st.store().get_sandbox(id.as_str().unwrap_or_default())? {
-            if row.deleted.is_none() {
-                copies.push(row);
-            }
-        }
-    }
-    let kept = match pending["snapshotId"].as_str() {
-        Some(id) => st.store().get_snapshot(id)?.map(|r| r.record),
-        None => None,
-    };
-    Ok(forked(&copies, kept.as_ref()))
+    let (copies, kept) = svc::replayed_fork(st, pending)?;
+    let out: Vec<Value> = copies.iter().map(|r| record_json(&r.record, &[])).collect();
+    Ok(forked(out, kept.as_ref()))
 }
 
 /// A snapshot's answer replayed from its pending record: the snapshot as
 /// it is now.
 pub(crate) fn replay_snapshot(st: &AppState, pending: &Value) -> ApiResult<Reply> {
-    let id = pending["snapshotId"].as_str().unwrap_or_default();
-    let row = st
-        .store()
-        .get_snapshot(id)?
-        .filter(|r| r.deleted.is_none())
-        .ok_or_else(|| ApiError::NotFound {
-            code: codes::SNAPSHOT_NOT_FOUND,
-            what: "snapshot",
-            id: id.to_string(),
-        })?;
-    Ok(Reply::Json(StatusCode::CREATED, row.record.wire()))
+    Ok(Reply::Json(
+        StatusCode::CREATED,
+        svc::replayed_snapshot(st, pending)?.wire(),
+    ))
 }
 
 pub(super) async fn snapshot(st: AppState, ctx: Ctx, id: String, body: Bytes) -> ApiResult<Reply> {

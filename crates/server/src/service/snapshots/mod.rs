@@ -661,3 +661,40 @@ fn snapshot_event(st: &AppState, row: &crate::store::SnapshotRow, ty: &str) {
         serde_json::json!({ "snapshot": snapshot }),
     );
 }
+
+/// The copies and kept snapshot a fork's pending idempotency record names
+/// (`{"sandboxIds", "snapshotId"}`), as they are now (deleted copies left
+/// out), for a resend after a crash.
+pub(crate) fn replayed_fork(
+    st: &AppState,
+    pending: &serde_json::Value,
+) -> ApiResult<(Vec<SandboxRow>, Option<Snapshot>)> {
+    let mut copies = Vec::new();
+    for id in pending["sandboxIds"].as_array().into_iter().flatten() {
+        if let Some(row) = st.store().get_sandbox(id.as_str().unwrap_or_default())? {
+            if row.deleted.is_none() {
+                copies.push(row);
+            }
+        }
+    }
+    let kept = match pending["snapshotId"].as_str() {
+        Some(id) => st.store().get_snapshot(id)?.map(|r| r.record),
+        None => None,
+    };
+    Ok((copies, kept))
+}
+
+/// The snapshot a snapshot's pending idempotency record names
+/// (`{"snapshotId"}`), as it is now.
+pub(crate) fn replayed_snapshot(st: &AppState, pending: &serde_json::Value) -> ApiResult<Snapshot> {
+    let id = pending["snapshotId"].as_str().unwrap_or_default();
+    st.store()
+        .get_snapshot(id)?
+        .filter(|r| r.deleted.is_none())
+        .map(|r| r.record)
+        .ok_or_else(|| ApiError::NotFound {
+            code: runtime_api::codes::SNAPSHOT_NOT_FOUND,
+            what: "snapshot",
+            id: id.to_string(),
+        })
+}
