@@ -32,7 +32,7 @@ pub(crate) struct Pack {
     pub(crate) exclude: Vec<String>,
 }
 
-pub(crate) fn tar_spec(argv: Vec<String>, user: RunAs, stdin: bool) -> ExecSpec {
+fn tar_spec(argv: Vec<String>, user: RunAs, stdin: bool) -> ExecSpec {
     ExecSpec {
         argv,
         cwd: None,

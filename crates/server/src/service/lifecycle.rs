@@ -71,24 +71,13 @@ pub(crate) enum Op {
         from: SandboxState,
         old: (u32, u32, u32, u32),
     },
-    /// Move the `starting` sandbox to the image its record now names
-    /// (`:switch-image`): its old disk booted once more to copy
-    /// `/workspace` out, then the new image booted with that copied in;
-    /// undone (its old image, booted from its old disk) if anything fails.
-    /// `from`: the state it was in; `old_image`: the image it leaves.
-    Switch {
-        from: SandboxState,
-        old_image: Option<String>,
-    },
 }
 
 impl Op {
     /// The request's event and the state the task expects to find.
     fn edge(&self) -> (Option<Event>, SandboxState) {
         match self {
-            Op::Start { .. } | Op::Resize { .. } | Op::Switch { .. } => {
-                (None, SandboxState::Starting)
-            }
+            Op::Start { .. } | Op::Resize { .. } => (None, SandboxState::Starting),
             Op::Stop { .. } => (Some(Event::Stop), SandboxState::Stopping),
             Op::Pause { .. } => (Some(Event::Pause), SandboxState::Pausing),
             Op::Wake { .. } => (Some(Event::Wake), SandboxState::Resuming),
@@ -102,7 +91,6 @@ impl Op {
             Op::Pause { .. } => "pause",
             Op::Wake { .. } => "wake",
             Op::Resize { .. } => "resize",
-            Op::Switch { .. } => "switch-image",
         }
     }
 }
@@ -140,7 +128,7 @@ pub(crate) fn transition(
 /// Records the outcome `event` of the host call begun in state `from`,
 /// unless something else (a stop, a delete) moved the sandbox meanwhile.
 /// Answers the row as it is afterwards and whether this wrote it.
-pub(crate) fn record(
+fn record(
     st: &AppState,
     id: &str,
     from: SandboxState,
@@ -221,9 +209,6 @@ async fn run(st: &AppState, row: SandboxRow, op: Op) {
     match op {
         Op::Start { from, warm } => boot(st, &row, from, warm).await,
         Op::Resize { from, old } => resize(st, &row, from, old).await,
-        Op::Switch { from, old_image } => {
-            crate::service::switch::run(st, &row, from, old_image).await
-        }
         Op::Stop { reason } => {
             if row.record.persistent {
                 // Ended first, its writes flushed: the kept disk has all of them.
@@ -339,12 +324,7 @@ async fn run(st: &AppState, row: SandboxRow, op: Op) {
 /// Boots the `starting` sandbox of `row` (or restores it from `from`, or
 /// has the warm machine it took take on its identity) and records how that
 /// went.
-pub(crate) async fn boot(
-    st: &AppState,
-    row: &SandboxRow,
-    from: Option<Arc<CaptureDir>>,
-    warm: bool,
-) {
+async fn boot(st: &AppState, row: &SandboxRow, from: Option<Arc<CaptureDir>>, warm: bool) {
     let id = row.record.id.clone();
     let spec = machine_spec(st, &row.record);
     let began = std::time::Instant::now();
@@ -517,7 +497,7 @@ pub(crate) fn fail_start(st: &AppState, ids: &[String]) {
 /// A new sandbox of an image with a `start` command runs it in the
 /// background (listed with its processes). Not after a restore from a
 /// snapshot, whose processes are already there.
-pub(crate) async fn start_image_command(st: &AppState, row: &SandboxRow, restored_snapshot: bool) {
+async fn start_image_command(st: &AppState, row: &SandboxRow, restored_snapshot: bool) {
     if restored_snapshot || row.record.state != SandboxState::Running {
         return;
     }
@@ -546,7 +526,7 @@ pub(crate) fn disk_dir(st: &AppState, id: &str) -> PathBuf {
 /// `dest` ([`disk_dir`] for a persistent one), replacing the previous
 /// capture only once the new one is whole. A failure keeps the previous
 /// one, if any; `false` then.
-pub(crate) async fn keep_disk(st: &AppState, id: &str, dest: &Path) -> bool {
+async fn keep_disk(st: &AppState, id: &str, dest: &Path) -> bool {
     let fresh = dest.with_extension("new");
     remove_dir_quietly(&fresh);
     if let Some(parent) = dest.parent() {
@@ -577,7 +557,7 @@ pub(crate) async fn keep_disk(st: &AppState, id: &str, dest: &Path) -> bool {
     }
 }
 
-pub(crate) fn remove_dir_quietly(p: &std::path::Path) {
+fn remove_dir_quietly(p: &std::path::Path) {
     if let Err(e) = std::fs::remove_dir_all(p) {
         if e.kind() != std::io::ErrorKind::NotFound {
             tracing::warn!(path = %p.display(), error = %e, "removing a directory failed");
