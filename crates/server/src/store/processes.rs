@@ -136,36 +136,31 @@ impl Store {
 
     /// Every stored process, oldest first.
     pub fn all_processes(&self) -> Result<Vec<ProcRow>, ServerError> {
-        let conn = self.conn();
-        let mut stmt = conn
-            .prepare(&format!(
-                "SELECT {PROC_COLUMNS} FROM processes ORDER BY started_ms, id"
-            ))
-            .map_err(store_err("list processes"))?;
-        let rows = stmt
-            .query_map([], proc_row)
-            .map_err(store_err("list processes"))?;
-        let mut out = Vec::new();
-        for r in rows {
-            let (mut p, argv) = r.map_err(store_err("list processes"))?;
-            p.argv =
-                serde_json::from_str(&argv).map_err(|e| corrupt(format!("process argv: {e}")))?;
-            out.push(p);
-        }
-        Ok(out)
+        self.list_processes("", None)
     }
 
     /// The stored processes of one sandbox, oldest first.
     pub fn processes_of(&self, sandbox_id: &str) -> Result<Vec<ProcRow>, ServerError> {
+        self.list_processes("WHERE sandbox_id = ?1", Some(sandbox_id))
+    }
+
+    /// The processes `filter` (binding `sandbox_id` as `?1`) selects, oldest first.
+    fn list_processes(
+        &self,
+        filter: &str,
+        sandbox_id: Option<&str>,
+    ) -> Result<Vec<ProcRow>, ServerError> {
         let conn = self.conn();
         let mut stmt = conn
             .prepare(&format!(
-                "SELECT {PROC_COLUMNS} FROM processes WHERE sandbox_id = ?1 ORDER BY started_ms, id"
+                "SELECT {PROC_COLUMNS} FROM processes {filter} ORDER BY started_ms, id"
             ))
             .map_err(store_err("list processes"))?;
-        let rows = stmt
-            .query_map(params![sandbox_id], proc_row)
-            .map_err(store_err("list processes"))?;
+        let rows = match sandbox_id {
+            Some(id) => stmt.query_map(params![id], proc_row),
+            None => stmt.query_map([], proc_row),
+        }
+        .map_err(store_err("list processes"))?;
         let mut out = Vec::new();
         for r in rows {
             let (mut p, argv) = r.map_err(store_err("list processes"))?;
