@@ -194,6 +194,9 @@ struct Inner {
     /// Sandboxes whose last pause failed (they ran on), for the `:pause`
     /// answer: a sandbox running again may also have paused and been woken.
     pause_failed: Mutex<HashSet<String>>,
+    /// Why the last `:switch-image` of a sandbox was undone, for its answer
+    /// (one entry per sandbox, taken by the answer).
+    switch_failures: Mutex<std::collections::HashMap<String, String>>,
     /// Volumes being backed up, resized or restored into: no sandbox
     /// attaches them and no delete takes them meanwhile.
     volume_ops: Mutex<HashSet<String>>,
@@ -239,6 +242,7 @@ impl AppState {
                 procs: service::processes::Table::new(config.clock),
                 interpreter: service::interpreter::Contexts::default(),
                 pause_failed: Mutex::new(HashSet::new()),
+                switch_failures: Mutex::default(),
                 volume_ops: Mutex::new(HashSet::new()),
                 daily_tried: Mutex::new(HashMap::new()),
                 uploads: service::uploads::Uploads::new(uploads_dir),

@@ -32,7 +32,7 @@ pub(crate) struct Pack {
     pub(crate) exclude: Vec<String>,
 }
 
-fn tar_spec(argv: Vec<String>, user: RunAs, stdin: bool) -> ExecSpec {
+pub(crate) fn tar_spec(argv: Vec<String>, user: RunAs, stdin: bool) -> ExecSpec {
     ExecSpec {
         argv,
         cwd: None,

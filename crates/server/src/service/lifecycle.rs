@@ -71,13 +71,24 @@ pub(crate) enum Op {
         from: SandboxState,
         old: (u32, u32, u32, u32),
     },
+    /// Move the `starting` sandbox to the image its record now names
+    /// (`:switch-image`): its old disk booted once more to copy
+    /// `/workspace` out, then the new image booted with that copied in;
+    /// undone (its old image, booted from its old disk) if anything fails.
+    /// `from`: the state it was in; `old_image`: the image it leaves.
+    Switch {
+        from: SandboxState,
+        old_image: Option<String>,
+    },
 }
 
 impl Op {
     /// The request's event and the state the task expects to find.
     fn edge(&self) -> (Option<Event>, SandboxState) {
         match self {
-            Op::Start { .. } | Op::Resize { .. } => (None, SandboxState::Starting),
+            Op::Start { .. } | Op::Resize { .. } | Op::Switch { .. } => {
+                (None, SandboxState::Starting)
+            }
             Op::Stop { .. } => (Some(Event::Stop), SandboxState::Stopping),
             Op::Pause { .. } => (Some(Event::Pause), SandboxState::Pausing),
             Op::Wake { .. } => (Some(Event::Wake), SandboxState::Resuming),
@@ -91,6 +102,7 @@ impl Op {
             Op::Pause { .. } => "pause",
             Op::Wake { .. } => "wake",
             Op::Resize { .. } => "resize",
+            Op::Switch { .. } => "switch-image",
         }
     }
 }
@@ -128,7 +140,7 @@ pub(crate) fn transition(
 /// Records the outcome `event` of the host call begun in state `from`,
 /// unless something else (a stop, a delete) moved the sandbox meanwhile.
 /// Answers the row as it is afterwards and whether this wrote it.
-fn record(
+pub(crate) fn record(
     st: &AppState,
     id: &str,
     from: SandboxState,
@@ -209,6 +221,9 @@ async fn run(st: &AppState, row: SandboxRow, op: Op) {
     match op {
         Op::Start { from, warm } => boot(st, &row, from, warm).await,
         Op::Resize { from, old } => resize(st, &row, from, old).await,
+        Op::Switch { from, old_image } => {
+            crate::service::switch::run(st, &row, from, old_image).await
+        }
         Op::Stop { reason } => {
             if row.record.persistent {
                 // Ended first, its writes flushed: the kept disk has all of them.
@@ -324,7 +339,12 @@ async fn run(st: &AppState, row: SandboxRow, op: Op) {
 /// Boots the `starting` sandbox of `row` (or restores it from `from`, or
 /// has the warm machine it took take on its identity) and records how that
 /// went.
-async fn boot(st: &AppState, row: &SandboxRow, from: Option<Arc<CaptureDir>>, warm: bool) {
+pub(crate) async fn boot(
+    st: &AppState,
+    row: &SandboxRow,
+    from: Option<Arc<CaptureDir>>,
+    warm: bool,
+) {
     let id = row.record.id.clone();
     let spec = machine_spec(st, &row.record);
     let began = std::time::Instant::now();
@@ -497,7 +517,7 @@ pub(crate) fn fail_start(st: &AppState, ids: &[String]) {
 /// A new sandbox of an image with a `start` command runs it in the
 /// background (listed with its processes). Not after a restore from a
 /// snapshot, whose processes are already there.
-async fn start_image_command(st: &AppState, row: &SandboxRow, restored_snapshot: bool) {
+pub(crate) async fn start_image_command(st: &AppState, row: &SandboxRow, restored_snapshot: bool) {
     if restored_snapshot || row.record.state != SandboxState::Running {
         return;
     }
@@ -526,7 +546,7 @@ pub(crate) fn disk_dir(st: &AppState, id: &str) -> PathBuf {
 /// `dest` ([`disk_dir`] for a persistent one), replacing the previous
 /// capture only once the new one is whole. A failure keeps the previous
 /// one, if any; `false` then.
-async fn keep_disk(st: &AppState, id: &str, dest: &Path) -> bool {
+pub(crate) async fn keep_disk(st: &AppState, id: &str, dest: &Path) -> bool {
     let fresh = dest.with_extension("new");
     remove_dir_quietly(&fresh);
     if let Some(parent) = dest.parent() {
@@ -557,7 +577,7 @@ async fn keep_disk(st: &AppState, id: &str, dest: &Path) -> bool {
     }
 }
 
-fn remove_dir_quietly(p: &std::path::Path) {
+pub(crate) fn remove_dir_quietly(p: &std::path::Path) {
     if let Err(e) = std::fs::remove_dir_all(p) {
         if e.kind() != std::io::ErrorKind::NotFound {
             tracing::warn!(path = %p.display(), error = %e, "removing a directory failed");

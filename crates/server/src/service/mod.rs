@@ -25,6 +25,7 @@ pub(crate) mod sandboxes;
 pub(crate) mod secrets;
 pub(crate) mod sessions;
 pub(crate) mod snapshots;
+pub(crate) mod switch;
 pub(crate) mod telemetry;
 pub(crate) mod tunnels;
 pub(crate) mod uploads;

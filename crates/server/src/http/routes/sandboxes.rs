@@ -361,10 +361,28 @@ pub(super) async fn action(
             )
         }
         "switch-image" => {
-            svc::find(&st, &ctx.key, &id)?;
-            Err(ApiError::Unsupported {
-                feature: "this sandbox action",
-            })
+            use crate::service::switch::{self, KEEP_WORKSPACE};
+            let obj = json_object(&body)?;
+            let mut f = Fields::new(&obj);
+            let image = f.string("image");
+            if image.is_none() && !f.present("image") {
+                f.issue("image", "is required: the image to move the sandbox to");
+            }
+            match f.string("keep") {
+                Some(k) if k == KEEP_WORKSPACE => {}
+                None if f.present("keep") => {}
+                _ => f.issue(
+                    "keep",
+                    "must be \"workspace\": a switch keeps /workspace and loses the rest of the disk (snapshot the sandbox first to keep everything)",
+                ),
+            }
+            f.finish()?;
+            let image = image.unwrap_or_default();
+            record(
+                &switch::switch_image(&st, &ctx.key, &id, &image, wait_of(&ctx))
+                    .await?
+                    .record,
+            )
         }
         _ => Err(ApiError::RouteNotFound {
             method: "POST".into(),
