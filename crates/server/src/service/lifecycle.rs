@@ -43,6 +43,11 @@ impl Drop for CaptureDir {
     }
 }
 
+/// A `:switch-image` task: given the state and the sandbox's row, it
+/// moves the machine and records the outcome.
+pub(crate) type SwitchTask =
+    Box<dyn FnOnce(AppState, SandboxRow) -> futures::future::BoxFuture<'static, ()> + Send + Sync>;
+
 /// What to do to a sandbox.
 pub(crate) enum Op {
     /// Boot the `starting` sandbox, or restore it from a capture; `warm`:
@@ -72,13 +77,11 @@ pub(crate) enum Op {
         old: (u32, u32, u32, u32),
     },
     /// Move the `starting` sandbox to the image its record now names
-    /// (`:switch-image`): its old disk booted once more to copy
-    /// `/workspace` out, then the new image booted with that copied in;
-    /// undone (its old image, booted from its old disk) if anything fails.
-    /// `from`: the state it was in; `old_image`: the image it leaves.
+    /// (`:switch-image`, service/switch.rs): the task, run under the
+    /// sandbox's lifecycle lock like the others. Handed in as a task so
+    /// this module does not depend on the switch, which depends on it.
     Switch {
-        from: SandboxState,
-        old_image: Option<String>,
+        task: SwitchTask,
     },
 }
 
@@ -221,9 +224,7 @@ async fn run(st: &AppState, row: SandboxRow, op: Op) {
     match op {
         Op::Start { from, warm } => boot(st, &row, from, warm).await,
         Op::Resize { from, old } => resize(st, &row, from, old).await,
-        Op::Switch { from, old_image } => {
-            crate::service::switch::run(st, &row, from, old_image).await
-        }
+        Op::Switch { task } => task(st.clone(), row.clone()).await,
         Op::Stop { reason } => {
             if row.record.persistent {
                 // Ended first, its writes flushed: the kept disk has all of them.

@@ -115,7 +115,9 @@ pub(crate) async fn switch_image(
     // Its programs, terminals and watches end with its machine.
     st.inner.procs.sandbox_gone(st.store(), id);
     crate::service::watches::sandbox_gone(st, id);
-    drive(st, id, Op::Switch { from, old_image })?;
+    let task: lifecycle::SwitchTask =
+        Box::new(move |st, row| Box::pin(async move { run(&st, &row, from, old_image).await }));
+    drive(st, id, Op::Switch { task })?;
     if let Some(wait) = wait {
         wait_until(st, id, wait, |s| s != Starting).await?;
         let now = find(st, key, id)?;
