@@ -4644,6 +4644,57 @@ async fn a_registry_reference_is_queued_as_a_pull_and_fails_naming_it() {
 }
 
 #[tokio::test]
+async fn a_build_machine_has_the_shape_its_build_asks_for() {
+    let t = T::new();
+    for cmd in ["true", "echo two"] {
+        t.host
+            .script(&format!("(\nset -e\n{cmd}\n) && sync"), vec![Step::Exit(0)]);
+    }
+    let v = built(
+        &t,
+        json!({"recipe": {"commands": ["true"]}, "build": {"vcpu": 1, "memoryMiB": 1024, "timeoutSeconds": 120}}),
+    )
+    .await;
+    assert_eq!(v["state"], "ready", "{v}");
+    assert_eq!(
+        v["build"],
+        json!({"vcpu": 1, "memoryMiB": 1024, "timeoutSeconds": 120, "maxImageMiB": 8192})
+    );
+    let specs = t.host.specs.lock().unwrap().clone();
+    let machine = specs
+        .iter()
+        .find(|s| s.hostname == "build")
+        .expect("a build machine started");
+    assert_eq!((machine.vcpu, machine.memory_mib), (1, 1024));
+    // Without `build`, the defaults.
+    let plain = built(&t, json!({"recipe": {"commands": ["echo two"]}})).await;
+    assert_eq!(plain["build"]["vcpu"], 2, "{plain}");
+    let specs = t.host.specs.lock().unwrap().clone();
+    let last = specs.iter().rev().find(|s| s.hostname == "build").unwrap();
+    assert_eq!((last.vcpu, last.memory_mib), (2, 2048));
+    // Out of range, wrong types, unknown fields: each named, nothing queued.
+    let (s, e) = t
+        .json(
+            "POST",
+            "/v1/images",
+            Some(json!({"recipe": {}, "build": {"vcpu": 0, "memoryMiB": "x", "diskMiB": 9999, "cacheMiB": 1}})),
+        )
+        .await;
+    assert_eq!(s, StatusCode::BAD_REQUEST, "{e}");
+    let text = e.to_string();
+    for f in [
+        "build.vcpu",
+        "build.memoryMiB",
+        "build.diskMiB",
+        "build.cacheMiB",
+    ] {
+        assert!(text.contains(f), "{f} not named: {text}");
+    }
+    let (_, list) = t.json("GET", "/v1/images", None).await;
+    assert_eq!(list["data"].as_array().map(Vec::len), Some(2), "{list}");
+}
+
+#[tokio::test]
 async fn an_image_built_on_one_of_ours_keeps_its_user_and_env() {
     let t = T::new();
     // No RUN, WORKDIR or COPY: no steps, so the fake host need run nothing.

@@ -72,6 +72,24 @@ impl<'a> Fields<'a> {
         }
     }
 
+    /// The fields of `obj`, an object inside the body under `name`: the
+    /// issues it finds name `name.field`. Hand it back with [`Fields::absorb`].
+    pub(crate) fn nested(obj: &'a Map<String, Value>, name: &str) -> Self {
+        Fields {
+            obj,
+            prefix: format!("{name}."),
+            known: HashSet::new(),
+            issues: Vec::new(),
+        }
+    }
+
+    /// Takes a [`Fields::nested`]'s issues, its unknown fields included.
+    pub(crate) fn absorb(&mut self, inner: Fields<'_>) {
+        if let Err(ApiError::Invalid { issues }) = inner.finish() {
+            self.issues.extend(issues);
+        }
+    }
+
     pub(crate) fn issue(&mut self, field: &str, message: impl Into<String>) {
         self.issues.push(Issue {
             field: format!("{}{field}", self.prefix),

@@ -185,6 +185,46 @@ pub(crate) struct Image {
     /// The build context's archive, which COPY steps read from.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(crate) context: Option<context::ArchiveRef>,
+    /// The build machine's shape and the build's limits (`build` on the
+    /// create); images kept before they existed had the defaults.
+    #[serde(default)]
+    pub(crate) build: BuildLimits,
+}
+
+/// A build's machine and limits, `build: {vcpu, memoryMiB, timeoutSeconds,
+/// maxImageMiB}` on `POST /v1/images` (docs/images.md "Build limits").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub(crate) struct BuildLimits {
+    pub(crate) vcpu: u32,
+    #[serde(rename = "memoryMiB")]
+    pub(crate) memory_mib: u32,
+    /// From the build's start (a pull included) to its image kept.
+    pub(crate) timeout_seconds: u32,
+    /// What the image's file system may hold after any step.
+    #[serde(rename = "maxImageMiB")]
+    pub(crate) max_image_mib: u32,
+}
+
+impl BuildLimits {
+    pub(crate) const VCPU: (u32, u32) = (1, 8);
+    pub(crate) const MEMORY_MIB: (u32, u32) = (1024, 16384);
+    pub(crate) const TIMEOUT_SECONDS: (u32, u32) = (60, 3600);
+    pub(crate) const MAX_IMAGE_MIB: (u32, u32) = (512, 20480);
+    /// The build machine's disk, which every layer's file system fills: a
+    /// sandbox's disk may not be smaller, so it is not a setting.
+    pub(crate) const DISK_MIB: u32 = 3072;
+}
+
+impl Default for BuildLimits {
+    fn default() -> Self {
+        BuildLimits {
+            vcpu: 2,
+            memory_mib: 2048,
+            timeout_seconds: 1800,
+            max_image_mib: 8192,
+        }
+    }
 }
 
 impl Image {
@@ -470,6 +510,7 @@ mod tests {
             build_vm: None,
             pulled: None,
             context: None,
+            build: BuildLimits::default(),
         }
     }
 

@@ -8,7 +8,9 @@ use axum::http::StatusCode;
 use serde_json::{json, Value};
 
 use crate::domain::image::context::{ContextRequest, MAX_DOCKERIGNORE_BYTES};
-use crate::domain::image::{valid_tag, Image, ImageState, InlineFile, LogLine, StepState};
+use crate::domain::image::{
+    valid_tag, BuildLimits, Image, ImageState, InlineFile, LogLine, StepState,
+};
 use crate::error::{ApiError, ApiResult};
 use crate::http::extract::{
     checked_labels, checked_name, json_object, no_fields, page_after, query_object, Fields,
@@ -42,7 +44,7 @@ fn render(d: &Image, log: &[LogLine]) -> Value {
         "steps": steps, "env": d.env.iter().map(|(k, _)| k).collect::<Vec<_>>(),
         "workdir": d.workdir, "user": d.user, "start": d.start, "createdAt": d.created_at,
         "readyAt": d.ready_at, "buildSeconds": d.build_seconds, "log": log.join("\n"),
-        "region": "local",
+        "region": "local", "build": d.build,
     })
 }
 
@@ -65,8 +67,8 @@ fn parse_create(body: &[u8]) -> ApiResult<CreateImage> {
     let build_args = f.string_map("buildArgs", 64).unwrap_or_default();
     let env = f.string_map("env", 64).unwrap_or_default();
     let start = f.raw("start").cloned();
+    let build = build_limits(&mut f);
     // Accepted and ignored: every build uses the step cache.
-    let _ = f.raw("build");
     let _ = f.bool("cache");
     if let Some(r) = f.string("region") {
         if r != "local" {
@@ -170,7 +172,59 @@ fn parse_create(body: &[u8]) -> ApiResult<CreateImage> {
         context,
         dockerignore,
         target,
+        build,
     })
+}
+
+/// `build: {vcpu, memoryMiB, timeoutSeconds, maxImageMiB, diskMiB}`: each
+/// absent one is its default; `diskMiB` only as the one disk builds have.
+fn build_limits(f: &mut Fields<'_>) -> BuildLimits {
+    let mut out = BuildLimits::default();
+    let Some(v) = f.raw("build") else {
+        return out;
+    };
+    let Value::Object(obj) = v else {
+        f.issue("build", "must be an object");
+        return out;
+    };
+    let mut b = Fields::nested(obj, "build");
+    let take = |b: &mut Fields<'_>, name: &str, (lo, hi): (u32, u32), slot: &mut u32| {
+        if let Some(n) = b.int(name, i64::from(lo), i64::from(hi)) {
+            *slot = u32::try_from(n).unwrap_or(*slot);
+        }
+    };
+    take(&mut b, "vcpu", BuildLimits::VCPU, &mut out.vcpu);
+    take(
+        &mut b,
+        "memoryMiB",
+        BuildLimits::MEMORY_MIB,
+        &mut out.memory_mib,
+    );
+    take(
+        &mut b,
+        "timeoutSeconds",
+        BuildLimits::TIMEOUT_SECONDS,
+        &mut out.timeout_seconds,
+    );
+    take(
+        &mut b,
+        "maxImageMiB",
+        BuildLimits::MAX_IMAGE_MIB,
+        &mut out.max_image_mib,
+    );
+    if let Some(d) = b.raw("diskMiB") {
+        if d.as_i64() != Some(i64::from(BuildLimits::DISK_MIB)) {
+            b.issue(
+                "diskMiB",
+                format!(
+                    "a build machine's disk is {} MiB here, the disk every layer's file system fills (a sandbox's disk may not be smaller); leave it out",
+                    BuildLimits::DISK_MIB
+                ),
+            );
+        }
+    }
+    f.absorb(b);
+    out
 }
 
 pub(super) async fn create(st: AppState, ctx: Ctx, body: Bytes) -> ApiResult<Reply> {

@@ -69,6 +69,15 @@ pub(super) enum BuildError {
     Replan(ApiError),
     #[error("{0}")]
     Source(String),
+    #[error("the build took longer than its limit, timeoutSeconds {seconds} (give build.timeoutSeconds up to 3600)")]
+    TimedOut { seconds: u32 },
+    #[error("step {n} ({instruction}) left {used_mib} MiB in the image, over its limit, maxImageMiB {max_mib} (give build.maxImageMiB up to 20480)")]
+    TooBig {
+        n: usize,
+        instruction: String,
+        used_mib: u64,
+        max_mib: u32,
+    },
 }
 
 /// After a restart: builds that were under way failed (their finished steps
@@ -320,10 +329,19 @@ async fn run_build(
         }
     };
     update(st, id, |d| d.state = ImageState::Building);
+    let limit = Duration::from_secs(u64::from(d.build.timeout_seconds));
+    let deadline = Instant::now() + limit;
+    let seconds = d.build.timeout_seconds;
+    let timed_out = || BuildError::TimedOut { seconds };
+    // A pull is not cut short (its machine and network end with it); the
+    // limit is checked when it is done.
     let d = match pending {
         Some(p) => pull_base(st, id, p).await?,
         None => d,
     };
+    if Instant::now() >= deadline {
+        return Err(timed_out());
+    }
     // The steps already kept are not run (a step's layer rests on the
     // one it ran on, so those are kept too).
     let kept: Vec<bool> = d.steps.iter().map(|s| layers::kept(st, &s.key)).collect();
@@ -394,7 +412,16 @@ async fn run_build(
                 machine = Some(start_machine(st, &d, &on, sources).await?);
             }
             let m = machine.as_mut().ok_or(BuildError::Gone)?;
-            run_step(st, &d, &m.vm, s).await?;
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(timed_out());
+            }
+            match run_step(st, &d, &m.vm, s, left.min(STEP_TIMEOUT)).await {
+                Err(BuildError::StepFailed { .. }) if Instant::now() >= deadline => {
+                    return Err(timed_out())
+                }
+                r => r?,
+            }
             m.at = s.key.clone();
         }
         Ok(())
@@ -481,8 +508,8 @@ async fn start_machine(
     }
     let spec = runtime_host::MachineSpec {
         id: vm.clone(),
-        vcpu: 2,
-        memory_mib: 2048,
+        vcpu: d.build.vcpu,
+        memory_mib: d.build.memory_mib,
         // The smallest disk a sandbox may have: the guest grows its file
         // system to its disk, and a sandbox's disk may not be smaller.
         disk_mib: 3072,
@@ -576,7 +603,13 @@ fn sweep_scratch(st: &AppState) {
     }
 }
 
-async fn run_step(st: &AppState, d: &Image, vm: &str, s: &Step) -> Result<(), BuildError> {
+async fn run_step(
+    st: &AppState,
+    d: &Image,
+    vm: &str,
+    s: &Step,
+    timeout: Duration,
+) -> Result<(), BuildError> {
     let id = d.id.as_str();
     let started = Instant::now();
     let n = s.index + 1;
@@ -610,7 +643,7 @@ async fn run_step(st: &AppState, d: &Image, vm: &str, s: &Step) -> Result<(), Bu
         cwd: s.workdir.clone(),
         env,
         user: if s.root { RunAs::Root } else { RunAs::Sandbox },
-        timeout: Some(STEP_TIMEOUT),
+        timeout: Some(timeout),
         stdin: false,
         pty: None,
         kill_group_on_exit: true,
@@ -653,6 +686,17 @@ async fn run_step(st: &AppState, d: &Image, vm: &str, s: &Step) -> Result<(), Bu
             tail: out.tail().join("\n"),
         });
     }
+    // Over the image's size limit: failed, and not kept.
+    if let Some(used_mib) = used_mib(st, vm).await {
+        if used_mib > u64::from(d.build.max_image_mib) {
+            return Err(BuildError::TooBig {
+                n,
+                instruction: s.instruction.clone(),
+                used_mib,
+                max_mib: d.build.max_image_mib,
+            });
+        }
+    }
     // Keep the disk as this step's layer.
     layers::keep(st, vm, &s.key).await.map_err(|e| match e {
         LayerError::Io(e) => BuildError::Io(e),
@@ -664,4 +708,52 @@ async fn run_step(st: &AppState, d: &Image, vm: &str, s: &Step) -> Result<(), Bu
         s.seconds = Some(secs);
     });
     Ok(())
+}
+
+/// What the build machine's root file system holds, in MiB (`df`'s used
+/// blocks); `None` when the image has no `df` or it answered nothing
+/// readable (the limit is then not checked for that step).
+async fn used_mib(st: &AppState, vm: &str) -> Option<u64> {
+    let spec = ExecSpec {
+        argv: vec!["df".into(), "-Pk".into(), "/".into()],
+        cwd: None,
+        env: Vec::new(),
+        user: RunAs::Root,
+        timeout: Some(Duration::from_secs(60)),
+        stdin: false,
+        pty: None,
+        kill_group_on_exit: true,
+        trace_files: false,
+    };
+    let mut h = st.host().exec(vm, spec).await.ok()?;
+    let mut out = Vec::new();
+    loop {
+        match h.events.recv().await? {
+            ExecEvent::Stdout(b) if out.len() < 64 * 1024 => out.extend_from_slice(&b),
+            ExecEvent::Exited(x) if x.code == Some(0) => break,
+            ExecEvent::Exited(_) => return None,
+            _ => {}
+        }
+    }
+    df_used_kib(&String::from_utf8_lossy(&out)).map(|k| k.div_ceil(1024))
+}
+
+/// The `Used` column (KiB) of `df -Pk /`'s one line of data.
+fn df_used_kib(text: &str) -> Option<u64> {
+    text.lines().nth(1)?.split_whitespace().nth(2)?.parse().ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::df_used_kib;
+
+    #[test]
+    fn the_used_column_of_df_is_read_and_anything_else_is_not() {
+        let gnu = "Filesystem     1024-blocks    Used Available Capacity Mounted on\n/dev/vda           3030800 1893216    964412      67% /\n";
+        assert_eq!(df_used_kib(gnu), Some(1_893_216));
+        let busybox = "Filesystem           1024-blocks      Used Available Capacity Mounted on\n/dev/vda               3030800     51200   2979600   2% /\n";
+        assert_eq!(df_used_kib(busybox), Some(51_200));
+        assert_eq!(df_used_kib("df: /: No such file or directory\n"), None);
+        assert_eq!(df_used_kib("header\n/dev/vda x y\n"), None);
+    }
 }

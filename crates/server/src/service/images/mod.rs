@@ -73,6 +73,8 @@ pub(crate) struct CreateImage {
     pub(crate) dockerignore: Option<String>,
     /// The stage to build.
     pub(crate) target: Option<String>,
+    /// The build machine and the build's limits.
+    pub(crate) build: crate::domain::image::BuildLimits,
 }
 
 /// An image as answered: its record and its log.
@@ -638,6 +640,7 @@ pub(crate) async fn create(st: &AppState, key: &KeyInfo, cmd: CreateImage) -> Ap
         build_vm: None,
         pulled: pending.as_ref().map(Reference::canonical),
         context: cmd.context.map(|c| c.archive),
+        build: cmd.build,
     };
     {
         // Not while a prune removes layers this build may start on.
