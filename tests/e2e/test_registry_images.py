@@ -383,6 +383,30 @@ def test_an_image_without_bash_runs_shell_commands_through_sh(rt):
         assert sbx.exec("cat /tmp/note").stdout == "via files\n"
 
 
+
+def test_an_image_without_sudo_gets_runtimes(rt):
+    rt.images.build(name="no-sudo", image=ALPINE, poll_seconds=0.5)
+    with rt.sandboxes.create(image="no-sudo") as sbx:
+        assert sbx.exec("id -u").stdout == "1000\n"
+        # Passwordless, as in the default image, for the sandbox user.
+        assert sbx.exec("sudo id -u").stdout == "0\n"
+        assert sbx.exec("sudo -u '#1234' id -u").stdout == "1234\n"
+        assert sbx.exec("ls -l /usr/bin/sudo").stdout.startswith("-rwsr-xr-x")
+        # The environment is reset unless -E keeps it.
+        assert "SECRET_X" not in sbx.exec("sudo env", env={"SECRET_X": "1"}).stdout
+        assert "SECRET_X=1" in sbx.exec("sudo -E env", env={"SECRET_X": "1"}).stdout
+        assert "SUDO_USER=" in sbx.exec("sudo env").stdout
+        # Root-owned files become writable through it, and only through it.
+        assert sbx.exec("echo x > /etc/owned-by-root").exit_code != 0
+        assert sbx.exec("sudo sh -c 'echo made > /etc/owned-by-root' && cat /etc/owned-by-root").stdout == "made\n"
+        # Another user may not use it.
+        other = sbx.exec("sudo -u '#1234' sudo id -u")
+        assert other.exit_code != 0 and "only the sandbox user" in other.stderr, other
+        # Under another name the setuid binary does nothing.
+        renamed = sbx.exec("cp /usr/bin/sudo /tmp/x 2>/dev/null; ln -s /usr/bin/sudo /tmp/agent; /tmp/agent id -u")
+        assert renamed.exit_code != 0 and renamed.stdout == "", renamed
+
+
 MULTI = f"""\
 FROM {APP} AS build
 RUN mkdir -p /out && echo "made-from-$(cat /etc/zstd-was-here)-$((6*7))" > /out/value \\

@@ -251,5 +251,6 @@ pub(crate) fn run() {
     crate::net::setup();
     grow_root();
     workspace();
+    crate::sudo::supply();
     log!("init done in {} ms", t.elapsed().as_millis());
 }

@@ -19,6 +19,7 @@ mod link;
 mod net;
 mod pool;
 mod reaper;
+mod sudo;
 mod switch_root;
 mod sys;
 mod trace;
@@ -31,6 +32,15 @@ use std::time::Duration;
 use sys::log;
 
 fn main() {
+    if sudo::invoked() {
+        sudo::main();
+    }
+    // SAFETY: plain getters.
+    if unsafe { libc::geteuid() != libc::getuid() } {
+        // Installed setuid as `sudo` only: under any other name, nothing.
+        eprintln!("runtime-agent: refusing to run setuid except as sudo");
+        std::process::exit(1);
+    }
     let mut socket: Option<PathBuf> = None;
     let mut proxy_port: Option<u16> = None;
     let mut args = std::env::args_os().skip(1);
