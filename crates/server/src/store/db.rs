@@ -522,11 +522,8 @@ struct PgConn {
 impl PgConn {
     fn call(&self, req: Req) -> DbResult<Out> {
         let (tx, rx) = mpsc::channel();
-        self.jobs
-            .send((req, tx))
-            .map_err(|_| DbError::Gone)?;
-        rx.recv()
-            .map_err(|_| DbError::Gone)?
+        self.jobs.send((req, tx)).map_err(|_| DbError::Gone)?;
+        rx.recv().map_err(|_| DbError::Gone)?
     }
 }
 
@@ -570,9 +567,7 @@ pub(crate) fn pg_connect(url: &str) -> DbResult<Connection> {
             }
         })
         .map_err(DbError::Spawn)?;
-    ready_rx
-        .recv()
-        .map_err(|_| DbError::Gone)??;
+    ready_rx.recv().map_err(|_| DbError::Gone)??;
     Ok(Connection {
         inner: Inner::Pg(PgConn { jobs }),
     })
