@@ -5,7 +5,8 @@
 # with them), the Python used by the end-to-end suite and the headless Chromium
 # its login test drives, and the interpreters (node with TypeScript, R, a JDK,
 # Go) that the interpreter drivers' tests start on this host, as the default
-# image has them, and the container registry of the image-pull tests. Idempotent; needs root.
+# image has them, the container registry of the image-pull tests, and PostgreSQL for the store's
+# tests on it. Idempotent; needs root.
 # The backports source is derived from the machine's own Debian source so that
 # no mirror host is written down here.
 set -euo pipefail
@@ -51,6 +52,11 @@ log "installing guest build tools"
 apt-get install -y -qq --no-install-recommends \
   debootstrap debian-archive-keyring e2fsprogs xz-utils bc bison flex libelf-dev libssl-dev cpio rsync kmod \
   python3-venv sqlite3 >/dev/null
+# PostgreSQL: the store's tests and tests/e2e/test_postgres.py start
+# throwaway clusters of their own with its initdb and pg_ctl (the package's
+# own cluster is not used).
+log "installing postgresql"
+apt-get install -y -qq --no-install-recommends postgresql >/dev/null
 # npm fetches the guest's Node.js, npm, Corepack, Bun and TypeScript (npm
 # pack); a machine that has npm already (another Node.js) keeps its own.
 if ! command -v npm >/dev/null; then

@@ -63,6 +63,11 @@ enum Cmd {
         listen: SocketAddr,
         #[arg(long)]
         data_dir: Option<PathBuf>,
+        /// Where the store is: `sqlite` (the default, `runtime.db` in the
+        /// data directory) or a PostgreSQL URL, postgres://USER@HOST/DB
+        /// (docs/deploy.md, "PostgreSQL").
+        #[arg(long, env = "RUNTIME_STORE", hide_env_values = true)]
+        store: Option<String>,
         /// Seconds a VM may take from QEMU's start until its agent answers.
         #[arg(long, default_value_t = 120)]
         boot_timeout: u64,
@@ -403,6 +408,10 @@ enum KeysCmd {
     Create {
         #[arg(long)]
         data_dir: Option<PathBuf>,
+        /// The store, as `runtime serve --store` (default: the data
+        /// directory's SQLite file).
+        #[arg(long, env = "RUNTIME_STORE", hide_env_values = true)]
+        store: Option<String>,
         #[arg(long)]
         read_only: bool,
         #[arg(long)]
@@ -421,6 +430,10 @@ enum KeysCmd {
     List {
         #[arg(long)]
         data_dir: Option<PathBuf>,
+        /// The store, as `runtime serve --store` (default: the data
+        /// directory's SQLite file).
+        #[arg(long, env = "RUNTIME_STORE", hide_env_values = true)]
+        store: Option<String>,
         /// One JSON object per line.
         #[arg(long)]
         json: bool,
@@ -429,6 +442,10 @@ enum KeysCmd {
     Revoke {
         #[arg(long)]
         data_dir: Option<PathBuf>,
+        /// The store, as `runtime serve --store` (default: the data
+        /// directory's SQLite file).
+        #[arg(long, env = "RUNTIME_STORE", hide_env_values = true)]
+        store: Option<String>,
         /// The key itself (rtcloud_...), its id or its name.
         key: String,
     },
@@ -436,6 +453,10 @@ enum KeysCmd {
     Limit {
         #[arg(long)]
         data_dir: Option<PathBuf>,
+        /// The store, as `runtime serve --store` (default: the data
+        /// directory's SQLite file).
+        #[arg(long, env = "RUNTIME_STORE", hide_env_values = true)]
+        store: Option<String>,
         /// The key itself (rtcloud_...), its id or its name.
         key: String,
         /// The most the key may commit in any 24 hours, in microdollars.
@@ -450,6 +471,10 @@ enum KeysCmd {
     Quota {
         #[arg(long)]
         data_dir: Option<PathBuf>,
+        /// The store, as `runtime serve --store` (default: the data
+        /// directory's SQLite file).
+        #[arg(long, env = "RUNTIME_STORE", hide_env_values = true)]
+        store: Option<String>,
         /// The key itself (rtcloud_...), its id or its name.
         key: String,
         /// NAME=VALUE (`sandbox.count=20`) or NAME=default.
@@ -632,9 +657,11 @@ fn raise_open_files() {
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 async fn serve(
     listen: SocketAddr,
     data_dir: PathBuf,
+    store: Option<String>,
     boot_timeout: u64,
     templates: bool,
     prices: runtime_server::Prices,
@@ -644,6 +671,17 @@ async fn serve(
     raise_open_files();
     // Settings first: a wrong one is said before minutes of building.
     let mut config = runtime_server::Config::new(data_dir.clone());
+    let at = runtime_server::StoreAt::parse(store.as_deref(), &data_dir)
+        .map_err(|e| anyhow::anyhow!(e))?;
+    if let runtime_server::StoreAt::Postgres(url) = &at {
+        // A store that does not answer is said now, not after the build.
+        runtime_server::open_store(&at)?;
+        eprintln!(
+            "runtime: store PostgreSQL at {}",
+            runtime_server::redact_store_url(url)
+        );
+    }
+    config.store = Some(at.clone());
     net.apply(&mut config)?;
     limits.apply(&mut config)?;
     if !templates {
@@ -703,7 +741,7 @@ async fn serve(
         }
     }
     let host = QemuHost::new(qemu_cfg).context("preparing the VM directory")?;
-    if let Some(key) = runtime_server::ensure_admin_key(&data_dir)? {
+    if let Some(key) = runtime_server::ensure_admin_key_in(&data_dir, &at)? {
         eprintln!(
             "runtime: created the admin key (saved to {}):",
             data_dir.join("admin.key").display()
@@ -732,6 +770,11 @@ async fn serve(
     Ok(())
 }
 
+/// The store of `runtime keys`: `--store`, or the data directory's.
+fn store_at(d: Option<PathBuf>, store: Option<String>) -> anyhow::Result<runtime_server::StoreAt> {
+    runtime_server::StoreAt::parse(store.as_deref(), &data_dir(d)).map_err(|e| anyhow::anyhow!(e))
+}
+
 fn micros(m: u64) -> anyhow::Result<i64> {
     i64::try_from(m).context("the limit is too large")
 }
@@ -741,13 +784,14 @@ fn keys(cmd: KeysCmd) -> anyhow::Result<()> {
     match cmd {
         KeysCmd::Create {
             data_dir: d,
+            store,
             read_only,
             account_wide,
             name,
             daily_limit_micros,
             quota,
         } => {
-            let dir = data_dir(d);
+            let dir = store_at(d, store)?;
             // Checked before the key is made: a wrong one makes none.
             keys::KeyQuotas::default()
                 .apply(&quota)
@@ -762,8 +806,12 @@ fn keys(cmd: KeysCmd) -> anyhow::Result<()> {
             }
             println!("{key}");
         }
-        KeysCmd::List { data_dir: d, json } => {
-            let all = keys::list_keys(&data_dir(d))?;
+        KeysCmd::List {
+            data_dir: d,
+            store,
+            json,
+        } => {
+            let all = keys::list_keys(&store_at(d, store)?)?;
             if !json {
                 println!(
                     "{:<36}  {:<24}  {:<6}  {:<8}  {:>14}  {:<24}  {:<24}  QUOTAS",
@@ -801,8 +849,12 @@ fn keys(cmd: KeysCmd) -> anyhow::Result<()> {
                 }
             }
         }
-        KeysCmd::Revoke { data_dir: d, key } => {
-            let k = keys::revoke_key(&data_dir(d), &key)?;
+        KeysCmd::Revoke {
+            data_dir: d,
+            store,
+            key,
+        } => {
+            let k = keys::revoke_key(&store_at(d, store)?, &key)?;
             eprintln!(
                 "runtime: key {} ({}) revoked at {}",
                 k.id,
@@ -812,12 +864,13 @@ fn keys(cmd: KeysCmd) -> anyhow::Result<()> {
         }
         KeysCmd::Limit {
             data_dir: d,
+            store,
             key,
             daily_limit_micros,
             none: _,
         } => {
             let limit = daily_limit_micros.map(micros).transpose()?;
-            let k = keys::set_daily_limit(&data_dir(d), &key, limit)?;
+            let k = keys::set_daily_limit(&store_at(d, store)?, &key, limit)?;
             match k.daily_limit_micros {
                 Some(m) => eprintln!("runtime: key {} may commit {m} µ$ in any 24 hours", k.id),
                 None => eprintln!("runtime: key {} has no daily limit", k.id),
@@ -825,10 +878,11 @@ fn keys(cmd: KeysCmd) -> anyhow::Result<()> {
         }
         KeysCmd::Quota {
             data_dir: d,
+            store,
             key,
             settings,
         } => {
-            let dir = data_dir(d);
+            let dir = store_at(d, store)?;
             let k = if settings.is_empty() {
                 keys::find_key(&dir, &key)?
             } else {
@@ -877,6 +931,7 @@ fn main() -> anyhow::Result<()> {
         Cmd::Serve {
             listen,
             data_dir: d,
+            store,
             boot_timeout,
             no_templates,
             net,
@@ -897,6 +952,7 @@ fn main() -> anyhow::Result<()> {
             rt.block_on(serve(
                 listen,
                 data_dir(d),
+                store,
                 boot_timeout,
                 !no_templates,
                 prices,

@@ -13,8 +13,12 @@ pub enum ServerError {
     Store {
         op: &'static str,
         #[source]
-        source: rusqlite::Error,
+        source: crate::store::db::DbError,
     },
+    /// `--store` names a database that does not answer (the URL shown
+    /// without its password).
+    #[error("cannot reach the store at {url}: {message}")]
+    StoreUnreachable { url: String, message: String },
     #[error("I/O failed during {op} on {path}")]
     Io {
         op: &'static str,

@@ -49,7 +49,7 @@ pub use http::route::ROUTE_SAMPLES;
 pub use http::serve::Peer;
 pub use service::clock::Clock;
 pub use service::keys;
-pub use store::Store;
+pub use store::{redact as redact_store_url, Store, StoreAt, StoreLocation};
 
 /// Warm machines per image and shape, unless the operator says otherwise.
 pub const DEFAULT_WARM_POOL: u32 = 2;
@@ -61,6 +61,8 @@ pub const DEFAULT_WARM_POOL_MEMORY_MIB: u64 = 2048;
 #[derive(Debug, Clone)]
 pub struct Config {
     pub data_dir: PathBuf,
+    /// Where the store is (`--store`); `None`, SQLite's file in `data_dir`.
+    pub store: Option<StoreAt>,
     /// An answer not ready after this long is sent as `200` +
     /// `runtime-late-answer: true`, its JSON following when done.
     pub late_answer_after: Duration,
@@ -135,6 +137,7 @@ impl Config {
     pub fn new(data_dir: impl Into<PathBuf>) -> Self {
         Config {
             data_dir: data_dir.into(),
+            store: None,
             late_answer_after: Duration::from_secs(90),
             heartbeat: Duration::from_secs(15),
             output_keep: Duration::from_secs(600),
@@ -364,19 +367,43 @@ impl AppState {
     }
 }
 
-/// Opens (creating or migrating) the store at `data_dir/runtime.db`.
-pub fn open_store(data_dir: &Path) -> Result<Store, ServerError> {
-    Store::open(data_dir)
+impl Config {
+    /// Where the store is: `store`, or SQLite's file in `data_dir`.
+    pub fn store_at(&self) -> StoreAt {
+        self.store
+            .clone()
+            .unwrap_or_else(|| StoreAt::Sqlite(self.data_dir.clone()))
+    }
+}
+
+/// Opens (creating or migrating) the store at `at`: a data directory
+/// (its `runtime.db`) or a [`StoreAt`].
+pub fn open_store(at: &(impl StoreLocation + ?Sized)) -> Result<Store, ServerError> {
+    Store::open_at(&at.store_at())
 }
 
 /// On first start creates the account-wide admin key, writes it to
 /// `data_dir/admin.key` (mode 0600) and returns it to be printed once.
 pub fn ensure_admin_key(data_dir: &Path) -> Result<Option<String>, ServerError> {
+    ensure_admin_key_in(data_dir, data_dir)
+}
+
+/// [`ensure_admin_key`] with the store elsewhere (`--store`): the file is
+/// still `data_dir/admin.key`, the key's hash goes to `at`.
+pub fn ensure_admin_key_in(
+    data_dir: &Path,
+    at: &(impl StoreLocation + ?Sized),
+) -> Result<Option<String>, ServerError> {
     let path = data_dir.join("admin.key");
     if path.exists() {
         return Ok(None);
     }
-    let key = create_key(data_dir, Some("admin"), false, true)?;
+    std::fs::create_dir_all(data_dir).map_err(|source| ServerError::Io {
+        op: "create data dir",
+        path: data_dir.display().to_string(),
+        source,
+    })?;
+    let key = create_key(at, Some("admin"), false, true)?;
     write_secret_file(&path, &key)?;
     Ok(Some(key))
 }
@@ -403,12 +430,12 @@ fn write_secret_file(path: &Path, contents: &str) -> Result<(), ServerError> {
 /// Creates a key and returns it (only its SHA-256 is stored). Uses its own
 /// connection, so it works while a server runs on the same file.
 pub fn create_key(
-    data_dir: &Path,
+    at: &(impl StoreLocation + ?Sized),
     name: Option<&str>,
     read_only: bool,
     account_wide: bool,
 ) -> Result<String, ServerError> {
-    let conn = store::open_connection(data_dir)?;
+    let conn = store::open_connection(&at.store_at())?;
     let (id, key) = domain::access::new_key();
     store::insert_key(
         &conn,
@@ -462,7 +489,7 @@ pub async fn run(
         Some((cert, key)) => Some(http::tls::load(cert, key)?),
         None => None,
     };
-    let store = open_store(&config.data_dir)?;
+    let store = open_store(&config.store_at())?;
     let state = AppState::new(config, store, host);
     recover(&state).await?;
     state.start_background();

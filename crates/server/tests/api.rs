@@ -3,6 +3,8 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::type_complexity)]
 
 mod fake;
+#[path = "support/pg.rs"]
+mod pg;
 
 use std::collections::HashSet;
 use std::path::PathBuf;
@@ -14,7 +16,10 @@ use axum::http::{HeaderMap, Request, StatusCode};
 use base64::Engine;
 use fake::{FakeHost, Step};
 use http_body_util::BodyExt;
-use runtime_server::{create_key, ensure_admin_key, open_store, router, AppState, Clock, Config};
+use runtime_server::{
+    create_key, ensure_admin_key, ensure_admin_key_in, open_store, router, AppState, Clock, Config,
+    StoreAt,
+};
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 use tower::ServiceExt;
@@ -24,6 +29,10 @@ struct T {
     host: Arc<FakeHost>,
     state: AppState,
     admin: String,
+    /// Where its store is (the data dir's SQLite, or PostgreSQL).
+    at: StoreAt,
+    /// The PostgreSQL cluster of a server on it, stopped after the rest.
+    _pg: Option<pg::PgCluster>,
 }
 
 fn tmpdir() -> PathBuf {
@@ -50,6 +59,22 @@ impl T {
         Self::open(dir, admin, Arc::new(FakeHost::default()), tweak)
     }
 
+    /// A server on a PostgreSQL store (a throwaway cluster), or `None`
+    /// where PostgreSQL is not installed outside CI.
+    fn on_postgres() -> Option<T> {
+        let cluster = pg::PgCluster::start()?;
+        let at = StoreAt::Postgres(cluster.database());
+        let dir = tmpdir();
+        let admin = ensure_admin_key_in(&dir, &at).unwrap().unwrap();
+        let at2 = at.clone();
+        let mut t = Self::open(dir, admin, Arc::new(FakeHost::default()), move |c| {
+            c.store = Some(at2)
+        });
+        assert_eq!(t.at, at);
+        t._pg = Some(cluster);
+        Some(t)
+    }
+
     fn open(
         dir: PathBuf,
         admin: String,
@@ -59,13 +84,16 @@ impl T {
         let mut config = Config::new(&dir);
         config.heartbeat = Duration::from_millis(200);
         tweak(&mut config);
-        let store = open_store(&dir).unwrap();
+        let at = config.store_at();
+        let store = open_store(&at).unwrap();
         let state = AppState::new(config, store, host.clone());
         T {
             dir,
             host,
             state,
             admin,
+            at,
+            _pg: None,
         }
     }
 
@@ -560,7 +588,17 @@ async fn a_failed_start_is_stopped_with_start_failed() {
 
 #[tokio::test]
 async fn idempotent_replay_and_reuse() {
-    let t = T::new();
+    idempotent_replay_and_reuse_on(T::new()).await;
+}
+
+#[tokio::test]
+async fn idempotent_replay_and_reuse_on_postgres() {
+    if let Some(t) = T::on_postgres() {
+        idempotent_replay_and_reuse_on(t).await;
+    }
+}
+
+async fn idempotent_replay_and_reuse_on(t: T) {
     let h = [("idempotency-key", "create-1"), ("prefer", "wait=5")];
     let admin = t.admin.clone();
     let (s1, v1) = t
@@ -599,7 +637,7 @@ async fn idempotent_replay_and_reuse() {
     assert_eq!(s, StatusCode::UNPROCESSABLE_ENTITY);
     assert_error(&v, 422, "idempotency_key_reused");
     // Keys are per API key: another key may use the same idempotency key.
-    let other = create_key(&t.dir, None, false, true).unwrap();
+    let other = create_key(&t.at, None, false, true).unwrap();
     let (s, v) = t
         .json_as(
             &other,
@@ -2243,7 +2281,17 @@ async fn a_fork_that_keeps_its_snapshot_starts_the_copies_from_it_and_answers_it
 
 #[tokio::test]
 async fn fork_makes_running_copies_and_leaves_the_source_as_it_was() {
-    let t = T::new();
+    fork_makes_running_copies_on(T::new()).await;
+}
+
+#[tokio::test]
+async fn fork_makes_running_copies_on_postgres() {
+    if let Some(t) = T::on_postgres() {
+        fork_makes_running_copies_on(t).await;
+    }
+}
+
+async fn fork_makes_running_copies_on(t: T) {
     let id = t
         .running(json!({"vcpu": 1, "memoryMiB": 512, "labels": {"a": "b"}, "env": {"K": "v"}}))
         .await;
@@ -2390,7 +2438,17 @@ async fn update_takes_the_time_limit_away_with_zero_and_the_cap_with_null() {
 
 #[tokio::test]
 async fn snapshot_then_get_list_create_from_it_and_delete() {
-    let t = T::new();
+    snapshot_then_get_list_create_from_it_and_delete_on(T::new()).await;
+}
+
+#[tokio::test]
+async fn snapshot_then_get_list_create_from_it_and_delete_on_postgres() {
+    if let Some(t) = T::on_postgres() {
+        snapshot_then_get_list_create_from_it_and_delete_on(t).await;
+    }
+}
+
+async fn snapshot_then_get_list_create_from_it_and_delete_on(t: T) {
     let id = t.running(json!({"vcpu": 1, "memoryMiB": 1024})).await;
     let (s, snap) = t
         .json_as(
@@ -2503,7 +2561,7 @@ async fn snapshot_then_get_list_create_from_it_and_delete() {
     assert_eq!(t.sandbox(&id).await["state"], "running");
 
     // Another key sees none of it.
-    let other = create_key(&t.dir, None, false, false).unwrap();
+    let other = create_key(&t.at, None, false, false).unwrap();
     let (s, _) = t
         .json_as(&other, "GET", &format!("/v1/snapshots/{sid}"), None, &[])
         .await;

@@ -383,7 +383,7 @@ fn decide(st: &AppState, id: &str, body: &[u8]) -> Response {
     let name = name.trim();
     let name = (!name.is_empty()).then(|| name.chars().take(100).collect::<String>());
     let read_only = get("readOnly") == "on";
-    let made = crate::create_key(&st.config().data_dir, name.as_deref(), read_only, false)
+    let made = crate::create_key(&st.config().store_at(), name.as_deref(), read_only, false)
         .and_then(|key| {
             if limit.is_some() {
                 let id = crate::service::keys::key_id_of(&key)

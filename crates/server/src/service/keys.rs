@@ -4,14 +4,12 @@
 //! change takes effect on the server's next request: keys are looked up by
 //! hash on every request. Only a key's SHA-256 is stored.
 
-use std::path::Path;
-
-use rusqlite::{params, Connection, OptionalExtension};
+use crate::store::db::{params, Connection, DbError, DbResult, OptionalExtension};
 
 pub use crate::domain::quota::KeyQuotas;
 use crate::error::ServerError;
 use crate::service::clock::now_iso;
-use crate::store::{open_connection, store_err};
+use crate::store::{open_connection, store_err, StoreLocation};
 
 /// A key as listed (never the key itself: only its hash is kept).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -53,22 +51,23 @@ fn all(conn: &Connection) -> Result<Vec<KeyRecord>, ServerError> {
 }
 
 /// A key's stored quotas (NULL: none of its own).
-fn quotas_of(text: Option<String>) -> rusqlite::Result<KeyQuotas> {
+fn quotas_of(text: Option<String>) -> DbResult<KeyQuotas> {
     text.map_or(Ok(KeyQuotas::default()), |t| {
-        serde_json::from_str(&t).map_err(|e| {
-            rusqlite::Error::FromSqlConversionFailure(7, rusqlite::types::Type::Text, Box::new(e))
+        serde_json::from_str(&t).map_err(|e| DbError::Type {
+            index: 7,
+            what: format!("quotas: {e}"),
         })
     })
 }
 
 /// Every key of the data directory, oldest first, revoked ones included.
-pub fn list_keys(data_dir: &Path) -> Result<Vec<KeyRecord>, ServerError> {
-    all(&open_connection(data_dir)?)
+pub fn list_keys(at: &(impl StoreLocation + ?Sized)) -> Result<Vec<KeyRecord>, ServerError> {
+    all(&open_connection(&at.store_at())?)
 }
 
 /// The key that is `which` (the key itself, its id or its name).
-pub fn find_key(data_dir: &Path, which: &str) -> Result<KeyRecord, ServerError> {
-    find(&open_connection(data_dir)?, which)
+pub fn find_key(at: &(impl StoreLocation + ?Sized), which: &str) -> Result<KeyRecord, ServerError> {
+    find(&open_connection(&at.store_at())?, which)
 }
 
 /// The one key that is `which` (the key itself, found by its hash), or
@@ -110,8 +109,11 @@ fn find(conn: &Connection, which: &str) -> Result<KeyRecord, ServerError> {
 
 /// Revokes a key by id or name; its next request answers 401. Revoking a
 /// revoked key changes nothing. Answers the key as it is now.
-pub fn revoke_key(data_dir: &Path, which: &str) -> Result<KeyRecord, ServerError> {
-    let conn = open_connection(data_dir)?;
+pub fn revoke_key(
+    at: &(impl StoreLocation + ?Sized),
+    which: &str,
+) -> Result<KeyRecord, ServerError> {
+    let conn = open_connection(&at.store_at())?;
     let k = find(&conn, which)?;
     conn.execute(
         "UPDATE keys SET revoked_at = ?2 WHERE id = ?1 AND revoked_at IS NULL",
@@ -125,11 +127,11 @@ pub fn revoke_key(data_dir: &Path, which: &str) -> Result<KeyRecord, ServerError
 /// person does this, on the server or on the approval page; no API route
 /// changes it.
 pub fn set_daily_limit(
-    data_dir: &Path,
+    at: &(impl StoreLocation + ?Sized),
     which: &str,
     micros: Option<i64>,
 ) -> Result<KeyRecord, ServerError> {
-    let conn = open_connection(data_dir)?;
+    let conn = open_connection(&at.store_at())?;
     let k = find(&conn, which)?;
     set_limit_on(&conn, &k.id, micros)?;
     find(&conn, &k.id)
@@ -139,11 +141,11 @@ pub fn set_daily_limit(
 /// (`name=default` gives it the server's back), all or none; answers the
 /// key as it is now. Takes effect on the server's next admission.
 pub fn set_quotas(
-    data_dir: &Path,
+    at: &(impl StoreLocation + ?Sized),
     which: &str,
     settings: &[String],
 ) -> Result<KeyRecord, ServerError> {
-    let conn = open_connection(data_dir)?;
+    let conn = open_connection(&at.store_at())?;
     let k = find(&conn, which)?;
     let mut quotas = k.quotas.clone();
     quotas
@@ -226,7 +228,7 @@ pub(crate) mod api {
 
     /// The keys `key` may see, oldest first.
     pub(crate) fn list(st: &AppState, key: &KeyInfo) -> ApiResult<Vec<KeyRecord>> {
-        let all = super::list_keys(&st.config().data_dir)?;
+        let all = super::list_keys(&st.config().store_at())?;
         Ok(if key.account_wide || key.read_only {
             all
         } else {
@@ -250,20 +252,15 @@ pub(crate) mod api {
         req: NewKey,
     ) -> ApiResult<(KeyRecord, String)> {
         admin_only(key)?;
-        let data_dir = &st.config().data_dir;
-        let secret = crate::create_key(
-            data_dir,
-            req.name.as_deref(),
-            req.read_only,
-            req.account_wide,
-        )?;
+        let at = &st.config().store_at();
+        let secret = crate::create_key(at, req.name.as_deref(), req.read_only, req.account_wide)?;
         let id = super::key_id_of(&secret)
             .ok_or_else(|| ApiError::Internal {
                 what: "a new key without an id".into(),
             })?
             .to_string();
         if req.daily_limit_micros.is_some() {
-            let conn = super::open_connection(data_dir)?;
+            let conn = super::open_connection(at)?;
             super::set_limit_on(&conn, &id, req.daily_limit_micros)?;
         }
         Ok((get(st, key, &id)?, secret))
@@ -288,7 +285,7 @@ pub(crate) mod api {
         } else {
             admin_only(key)?;
         }
-        Ok(super::revoke_key(&st.config().data_dir, &target.id)?)
+        Ok(super::revoke_key(&st.config().store_at(), &target.id)?)
     }
 
     /// Sets or (with `None`) removes a key's daily spending limit: admins only.
@@ -300,7 +297,7 @@ pub(crate) mod api {
     ) -> ApiResult<KeyRecord> {
         admin_only(key)?;
         let target = get(st, key, id)?;
-        super::set_daily_limit(&st.config().data_dir, &target.id, micros)
+        super::set_daily_limit(&st.config().store_at(), &target.id, micros)
             .map_err(ApiError::from)
             .map_err(|e| match e {
                 ApiError::Server(ServerError::KeyNotFound { .. }) => not_found(id),

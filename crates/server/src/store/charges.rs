@@ -2,7 +2,7 @@
 //! charges per key, sandbox and minute (the 24-hour window and
 //! `GET /v1/usage`); a key's daily limit and name.
 
-use rusqlite::{params, OptionalExtension};
+use super::db::{params, OptionalExtension};
 
 use crate::error::ServerError;
 use crate::store::{store_err, Store};
@@ -33,7 +33,7 @@ impl Store {
     pub fn settled_since(&self, key_id: &str, minute: i64) -> Result<i64, ServerError> {
         self.conn()
             .query_row(
-                "SELECT COALESCE(SUM(micros), 0) FROM charges WHERE key_id = ?1 AND minute > ?2",
+                "SELECT CAST(COALESCE(SUM(micros), 0) AS BIGINT) FROM charges WHERE key_id = ?1 AND minute > ?2",
                 params![key_id, minute],
                 |r| r.get(0),
             )
@@ -77,7 +77,7 @@ impl Store {
             tx.execute(
                 "INSERT INTO charges (key_id, sandbox_id, minute, micros, billed_ms) VALUES (?1, ?2, ?3, ?4, ?5)
                  ON CONFLICT(key_id, sandbox_id, minute) DO UPDATE SET
-                   micros = micros + excluded.micros, billed_ms = billed_ms + excluded.billed_ms",
+                   micros = charges.micros + excluded.micros, billed_ms = charges.billed_ms + excluded.billed_ms",
                 params![key_id, id, minute, whole, billed_ms],
             )
             .map_err(store_err("write charge"))?;
@@ -116,7 +116,7 @@ impl Store {
         let conn = self.conn();
         let mut stmt = conn
             .prepare(
-                "SELECT key_id, sandbox_id, SUM(micros), SUM(CASE WHEN minute > ?1 THEN micros ELSE 0 END)
+                "SELECT key_id, sandbox_id, CAST(SUM(micros) AS BIGINT), CAST(SUM(CASE WHEN minute > ?1 THEN micros ELSE 0 END) AS BIGINT)
                  FROM charges GROUP BY key_id, sandbox_id",
             )
             .map_err(store_err("sum charges"))?;
@@ -139,7 +139,7 @@ impl Store {
         let conn = self.conn();
         let mut stmt = conn
             .prepare(
-                "SELECT minute / 1440 AS day, key_id, SUM(micros) FROM charges
+                "SELECT minute / 1440 AS day, key_id, CAST(SUM(micros) AS BIGINT) FROM charges
                  WHERE minute > ?1 GROUP BY day, key_id ORDER BY day, key_id",
             )
             .map_err(store_err("sum charges by day"))?;

@@ -1,7 +1,7 @@
 //! What stays a JSON document under (kind, scope, name): previews, network
 //! rules, secrets, sandbox CAs (and, until their tables, images and volumes).
 
-use rusqlite::{params, OptionalExtension};
+use super::db::{params, OptionalExtension};
 
 use super::{corrupt, store_err, Store};
 use crate::error::ServerError;
@@ -52,7 +52,7 @@ impl Store {
         let conn = self.conn();
         let mut stmt = conn
             .prepare(
-                "SELECT scope, name, doc FROM net_docs WHERE kind = ?1 AND (?2 IS NULL OR scope = ?2)
+                "SELECT scope, name, doc FROM net_docs WHERE kind = ?1 AND (CAST(?2 AS TEXT) IS NULL OR scope = ?2)
                  ORDER BY scope, name",
             )
             .map_err(store_err("list docs"))?;
@@ -84,7 +84,7 @@ impl Store {
     ) -> Result<usize, ServerError> {
         self.conn()
             .execute(
-                "DELETE FROM net_docs WHERE kind = ?1 AND scope = ?2 AND (?3 IS NULL OR name = ?3)",
+                "DELETE FROM net_docs WHERE kind = ?1 AND scope = ?2 AND (CAST(?3 AS TEXT) IS NULL OR name = ?3)",
                 params![kind, scope, name],
             )
             .map_err(store_err("delete doc"))

@@ -2,7 +2,7 @@
 //! its JSON exactly as listed and sent; a webhook's settings and sealed
 //! secrets are one JSON document beside the columns queries filter on.
 
-use rusqlite::{params, Connection, OptionalExtension};
+use super::db::{params, Connection, OptionalExtension};
 use serde::{Deserialize, Serialize};
 
 use super::{corrupt, store_err, Store};
@@ -86,7 +86,7 @@ pub(crate) struct EventQuery<'a> {
 
 const DELIVERY_COLS: &str = "seq, id, webhook_id, key_id, event_id, event_type, body, state, attempts, next_ms, created_ms, updated_ms, log";
 
-fn delivery_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<(DeliveryRow, String)> {
+fn delivery_row(r: &super::db::Row) -> super::db::DbResult<(DeliveryRow, String)> {
     Ok((
         DeliveryRow {
             seq: r.get(0)?,
@@ -139,7 +139,7 @@ fn get_webhook_in(conn: &Connection, id: &str) -> Result<Option<WebhookRow>, Ser
 }
 
 fn collect<T>(
-    rows: impl Iterator<Item = rusqlite::Result<T>>,
+    rows: impl Iterator<Item = super::db::DbResult<T>>,
     op: &'static str,
 ) -> Result<Vec<T>, ServerError> {
     rows.map(|r| r.map_err(store_err(op))).collect()
@@ -171,8 +171,8 @@ impl Store {
         let mut stmt = conn
             .prepare(
                 "SELECT seq, id, key_id, type, resource_id, created_ms, body FROM events
-                 WHERE (?1 IS NULL OR key_id = ?1) AND (?2 IS NULL OR resource_id = ?2)
-                   AND (?3 IS NULL OR type = ?3) AND (?4 IS NULL OR seq < ?4)
+                 WHERE (CAST(?1 AS TEXT) IS NULL OR key_id = ?1) AND (CAST(?2 AS TEXT) IS NULL OR resource_id = ?2)
+                   AND (CAST(?3 AS TEXT) IS NULL OR type = ?3) AND (CAST(?4 AS BIGINT) IS NULL OR seq < ?4)
                  ORDER BY seq DESC LIMIT ?5",
             )
             .map_err(store_err("list events"))?;
@@ -243,7 +243,7 @@ impl Store {
     ) -> Result<Vec<WebhookRow>, ServerError> {
         let conn = self.conn();
         let mut stmt = conn
-            .prepare("SELECT doc FROM webhooks WHERE (?1 IS NULL OR key_id = ?1) ORDER BY created_ms, id")
+            .prepare("SELECT doc FROM webhooks WHERE (CAST(?1 AS TEXT) IS NULL OR key_id = ?1) ORDER BY created_ms, id")
             .map_err(store_err("list webhooks"))?;
         let docs = collect(
             stmt.query_map(params![key_id], |r| r.get::<_, String>(0))
@@ -410,7 +410,7 @@ impl Store {
         let mut stmt = conn
             .prepare(&format!(
                 "SELECT {DELIVERY_COLS} FROM webhook_deliveries
-                 WHERE webhook_id = ?1 AND (?2 IS NULL OR state = ?2) AND (?3 IS NULL OR seq < ?3)
+                 WHERE webhook_id = ?1 AND (CAST(?2 AS TEXT) IS NULL OR state = ?2) AND (CAST(?3 AS BIGINT) IS NULL OR seq < ?3)
                  ORDER BY seq DESC LIMIT ?4"
             ))
             .map_err(store_err("list deliveries"))?;
@@ -426,12 +426,6 @@ impl Store {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn tmp() -> std::path::PathBuf {
-        let d = std::env::temp_dir().join(format!("rt-events-{}", uuid::Uuid::new_v4()));
-        std::fs::create_dir_all(&d).unwrap();
-        d
-    }
 
     fn event(key: &str, n: i64, resource: &str) -> EventRow {
         EventRow {
@@ -452,46 +446,45 @@ mod tests {
 
     #[test]
     fn events_page_newest_first_per_key_and_filter() {
-        let dir = tmp();
-        let s = Store::open(&dir).unwrap();
-        for n in 0..10 {
-            s.insert_event(&event(if n < 7 { "a" } else { "b" }, n, "r1"), &[])
-                .unwrap();
-        }
-        let q = |key, before, limit| EventQuery {
-            key_id: key,
-            resource_id: None,
-            ty: None,
-            before_seq: before,
-            limit,
-        };
-        let page = s.list_events(&q(Some("a"), None, 3)).unwrap();
-        let ids: Vec<_> = page.iter().map(|e| e.id.as_str()).collect();
-        assert_eq!(ids, ["e6", "e5", "e4"]);
-        let next = s.list_events(&q(Some("a"), Some(page[2].seq), 3)).unwrap();
-        let ids: Vec<_> = next.iter().map(|e| e.id.as_str()).collect();
-        assert_eq!(ids, ["e3", "e2", "e1"]);
-        let last = s.list_events(&q(Some("a"), Some(next[2].seq), 3)).unwrap();
-        assert_eq!(last.len(), 1);
-        // Another key's events are not among a key's.
-        assert_eq!(s.list_events(&q(Some("b"), None, 50)).unwrap().len(), 3);
-        assert_eq!(s.list_events(&q(None, None, 50)).unwrap().len(), 10);
-        let typed = EventQuery {
-            ty: Some("sandbox.stopped"),
-            ..q(Some("a"), None, 50)
-        };
-        assert_eq!(s.list_events(&typed).unwrap().len(), 3);
-        let other = EventQuery {
-            resource_id: Some("r2"),
-            ..q(Some("a"), None, 50)
-        };
-        assert!(s.list_events(&other).unwrap().is_empty());
-        // Pruning by age, then by count.
-        assert_eq!(s.prune_events(1002, 1000, 1000).unwrap(), 2);
-        assert_eq!(s.prune_events(0, 5, 1000).unwrap(), 3);
-        let left = s.list_events(&q(None, None, 50)).unwrap();
-        let ids: Vec<_> = left.iter().map(|e| e.id.as_str()).collect();
-        assert_eq!(ids, ["e9", "e8", "e7", "e6", "e5"]);
-        let _ = std::fs::remove_dir_all(dir);
+        crate::store::testing::each_engine(|s| {
+            for n in 0..10 {
+                s.insert_event(&event(if n < 7 { "a" } else { "b" }, n, "r1"), &[])
+                    .unwrap();
+            }
+            let q = |key, before, limit| EventQuery {
+                key_id: key,
+                resource_id: None,
+                ty: None,
+                before_seq: before,
+                limit,
+            };
+            let page = s.list_events(&q(Some("a"), None, 3)).unwrap();
+            let ids: Vec<_> = page.iter().map(|e| e.id.as_str()).collect();
+            assert_eq!(ids, ["e6", "e5", "e4"]);
+            let next = s.list_events(&q(Some("a"), Some(page[2].seq), 3)).unwrap();
+            let ids: Vec<_> = next.iter().map(|e| e.id.as_str()).collect();
+            assert_eq!(ids, ["e3", "e2", "e1"]);
+            let last = s.list_events(&q(Some("a"), Some(next[2].seq), 3)).unwrap();
+            assert_eq!(last.len(), 1);
+            // Another key's events are not among a key's.
+            assert_eq!(s.list_events(&q(Some("b"), None, 50)).unwrap().len(), 3);
+            assert_eq!(s.list_events(&q(None, None, 50)).unwrap().len(), 10);
+            let typed = EventQuery {
+                ty: Some("sandbox.stopped"),
+                ..q(Some("a"), None, 50)
+            };
+            assert_eq!(s.list_events(&typed).unwrap().len(), 3);
+            let other = EventQuery {
+                resource_id: Some("r2"),
+                ..q(Some("a"), None, 50)
+            };
+            assert!(s.list_events(&other).unwrap().is_empty());
+            // Pruning by age, then by count.
+            assert_eq!(s.prune_events(1002, 1000, 1000).unwrap(), 2);
+            assert_eq!(s.prune_events(0, 5, 1000).unwrap(), 3);
+            let left = s.list_events(&q(None, None, 50)).unwrap();
+            let ids: Vec<_> = left.iter().map(|e| e.id.as_str()).collect();
+            assert_eq!(ids, ["e9", "e8", "e7", "e6", "e5"]);
+        });
     }
 }

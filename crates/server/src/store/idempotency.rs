@@ -1,6 +1,6 @@
 //! Stored answers of idempotent requests.
 
-use rusqlite::{params, Connection, OptionalExtension};
+use super::db::{params, Connection, OptionalExtension};
 
 use super::{store_err, Store};
 use crate::error::ServerError;
@@ -78,9 +78,20 @@ pub(super) fn put(
     a: &StoredAnswer,
 ) -> Result<(), ServerError> {
     conn.execute(
-        "INSERT OR REPLACE INTO idempotency (key_id, idem_key, fingerprint, kind, status, body, created_ms)
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
-        params![key_id, idem_key, a.fingerprint, a.kind, a.status, a.body, a.created_ms],
+        "INSERT INTO idempotency (key_id, idem_key, fingerprint, kind, status, body, created_ms)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)
+         ON CONFLICT (key_id, idem_key) DO UPDATE SET fingerprint = excluded.fingerprint,
+           kind = excluded.kind, status = excluded.status, body = excluded.body,
+           created_ms = excluded.created_ms",
+        params![
+            key_id,
+            idem_key,
+            a.fingerprint,
+            a.kind,
+            a.status,
+            a.body,
+            a.created_ms
+        ],
     )
     .map(|_| ())
     .map_err(store_err("put idempotency"))

@@ -2,7 +2,7 @@
 //! columns it is found and constrained by (`UNIQUE(key_id, name, version)` since v7), and
 //! `image_logs`, a build's log one line a row.
 
-use rusqlite::{params, Connection, OptionalExtension, Transaction};
+use super::db::{params, Connection, OptionalExtension};
 
 use super::{corrupt, store_err, Store};
 use crate::domain::image::{Image, LogLine, LogStream};
@@ -252,7 +252,7 @@ impl Store {
 /// name and version (created at once before the table's constraint) keep
 /// the newest at that version, which is the one `name@version` found, and
 /// give the others the next versions of the name.
-pub(super) fn move_docs(tx: &Transaction<'_>) -> Result<(), ServerError> {
+pub(super) fn move_docs(tx: &Connection) -> Result<(), ServerError> {
     let mut docs: Vec<(String, Image, Vec<LogLine>)> = Vec::new();
     {
         let mut stmt = tx
@@ -335,7 +335,7 @@ pub(super) mod tests {
     pub(in crate::store) fn v5_database(docs: &[(&str, &str, &str, Value)]) -> std::path::PathBuf {
         let dir = std::env::temp_dir().join(format!("rt-store-{}", uuid::Uuid::new_v4()));
         std::fs::create_dir_all(&dir).unwrap();
-        let conn = Connection::open(dir.join("runtime.db")).unwrap();
+        let conn = rusqlite::Connection::open(dir.join("runtime.db")).unwrap();
         for batch in [
             super::super::SCHEMA_V1,
             super::super::SCHEMA_V2,
@@ -349,7 +349,7 @@ pub(super) mod tests {
         for (kind, scope, name, doc) in docs {
             conn.execute(
                 "INSERT INTO net_docs (kind, scope, name, doc) VALUES (?1, ?2, ?3, ?4)",
-                params![kind, scope, name, doc.to_string()],
+                rusqlite::params![kind, scope, name, doc.to_string()],
             )
             .unwrap();
         }
@@ -384,7 +384,7 @@ pub(super) mod tests {
     }
 
     fn doc_names(dir: &std::path::Path) -> Vec<(String, String)> {
-        let conn = Connection::open(dir.join("runtime.db")).unwrap();
+        let conn = rusqlite::Connection::open(dir.join("runtime.db")).unwrap();
         let mut stmt = conn
             .prepare("SELECT kind, name FROM net_docs ORDER BY kind, name")
             .unwrap();
@@ -416,6 +416,8 @@ pub(super) mod tests {
         let store = Store::open(&dir).unwrap();
         let version: i64 = store
             .conn()
+            .as_sqlite()
+            .unwrap()
             .query_row("PRAGMA user_version", [], |r| r.get(0))
             .unwrap();
         assert_eq!(version, SCHEMA_VERSION);
@@ -463,82 +465,84 @@ pub(super) mod tests {
 
     #[test]
     fn versions_are_assigned_in_the_insert_and_unique_per_name() {
-        let dir = v5_database(&[("image", "images", "a", old_doc("a", Some("app"), 1, &[], 1))]);
-        let store = Store::open(&dir).unwrap();
-        let mut img: Image = serde_json::from_value(old_doc("n", Some("app"), 0, &[], 5)).unwrap();
-        store.insert_image(&mut img).unwrap();
-        assert_eq!(img.version, 2);
-        img.id = "n2".into();
-        store.insert_image(&mut img).unwrap();
-        assert_eq!(img.version, 3);
-        let mut other: Image =
-            serde_json::from_value(old_doc("o", Some("web"), 0, &[], 5)).unwrap();
-        store.insert_image(&mut other).unwrap();
-        assert_eq!(other.version, 1);
-        let mut unnamed: Image = serde_json::from_value(old_doc("u1", None, 9, &[], 5)).unwrap();
-        store.insert_image(&mut unnamed).unwrap();
-        unnamed.id = "u2".into();
-        store.insert_image(&mut unnamed).unwrap();
-        assert_eq!(unnamed.version, 1);
-        // The constraint refuses a second app@3 of the same key.
-        img.id = "dup".into();
-        assert!(insert_row(&store.conn(), &img).is_err());
-        // Another key's "app" is another name: its versions start at 1, and
-        // its app@3 may be.
-        let mut theirs: Image =
-            serde_json::from_value(old_doc("t1", Some("app"), 0, &[], 5)).unwrap();
-        theirs.key_id = format!("{}-other", img.key_id);
-        store.insert_image(&mut theirs).unwrap();
-        assert_eq!(theirs.version, 1);
-        theirs.id = "t3".into();
-        theirs.version = 3;
-        insert_row(&store.conn(), &theirs).unwrap();
-        // An update keeps the id, name and version; a delete takes the log too.
-        let after = store
-            .update_image("n", |i| {
-                i.version = 7;
-                i.name = None;
-                i.state = ImageState::Failed;
-                true
-            })
-            .unwrap()
-            .unwrap();
-        assert_eq!(
-            (after.name.as_deref(), after.version, after.state),
-            (Some("app"), 2, ImageState::Failed)
-        );
-        assert_eq!(store.get_image("n").unwrap(), Some(after));
-        assert_eq!(store.update_image("nope", |_| true).unwrap(), None);
-        assert!(store.delete_image("a").unwrap());
-        assert!(store.image_log("a").unwrap().is_empty());
-        assert!(!store.delete_image("a").unwrap());
-        drop(store);
-        let _ = std::fs::remove_dir_all(&dir);
+        crate::store::testing::each_engine(|store| {
+            let mut first: Image =
+                serde_json::from_value(old_doc("a", Some("app"), 0, &[], 1)).unwrap();
+            store.insert_image(&mut first).unwrap();
+            assert_eq!(first.version, 1);
+            let mut img: Image =
+                serde_json::from_value(old_doc("n", Some("app"), 0, &[], 5)).unwrap();
+            store.insert_image(&mut img).unwrap();
+            assert_eq!(img.version, 2);
+            img.id = "n2".into();
+            store.insert_image(&mut img).unwrap();
+            assert_eq!(img.version, 3);
+            let mut other: Image =
+                serde_json::from_value(old_doc("o", Some("web"), 0, &[], 5)).unwrap();
+            store.insert_image(&mut other).unwrap();
+            assert_eq!(other.version, 1);
+            let mut unnamed: Image =
+                serde_json::from_value(old_doc("u1", None, 9, &[], 5)).unwrap();
+            store.insert_image(&mut unnamed).unwrap();
+            unnamed.id = "u2".into();
+            store.insert_image(&mut unnamed).unwrap();
+            assert_eq!(unnamed.version, 1);
+            // The constraint refuses a second app@3 of the same key.
+            img.id = "dup".into();
+            assert!(insert_row(&store.conn(), &img).is_err());
+            // Another key's "app" is another name: its versions start at 1, and
+            // its app@3 may be.
+            let mut theirs: Image =
+                serde_json::from_value(old_doc("t1", Some("app"), 0, &[], 5)).unwrap();
+            theirs.key_id = format!("{}-other", img.key_id);
+            store.insert_image(&mut theirs).unwrap();
+            assert_eq!(theirs.version, 1);
+            theirs.id = "t3".into();
+            theirs.version = 3;
+            insert_row(&store.conn(), &theirs).unwrap();
+            // An update keeps the id, name and version; a delete takes the log too.
+            let after = store
+                .update_image("n", |i| {
+                    i.version = 7;
+                    i.name = None;
+                    i.state = ImageState::Failed;
+                    true
+                })
+                .unwrap()
+                .unwrap();
+            assert_eq!(
+                (after.name.as_deref(), after.version, after.state),
+                (Some("app"), 2, ImageState::Failed)
+            );
+            assert_eq!(store.get_image("n").unwrap(), Some(after));
+            assert_eq!(store.update_image("nope", |_| true).unwrap(), None);
+            assert!(store.delete_image("a").unwrap());
+            assert!(store.image_log("a").unwrap().is_empty());
+            assert!(!store.delete_image("a").unwrap());
+        });
     }
 
     #[test]
     fn a_log_grows_to_its_limit_for_an_image_that_is_there() {
-        let dir = v5_database(&[]);
-        let store = Store::open(&dir).unwrap();
-        store
-            .append_image_log("nope", None, LogStream::System, &["x"], 10)
-            .unwrap();
-        assert!(store.image_log("nope").unwrap().is_empty());
-        let mut img: Image = serde_json::from_value(old_doc("i", None, 1, &[], 1)).unwrap();
-        store.insert_image(&mut img).unwrap();
-        store
-            .append_image_log("i", None, LogStream::System, &["a", "b"], 3)
-            .unwrap();
-        store
-            .append_image_log("i", Some(1), LogStream::Output, &["c", "d"], 3)
-            .unwrap();
-        let log = store.image_log("i").unwrap();
-        let got: Vec<(u64, Option<usize>, &str)> = log
-            .iter()
-            .map(|l| (l.seq, l.step, l.text.as_str()))
-            .collect();
-        assert_eq!(got, [(1, None, "a"), (2, None, "b"), (3, Some(1), "c")]);
-        drop(store);
-        let _ = std::fs::remove_dir_all(&dir);
+        crate::store::testing::each_engine(|store| {
+            store
+                .append_image_log("nope", None, LogStream::System, &["x"], 10)
+                .unwrap();
+            assert!(store.image_log("nope").unwrap().is_empty());
+            let mut img: Image = serde_json::from_value(old_doc("i", None, 1, &[], 1)).unwrap();
+            store.insert_image(&mut img).unwrap();
+            store
+                .append_image_log("i", None, LogStream::System, &["a", "b"], 3)
+                .unwrap();
+            store
+                .append_image_log("i", Some(1), LogStream::Output, &["c", "d"], 3)
+                .unwrap();
+            let log = store.image_log("i").unwrap();
+            let got: Vec<(u64, Option<usize>, &str)> = log
+                .iter()
+                .map(|l| (l.seq, l.step, l.text.as_str()))
+                .collect();
+            assert_eq!(got, [(1, None, "a"), (2, None, "b"), (3, Some(1), "c")]);
+        });
     }
 }

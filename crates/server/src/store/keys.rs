@@ -1,6 +1,6 @@
 //! API keys: found by hash on every request; made by `create_key`.
 
-use rusqlite::{params, Connection, OptionalExtension};
+use super::db::{params, Connection, OptionalExtension};
 
 use super::{store_err, Store};
 use crate::domain::access::KeyInfo;

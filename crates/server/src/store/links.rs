@@ -1,6 +1,6 @@
 //! File links (v11), found by their token's hash.
 
-use rusqlite::{params, OptionalExtension};
+use super::db::{params, OptionalExtension};
 
 use super::{store_err, Store};
 use crate::domain::link::Link;
@@ -8,7 +8,7 @@ use crate::error::ServerError;
 
 const COLUMNS: &str = "id, sandbox_id, key_id, path, method, filename, max_bytes, wake, archive, created_ms, expires_ms, revoked_ms";
 
-fn link(r: &rusqlite::Row<'_>) -> rusqlite::Result<Link> {
+fn link(r: &super::db::Row) -> super::db::DbResult<Link> {
     Ok(Link {
         id: r.get(0)?,
         sandbox_id: r.get(1)?,
@@ -90,7 +90,7 @@ impl Store {
     pub(crate) fn prune_links(&self, before: i64) -> Result<usize, ServerError> {
         self.conn()
             .execute(
-                "DELETE FROM file_links WHERE MIN(expires_ms, COALESCE(revoked_ms, expires_ms)) < ?1 \
+                "DELETE FROM file_links WHERE expires_ms < ?1 OR revoked_ms < ?1 \
                  OR sandbox_id IN (SELECT id FROM sandboxes WHERE deleted IS NOT NULL)",
                 params![before],
             )

@@ -4,10 +4,14 @@
 //! events with webhooks and their deliveries (`events.rs`), and the
 //! account's usage: outbound bytes and API answers (`usage.rs`).
 //!
-//! One connection behind a mutex; every call is short and never held across
-//! an `.await`. Schema version lives in `PRAGMA user_version`.
+//! The same code and migrations serve the embedded SQLite file (one
+//! connection behind a mutex) and PostgreSQL (a pool of connections),
+//! through `db.rs`; every call is short and never held across an
+//! `.await`. The schema version lives in SQLite's `PRAGMA user_version`,
+//! in PostgreSQL's one-row table `schema_version`.
 
 mod charges;
+pub(crate) mod db;
 mod docs;
 mod events;
 mod idempotency;
@@ -23,9 +27,9 @@ mod usage;
 mod volumes;
 
 use std::path::Path;
-use std::sync::{Mutex, MutexGuard};
+use std::sync::Mutex;
 
-use rusqlite::Connection;
+use db::{params, pg_connect, ConnGuard, Connection, DbError, Engine, Pool, MIGRATE_LOCK};
 
 use crate::error::ServerError;
 
@@ -406,10 +410,10 @@ CREATE INDEX IF NOT EXISTS volume_attachments_volume ON volume_attachments(volum
 ";
 
 pub struct Store {
-    conn: Mutex<Connection>,
+    engine: Engine,
 }
 
-pub(crate) fn store_err(op: &'static str) -> impl FnOnce(rusqlite::Error) -> ServerError {
+pub(crate) fn store_err(op: &'static str) -> impl FnOnce(DbError) -> ServerError {
     move |source| ServerError::Store { op, source }
 }
 
@@ -438,129 +442,270 @@ fn keep_private(data_dir: &Path) -> Result<(), ServerError> {
     Ok(())
 }
 
+/// Each schema version's SQL, oldest first (v6 also moves documents).
+const MIGRATIONS: [(i64, &str); 16] = [
+    (1, SCHEMA_V1),
+    (2, SCHEMA_V2),
+    (3, SCHEMA_V3),
+    (4, SCHEMA_V4),
+    (5, SCHEMA_V5),
+    (6, SCHEMA_V6),
+    (7, SCHEMA_V7),
+    (8, SCHEMA_V8),
+    (9, SCHEMA_V9),
+    (10, SCHEMA_V10),
+    (11, SCHEMA_V11),
+    (12, SCHEMA_V12),
+    (13, SCHEMA_V13),
+    (14, SCHEMA_V14),
+    (15, SCHEMA_V15),
+    (16, SCHEMA_V16),
+];
+
+/// Runs the migrations after `version` on SQLite, each in a transaction
+/// of its own.
+fn migrate(conn: &mut Connection, version: i64) -> Result<(), ServerError> {
+    for (v, sql) in MIGRATIONS {
+        if version >= v {
+            continue;
+        }
+        let op = MIGRATE_OPS[usize::try_from(v - 1).unwrap_or(0)];
+        let tx = conn.transaction().map_err(store_err(op))?;
+        step(&tx, v, sql, op)?;
+        tx.commit().map_err(store_err(op))?;
+    }
+    Ok(())
+}
+
+/// One migration on `c` (in a transaction).
+fn step(c: &Connection, v: i64, sql: &str, op: &'static str) -> Result<(), ServerError> {
+    c.execute_batch(sql).map_err(store_err(op))?;
+    if v == 6 {
+        images::move_docs(c)?;
+        volumes::move_docs(c)?;
+    }
+    Ok(())
+}
+
+const MIGRATE_OPS: [&str; 16] = [
+    "migrate v1",
+    "migrate v2",
+    "migrate v3",
+    "migrate v4",
+    "migrate v5",
+    "migrate v6",
+    "migrate v7",
+    "migrate v8",
+    "migrate v9",
+    "migrate v10",
+    "migrate v11",
+    "migrate v12",
+    "migrate v13",
+    "migrate v14",
+    "migrate v15",
+    "migrate v16",
+];
+
+fn too_new(version: i64, what: &str) -> Result<(), ServerError> {
+    if version > SCHEMA_VERSION {
+        return Err(corrupt(format!(
+            "{what} has schema {version}, newer than this server ({SCHEMA_VERSION})"
+        )));
+    }
+    Ok(())
+}
+
 /// Opens (creating or migrating) `data_dir/runtime.db`.
-pub(crate) fn open_connection(data_dir: &Path) -> Result<Connection, ServerError> {
+pub(crate) fn open_sqlite(data_dir: &Path) -> Result<Connection, ServerError> {
     std::fs::create_dir_all(data_dir).map_err(|source| ServerError::Io {
         op: "create data dir",
         path: data_dir.display().to_string(),
         source,
     })?;
-    let mut conn = Connection::open(data_dir.join("runtime.db")).map_err(store_err("open"))?;
+    let raw = rusqlite::Connection::open(data_dir.join("runtime.db"))
+        .map_err(|e| store_err("open")(e.into()))?;
     keep_private(data_dir)?;
-    conn.busy_timeout(std::time::Duration::from_secs(10))
-        .map_err(store_err("busy_timeout"))?;
-    conn.pragma_update(None, "journal_mode", "WAL")
-        .map_err(store_err("wal"))?;
+    let sq = |op| move |e: rusqlite::Error| store_err(op)(e.into());
+    raw.busy_timeout(std::time::Duration::from_secs(10))
+        .map_err(sq("busy_timeout"))?;
+    raw.pragma_update(None, "journal_mode", "WAL")
+        .map_err(sq("wal"))?;
     // NORMAL, not FULL: in WAL mode a commit survives a crash of the
     // process either way, and the store stays whole across a power loss;
     // FULL would only keep the last commits before one, at an fsync per
     // commit (3.6 ms against 0.08 ms here), and the meter commits every
     // running sandbox every second (docs/security.md, "Crashes tell the truth").
-    conn.pragma_update(None, "synchronous", "NORMAL")
-        .map_err(store_err("synchronous"))?;
-    let version: i64 = conn
+    raw.pragma_update(None, "synchronous", "NORMAL")
+        .map_err(sq("synchronous"))?;
+    let version: i64 = raw
         .query_row("PRAGMA user_version", [], |r| r.get(0))
-        .map_err(store_err("user_version"))?;
-    if version > SCHEMA_VERSION {
-        return Err(corrupt(format!(
-            "runtime.db has schema {version}, newer than this server ({SCHEMA_VERSION})"
-        )));
-    }
-    if version < 1 {
-        conn.execute_batch(SCHEMA_V1)
-            .map_err(store_err("migrate v1"))?;
-    }
-    if version < 2 {
-        conn.execute_batch(SCHEMA_V2)
-            .map_err(store_err("migrate v2"))?;
-    }
-    if version < 3 {
-        conn.execute_batch(SCHEMA_V3)
-            .map_err(store_err("migrate v3"))?;
-    }
-    if version < 4 {
-        conn.execute_batch(SCHEMA_V4)
-            .map_err(store_err("migrate v4"))?;
-    }
-    if version < 5 {
-        conn.execute_batch(SCHEMA_V5)
-            .map_err(store_err("migrate v5"))?;
-    }
-    if version < 6 {
-        let tx = conn.transaction().map_err(store_err("begin v6"))?;
-        tx.execute_batch(SCHEMA_V6)
-            .map_err(store_err("migrate v6"))?;
-        images::move_docs(&tx)?;
-        volumes::move_docs(&tx)?;
-        tx.commit().map_err(store_err("commit v6"))?;
-    }
-    if version < 7 {
-        let tx = conn.transaction().map_err(store_err("begin v7"))?;
-        tx.execute_batch(SCHEMA_V7)
-            .map_err(store_err("migrate v7"))?;
-        tx.commit().map_err(store_err("commit v7"))?;
-    }
-    if version < 8 {
-        conn.execute_batch(SCHEMA_V8)
-            .map_err(store_err("migrate v8"))?;
-    }
-    if version < 9 {
-        conn.execute_batch(SCHEMA_V9)
-            .map_err(store_err("migrate v9"))?;
-    }
-    if version < 10 {
-        let tx = conn.transaction().map_err(store_err("begin v10"))?;
-        tx.execute_batch(SCHEMA_V10)
-            .map_err(store_err("migrate v10"))?;
-        tx.commit().map_err(store_err("commit v10"))?;
-    }
-    if version < 11 {
-        conn.execute_batch(SCHEMA_V11)
-            .map_err(store_err("migrate v11"))?;
-    }
-    if version < 12 {
-        conn.execute_batch(SCHEMA_V12)
-            .map_err(store_err("migrate v12"))?;
-    }
-    if version < 13 {
-        conn.execute_batch(SCHEMA_V13)
-            .map_err(store_err("migrate v13"))?;
-    }
-    if version < 14 {
-        let tx = conn.transaction().map_err(store_err("begin v14"))?;
-        tx.execute_batch(SCHEMA_V14)
-            .map_err(store_err("migrate v14"))?;
-        tx.commit().map_err(store_err("commit v14"))?;
-    }
-    if version < 15 {
-        let tx = conn.transaction().map_err(store_err("begin v15"))?;
-        tx.execute_batch(SCHEMA_V15)
-            .map_err(store_err("migrate v15"))?;
-        tx.commit().map_err(store_err("commit v15"))?;
-    }
-    if version < 16 {
-        let tx = conn.transaction().map_err(store_err("begin v16"))?;
-        tx.execute_batch(SCHEMA_V16)
-            .map_err(store_err("migrate v16"))?;
-        tx.commit().map_err(store_err("commit v16"))?;
-    }
+        .map_err(sq("user_version"))?;
+    too_new(version, "runtime.db")?;
+    let mut conn = Connection::sqlite(raw);
+    migrate(&mut conn, version)?;
     if version < SCHEMA_VERSION {
-        conn.pragma_update(None, "user_version", SCHEMA_VERSION)
-            .map_err(store_err("set user_version"))?;
+        if let Some(raw) = conn.as_sqlite() {
+            raw.pragma_update(None, "user_version", SCHEMA_VERSION)
+                .map_err(sq("set user_version"))?;
+        }
     }
     Ok(conn)
 }
 
+/// Migrates a PostgreSQL database to the newest schema: in one
+/// transaction under an advisory lock, so two control planes starting at
+/// once migrate it once. The version is the one row of `schema_version`.
+fn migrate_pg(conn: &mut Connection, what: &str) -> Result<(), ServerError> {
+    let tx = conn.transaction().map_err(store_err("begin migrate"))?;
+    tx.execute_batch(&format!(
+        "SELECT pg_advisory_xact_lock({MIGRATE_LOCK});
+         CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL);"
+    ))
+    .map_err(store_err("schema version"))?;
+    let version: Option<i64> = tx
+        .query_row("SELECT MAX(version) FROM schema_version", [], |r| r.get(0))
+        .map_err(store_err("schema version"))?;
+    let version = version.unwrap_or(0);
+    too_new(version, what)?;
+    if version < SCHEMA_VERSION {
+        for (v, sql) in MIGRATIONS {
+            if version < v {
+                step(
+                    &tx,
+                    v,
+                    sql,
+                    MIGRATE_OPS[usize::try_from(v - 1).unwrap_or(0)],
+                )?;
+            }
+        }
+        tx.execute("DELETE FROM schema_version", [])
+            .map_err(store_err("set schema version"))?;
+        tx.execute(
+            "INSERT INTO schema_version (version) VALUES (?1)",
+            params![SCHEMA_VERSION],
+        )
+        .map_err(store_err("set schema version"))?;
+    }
+    tx.commit().map_err(store_err("commit migrate"))
+}
+
+/// Opens one connection to the store at `at` (migrating it first), for
+/// the operator's commands that run beside a server.
+pub(crate) fn open_connection(at: &StoreAt) -> Result<Connection, ServerError> {
+    match at {
+        StoreAt::Sqlite(dir) => open_sqlite(dir),
+        StoreAt::Postgres(url) => {
+            let mut conn = pg_connect(url).map_err(|e| unreachable_store(url, e))?;
+            migrate_pg(&mut conn, &redact(url))?;
+            Ok(conn)
+        }
+    }
+}
+
+fn unreachable_store(url: &str, e: DbError) -> ServerError {
+    ServerError::StoreUnreachable {
+        url: redact(url),
+        message: match &e {
+            DbError::Postgres(p) => match std::error::Error::source(p) {
+                Some(s) => format!("{p}: {s}"),
+                None => p.to_string(),
+            },
+            other => other.to_string(),
+        },
+    }
+}
+
+/// A PostgreSQL URL without its password (`postgres://u:***@h/db`).
+pub fn redact(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.to_string();
+    };
+    let (auth, host) = match rest.rsplit_once('@') {
+        Some((a, h)) => (a, h),
+        None => return url.to_string(),
+    };
+    match auth.split_once(':') {
+        Some((user, _)) => format!("{scheme}://{user}:***@{host}"),
+        None => url.to_string(),
+    }
+}
+
+/// Where the store is: SQLite's file in a data directory, or a
+/// PostgreSQL database by URL.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StoreAt {
+    Sqlite(std::path::PathBuf),
+    Postgres(String),
+}
+
+impl StoreAt {
+    /// `--store`: absent or `sqlite`, the data directory's file; a
+    /// `postgres://` or `postgresql://` URL, that database.
+    pub fn parse(store: Option<&str>, data_dir: &Path) -> Result<Self, String> {
+        match store {
+            None | Some("sqlite") => Ok(StoreAt::Sqlite(data_dir.to_path_buf())),
+            Some(u) if u.starts_with("postgres://") || u.starts_with("postgresql://") => {
+                Ok(StoreAt::Postgres(u.to_string()))
+            }
+            Some(other) => Err(format!(
+                "--store {}: give `sqlite` or a postgres:// URL",
+                redact(other)
+            )),
+        }
+    }
+}
+
+/// What names a store: a data directory (SQLite's file in it) or a
+/// [`StoreAt`].
+pub trait StoreLocation {
+    fn store_at(&self) -> StoreAt;
+}
+impl StoreLocation for Path {
+    fn store_at(&self) -> StoreAt {
+        StoreAt::Sqlite(self.to_path_buf())
+    }
+}
+impl StoreLocation for std::path::PathBuf {
+    fn store_at(&self) -> StoreAt {
+        StoreAt::Sqlite(self.clone())
+    }
+}
+impl StoreLocation for StoreAt {
+    fn store_at(&self) -> StoreAt {
+        self.clone()
+    }
+}
+
+/// PostgreSQL connections a server keeps.
+const PG_POOL: usize = 4;
+
 impl Store {
+    /// Opens (creating or migrating) `data_dir/runtime.db`.
     pub fn open(data_dir: &Path) -> Result<Self, ServerError> {
         Ok(Store {
-            conn: Mutex::new(open_connection(data_dir)?),
+            engine: Engine::Sqlite(Mutex::new(open_sqlite(data_dir)?)),
         })
     }
 
-    pub(crate) fn conn(&self) -> MutexGuard<'_, Connection> {
-        // A panic while holding the lock cannot leave SQLite inconsistent.
-        self.conn.lock().unwrap_or_else(|p| p.into_inner())
+    /// Opens the store at `at`: for PostgreSQL, migrates it and keeps a
+    /// few connections, each on a thread of its own.
+    pub fn open_at(at: &StoreAt) -> Result<Self, ServerError> {
+        match at {
+            StoreAt::Sqlite(dir) => Self::open(dir),
+            StoreAt::Postgres(url) => {
+                let mut conns = vec![open_connection(at)?];
+                for _ in 1..PG_POOL {
+                    conns.push(pg_connect(url).map_err(|e| unreachable_store(url, e))?);
+                }
+                Ok(Store {
+                    engine: Engine::Pg(Pool::new(conns)),
+                })
+            }
+        }
+    }
+
+    pub(crate) fn conn(&self) -> ConnGuard<'_> {
+        self.engine.conn()
     }
 }
 
@@ -572,3 +717,171 @@ pub(crate) use registries::PutRegistry;
 pub(crate) use sandboxes::SandboxRow;
 pub(crate) use snapshots::SnapshotRow;
 pub(crate) use usage::{ChargeRow, RequestCount};
+
+#[cfg(test)]
+#[path = "../../tests/support/pg.rs"]
+pub(crate) mod pg_cluster;
+
+/// The store's tests run on both engines: [`each_engine`] gives each test
+/// a fresh store on SQLite, then on PostgreSQL (a throwaway cluster; where
+/// PostgreSQL is not installed, a failure in CI, a skip elsewhere).
+#[cfg(test)]
+pub(crate) mod testing {
+    use super::pg_cluster::PgCluster;
+    use super::{Store, StoreAt};
+
+    pub(crate) fn each_engine(f: impl Fn(&Store)) {
+        let dir = std::env::temp_dir().join(format!("rt-store-{}", uuid::Uuid::new_v4()));
+        let s = Store::open(&dir).unwrap_or_else(|e| panic!("sqlite: {e}"));
+        f(&s);
+        drop(s);
+        let _ = std::fs::remove_dir_all(&dir);
+        let Some(pg) = PgCluster::start() else {
+            return;
+        };
+        let s = Store::open_at(&StoreAt::Postgres(pg.database()))
+            .unwrap_or_else(|e| panic!("postgres: {e:?}"));
+        f(&s);
+    }
+
+    /// A store on PostgreSQL with its cluster (kept alive beside it).
+    pub(crate) fn postgres() -> Option<(Store, PgCluster)> {
+        let pg = PgCluster::start()?;
+        let s = Store::open_at(&StoreAt::Postgres(pg.database()))
+            .unwrap_or_else(|e| panic!("postgres: {e:?}"));
+        Some((s, pg))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::db::params;
+    use super::testing;
+    use super::*;
+
+    /// Every table's columns, in order, with whether each may be NULL.
+    fn columns(s: &Store) -> Vec<(String, String, bool)> {
+        let conn = s.conn();
+        if conn.as_sqlite().is_some() {
+            let mut out = Vec::new();
+            let tables: Vec<String> = conn
+                .prepare("SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%' ORDER BY name")
+                .unwrap()
+                .query_map([], |r| r.get(0))
+                .unwrap()
+                .map(Result::unwrap)
+                .collect();
+            for t in tables {
+                let cols: Vec<(String, bool)> = conn
+                    .prepare(&format!(
+                        "SELECT name, \"notnull\", pk FROM pragma_table_info('{t}') ORDER BY cid"
+                    ))
+                    .unwrap()
+                    .query_map([], |r| {
+                        let notnull: bool = r.get(1)?;
+                        let pk: i64 = r.get(2)?;
+                        Ok((r.get(0)?, !notnull && pk == 0))
+                    })
+                    .unwrap()
+                    .map(Result::unwrap)
+                    .collect();
+                out.extend(cols.into_iter().map(|(c, n)| (t.clone(), c, n)));
+            }
+            out
+        } else {
+            conn.prepare(
+                "SELECT table_name::text, column_name::text, is_nullable::text FROM information_schema.columns
+                 WHERE table_schema = 'public' AND table_name != 'schema_version'
+                 ORDER BY table_name, ordinal_position",
+            )
+            .unwrap()
+            .query_map([], |r| {
+                let nullable: String = r.get(2)?;
+                Ok((r.get(0)?, r.get(1)?, nullable == "YES"))
+            })
+            .unwrap()
+            .map(Result::unwrap)
+            .collect()
+        }
+    }
+
+    #[test]
+    fn both_engines_end_with_the_same_tables_and_columns() {
+        let dir = std::env::temp_dir().join(format!("rt-store-{}", uuid::Uuid::new_v4()));
+        let sqlite = Store::open(&dir).unwrap();
+        let want = columns(&sqlite);
+        assert!(want.len() > 100, "{want:?}");
+        let Some((pg, _cluster)) = testing::postgres() else {
+            return;
+        };
+        assert_eq!(columns(&pg), want);
+        let version: i64 = pg
+            .conn()
+            .query_row("SELECT version FROM schema_version", [], |r| r.get(0))
+            .unwrap();
+        assert_eq!(version, SCHEMA_VERSION);
+        drop(sqlite);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_postgres_store_opens_again_and_two_open_at_once_migrate_once() {
+        let Some(pg) = pg_cluster::PgCluster::start() else {
+            return;
+        };
+        let url = pg.database();
+        let at = StoreAt::Postgres(url);
+        let opens: Vec<_> = (0..3)
+            .map(|_| {
+                let at = at.clone();
+                std::thread::spawn(move || Store::open_at(&at).map(|_| ()))
+            })
+            .collect();
+        for o in opens {
+            o.join().unwrap().unwrap();
+        }
+        let s = Store::open_at(&at).unwrap();
+        let n: i64 = s
+            .conn()
+            .query_row("SELECT COUNT(*) FROM schema_version", [], |r| r.get(0))
+            .unwrap();
+        assert_eq!(n, 1);
+        // Values of every kind go in and come out as they were.
+        let conn = s.conn();
+        conn.execute_batch("CREATE TABLE kinds (i INTEGER, r REAL, t TEXT, b BLOB, n TEXT)")
+            .map(|_| ())
+            .or_else(|_| {
+                conn.execute_batch(
+                    "CREATE TABLE kinds (i BIGINT, r DOUBLE PRECISION, t TEXT, b BYTEA, n TEXT)",
+                )
+            })
+            .unwrap();
+        conn.execute(
+            "INSERT INTO kinds (i, r, t, b, n) VALUES (?1, ?2, ?3, ?4, ?5)",
+            params![i64::MIN, 1.5f64, "t'?", vec![0u8, 255], None::<String>],
+        )
+        .unwrap();
+        let row: (i64, f64, String, Vec<u8>, Option<String>) = conn
+            .query_row("SELECT i, r, t, b, n FROM kinds", [], |r| {
+                Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?))
+            })
+            .unwrap();
+        assert_eq!(row, (i64::MIN, 1.5, "t'?".to_string(), vec![0, 255], None));
+    }
+
+    #[test]
+    fn a_store_url_that_does_not_answer_is_named_without_its_password() {
+        let at = StoreAt::Postgres("postgres://me:hunter2@127.0.0.1:1/db".into());
+        let e = Store::open_at(&at).err().unwrap().to_string();
+        assert!(e.contains("postgres://me:***@127.0.0.1:1/db"), "{e}");
+        assert!(!e.contains("hunter2"), "{e}");
+        assert_eq!(
+            StoreAt::parse(Some("mysql://x"), Path::new("/d")),
+            Err("--store mysql://x: give `sqlite` or a postgres:// URL".into())
+        );
+        assert_eq!(
+            StoreAt::parse(None, Path::new("/d")),
+            Ok(StoreAt::Sqlite("/d".into()))
+        );
+    }
+}

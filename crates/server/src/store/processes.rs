@@ -1,6 +1,6 @@
 //! Processes, so a restart of the server can take them up again.
 
-use rusqlite::params;
+use super::db::params;
 
 use super::{corrupt, store_err, Store};
 use crate::error::ServerError;
@@ -60,7 +60,7 @@ const PROC_COLUMNS: &str =
      output_encoding, state, exit_code, signal, timed_out, out_of_memory, duration_ms, started_ms, \
      ended_ms, output_bytes, stdin_offset, stdin_closed, cwd";
 
-fn proc_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<(ProcRow, String)> {
+fn proc_row(r: &super::db::Row) -> super::db::DbResult<(ProcRow, String)> {
     let token: i64 = r.get(2)?;
     let duration: Option<i64> = r.get(16)?;
     let output_bytes: i64 = r.get(19)?;

@@ -1,7 +1,7 @@
 //! The `registry_credentials` table: one row per (key, registry), the
 //! secret sealed (see `domain::registry`).
 
-use rusqlite::{params, OptionalExtension};
+use super::db::{params, OptionalExtension};
 
 use super::{corrupt, store_err, Store};
 use crate::domain::registry::{Kind, Registry};
@@ -12,7 +12,7 @@ const COLUMNS: &str =
 
 type Raw = (String, String, String, String, String, i64, i64, i64);
 
-fn raw(r: &rusqlite::Row<'_>) -> rusqlite::Result<Raw> {
+fn raw(r: &super::db::Row) -> super::db::DbResult<Raw> {
     Ok((
         r.get(0)?,
         r.get(1)?,
@@ -181,43 +181,42 @@ mod tests {
 
     #[test]
     fn rows_belong_to_a_key_are_counted_and_replaced_in_place() {
-        let dir = std::env::temp_dir().join(format!("rt-reg-store-{}", uuid::Uuid::new_v4()));
-        let store = Store::open(&dir).unwrap_or_else(|e| panic!("{e}"));
-        let ok = |p: Result<PutRegistry, ServerError>| match p {
-            Ok(PutRegistry::Kept(r)) => r,
-            other => panic!("{other:?}"),
-        };
-        ok(store.put_registry(&row("a", "ghcr.io", 1), 2));
-        ok(store.put_registry(&row("a", "docker.io", 2), 2));
-        // Full for a third, but a replacement still goes in, keeping its
-        // creation time.
-        assert!(matches!(
-            store.put_registry(&row("a", "quay.io", 3), 2),
-            Ok(PutRegistry::Full)
-        ));
-        let mut again = row("a", "ghcr.io", 4);
-        again.kind = Kind::Ecr;
-        let kept = ok(store.put_registry(&again, 2));
-        assert_eq!((kept.created_ms, kept.updated_ms), (1, 4));
-        assert_eq!(
-            store.get_registry("a", "ghcr.io").ok().flatten(),
-            Some(kept)
-        );
-        // Another key's are its own.
-        ok(store.put_registry(&row("b", "ghcr.io", 5), 2));
-        let names = |k: &str| -> Vec<String> {
-            store
-                .registries(k)
-                .unwrap_or_default()
-                .into_iter()
-                .map(|r| r.registry)
-                .collect()
-        };
-        assert_eq!(names("a"), ["docker.io", "ghcr.io"]);
-        assert_eq!(names("b"), ["ghcr.io"]);
-        assert!(matches!(store.delete_registry("b", "docker.io"), Ok(false)));
-        assert!(matches!(store.delete_registry("b", "ghcr.io"), Ok(true)));
-        assert_eq!(names("a").len(), 2);
-        let _ = std::fs::remove_dir_all(&dir);
+        crate::store::testing::each_engine(|store| {
+            let ok = |p: Result<PutRegistry, ServerError>| match p {
+                Ok(PutRegistry::Kept(r)) => r,
+                other => panic!("{other:?}"),
+            };
+            ok(store.put_registry(&row("a", "ghcr.io", 1), 2));
+            ok(store.put_registry(&row("a", "docker.io", 2), 2));
+            // Full for a third, but a replacement still goes in, keeping its
+            // creation time.
+            assert!(matches!(
+                store.put_registry(&row("a", "quay.io", 3), 2),
+                Ok(PutRegistry::Full)
+            ));
+            let mut again = row("a", "ghcr.io", 4);
+            again.kind = Kind::Ecr;
+            let kept = ok(store.put_registry(&again, 2));
+            assert_eq!((kept.created_ms, kept.updated_ms), (1, 4));
+            assert_eq!(
+                store.get_registry("a", "ghcr.io").ok().flatten(),
+                Some(kept)
+            );
+            // Another key's are its own.
+            ok(store.put_registry(&row("b", "ghcr.io", 5), 2));
+            let names = |k: &str| -> Vec<String> {
+                store
+                    .registries(k)
+                    .unwrap_or_default()
+                    .into_iter()
+                    .map(|r| r.registry)
+                    .collect()
+            };
+            assert_eq!(names("a"), ["docker.io", "ghcr.io"]);
+            assert_eq!(names("b"), ["ghcr.io"]);
+            assert!(matches!(store.delete_registry("b", "docker.io"), Ok(false)));
+            assert!(matches!(store.delete_registry("b", "ghcr.io"), Ok(true)));
+            assert_eq!(names("a").len(), 2);
+        });
     }
 }

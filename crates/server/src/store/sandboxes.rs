@@ -1,8 +1,8 @@
 //! Sandboxes: the public record as JSON beside the columns lists filter on.
 //! The rules that follow from a state (status, holds) are applied on write.
 
+use super::db::{params, Connection, OptionalExtension};
 use runtime_api::{DeletedSandbox, Sandbox};
-use rusqlite::{params, Connection, OptionalExtension};
 
 use super::{corrupt, store_err, Store, StoredAnswer};
 use crate::error::ServerError;
@@ -20,7 +20,7 @@ pub struct SandboxRow {
 
 type RawRow = (i64, String, String, String, Option<String>);
 
-fn raw_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<RawRow> {
+fn raw_row(r: &super::db::Row) -> super::db::DbResult<RawRow> {
     Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?))
 }
 
@@ -72,12 +72,13 @@ impl Store {
         let env = serde_json::to_string(&row.env).map_err(|e| corrupt(e.to_string()))?;
         let mut conn = self.conn();
         let tx = conn.transaction().map_err(store_err("begin"))?;
-        tx.execute(
-            "INSERT INTO sandboxes (id, key_id, name, state, record, env) VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
-            params![row.record.id, row.key_id, row.record.name, row.record.state.as_str(), record, env],
-        )
-        .map_err(store_err("insert sandbox"))?;
-        let seq = tx.last_insert_rowid();
+        let seq: i64 = tx
+            .query_row(
+                "INSERT INTO sandboxes (id, key_id, name, state, record, env) VALUES (?1, ?2, ?3, ?4, ?5, ?6) RETURNING seq",
+                params![row.record.id, row.key_id, row.record.name, row.record.state.as_str(), record, env],
+                |r| r.get(0),
+            )
+            .map_err(store_err("insert sandbox"))?;
         if let Some((key_id, idem_key, a)) = answer {
             super::idempotency::put(&tx, key_id, idem_key, a)?;
         }

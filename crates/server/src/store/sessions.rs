@@ -2,7 +2,7 @@
 //! made with one, together with the key that made them (a revoked key ends
 //! its sessions).
 
-use rusqlite::{params, OptionalExtension};
+use super::db::{params, OptionalExtension};
 
 use super::{corrupt, store_err, Store};
 use crate::domain::access::KeyInfo;
@@ -23,7 +23,7 @@ type Raw = (
     Option<i64>,
 );
 
-fn raw(r: &rusqlite::Row<'_>) -> rusqlite::Result<Raw> {
+fn raw(r: &super::db::Row) -> super::db::DbResult<Raw> {
     Ok((
         r.get(0)?,
         r.get(1)?,
@@ -120,8 +120,8 @@ impl Store {
     ) -> Result<Vec<Session>, ServerError> {
         let sql = format!(
             "SELECT {COLUMNS} FROM sandbox_sessions s WHERE s.sandbox_id = ?1 \
-             AND MIN(s.expires_ms, COALESCE(s.revoked_ms, s.expires_ms)) >= ?2 \
-             ORDER BY s.created_ms DESC, s.rowid DESC"
+             AND s.expires_ms >= ?2 AND (s.revoked_ms IS NULL OR s.revoked_ms >= ?2) \
+             ORDER BY s.created_ms DESC, s.id DESC"
         );
         let conn = self.conn();
         let mut stmt = conn.prepare(&sql).map_err(store_err("list sessions"))?;
@@ -156,7 +156,7 @@ impl Store {
         self.conn()
             .execute(
                 "DELETE FROM sandbox_sessions WHERE \
-                 MIN(expires_ms, COALESCE(revoked_ms, expires_ms)) < ?1 \
+                 expires_ms < ?1 OR revoked_ms < ?1 \
                  OR sandbox_id IN (SELECT id FROM sandboxes WHERE deleted IS NOT NULL)",
                 params![before],
             )

@@ -1,6 +1,6 @@
 //! Snapshots.
 
-use rusqlite::{params, Connection, OptionalExtension};
+use super::db::{params, Connection, OptionalExtension};
 
 use super::{corrupt, store_err, Store, StoredAnswer};
 use crate::domain::snapshot::Snapshot;
@@ -18,7 +18,7 @@ pub struct SnapshotRow {
 
 type RawSnapshot = (i64, String, String, Option<String>);
 
-fn raw_snapshot(r: &rusqlite::Row<'_>) -> rusqlite::Result<RawSnapshot> {
+fn raw_snapshot(r: &super::db::Row) -> super::db::DbResult<RawSnapshot> {
     Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?))
 }
 

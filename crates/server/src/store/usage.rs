@@ -3,7 +3,7 @@
 //! operation, and the settled charges the export pages through
 //! (`service/usage.rs`, docs/billing.md).
 
-use rusqlite::params;
+use super::db::params;
 
 use crate::error::ServerError;
 use crate::store::{store_err, Store};
@@ -61,7 +61,7 @@ impl Store {
                 .execute(
                     "INSERT INTO outbound (key_id, sandbox_id, month, bytes)
                      SELECT key_id, id, ?2, ?3 FROM sandboxes WHERE id = ?1
-                     ON CONFLICT(key_id, sandbox_id, month) DO UPDATE SET bytes = bytes + excluded.bytes",
+                     ON CONFLICT(key_id, sandbox_id, month) DO UPDATE SET bytes = outbound.bytes + excluded.bytes",
                     params![sandbox_id, month, to_i64(*n)],
                 )
                 .map_err(store_err("add outbound"))?;
@@ -78,7 +78,7 @@ impl Store {
         let conn = self.conn();
         let mut stmt = conn
             .prepare(
-                "SELECT key_id, SUM(bytes) FROM outbound WHERE month = ?1
+                "SELECT key_id, CAST(SUM(bytes) AS BIGINT) FROM outbound WHERE month = ?1
                  GROUP BY key_id ORDER BY key_id",
             )
             .map_err(store_err("sum outbound"))?;
@@ -104,9 +104,9 @@ impl Store {
                 "INSERT INTO request_counts (hour, key_id, operation, calls, client_errors, server_errors)
                  VALUES (?1, ?2, ?3, ?4, ?5, ?6)
                  ON CONFLICT(hour, key_id, operation) DO UPDATE SET
-                   calls = calls + excluded.calls,
-                   client_errors = client_errors + excluded.client_errors,
-                   server_errors = server_errors + excluded.server_errors",
+                   calls = request_counts.calls + excluded.calls,
+                   client_errors = request_counts.client_errors + excluded.client_errors,
+                   server_errors = request_counts.server_errors + excluded.server_errors",
                 params![
                     c.hour,
                     c.key_id,
@@ -137,7 +137,7 @@ impl Store {
         let mut stmt = conn
             .prepare(
                 "SELECT hour, key_id, operation, calls, client_errors, server_errors
-                 FROM request_counts WHERE hour >= ?1 AND (?2 IS NULL OR key_id = ?2)
+                 FROM request_counts WHERE hour >= ?1 AND (CAST(?2 AS TEXT) IS NULL OR key_id = ?2)
                  ORDER BY hour, operation",
             )
             .map_err(store_err("read requests"))?;
@@ -175,7 +175,7 @@ impl Store {
                         s.id IS NULL OR s.deleted IS NOT NULL
                  FROM charges c LEFT JOIN sandboxes s ON s.id = c.sandbox_id
                  WHERE c.minute >= ?1 AND c.minute < ?2
-                   AND (?3 IS NULL OR c.key_id = ?3)
+                   AND (CAST(?3 AS TEXT) IS NULL OR c.key_id = ?3)
                    AND (c.minute > ?4 OR (c.minute = ?4 AND c.sandbox_id > ?5))
                  ORDER BY c.minute, c.sandbox_id
                  LIMIT ?6",

@@ -1,7 +1,7 @@
 //! The `volumes` table (`UNIQUE(key_id, name)`: a name is one key's) and
 //! `volume_attachments`, the volumes each sandbox's create named, in order.
 
-use rusqlite::{params, Connection, OptionalExtension, Transaction};
+use super::db::{params, Connection, OptionalExtension};
 
 use super::{corrupt, store_err, Store};
 use crate::domain::volume::{
@@ -70,7 +70,7 @@ fn policy_text(p: Option<BackupPolicy>) -> Result<Option<String>, ServerError> {
         .transpose()
 }
 
-fn raw(r: &rusqlite::Row<'_>) -> rusqlite::Result<RawVolume> {
+fn raw(r: &super::db::Row) -> super::db::DbResult<RawVolume> {
     Ok((
         r.get(0)?,
         r.get(1)?,
@@ -123,7 +123,7 @@ type RawBackup = (
     i64,
 );
 
-fn raw_backup(r: &rusqlite::Row<'_>) -> rusqlite::Result<RawBackup> {
+fn raw_backup(r: &super::db::Row) -> super::db::DbResult<RawBackup> {
     Ok((
         r.get(0)?,
         r.get(1)?,
@@ -385,7 +385,7 @@ impl Store {
         let mut stmt = conn
             .prepare(
                 "SELECT sandbox_id, volume_id, path, mode FROM volume_attachments \
-                 WHERE ?1 IS NULL OR sandbox_id = ?1 ORDER BY sandbox_id, position",
+                 WHERE CAST(?1 AS TEXT) IS NULL OR sandbox_id = ?1 ORDER BY sandbox_id, position",
             )
             .map_err(store_err("list volume attachments"))?;
         let rows = stmt
@@ -426,7 +426,7 @@ impl Store {
 /// `volume`) into `volumes`, and each sandbox's `sandbox_volumes` into
 /// `volume_attachments`. A document that does not read as one stays where
 /// it is (it was never listed).
-pub(super) fn move_docs(tx: &Transaction<'_>) -> Result<(), ServerError> {
+pub(super) fn move_docs(tx: &Connection) -> Result<(), ServerError> {
     for (scope, name, text) in docs(tx, "volume")? {
         if scope != "volumes" {
             continue;
@@ -441,9 +441,7 @@ pub(super) fn move_docs(tx: &Transaction<'_>) -> Result<(), ServerError> {
         match insert_v6_row(tx, &v) {
             Ok(()) => {}
             // Not made by a server (creates checked names under a lock).
-            Err(ServerError::Store { source, .. })
-                if source.sqlite_error_code() == Some(rusqlite::ErrorCode::ConstraintViolation) =>
-            {
+            Err(ServerError::Store { source, .. }) if source.is_constraint() => {
                 tracing::warn!(volume_id = %name, "a volume's name is another's of its key; left in net_docs");
                 continue;
             }
@@ -464,7 +462,7 @@ pub(super) fn move_docs(tx: &Transaction<'_>) -> Result<(), ServerError> {
     Ok(())
 }
 
-fn docs(tx: &Transaction<'_>, kind: &str) -> Result<Vec<(String, String, String)>, ServerError> {
+fn docs(tx: &Connection, kind: &str) -> Result<Vec<(String, String, String)>, ServerError> {
     let mut stmt = tx
         .prepare("SELECT scope, name, doc FROM net_docs WHERE kind = ?1 ORDER BY scope, name")
         .map_err(store_err("migrate volumes"))?;
@@ -475,7 +473,7 @@ fn docs(tx: &Transaction<'_>, kind: &str) -> Result<Vec<(String, String, String)
         .map_err(store_err("migrate volumes"))
 }
 
-fn forget(tx: &Transaction<'_>, kind: &str, scope: &str, name: &str) -> Result<(), ServerError> {
+fn forget(tx: &Connection, kind: &str, scope: &str, name: &str) -> Result<(), ServerError> {
     tx.execute(
         "DELETE FROM net_docs WHERE kind = ?1 AND scope = ?2 AND name = ?3",
         params![kind, scope, name],
@@ -579,38 +577,36 @@ mod tests {
 
     #[test]
     fn names_are_unique_per_key_and_attachments_keep_their_order() {
-        let dir = v5_database(&[]);
-        let store = Store::open(&dir).unwrap();
-        store
-            .insert_volume(&volume("v1", "k1", Some("data"), 1))
-            .unwrap();
-        assert!(store
-            .insert_volume(&volume("v2", "k1", Some("data"), 2))
-            .is_err());
-        store
-            .insert_volume(&volume("v3", "k2", Some("data"), 3))
-            .unwrap();
-        store.insert_volume(&volume("v4", "k1", None, 4)).unwrap();
-        store.insert_volume(&volume("v5", "k1", None, 5)).unwrap();
-        assert_eq!(store.volumes().unwrap().len(), 4);
-        let list: Vec<Attachment> = ["/b", "/a", "/c"]
-            .iter()
-            .map(|p| Attachment {
-                volume_id: "v1".into(),
-                path: p.to_string(),
-                mode: AttachMode::Rw,
-            })
-            .collect();
-        store.set_attachments("s", &list).unwrap();
-        assert_eq!(store.attachments_of("s").unwrap(), list);
-        store.set_attachments("s", &list[..1]).unwrap();
-        assert_eq!(store.attachments_of("s").unwrap(), list[..1]);
-        assert_eq!(store.drop_attachments("s").unwrap(), 1);
-        assert!(store.attachments_of("s").unwrap().is_empty());
-        assert!(store.delete_volume("v1").unwrap());
-        assert!(!store.delete_volume("v1").unwrap());
-        assert_eq!(store.get_volume("v1").unwrap(), None);
-        drop(store);
-        let _ = std::fs::remove_dir_all(&dir);
+        crate::store::testing::each_engine(|store| {
+            store
+                .insert_volume(&volume("v1", "k1", Some("data"), 1))
+                .unwrap();
+            assert!(store
+                .insert_volume(&volume("v2", "k1", Some("data"), 2))
+                .is_err());
+            store
+                .insert_volume(&volume("v3", "k2", Some("data"), 3))
+                .unwrap();
+            store.insert_volume(&volume("v4", "k1", None, 4)).unwrap();
+            store.insert_volume(&volume("v5", "k1", None, 5)).unwrap();
+            assert_eq!(store.volumes().unwrap().len(), 4);
+            let list: Vec<Attachment> = ["/b", "/a", "/c"]
+                .iter()
+                .map(|p| Attachment {
+                    volume_id: "v1".into(),
+                    path: p.to_string(),
+                    mode: AttachMode::Rw,
+                })
+                .collect();
+            store.set_attachments("s", &list).unwrap();
+            assert_eq!(store.attachments_of("s").unwrap(), list);
+            store.set_attachments("s", &list[..1]).unwrap();
+            assert_eq!(store.attachments_of("s").unwrap(), list[..1]);
+            assert_eq!(store.drop_attachments("s").unwrap(), 1);
+            assert!(store.attachments_of("s").unwrap().is_empty());
+            assert!(store.delete_volume("v1").unwrap());
+            assert!(!store.delete_volume("v1").unwrap());
+            assert_eq!(store.get_volume("v1").unwrap(), None);
+        });
     }
 }
