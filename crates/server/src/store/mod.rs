@@ -29,7 +29,26 @@ use rusqlite::Connection;
 
 use crate::error::ServerError;
 
-pub(super) const SCHEMA_VERSION: i64 = 16;
+pub(super) const SCHEMA_VERSION: i64 = 17;
+
+/// Shared volumes (v17): a volume's `shared` flag, and the attachments of
+/// shared volumes to running sandboxes, each with its state (attaching,
+/// attached, detaching, detached), kept after it ends.
+const SCHEMA_V17: &str = "
+ALTER TABLE volumes ADD COLUMN shared INTEGER NOT NULL DEFAULT 0;
+CREATE TABLE IF NOT EXISTS shared_attachments (
+    id TEXT PRIMARY KEY,
+    key_id TEXT NOT NULL,
+    volume_id TEXT NOT NULL,
+    sandbox_id TEXT NOT NULL,
+    path TEXT NOT NULL,
+    state TEXT NOT NULL,
+    created_ms INTEGER NOT NULL,
+    detached_ms INTEGER
+);
+CREATE INDEX IF NOT EXISTS shared_attachments_volume ON shared_attachments(volume_id);
+CREATE INDEX IF NOT EXISTS shared_attachments_sandbox ON shared_attachments(sandbox_id);
+";
 
 const SCHEMA_V1: &str = "
 CREATE TABLE IF NOT EXISTS keys (
@@ -543,6 +562,12 @@ pub(crate) fn open_connection(data_dir: &Path) -> Result<Connection, ServerError
         tx.execute_batch(SCHEMA_V16)
             .map_err(store_err("migrate v16"))?;
         tx.commit().map_err(store_err("commit v16"))?;
+    }
+    if version < 17 {
+        let tx = conn.transaction().map_err(store_err("begin v17"))?;
+        tx.execute_batch(SCHEMA_V17)
+            .map_err(store_err("migrate v17"))?;
+        tx.commit().map_err(store_err("commit v17"))?;
     }
     if version < SCHEMA_VERSION {
         conn.pragma_update(None, "user_version", SCHEMA_VERSION)
