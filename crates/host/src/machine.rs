@@ -71,6 +71,9 @@ impl Drop for Vm {
     }
 }
 
+/// One sandbox's shares, by share id.
+type Shares = HashMap<String, Arc<ShareHandle>>;
+
 /// Cheap to clone: clones share their machines.
 #[derive(Clone)]
 pub struct QemuHost {
@@ -89,7 +92,7 @@ pub struct QemuHost {
     /// Open tunnels per sandbox (both directions), for the cap.
     pub(crate) tunnels: Arc<Mutex<HashMap<String, Arc<std::sync::atomic::AtomicUsize>>>>,
     /// Shared volumes mounted per sandbox, by share id.
-    pub(crate) shares: Arc<Mutex<HashMap<String, HashMap<String, Arc<ShareHandle>>>>>,
+    pub(crate) shares: Arc<Mutex<HashMap<String, Shares>>>,
 }
 
 impl QemuHost {

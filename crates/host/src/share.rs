@@ -102,7 +102,7 @@ fn split(buf: &mut Vec<u8>) -> Result<Vec<Vec<u8>>, Cut> {
 impl Relay {
     /// Bytes from the guest on `ch` (INPUT, or RESENT for requests sent
     /// again); `full`: the tree is at its size.
-    pub(crate) fn from_guest(
+    pub(crate) fn guest_bytes(
         &mut self,
         ch: u8,
         bytes: &[u8],
@@ -141,7 +141,7 @@ impl Relay {
     }
 
     /// Bytes from the server: replies, kept for a request sent again.
-    pub(crate) fn from_server(&mut self, bytes: &[u8], out: &mut Vec<Out>) -> Result<(), Cut> {
+    pub(crate) fn server_bytes(&mut self, bytes: &[u8], out: &mut Vec<Out>) -> Result<(), Cut> {
         self.server.extend_from_slice(bytes);
         for reply in split(&mut self.server)? {
             let t = tag(&reply);
@@ -365,7 +365,7 @@ async fn relay(
                 // The link is gone (a pause, a stop): wait for the next.
                 None => current = None,
                 Some(Incoming::Data { channel: ch, bytes }) if ch == channel::INPUT || ch == channel::RESENT => {
-                    if let Err(Cut(why)) = relay.from_guest(ch, &bytes, full.load(Ordering::Relaxed), &mut out) {
+                    if let Err(Cut(why)) = relay.guest_bytes(ch, &bytes, full.load(Ordering::Relaxed), &mut out) {
                         tracing::warn!(share = %id, "cutting off a share: {why}");
                         if let Some(s) = &current {
                             let _ = s.send(&Request::Unshare { id: id.clone() });
@@ -389,7 +389,7 @@ async fn relay(
             r = rd.read(&mut buf) => match r {
                 Ok(0) | Err(_) => break "the 9P server ended",
                 Ok(n) => {
-                    if relay.from_server(&buf[..n], &mut out).is_err() {
+                    if relay.server_bytes(&buf[..n], &mut out).is_err() {
                         break "the 9P server sent a bad reply";
                     }
                 }
@@ -499,15 +499,15 @@ mod tests {
         let mut out = Vec::new();
         let req = msg(110, 1, b"walk");
         // In two pieces: nothing until it is whole.
-        r.from_guest(channel::INPUT, &req[..5], false, &mut out)
+        r.guest_bytes(channel::INPUT, &req[..5], false, &mut out)
             .unwrap();
         assert!(out.is_empty());
-        r.from_guest(channel::INPUT, &req[5..], false, &mut out)
+        r.guest_bytes(channel::INPUT, &req[5..], false, &mut out)
             .unwrap();
         assert_eq!(out, vec![Out::ToServer(req.clone())]);
         out.clear();
         let rep = msg(111, 1, b"ok");
-        r.from_server(&rep, &mut out).unwrap();
+        r.server_bytes(&rep, &mut out).unwrap();
         assert_eq!(out, vec![Out::ToGuest(rep)]);
     }
 
@@ -516,34 +516,37 @@ mod tests {
         let mut r = Relay::default();
         let mut out = Vec::new();
         let req = msg(TWRITE, 9, b"fid+data");
-        r.from_guest(channel::INPUT, &req, false, &mut out).unwrap();
+        r.guest_bytes(channel::INPUT, &req, false, &mut out)
+            .unwrap();
         // Sent again while the server still works on it: dropped.
-        r.from_guest(channel::RESENT, &req, false, &mut out)
+        r.guest_bytes(channel::RESENT, &req, false, &mut out)
             .unwrap();
         assert_eq!(out, vec![Out::ToServer(req.clone())]);
         out.clear();
         let rep = msg(119, 9, b"count");
-        r.from_server(&rep, &mut out).unwrap();
+        r.server_bytes(&rep, &mut out).unwrap();
         out.clear();
         // The reply was lost with the link: sent again, answered from the
         // kept reply, not done twice.
         r.new_stream();
-        r.from_guest(channel::RESENT, &req, false, &mut out)
+        r.guest_bytes(channel::RESENT, &req, false, &mut out)
             .unwrap();
         assert_eq!(out, vec![Out::ToGuest(rep.clone())]);
         out.clear();
         // A different request on that tag sent again is new work.
         let other = msg(TWRITE, 9, b"other");
-        r.from_guest(channel::RESENT, &other, false, &mut out)
+        r.guest_bytes(channel::RESENT, &other, false, &mut out)
             .unwrap();
         assert_eq!(out, vec![Out::ToServer(other)]);
         out.clear();
         // An identical request as new traffic (not sent again) is done again.
         let mut r = Relay::default();
-        r.from_guest(channel::INPUT, &req, false, &mut out).unwrap();
-        r.from_server(&rep, &mut out).unwrap();
+        r.guest_bytes(channel::INPUT, &req, false, &mut out)
+            .unwrap();
+        r.server_bytes(&rep, &mut out).unwrap();
         out.clear();
-        r.from_guest(channel::INPUT, &req, false, &mut out).unwrap();
+        r.guest_bytes(channel::INPUT, &req, false, &mut out)
+            .unwrap();
         assert_eq!(out, vec![Out::ToServer(req)]);
     }
 
@@ -553,10 +556,10 @@ mod tests {
         let mut out = Vec::new();
         let req = msg(TWRITE, 3, b"x");
         // Half of it came on the old stream.
-        r.from_guest(channel::INPUT, &req[..4], false, &mut out)
+        r.guest_bytes(channel::INPUT, &req[..4], false, &mut out)
             .unwrap();
         r.new_stream();
-        r.from_guest(channel::RESENT, &req, false, &mut out)
+        r.guest_bytes(channel::RESENT, &req, false, &mut out)
             .unwrap();
         assert_eq!(out, vec![Out::ToServer(req)]);
     }
@@ -566,13 +569,13 @@ mod tests {
         let mut r = Relay::default();
         let mut out = Vec::new();
         let w = msg(TWRITE, 4, b"data");
-        r.from_guest(channel::INPUT, &w, true, &mut out).unwrap();
+        r.guest_bytes(channel::INPUT, &w, true, &mut out).unwrap();
         assert_eq!(out, vec![Out::ToGuest(rlerror(4, libc::ENOSPC as u32))]);
         assert_eq!(rlerror(4, 28), [11, 0, 0, 0, 7, 4, 0, 28, 0, 0, 0]);
         out.clear();
         // Reads and removes still pass (they free space).
         let unlink = msg(76, 5, b"name");
-        r.from_guest(channel::INPUT, &unlink, true, &mut out)
+        r.guest_bytes(channel::INPUT, &unlink, true, &mut out)
             .unwrap();
         assert_eq!(out, vec![Out::ToServer(unlink)]);
     }
@@ -583,15 +586,17 @@ mod tests {
         let mut out = Vec::new();
         let mut big = ((SHARE_MSIZE + 1) as u32).to_le_bytes().to_vec();
         big.extend_from_slice(&[TWRITE, 0, 0]);
-        assert!(r.from_guest(channel::INPUT, &big, false, &mut out).is_err());
+        assert!(r
+            .guest_bytes(channel::INPUT, &big, false, &mut out)
+            .is_err());
         let mut r = Relay::default();
         assert!(r
-            .from_guest(channel::INPUT, &[3, 0, 0, 0, 1, 0, 0], false, &mut out)
+            .guest_bytes(channel::INPUT, &[3, 0, 0, 0, 1, 0, 0], false, &mut out)
             .is_err());
         // The largest allowed passes.
         let mut r = Relay::default();
         let m = msg(TWRITE, 1, &vec![0u8; SHARE_MSIZE - HEADER]);
-        r.from_guest(channel::INPUT, &m, false, &mut out).unwrap();
+        r.guest_bytes(channel::INPUT, &m, false, &mut out).unwrap();
         assert_eq!(out.len(), 1);
     }
 
@@ -600,9 +605,9 @@ mod tests {
         let mut r = Relay::default();
         let mut out = Vec::new();
         for t in 0..200u16 {
-            r.from_guest(channel::INPUT, &msg(116, t, b"read"), false, &mut out)
+            r.guest_bytes(channel::INPUT, &msg(116, t, b"read"), false, &mut out)
                 .unwrap();
-            r.from_server(&msg(117, t, &vec![0u8; 128 * 1024]), &mut out)
+            r.server_bytes(&msg(117, t, &vec![0u8; 128 * 1024]), &mut out)
                 .unwrap();
         }
         assert!(r.done_bytes <= CACHE_BYTES);

@@ -3450,9 +3450,18 @@ async fn volumes_resize_back_up_and_restore_checking_input_and_owners() {
         before
     );
 
-    // Attaching to a running sandbox and backup schedules are not served.
+    // An ordinary volume attaches at create only (shared ones attach to a
+    // running sandbox); backup schedules of their own are not served.
+    let (s, v) = t
+        .json(
+            "POST",
+            &format!("/v1/volumes/{vid}:attach"),
+            Some(json!({"sandboxId": "s", "path": "/data"})),
+        )
+        .await;
+    assert_eq!(s, StatusCode::CONFLICT, "attach {v}");
+    assert_error(&v, 409, "volume_not_shared");
     for (verb, body) in [
-        ("attach", json!({"sandboxId": "s", "path": "/data"})),
         ("backup-policy", json!({"schedule": {"everyMinutes": 15}})),
         ("backup-policy", json!({"keep": {"last": 3}})),
     ] {

@@ -491,138 +491,6 @@ fn forget(tx: &Transaction<'_>, kind: &str, scope: &str, name: &str) -> Result<(
     .map_err(store_err("migrate volumes"))
 }
 
-#[cfg(test)]
-mod tests {
-    use serde_json::json;
-
-    use super::*;
-    use crate::store::images::tests::v5_database;
-
-    fn volume(id: &str, key: &str, name: Option<&str>, created_ms: i64) -> Volume {
-        Volume {
-            id: id.into(),
-            key_id: key.into(),
-            name: name.map(str::to_string),
-            labels: [("team".to_string(), "a".to_string())]
-                .into_iter()
-                .collect(),
-            size_mib: 64,
-            created_at: "2024-01-01T00:00:00.000Z".into(),
-            created_ms,
-            restored_from: None,
-            backup_policy: None,
-            shared: false,
-        }
-    }
-
-    #[test]
-    fn a_v5_database_opens_as_v6_with_every_volume_and_attachment() {
-        let old = |v: &Volume| serde_json::to_value(v).unwrap();
-        let (a, b) = (
-            volume("va", "k1", Some("data"), 1),
-            volume("vb", "k2", None, 2),
-        );
-        let dir = v5_database(&[
-            ("volume", "volumes", "va", old(&a)),
-            ("volume", "volumes", "vb", old(&b)),
-            ("volume", "volumes", "junk", json!([])),
-            (
-                "sandbox_volumes",
-                "s1",
-                "",
-                json!([{"volumeId": "va", "path": "/data", "mode": "rw"},
-                       {"volumeId": "vb", "path": "/view", "mode": "snapshot"}]),
-            ),
-            (
-                "sandbox_volumes",
-                "s2",
-                "",
-                json!([{"volumeId": "vb", "path": "/x", "mode": "rw"}]),
-            ),
-            ("sandbox-net", "s1", "", json!({"rules": null})),
-        ]);
-        // The v5 document says sizeMiB, as the answer does.
-        assert_eq!(old(&a)["sizeMiB"], 64);
-        let store = Store::open(&dir).unwrap();
-        assert_eq!(store.volumes().unwrap(), [b.clone(), a.clone()]);
-        assert_eq!(store.get_volume("va").unwrap(), Some(a));
-        let s1 = vec![
-            Attachment {
-                volume_id: "va".into(),
-                path: "/data".into(),
-                mode: AttachMode::Rw,
-            },
-            Attachment {
-                volume_id: "vb".into(),
-                path: "/view".into(),
-                mode: AttachMode::Snapshot,
-            },
-        ];
-        assert_eq!(store.attachments_of("s1").unwrap(), s1);
-        let all = store.all_attachments(None).unwrap();
-        assert_eq!(
-            all.iter()
-                .map(|(s, l)| (s.as_str(), l.len()))
-                .collect::<Vec<_>>(),
-            [("s1", 2), ("s2", 1)]
-        );
-        let kinds: Vec<(String, String)> = {
-            let conn = store.conn();
-            let mut stmt = conn
-                .prepare("SELECT kind, name FROM net_docs ORDER BY kind")
-                .unwrap();
-            let rows = stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?))).unwrap();
-            rows.map(Result::unwrap).collect()
-        };
-        assert_eq!(
-            kinds,
-            [
-                ("sandbox-net".to_string(), String::new()),
-                ("volume".into(), "junk".into())
-            ]
-        );
-        drop(store);
-        let _ = std::fs::remove_dir_all(&dir);
-    }
-
-    #[test]
-    fn names_are_unique_per_key_and_attachments_keep_their_order() {
-        let dir = v5_database(&[]);
-        let store = Store::open(&dir).unwrap();
-        store
-            .insert_volume(&volume("v1", "k1", Some("data"), 1))
-            .unwrap();
-        assert!(store
-            .insert_volume(&volume("v2", "k1", Some("data"), 2))
-            .is_err());
-        store
-            .insert_volume(&volume("v3", "k2", Some("data"), 3))
-            .unwrap();
-        store.insert_volume(&volume("v4", "k1", None, 4)).unwrap();
-        store.insert_volume(&volume("v5", "k1", None, 5)).unwrap();
-        assert_eq!(store.volumes().unwrap().len(), 4);
-        let list: Vec<Attachment> = ["/b", "/a", "/c"]
-            .iter()
-            .map(|p| Attachment {
-                volume_id: "v1".into(),
-                path: p.to_string(),
-                mode: AttachMode::Rw,
-            })
-            .collect();
-        store.set_attachments("s", &list).unwrap();
-        assert_eq!(store.attachments_of("s").unwrap(), list);
-        store.set_attachments("s", &list[..1]).unwrap();
-        assert_eq!(store.attachments_of("s").unwrap(), list[..1]);
-        assert_eq!(store.drop_attachments("s").unwrap(), 1);
-        assert!(store.attachments_of("s").unwrap().is_empty());
-        assert!(store.delete_volume("v1").unwrap());
-        assert!(!store.delete_volume("v1").unwrap());
-        assert_eq!(store.get_volume("v1").unwrap(), None);
-        drop(store);
-        let _ = std::fs::remove_dir_all(&dir);
-    }
-}
-
 const SHARE_COLUMNS: &str =
     "id, key_id, volume_id, sandbox_id, path, state, created_ms, detached_ms";
 
@@ -776,5 +644,173 @@ impl Store {
     /// Every attachment not detached.
     pub(crate) fn live_shares(&self) -> Result<Vec<SharedAttachment>, ServerError> {
         self.shares_where("state != ?1", "detached")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+    use crate::store::images::tests::v5_database;
+
+    fn volume(id: &str, key: &str, name: Option<&str>, created_ms: i64) -> Volume {
+        Volume {
+            id: id.into(),
+            key_id: key.into(),
+            name: name.map(str::to_string),
+            labels: [("team".to_string(), "a".to_string())]
+                .into_iter()
+                .collect(),
+            size_mib: 64,
+            created_at: "2024-01-01T00:00:00.000Z".into(),
+            created_ms,
+            restored_from: None,
+            backup_policy: None,
+            shared: false,
+        }
+    }
+
+    #[test]
+    fn a_v5_database_opens_as_v6_with_every_volume_and_attachment() {
+        let old = |v: &Volume| serde_json::to_value(v).unwrap();
+        let (a, b) = (
+            volume("va", "k1", Some("data"), 1),
+            volume("vb", "k2", None, 2),
+        );
+        let dir = v5_database(&[
+            ("volume", "volumes", "va", old(&a)),
+            ("volume", "volumes", "vb", old(&b)),
+            ("volume", "volumes", "junk", json!([])),
+            (
+                "sandbox_volumes",
+                "s1",
+                "",
+                json!([{"volumeId": "va", "path": "/data", "mode": "rw"},
+                       {"volumeId": "vb", "path": "/view", "mode": "snapshot"}]),
+            ),
+            (
+                "sandbox_volumes",
+                "s2",
+                "",
+                json!([{"volumeId": "vb", "path": "/x", "mode": "rw"}]),
+            ),
+            ("sandbox-net", "s1", "", json!({"rules": null})),
+        ]);
+        // The v5 document says sizeMiB, as the answer does.
+        assert_eq!(old(&a)["sizeMiB"], 64);
+        let store = Store::open(&dir).unwrap();
+        assert_eq!(store.volumes().unwrap(), [b.clone(), a.clone()]);
+        assert_eq!(store.get_volume("va").unwrap(), Some(a));
+        let s1 = vec![
+            Attachment {
+                volume_id: "va".into(),
+                path: "/data".into(),
+                mode: AttachMode::Rw,
+            },
+            Attachment {
+                volume_id: "vb".into(),
+                path: "/view".into(),
+                mode: AttachMode::Snapshot,
+            },
+        ];
+        assert_eq!(store.attachments_of("s1").unwrap(), s1);
+        let all = store.all_attachments(None).unwrap();
+        assert_eq!(
+            all.iter()
+                .map(|(s, l)| (s.as_str(), l.len()))
+                .collect::<Vec<_>>(),
+            [("s1", 2), ("s2", 1)]
+        );
+        let kinds: Vec<(String, String)> = {
+            let conn = store.conn();
+            let mut stmt = conn
+                .prepare("SELECT kind, name FROM net_docs ORDER BY kind")
+                .unwrap();
+            let rows = stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?))).unwrap();
+            rows.map(Result::unwrap).collect()
+        };
+        assert_eq!(
+            kinds,
+            [
+                ("sandbox-net".to_string(), String::new()),
+                ("volume".into(), "junk".into())
+            ]
+        );
+        drop(store);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn names_are_unique_per_key_and_attachments_keep_their_order() {
+        let dir = v5_database(&[]);
+        let store = Store::open(&dir).unwrap();
+        store
+            .insert_volume(&volume("v1", "k1", Some("data"), 1))
+            .unwrap();
+        assert!(store
+            .insert_volume(&volume("v2", "k1", Some("data"), 2))
+            .is_err());
+        store
+            .insert_volume(&volume("v3", "k2", Some("data"), 3))
+            .unwrap();
+        store.insert_volume(&volume("v4", "k1", None, 4)).unwrap();
+        store.insert_volume(&volume("v5", "k1", None, 5)).unwrap();
+        assert_eq!(store.volumes().unwrap().len(), 4);
+        let list: Vec<Attachment> = ["/b", "/a", "/c"]
+            .iter()
+            .map(|p| Attachment {
+                volume_id: "v1".into(),
+                path: p.to_string(),
+                mode: AttachMode::Rw,
+            })
+            .collect();
+        store.set_attachments("s", &list).unwrap();
+        assert_eq!(store.attachments_of("s").unwrap(), list);
+        store.set_attachments("s", &list[..1]).unwrap();
+        assert_eq!(store.attachments_of("s").unwrap(), list[..1]);
+        assert_eq!(store.drop_attachments("s").unwrap(), 1);
+        assert!(store.attachments_of("s").unwrap().is_empty());
+        assert!(store.delete_volume("v1").unwrap());
+        assert!(!store.delete_volume("v1").unwrap());
+        assert_eq!(store.get_volume("v1").unwrap(), None);
+        drop(store);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_shared_attachment_moves_only_from_the_states_named() {
+        let dir = std::env::temp_dir().join(format!("rt-store-share-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let store = Store::open(&dir).unwrap();
+        let a = SharedAttachment {
+            id: "va-1".into(),
+            key_id: "k".into(),
+            volume_id: "v".into(),
+            sandbox_id: "s".into(),
+            path: "/mnt/v".into(),
+            state: ShareState::Attaching,
+            created_ms: 5,
+            detached_ms: None,
+        };
+        store.insert_share(&a).unwrap();
+        let to = |from: &[ShareState], to| store.set_share_state("va-1", from, to, 9).unwrap();
+        assert!(!to(&[ShareState::Attached], ShareState::Detaching));
+        assert!(to(&[ShareState::Attaching], ShareState::Attached));
+        assert_eq!(store.live_shares().unwrap().len(), 1);
+        assert!(to(&[ShareState::Attached], ShareState::Detached));
+        let got = store.get_share("va-1").unwrap().unwrap();
+        assert_eq!(
+            (got.state, got.detached_ms),
+            (ShareState::Detached, Some(9))
+        );
+        assert!(store.live_shares().unwrap().is_empty());
+        assert_eq!(store.shares_of_volume("v").unwrap().len(), 1);
+        assert_eq!(store.shares_of_sandbox("s").unwrap()[0].path, "/mnt/v");
+        assert!(!store
+            .set_share_state("va-2", &[ShareState::Attached], ShareState::Detached, 1)
+            .unwrap());
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }
