@@ -12,6 +12,7 @@ use crate::exec::{self, ExecCtl, Input};
 use crate::files::{self, WriteMsg};
 use crate::link::{Link, Outbox};
 use crate::reaper::Reaper;
+use crate::share::{self, Shares};
 use crate::sys::{errno, lock, log, log_limited, poll1, Fail, RateLimit};
 use crate::tunnel::{self, Tunnels};
 use crate::watch::{self, WatchCtl};
@@ -34,6 +35,8 @@ pub(crate) struct Agent {
     finished: Mutex<HashMap<u32, (Reply, std::time::Instant)>>,
     /// Open TCP tunnels.
     pub tunnels: Tunnels,
+    /// Mounted shared volumes.
+    pub shares: Shares,
     /// The session of the host connection the tunnels belong to.
     session: Mutex<u64>,
 }
@@ -82,6 +85,10 @@ impl Agent {
                     && (stream & runtime_proto::GUEST_STREAM != 0 || self.tunnels.contains(stream))
                 {
                     tunnel::data(self, stream, frame.payload);
+                    return;
+                }
+                if frame.channel == channel::INPUT && self.shares.contains(stream) {
+                    self.shares.data(stream, frame.payload);
                     return;
                 }
                 if frame.channel != channel::INPUT {
@@ -177,7 +184,9 @@ impl Agent {
                     log!("hello from host (protocol {version})");
                     // A new host connection: the tunnels of the earlier
                     // one end, and their frames still queued go nowhere.
-                    let ids = self.tunnels.reset_all();
+                    let mut ids = self.tunnels.reset_all();
+                    // Shares stay mounted and wait to be joined again.
+                    ids.extend(self.shares.detach_all());
                     self.out.purge(&ids);
                     // So do its watches (their inotify fds and threads).
                     self.stop_watches();
@@ -391,6 +400,17 @@ impl Agent {
                 if let Some(StreamState::Watch(ctl)) = lock(&self.streams).get(&stream) {
                     ctl.stop();
                 }
+            }
+            Request::Share { id, path } => {
+                if self.busy(stream) {
+                    return;
+                }
+                let agent = Arc::clone(self);
+                self.spawn(stream, move || share::share(&agent, stream, id, path));
+            }
+            Request::Unshare { id } => {
+                let agent = Arc::clone(self);
+                self.spawn(stream, move || share::unshare(&agent, stream, &id));
             }
             Request::Credit { bytes } => tunnel::credit(self, stream, bytes),
             Request::Eof => tunnel::eof(self, stream),
@@ -614,6 +634,7 @@ pub(crate) fn serve(socket: Option<&Path>, reaper: &Arc<Reaper>, proxy_port: Opt
         streams: Mutex::new(HashMap::new()),
         finished: Mutex::new(HashMap::new()),
         tunnels: Tunnels::default(),
+        shares: Shares::default(),
         session: Mutex::new(0),
     });
     if let Some(port) = proxy_port {

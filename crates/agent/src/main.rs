@@ -19,6 +19,7 @@ mod link;
 mod net;
 mod pool;
 mod reaper;
+mod share;
 mod sudo;
 mod switch_root;
 mod sys;

@@ -100,6 +100,14 @@ pub mod codes {
     pub const VOLUME_BACKUP_NOT_FOUND: &str = "volume_backup_not_found";
     pub const VOLUME_BACKUP_NOT_READY: &str = "volume_backup_not_ready";
     pub const VOLUME_BACKUP_FAILED: &str = "volume_backup_failed";
+    /// `…/attachments/{id}` that is not one of the volume's.
+    pub const VOLUME_ATTACHMENT_NOT_FOUND: &str = "volume_attachment_not_found";
+    /// `:attach` of a volume that is not shared.
+    pub const VOLUME_NOT_SHARED: &str = "volume_not_shared";
+    /// `:detach` of an attachment that has ended (or is ending).
+    pub const VOLUME_NOT_ATTACHED: &str = "volume_not_attached";
+    /// The guest could not mount a shared volume.
+    pub const VOLUME_ATTACH_FAILED: &str = "volume_attach_failed";
     pub const STDIN_CLOSED: &str = "stdin_closed";
     pub const PROCESS_NOT_A_TERMINAL: &str = "process_not_a_terminal";
     /// `GET …/processes/{pid}/files` of a process started without `traceFiles`.

@@ -57,6 +57,18 @@ enum LogFormat {
 #[allow(clippy::large_enum_variant)]
 #[derive(Subcommand)]
 enum Cmd {
+    /// (internal) Serves a shared volume's directory as 9P on stdin/stdout,
+    /// as the volume's uid; started by the server for each attachment.
+    #[command(name = "9p-serve", hide = true)]
+    NinePServe {
+        /// Drop to this uid (and gid) before reading anything.
+        #[arg(long)]
+        uid: Option<u32>,
+        /// No file grows past this many bytes.
+        #[arg(long)]
+        max_bytes: u64,
+        dir: std::path::PathBuf,
+    },
     /// Serve the Runtime API (builds the guest kernel and image first if needed).
     Serve {
         #[arg(long, default_value = "127.0.0.1:8080")]
@@ -928,6 +940,14 @@ fn main() -> anyhow::Result<()> {
             .init(),
     }
     match cli.cmd {
+        Cmd::NinePServe {
+            uid,
+            max_bytes,
+            dir,
+        } => {
+            runtime_host::share::serve(&dir, uid, max_bytes)?;
+            Ok(())
+        }
         Cmd::Serve {
             listen,
             data_dir: d,

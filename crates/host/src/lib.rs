@@ -26,6 +26,7 @@
 //! - `network`: the egress proxy of the guests' outbound connections, per sandbox as the control plane sets it.
 //! - `link`: the multiplexed agent channel; `tunnel`: TCP tunnels over its streams.
 //! - `cgroup`: a cgroup per machine; `artifacts`: kernel and base image; `volume`: volume files.
+//! - `share`: shared volumes: the 9P relay, its server process (`runtime 9p-serve`).
 //! - `oci`: pulling registry images (manifests, blobs, the blob cache) through the egress proxy.
 
 mod accel;
@@ -51,6 +52,7 @@ mod pump;
 mod qemu;
 mod qmp;
 mod ram;
+pub mod share;
 mod teardown;
 mod templates;
 mod tunnel;
@@ -61,5 +63,7 @@ pub mod volume;
 pub use accel::{choose_accel, probe_boot};
 pub use machine::{QemuConfig, QemuHost};
 pub use qemu::{host_tsc_khz, Accel};
+pub use share::ShareSpec;
 pub use tunnel::MAX_TUNNELS;
 pub use types::*;
+pub use uid::volume_uid;

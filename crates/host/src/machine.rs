@@ -19,6 +19,7 @@ use crate::network::Networks;
 use crate::pump::{self, pump};
 use crate::qemu::{self, Accel, VmPaths};
 use crate::ram::{self, RamPlan};
+use crate::share::{ShareHandle, ShareSpec};
 use crate::tunnel::{self, Slot};
 use crate::types::*;
 use crate::uid;
@@ -70,6 +71,9 @@ impl Drop for Vm {
     }
 }
 
+/// One sandbox's shares, by share id.
+type Shares = HashMap<String, Arc<ShareHandle>>;
+
 /// Cheap to clone: clones share their machines.
 #[derive(Clone)]
 pub struct QemuHost {
@@ -87,6 +91,8 @@ pub struct QemuHost {
     pub(crate) outbound: Arc<dyn Outbound>,
     /// Open tunnels per sandbox (both directions), for the cap.
     pub(crate) tunnels: Arc<Mutex<HashMap<String, Arc<std::sync::atomic::AtomicUsize>>>>,
+    /// Shared volumes mounted per sandbox, by share id.
+    pub(crate) shares: Arc<Mutex<HashMap<String, Shares>>>,
 }
 
 impl QemuHost {
@@ -130,11 +136,51 @@ impl QemuHost {
             networks,
             outbound,
             tunnels: Arc::default(),
+            shares: Arc::default(),
         };
         host.drop_stale_templates();
         host.drop_stale_machines();
         host.drop_stale_ram();
         Ok(host)
+    }
+
+    /// Ends every share of `id` (its machine stops or is destroyed).
+    fn end_shares(&self, id: &str) {
+        if let Some(all) = self.shares.lock().ok().and_then(|mut m| m.remove(id)) {
+            for h in all.values() {
+                h.stop();
+            }
+        }
+    }
+
+    /// After a wake: each share of `id` is joined to a stream of the new
+    /// link (the mount stayed in the guest's memory).
+    async fn rejoin_shares(&self, id: &str) {
+        let all: Vec<Arc<ShareHandle>> = self
+            .shares
+            .lock()
+            .ok()
+            .and_then(|m| m.get(id).map(|s| s.values().cloned().collect()))
+            .unwrap_or_default();
+        if all.is_empty() {
+            return;
+        }
+        let Ok(link) = self.link(id).await else {
+            return;
+        };
+        for h in all {
+            let Ok(stream) = link.open() else { return };
+            let req = Request::Share {
+                id: h.spec.id.clone(),
+                path: h.spec.path.clone(),
+            };
+            if stream.send(&req).is_err() {
+                return;
+            }
+            if let Err(e) = h.join(stream).await {
+                tracing::warn!(sandbox = id, share = %h.spec.id, "a share was not joined again after the wake: {e}");
+            }
+        }
     }
 
     /// The directory of the guests' RAM files.
@@ -426,6 +472,7 @@ impl Host for QemuHost {
     }
 
     async fn stop(&self, id: &str, keep_disk: bool) -> Result<(), HostError> {
+        self.end_shares(id);
         match self.take_vm(id) {
             Some(vm) => {
                 if keep_disk || vm.volumes {
@@ -598,6 +645,77 @@ impl Host for QemuHost {
         // The machine has moved on from that state; keep only the newest.
         let _ = std::fs::remove_file(&state);
         let _ = std::fs::remove_file(&ram);
+        self.rejoin_shares(id).await;
+        Ok(())
+    }
+
+    async fn share(&self, id: &str, spec: ShareSpec) -> Result<(), HostError> {
+        let served = self
+            .shares
+            .lock()
+            .ok()
+            .is_some_and(|m| m.get(id).is_some_and(|s| s.contains_key(&spec.id)));
+        if served {
+            return Ok(());
+        }
+        let link = self.link(id).await?;
+        if link.peer_version() < runtime_proto::SHARE_VERSION {
+            return Err(HostError::Guest {
+                id: id.to_owned(),
+                failure: GuestFailure::Io,
+                message: format!(
+                    "the guest agent (protocol {}) is older than shared volumes; restart the sandbox",
+                    link.peer_version()
+                ),
+            });
+        }
+        let exe = std::env::current_exe().map_err(Self::io(id, "find the server binary"))?;
+        let share_id = spec.id.clone();
+        let path = spec.path.clone();
+        let handle =
+            Arc::new(crate::share::start(spec, &exe).map_err(Self::io(id, "start a 9P server"))?);
+        let lost = || HostError::LinkLost { id: id.to_owned() };
+        let stream = link.open().map_err(|_| lost())?;
+        stream
+            .send(&Request::Share {
+                id: share_id.clone(),
+                path,
+            })
+            .map_err(|_| lost())?;
+        if let Err(message) = handle.join(stream).await {
+            handle.stop();
+            return Err(HostError::Guest {
+                id: id.to_owned(),
+                failure: GuestFailure::Io,
+                message,
+            });
+        }
+        if let Ok(mut m) = self.shares.lock() {
+            if let Some(old) = m.entry(id.to_owned()).or_default().insert(share_id, handle) {
+                old.stop();
+            }
+        }
+        Ok(())
+    }
+
+    async fn unshare(&self, id: &str, share_id: &str) -> Result<(), HostError> {
+        let handle = self
+            .shares
+            .lock()
+            .ok()
+            .and_then(|mut m| m.get_mut(id).and_then(|s| s.remove(share_id)));
+        if let Ok(link) = self.link(id).await {
+            let _ = tokio::time::timeout(
+                Duration::from_secs(30),
+                link.call(&Request::Unshare {
+                    id: share_id.to_owned(),
+                }),
+            )
+            .await;
+        }
+        if let Some(h) = handle {
+            h.stop();
+        }
         Ok(())
     }
 

@@ -532,6 +532,22 @@ pub trait Host: Send + Sync + 'static {
     /// port forwarding), carried over the agent channel with flow control.
     /// The stream ends when either side closes or the machine stops.
     async fn connect(&self, id: &str, port: u16) -> Result<DuplexStream, HostError>;
+    /// Mounts a shared volume's directory in the running guest of `id` at
+    /// `share.path` (docs/volumes.md, "Shared volumes"), served as 9P by a
+    /// process of the volume's own uid. Kept across a pause and wake; ended
+    /// by [`Host::unshare`], a stop or a destroy.
+    async fn share(&self, id: &str, _share: crate::ShareSpec) -> Result<(), HostError> {
+        Err(HostError::Guest {
+            id: id.to_owned(),
+            failure: GuestFailure::Io,
+            message: "this host does not share volumes".into(),
+        })
+    }
+    /// Unmounts a share in the guest (lazily if busy) and ends its server.
+    /// Ok when there is no such share (any more).
+    async fn unshare(&self, _id: &str, _share_id: &str) -> Result<(), HostError> {
+        Ok(())
+    }
     /// What the host's egress proxy applies to the connections the guest of
     /// `id` opens through the agent's proxy (`127.0.0.1:10800` in the
     /// guest): set before its machine starts, and again on each change,

@@ -55,6 +55,13 @@ pub(crate) fn vm_uid(id: &str) -> Option<(u32, u32)> {
     Some((uid, uid))
 }
 
+/// The uid a shared volume's files belong to and its 9P servers run as,
+/// when the server runs as root: one of the machines' range, derived from
+/// the volume id (fixed across restarts, never a host user's).
+pub fn volume_uid(volume_id: &str) -> Option<u32> {
+    vm_uid(&format!("volume:{volume_id}")).map(|(u, _)| u)
+}
+
 /// The uid of machine `id`: FNV-1a of the id, in 2,000,000,000 and the
 /// 100,000,000 after, far above the uids of the host's users.
 fn uid_for(id: &str) -> u32 {

@@ -29,8 +29,16 @@ pub use codec::{encode, Decoder, Frame, Kind, ProtoError, HEADER_LEN, MAX_FRAME,
 pub use messages::*;
 
 /// The protocol version this build speaks. 1: the first; 2: watches
-/// ([`Request::Watch`]); 3: traced files ([`ExecRequest::trace_files`]).
-pub const VERSION: u32 = 3;
+/// ([`Request::Watch`]); 3: traced files ([`ExecRequest::trace_files`]);
+/// 4: shared volumes ([`Request::Share`]).
+pub const VERSION: u32 = 4;
+
+/// The first version whose agents take [`Request::Share`].
+pub const SHARE_VERSION: u32 = 4;
+
+/// The largest 9P message of a share (the mount's `msize`): a guest that
+/// sends a longer one is cut off.
+pub const SHARE_MSIZE: usize = 256 * 1024;
 
 /// The first version whose agents take [`Request::Watch`].
 pub const WATCH_VERSION: u32 = 2;

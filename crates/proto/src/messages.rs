@@ -12,6 +12,9 @@ pub mod channel {
     pub const INPUT: u8 = 0;
     pub const STDOUT: u8 = 1;
     pub const STDERR: u8 = 2;
+    /// Guest -> host on a share stream ([`crate::Request::Share`]): a 9P
+    /// request sent again after the host connection changed.
+    pub const RESENT: u8 = 2;
 }
 
 /// Who a command or file operation runs as.
@@ -287,6 +290,22 @@ pub enum Request {
     Watch(WatchRequest),
     /// Ends the watch on this stream ([`Reply::WatchEnded`] `stopped`).
     Unwatch,
+    /// Mounts a shared volume at `path` (made if missing): 9P2000.L served
+    /// by the host, carried on this stream ([`crate::SHARE_VERSION`]). The
+    /// agent pumps the mount's socket to the stream as INPUT data, whole 9P
+    /// messages; requests it re-sends after a new host connection (those
+    /// without a reply yet) travel on [`crate::channel::RESENT`]. Answered
+    /// `Done` once mounted, or `Failed`. A `Share` of an `id` already
+    /// mounted (after a pause and wake, or a restart of the server) joins
+    /// the same mount to this stream again.
+    Share {
+        id: String,
+        path: String,
+    },
+    /// Unmounts the share `id` (lazily if busy) and ends its pump; `Done`.
+    Unshare {
+        id: String,
+    },
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

@@ -3508,9 +3508,18 @@ async fn volumes_resize_back_up_and_restore_checking_input_and_owners() {
         before
     );
 
-    // Attaching to a running sandbox and backup schedules are not served.
+    // An ordinary volume attaches at create only (shared ones attach to a
+    // running sandbox); backup schedules of their own are not served.
+    let (s, v) = t
+        .json(
+            "POST",
+            &format!("/v1/volumes/{vid}:attach"),
+            Some(json!({"sandboxId": "s", "path": "/data"})),
+        )
+        .await;
+    assert_eq!(s, StatusCode::CONFLICT, "attach {v}");
+    assert_error(&v, 409, "volume_not_shared");
     for (verb, body) in [
-        ("attach", json!({"sandboxId": "s", "path": "/data"})),
         ("backup-policy", json!({"schedule": {"everyMinutes": 15}})),
         ("backup-policy", json!({"keep": {"last": 3}})),
     ] {
@@ -3555,7 +3564,7 @@ async fn volumes_resize_back_up_and_restore_checking_input_and_owners() {
     let (s, _) = t
         .json("GET", &format!("/v1/volumes/{vid}/attachments/a1"), None)
         .await;
-    assert_eq!(s, StatusCode::NOT_IMPLEMENTED);
+    assert_eq!(s, StatusCode::NOT_FOUND);
 
     // Attached: no resize; a running writer is frozen for its backup (and
     // thawed after), and a writer that cannot be frozen is refused.
@@ -4238,7 +4247,7 @@ async fn volumes_create_attach_exclusively_and_delete_only_when_free() {
         .json(
             "POST",
             "/v1/volumes",
-            Some(json!({"sizeMiB": 64, "name": "data", "shared": true})),
+            Some(json!({"sizeMiB": 64, "name": "data", "shared": "yes"})),
         )
         .await;
     assert_eq!(s, StatusCode::BAD_REQUEST, "{v}");
@@ -7132,4 +7141,250 @@ fn t_iso(s: &str) -> String {
 fn t_iso_ms(s: &str, t: &time::OffsetDateTime) -> String {
     let whole = &s[..19];
     format!("{whole}.{:03}Z", t.millisecond())
+}
+
+#[tokio::test]
+async fn shared_volumes_attach_to_running_sandboxes_and_detach() {
+    let t = T::new();
+    let (s, vol) = t
+        .json(
+            "POST",
+            "/v1/volumes",
+            Some(json!({"sizeMiB": 32, "name": "team", "shared": true})),
+        )
+        .await;
+    assert_eq!(s, StatusCode::CREATED, "{vol}");
+    assert_eq!(vol["shared"], true, "{vol}");
+    let vid = vol["id"].as_str().unwrap().to_string();
+    assert!(t.dir.join("volumes").join(format!("{vid}.d")).is_dir());
+    let (_, plain) = t
+        .json("POST", "/v1/volumes", Some(json!({"sizeMiB": 32})))
+        .await;
+    let pid = plain["id"].as_str().unwrap().to_string();
+    let a = t.running(json!({})).await;
+    let b = t.running(json!({})).await;
+    let attach = |v: &str| format!("/v1/volumes/{v}:attach");
+
+    // Every wrong field is named at once.
+    let (s, v) = t
+        .json(
+            "POST",
+            &attach(&vid),
+            Some(json!({"path": "/a/../b", "x": 1})),
+        )
+        .await;
+    assert_eq!(s, StatusCode::BAD_REQUEST, "{v}");
+    let mut fields = issue_fields(&v);
+    fields.sort();
+    assert_eq!(fields, ["path", "sandboxId", "x"], "{v}");
+    // Ordinary volumes attach at create only; unknown ids are 404.
+    let (s, v) = t
+        .json(
+            "POST",
+            &attach(&pid),
+            Some(json!({"sandboxId": a, "path": "/mnt/x"})),
+        )
+        .await;
+    assert_eq!(s, StatusCode::CONFLICT, "{v}");
+    assert_error(&v, 409, "volume_not_shared");
+    let (s, v) = t
+        .json(
+            "POST",
+            &attach("nope"),
+            Some(json!({"sandboxId": a, "path": "/mnt/x"})),
+        )
+        .await;
+    assert_eq!(s, StatusCode::NOT_FOUND, "{v}");
+    assert_error(&v, 404, "volume_not_found");
+    let (s, v) = t
+        .json(
+            "POST",
+            &attach(&vid),
+            Some(json!({"sandboxId": "sbx-nope", "path": "/mnt/x"})),
+        )
+        .await;
+    assert_eq!(s, StatusCode::NOT_FOUND, "{v}");
+
+    // Two sandboxes attach it; the volume lists both.
+    let (s, x) = t
+        .json(
+            "POST",
+            &attach(&vid),
+            Some(json!({"sandboxId": a, "path": "/mnt/team"})),
+        )
+        .await;
+    assert_eq!(s, StatusCode::CREATED, "{x}");
+    assert_eq!(
+        (x["kind"].as_str(), x["state"].as_str(), x["mode"].as_str()),
+        (Some("volume_attachment"), Some("attached"), Some("rw")),
+        "{x}"
+    );
+    assert!(x["id"].as_str().unwrap().starts_with("va-"));
+    assert!(x["detachedAt"].is_null());
+    let (s, y) = t
+        .json(
+            "POST",
+            &attach(&vid),
+            Some(json!({"sandboxId": b, "path": "/mnt/team"})),
+        )
+        .await;
+    assert_eq!(s, StatusCode::CREATED, "{y}");
+    let xid = x["id"].as_str().unwrap().to_string();
+    let yid = y["id"].as_str().unwrap().to_string();
+    {
+        let shared = t.host.shared.lock().unwrap();
+        assert_eq!(shared.len(), 2);
+        assert_eq!(shared[0].0, a);
+        assert_eq!(shared[0].1.id, xid);
+        assert_eq!(shared[0].1.path, "/mnt/team");
+        assert_eq!(shared[0].1.size_bytes, 32 << 20);
+        assert!(shared[0].1.dir.ends_with(format!("volumes/{vid}.d")));
+    }
+    let (_, v) = t.json("GET", &format!("/v1/volumes/{vid}"), None).await;
+    let ids: Vec<&str> = v["attachments"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| a["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, [xid.as_str(), yid.as_str()], "{v}");
+    // Once per path; nested paths refused; no fork, no delete meanwhile.
+    let (s, v) = t
+        .json(
+            "POST",
+            &attach(&vid),
+            Some(json!({"sandboxId": a, "path": "/mnt/team"})),
+        )
+        .await;
+    assert_eq!(s, StatusCode::CONFLICT, "{v}");
+    let (s, v) = t
+        .json(
+            "POST",
+            &attach(&vid),
+            Some(json!({"sandboxId": a, "path": "/mnt/team/in"})),
+        )
+        .await;
+    assert_eq!(
+        (s, issue_fields(&v)),
+        (StatusCode::BAD_REQUEST, vec!["path".to_string()]),
+        "{v}"
+    );
+    let (s, v) = t
+        .json("POST", &format!("/v1/sandboxes/{a}:fork"), Some(json!({})))
+        .await;
+    assert_eq!(s, StatusCode::CONFLICT, "{v}");
+    assert_error(&v, 409, "volume_attached");
+    let (s, v) = t
+        .json(
+            "POST",
+            &format!("/v1/volumes/{vid}:delete"),
+            Some(json!({})),
+        )
+        .await;
+    assert_eq!(s, StatusCode::CONFLICT, "{v}");
+    assert_error(&v, 409, "volume_in_use");
+    // A shared volume is not named in a create.
+    let (s, v) = t
+        .json(
+            "POST",
+            "/v1/sandboxes",
+            Some(json!({"volumes": [{"volumeId": vid, "path": "/data"}]})),
+        )
+        .await;
+    assert_eq!(
+        (s, issue_fields(&v)),
+        (
+            StatusCode::BAD_REQUEST,
+            vec!["volumes[0].volumeId".to_string()]
+        ),
+        "{v}"
+    );
+
+    // Get, detach, detach again.
+    let one = format!("/v1/volumes/{vid}/attachments/{xid}");
+    let (s, v) = t.json("GET", &one, None).await;
+    assert_eq!(
+        (s, v["sandboxId"].as_str()),
+        (StatusCode::OK, Some(a.as_str())),
+        "{v}"
+    );
+    let (s, v) = t
+        .json("GET", &format!("/v1/volumes/{pid}/attachments/{xid}"), None)
+        .await;
+    assert_eq!(s, StatusCode::NOT_FOUND, "{v}");
+    assert_error(&v, 404, "volume_attachment_not_found");
+    let (s, v) = t
+        .json("POST", &format!("{one}:detach"), Some(json!({"x": 1})))
+        .await;
+    assert_eq!(s, StatusCode::BAD_REQUEST, "{v}");
+    let (s, v) = t
+        .json("POST", &format!("{one}:detach"), Some(json!({})))
+        .await;
+    assert_eq!(
+        (s, v["state"].as_str()),
+        (StatusCode::OK, Some("detached")),
+        "{v}"
+    );
+    assert!(v["detachedAt"].is_string(), "{v}");
+    assert_eq!(
+        t.host.unshared.lock().unwrap().as_slice(),
+        [(a.clone(), xid.clone())]
+    );
+    let (s, v) = t
+        .json("POST", &format!("{one}:detach"), Some(json!({})))
+        .await;
+    assert_eq!(s, StatusCode::CONFLICT, "{v}");
+    assert_error(&v, 409, "volume_not_attached");
+
+    // Deleting the sandbox ends its attachments; then the volume goes.
+    let (s, _) = t.json("DELETE", &format!("/v1/sandboxes/{b}"), None).await;
+    assert!(s.is_success());
+    let (_, v) = t
+        .json("GET", &format!("/v1/volumes/{vid}/attachments/{yid}"), None)
+        .await;
+    assert_eq!(v["state"], "detached", "{v}");
+    let (s, v) = t
+        .json(
+            "POST",
+            &format!("/v1/volumes/{vid}:delete"),
+            Some(json!({})),
+        )
+        .await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert!(!t.dir.join("volumes").join(format!("{vid}.d")).exists());
+}
+
+#[tokio::test]
+async fn a_shared_volume_that_cannot_be_mounted_is_recorded_detached() {
+    let t = T::new();
+    let (_, vol) = t
+        .json(
+            "POST",
+            "/v1/volumes",
+            Some(json!({"sizeMiB": 16, "shared": true})),
+        )
+        .await;
+    let vid = vol["id"].as_str().unwrap().to_string();
+    let a = t.running(json!({})).await;
+    *t.host.share_fails.lock().unwrap() = true;
+    let (s, v) = t
+        .json(
+            "POST",
+            &format!("/v1/volumes/{vid}:attach"),
+            Some(json!({"sandboxId": a, "path": "/mnt/v"})),
+        )
+        .await;
+    assert_eq!(s.as_u16() / 100, 5, "{v}");
+    assert_eq!(v["error"]["code"], "volume_attach_failed", "{v}");
+    let (_, v) = t.json("GET", &format!("/v1/volumes/{vid}"), None).await;
+    assert_eq!(v["attachments"], json!([]), "{v}");
+    // Nothing holds it: it may be deleted.
+    let (s, _) = t
+        .json(
+            "POST",
+            &format!("/v1/volumes/{vid}:delete"),
+            Some(json!({})),
+        )
+        .await;
+    assert_eq!(s, StatusCode::OK);
 }

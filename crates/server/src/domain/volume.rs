@@ -32,6 +32,67 @@ pub(crate) struct Volume {
     /// Its automatic backups; `None`: none (this server's default).
     #[serde(default)]
     pub(crate) backup_policy: Option<BackupPolicy>,
+    /// A shared volume: a directory served to running sandboxes that
+    /// attach it (`:attach`), many at once, instead of an ext4 drive.
+    #[serde(default)]
+    pub(crate) shared: bool,
+}
+
+/// Most shared-volume attachments one sandbox has at once.
+pub(crate) const MAX_SHARES_PER_SANDBOX: usize = 8;
+/// Most live attachments of one shared volume.
+pub(crate) const MAX_SHARES_PER_VOLUME: usize = 64;
+
+/// Where an attachment of a shared volume stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ShareState {
+    /// Recorded; the guest's mount is being made.
+    Attaching,
+    Attached,
+    /// Recorded; the guest's mount is being taken down.
+    Detaching,
+    /// Ended (a detach, or its sandbox stopped or was deleted).
+    Detached,
+}
+
+impl ShareState {
+    pub(crate) fn as_str(self) -> &'static str {
+        match self {
+            ShareState::Attaching => "attaching",
+            ShareState::Attached => "attached",
+            ShareState::Detaching => "detaching",
+            ShareState::Detached => "detached",
+        }
+    }
+
+    pub(crate) fn parse(s: &str) -> Option<ShareState> {
+        match s {
+            "attaching" => Some(ShareState::Attaching),
+            "attached" => Some(ShareState::Attached),
+            "detaching" => Some(ShareState::Detaching),
+            "detached" => Some(ShareState::Detached),
+            _ => None,
+        }
+    }
+
+    /// Not detached: it counts against the bounds and holds the volume.
+    pub(crate) fn live(self) -> bool {
+        self != ShareState::Detached
+    }
+}
+
+/// A shared volume attached to a running sandbox (`va-…`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct SharedAttachment {
+    pub(crate) id: String,
+    /// The key that attached it.
+    pub(crate) key_id: String,
+    pub(crate) volume_id: String,
+    pub(crate) sandbox_id: String,
+    pub(crate) path: String,
+    pub(crate) state: ShareState,
+    pub(crate) created_ms: i64,
+    pub(crate) detached_ms: Option<i64>,
 }
 
 /// A volume's automatic backups: one a day while `daily`, each kept

@@ -74,6 +74,10 @@ pub(crate) enum Route {
     GetVolumeBackup(String),
     /// `POST /v1/volume-backups/{id}:{verb}`.
     VolumeBackupAction(String, String),
+    /// `GET /v1/volumes/{id}/attachments/{aid}`.
+    GetVolumeAttachment(String, String),
+    /// `POST /v1/volumes/{id}/attachments/{aid}:{verb}` (`detach`).
+    VolumeAttachmentAction(String, String, String),
     /// `/v1/sandboxes/{id}/interpreter[/…]`: the method, the segments after
     /// `interpreter`, and the verb.
     Interpreter(Method, String, Vec<String>, Option<String>),
@@ -172,7 +176,6 @@ fn unavailable(s: &[&str]) -> Option<&'static str> {
         |t: &[(&str, &'static str)], seg: &str| t.iter().find(|(p, _)| *p == seg).map(|(_, n)| *n);
     match s {
         ["v1", "usage", "compare"] => Some("Usage comparisons"),
-        ["v1", "volumes", _, "attachments", ..] => Some("Volume attachments"),
         ["v1", "sandboxes", _, product, ..] => find(SANDBOX_PRODUCTS, product),
         ["v1", product, ..] => find(ACCOUNT_PRODUCTS, product),
         _ => None,
@@ -427,6 +430,13 @@ pub(crate) fn route(method: &Method, raw_path: &str) -> ApiResult<Route> {
             (&Method::POST, Some(v)) => Route::VolumeAction(id.to_string(), v.clone()),
             _ => return Err(not_allowed()),
         },
+        ["v1", "volumes", id, "attachments", aid] => match (&m, &verb) {
+            (&Method::GET, None) => Route::GetVolumeAttachment(id.to_string(), aid.to_string()),
+            (&Method::POST, Some(v)) => {
+                Route::VolumeAttachmentAction(id.to_string(), aid.to_string(), v.clone())
+            }
+            _ => return Err(not_allowed()),
+        },
         ["v1", "usage"] if verb_or_none(false) => match m {
             Method::GET => Route::Usage,
             _ => return Err(not_allowed()),
@@ -583,6 +593,8 @@ pub const ROUTE_SAMPLES: &[(&str, &str)] = &[
     ("GET", "/v1/volume-backups"),
     ("GET", "/v1/volume-backups/b1"),
     ("POST", "/v1/volume-backups/b1:delete"),
+    ("GET", "/v1/volumes/v1/attachments/va-1"),
+    ("POST", "/v1/volumes/v1/attachments/va-1:detach"),
     ("GET", "/v1/usage"),
     ("GET", "/v1/limits"),
     ("GET", "/v1/me"),
@@ -731,6 +743,8 @@ pub(crate) fn operation(r: &Route) -> String {
         Route::ListVolumeBackups => fixed("volumeBackups.list"),
         Route::GetVolumeBackup(_) => fixed("volumeBackups.get"),
         Route::VolumeBackupAction(_, v) => act("volumeBackups", v, &["delete"]),
+        Route::GetVolumeAttachment(..) => fixed("volumeAttachments.get"),
+        Route::VolumeAttachmentAction(_, _, v) => act("volumeAttachments", v, &["detach"]),
         Route::Interpreter(..) => fixed("interpreter"),
         Route::Previews(_) => fixed("previews.list"),
         Route::PreviewCreate(_) => fixed("previews.create"),
@@ -971,9 +985,11 @@ mod tests {
             Route::ProcFiles(..) => 87,
             Route::UsageRequests => 88,
             Route::UsageExport => 89,
+            Route::GetVolumeAttachment(..) => 90,
+            Route::VolumeAttachmentAction(..) => 91,
         }
     }
-    const VARIANTS: usize = 90;
+    const VARIANTS: usize = 92;
 
     #[test]
     fn products_not_served_here_are_unavailable_not_missing() {

@@ -189,6 +189,7 @@ pub(crate) async fn recover(st: &AppState) -> Result<(), ServerError> {
             _ => {}
         }
     }
+    crate::service::shares::recover(st).await;
     st.notify_change();
     Ok(())
 }

@@ -236,6 +236,7 @@ async fn run(st: &AppState, row: SandboxRow, op: Op) {
             if let Err(e) = st.host().stop(&id, false).await {
                 tracing::warn!(error = %e, "host stop failed; recording the sandbox as stopped");
             }
+            crate::service::shares::sandbox_ended(st, &id);
             let out = record(st, &id, SandboxState::Stopping, Event::Halted, |r| {
                 r.stop_reason = Some(reason.into());
                 r.ended_at = Some(iso(now));
@@ -290,6 +291,7 @@ async fn run(st: &AppState, row: SandboxRow, op: Op) {
             if ev == Event::MachineGone {
                 st.inner.procs.sandbox_gone(st.store(), &id);
                 crate::service::watches::sandbox_gone(st, &id);
+                crate::service::shares::sandbox_ended(st, &id);
             }
         }
         Op::Wake { .. } => {
@@ -302,6 +304,8 @@ async fn run(st: &AppState, row: SandboxRow, op: Op) {
             if result.is_ok() {
                 // Before it is `running`, so a call that woke it finds them attached.
                 crate::service::processes::recover::reattach(st, &id).await;
+                // Its shared volumes' mounts are joined to the new link.
+                crate::service::shares::reestablish(st, &id).await;
             }
             let ev = match &result {
                 Ok(()) => Event::Woken,
@@ -332,6 +336,7 @@ async fn run(st: &AppState, row: SandboxRow, op: Op) {
             if ev == Event::MachineGone {
                 st.inner.procs.sandbox_gone(st.store(), &id);
                 crate::service::watches::sandbox_gone(st, &id);
+                crate::service::shares::sandbox_ended(st, &id);
             }
         }
     }
@@ -429,6 +434,8 @@ async fn resize(st: &AppState, row: &SandboxRow, from: SandboxState, old: (u32, 
         disk_dir(st, &id).with_extension("resize")
     };
     if from != SandboxState::Stopped {
+        // Its machine ends: so do its shared volumes' mounts.
+        crate::service::shares::sandbox_ended(st, &id);
         if from == SandboxState::Running {
             if let Err(e) = st.host().stop(&id, true).await {
                 tracing::warn!(error = %e, "ending the machine for the resize failed");

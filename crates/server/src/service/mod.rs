@@ -2,6 +2,7 @@
 //! HTTP types (axum, `StatusCode`, `Bytes`).
 
 pub(crate) mod archives;
+pub(crate) mod attachments;
 pub(crate) mod background;
 pub(crate) mod billing;
 pub(crate) mod clock;
@@ -24,6 +25,7 @@ pub(crate) mod resize;
 pub(crate) mod sandboxes;
 pub(crate) mod secrets;
 pub(crate) mod sessions;
+pub(crate) mod shares;
 pub(crate) mod snapshots;
 pub(crate) mod switch;
 pub(crate) mod telemetry;

@@ -310,6 +310,7 @@ pub(crate) fn delete_sandbox(st: &AppState, id: &str, reason: &str) -> ApiResult
     crate::service::watches::sandbox_gone(st, id);
     crate::service::previews::live::sandbox_gone(st, id);
     crate::service::network::sandbox_gone(st, id);
+    crate::service::shares::sandbox_ended(st, id);
     // Marked deleted, its machine not ended yet.
     runtime_host::crash_point(st.config().test_crash_at.as_deref(), "delete_destroy");
     let st2 = st.clone();

@@ -42,6 +42,8 @@ pub(crate) struct CreateVolume {
     pub(crate) labels: BTreeMap<String, String>,
     /// A restore: the new volume holds this backup's bytes.
     pub(crate) from_backup: Option<String>,
+    /// A shared volume: a directory that running sandboxes attach.
+    pub(crate) shared: bool,
 }
 
 /// A sandbox holding a volume.
@@ -58,6 +60,8 @@ pub(crate) struct VolumeView {
     pub(crate) volume: Volume,
     pub(crate) used_bytes: u64,
     pub(crate) holders: Vec<Holder>,
+    /// A shared volume's attachments (ended ones too), oldest first.
+    pub(crate) shares: Vec<crate::domain::volume::SharedAttachment>,
 }
 
 /// What a delete answers.
@@ -100,9 +104,18 @@ pub(crate) fn find(st: &AppState, key: &KeyInfo, which: &str) -> ApiResult<Volum
 /// `d` with the bytes its file takes and the holders among `held`.
 pub(crate) fn view(st: &AppState, d: Volume, held: &[Holder]) -> VolumeView {
     use std::os::unix::fs::MetadataExt;
-    let used_bytes = std::fs::metadata(file(st, &d.id))
-        .map(|m| m.blocks() * 512)
-        .unwrap_or(0);
+    let used_bytes = if d.shared {
+        crate::service::shares::used_bytes(st, &d.id)
+    } else {
+        std::fs::metadata(file(st, &d.id))
+            .map(|m| m.blocks() * 512)
+            .unwrap_or(0)
+    };
+    let shares = if d.shared {
+        crate::service::shares::of_volume(st, &d.id).unwrap_or_default()
+    } else {
+        Vec::new()
+    };
     let holders = held
         .iter()
         .filter(|h| h.attachment.volume_id == d.id)
@@ -112,6 +125,7 @@ pub(crate) fn view(st: &AppState, d: Volume, held: &[Holder]) -> VolumeView {
         volume: d,
         used_bytes,
         holders,
+        shares,
     }
 }
 
@@ -174,7 +188,32 @@ pub(crate) async fn create(
         created_ms: now,
         restored_from: source.as_ref().map(|b| b.id.clone()),
         backup_policy: None,
+        shared: cmd.shared,
     };
+    if d.shared {
+        let made = {
+            let (st2, id) = (st.clone(), d.id.clone());
+            tokio::task::spawn_blocking(move || crate::service::shares::make_dir(&st2, &id)).await
+        };
+        match made {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => {
+                return Err(ApiError::Failed {
+                    code: codes::VOLUME_CREATE_FAILED,
+                    message: format!("The volume's directory could not be made: {e}"),
+                })
+            }
+            Err(e) => {
+                return Err(ApiError::Internal {
+                    what: e.to_string(),
+                })
+            }
+        }
+        st.store().insert_volume(&d)?;
+        tracing::info!(volume_id = %d.id, size_mib = d.size_mib, "shared volume created");
+        crate::service::events::record(st, &d.key_id, "volume.ready", &d.id, volume_data(&d));
+        return Ok(view(st, d, &[]));
+    }
     let path = file(st, &d.id);
     let size = d.size_mib;
     let from = source
@@ -284,7 +323,29 @@ pub(crate) async fn delete(st: &AppState, key: &KeyInfo, id: &str) -> ApiResult<
             details: Some(json!({"volumeId": d.id, "sandboxId": h.sandbox_id})),
         });
     }
+    if let Some(a) = crate::service::shares::of_volume(st, &d.id)?
+        .into_iter()
+        .find(|a| a.state.live())
+    {
+        return Err(ApiError::Conflict {
+            code: codes::VOLUME_IN_USE,
+            message: format!(
+                "Volume {} is attached to sandbox {} ({}); detach it first.",
+                d.id, a.sandbox_id, a.id
+            ),
+            details: Some(
+                json!({"volumeId": d.id, "sandboxId": a.sandbox_id, "attachmentId": a.id}),
+            ),
+        });
+    }
     st.store().delete_volume(&d.id)?;
+    if d.shared {
+        if let Err(e) = std::fs::remove_dir_all(crate::service::shares::dir(st, &d.id)) {
+            if e.kind() != std::io::ErrorKind::NotFound {
+                tracing::warn!(volume_id = %d.id, error = %e, "removing the volume's directory failed");
+            }
+        }
+    }
     if let Err(e) = std::fs::remove_file(file(st, &d.id)) {
         if e.kind() != std::io::ErrorKind::NotFound {
             tracing::warn!(volume_id = %d.id, error = %e, "removing the volume's file failed");
@@ -377,6 +438,12 @@ pub(crate) async fn resolve(
     let mut out = Vec::new();
     for (i, a) in wanted.iter().enumerate() {
         let d = find(st, key, &a.volume_id)?;
+        if d.shared {
+            return Err(ApiError::invalid(
+                format!("volumes[{i}].volumeId"),
+                "names a shared volume: attach it to the running sandbox with                  POST /v1/volumes/{id}:attach",
+            ));
+        }
         if out.iter().any(|b: &Attachment| b.volume_id == d.id) {
             return Err(ApiError::invalid(
                 format!("volumes[{i}].volumeId"),
@@ -491,7 +558,9 @@ pub(crate) fn keep(st: &AppState, sandbox_id: &str, list: &[Attachment]) -> ApiR
 
 /// Refuses a copy of a sandbox with volumes (fork, memory snapshot).
 pub(crate) fn refuse_copy(st: &AppState, sandbox_id: &str, what: &str) -> ApiResult<()> {
-    if st.store().attachments_of(sandbox_id)?.is_empty() {
+    if st.store().attachments_of(sandbox_id)?.is_empty()
+        && !crate::service::shares::sandbox_has(st, sandbox_id)?
+    {
         return Ok(());
     }
     Err(ApiError::Conflict {
@@ -622,11 +691,31 @@ pub(crate) async fn resize(
             details: Some(json!({"volumeId": d.id, "sandboxId": h.sandbox_id})),
         });
     }
+    if d.shared
+        && crate::service::shares::of_volume(st, &d.id)?
+            .iter()
+            .any(|a| a.state.live())
+    {
+        return Err(ApiError::Conflict {
+            code: codes::VOLUME_IN_USE,
+            message: format!(
+                "Volume {} is attached; only a detached shared volume is resized.",
+                d.id
+            ),
+            details: Some(json!({"volumeId": d.id})),
+        });
+    }
     let _busy = Busy::mark(st, &d.id)?;
     let mut asked = crate::domain::quota::Usage::default();
     asked.add("volume.mib", u64::from(size_mib - d.size_mib));
     // The volume counts against its owner's quota, whoever grows it.
     crate::service::quotas::admit(st, &d.key_id, &asked)?;
+    if d.shared {
+        // Its size is a bound the host enforces, not a file to grow.
+        st.store().set_volume_size(&d.id, size_mib)?;
+        let d = find(st, key, &d.id)?;
+        return Ok(view(st, d, &held));
+    }
     let path = file(st, &d.id);
     tokio::task::spawn_blocking(move || runtime_host::volume::grow_volume_file(&path, size_mib))
         .await
@@ -769,6 +858,16 @@ pub(crate) async fn backup(
     let (d, writer, busy) = {
         let _g = st.inner.create_lock.lock().await;
         let d = own(st, key, which, "back volumes up")?;
+        if d.shared {
+            return Err(ApiError::Conflict {
+                code: codes::VOLUME_NOT_SHARED,
+                message: format!(
+                    "Volume {} is shared: backups are taken of ordinary volumes only here.",
+                    d.id
+                ),
+                details: Some(json!({"volumeId": d.id})),
+            });
+        }
         let mut asked = crate::domain::quota::Usage::default();
         asked.add("volume_backup.count", 1);
         asked.add(

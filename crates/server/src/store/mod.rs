@@ -33,7 +33,26 @@ use db::{params, pg_connect, ConnGuard, Connection, DbError, Engine, Pool, MIGRA
 
 use crate::error::ServerError;
 
-pub(super) const SCHEMA_VERSION: i64 = 16;
+pub(super) const SCHEMA_VERSION: i64 = 17;
+
+/// Shared volumes (v17): a volume's `shared` flag, and the attachments of
+/// shared volumes to running sandboxes, each with its state (attaching,
+/// attached, detaching, detached), kept after it ends.
+const SCHEMA_V17: &str = "
+ALTER TABLE volumes ADD COLUMN shared INTEGER NOT NULL DEFAULT 0;
+CREATE TABLE IF NOT EXISTS shared_attachments (
+    id TEXT PRIMARY KEY,
+    key_id TEXT NOT NULL,
+    volume_id TEXT NOT NULL,
+    sandbox_id TEXT NOT NULL,
+    path TEXT NOT NULL,
+    state TEXT NOT NULL,
+    created_ms INTEGER NOT NULL,
+    detached_ms INTEGER
+);
+CREATE INDEX IF NOT EXISTS shared_attachments_volume ON shared_attachments(volume_id);
+CREATE INDEX IF NOT EXISTS shared_attachments_sandbox ON shared_attachments(sandbox_id);
+";
 
 const SCHEMA_V1: &str = "
 CREATE TABLE IF NOT EXISTS keys (
@@ -443,7 +462,7 @@ fn keep_private(data_dir: &Path) -> Result<(), ServerError> {
 }
 
 /// Each schema version's SQL, oldest first (v6 also moves documents).
-const MIGRATIONS: [(i64, &str); 16] = [
+const MIGRATIONS: [(i64, &str); 17] = [
     (1, SCHEMA_V1),
     (2, SCHEMA_V2),
     (3, SCHEMA_V3),
@@ -460,6 +479,7 @@ const MIGRATIONS: [(i64, &str); 16] = [
     (14, SCHEMA_V14),
     (15, SCHEMA_V15),
     (16, SCHEMA_V16),
+    (17, SCHEMA_V17),
 ];
 
 /// Runs the migrations after `version` on SQLite, each in a transaction
@@ -487,7 +507,7 @@ fn step(c: &Connection, v: i64, sql: &str, op: &'static str) -> Result<(), Serve
     Ok(())
 }
 
-const MIGRATE_OPS: [&str; 16] = [
+const MIGRATE_OPS: [&str; 17] = [
     "migrate v1",
     "migrate v2",
     "migrate v3",
@@ -504,6 +524,7 @@ const MIGRATE_OPS: [&str; 16] = [
     "migrate v14",
     "migrate v15",
     "migrate v16",
+    "migrate v17",
 ];
 
 fn too_new(version: i64, what: &str) -> Result<(), ServerError> {

@@ -5,17 +5,20 @@ use super::db::{params, Connection, OptionalExtension};
 
 use super::{corrupt, store_err, Store};
 use crate::domain::volume::{
-    AttachMode, Attachment, BackupPolicy, BackupState, Volume, VolumeBackup,
+    AttachMode, Attachment, BackupPolicy, BackupState, ShareState, SharedAttachment, Volume,
+    VolumeBackup,
 };
 use crate::error::ServerError;
 
-const COLUMNS: &str =
-    "id, key_id, name, labels, size_mib, created_at, created_ms, restored_from, backup_policy";
+const COLUMNS: &str = "id, key_id, name, labels, size_mib, created_at, created_ms, restored_from, \
+                       backup_policy, shared";
 
 fn insert_row(conn: &Connection, v: &Volume) -> Result<(), ServerError> {
     let labels = serde_json::to_string(&v.labels).map_err(|e| corrupt(e.to_string()))?;
     conn.execute(
-        &format!("INSERT INTO volumes ({COLUMNS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)"),
+        &format!(
+            "INSERT INTO volumes ({COLUMNS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)"
+        ),
         params![
             v.id,
             v.key_id,
@@ -25,7 +28,8 @@ fn insert_row(conn: &Connection, v: &Volume) -> Result<(), ServerError> {
             v.created_at,
             v.created_ms,
             v.restored_from,
-            policy_text(v.backup_policy)?
+            policy_text(v.backup_policy)?,
+            v.shared
         ],
     )
     .map(|_| ())
@@ -63,6 +67,7 @@ type RawVolume = (
     i64,
     Option<String>,
     Option<String>,
+    bool,
 );
 
 fn policy_text(p: Option<BackupPolicy>) -> Result<Option<String>, ServerError> {
@@ -81,11 +86,12 @@ fn raw(r: &super::db::Row) -> super::db::DbResult<RawVolume> {
         r.get(6)?,
         r.get(7)?,
         r.get(8)?,
+        r.get(9)?,
     ))
 }
 
 fn parse(
-    (id, key_id, name, labels, size_mib, created_at, created_ms, restored_from, policy): RawVolume,
+    (id, key_id, name, labels, size_mib, created_at, created_ms, restored_from, policy, shared): RawVolume,
 ) -> Result<Volume, ServerError> {
     let labels =
         serde_json::from_str(&labels).map_err(|e| corrupt(format!("volume labels: {e}")))?;
@@ -103,6 +109,7 @@ fn parse(
         created_ms,
         restored_from,
         backup_policy,
+        shared,
     })
 }
 
@@ -482,6 +489,162 @@ fn forget(tx: &Connection, kind: &str, scope: &str, name: &str) -> Result<(), Se
     .map_err(store_err("migrate volumes"))
 }
 
+const SHARE_COLUMNS: &str =
+    "id, key_id, volume_id, sandbox_id, path, state, created_ms, detached_ms";
+
+type RawShare = (
+    String,
+    String,
+    String,
+    String,
+    String,
+    String,
+    i64,
+    Option<i64>,
+);
+
+fn raw_share(r: &super::db::Row) -> super::db::DbResult<RawShare> {
+    Ok((
+        r.get(0)?,
+        r.get(1)?,
+        r.get(2)?,
+        r.get(3)?,
+        r.get(4)?,
+        r.get(5)?,
+        r.get(6)?,
+        r.get(7)?,
+    ))
+}
+
+fn parse_share(
+    (id, key_id, volume_id, sandbox_id, path, state, created_ms, detached_ms): RawShare,
+) -> Result<SharedAttachment, ServerError> {
+    let state = ShareState::parse(&state)
+        .ok_or_else(|| corrupt(format!("shared attachment state {state}")))?;
+    Ok(SharedAttachment {
+        id,
+        key_id,
+        volume_id,
+        sandbox_id,
+        path,
+        state,
+        created_ms,
+        detached_ms,
+    })
+}
+
+impl Store {
+    pub(crate) fn insert_share(&self, a: &SharedAttachment) -> Result<(), ServerError> {
+        self.conn()
+            .execute(
+                &format!(
+                    "INSERT INTO shared_attachments ({SHARE_COLUMNS}) \
+                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)"
+                ),
+                params![
+                    a.id,
+                    a.key_id,
+                    a.volume_id,
+                    a.sandbox_id,
+                    a.path,
+                    a.state.as_str(),
+                    a.created_ms,
+                    a.detached_ms
+                ],
+            )
+            .map(|_| ())
+            .map_err(store_err("insert shared attachment"))
+    }
+
+    /// Moves an attachment from `from` to `to` (`detached_ms` set with
+    /// `Detached`); false when it was not in `from`.
+    pub(crate) fn set_share_state(
+        &self,
+        id: &str,
+        from: &[ShareState],
+        to: ShareState,
+        now_ms: i64,
+    ) -> Result<bool, ServerError> {
+        let conn = self.conn();
+        let current: Option<String> = conn
+            .query_row(
+                "SELECT state FROM shared_attachments WHERE id = ?1",
+                params![id],
+                |r| r.get(0),
+            )
+            .optional()
+            .map_err(store_err("get shared attachment"))?;
+        let Some(current) = current.and_then(|c| ShareState::parse(&c)) else {
+            return Ok(false);
+        };
+        if !from.contains(&current) {
+            return Ok(false);
+        }
+        let detached = (to == ShareState::Detached).then_some(now_ms);
+        conn.execute(
+            "UPDATE shared_attachments SET state = ?2, detached_ms = COALESCE(?3, detached_ms) \
+             WHERE id = ?1",
+            params![id, to.as_str(), detached],
+        )
+        .map(|n| n > 0)
+        .map_err(store_err("set shared attachment state"))
+    }
+
+    pub(crate) fn get_share(&self, id: &str) -> Result<Option<SharedAttachment>, ServerError> {
+        let raw = self
+            .conn()
+            .query_row(
+                &format!("SELECT {SHARE_COLUMNS} FROM shared_attachments WHERE id = ?1"),
+                params![id],
+                raw_share,
+            )
+            .optional()
+            .map_err(store_err("get shared attachment"))?;
+        raw.map(parse_share).transpose()
+    }
+
+    fn shares_where(&self, clause: &str, arg: &str) -> Result<Vec<SharedAttachment>, ServerError> {
+        let conn = self.conn();
+        let mut stmt = conn
+            .prepare(&format!(
+                "SELECT {SHARE_COLUMNS} FROM shared_attachments WHERE {clause} \
+                 ORDER BY created_ms, id"
+            ))
+            .map_err(store_err("list shared attachments"))?;
+        let rows = stmt
+            .query_map(params![arg], raw_share)
+            .map_err(store_err("list shared attachments"))?;
+        let mut out = Vec::new();
+        for r in rows {
+            out.push(parse_share(
+                r.map_err(store_err("list shared attachments"))?,
+            )?);
+        }
+        Ok(out)
+    }
+
+    /// A volume's attachments, oldest first (ended ones too).
+    pub(crate) fn shares_of_volume(
+        &self,
+        volume_id: &str,
+    ) -> Result<Vec<SharedAttachment>, ServerError> {
+        self.shares_where("volume_id = ?1", volume_id)
+    }
+
+    /// A sandbox's attachments of shared volumes, oldest first.
+    pub(crate) fn shares_of_sandbox(
+        &self,
+        sandbox_id: &str,
+    ) -> Result<Vec<SharedAttachment>, ServerError> {
+        self.shares_where("sandbox_id = ?1", sandbox_id)
+    }
+
+    /// Every attachment not detached.
+    pub(crate) fn live_shares(&self) -> Result<Vec<SharedAttachment>, ServerError> {
+        self.shares_where("state != ?1", "detached")
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use serde_json::json;
@@ -502,6 +665,7 @@ mod tests {
             created_ms,
             restored_from: None,
             backup_policy: None,
+            shared: false,
         }
     }
 
@@ -607,6 +771,39 @@ mod tests {
             assert!(store.delete_volume("v1").unwrap());
             assert!(!store.delete_volume("v1").unwrap());
             assert_eq!(store.get_volume("v1").unwrap(), None);
+        });
+    }
+
+    #[test]
+    fn a_shared_attachment_moves_only_from_the_states_named() {
+        crate::store::testing::each_engine(|store| {
+            let a = SharedAttachment {
+                id: "va-1".into(),
+                key_id: "k".into(),
+                volume_id: "v".into(),
+                sandbox_id: "s".into(),
+                path: "/mnt/v".into(),
+                state: ShareState::Attaching,
+                created_ms: 5,
+                detached_ms: None,
+            };
+            store.insert_share(&a).unwrap();
+            let to = |from: &[ShareState], to| store.set_share_state("va-1", from, to, 9).unwrap();
+            assert!(!to(&[ShareState::Attached], ShareState::Detaching));
+            assert!(to(&[ShareState::Attaching], ShareState::Attached));
+            assert_eq!(store.live_shares().unwrap().len(), 1);
+            assert!(to(&[ShareState::Attached], ShareState::Detached));
+            let got = store.get_share("va-1").unwrap().unwrap();
+            assert_eq!(
+                (got.state, got.detached_ms),
+                (ShareState::Detached, Some(9))
+            );
+            assert!(store.live_shares().unwrap().is_empty());
+            assert_eq!(store.shares_of_volume("v").unwrap().len(), 1);
+            assert_eq!(store.shares_of_sandbox("s").unwrap()[0].path, "/mnt/v");
+            assert!(!store
+                .set_share_state("va-2", &[ShareState::Attached], ShareState::Detached, 1)
+                .unwrap());
         });
     }
 }

@@ -128,6 +128,11 @@ pub(crate) struct FakeHost {
     pub assume_fails: Mutex<bool>,
     /// The guest's agent predates traced files: a traced exec is refused.
     pub old_agent: Mutex<bool>,
+    /// Shares served: (sandbox, share spec) in order; `unshared` the
+    /// (sandbox, share id) of each unshare; `share_fails` refuses them.
+    pub shared: Mutex<Vec<(String, runtime_host::ShareSpec)>>,
+    pub unshared: Mutex<Vec<(String, String)>>,
+    pub share_fails: Mutex<bool>,
 }
 
 impl FakeHost {
@@ -296,6 +301,22 @@ impl Host for FakeHost {
 
     fn capture_estimate(&self, _id: &str, _memory: bool) -> Option<u64> {
         *self.capture_bytes.lock().unwrap()
+    }
+
+    async fn share(&self, id: &str, spec: runtime_host::ShareSpec) -> Result<(), HostError> {
+        if *self.share_fails.lock().unwrap() {
+            return Err(guest(id, GuestFailure::Io, "mount failed"));
+        }
+        self.shared.lock().unwrap().push((id.to_string(), spec));
+        Ok(())
+    }
+
+    async fn unshare(&self, id: &str, share_id: &str) -> Result<(), HostError> {
+        self.unshared
+            .lock()
+            .unwrap()
+            .push((id.to_string(), share_id.to_string()));
+        Ok(())
     }
 
     async fn connect(&self, id: &str, port: u16) -> Result<DuplexStream, HostError> {

@@ -84,6 +84,10 @@ pub(super) async fn dispatch(st: AppState, ctx: Ctx, r: Route, body: Bytes) -> A
         Route::GetVolume(id) => volumes::get(st, ctx, id).await,
         Route::DeleteVolume(id) => volumes::delete(st, ctx, id).await,
         Route::VolumeAction(id, verb) => volumes::action(st, ctx, id, verb, body).await,
+        Route::GetVolumeAttachment(id, aid) => volumes::get_attachment(st, ctx, id, aid).await,
+        Route::VolumeAttachmentAction(id, aid, verb) => {
+            volumes::attachment_action(st, ctx, id, aid, verb, body).await
+        }
         Route::ListVolumeBackups => volumes::list_backups(st, ctx).await,
         Route::GetVolumeBackup(id) => volumes::get_backup(st, ctx, id).await,
         Route::VolumeBackupAction(id, verb) => {

@@ -8,6 +8,7 @@ use axum::http::StatusCode;
 use serde_json::{json, Value};
 
 use crate::domain::time::iso;
+use crate::domain::volume::SharedAttachment;
 use crate::domain::volume::{
     overlap, path_problem, AttachMode, BackupState, Hold, VolumeBackup, DEFAULT_RETENTION_DAYS,
     MAX_ATTACH, MAX_RETENTION_DAYS, MAX_SIZE_MIB, MIN_RETENTION_DAYS, MIN_SIZE_MIB,
@@ -17,13 +18,28 @@ use crate::http::extract::{
     checked_labels, checked_name, json_object, no_fields, page_after, query_object, Fields,
 };
 use crate::http::{Ctx, Reply};
+use crate::service::attachments as shares;
 use crate::service::volumes::{self, Attachment, BackupVolume, CreateVolume, VolumeView};
 use crate::AppState;
+
+fn render_attachment(a: &SharedAttachment) -> Value {
+    json!({
+        "id": a.id,
+        "kind": "volume_attachment",
+        "volumeId": a.volume_id,
+        "sandboxId": a.sandbox_id,
+        "path": a.path,
+        "mode": "rw",
+        "state": a.state.as_str(),
+        "createdAt": iso(a.created_ms),
+        "detachedAt": a.detached_ms.map(iso),
+    })
+}
 
 fn render(v: &VolumeView) -> Value {
     let d = &v.volume;
     let policy = d.backup_policy.unwrap_or_default();
-    let attachments: Vec<Value> = v
+    let mut attachments: Vec<Value> = v
         .holders
         .iter()
         .map(|h| {
@@ -32,12 +48,19 @@ fn render(v: &VolumeView) -> Value {
                    "state": if h.hold == Hold::Active { "attached" } else { "releasing" }})
         })
         .collect();
+    attachments.extend(
+        v.shares
+            .iter()
+            .filter(|a| a.state.live())
+            .map(render_attachment),
+    );
     json!({
         "id": d.id,
         "kind": "volume",
         "name": d.name,
         "labels": d.labels,
         "sizeMiB": d.size_mib,
+        "shared": d.shared,
         "usedBytes": v.used_bytes,
         "state": "ready",
         "region": "local",
@@ -87,13 +110,17 @@ pub(super) async fn create(st: AppState, ctx: Ctx, body: Bytes) -> ApiResult<Rep
             f.issue("region", "this server has one region, local");
         }
     }
-    f.refuse("shared", "shared disks are not supported by this server");
+    let shared = f.bool("shared").unwrap_or(false);
+    if shared && f.present("fromBackup") {
+        f.issue("shared", "a shared volume is not restored from a backup");
+    }
     f.finish()?;
     let cmd = CreateVolume {
         size_mib: size.map(|n| n as u32),
         name,
         labels,
         from_backup,
+        shared,
     };
     let v = volumes::create(&st, &ctx.key, cmd).await?;
     Ok(Reply::Json(StatusCode::CREATED, render(&v)))
@@ -175,13 +202,34 @@ pub(super) async fn action(
             let b = volumes::backup(&st, &ctx.key, &id, cmd).await?;
             Ok(Reply::Json(StatusCode::CREATED, render_backup(&b)))
         }
-        // Hot-plugging a drive needs a bus with hot-plug, and the microVM's
-        // virtio-mmio has none (docs/volumes.md).
+        // Shared volumes only: a drive cannot be hot-plugged into the
+        // microVM (docs/volumes.md, "Shared volumes").
         "attach" => {
-            volumes::find(&st, &ctx.key, &id)?;
-            Err(ApiError::Unavailable {
-                product: "Attaching volumes to running sandboxes (shared disks)",
-            })
+            let obj = json_object(&body)?;
+            let mut f = Fields::new(&obj);
+            let sandbox_id = f.string("sandboxId");
+            if sandbox_id.as_deref().is_none_or(str::is_empty) {
+                f.issue("sandboxId", "is required");
+            }
+            let path = f.string("path");
+            match path.as_deref() {
+                None => f.issue("path", "is required"),
+                Some(p) => {
+                    if let Some(why) = path_problem(p) {
+                        f.issue("path", why);
+                    }
+                }
+            }
+            f.finish()?;
+            let a = shares::attach(
+                &st,
+                &ctx.key,
+                &id,
+                &sandbox_id.unwrap_or_default(),
+                &path.unwrap_or_default(),
+            )
+            .await?;
+            Ok(Reply::Json(StatusCode::CREATED, render_attachment(&a)))
         }
         "backup-policy" => {
             let obj = json_object(&body)?;
@@ -205,6 +253,38 @@ pub(super) async fn action(
         _ => Err(ApiError::RouteNotFound {
             method: "POST".into(),
             path: format!("/v1/volumes/{id}:{verb}"),
+        }),
+    }
+}
+
+/// `GET /v1/volumes/{id}/attachments/{aid}`.
+pub(super) async fn get_attachment(
+    st: AppState,
+    ctx: Ctx,
+    id: String,
+    aid: String,
+) -> ApiResult<Reply> {
+    Reply::ok(render_attachment(&shares::get(&st, &ctx.key, &id, &aid)?))
+}
+
+/// `POST /v1/volumes/{id}/attachments/{aid}:detach {}`.
+pub(super) async fn attachment_action(
+    st: AppState,
+    ctx: Ctx,
+    id: String,
+    aid: String,
+    verb: String,
+    body: Bytes,
+) -> ApiResult<Reply> {
+    match verb.as_str() {
+        "detach" => {
+            no_fields(&body)?;
+            let a = shares::detach(&st, &ctx.key, &id, &aid).await?;
+            Reply::ok(render_attachment(&a))
+        }
+        _ => Err(ApiError::RouteNotFound {
+            method: "POST".into(),
+            path: format!("/v1/volumes/{id}/attachments/{aid}:{verb}"),
         }),
     }
 }
