@@ -100,7 +100,7 @@ pub(crate) async fn attach(
     }
     let now = st.now_ms();
     let mut a = SharedAttachment {
-        id: format!("va-{}", uuid::Uuid::new_v4().simple()),
+        id: format!("va-{}", crate::domain::session::ordered_hex()),
         key_id: key.id.clone(),
         volume_id: v.id.clone(),
         sandbox_id: sid.clone(),
