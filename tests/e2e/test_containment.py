@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import stat
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -64,6 +65,24 @@ def test_each_qemu_runs_alone_in_uid_network_and_files(server, runtime):
         assert a.exec("echo awake").stdout == "awake\n"
         pid = _one_qemu(server, a.id)
         assert os.readlink(f"/proc/{pid}/ns/net") != os.readlink("/proc/self/ns/net")
+        # Each uid is a claim of the persisted pool beside the machines'
+        # directories, kept across the wake and given back on delete.
+        assert _uid(pid) == seen[a.id][0]
+        pool = seen[a.id][2].parent / ".uids"
+        for sbx in (a, b):
+            uid = seen[sbx.id][0]
+            assert (pool / "by-owner" / sbx.id).read_text() == str(uid)
+            assert (pool / "by-uid" / str(uid)).read_text() == sbx.id
+        runtime.sandboxes.delete(b.id)
+        deadline = time.monotonic() + 60  # the machine ends after the answer
+        while (pool / "by-owner" / b.id).exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not (pool / "by-owner" / b.id).exists()
+        assert not (pool / "by-uid" / str(seen[b.id][0])).exists()
+        assert (pool / "by-owner" / a.id).exists()
     finally:
         runtime.sandboxes.delete(a.id)
-        runtime.sandboxes.delete(b.id)
+        try:
+            runtime.sandboxes.delete(b.id)
+        except Exception:
+            pass

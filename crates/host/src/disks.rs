@@ -7,9 +7,18 @@ use std::path::{Path, PathBuf};
 use crate::machine::QemuHost;
 use crate::qemu::VmPaths;
 use crate::types::{BootStage, HostError, MachineSpec};
-use crate::uid::vm_uid;
 
 impl QemuHost {
+    /// The uid and gid machine `id`'s QEMU runs as, when the server is
+    /// root: its own from the persisted pool (claimed on first use).
+    pub(crate) fn vm_uid(&self, id: &str) -> Result<Option<(u32, u32)>, HostError> {
+        if !crate::uid::as_root() {
+            return Ok(None);
+        }
+        let uid = self.uids.claim(id).map_err(Self::io(id, "claim a uid"))?;
+        Ok(Some((uid, uid)))
+    }
+
     /// A fresh, empty VM directory (owned by the VM's uid, so QEMU can
     /// write its captures there). A machine still there is ended first:
     /// without its directory nothing would find its QEMU again.
@@ -19,7 +28,7 @@ impl QemuHost {
         self.end_any(id).await;
         let _ = std::fs::remove_dir_all(&paths.dir);
         std::fs::create_dir_all(&paths.dir).map_err(Self::io(id, "create vm dir"))?;
-        if let Some((uid, gid)) = vm_uid(id) {
+        if let Some((uid, gid)) = self.vm_uid(id)? {
             std::os::unix::fs::chown(&paths.dir, Some(uid), Some(gid))
                 .map_err(Self::io(id, "chown vm dir"))?;
         }
@@ -84,9 +93,13 @@ impl QemuHost {
 
 /// Gives the machine's disk and volume drives to its QEMU's uid (when it
 /// has one of its own).
-pub(crate) fn hand_to_qemu(spec: &MachineSpec, paths: &VmPaths) -> Result<(), HostError> {
+pub(crate) fn hand_to_qemu(
+    spec: &MachineSpec,
+    paths: &VmPaths,
+    run_as: Option<(u32, u32)>,
+) -> Result<(), HostError> {
     let id = spec.id.as_str();
-    if let Some((uid, gid)) = vm_uid(id) {
+    if let Some((uid, gid)) = run_as {
         // QEMU reopens its disk as its own uid after a migration; no other
         // uid may read them.
         use std::os::unix::fs::PermissionsExt;

@@ -17,7 +17,6 @@ use crate::qemu::{self, VmConfig, VmPaths};
 use crate::ram::{copy_ram, RamPlan, StartingRam};
 use crate::teardown::Pending;
 use crate::types::{BootStage, HostError, MachineSpec};
-use crate::uid;
 
 impl QemuHost {
     /// Boots a new machine of `spec`: a fresh directory, an overlay, its
@@ -56,7 +55,7 @@ impl QemuHost {
         // Whatever fails before QEMU runs, the RAM file goes.
         let own_file = StartingRam::new(matches!(plan, RamPlan::Own { .. }).then(|| own.clone()));
         let ram = self.prepare_ram(id, &own, plan).await?;
-        disks::hand_to_qemu(spec, &paths)?;
+        disks::hand_to_qemu(spec, &paths, self.vm_uid(&spec.id)?)?;
         // Until the machine is registered: a crash of the server meanwhile
         // leaves a machine the next one ends rather than adopts.
         std::fs::write(paths.starting(), b"").map_err(Self::io(id, "mark the machine starting"))?;
@@ -170,7 +169,7 @@ impl QemuHost {
             vcpu: spec.vcpu,
             memory_mib: spec.memory_mib,
             paths,
-            run_as: uid::vm_uid(id),
+            run_as: self.vm_uid(id)?,
             incoming: incoming.as_ref().map(|f| f.as_raw_fd()),
             volumes: &volumes,
             ram,

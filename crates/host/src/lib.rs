@@ -66,4 +66,4 @@ pub use qemu::{host_tsc_khz, Accel};
 pub use share::ShareSpec;
 pub use tunnel::MAX_TUNNELS;
 pub use types::*;
-pub use uid::volume_uid;
+pub use uid::{as_root, UidPool, VOLUME_UIDS};

@@ -93,6 +93,8 @@ pub struct QemuHost {
     pub(crate) tunnels: Arc<Mutex<HashMap<String, Arc<std::sync::atomic::AtomicUsize>>>>,
     /// Shared volumes mounted per sandbox, by share id.
     pub(crate) shares: Arc<Mutex<HashMap<String, Shares>>>,
+    /// Each machine's QEMU uid (as root), persisted under the state dir.
+    pub(crate) uids: Arc<uid::UidPool>,
 }
 
 impl QemuHost {
@@ -127,7 +129,12 @@ impl QemuHost {
             std::fs::set_permissions(&ram, std::fs::Permissions::from_mode(0o700))?;
         }
         tracing::info!(accel = %cfg.accel, cgroups = ?cgroups, templates = cfg.templates, ram_dir = %ram.display(), "qemu host ready");
+        let uids = Arc::new(uid::UidPool::open(
+            &cfg.state_dir.join(".uids"),
+            uid::VM_UIDS,
+        )?);
         let host = QemuHost {
+            uids,
             ram_dir: Arc::new(ram),
             cfg: Arc::new(cfg),
             cgroups,
@@ -141,6 +148,8 @@ impl QemuHost {
         host.drop_stale_templates();
         host.drop_stale_machines();
         host.drop_stale_ram();
+        // The uids of machines whose directory is gone go back to the pool.
+        host.uids.sweep(|owner| host.paths(owner).dir.is_dir());
         Ok(host)
     }
 
@@ -484,6 +493,7 @@ impl Host for QemuHost {
         }
         if !keep_disk {
             let _ = std::fs::remove_dir_all(self.paths(id).dir);
+            self.uids.release(id);
             // Its tunnels end with the link; their slots go with their pumps.
             if let Ok(mut t) = self.tunnels.lock() {
                 t.remove(id);

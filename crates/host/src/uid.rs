@@ -45,31 +45,161 @@ fn unreachable_ancestor(p: &Path) -> Option<PathBuf> {
     None
 }
 
-/// A uid/gid of its own for each VM's QEMU, when the server runs as root.
-pub(crate) fn vm_uid(id: &str) -> Option<(u32, u32)> {
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
-        return None;
+/// Where VMs' uids come from: 2,000,000,000 and the 100,000,000 after, far
+/// above the uids of the host's users. The first tried is where earlier
+/// versions put a machine (by its hash alone), so their machines keep it.
+pub(crate) const VM_UIDS: (u32, u32) = (2_000_000_000, 100_000_000);
+
+/// Where shared volumes' uids come from: the 40,000,000 after the VMs'
+/// (disjoint, so a volume's files are never a machine's; all below 2^31).
+pub const VOLUME_UIDS: (u32, u32) = (2_100_000_000, 40_000_000);
+
+/// Claims of every pool in this process are made one at a time.
+static CLAIMING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// A persisted pool of uids: each owner (a machine, a shared volume) gets
+/// one no other owner of the pool holds, kept across restarts of the
+/// server until it is released. Two directories of small files under
+/// `dir`: `by-owner/<owner>` holds the owner's uid, `by-uid/<uid>` its
+/// owner (claimed with `O_EXCL`, so a uid is never given twice). The first
+/// uid tried is a hash of the owner, then the next free one.
+#[derive(Debug, Clone)]
+pub struct UidPool {
+    dir: PathBuf,
+    base: u32,
+    span: u32,
+}
+
+impl UidPool {
+    /// The pool in `dir` (made 0700 if missing) over `(base, span)`.
+    pub fn open(dir: &Path, (base, span): (u32, u32)) -> std::io::Result<UidPool> {
+        use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+        for sub in ["by-owner", "by-uid"] {
+            std::fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(dir.join(sub))?;
+        }
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))?;
+        Ok(UidPool {
+            dir: dir.to_owned(),
+            base,
+            span: span.max(1),
+        })
     }
-    let uid = uid_for(id);
-    Some((uid, uid))
+
+    fn owner_file(&self, owner: &str) -> PathBuf {
+        self.dir.join("by-owner").join(file_name(owner))
+    }
+
+    fn uid_file(&self, uid: u32) -> PathBuf {
+        self.dir.join("by-uid").join(uid.to_string())
+    }
+
+    /// The uid `owner` holds, if any.
+    pub fn get(&self, owner: &str) -> Option<u32> {
+        let text = std::fs::read_to_string(self.owner_file(owner)).ok()?;
+        let uid: u32 = text.trim().parse().ok()?;
+        (self.base..self.base.saturating_add(self.span))
+            .contains(&uid)
+            .then_some(uid)
+    }
+
+    /// The uid of `owner`: the one it holds, or a free one claimed now.
+    pub fn claim(&self, owner: &str) -> std::io::Result<u32> {
+        let _one_at_a_time = CLAIMING.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(uid) = self.get(owner) {
+            return Ok(uid);
+        }
+        let start = hash(owner) % self.span;
+        for i in 0..self.span {
+            let uid = self.base + (start + i) % self.span;
+            let file = self.uid_file(uid);
+            match std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .open(&file)
+            {
+                Ok(mut f) => {
+                    use std::io::Write;
+                    f.write_all(owner.as_bytes())?;
+                    // The owner's record last, whole (a crash in between
+                    // leaves a claim without an owner: `sweep` drops it).
+                    let record = self.owner_file(owner);
+                    let tmp = record.with_extension("tmp");
+                    std::fs::write(&tmp, uid.to_string())?;
+                    std::fs::rename(&tmp, &record)?;
+                    return Ok(uid);
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
+                Err(e) => return Err(e),
+            }
+        }
+        Err(std::io::Error::other("every uid of the pool is taken"))
+    }
+
+    /// Gives `owner`'s uid back (nothing when it holds none).
+    pub fn release(&self, owner: &str) {
+        let _one_at_a_time = CLAIMING.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(uid) = self.get(owner) {
+            let _ = std::fs::remove_file(self.owner_file(owner));
+            let _ = std::fs::remove_file(self.uid_file(uid));
+        }
+    }
+
+    /// Releases every owner for which `keep` is false, and drops claims
+    /// whose owner's record does not name them (a claim cut short).
+    pub fn sweep(&self, keep: impl Fn(&str) -> bool) {
+        let Ok(uids) = std::fs::read_dir(self.dir.join("by-uid")) else {
+            return;
+        };
+        for e in uids.flatten() {
+            let Some(uid) = e.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else {
+                continue;
+            };
+            let Ok(owner) = std::fs::read_to_string(e.path()) else {
+                continue;
+            };
+            if self.get(&owner) != Some(uid) {
+                let _ = std::fs::remove_file(e.path());
+            } else if !keep(&owner) {
+                self.release(&owner);
+            }
+        }
+    }
 }
 
-/// The uid a shared volume's files belong to and its 9P servers run as,
-/// when the server runs as root: one of the machines' range, derived from
-/// the volume id (fixed across restarts, never a host user's).
-pub fn volume_uid(volume_id: &str) -> Option<u32> {
-    vm_uid(&format!("volume:{volume_id}")).map(|(u, _)| u)
+/// `owner` as a file name: itself when it is plain, else hex.
+fn file_name(owner: &str) -> String {
+    let plain = !owner.is_empty()
+        && !owner.starts_with('.')
+        && owner
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"-_.:".contains(&b));
+    if plain {
+        owner.to_owned()
+    } else {
+        let mut s = String::from("x-");
+        for b in owner.bytes() {
+            s.push_str(&format!("{b:02x}"));
+        }
+        s
+    }
 }
 
-/// The uid of machine `id`: FNV-1a of the id, in 2,000,000,000 and the
-/// 100,000,000 after, far above the uids of the host's users.
-fn uid_for(id: &str) -> u32 {
+/// Whether the server runs as root (only then have VMs uids of their own).
+pub fn as_root() -> bool {
+    // SAFETY: geteuid has no preconditions.
+    unsafe { libc::geteuid() == 0 }
+}
+
+/// FNV-1a of `id`: where an owner's search for a free uid starts.
+fn hash(id: &str) -> u32 {
     let mut h: u32 = 2166136261;
     for b in id.bytes() {
         h = (h ^ u32::from(b)).wrapping_mul(16777619);
     }
-    2_000_000_000 + (h % 100_000_000)
+    h
 }
 
 #[cfg(test)]
@@ -77,26 +207,63 @@ mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
     use super::*;
 
-    #[test]
-    fn each_machine_has_a_fixed_uid_of_its_own() {
-        // Fixed: a machine that outlives a restart of the server keeps it.
-        assert_eq!(uid_for(""), 2_066_136_261);
-        assert_eq!(uid_for("a"), 2_026_002_220);
-        assert_eq!(uid_for("sbx-1"), 2_044_483_338);
-        for id in ["a", "sbx-1", "template-0123456789abcdef", "probe"] {
-            let uid = uid_for(id);
-            assert!((2_000_000_000..2_100_000_000).contains(&uid), "{id}: {uid}");
-        }
+    fn pool(name: &str) -> (PathBuf, UidPool) {
+        let dir = std::env::temp_dir().join(format!("rt-uids-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let pool = UidPool::open(&dir, (1000, 4)).unwrap();
+        (dir, pool)
     }
 
     #[test]
-    fn vm_uid_only_as_root() {
-        // SAFETY: geteuid has no preconditions.
-        let root = unsafe { libc::geteuid() } == 0;
-        assert_eq!(
-            vm_uid("sbx-1"),
-            root.then_some((2_044_483_338, 2_044_483_338))
-        );
+    fn owners_never_share_a_uid_and_keep_theirs_across_opens() {
+        let (dir, p) = pool("share");
+        let uids: Vec<u32> = ["a", "b", "c", "d"]
+            .iter()
+            .map(|o| p.claim(o).unwrap())
+            .collect();
+        let mut sorted = uids.clone();
+        sorted.sort();
+        // Four owners in a span of four: each has one, none twice.
+        assert_eq!(sorted, vec![1000, 1001, 1002, 1003]);
+        assert!(p.claim("e").is_err());
+        // Another open of the same directory (a restart) finds the same.
+        let again = UidPool::open(&dir, (1000, 4)).unwrap();
+        for (o, uid) in ["a", "b", "c", "d"].iter().zip(&uids) {
+            assert_eq!(again.claim(o).unwrap(), *uid);
+        }
+        // A released uid is free for the next owner; the others keep theirs.
+        again.release("b");
+        assert_eq!(again.get("b"), None);
+        assert_eq!(again.claim("e").unwrap(), uids[1]);
+        assert_eq!(again.claim("c").unwrap(), uids[2]);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_sweep_releases_the_gone_and_a_claim_cut_short() {
+        let (dir, p) = pool("sweep");
+        let a = p.claim("a").unwrap();
+        let b = p.claim("b").unwrap();
+        // A claim cut short: the uid file without its owner's record.
+        let orphan = (1000..1004).find(|u| ![a, b].contains(u)).unwrap();
+        std::fs::write(dir.join("by-uid").join(orphan.to_string()), "z").unwrap();
+        p.sweep(|o| o == "a");
+        assert_eq!(p.get("a"), Some(a));
+        assert_eq!(p.get("b"), None);
+        assert!(!dir.join("by-uid").join(b.to_string()).exists());
+        assert!(!dir.join("by-uid").join(orphan.to_string()).exists());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn owners_with_odd_names_are_kept_in_plain_file_names() {
+        assert_eq!(file_name("sbx_01"), "sbx_01");
+        assert_eq!(file_name("../x"), "x-2e2e2f78");
+        assert_eq!(file_name(""), "x-");
+        let (dir, p) = pool("odd");
+        let u = p.claim("../../etc/passwd").unwrap();
+        assert_eq!(p.get("../../etc/passwd"), Some(u));
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

@@ -109,8 +109,11 @@ pub(crate) async fn attach(
         created_ms: now,
         detached_ms: None,
     };
+    let share = spec(st, &v, &a).map_err(|e| ApiError::Internal {
+        what: format!("the volume's uid: {e}"),
+    })?;
     st.store().insert_share(&a)?;
-    match st.host().share(&sid, spec(st, &v, &a)).await {
+    match st.host().share(&sid, share).await {
         Ok(()) => {
             st.store().set_share_state(
                 &a.id,

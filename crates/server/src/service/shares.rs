@@ -27,9 +27,26 @@ pub(crate) fn dir(st: &AppState, volume_id: &str) -> PathBuf {
 }
 
 /// The uid a shared volume's files belong to (and its 9P servers run
-/// as): one of its own from the VM uid range when the server is root.
-pub(crate) fn uid(volume_id: &str) -> Option<u32> {
-    runtime_host::volume_uid(volume_id)
+/// as), when the server is root: its own from the volumes' persisted pool
+/// (`data_dir/volumes/.uids`), never a machine's or another volume's.
+pub(crate) fn uid(st: &AppState, volume_id: &str) -> std::io::Result<Option<u32>> {
+    if !runtime_host::as_root() {
+        return Ok(None);
+    }
+    pool(st)?.claim(volume_id).map(Some)
+}
+
+fn pool(st: &AppState) -> std::io::Result<runtime_host::UidPool> {
+    let volumes = st.config().data_dir.join("volumes");
+    std::fs::create_dir_all(&volumes)?;
+    runtime_host::UidPool::open(&volumes.join(".uids"), runtime_host::VOLUME_UIDS)
+}
+
+/// Gives a deleted shared volume's uid back to the pool.
+pub(crate) fn release_uid(st: &AppState, volume_id: &str) {
+    if let Ok(p) = pool(st) {
+        p.release(volume_id);
+    }
 }
 
 /// Makes a shared volume's directory (0700, its own uid).
@@ -42,7 +59,7 @@ pub(crate) fn make_dir(st: &AppState, volume_id: &str) -> std::io::Result<()> {
     }
     std::fs::create_dir(&d)?;
     std::fs::set_permissions(&d, std::fs::Permissions::from_mode(0o700))?;
-    if let Some(u) = uid(volume_id) {
+    if let Some(u) = uid(st, volume_id)? {
         std::os::unix::fs::chown(&d, Some(u), Some(u))?;
     }
     Ok(())
@@ -61,14 +78,18 @@ pub(crate) fn not_found(id: &str) -> ApiError {
     }
 }
 
-pub(crate) fn spec(st: &AppState, v: &Volume, a: &SharedAttachment) -> runtime_host::ShareSpec {
-    runtime_host::ShareSpec {
+pub(crate) fn spec(
+    st: &AppState,
+    v: &Volume,
+    a: &SharedAttachment,
+) -> std::io::Result<runtime_host::ShareSpec> {
+    Ok(runtime_host::ShareSpec {
         id: a.id.clone(),
         dir: dir(st, &v.id),
-        uid: uid(&v.id),
+        uid: uid(st, &v.id)?,
         size_bytes: u64::from(v.size_mib) << 20,
         path: a.path.clone(),
-    }
+    })
 }
 
 /// The attachments of a volume, oldest first.
@@ -123,8 +144,16 @@ pub(crate) async fn reestablish(st: &AppState, sandbox_id: &str) {
         let Ok(Some(v)) = st.store().get_volume(&a.volume_id) else {
             continue;
         };
-        if let Err(e) = st.host().share(sandbox_id, spec(st, &v, &a)).await {
-            tracing::warn!(attachment_id = %a.id, error = %e, "serving a shared volume again failed");
+        let served = match spec(st, &v, &a) {
+            Ok(spec) => st
+                .host()
+                .share(sandbox_id, spec)
+                .await
+                .map_err(|e| e.to_string()),
+            Err(e) => Err(e.to_string()),
+        };
+        if let Err(error) = served {
+            tracing::warn!(attachment_id = %a.id, %error, "serving a shared volume again failed");
         }
     }
 }

@@ -345,6 +345,7 @@ pub(crate) async fn delete(st: &AppState, key: &KeyInfo, id: &str) -> ApiResult<
                 tracing::warn!(volume_id = %d.id, error = %e, "removing the volume's directory failed");
             }
         }
+        crate::service::shares::release_uid(st, &d.id);
     }
     if let Err(e) = std::fs::remove_file(file(st, &d.id)) {
         if e.kind() != std::io::ErrorKind::NotFound {
