@@ -138,6 +138,35 @@ def test_an_idempotent_create_cut_short_makes_one_sandbox(server, runtime):
             runtime.sandboxes.delete(s.id)
 
 
+def test_a_start_cut_short_after_its_machine_is_up_still_runs_the_images_start_command(server, runtime):
+    image = runtime.images.build(name="e2e-crash-start", recipe={"commands": ["touch built"]},
+                                 start={"command": "echo started > /tmp/start-ran; exec sleep 600"},
+                                 poll_seconds=0.5)
+    assert image["state"] == "ready", image
+    labels = {"suite": "e2e-crash-start"}
+    start_with_crash_point(server, "machine_up")
+    with client_for(server, server.admin_key()) as once:
+        crashes(server, lambda: once.sandboxes.create(image="e2e-crash-start", labels=labels))
+    made = list(runtime.sandboxes.list(labels=labels, include_stopped=True))
+    assert len(made) == 1, [s.info for s in made]
+    sbx = made[0]
+    try:
+        # Its machine was up when the server went: it runs, and the
+        # image's start command runs in it once, as in any new sandbox.
+        assert settled(runtime, sbx.id, ("running",)).state == "running"
+        deadline = time.monotonic() + 60
+        out = ""
+        while time.monotonic() < deadline and not out:
+            out = sbx.exec("cat /tmp/start-ran 2>/dev/null || true").stdout
+            time.sleep(0.5)
+        assert out == "started\n"
+        commands = [p["command"] for p in sbx.processes()]
+        assert sum("sleep 600" in c for c in commands) == 1, commands
+    finally:
+        runtime.sandboxes.delete(sbx.id)
+        runtime.images.delete(image["id"])
+
+
 def test_an_idempotent_fork_and_snapshot_cut_short_act_once(server, runtime):
     labels = {"suite": "e2e-crash-idempotent-copy"}
     sbx = runtime.sandboxes.create(labels=labels)

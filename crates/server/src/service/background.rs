@@ -145,6 +145,14 @@ pub(crate) async fn recover(st: &AppState) -> Result<(), ServerError> {
                     }
                 })?;
                 tracing::info!(sandbox_id = %id, found, "sandbox recovered");
+                if found && lifecycle::owes_start_command(st, &id) {
+                    // Its machine was set up but the server went before
+                    // the image's `start` command: run it now.
+                    if let Ok(Some(row)) = st.store().get_sandbox(&id) {
+                        lifecycle::start_image_command(st, &row, false).await;
+                    }
+                }
+                lifecycle::start_command_paid(st, &id);
             }
             Pausing | Resuming => {
                 // A machine still running means the pause had not happened

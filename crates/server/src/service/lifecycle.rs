@@ -360,6 +360,13 @@ pub(crate) async fn boot(
         .as_ref()
         .map(|dir| crate::service::processes::carry::load(&dir.path))
         .unwrap_or_default();
+    // A new machine of an image with a `start` command owes it: a marker
+    // says so until it runs, so a crash before then still runs it
+    // (`background::recover`).
+    let fresh = from.is_none();
+    if fresh {
+        owe_start_command(st, &row.record);
+    }
     let result = match &from {
         Some(dir) => st.host().restore(&spec, &dir.path).await,
         None if warm => match st.host().assume(&spec).await {
@@ -389,6 +396,7 @@ pub(crate) async fn boot(
     timed.record(outcome(&result), began.elapsed());
     drop(from);
     if result.is_ok() {
+        runtime_host::crash_point(st.config().test_crash_at.as_deref(), "machine_up");
         // Before it is `running`, so a call that finds it running finds them.
         crate::service::processes::carry::adopt(st, &id, row.record.memory_mib, carried).await;
     }
@@ -417,6 +425,44 @@ pub(crate) async fn boot(
         (Err(e), Ok(_)) => tracing::warn!(error = %e, "sandbox failed to start"),
         (_, Err(e)) => tracing::error!(error = %e, "recording the start failed"),
     }
+    if fresh {
+        start_command_paid(st, &id);
+    }
+}
+
+/// Where the marker of a sandbox that still owes its image's `start`
+/// command is.
+fn start_marker(st: &AppState, id: &str) -> PathBuf {
+    st.config().data_dir.join("start-owed").join(id)
+}
+
+/// Marks `s` as owing its image's `start` command (when its image has one).
+fn owe_start_command(st: &AppState, s: &Sandbox) {
+    let Some(image) = s.image.as_deref() else {
+        return;
+    };
+    if crate::service::images::start_of(st, image).is_none() {
+        return;
+    }
+    let marker = start_marker(st, &s.id);
+    let made = marker
+        .parent()
+        .map_or(Ok(()), std::fs::create_dir_all)
+        .and_then(|()| std::fs::write(&marker, b""));
+    if let Err(e) = made {
+        tracing::warn!(sandbox_id = %s.id, error = %e, "marking the start command as owed failed");
+    }
+}
+
+/// The `start` command of `id` ran (or never will): its marker goes.
+pub(crate) fn start_command_paid(st: &AppState, id: &str) {
+    let _ = std::fs::remove_file(start_marker(st, id));
+}
+
+/// Whether `id` still owes its image's `start` command (a crash came
+/// between its machine's start and the command's).
+pub(crate) fn owes_start_command(st: &AppState, id: &str) -> bool {
+    start_marker(st, id).exists()
 }
 
 /// `:resize`: ends the machine of the sandbox (running or paused) keeping
