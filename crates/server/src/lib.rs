@@ -186,8 +186,12 @@ struct Inner {
     image_changes: watch::Sender<u64>,
     /// One lifecycle lock per sandbox: start, stop and destroy never overlap.
     lifecycle: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
-    /// Serializes name checks with inserts.
+    /// Serializes name checks with inserts (and quota checks with the
+    /// inserts they admit).
     create_lock: tokio::sync::Mutex<()>,
+    /// Snapshots being captured and the bytes each was admitted for: they
+    /// count against `snapshot.mib` until their real size is recorded.
+    capturing: Mutex<HashMap<String, u64>>,
     /// Held while images are pruned and while a new image is inserted.
     prune_gate: Mutex<()>,
     inflight: http::idempotency::Inflight,
@@ -240,6 +244,7 @@ impl AppState {
                 image_changes: watch::channel(0).0,
                 lifecycle: Mutex::new(HashMap::new()),
                 create_lock: tokio::sync::Mutex::new(()),
+                capturing: Mutex::new(HashMap::new()),
                 prune_gate: Mutex::new(()),
                 inflight: http::idempotency::Inflight::default(),
                 procs: service::processes::Table::new(config.clock),

@@ -3965,6 +3965,41 @@ async fn a_snapshot_asks_its_estimated_size_of_the_quota_before_the_capture() {
 }
 
 #[tokio::test]
+async fn a_snapshot_being_captured_holds_what_it_was_admitted_for() {
+    let t = T::with(|c| c.quotas.set("snapshot.mib=100").unwrap());
+    let a = t.running(json!({})).await;
+    let b = t.running(json!({})).await;
+    *t.host.capture_bytes.lock().unwrap() = Some(60 << 20);
+    *t.host.capture_delay_ms.lock().unwrap() = 1500;
+    let (pa, pb) = (
+        format!("/v1/sandboxes/{a}:snapshot"),
+        format!("/v1/sandboxes/{b}:snapshot"),
+    );
+    let (s, first) = t.json("POST", &pa, Some(json!({}))).await;
+    assert!(s.is_success(), "{first}");
+    assert_eq!(first["state"], "capturing", "{first}");
+    // While the first is captured it holds its 60 MiB: a second of 60
+    // would pass 100, so it is refused (before, it counted 0 until ready).
+    let (s, v) = t.json("POST", &pb, Some(json!({}))).await;
+    assert_eq!(s, StatusCode::CONFLICT, "{v}");
+    assert_eq!(v["error"]["details"]["limit"], "snapshot.mib", "{v}");
+    assert_eq!(v["error"]["details"]["used"], 60, "{v}");
+    // Once ready it counts its real size (the fake's capture is tiny).
+    let sid = first["id"].as_str().unwrap().to_string();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    loop {
+        let (_, v) = t.json("GET", &format!("/v1/snapshots/{sid}"), None).await;
+        if v["state"] != "capturing" || std::time::Instant::now() > deadline {
+            assert_eq!(v["state"], "ready", "{v}");
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    let (s, v) = t.json("POST", &pb, Some(json!({}))).await;
+    assert!(s.is_success(), "{v}");
+}
+
+#[tokio::test]
 async fn a_keys_own_quotas_replace_the_servers_for_it_alone_while_it_runs() {
     let t = T::with(|c| c.quotas.set("sandbox.count=1").unwrap());
     let small = create_key(&t.dir, Some("small"), false, false).unwrap();

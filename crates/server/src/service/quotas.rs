@@ -45,7 +45,15 @@ pub(crate) fn usage(st: &AppState, key_id: &str) -> ApiResult<Usage> {
     for s in st.store().live_snapshots()? {
         if s.key_id == key_id && s.deleted.is_none() && s.record.state != "failed" {
             u.add("snapshot.count", 1);
-            u.add("snapshot.mib", quota::mib_of(s.record.size_bytes));
+            // One being captured holds what it was admitted for.
+            let admitted = match s.record.state.as_str() {
+                "capturing" => crate::service::snapshots::admitted_bytes(st, &s.record.id),
+                _ => 0,
+            };
+            u.add(
+                "snapshot.mib",
+                quota::mib_of(s.record.size_bytes.max(admitted)),
+            );
         }
     }
     for v in st.store().volumes()? {

@@ -319,12 +319,13 @@ pub(crate) async fn snapshot(
     // (the disk as written, the memory held), at least a MiB, so a key at
     // its bytes' quota takes no more.
     let estimate = st.host().capture_estimate(&id, mode == "memory");
+    let admitted_mib = crate::domain::quota::mib_of(estimate.unwrap_or(0)).max(1);
     let mut asked = crate::domain::quota::Usage::default();
     asked.add("snapshot.count", 1);
-    asked.add(
-        "snapshot.mib",
-        crate::domain::quota::mib_of(estimate.unwrap_or(0)).max(1),
-    );
+    asked.add("snapshot.mib", admitted_mib);
+    // Checked and inserted under one lock, and held at what it was
+    // admitted for while it is captured: two at once cannot both pass.
+    let _admission = st.inner.create_lock.lock().await;
     crate::service::quotas::admit(st, &key.id, &asked)?;
     let now = st.now_ms();
     let snap = Snapshot {
@@ -350,13 +351,19 @@ pub(crate) async fn snapshot(
         let body = serde_json::json!({ "snapshotId": snap.id });
         (a, a.pending(crate::store::PENDING_SNAPSHOT, body, now))
     });
-    st.store().insert_snapshot_answered(
+    hold_admitted(st, &snap.id, admitted_mib << 20);
+    let inserted = st.store().insert_snapshot_answered(
         &key.id,
         &snap,
         pending
             .as_ref()
             .map(|(a, p)| (a.key_id.as_str(), a.idem_key.as_str(), p)),
-    )?;
+    );
+    drop(_admission);
+    if let Err(e) = inserted {
+        release_admitted(st, &snap.id);
+        return Err(e.into());
+    }
     tracing::info!(sandbox_id = %id, snapshot_id = %snap.id, mode = %snap.mode, "snapshot requested");
     let sid = snap.id.clone();
     let st2 = st.clone();
@@ -393,6 +400,7 @@ pub(crate) async fn snapshot(
             }
             true
         });
+        release_admitted(&st2, &sid);
         if gone || result.is_err() {
             remove_dir(&path);
         }
@@ -429,6 +437,27 @@ pub(crate) async fn snapshot(
     }
     runtime_host::crash_point(st.config().test_crash_at.as_deref(), "snapshot_answer");
     Ok(find(st, key, &snap.id)?.record)
+}
+
+/// The bytes snapshot `id` was admitted for while it is captured (0 when
+/// it is not).
+pub(crate) fn admitted_bytes(st: &AppState, id: &str) -> u64 {
+    st.inner
+        .capturing
+        .lock()
+        .map_or(0, |m| m.get(id).copied().unwrap_or(0))
+}
+
+fn hold_admitted(st: &AppState, id: &str, bytes: u64) {
+    if let Ok(mut m) = st.inner.capturing.lock() {
+        m.insert(id.to_string(), bytes);
+    }
+}
+
+fn release_admitted(st: &AppState, id: &str) {
+    if let Ok(mut m) = st.inner.capturing.lock() {
+        m.remove(id);
+    }
 }
 
 pub(crate) fn get(st: &AppState, key: &KeyInfo, id: &str) -> ApiResult<Snapshot> {
