@@ -452,10 +452,21 @@ impl Agent {
                 None => tunnel::credit(self, stream, bytes),
             },
             Request::Eof => tunnel::eof(self, stream),
-            Request::Close => match self.read_gate(stream) {
-                Some(gate) => gate.close(),
-                None => tunnel::close(self, stream),
-            },
+            Request::Close => {
+                let mut streams = lock(&self.streams);
+                match streams.get(&stream) {
+                    Some(StreamState::Read(gate)) => gate.close(),
+                    // A write the host gave up (its source failed): the
+                    // temporary file goes, nothing is placed.
+                    Some(StreamState::Write(_)) => {
+                        streams.remove(&stream);
+                    }
+                    _ => {
+                        drop(streams);
+                        tunnel::close(self, stream);
+                    }
+                }
+            }
         }
     }
 }

@@ -505,3 +505,30 @@ fn a_flow_controlled_read_closed_by_the_host_sends_nothing_more() {
     );
     assert!(matches!(a.reply(s), Reply::FileStart { .. }));
 }
+
+#[test]
+fn a_write_the_host_closes_places_no_file() {
+    let mut a = Agent::start();
+    let path = p(&a, "half.bin");
+    let s = a.new_stream();
+    a.send(
+        s,
+        &Request::WriteFile {
+            path: path.clone(),
+            mode: None,
+            user: User::Root,
+        },
+    );
+    a.send_data(s, &[1u8; 300_000]);
+    a.send(s, &Request::Close);
+    assert_eq!(failed(&a.reply(s)), FailCode::Io);
+    assert!(!std::path::Path::new(&path).exists());
+    // Nor a temporary file beside it.
+    let left: Vec<_> = std::fs::read_dir(&a.dir)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name())
+        .filter(|n| n != "agent.sock")
+        .collect();
+    assert!(left.is_empty(), "{left:?}");
+}

@@ -974,6 +974,47 @@ impl Host for QemuHost {
         }
     }
 
+    async fn write_file_stream(
+        &self,
+        id: &str,
+        path: &str,
+        mode: Option<u32>,
+        u: RunAs,
+        mut pieces: tokio::sync::mpsc::Receiver<std::io::Result<Vec<u8>>>,
+    ) -> Result<(), HostError> {
+        let link = self.link(id).await?;
+        let lost = || HostError::LinkLost { id: id.to_owned() };
+        let mut s = link.open().map_err(|_| lost())?;
+        s.send(&Request::WriteFile {
+            path: path.to_owned(),
+            mode,
+            user: user(u),
+        })
+        .map_err(|_| lost())?;
+        // Each piece waits for room in the link's bounded write queue, so
+        // what is held here is a piece and the queue, whatever the size.
+        while let Some(piece) = pieces.recv().await {
+            match piece {
+                Ok(bytes) => s.send_data(&bytes).await.map_err(|_| lost())?,
+                Err(source) => {
+                    // Nothing is placed: the agent drops its temporary file.
+                    let _ = s.send(&Request::Close);
+                    s.ended();
+                    return Err(HostError::Io {
+                        id: id.to_owned(),
+                        op: "reading the bytes of a write",
+                        source,
+                    });
+                }
+            }
+        }
+        s.send(&Request::EndWrite).map_err(|_| lost())?;
+        match s.reply().await.map_err(|_| lost())? {
+            Reply::Done => Ok(()),
+            other => Err(guest_err(id, other)),
+        }
+    }
+
     async fn file_op(&self, id: &str, op: FileOp, u: RunAs) -> Result<FileOpResult, HostError> {
         let link = self.link(id).await?;
         let req = file_request(op, user(u));

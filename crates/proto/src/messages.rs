@@ -296,7 +296,10 @@ pub enum Request {
     Eof,
     /// Tunnel reset: the host forgets the stream; the guest resets the socket
     /// at once (bytes not yet delivered are dropped). On a flow-controlled
-    /// read: the agent stops the read and sends nothing more.
+    /// read: the agent stops the read and sends nothing more. On a
+    /// [`Request::WriteFile`] before its `EndWrite` (agents of
+    /// [`crate::READ_FLOW_VERSION`] or later): the write is abandoned, no
+    /// file placed, answered `Failed`.
     Close,
     /// Watches a path on this stream: answered by [`Reply::Watching`] (or
     /// `Failed`), then [`Reply::WatchEvents`] batches, then one
