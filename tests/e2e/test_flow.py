@@ -67,13 +67,14 @@ def test_a_slow_reader_of_a_large_file_holds_a_window_not_the_file(sbx, server):
             digest.update(piece)
             got += len(piece)
             time.sleep(0.05)
-        slow_peak = rss.peak
+        slow_peak, slow_got = rss.peak, got
         assert got < BIG // 4, f"the slow reader read {got} bytes: not slow enough to show anything"
         # Then the rest, as fast as it comes.
         while piece := answer.read(MIB):
             digest.update(piece)
             got += len(piece)
     grown = slow_peak - before
+    print(f"[flow] read: slow phase read {slow_got} bytes; RSS grew {grown} KiB while slow, {rss.peak - before} KiB at most")
     assert grown < RSS_BOUND_KIB, f"the server grew by {grown} KiB while a reader lagged a 200 MiB file"
     assert rss.peak - before < RSS_BOUND_KIB, f"the server grew by {rss.peak - before} KiB"
     assert got == BIG
@@ -92,6 +93,7 @@ def test_a_large_upload_commits_streamed_with_the_bytes_exact(sbx, server):
         sbx.files.write(path, data)
     del data
     grown = rss.peak - before
+    print(f"[flow] upload: RSS grew {grown} KiB at most")
     assert grown < RSS_BOUND_KIB, f"the server grew by {grown} KiB for a 200 MiB upload"
     assert guest_sha256(sbx, path) == want
     assert sbx.exec(f"stat -c %s {path}", check=True).stdout.strip() == str(BIG)
