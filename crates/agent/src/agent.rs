@@ -9,7 +9,7 @@ use std::time::Duration;
 use runtime_proto::{channel, Decoder, FailCode, Frame, Kind, Reply, Request, User, VERSION};
 
 use crate::exec::{self, ExecCtl, Input};
-use crate::files::{self, WriteMsg};
+use crate::files::{self, ReadGate, WriteMsg};
 use crate::link::{Link, Outbox};
 use crate::reaper::Reaper;
 use crate::share::{self, Shares};
@@ -25,6 +25,8 @@ enum StreamState {
     Exec(Arc<ExecCtl>),
     Write(mpsc::Sender<WriteMsg>),
     Watch(Arc<WatchCtl>),
+    /// A flow-controlled file read: its credits.
+    Read(Arc<ReadGate>),
 }
 
 pub(crate) struct Agent {
@@ -63,17 +65,29 @@ impl Agent {
             match s {
                 StreamState::Exec(ctl) => crate::sys::kill_session(ctl.pgid(), libc::SIGKILL),
                 StreamState::Watch(ctl) => ctl.stop(),
+                StreamState::Read(gate) => gate.close(),
                 StreamState::Write(_) => {}
             }
         }
     }
 
-    /// Ends every watch: they belong to the host connection that started them.
+    /// Ends every watch and flow-controlled read: they belong to the host
+    /// connection that started them (its credits never come).
     fn stop_watches(&self) {
         for s in lock(&self.streams).values() {
-            if let StreamState::Watch(ctl) = s {
-                ctl.stop();
+            match s {
+                StreamState::Watch(ctl) => ctl.stop(),
+                StreamState::Read(gate) => gate.close(),
+                StreamState::Exec(_) | StreamState::Write(_) => {}
             }
+        }
+    }
+
+    /// The credits of the flow-controlled read on `stream`, if it is one.
+    fn read_gate(&self, stream: u32) -> Option<Arc<ReadGate>> {
+        match lock(&self.streams).get(&stream) {
+            Some(StreamState::Read(gate)) => Some(Arc::clone(gate)),
+            _ => None,
         }
     }
 
@@ -106,8 +120,8 @@ impl Agent {
                     Some(StreamState::Write(tx)) => {
                         let _ = tx.send(WriteMsg::Data(frame.payload));
                     }
-                    Some(StreamState::Watch(_)) => {
-                        log_limited!(STRAY, "data for watch stream {stream} dropped")
+                    Some(StreamState::Watch(_) | StreamState::Read(_)) => {
+                        log_limited!(STRAY, "data for watch or read stream {stream} dropped")
                     }
                     None => log_limited!(STRAY, "data for idle stream {stream} dropped"),
                 }
@@ -286,15 +300,32 @@ impl Agent {
                     ctl.resize(size);
                 }
             }
-            Request::ReadFile { path, user } => {
+            Request::ReadFile { path, user, flow } => {
+                let gate = if flow {
+                    if self.busy(stream) {
+                        return;
+                    }
+                    let gate = Arc::new(ReadGate::default());
+                    lock(&self.streams).insert(stream, StreamState::Read(Arc::clone(&gate)));
+                    Some(gate)
+                } else {
+                    None
+                };
                 let out = Arc::clone(&self.out);
-                self.spawn(stream, move || {
+                let agent = Arc::clone(self);
+                let spawned = self.spawn(stream, move || {
                     if let Err(fail) = files::become_user(user)
-                        .and_then(|()| files::read_file(&out, stream, &path))
+                        .and_then(|()| files::read_file(&out, stream, &path, gate.as_deref()))
                     {
                         out.reply(stream, &fail.reply());
                     }
+                    if flow {
+                        agent.forget(stream);
+                    }
                 });
+                if !spawned && flow {
+                    self.forget(stream);
+                }
             }
             Request::WriteFile { path, mode, user } => {
                 if self.busy(stream) {
@@ -412,9 +443,30 @@ impl Agent {
                 let agent = Arc::clone(self);
                 self.spawn(stream, move || share::unshare(&agent, stream, &id));
             }
-            Request::Credit { bytes } => tunnel::credit(self, stream, bytes),
+            Request::Credit { bytes } => match self.read_gate(stream) {
+                Some(gate) => {
+                    if !gate.credit(bytes) {
+                        log_limited!(STRAY, "the host over-granted read {stream}; ending it");
+                    }
+                }
+                None => tunnel::credit(self, stream, bytes),
+            },
             Request::Eof => tunnel::eof(self, stream),
-            Request::Close => tunnel::close(self, stream),
+            Request::Close => {
+                let mut streams = lock(&self.streams);
+                match streams.get(&stream) {
+                    Some(StreamState::Read(gate)) => gate.close(),
+                    // A write the host gave up (its source failed): the
+                    // temporary file goes, nothing is placed.
+                    Some(StreamState::Write(_)) => {
+                        streams.remove(&stream);
+                    }
+                    _ => {
+                        drop(streams);
+                        tunnel::close(self, stream);
+                    }
+                }
+            }
         }
     }
 }

@@ -10,15 +10,72 @@ use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::mpsc;
+use std::sync::{mpsc, Condvar, Mutex};
 
+use runtime_proto::flow::SendWindow;
 use runtime_proto::{
     channel, Entry, EntryType, FailCode, Frame, Reply, User, MAX_FRAME, MAX_PAYLOAD, MAX_READ_BYTES,
 };
 
 use crate::exec::SANDBOX_ID;
 use crate::link::Outbox;
-use crate::sys::{cstring, Fail};
+use crate::sys::{cstring, lock, Fail};
+
+/// The credits of a flow-controlled read ([`runtime_proto::Request::ReadFile`]
+/// `flow`): the read thread sends only what the host granted, and stops
+/// when the host closes the stream (or a new host connection starts).
+#[derive(Default)]
+pub(crate) struct ReadGate {
+    st: Mutex<GateState>,
+    cv: Condvar,
+}
+
+#[derive(Default)]
+struct GateState {
+    send: SendWindow,
+    closed: bool,
+}
+
+impl ReadGate {
+    /// The host's `Credit`; a grant beyond the bound closes the read
+    /// (answers false).
+    pub(crate) fn credit(&self, bytes: u32) -> bool {
+        let mut st = lock(&self.st);
+        let ok = st.send.grant(bytes).is_ok();
+        if !ok {
+            st.closed = true;
+        }
+        drop(st);
+        self.cv.notify_all();
+        ok
+    }
+
+    /// The host's `Close` (or a new host connection): the read stops.
+    pub(crate) fn close(&self) {
+        lock(&self.st).closed = true;
+        self.cv.notify_all();
+    }
+
+    /// Waits until some bytes may be sent: how many (at most `max`), or
+    /// `None` once the read is closed.
+    fn wait(&self, max: usize) -> Option<usize> {
+        let mut st = lock(&self.st);
+        loop {
+            if st.closed {
+                return None;
+            }
+            let n = st.send.available().min(max);
+            if n > 0 {
+                return Some(n);
+            }
+            st = self.cv.wait(st).unwrap_or_else(|p| p.into_inner());
+        }
+    }
+
+    fn sent(&self, n: usize) {
+        lock(&self.st).send.sent(n);
+    }
+}
 
 /// A listing never collects more than this many entries, whatever the limit.
 const LIST_HARD_CAP: usize = 100_000;
@@ -94,7 +151,15 @@ fn entry(path: &str, md: &Metadata) -> Entry {
     }
 }
 
-pub(crate) fn read_file(out: &Outbox, stream: u32, path: &str) -> Result<(), Fail> {
+/// Sends the file at `path` on `stream`: its size, its bytes (within the
+/// credits of `gate` for a flow-controlled read), then `Done`. A read
+/// closed by the host ends without another frame.
+pub(crate) fn read_file(
+    out: &Outbox,
+    stream: u32,
+    path: &str,
+    gate: Option<&ReadGate>,
+) -> Result<(), Fail> {
     let p = check_path(path)?;
     let file = File::open(p).map_err(|e| Fail::io(format_args!("open {path}"), &e))?;
     let md = file
@@ -128,9 +193,21 @@ pub(crate) fn read_file(out: &Outbox, stream: u32, path: &str) -> Result<(), Fai
     let mut file = file.take(MAX_READ_BYTES + 1);
     let mut buf = vec![0u8; MAX_PAYLOAD];
     loop {
-        match file.read(&mut buf) {
+        let room = match gate {
+            Some(g) => match g.wait(buf.len()) {
+                Some(n) => n,
+                None => return Ok(()),
+            },
+            None => buf.len(),
+        };
+        match file.read(&mut buf[..room]) {
             Ok(0) => break,
-            Ok(n) => out.data(stream, channel::INPUT, &buf[..n]),
+            Ok(n) => {
+                if let Some(g) = gate {
+                    g.sent(n);
+                }
+                out.data(stream, channel::INPUT, &buf[..n])
+            }
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
             Err(e) => return Err(Fail::io(format_args!("read {path}"), &e)),
         }

@@ -406,3 +406,129 @@ fn remove_files_and_trees() {
         Reply::Removed { removed: false }
     );
 }
+
+/// Waits a moment, then runs a command to the end: frames the agent queued
+/// before its output (a read's bytes sent without credit) have arrived.
+fn settle(a: &mut Agent) {
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    assert_eq!(a.run(&["true"]).exit_code(), Some(0));
+}
+
+/// Reads `n` bytes of data frames on `s` (and nothing else).
+fn take_bytes(a: &mut Agent, s: u32, n: usize) -> Vec<u8> {
+    let mut got = Vec::new();
+    while got.len() < n {
+        let f = a.recv(s);
+        assert_eq!(f.kind, runtime_proto::Kind::Data, "{f:?}");
+        got.extend_from_slice(&f.payload);
+    }
+    assert_eq!(got.len(), n, "more than the credit");
+    got
+}
+
+#[test]
+fn a_flow_controlled_read_sends_only_what_the_host_credits() {
+    let mut a = Agent::start();
+    let bytes: Vec<u8> = (0..1_500_000u32)
+        .map(|i| (i.wrapping_mul(2_654_435_761) >> 11) as u8)
+        .collect();
+    let path = p(&a, "big.bin");
+    std::fs::write(&path, &bytes).unwrap();
+    let s = a.new_stream();
+    a.send(
+        s,
+        &Request::ReadFile {
+            path: path.clone(),
+            user: User::Root,
+            flow: true,
+        },
+    );
+    assert_eq!(
+        a.reply(s),
+        Reply::FileStart {
+            size: bytes.len() as u64
+        }
+    );
+    // No credit yet: no bytes.
+    settle(&mut a);
+    assert_eq!(a.pending_on(s), 0, "bytes sent before any credit");
+    // 100,000 bytes of credit: exactly that many, then nothing.
+    a.send(s, &Request::Credit { bytes: 100_000 });
+    let mut got = take_bytes(&mut a, s, 100_000);
+    settle(&mut a);
+    assert_eq!(a.pending_on(s), 0, "bytes sent beyond the credit");
+    // The rest, in two grants; then Done.
+    a.send(s, &Request::Credit { bytes: 700_000 });
+    got.extend(take_bytes(&mut a, s, 700_000));
+    let rest = bytes.len() - got.len();
+    a.send(
+        s,
+        &Request::Credit {
+            bytes: rest as u32 + 10,
+        },
+    );
+    got.extend(take_bytes(&mut a, s, rest));
+    assert_eq!(a.reply(s), Reply::Done);
+    assert!(got == bytes, "the bytes differ");
+}
+
+#[test]
+fn a_flow_controlled_read_closed_by_the_host_sends_nothing_more() {
+    let mut a = Agent::start();
+    let path = p(&a, "big.bin");
+    std::fs::write(&path, vec![7u8; 1 << 20]).unwrap();
+    let s = a.new_stream();
+    a.send(
+        s,
+        &Request::ReadFile {
+            path,
+            user: User::Root,
+            flow: true,
+        },
+    );
+    assert!(matches!(a.reply(s), Reply::FileStart { .. }));
+    a.send(s, &Request::Credit { bytes: 1000 });
+    take_bytes(&mut a, s, 1000);
+    a.send(s, &Request::Close);
+    // Credits after the close reach no read.
+    a.send(s, &Request::Credit { bytes: 500_000 });
+    settle(&mut a);
+    assert_eq!(a.pending_on(s), 0, "frames after the close");
+    // The stream is free again (the read's state is gone).
+    a.send(
+        s,
+        &Request::ReadFile {
+            path: p(&a, "big.bin"),
+            user: User::Root,
+            flow: true,
+        },
+    );
+    assert!(matches!(a.reply(s), Reply::FileStart { .. }));
+}
+
+#[test]
+fn a_write_the_host_closes_places_no_file() {
+    let mut a = Agent::start();
+    let path = p(&a, "half.bin");
+    let s = a.new_stream();
+    a.send(
+        s,
+        &Request::WriteFile {
+            path: path.clone(),
+            mode: None,
+            user: User::Root,
+        },
+    );
+    a.send_data(s, &[1u8; 300_000]);
+    a.send(s, &Request::Close);
+    assert_eq!(failed(&a.reply(s)), FailCode::Io);
+    assert!(!std::path::Path::new(&path).exists());
+    // Nor a temporary file beside it.
+    let left: Vec<_> = std::fs::read_dir(&a.dir)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name())
+        .filter(|n| n != "agent.sock")
+        .collect();
+    assert!(left.is_empty(), "{left:?}");
+}

@@ -26,8 +26,17 @@ impl Guest {
     /// As [`Guest::linked`], the guest's outbound streams handed to
     /// `acceptor`.
     pub(crate) async fn linked_with(acceptor: Option<Acceptor>) -> (Link, Guest) {
+        Guest::linked_as(acceptor, 1).await
+    }
+
+    /// As [`Guest::linked`], the guest speaking protocol `version`.
+    pub(crate) async fn linked_version(version: u32) -> (Link, Guest) {
+        Guest::linked_as(None, version).await
+    }
+
+    async fn linked_as(acceptor: Option<Acceptor>, version: u32) -> (Link, Guest) {
         let (host_side, guest_side) = UnixStream::pair().unwrap();
-        let answer = tokio::spawn(Guest::new(guest_side).answer_hello());
+        let answer = tokio::spawn(Guest::new(guest_side).answer_hello(version));
         let (link, _) = Link::over(host_side, Duration::from_secs(5), acceptor)
             .await
             .unwrap();
@@ -39,7 +48,7 @@ impl Guest {
     pub(crate) fn serving(listener: UnixListener) -> tokio::task::JoinHandle<Guest> {
         tokio::spawn(async move {
             let (sock, _) = listener.accept().await.unwrap();
-            Guest::new(sock).answer_hello().await
+            Guest::new(sock).answer_hello(1).await
         })
     }
 
@@ -50,14 +59,14 @@ impl Guest {
         }
     }
 
-    async fn answer_hello(mut self) -> Guest {
+    async fn answer_hello(mut self, version: u32) -> Guest {
         let f = self.frame().await.unwrap();
         assert_eq!((f.stream, f.kind), (0, Kind::Control));
         assert!(matches!(f.parse().unwrap(), Request::Hello { .. }));
         self.reply(
             0,
             &Reply::Hello {
-                version: 1,
+                version,
                 agent: "fake".into(),
             },
         )

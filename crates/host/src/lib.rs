@@ -52,6 +52,7 @@ mod pump;
 mod qemu;
 mod qmp;
 mod ram;
+mod read;
 pub mod share;
 mod teardown;
 mod templates;

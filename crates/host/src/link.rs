@@ -1,6 +1,13 @@
 //! The host end of the agent channel: one Unix socket (QEMU's chardev for the
 //! virtio-serial port), multiplexed into streams. A reader task routes frames
 //! to the stream that asked; a writer task owns the socket's write half.
+//!
+//! The write queue to the guest is bounded in bytes for data frames
+//! ([`QUEUE_BYTES`]): a writer of file bytes, stdin, tunnel or share bytes
+//! awaits room until the writer task has put earlier frames on the socket.
+//! Control frames (requests, credits, resets, `EndWrite`) never wait, so the
+//! frames that let the guest (and so the queue) move on are never stuck
+//! behind data.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -13,7 +20,18 @@ use runtime_proto::{
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::UnixStream;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
+
+/// What the link's write queue holds at most of data frames (their encoded
+/// bytes); a data writer awaits room beyond it.
+pub(crate) const QUEUE_BYTES: usize = 8 << 20;
+
+/// One encoded frame on its way to the writer task, with the room it
+/// takes in the queue (data frames), given back once it is written.
+struct Queued {
+    buf: Vec<u8>,
+    _room: Option<OwnedSemaphorePermit>,
+}
 
 /// What a stream receives from the guest.
 #[derive(Debug)]
@@ -113,7 +131,9 @@ pub(crate) enum LinkError {
 /// A live link to one agent. Cheap to clone.
 #[derive(Clone)]
 pub(crate) struct Link {
-    writer: mpsc::UnboundedSender<Vec<u8>>,
+    writer: mpsc::UnboundedSender<Queued>,
+    /// Room in the write queue for data frames, in bytes ([`QUEUE_BYTES`]).
+    room: Arc<Semaphore>,
     routes: Routes,
     orphans: Arc<Mutex<Orphans>>,
     next: Arc<AtomicU32>,
@@ -154,8 +174,8 @@ impl Stream {
         self.sender().send(req)
     }
 
-    pub(crate) fn send_data(&self, bytes: &[u8]) -> Result<(), LinkError> {
-        self.sender().send_data(bytes)
+    pub(crate) async fn send_data(&self, bytes: &[u8]) -> Result<(), LinkError> {
+        self.sender().send_data(bytes).await
     }
 
     /// The next reply, skipping nothing; `None` if the link closed.
@@ -201,11 +221,14 @@ impl StreamSender {
         self.link
             .send_frame(Frame::control(self.id, req).map_err(LinkError::Encode)?)
     }
-    pub(crate) fn send_data(&self, bytes: &[u8]) -> Result<(), LinkError> {
+    /// Data on this stream's INPUT channel, in frames; awaits room in the
+    /// link's write queue ([`QUEUE_BYTES`]) for each.
+    pub(crate) async fn send_data(&self, bytes: &[u8]) -> Result<(), LinkError> {
+        if bytes.is_empty() {
+            return self.link.send_data_frame(self.id, &[]).await;
+        }
         for piece in bytes.chunks(MAX_PAYLOAD) {
-            let frame =
-                Frame::data(self.id, channel::INPUT, piece.to_vec()).map_err(LinkError::Encode)?;
-            self.link.send_frame(frame)?;
+            self.link.send_data_frame(self.id, piece).await?;
         }
         Ok(())
     }
@@ -241,14 +264,15 @@ impl Link {
         let (mut rd, mut wr) = stream.into_split();
         let routes: Routes = Arc::new(Mutex::new(HashMap::new()));
         let closed = tokio_util::sync::CancellationToken::new();
-        let (writer, mut wq) = mpsc::unbounded_channel::<Vec<u8>>();
+        let (writer, mut wq) = mpsc::unbounded_channel::<Queued>();
         let closed_w = closed.clone();
         tokio::spawn(async move {
             loop {
                 tokio::select! {
                     _ = closed_w.cancelled() => break,
-                    buf = wq.recv() => match buf {
-                        Some(buf) => if wr.write_all(&buf).await.is_err() { closed_w.cancel(); break; },
+                    q = wq.recv() => match q {
+                        // The frame's room is given back once it is written.
+                        Some(q) => if wr.write_all(&q.buf).await.is_err() { closed_w.cancel(); break; },
                         None => break,
                     }
                 }
@@ -270,6 +294,7 @@ impl Link {
         let orphans: Arc<Mutex<Orphans>> = Arc::default();
         let link = Link {
             writer,
+            room: Arc::new(Semaphore::new(QUEUE_BYTES)),
             routes: routes.clone(),
             orphans: orphans.clone(),
             next: Arc::new(AtomicU32::new(first)),
@@ -424,13 +449,54 @@ impl Link {
         }
     }
 
+    /// A control frame: queued at once, never waiting for room.
     fn send_frame(&self, frame: Frame) -> Result<(), LinkError> {
+        self.queue(frame, None)
+    }
+
+    fn queue(&self, frame: Frame, room: Option<OwnedSemaphorePermit>) -> Result<(), LinkError> {
         if self.closed.is_cancelled() {
             return Err(LinkError::Closed);
         }
         let mut buf = Vec::with_capacity(frame.payload.len() + 16);
         encode(&frame, &mut buf);
-        self.writer.send(buf).map_err(|_| LinkError::Closed)
+        self.writer
+            .send(Queued { buf, _room: room })
+            .map_err(|_| LinkError::Closed)
+    }
+
+    /// One data frame (at most [`MAX_PAYLOAD`]): waits until the write queue
+    /// has room for it (its payload and header, so empty frames count too).
+    async fn send_data_frame(&self, stream: u32, piece: &[u8]) -> Result<(), LinkError> {
+        let frame =
+            Frame::data(stream, channel::INPUT, piece.to_vec()).map_err(LinkError::Encode)?;
+        let cost = (piece.len() + runtime_proto::HEADER_LEN) as u32;
+        let room = tokio::select! {
+            _ = self.closed.cancelled() => return Err(LinkError::Closed),
+            r = self.room.clone().acquire_many_owned(cost) => r.map_err(|_| LinkError::Closed)?,
+        };
+        self.queue(frame, Some(room))
+    }
+
+    /// Bytes kept for streams nobody opened.
+    #[cfg(test)]
+    pub(crate) fn orphan_bytes(&self) -> usize {
+        self.orphans.lock().map(|o| o.bytes).unwrap_or(0)
+    }
+
+    /// Whether frames on `id` are dropped (a stream that ended).
+    #[cfg(test)]
+    pub(crate) fn is_ended(&self, id: u32) -> bool {
+        self.ended
+            .lock()
+            .map(|e| e.set.contains(&id))
+            .unwrap_or(false)
+    }
+
+    /// Bytes of data frames queued and not yet written to the socket.
+    #[cfg(test)]
+    pub(crate) fn queued_bytes(&self) -> usize {
+        QUEUE_BYTES - self.room.available_permits()
     }
 
     pub(crate) fn open(&self) -> Result<Stream, LinkError> {
@@ -542,7 +608,7 @@ fn session_id(nanos: u64) -> u64 {
 
 #[cfg(test)]
 mod tests {
-    use runtime_proto::{FailCode, Reply};
+    use runtime_proto::{FailCode, Kind, Reply};
 
     use super::*;
     use crate::fake_guest::Guest;
@@ -590,5 +656,56 @@ mod tests {
             "{count} frames held"
         );
         assert!(count > 0, "nothing kept at all");
+    }
+
+    #[tokio::test]
+    async fn data_for_a_guest_that_does_not_read_waits_within_the_queue_bound() {
+        let (link, mut guest) = Guest::linked().await;
+        let s = link.open().unwrap();
+        let id = s.id;
+        let total = 64usize << 20;
+        let writer = tokio::spawn(async move {
+            let piece = vec![5u8; 1 << 20];
+            for _ in 0..total >> 20 {
+                s.send_data(&piece).await.unwrap();
+            }
+            // Control frames never wait for room.
+            s.send(&Request::EndWrite).unwrap();
+            s
+        });
+        // The guest reads nothing: the writer waits with at most the bound
+        // queued (beyond what the socket itself holds).
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert!(
+            !writer.is_finished(),
+            "64 MiB queued for a guest that reads nothing"
+        );
+        let queued = link.queued_bytes();
+        assert!(queued <= QUEUE_BYTES, "{queued} bytes queued");
+        assert!(queued > QUEUE_BYTES / 2, "only {queued} bytes queued");
+        // A control frame from elsewhere is queued at once meanwhile.
+        let other = link.open().unwrap();
+        other.send(&Request::Ping).unwrap();
+        // Once the guest reads, every byte arrives in order, then EndWrite.
+        let (mut got, mut ping) = (0usize, false);
+        loop {
+            let f = guest.stream_frame().await.unwrap();
+            if f.stream == other.id {
+                ping = true;
+                continue;
+            }
+            assert_eq!(f.stream, id);
+            match f.kind {
+                Kind::Data => got += f.payload.len(),
+                Kind::Control => {
+                    assert_eq!(f.parse::<Request>().unwrap(), Request::EndWrite);
+                    break;
+                }
+            }
+        }
+        assert_eq!(got, total);
+        assert!(ping, "the control frame was not sent");
+        writer.await.unwrap();
+        assert_eq!(link.queued_bytes(), 0);
     }
 }

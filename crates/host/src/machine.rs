@@ -14,11 +14,12 @@ use crate::cgroup::{self, Layout};
 use crate::convert::{exec_request, file_op_result, file_request, guest_err, user, watch_request};
 use crate::disks::copy_sparse;
 use crate::guest_setup::{grow_root_fs, mount_volumes, setup, sync_guest};
-use crate::link::{Acceptor, Incoming, Link};
+use crate::link::{Acceptor, Link};
 use crate::network::Networks;
 use crate::pump::{self, pump};
 use crate::qemu::{self, Accel, VmPaths};
 use crate::ram::{self, RamPlan};
+use crate::read::{overrun, too_large, Next, Read, READ_PIECES};
 use crate::share::{ShareHandle, ShareSpec};
 use crate::tunnel::{self, Slot};
 use crate::types::*;
@@ -850,37 +851,25 @@ impl Host for QemuHost {
     async fn read_file(&self, id: &str, path: &str, u: RunAs) -> Result<Vec<u8>, HostError> {
         let link = self.link(id).await?;
         let lost = || HostError::LinkLost { id: id.to_owned() };
-        let mut s = link.open().map_err(|_| lost())?;
-        s.send(&Request::ReadFile {
-            path: path.to_owned(),
-            user: user(u),
-        })
-        .map_err(|_| lost())?;
+        let mut r = Read::start(&link, path, user(u)).map_err(|_| lost())?;
         let mut data = Vec::new();
-        let too_large = || HostError::Guest {
-            id: id.to_owned(),
-            failure: GuestFailure::TooLarge,
-            message: format!(
-                "{path} is larger than a read takes ({} MiB): read it in parts with a command",
-                MAX_READ_BYTES >> 20
-            ),
-        };
         loop {
-            match s.recv().await.ok_or_else(lost)? {
+            match r.next().await {
                 // The guest's word is not trusted: the size it announces is
                 // checked, and so is what it sends.
-                Incoming::Reply(Reply::FileStart { size }) if size > MAX_READ_BYTES => {
-                    return Err(too_large())
-                }
-                Incoming::Reply(Reply::FileStart { size }) => data.reserve(size as usize),
-                Incoming::Data { bytes, .. } => {
+                Next::Start(size) if size > MAX_READ_BYTES => return Err(too_large(id, path)),
+                Next::Start(size) => data.reserve(size as usize),
+                Next::Bytes(bytes) => {
                     if (data.len() + bytes.len()) as u64 > MAX_READ_BYTES {
-                        return Err(too_large());
+                        return Err(too_large(id, path));
                     }
-                    data.extend_from_slice(&bytes)
+                    data.extend_from_slice(&bytes);
+                    r.taken(bytes.len());
                 }
-                Incoming::Reply(Reply::Done) => return Ok(data),
-                Incoming::Reply(other) => return Err(guest_err(id, other)),
+                Next::Done => return Ok(data),
+                Next::Reply(other) => return Err(guest_err(id, other)),
+                Next::Overrun => return Err(overrun(id)),
+                Next::Lost => return Err(lost()),
             }
         }
     }
@@ -893,27 +882,13 @@ impl Host for QemuHost {
     ) -> Result<FileStream, HostError> {
         let link = self.link(id).await?;
         let lost = || HostError::LinkLost { id: id.to_owned() };
-        let mut s = link.open().map_err(|_| lost())?;
-        s.send(&Request::ReadFile {
-            path: path.to_owned(),
-            user: user(u),
-        })
-        .map_err(|_| lost())?;
-        let too_large = |id: &str| HostError::Guest {
-            id: id.to_owned(),
-            failure: GuestFailure::TooLarge,
-            message: format!(
-                "{path} is larger than a read takes ({} MiB): read it in parts with a command",
-                MAX_READ_BYTES >> 20
-            ),
-        };
-        let size = match s.recv().await.ok_or_else(lost)? {
-            Incoming::Reply(Reply::FileStart { size }) if size > MAX_READ_BYTES => {
-                return Err(too_large(id))
-            }
-            Incoming::Reply(Reply::FileStart { size }) => size,
-            Incoming::Reply(other) => return Err(guest_err(id, other)),
-            Incoming::Data { .. } => {
+        let mut r = Read::start(&link, path, user(u)).map_err(|_| lost())?;
+        let size = match r.next().await {
+            Next::Start(size) if size > MAX_READ_BYTES => return Err(too_large(id, path)),
+            Next::Start(size) => size,
+            Next::Reply(other) => return Err(guest_err(id, other)),
+            Next::Lost => return Err(lost()),
+            Next::Bytes(_) | Next::Done | Next::Overrun => {
                 return Err(HostError::Guest {
                     id: id.to_owned(),
                     failure: GuestFailure::BadRequest,
@@ -922,15 +897,17 @@ impl Host for QemuHost {
             }
         };
         // The guest's word is not trusted: what it sends is checked against
-        // the size it announced.
-        let (tx, rx) = tokio::sync::mpsc::channel(16);
+        // the size it announced. Its window is credited as the reader takes
+        // the pieces (the channel is full while the reader is slow), so it
+        // holds at most a window and the channel's pieces here.
+        let (tx, rx) = tokio::sync::mpsc::channel(READ_PIECES);
         let id = id.to_owned();
         tokio::spawn(async move {
             let mut got = 0u64;
             loop {
-                let next = match s.recv().await {
-                    None => Err(HostError::LinkLost { id: id.clone() }),
-                    Some(Incoming::Data { bytes, .. }) => {
+                let next = match r.next().await {
+                    Next::Lost => Err(HostError::LinkLost { id: id.clone() }),
+                    Next::Bytes(bytes) => {
                         got += bytes.len() as u64;
                         if got > size {
                             Err(HostError::Guest {
@@ -944,24 +921,35 @@ impl Host for QemuHost {
                             Ok(Some(bytes))
                         }
                     }
-                    Some(Incoming::Reply(Reply::Done)) if got == size => Ok(None),
-                    Some(Incoming::Reply(Reply::Done)) => Err(HostError::Guest {
+                    Next::Done if got == size => Ok(None),
+                    Next::Done => Err(HostError::Guest {
                         id: id.clone(),
                         failure: GuestFailure::Io,
                         message: format!(
                             "the file changed while it was read ({got} of {size} bytes)"
                         ),
                     }),
-                    Some(Incoming::Reply(other)) => Err(guest_err(&id, other)),
+                    Next::Overrun => Err(overrun(&id)),
+                    Next::Start(_) => Err(HostError::Guest {
+                        id: id.clone(),
+                        failure: GuestFailure::Io,
+                        message: "the guest announced a file's size twice".into(),
+                    }),
+                    Next::Reply(other) => Err(guest_err(&id, other)),
                 };
                 match next {
                     Ok(Some(bytes)) => {
+                        let n = bytes.len();
                         if tx.send(Ok(bytes)).await.is_err() {
+                            // The reader went away: dropping `r` ends the
+                            // read in the guest.
                             return;
                         }
+                        r.taken(n);
                     }
                     Ok(None) => return,
                     Err(e) => {
+                        r.reset();
                         let _ = tx.send(Err(e)).await;
                         return;
                     }
@@ -988,7 +976,48 @@ impl Host for QemuHost {
             user: user(u),
         })
         .map_err(|_| lost())?;
-        s.send_data(&data).map_err(|_| lost())?;
+        s.send_data(&data).await.map_err(|_| lost())?;
+        s.send(&Request::EndWrite).map_err(|_| lost())?;
+        match s.reply().await.map_err(|_| lost())? {
+            Reply::Done => Ok(()),
+            other => Err(guest_err(id, other)),
+        }
+    }
+
+    async fn write_file_stream(
+        &self,
+        id: &str,
+        path: &str,
+        mode: Option<u32>,
+        u: RunAs,
+        mut pieces: tokio::sync::mpsc::Receiver<std::io::Result<Vec<u8>>>,
+    ) -> Result<(), HostError> {
+        let link = self.link(id).await?;
+        let lost = || HostError::LinkLost { id: id.to_owned() };
+        let mut s = link.open().map_err(|_| lost())?;
+        s.send(&Request::WriteFile {
+            path: path.to_owned(),
+            mode,
+            user: user(u),
+        })
+        .map_err(|_| lost())?;
+        // Each piece waits for room in the link's bounded write queue, so
+        // what is held here is a piece and the queue, whatever the size.
+        while let Some(piece) = pieces.recv().await {
+            match piece {
+                Ok(bytes) => s.send_data(&bytes).await.map_err(|_| lost())?,
+                Err(source) => {
+                    // Nothing is placed: the agent drops its temporary file.
+                    let _ = s.send(&Request::Close);
+                    s.ended();
+                    return Err(HostError::Io {
+                        id: id.to_owned(),
+                        op: "reading the bytes of a write",
+                        source,
+                    });
+                }
+            }
+        }
         s.send(&Request::EndWrite).map_err(|_| lost())?;
         match s.reply().await.map_err(|_| lost())? {
             Reply::Done => Ok(()),

@@ -56,7 +56,7 @@ pub(crate) fn pump_after(
                 }
                 ctl = ctl_rx.recv(), if ctl_open => {
                     let r = match ctl {
-                        Some(ExecControl::Stdin(b)) => sender.send_data(&b),
+                        Some(ExecControl::Stdin(b)) => sender.send_data(&b).await,
                         Some(ExecControl::CloseStdin) => sender.send(&Request::CloseStdin),
                         Some(ExecControl::Signal(s)) => sender.send(&Request::Signal { signal: s }),
                         Some(ExecControl::Resize(t)) => sender.send(&Request::Resize { size: pty_size(t) }),

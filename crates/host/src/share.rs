@@ -337,7 +337,7 @@ async fn relay(
                     if let Some(s) = &current {
                         // A reply lost with the link is kept: the agent
                         // sends its request again on the next stream.
-                        let _ = s.send_data(&m);
+                        let _ = s.send_data(&m).await;
                     }
                 }
             }

@@ -140,7 +140,7 @@ async fn pump(mut stream: Stream, end: DuplexStream) {
                 }
                 Ok(n) => {
                     send.sent(n);
-                    if tx.send_data(&buf[..n]).is_err() {
+                    if tx.send_data(&buf[..n]).await.is_err() {
                         break End::Gone;
                     }
                 }

@@ -487,6 +487,28 @@ pub trait Host: Send + Sync + 'static {
         user: RunAs,
         data: Vec<u8>,
     ) -> Result<(), HostError>;
+    /// Writes a file from pieces as they come, never held whole (an
+    /// upload's commit streamed from the host's disk): placed atomically
+    /// once `pieces` ends; an `Err` piece abandons the write (nothing is
+    /// placed; [`HostError::Io`]). By default, collected and written whole.
+    async fn write_file_stream(
+        &self,
+        id: &str,
+        path: &str,
+        mode: Option<u32>,
+        user: RunAs,
+        mut pieces: mpsc::Receiver<std::io::Result<Vec<u8>>>,
+    ) -> Result<(), HostError> {
+        let mut data = Vec::new();
+        while let Some(piece) = pieces.recv().await {
+            data.extend(piece.map_err(|source| HostError::Io {
+                id: id.to_owned(),
+                op: "reading the bytes of a write",
+                source,
+            })?);
+        }
+        self.write_file(id, path, mode, user, data).await
+    }
     async fn file_op(&self, id: &str, op: FileOp, user: RunAs) -> Result<FileOpResult, HostError>;
     /// Watches a path in the guest: answers once the guest watches it (a
     /// missing path fails as a file operation does).

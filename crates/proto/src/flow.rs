@@ -28,6 +28,12 @@
 //!   receiver resets its socket (or ends the host's stream) and forgets the
 //!   stream. Frames that cross a `Close` are dropped. The agent answers
 //!   tunnel frames for a guest-opened stream it does not know with `Close`.
+//! * **File reads.** A [`crate::Request::ReadFile`] with `flow` uses the
+//!   same credits for the file's bytes, guest to host: the host opens the
+//!   window with a first `Credit` of [`READ_WINDOW`] and grants more as its
+//!   reader (an HTTP body) takes the bytes; `Close` from the host ends the
+//!   read. A guest that overruns its window gets `Close` and its bytes are
+//!   dropped.
 //! * **Reconnect.** On a `Hello` of a new session the agent resets every
 //!   tunnel (the host that knew them is gone); the host ends every tunnel
 //!   when its link to the agent closes (stop, pause, destroy).
@@ -35,6 +41,11 @@
 /// The window each receiver grants: bytes in flight or buffered per
 /// direction of one tunnel.
 pub const WINDOW: u32 = 256 * 1024;
+
+/// The window a host grants a flow-controlled file read: what the guest
+/// may send ahead of the reader. Larger than a tunnel's, as a read is one
+/// direction of bulk bytes in frames of [`crate::MAX_PAYLOAD`].
+pub const READ_WINDOW: u32 = 2 * 1024 * 1024;
 
 /// The largest window a receiver may have open (credits beyond it are a
 /// violation).
@@ -98,6 +109,13 @@ impl RecvWindow {
     pub fn open(&mut self) -> u32 {
         self.open += u64::from(WINDOW);
         WINDOW
+    }
+
+    /// A first credit other than [`WINDOW`] (a read's [`READ_WINDOW`]):
+    /// opens the window by `bytes`.
+    pub fn open_by(&mut self, bytes: u32) -> u32 {
+        self.open += u64::from(bytes);
+        bytes
     }
 
     /// The peer sent `n` bytes.
@@ -203,6 +221,36 @@ mod tests {
         let rest = r.buffered();
         assert_eq!(r.delivered(rest), Some(rest as u32));
         assert_eq!(r.delivered(5), None, "nothing buffered, nothing to credit");
+    }
+
+    #[test]
+    fn a_read_window_bounds_what_a_sender_may_have_ahead_of_a_slow_reader() {
+        // A file read: the receiver opens READ_WINDOW and delivers nothing
+        // (a stalled HTTP client); the sender fills the window and no more.
+        let (mut s, mut r) = (SendWindow::default(), RecvWindow::default());
+        s.grant(r.open_by(READ_WINDOW)).unwrap();
+        let mut sent = 0usize;
+        while s.available() > 0 {
+            let n = s.available().min(crate::MAX_PAYLOAD);
+            r.received(n).unwrap();
+            s.sent(n);
+            sent += n;
+        }
+        assert_eq!(sent, READ_WINDOW as usize);
+        assert_eq!(r.buffered(), READ_WINDOW as usize);
+        // One byte more is an overrun.
+        assert_eq!(
+            r.received(1),
+            Err(Violation::Overrun {
+                sent: 1,
+                allowed: 0
+            })
+        );
+        // Delivering a frame's worth grants exactly that much again.
+        let c = r.delivered(crate::MAX_PAYLOAD).unwrap();
+        assert_eq!(c as usize, crate::MAX_PAYLOAD);
+        s.grant(c).unwrap();
+        assert_eq!(s.available(), crate::MAX_PAYLOAD);
     }
 
     #[test]

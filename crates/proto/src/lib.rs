@@ -30,8 +30,13 @@ pub use messages::*;
 
 /// The protocol version this build speaks. 1: the first; 2: watches
 /// ([`Request::Watch`]); 3: traced files ([`ExecRequest::trace_files`]);
-/// 4: shared volumes ([`Request::Share`]).
-pub const VERSION: u32 = 4;
+/// 4: shared volumes ([`Request::Share`]); 5: file reads with flow control
+/// ([`Request::ReadFile`] `flow`, [`flow::READ_WINDOW`]).
+pub const VERSION: u32 = 5;
+
+/// The first version whose agents send a read file's bytes only within the
+/// credits the host grants ([`Request::ReadFile`] `flow`).
+pub const READ_FLOW_VERSION: u32 = 5;
 
 /// The first version whose agents take [`Request::Share`].
 pub const SHARE_VERSION: u32 = 4;

@@ -205,9 +205,21 @@ pub enum Request {
     },
     /// The file's bytes come back as INPUT data after [`Reply::FileStart`],
     /// then [`Reply::Done`].
+    ///
+    /// With `flow` (agents of [`crate::READ_FLOW_VERSION`] or later; an
+    /// older one would ignore it) the bytes flow within credits as a
+    /// tunnel's do ([`crate::flow`]): the agent's window starts at zero, the
+    /// host opens it with a first [`Request::Credit`] of
+    /// [`crate::flow::READ_WINDOW`] and grants more as its reader takes the
+    /// bytes. A host that no longer wants the rest sends [`Request::Close`]:
+    /// the agent stops reading and sends nothing more on the stream. An
+    /// agent that sends beyond its window gets the same `Close` and what it
+    /// sent is dropped.
     ReadFile {
         path: String,
         user: User,
+        #[serde(default, skip_serializing_if = "is_false")]
+        flow: bool,
     },
     /// INPUT data frames follow, then [`Request::EndWrite`]; the file is
     /// placed atomically (temp file + rename), parents created.
@@ -271,9 +283,10 @@ pub enum Request {
     Connect {
         port: u16,
     },
-    /// Tunnel flow control: the host delivered `bytes` more of the guest's
-    /// bytes to its end; the guest may send that many more. The first
-    /// `Credit` of a stream opens the guest's window ([`crate::flow::WINDOW`]).
+    /// Tunnel (and flow-controlled read) flow control: the host delivered
+    /// `bytes` more of the guest's bytes to its end; the guest may send that
+    /// many more. The first `Credit` of a stream opens the guest's window
+    /// ([`crate::flow::WINDOW`], [`crate::flow::READ_WINDOW`] for a read).
     Credit {
         bytes: u32,
     },
@@ -282,7 +295,11 @@ pub enum Request {
     /// side once it has written them.
     Eof,
     /// Tunnel reset: the host forgets the stream; the guest resets the socket
-    /// at once (bytes not yet delivered are dropped).
+    /// at once (bytes not yet delivered are dropped). On a flow-controlled
+    /// read: the agent stops the read and sends nothing more. On a
+    /// [`Request::WriteFile`] before its `EndWrite` (agents of
+    /// [`crate::READ_FLOW_VERSION`] or later): the write is abandoned, no
+    /// file placed, answered `Failed`.
     Close,
     /// Watches a path on this stream: answered by [`Reply::Watching`] (or
     /// `Failed`), then [`Reply::WatchEvents`] batches, then one

@@ -250,6 +250,12 @@ impl Agent {
         self.reply(0)
     }
 
+    /// Frames of `stream` received so far and kept for later (none are
+    /// read from the socket here).
+    pub(crate) fn pending_on(&self, stream: u32) -> usize {
+        self.pending.iter().filter(|f| f.stream == stream).count()
+    }
+
     /// The next frame on any stream (pending ones first).
     pub(crate) fn next_any(&mut self) -> Frame {
         if let Some(f) = self.pending.pop_front() {
@@ -344,6 +350,7 @@ impl Agent {
             &Request::ReadFile {
                 path: path.into(),
                 user,
+                flow: false,
             },
         );
         let size = match self.reply(s) {

@@ -1,6 +1,7 @@
 //! Chunked uploads: a file under the data dir's `uploads/` of the declared
 //! size, chunks written at their offsets in any order, and at commit the
-//! whole checked against its SHA-256 and written into the sandbox; or an
+//! whole checked against its SHA-256 and streamed into the sandbox (read
+//! in pieces, never held whole); or an
 //! archive, chunks appended in order, and at commit streamed from that file
 //! to the guest's tar. Uploads live in memory (a restart forgets them and
 //! empties the directory).
@@ -13,7 +14,7 @@ use runtime_api::codes;
 use runtime_host::RunAs;
 use serde_json::json;
 
-use crate::domain::access::{sha256_hex, KeyInfo};
+use crate::domain::access::KeyInfo;
 use crate::domain::files::{
     self, chunk_fits, covered, ArchiveChunk, MAX_ARCHIVE_BYTES, MAX_ARCHIVE_UPLOADS,
 };
@@ -422,6 +423,71 @@ pub(crate) async fn archive_chunk(
     }
 }
 
+/// The pieces a commit reads its staged file in, and how many wait for the
+/// host at most.
+const COMMIT_PIECE: usize = 256 * 1024;
+const COMMIT_PIECES: usize = 8;
+
+/// The SHA-256 (lower-case hex) of a staged file, read in pieces.
+async fn file_sha256(file: &Path) -> ApiResult<String> {
+    let path = file.to_path_buf();
+    tokio::task::spawn_blocking(move || {
+        use sha2::{Digest, Sha256};
+        use std::io::Read;
+        let mut f = std::fs::File::open(&path)?;
+        let mut h = Sha256::new();
+        let mut buf = vec![0u8; COMMIT_PIECE];
+        loop {
+            match f.read(&mut buf) {
+                Ok(0) => break,
+                Ok(n) => h.update(&buf[..n]),
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(hex::encode(h.finalize()))
+    })
+    .await
+    .map_err(|e| ApiError::Internal {
+        what: format!("upload hash task: {e}"),
+    })?
+    .map_err(io_err("read upload file", file))
+}
+
+/// Reads a staged file in pieces into `tx` (waiting while the host is
+/// behind); a read error is the last piece.
+fn send_pieces(
+    path: PathBuf,
+    tx: tokio::sync::mpsc::Sender<std::io::Result<Vec<u8>>>,
+) -> tokio::task::JoinHandle<()> {
+    tokio::task::spawn_blocking(move || {
+        use std::io::Read;
+        let mut f = match std::fs::File::open(&path) {
+            Ok(f) => f,
+            Err(e) => {
+                let _ = tx.blocking_send(Err(e));
+                return;
+            }
+        };
+        loop {
+            let mut buf = vec![0u8; COMMIT_PIECE];
+            let piece = match f.read(&mut buf) {
+                Ok(0) => return,
+                Ok(n) => {
+                    buf.truncate(n);
+                    Ok(buf)
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(e) => Err(e),
+            };
+            let failed = piece.is_err();
+            if tx.blocking_send(piece).is_err() || failed {
+                return;
+            }
+        }
+    })
+}
+
 /// An upload written into the sandbox.
 pub(crate) struct Committed {
     pub(crate) path: String,
@@ -461,10 +527,9 @@ pub(crate) async fn commit(
             details: Some(json!({ "receivedThrough": have, "size": size })),
         });
     }
-    let data = tokio::fs::read(&u.file)
-        .await
-        .map_err(io_err("read upload file", &u.file))?;
-    let got = sha256_hex(&data);
+    // Streamed from the staged file twice (checked, then sent), never held
+    // whole: what the commit holds is a few pieces and the link's queue.
+    let got = file_sha256(&u.file).await?;
     if got != sha256 {
         return Err(ApiError::Unprocessable {
             code: codes::CHECKSUM_MISMATCH,
@@ -472,9 +537,13 @@ pub(crate) async fn commit(
             details: Some(json!({ "expected": sha256, "actual": got })),
         });
     }
+    let (tx, rx) = tokio::sync::mpsc::channel(COMMIT_PIECES);
+    let reader = send_pieces(u.file.clone(), tx);
     st.host()
-        .write_file(id, &u.path, mode, u.user, data)
+        .write_file_stream(id, &u.path, mode, u.user, rx)
         .await?;
+    // The host took every piece; a read error would have ended the write.
+    let _ = reader.await;
     st.inner.uploads.remove(upload_id, &mut u).await;
     Ok(Committed {
         path: u.path.clone(),
