@@ -110,6 +110,47 @@ impl Op {
     }
 }
 
+/// Moves a sandbox that was `from` (running, paused or stopped) into
+/// `starting` for a new machine (`Event::Resize`: a resize or an image
+/// switch), applying `change` to its record in the same write; one that
+/// was not running gets a new lease. Then its programs, terminals and
+/// watches end with its old machine. `NotRunning` when something else
+/// moved it meanwhile (a stop, a pause, a delete).
+pub(crate) fn restart_changed(
+    st: &AppState,
+    id: &str,
+    from: SandboxState,
+    change: impl FnOnce(&mut Sandbox),
+) -> ApiResult<()> {
+    let now = st.now_ms();
+    let moved = transition(st, id, Event::Resize, |row| {
+        let r = &mut row.record;
+        change(r);
+        r.ready_at = None;
+        if from != SandboxState::Running {
+            r.ended_at = None;
+            r.stop_reason = None;
+            r.paused_at = None;
+            r.paused_expires_at = None;
+            r.ends_at = crate::domain::lease::lease_end(r.timeout_seconds, now);
+            r.expires_at = r.ends_at.clone();
+        }
+    })?;
+    if !moved {
+        let state = st
+            .store()
+            .get_sandbox(id)?
+            .map_or(SandboxState::Stopped, |r| r.record.state);
+        return Err(crate::error::ApiError::NotRunning {
+            id: id.to_string(),
+            state,
+        });
+    }
+    st.inner.procs.sandbox_gone(st.store(), id);
+    crate::service::watches::sandbox_gone(st, id);
+    Ok(())
+}
+
 /// Moves the sandbox along `event` if that edge exists from its state (and
 /// it is not deleted), applying `edit` in the same write. `true` when it moved.
 pub(crate) fn transition(

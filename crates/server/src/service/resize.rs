@@ -12,7 +12,7 @@ use runtime_api::codes;
 use serde_json::json;
 
 use crate::domain::access::KeyInfo;
-use crate::domain::lifecycle::{Event, SandboxState};
+use crate::domain::lifecycle::SandboxState;
 use crate::domain::quota::Usage;
 use crate::error::{ApiError, ApiResult};
 use crate::service::lifecycle::{self, drive, Op};
@@ -184,34 +184,9 @@ async fn restart_at(
     }
     let from = r.state;
     let old = (r.vcpu, r.memory_mib, r.disk_mib, r.cpu_floor_millis);
-    let now = st.now_ms();
-    let moved = lifecycle::transition(st, id, Event::Resize, |row| {
-        let r = &mut row.record;
+    lifecycle::restart_changed(st, id, from, |r| {
         (r.vcpu, r.memory_mib, r.disk_mib, r.cpu_floor_millis) = shape;
-        r.ready_at = None;
-        if from != Running {
-            r.ended_at = None;
-            r.stop_reason = None;
-            r.paused_at = None;
-            r.paused_expires_at = None;
-            r.ends_at = crate::domain::lease::lease_end(r.timeout_seconds, now);
-            r.expires_at = r.ends_at.clone();
-        }
     })?;
-    if !moved {
-        // Something else moved it meanwhile (a stop, a pause, a delete).
-        let state = st
-            .store()
-            .get_sandbox(id)?
-            .map_or(Stopped, |r| r.record.state);
-        return Err(ApiError::NotRunning {
-            id: id.to_string(),
-            state,
-        });
-    }
-    // Its programs, terminals and watches end with its machine.
-    st.inner.procs.sandbox_gone(st.store(), id);
-    crate::service::watches::sandbox_gone(st, id);
     drive(st, id, Op::Resize { from, old })?;
     Ok(())
 }

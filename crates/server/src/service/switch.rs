@@ -87,34 +87,8 @@ pub(crate) async fn switch_image(
         if from == Stopped {
             crate::service::sandboxes::name_free_for_restart(st, key, &row)?;
         }
-        let now = st.now_ms();
-        let moved = lifecycle::transition(st, id, Event::Resize, |row| {
-            let r = &mut row.record;
-            r.image = Some(new_image.clone());
-            r.ready_at = None;
-            if from != Running {
-                r.ended_at = None;
-                r.stop_reason = None;
-                r.paused_at = None;
-                r.paused_expires_at = None;
-                r.ends_at = crate::domain::lease::lease_end(r.timeout_seconds, now);
-                r.expires_at = r.ends_at.clone();
-            }
-        })?;
-        if !moved {
-            let state = st
-                .store()
-                .get_sandbox(id)?
-                .map_or(Stopped, |r| r.record.state);
-            return Err(ApiError::NotRunning {
-                id: id.to_string(),
-                state,
-            });
-        }
+        lifecycle::restart_changed(st, id, from, |r| r.image = Some(new_image.clone()))?;
     }
-    // Its programs, terminals and watches end with its machine.
-    st.inner.procs.sandbox_gone(st.store(), id);
-    crate::service::watches::sandbox_gone(st, id);
     let task: lifecycle::SwitchTask =
         Box::new(move |st, row| Box::pin(async move { run(&st, &row, from, old_image).await }));
     drive(st, id, Op::Switch { task })?;
