@@ -147,18 +147,25 @@ fn parse_oom_kills(events: &str) -> Option<u32> {
     })
 }
 
-/// In the forked child (async-signal-safe): moves the calling process into
+/// In the spawned child (raw system calls only): moves the calling process into
 /// the group whose `cgroup.procs` is `procs`. Failure leaves it where it is.
 ///
 /// # Safety
-/// Call only in a freshly forked child.
+/// Call only in a child of `crate::spawn::vfork` (or of `fork`).
 pub(crate) unsafe fn join(procs: &std::ffi::CStr) {
     // SAFETY: open/write/close on a NUL-terminated path and a local buffer.
     unsafe {
-        let fd = libc::open(procs.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
+        // Raw system calls: libc's open, write and close are cancellation
+        // points that mark the calling thread, which the child shares.
+        let fd = libc::syscall(
+            libc::SYS_openat,
+            libc::AT_FDCWD,
+            procs.as_ptr(),
+            libc::O_WRONLY | libc::O_CLOEXEC,
+        );
         if fd >= 0 {
-            libc::write(fd, b"0".as_ptr().cast(), 1);
-            libc::close(fd);
+            libc::syscall(libc::SYS_write, fd, b"0".as_ptr(), 1usize);
+            libc::syscall(libc::SYS_close, fd);
         }
     }
 }

@@ -348,9 +348,10 @@ unsafe fn child(
     unsafe fn fail(report: RawFd, stage: u8) -> ! {
         let e = errno().to_ne_bytes();
         let msg = [stage, e[0], e[1], e[2], e[3]];
-        // SAFETY: writes a local buffer; _exit never returns.
+        // SAFETY: writes a local buffer; _exit never returns. A raw
+        // write: libc's marks the (shared) thread for cancellation.
         unsafe {
-            libc::write(report, msg.as_ptr().cast(), msg.len());
+            libc::syscall(libc::SYS_write, report, msg.as_ptr(), msg.len());
             libc::_exit(127)
         }
     }
