@@ -12,6 +12,16 @@ QEMU processes (every page once, guest RAM files included, beside summed
 PSS and RSS): one idle 1 GiB sandbox, four idle forks of it, and the peak
 of ten idle sandboxes. Prints Markdown and writes
 bench/results/memory-<timestamp>.json.
+
+    .venv/bin/python bench/memory.py --density              # 1, 10 and 50 at once
+    .venv/bin/python bench/memory.py --density --levels 1,10
+
+With --density it measures idle density instead, on one server with its
+defaults: for each level, that many idle 1 GiB sandboxes at once (created
+one after another, each having run `true`, then left idle for 10 s), the
+host MiB of their QEMU processes (as above, sampled five times a second
+apart, the peak) and that per sandbox. Writes
+bench/results/density-<timestamp>.json.
 """
 from __future__ import annotations
 
@@ -167,12 +177,73 @@ def memory(rt, root: Path) -> dict[str, dict]:
     return out
 
 
+def density(rt, root: Path, levels: list[int]) -> dict[str, dict]:
+    """Host memory of `n` idle 1 GiB sandboxes at once, for each level."""
+    out = {}
+    for n in levels:
+        made = []
+        try:
+            for _ in range(n):
+                sbx = rt.sandboxes.create(labels={"bench": "density"}, **SHAPE)
+                assert sbx.exec("true").exit_code == 0
+                made.append(sbx)
+            time.sleep(10)
+            peak = {"host_mib": 0.0, "pss_mib": 0.0, "rss_mib": 0.0}
+            for _ in range(5):
+                m = qemu_memory(root, [x.id for x in made])
+                peak = {k: max(peak[k], m[k]) for k in peak}
+                time.sleep(1)
+            peak["host_mib_per_sandbox"] = peak["host_mib"] / n
+            out[str(n)] = peak
+            print(f"{n} idle: host {peak['host_mib']:.0f} MiB, {peak['host_mib_per_sandbox']:.0f} per sandbox",
+                  file=sys.stderr)
+        finally:
+            for x in made:
+                x.delete()
+        time.sleep(3)
+    return out
+
+
+def main_density(args) -> int:
+    from withruntime import Runtime
+    levels = [int(x) for x in args.levels.split(",")]
+    load = os.getloadavg()[0]
+    own = OwnServer(args.binary, 1200)
+    try:
+        with Runtime(api_key=own.key, base_url=own.url, timeout=600) as rt:
+            # The first create of the shape boots and builds its template.
+            rt.sandboxes.create(labels={"bench": "density"}, **SHAPE).delete()
+            found = density(rt, own.root, levels)
+        accel = own.accelerator()
+    finally:
+        own.close()
+    now = datetime.now(timezone.utc)
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"density-{now.strftime('%Y%m%dT%H%M%SZ')}.json"
+    path.write_text(json.dumps({"date": now.isoformat(timespec="seconds"), "accelerator": accel,
+                                "command": "python bench/memory.py " + " ".join(sys.argv[1:]),
+                                "load_average_at_start": load, "shape": SHAPE, "density": found},
+                               indent=2) + "\n")
+    print("| idle 1 GiB sandboxes at once | host MiB | host MiB per sandbox | PSS MiB | RSS MiB |\n"
+          "|---:|---:|---:|---:|---:|")
+    for n, m in found.items():
+        print(f"| {n} | {m['host_mib']:.0f} | {m['host_mib_per_sandbox']:.0f} | {m['pss_mib']:.0f} "
+              f"| {m['rss_mib']:.0f} |")
+    print(f"\naccelerator: {accel}; load average at start {load:.2f}; samples in {path.relative_to(REPO)}")
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-n", "--runs", type=int, default=20)
     parser.add_argument("--binary", type=Path, default=REPO / "target" / "release" / "runtime")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
+    parser.add_argument("--density", action="store_true",
+                        help="host memory per idle 1 GiB sandbox, at each level of --levels at once")
+    parser.add_argument("--levels", default="1,10,50")
     args = parser.parse_args()
+    if args.density:
+        return main_density(args)
     from withruntime import Runtime
 
     # Cold boots first, on a server that never restores templates.

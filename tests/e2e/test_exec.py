@@ -191,9 +191,12 @@ def test_a_command_the_kernel_kills_for_memory_reports_out_of_memory(server):
             small.exec(["bash", "-c", f"python3 -c \"{FILL_MEMORY}\"; exit 1"], check=True,
                        timeout_ms=120_000)
         assert raised.value.code == "out_of_memory", raised.value
-        # The sandbox lives on, and an ordinary command reports none.
+        # The sandbox lives on, and an ordinary command reports none (it
+        # runs in the group the killed ones ran in, kept for reuse: only
+        # what came after counts).
         fine = small.exec("echo fine")
         assert (fine.stdout, fine.out_of_memory) == ("fine\n", None)
-        # Each command's group goes with it: only this one's is left.
+        # An ended command's empty group is reused, not piled up: one
+        # command at a time needs one.
         groups = small.exec("ls -d /sys/fs/cgroup/cmd-*").stdout.split()
         assert len(groups) == 1, groups

@@ -1,9 +1,10 @@
-//! Running commands: fork/exec in a new session as the requested user,
+//! Running commands: spawn/exec in a new session as the requested user,
 //! output pumps, stdin feeding, timeouts, and the one `Exited` at the end.
 //!
-//! Processes are forked by hand rather than with `std::process::Command`:
-//! the reaper owns `waitpid(-1)`, and std's spawn waits on its child itself
-//! when exec fails, which would race with the reaper.
+//! Processes are started by hand (a vfork-style clone, [`crate::spawn`])
+//! rather than with `std::process::Command`: the reaper owns
+//! `waitpid(-1)`, and std's spawn waits on its child itself when exec
+//! fails, which would race with the reaper.
 
 use std::ffi::CString;
 use std::io;
@@ -121,7 +122,7 @@ fn set_winsize(fd: RawFd, size: PtySize) {
     unsafe { libc::ioctl(fd, libc::TIOCSWINSZ, &ws) };
 }
 
-/// Everything the child needs, built before the fork (the child must not allocate).
+/// Everything the child needs, built before the spawn (the child must not allocate).
 struct Plan {
     path: CString,
     argv: Vec<CString>,
@@ -313,10 +314,29 @@ struct ChildFds {
     report: RawFd,
 }
 
-/// Runs in the forked child: only async-signal-safe calls, no allocation.
+/// `setgroups(0, NULL)` (with 0), `setgid` or `setuid` of the calling
+/// process alone, as a system call.
 ///
 /// # Safety
-/// Call only in a freshly forked child; the pointer arrays must be NULL-terminated.
+/// Plain system call.
+unsafe fn set_ids(call: libc::c_long, id: u32) -> libc::c_long {
+    // SAFETY: setgroups with a count of 0 reads no list; the others take an id.
+    unsafe {
+        if call == libc::SYS_setgroups {
+            libc::syscall(call, 0, std::ptr::null::<libc::gid_t>())
+        } else {
+            libc::syscall(call, id)
+        }
+    }
+}
+
+/// Runs in the child of [`crate::spawn::vfork`], which shares the agent's
+/// memory until it execs: only async-signal-safe system calls, no
+/// allocation, no writes to the parent's memory (errno aside), and it ends
+/// in `execve` or `_exit`.
+///
+/// # Safety
+/// Call only in such a child; the pointer arrays must be NULL-terminated.
 unsafe fn child(
     plan: &Plan,
     argv: &[*const libc::c_char],
@@ -328,22 +348,19 @@ unsafe fn child(
     unsafe fn fail(report: RawFd, stage: u8) -> ! {
         let e = errno().to_ne_bytes();
         let msg = [stage, e[0], e[1], e[2], e[3]];
-        // SAFETY: writes a local buffer; _exit never returns.
+        // SAFETY: writes a local buffer; _exit never returns. A raw
+        // write: libc's marks the (shared) thread for cancellation.
         unsafe {
-            libc::write(report, msg.as_ptr().cast(), msg.len());
+            libc::syscall(libc::SYS_write, report, msg.as_ptr(), msg.len());
             libc::_exit(127)
         }
     }
     // SAFETY: all calls below are async-signal-safe syscalls on valid
-    // pointers prepared by the parent before the fork.
+    // pointers prepared by the parent before the spawn.
     unsafe {
-        let mut set: libc::sigset_t = std::mem::zeroed();
-        libc::sigemptyset(&mut set);
-        libc::pthread_sigmask(libc::SIG_SETMASK, &set, std::ptr::null_mut());
-        // The agent's dispositions (Rust ignores SIGPIPE) must not leak.
-        for sig in 1..32 {
-            libc::signal(sig, libc::SIG_DFL);
-        }
+        // The agent's dispositions (Rust ignores SIGPIPE) must not leak;
+        // signals stay blocked until none of its handlers is left.
+        crate::spawn::reset_signals();
         if libc::setsid() < 0 {
             fail(fds.report, STAGE_SETUP);
         }
@@ -385,14 +402,16 @@ unsafe fn child(
                     fail(fds.report, STAGE_USER);
                 }
             }
-            if libc::setgroups(0, std::ptr::null()) < 0
-                || libc::setgid(SANDBOX_ID) < 0
-                || libc::setuid(SANDBOX_ID) < 0
+            // Raw system calls: glibc's would change every thread of the
+            // agent too (the child shares its memory, see crate::spawn).
+            if set_ids(libc::SYS_setgroups, 0) < 0
+                || set_ids(libc::SYS_setgid, SANDBOX_ID) < 0
+                || set_ids(libc::SYS_setuid, SANDBOX_ID) < 0
             {
                 fail(fds.report, STAGE_USER);
             }
         } else {
-            libc::setgroups(0, std::ptr::null());
+            set_ids(libc::SYS_setgroups, 0);
         }
         if libc::chdir(plan.cwd.as_ptr()) < 0 {
             fail(fds.report, STAGE_CWD);
@@ -435,7 +454,7 @@ fn start(reaper: &Reaper, req: &ExecRequest, trace: Option<&Trace>) -> Result<Ch
     };
     let (report_r, report_w) = pipe().map_err(|e| Fail::io("pipe", &e))?;
 
-    // Parent ends, and the child ends which the parent closes after the fork.
+    // Parent ends, and the child ends which the parent closes after the spawn.
     let mut parent = Child {
         pid: 0,
         status: mpsc::channel().1,
@@ -513,15 +532,10 @@ fn start(reaper: &Reaper, req: &ExecRequest, trace: Option<&Trace>) -> Result<Ch
     };
 
     let cgroup = parent.group.as_ref().map(|g| g.procs_path());
-    // SAFETY: the child only runs `child`, which is async-signal-safe.
-    let pid = unsafe { libc::fork() };
-    if pid == 0 {
-        // SAFETY: we are the freshly forked child; argv/envp are NULL-terminated.
-        unsafe { child(&plan, &argv, &envp, &fds, cgroup, trace) }
-    }
-    if pid < 0 {
-        return Err(io_fail("fork"));
-    }
+    // SAFETY: the child only runs `child`, which keeps crate::spawn's rules;
+    // argv/envp are NULL-terminated.
+    let pid = unsafe { crate::spawn::vfork(|| child(&plan, &argv, &envp, &fds, cgroup, trace)) }
+        .map_err(|e| Fail::io("clone", &e))?;
     parent.pid = pid;
     parent.status = guard.register(pid);
     parent.started = Instant::now();

@@ -20,6 +20,7 @@ mod net;
 mod pool;
 mod reaper;
 mod share;
+mod spawn;
 mod sudo;
 mod switch_root;
 mod sys;

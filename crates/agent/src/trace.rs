@@ -102,7 +102,7 @@ impl Trace {
         Ok(Trace { fd, mounts })
     }
 
-    /// In the forked child, before it drops root: a mount namespace of its
+    /// In the spawned child, before it drops root: a mount namespace of its
     /// own, each file store in it marked. `false` when the namespace could
     /// not be made or no mount marked (errno says why); one mount that
     /// cannot be marked is skipped (it is hidden under another one, or not

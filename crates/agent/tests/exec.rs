@@ -417,6 +417,41 @@ fn sandbox_user_is_uid_1000_without_groups() {
     );
 }
 
+/// The child shares the agent's memory until it execs (a vfork-style
+/// clone): its switch to the sandbox user is its own; the agent, each of
+/// its threads, and the next command stay root.
+#[test]
+fn a_sandbox_command_leaves_the_agent_and_the_next_command_root() {
+    let mut a = Agent::start();
+    let mut req = exec_req(&["id", "-u"]);
+    req.user = User::Sandbox;
+    assert_eq!(a.exec(req).stdout(), "1000\n");
+    let status = std::fs::read_to_string(format!("/proc/{}/status", a.agent_pid())).unwrap();
+    let uids = status.lines().find(|l| l.starts_with("Uid:")).unwrap();
+    assert_eq!(
+        uids.split_whitespace().collect::<Vec<_>>(),
+        ["Uid:", "0", "0", "0", "0"]
+    );
+    // Every thread of it.
+    for task in std::fs::read_dir(format!("/proc/{}/task", a.agent_pid())).unwrap() {
+        let status = std::fs::read_to_string(task.unwrap().path().join("status")).unwrap();
+        assert!(status.contains("\nUid:\t0\t0\t0\t0\n"), "{status}");
+    }
+    assert_eq!(a.run(&["id", "-u"]).stdout(), "0\n");
+}
+
+/// A command starts with no signal blocked and none ignored (the agent
+/// ignores SIGPIPE and blocks every signal across the spawn).
+#[test]
+fn a_command_starts_with_default_signals() {
+    let mut a = Agent::start();
+    let out = a.run(&["grep", "-E", "^Sig(Blk|Ign):", "/proc/self/status"]);
+    assert_eq!(
+        out.stdout(),
+        "SigBlk:\t0000000000000000\nSigIgn:\t0000000000000000\n"
+    );
+}
+
 #[test]
 fn ping_is_answered_while_a_long_exec_runs() {
     let mut a = Agent::start();
