@@ -423,6 +423,7 @@ impl Host for QemuHost {
         .await
         {
             Ok((link, _)) => {
+                qemu::keep_console_bounded(pid, &paths);
                 let own = self.own_ram(id);
                 let vm = Arc::new(Vm {
                     paths,

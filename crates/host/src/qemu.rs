@@ -380,19 +380,7 @@ pub(crate) fn spawn(cfg: &VmConfig<'_>) -> std::io::Result<u32> {
     let _ = std::fs::remove_file(cfg.paths.console());
     let child = cmd.spawn()?;
     let pid = child.id();
-    // The guest writes its serial console as fast as it likes: the file is
-    // kept within its bound for as long as this QEMU lives.
-    let (console, dir) = (cfg.paths.console(), cfg.paths.dir.clone());
-    std::thread::spawn(move || {
-        while may_be_ours(pid, &dir) {
-            std::thread::sleep(std::time::Duration::from_secs(2));
-            if let Err(e) = bound_console(&console) {
-                if e.kind() != std::io::ErrorKind::NotFound {
-                    tracing::debug!(error = %e, "bounding the console failed");
-                }
-            }
-        }
-    });
+    keep_console_bounded(pid, cfg.paths);
     // The child is reaped by a thread so it never lingers as a zombie while
     // this server runs; after a restart init reaps it.
     std::thread::spawn(move || {
@@ -537,6 +525,23 @@ pub(crate) fn kill_blocking(pid: u32) {
         }
         std::thread::sleep(std::time::Duration::from_millis(10));
     }
+}
+
+/// The guest writes its serial console as fast as it likes: the file is
+/// kept within its bound for as long as QEMU `pid` lives (from its spawn,
+/// and again when a restarted server takes the machine up).
+pub(crate) fn keep_console_bounded(pid: u32, paths: &VmPaths) {
+    let (console, dir) = (paths.console(), paths.dir.clone());
+    std::thread::spawn(move || {
+        while may_be_ours(pid, &dir) {
+            std::thread::sleep(std::time::Duration::from_secs(2));
+            if let Err(e) = bound_console(&console) {
+                if e.kind() != std::io::ErrorKind::NotFound {
+                    tracing::debug!(error = %e, "bounding the console failed");
+                }
+            }
+        }
+    });
 }
 
 /// Largest the serial console file grows before it is cut.
