@@ -968,21 +968,11 @@ impl Host for QemuHost {
         u: RunAs,
         data: Vec<u8>,
     ) -> Result<(), HostError> {
-        let link = self.link(id).await?;
-        let lost = || HostError::LinkLost { id: id.to_owned() };
-        let mut s = link.open().map_err(|_| lost())?;
-        s.send(&Request::WriteFile {
-            path: path.to_owned(),
-            mode,
-            user: user(u),
-        })
-        .map_err(|_| lost())?;
-        s.send_data(&data).await.map_err(|_| lost())?;
-        s.send(&Request::EndWrite).map_err(|_| lost())?;
-        match s.reply().await.map_err(|_| lost())? {
-            Reply::Done => Ok(()),
-            other => Err(guest_err(id, other)),
-        }
+        // One piece of a stream.
+        let (tx, rx) = tokio::sync::mpsc::channel(1);
+        let _ = tx.send(Ok(data)).await;
+        drop(tx);
+        self.write_file_stream(id, path, mode, u, rx).await
     }
 
     async fn write_file_stream(

@@ -47,7 +47,7 @@ pub(crate) fn usage(st: &AppState, key_id: &str) -> ApiResult<Usage> {
             u.add("snapshot.count", 1);
             // One being captured holds what it was admitted for.
             let admitted = match s.record.state.as_str() {
-                "capturing" => crate::service::snapshots::admitted_bytes(st, &s.record.id),
+                "capturing" => admitted_capture(st, &s.record.id),
                 _ => 0,
             };
             u.add(
@@ -72,6 +72,29 @@ pub(crate) fn usage(st: &AppState, key_id: &str) -> ApiResult<Usage> {
     u.add("upload.count", n);
     u.add("upload.mib", quota::mib_of(bytes));
     Ok(u)
+}
+
+/// The bytes snapshot `id` was admitted for while it is captured (0 when
+/// it is not).
+fn admitted_capture(st: &AppState, id: &str) -> u64 {
+    st.inner
+        .capturing
+        .lock()
+        .map_or(0, |m| m.get(id).copied().unwrap_or(0))
+}
+
+/// Snapshot `id`, admitted for `bytes`, holds them until it is captured.
+pub(crate) fn hold_capture(st: &AppState, id: &str, bytes: u64) {
+    if let Ok(mut m) = st.inner.capturing.lock() {
+        m.insert(id.to_string(), bytes);
+    }
+}
+
+/// Snapshot `id`'s capture ended: it counts its real size from now on.
+pub(crate) fn release_capture(st: &AppState, id: &str) {
+    if let Ok(mut m) = st.inner.capturing.lock() {
+        m.remove(id);
+    }
 }
 
 /// The quotas `key_id` is held to: the server's, with the key's own in

@@ -351,7 +351,7 @@ pub(crate) async fn snapshot(
         let body = serde_json::json!({ "snapshotId": snap.id });
         (a, a.pending(crate::store::PENDING_SNAPSHOT, body, now))
     });
-    hold_admitted(st, &snap.id, admitted_mib << 20);
+    crate::service::quotas::hold_capture(st, &snap.id, admitted_mib << 20);
     let inserted = st.store().insert_snapshot_answered(
         &key.id,
         &snap,
@@ -361,7 +361,7 @@ pub(crate) async fn snapshot(
     );
     drop(_admission);
     if let Err(e) = inserted {
-        release_admitted(st, &snap.id);
+        crate::service::quotas::release_capture(st, &snap.id);
         return Err(e.into());
     }
     tracing::info!(sandbox_id = %id, snapshot_id = %snap.id, mode = %snap.mode, "snapshot requested");
@@ -400,7 +400,7 @@ pub(crate) async fn snapshot(
             }
             true
         });
-        release_admitted(&st2, &sid);
+        crate::service::quotas::release_capture(&st2, &sid);
         if gone || result.is_err() {
             remove_dir(&path);
         }
@@ -437,27 +437,6 @@ pub(crate) async fn snapshot(
     }
     runtime_host::crash_point(st.config().test_crash_at.as_deref(), "snapshot_answer");
     Ok(find(st, key, &snap.id)?.record)
-}
-
-/// The bytes snapshot `id` was admitted for while it is captured (0 when
-/// it is not).
-pub(crate) fn admitted_bytes(st: &AppState, id: &str) -> u64 {
-    st.inner
-        .capturing
-        .lock()
-        .map_or(0, |m| m.get(id).copied().unwrap_or(0))
-}
-
-fn hold_admitted(st: &AppState, id: &str, bytes: u64) {
-    if let Ok(mut m) = st.inner.capturing.lock() {
-        m.insert(id.to_string(), bytes);
-    }
-}
-
-fn release_admitted(st: &AppState, id: &str) {
-    if let Ok(mut m) = st.inner.capturing.lock() {
-        m.remove(id);
-    }
 }
 
 pub(crate) fn get(st: &AppState, key: &KeyInfo, id: &str) -> ApiResult<Snapshot> {
