@@ -86,3 +86,58 @@ def test_each_qemu_runs_alone_in_uid_network_and_files(server, runtime):
             runtime.sandboxes.delete(b.id)
         except Exception:
             pass
+
+
+def _backing(disk: Path) -> str:
+    info = subprocess.run(["qemu-img", "info", "-U", "--output=json", str(disk)],
+                          capture_output=True, text=True, timeout=30, check=True)
+    import json
+    return json.loads(info.stdout)["full-backing-filename"]
+
+
+def test_a_qemu_sees_only_its_own_files_and_its_disk_chain_is_checked(server, runtime):
+    a = runtime.sandboxes.create(memory_mib=512)
+    b = runtime.sandboxes.create(memory_mib=512)
+    try:
+        pid = _one_qemu(server, a.id)
+        root = Path(f"/proc/{pid}/root")
+        vm_a = Path(os.readlink(f"/proc/{pid}/cwd"))
+        vm_b = Path(os.readlink(f"/proc/{_one_qemu(server, b.id)}/cwd"))
+        inside = lambda p: root / Path(p).relative_to("/")  # noqa: E731
+        # Its own directory, disk chain and the system's programs are there,
+        # at their host paths...
+        assert inside(vm_a).is_dir()
+        disk = next(f for f in vm_a.iterdir() if f.suffix == ".qcow2")
+        assert inside(_backing(disk)).is_file()
+        assert inside("/usr/bin").is_dir()
+        # ...nothing else of the host: not the store, not the data directory's
+        # other machines, not /etc, not /home.
+        for p in (server.data_dir / "runtime.db", vm_b, server.data_dir / "admin.key", "/etc/passwd", "/root"):
+            assert Path(p).exists() or str(p) == "/root", p  # there on the host
+            assert not inside(p).exists(), p
+        # The root itself is read-only, the base image too.
+        probe = subprocess.run(["nsenter", "-t", str(pid), "-m", "touch", "/x"], capture_output=True, timeout=30)
+        assert probe.returncode != 0
+        probe = subprocess.run(["nsenter", "-t", str(pid), "-m", "sh", "-c", f"echo >> {_backing(disk)}"],
+                               capture_output=True, timeout=30)
+        assert probe.returncode != 0 and b"Read-only" in probe.stderr, probe.stderr
+        # A disk header naming a file outside the server's images (as a QEMU
+        # that took over could write it) refuses the next start, before QEMU
+        # opens it as root; the true header starts again.
+        a.pause()
+        true_base = _backing(disk)
+        subprocess.run(["qemu-img", "rebase", "-u", "-f", "qcow2", "-F", "raw",
+                        "-b", str(server.data_dir / "runtime.db"), str(disk)], check=True, timeout=30)
+        with pytest.raises(Exception) as refused:
+            a.wake()
+        assert server.qemu_pids(a.id) == []
+        subprocess.run(["qemu-img", "rebase", "-u", "-f", "qcow2", "-F", "qcow2", "-b", true_base, str(disk)],
+                       check=True, timeout=30)
+        a.wake()
+        assert a.exec("echo back").stdout == "back\n", refused.value
+    finally:
+        for sbx in (a, b):
+            try:
+                runtime.sandboxes.delete(sbx.id)
+            except Exception:
+                pass

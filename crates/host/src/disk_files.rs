@@ -12,7 +12,28 @@ const MAX_BACKING_NAME: u32 = 4096;
 /// when relative; `None` for an image without one or a file that is not
 /// qcow2.
 pub fn backing_file(path: &Path) -> std::io::Result<Option<PathBuf>> {
-    let mut f = std::fs::File::open(path)?;
+    backing_of(std::fs::File::open(path)?, path)
+}
+
+/// [`backing_file`] of a file another uid may control: a link at `path`
+/// is not followed, and anything but a regular file (a device, a FIFO) is
+/// an error, not read.
+pub fn backing_file_nofollow(path: &Path) -> std::io::Result<Option<PathBuf>> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(path)?;
+    if !f.metadata()?.is_file() {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("{} is not a regular file", path.display()),
+        ));
+    }
+    backing_of(f, path)
+}
+
+fn backing_of(mut f: std::fs::File, path: &Path) -> std::io::Result<Option<PathBuf>> {
     let mut header = [0u8; 20];
     if f.read_exact(&mut header).is_err() || header[..4] != *b"QFI\xfb" {
         return Ok(None);

@@ -2,7 +2,7 @@
 //! RAM, its sockets awaited, a state loaded (a restore), the agent's link
 //! made and the guest set up, in named steps.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use tokio::net::UnixStream;
@@ -11,6 +11,7 @@ use crate::capture::{load_without_ram, resume_loaded};
 use crate::cgroup;
 use crate::disks::{self, drive_files};
 use crate::guest_setup::{mount_volumes, setup};
+use crate::jail;
 use crate::link::Link;
 use crate::machine::{QemuHost, Vm};
 use crate::qemu::{self, VmConfig, VmPaths};
@@ -161,6 +162,7 @@ impl QemuHost {
         use std::os::fd::AsRawFd;
         let id = spec.id.as_str();
         let volumes = drive_files(spec, paths);
+        let disk_roots = self.disk_roots();
         let cfg = VmConfig {
             qemu: &self.cfg.qemu_binary,
             kernel: &self.cfg.artifacts.kernel,
@@ -173,6 +175,7 @@ impl QemuHost {
             incoming: incoming.as_ref().map(|f| f.as_raw_fd()),
             volumes: &volumes,
             ram,
+            disk_roots: &disk_roots,
         };
         // Sockets of an earlier QEMU (before a pause) must not pass for ours.
         let _ = std::fs::remove_file(paths.agent_sock());
@@ -195,6 +198,19 @@ impl QemuHost {
             "launching"
         );
         Ok((pid, started))
+    }
+
+    /// Where the files a disk rests on may be: the data directory's images
+    /// (beside the machines' directories) and the base images' directory.
+    fn disk_roots(&self) -> Vec<PathBuf> {
+        let mut roots = Vec::new();
+        if let Some(data) = self.cfg.state_dir.parent() {
+            roots.push(jail::normal(&data.join("images")));
+        }
+        if let Some(cache) = self.cfg.artifacts.base.parent() {
+            roots.push(jail::normal(cache));
+        }
+        roots
     }
 
     /// Waits for QEMU's agent and QMP sockets: they appear once QEMU has

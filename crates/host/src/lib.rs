@@ -43,6 +43,7 @@ mod fake_guest;
 mod fake_qemu;
 mod guest_setup;
 mod inspect;
+mod jail;
 mod launch;
 mod link;
 mod machine;

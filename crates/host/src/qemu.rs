@@ -6,6 +6,8 @@ use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
+use crate::jail::{self, Access, Jail};
+
 /// Accelerator chosen for this host.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Accel {
@@ -101,6 +103,9 @@ pub(crate) struct VmConfig<'a> {
     pub volumes: &'a [PathBuf],
     /// Where the guest's RAM lives.
     pub ram: Ram<'a>,
+    /// The directories the files a disk rests on may be in (the server's
+    /// images and base images): [`backing_chain`].
+    pub disk_roots: &'a [PathBuf],
 }
 
 /// Where a guest's RAM lives (docs/memory.md, "Guest RAM").
@@ -356,6 +361,21 @@ pub(crate) fn spawn(cfg: &VmConfig<'_>) -> std::io::Result<u32> {
     // the server over its channel), so a guest that took over its QEMU
     // reaches no service of the host, not even on loopback.
     let own_net = cfg.run_as.is_some() && own_netns_works();
+    // A header the VM's uid wrote names nothing outside the images.
+    if cfg.run_as.is_some() {
+        backing_chain(&cfg.paths.overlay(), cfg.disk_roots)?;
+    }
+    // And a mount namespace whose root shows only what it opens.
+    let jail = if own_net {
+        let root = jail_root(cfg.paths)?;
+        if jail::works(&root) {
+            Some(Jail::plan(&root, &jailed_paths(cfg)?, &cfg.paths.dir)?)
+        } else {
+            None
+        }
+    } else {
+        None
+    };
     // SAFETY: setsid, unshare and dup2 are async-signal-safe system calls
     // that touch no memory of the parent; `incoming` is an fd the caller
     // keeps open across spawn.
@@ -373,6 +393,9 @@ pub(crate) fn spawn(cfg: &VmConfig<'_>) -> std::io::Result<u32> {
                     return Err(std::io::Error::last_os_error());
                 }
             }
+            if let Some(jail) = &jail {
+                jail.enter()?;
+            }
             Ok(())
         });
     }
@@ -388,6 +411,86 @@ pub(crate) fn spawn(cfg: &VmConfig<'_>) -> std::io::Result<u32> {
         let _ = child.wait();
     });
     Ok(pid)
+}
+
+/// The empty directory the jails' roots are mounted on (each in its own
+/// mount namespace), beside the machines' directories.
+fn jail_root(paths: &VmPaths) -> std::io::Result<PathBuf> {
+    let root = paths.dir.parent().unwrap_or(Path::new("/")).join(".jail");
+    match std::fs::create_dir(&root) {
+        Err(e) if e.kind() != std::io::ErrorKind::AlreadyExists => return Err(e),
+        _ => {}
+    }
+    Ok(root)
+}
+
+/// The longest chain of backing files a disk may rest on.
+const MAX_CHAIN: usize = 64;
+
+/// The files the disk `overlay` rests on, checked before QEMU opens them
+/// as root: the overlay's header is the VM's uid's to write, so each file
+/// named must be a regular file (not a link) under one of `roots` (the
+/// server's images and base images), and the chain at most [`MAX_CHAIN`]
+/// long. A header naming anything else (`/dev/sda`, `runtime.db`) refuses
+/// the launch.
+pub(crate) fn backing_chain(overlay: &Path, roots: &[PathBuf]) -> std::io::Result<Vec<PathBuf>> {
+    let mut chain = Vec::new();
+    let mut at = overlay.to_owned();
+    while let Some(next) = crate::disk_files::backing_file_nofollow(&at)? {
+        let next = jail::normal(&next);
+        if chain.len() == MAX_CHAIN || !roots.iter().any(|r| next.starts_with(r)) {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::PermissionDenied,
+                format!(
+                    "the disk rests on {}, which is not one of the server's images: refused",
+                    next.display()
+                ),
+            ));
+        }
+        chain.push(next.clone());
+        at = next;
+    }
+    Ok(chain)
+}
+
+/// What a QEMU opens, for its jail ([`crate::jail`]): its directory, its
+/// kernel and initrd, every file its disk rests on, its volumes, its RAM
+/// file, `/dev/kvm` under KVM, and its binary.
+fn jailed_paths(cfg: &VmConfig<'_>) -> std::io::Result<Vec<(PathBuf, Access)>> {
+    let mut out = vec![
+        (cfg.paths.dir.clone(), Access::ReadWrite),
+        (cfg.kernel.to_owned(), Access::ReadOnly),
+        (cfg.initrd.to_owned(), Access::ReadOnly),
+    ];
+    if cfg.qemu.is_absolute() {
+        out.push((cfg.qemu.to_owned(), Access::ReadOnly));
+    }
+    for f in backing_chain(&cfg.paths.overlay(), cfg.disk_roots)? {
+        out.push((f, Access::ReadOnly));
+    }
+    for v in cfg.volumes {
+        out.push((v.clone(), Access::ReadWrite));
+    }
+    match cfg.ram {
+        Ram::Own(f) => {
+            // QEMU would make it (as root, before it drops); made here so
+            // that the jail can show it. A failed start removes it.
+            use std::os::unix::fs::OpenOptionsExt;
+            std::fs::OpenOptions::new()
+                .write(true)
+                .create(true)
+                .truncate(false)
+                .mode(0o600)
+                .open(f)?;
+            out.push((f.to_owned(), Access::ReadWrite));
+        }
+        Ram::CopyOf(f) => out.push((f.to_owned(), Access::ReadOnly)),
+        Ram::Anon => {}
+    }
+    if matches!(cfg.accel, Accel::Kvm) {
+        out.push((PathBuf::from("/dev/kvm"), Access::ReadWrite));
+    }
+    Ok(out)
 }
 
 /// Whether a child of this process can have a network namespace of its

@@ -463,9 +463,45 @@ async fn previews_need_their_token_until_rotated_and_reach_the_guest_port() {
     assert_eq!(s, StatusCode::FORBIDDEN);
     let fresh = r["token"].as_str().unwrap().to_string();
     let (s, _, _) = t
-        .raw(visit("/x", vec![("x-runtime-preview-token", fresh)]))
+        .raw(visit(
+            "/x",
+            vec![("x-runtime-preview-token", fresh.clone())],
+        ))
         .await;
     assert_eq!(s, StatusCode::OK);
+    // Whoever reads the store alone cannot mint a token: the preview's
+    // secret is there, but a token is a MAC under a key that also needs
+    // `secrets.key`. A MAC under the stored secret itself is refused.
+    let doc: String = rusqlite::Connection::open(t.dir.join("runtime.db"))
+        .unwrap()
+        .query_row(
+            "SELECT doc FROM net_docs WHERE kind = 'preview' AND scope = ?1 AND name = '3000'",
+            [&id],
+            |r| r.get(0),
+        )
+        .unwrap();
+    let doc: Value = serde_json::from_str(&doc).unwrap();
+    assert_eq!(doc["keyed"], true, "{doc}");
+    let secret = hex::decode(doc["secret"].as_str().unwrap()).unwrap();
+    let expiry = fresh.split_once('.').unwrap().0;
+    let forged = {
+        use base64::Engine;
+        use hmac::Mac;
+        let mut m = hmac::Hmac::<sha2::Sha256>::new_from_slice(&secret).unwrap();
+        m.update(format!("3000:{expiry}").as_bytes());
+        let mac =
+            base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(m.finalize().into_bytes());
+        format!("{expiry}.{mac}")
+    };
+    assert_ne!(forged, fresh);
+    let (s, _, _) = t
+        .raw(visit("/x", vec![("x-runtime-preview-token", forged)]))
+        .await;
+    assert_eq!(
+        s,
+        StatusCode::FORBIDDEN,
+        "a token minted from the store alone works"
+    );
 
     let (s, p) = t
         .json(

@@ -25,6 +25,11 @@ pub(crate) struct Preview {
     pub(crate) port: u16,
     pub(crate) public: bool,
     pub(crate) secret: Vec<u8>,
+    /// Whether its tokens are MACs under a key derived from `secret` and
+    /// the server's sealing key (`secrets.key`, not in the store), so the
+    /// store alone mints none; previews made before that use `secret`
+    /// itself until rotated.
+    pub(crate) keyed: bool,
     /// The token lifetime asked for at create, and the cap.
     pub(crate) ttl_s: i64,
     pub(crate) expires_cap_ms: Option<i64>,
@@ -39,6 +44,7 @@ impl Preview {
             "port": self.port,
             "public": self.public,
             "secret": hex::encode(&self.secret),
+            "keyed": self.keyed,
             "ttlS": self.ttl_s,
             "expiresCapMs": self.expires_cap_ms,
             "embedOrigins": self.embed_origins,
@@ -52,6 +58,7 @@ impl Preview {
             port: u16::try_from(v["port"].as_u64()?).ok()?,
             public: v["public"].as_bool()?,
             secret: hex::decode(v["secret"].as_str()?).ok()?,
+            keyed: v["keyed"].as_bool().unwrap_or(false),
             ttl_s: v["ttlS"].as_i64()?,
             expires_cap_ms: v["expiresCapMs"].as_i64(),
             embed_origins: v["embedOrigins"]
@@ -63,9 +70,9 @@ impl Preview {
         })
     }
 
-    fn mac(&self, expiry_s: i64) -> String {
+    fn mac(&self, key: &[u8], expiry_s: i64) -> String {
         // Any key length is accepted by HMAC.
-        let mut m = match Hmac::<Sha256>::new_from_slice(&self.secret) {
+        let mut m = match Hmac::<Sha256>::new_from_slice(key) {
             Ok(m) => m,
             Err(_) => return String::new(),
         };
@@ -73,11 +80,13 @@ impl Preview {
         base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(m.finalize().into_bytes())
     }
 
-    /// A fresh token `<expiry s>.<mac>` and its expiry (ms): `ttl_s` (else
+    /// A fresh token `<expiry s>.<mac>` under `key` (the preview's MAC
+    /// key) and its expiry (ms): `ttl_s` (else
     /// the preview's own) from `now_ms`, no later than the preview's cap or
     /// `cap_ms`.
     pub(crate) fn mint(
         &self,
+        key: &[u8],
         ttl_s: Option<i64>,
         cap_ms: Option<i64>,
         now_ms: i64,
@@ -88,14 +97,14 @@ impl Preview {
         }
         let expiry_s = expiry_ms / 1000;
         (
-            format!("{expiry_s}.{}", self.mac(expiry_s)),
+            format!("{expiry_s}.{}", self.mac(key, expiry_s)),
             expiry_s * 1000,
         )
     }
 
-    /// Whether `token` is one of this preview's (under its secret now) and
-    /// has not expired at `now_ms`.
-    pub(crate) fn check(&self, token: &str, now_ms: i64) -> bool {
+    /// Whether `token` is one of this preview's (under its MAC key `key`
+    /// now) and has not expired at `now_ms`.
+    pub(crate) fn check(&self, key: &[u8], token: &str, now_ms: i64) -> bool {
         let Some((exp, mac)) = token.split_once('.') else {
             return false;
         };
@@ -106,7 +115,7 @@ impl Preview {
         if expiry_s.checked_mul(1000).is_none_or(|ms| ms <= now_ms) {
             return false;
         }
-        let want = self.mac(expiry_s);
+        let want = self.mac(key, expiry_s);
         // Constant time over the MAC's bytes.
         want.len() == mac.len()
             && want
@@ -273,6 +282,7 @@ mod tests {
             port: 8080,
             public: false,
             secret: secret.to_vec(),
+            keyed: true,
             ttl_s: DEFAULT_TTL_S,
             expires_cap_ms: None,
             embed_origins: vec!["https://a.example.com".into()],
@@ -285,60 +295,75 @@ mod tests {
     #[test]
     fn a_token_is_good_until_it_expires_and_only_under_its_secret() {
         let p = preview(b"one");
-        let (t, exp) = p.mint(Some(60), None, NOW);
+        let (t, exp) = p.mint(&p.secret, Some(60), None, NOW);
         assert_eq!(exp, NOW + 60_000);
         assert!(t.starts_with(&format!("{}.", (NOW + 60_000) / 1000)));
-        assert!(p.check(&t, NOW));
-        assert!(p.check(&t, exp - 1));
-        assert!(!p.check(&t, exp));
-        assert!(!preview(b"two").check(&t, NOW));
+        assert!(p.check(&p.secret, &t, NOW));
+        assert!(p.check(&p.secret, &t, exp - 1));
+        assert!(!p.check(&p.secret, &t, exp));
+        assert!(!preview(b"two").check(b"two", &t, NOW));
         let other_port = Preview {
             port: 8081,
             ..p.clone()
         };
-        assert!(!other_port.check(&t, NOW));
+        assert!(!other_port.check(&other_port.secret, &t, NOW));
     }
 
     #[test]
     fn a_changed_expiry_or_mac_is_refused() {
         let p = preview(b"one");
-        let (t, _) = p.mint(None, None, NOW);
+        let (t, _) = p.mint(&p.secret, None, None, NOW);
         let (exp, mac) = t.split_once('.').unwrap_or_default();
         let later: i64 = exp.parse::<i64>().unwrap_or_default() + 1;
-        assert!(!p.check(&format!("{later}.{mac}"), NOW));
-        assert!(!p.check(&format!("{exp}.{mac}x"), NOW));
-        assert!(!p.check(&format!("{exp}."), NOW));
-        assert!(!p.check(exp, NOW));
-        assert!(!p.check("x.y", NOW));
-        assert!(!p.check("", NOW));
+        assert!(!p.check(&p.secret, &format!("{later}.{mac}"), NOW));
+        assert!(!p.check(&p.secret, &format!("{exp}.{mac}x"), NOW));
+        assert!(!p.check(&p.secret, &format!("{exp}."), NOW));
+        assert!(!p.check(&p.secret, exp, NOW));
+        assert!(!p.check(&p.secret, "x.y", NOW));
+        assert!(!p.check(&p.secret, "", NOW));
     }
 
     #[test]
     fn a_token_with_an_expiry_past_the_clocks_range_is_refused() {
         let p = preview(b"one");
-        let (t, _) = p.mint(None, None, NOW);
+        let (t, _) = p.mint(&p.secret, None, None, NOW);
         let (_, mac) = t.split_once('.').unwrap_or_default();
         for exp in [i64::MAX, i64::MAX / 999, i64::MIN] {
-            assert!(!p.check(&format!("{exp}.{mac}"), NOW), "{exp}");
-            assert!(!p.check(&format!("{exp}.{}", p.mac(exp)), NOW), "{exp}");
+            assert!(!p.check(&p.secret, &format!("{exp}.{mac}"), NOW), "{exp}");
+            assert!(
+                !p.check(&p.secret, &format!("{exp}.{}", p.mac(&p.secret, exp)), NOW),
+                "{exp}"
+            );
         }
     }
 
     #[test]
     fn tokens_last_a_day_or_as_asked_and_no_later_than_either_cap() {
         let p = preview(b"one");
-        assert_eq!(p.mint(None, None, NOW).1, NOW + 86_400_000);
-        assert_eq!(p.mint(None, Some(NOW + 5_000), NOW).1, NOW + 5_000);
+        assert_eq!(p.mint(&p.secret, None, None, NOW).1, NOW + 86_400_000);
+        assert_eq!(
+            p.mint(&p.secret, None, Some(NOW + 5_000), NOW).1,
+            NOW + 5_000
+        );
         let capped = Preview {
             expires_cap_ms: Some(NOW + 7_000),
             ttl_s: 120,
             ..p
         };
-        assert_eq!(capped.mint(None, None, NOW).1, NOW + 7_000);
-        assert_eq!(capped.mint(Some(3), None, NOW).1, NOW + 3_000);
-        assert_eq!(capped.mint(None, Some(NOW + 9_000), NOW).1, NOW + 7_000);
+        assert_eq!(capped.mint(&capped.secret, None, None, NOW).1, NOW + 7_000);
+        assert_eq!(
+            capped.mint(&capped.secret, Some(3), None, NOW).1,
+            NOW + 3_000
+        );
+        assert_eq!(
+            capped.mint(&capped.secret, None, Some(NOW + 9_000), NOW).1,
+            NOW + 7_000
+        );
         // Expiries are whole seconds.
-        assert_eq!(capped.mint(Some(3), None, NOW + 999).1, NOW + 3_000);
+        assert_eq!(
+            capped.mint(&capped.secret, Some(3), None, NOW + 999).1,
+            NOW + 3_000
+        );
     }
 
     #[test]
@@ -347,8 +372,13 @@ mod tests {
         let doc = p.to_doc();
         assert_eq!(doc["secret"], "0102ff");
         assert_eq!(doc["expiresCapMs"], Value::Null);
-        assert_eq!(Preview::from_doc(&doc), Some(p));
+        assert_eq!(doc["keyed"], true);
+        assert_eq!(Preview::from_doc(&doc), Some(p.clone()));
         assert_eq!(Preview::from_doc(&json!({"id": "x"})), None);
+        // A preview kept before keyed MACs reads as not keyed.
+        let mut old = doc.clone();
+        old.as_object_mut().unwrap().remove("keyed");
+        assert_eq!(Preview::from_doc(&old), Some(Preview { keyed: false, ..p }));
     }
 
     #[test]

@@ -108,11 +108,39 @@ pub(crate) fn flush(st: &AppState) -> Result<(), ServerError> {
     outbound.map(|_| ())
 }
 
-/// Flushes every [`FLUSH_EVERY`] until the server stops, then once more.
+/// Days after which a sandbox's charges per minute are folded into one
+/// row per UTC day (docs/billing.md, "The settled-usage export").
+pub(crate) const FOLD_AFTER_DAYS: i64 = 35;
+
+const DAY_MS: i64 = 86_400_000;
+
+/// Folds the charges of the days that ended [`FOLD_AFTER_DAYS`] ago or
+/// earlier into a row per sandbox and day, once per UTC day (`folded` is
+/// the day it last ran).
+fn fold_old_charges(st: &AppState, folded: &mut Option<i64>) {
+    let today = st.now_ms().div_euclid(DAY_MS);
+    if *folded == Some(today) {
+        return;
+    }
+    match st.store().fold_charges((today - FOLD_AFTER_DAYS) * 1440) {
+        Ok(n) => {
+            *folded = Some(today);
+            if n > 0 {
+                tracing::info!(rows = n, "folded old charges by day");
+            }
+        }
+        Err(e) => tracing::error!(error = %e, "folding old charges failed"),
+    }
+}
+
+/// Flushes every [`FLUSH_EVERY`] until the server stops, then once more;
+/// folds old charges by day once a day.
 pub(crate) async fn run(st: AppState) {
     let mut tick = tokio::time::interval(FLUSH_EVERY);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut folded = None;
     loop {
+        fold_old_charges(&st, &mut folded);
         let stop = tokio::select! {
             _ = tick.tick() => false,
             _ = st.inner.cancel.cancelled() => true,

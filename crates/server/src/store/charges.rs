@@ -149,4 +149,122 @@ impl Store {
         rows.map(|r| r.map_err(store_err("sum charges by day")))
             .collect()
     }
+
+    /// Folds the charges of every minute before `before_minute` (a day's
+    /// first minute) into one row per key, sandbox and UTC day (`minutes`
+    /// 1440, at the day's first minute), in one transaction: sums by day
+    /// and in all stay exact, and a sandbox kept for months holds a row a
+    /// day instead of one a minute. The rows folded.
+    pub fn fold_charges(&self, before_minute: i64) -> Result<usize, ServerError> {
+        let mut conn = self.conn();
+        let tx = conn.transaction().map_err(store_err("begin fold"))?;
+        let days: Vec<(String, String, i64, i64, i64)> = {
+            let mut stmt = tx
+                .prepare(
+                    "SELECT key_id, sandbox_id, minute / 1440, CAST(SUM(micros) AS BIGINT),
+                            CAST(SUM(billed_ms) AS BIGINT)
+                     FROM charges WHERE minutes = 1 AND minute < ?1
+                     GROUP BY key_id, sandbox_id, minute / 1440",
+                )
+                .map_err(store_err("fold charges"))?;
+            let rows = stmt
+                .query_map(params![before_minute], |r| {
+                    Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?))
+                })
+                .map_err(store_err("fold charges"))?;
+            rows.collect::<Result<_, _>>()
+                .map_err(store_err("fold charges"))?
+        };
+        let folded = tx
+            .execute(
+                "DELETE FROM charges WHERE minutes = 1 AND minute < ?1",
+                params![before_minute],
+            )
+            .map_err(store_err("fold charges"))?;
+        for (key_id, sandbox_id, day, micros, billed_ms) in days {
+            tx.execute(
+                "INSERT INTO charges (key_id, sandbox_id, minute, micros, billed_ms, minutes)
+                 VALUES (?1, ?2, ?3, ?4, ?5, 1440)
+                 ON CONFLICT(key_id, sandbox_id, minute) DO UPDATE SET
+                   micros = charges.micros + excluded.micros,
+                   billed_ms = charges.billed_ms + excluded.billed_ms",
+                params![key_id, sandbox_id, day * 1440, micros, billed_ms],
+            )
+            .map_err(store_err("fold charges"))?;
+        }
+        tx.commit().map_err(store_err("fold charges"))?;
+        Ok(folded)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    const DAY: i64 = 1440;
+
+    #[test]
+    fn old_minutes_fold_into_one_row_a_day_and_keep_every_sum() {
+        crate::store::testing::each_engine(|s| {
+            // Two days of sandbox a (key k), one of b (key j), and a recent
+            // minute that must stay as it is.
+            for (key, sb, minute, micros) in [
+                ("k", "a", 10 * DAY + 5, 7),
+                ("k", "a", 10 * DAY + 600, 11),
+                ("k", "a", 11 * DAY + 1, 13),
+                ("j", "b", 10 * DAY + 9, 17),
+                ("k", "a", 40 * DAY + 3, 19),
+            ] {
+                s.save_charge(key, sb, minute, micros, 1000, 0).unwrap();
+            }
+            let by_day_before = s.charges_by_day(0).unwrap();
+            let since_before = s.settled_since("k", 0).unwrap();
+
+            assert_eq!(s.fold_charges(12 * DAY).unwrap(), 4);
+            // Nothing left to fold: a second run changes nothing.
+            assert_eq!(s.fold_charges(12 * DAY).unwrap(), 0);
+
+            assert_eq!(s.charges_by_day(0).unwrap(), by_day_before);
+            assert_eq!(s.settled_since("k", 0).unwrap(), since_before);
+            let rows = s
+                .charge_rows(0, 41 * DAY * 60_000, None, None, 100)
+                .unwrap();
+            let got: Vec<_> = rows
+                .iter()
+                .map(|r| {
+                    (
+                        r.sandbox_id.as_str(),
+                        r.minute,
+                        r.minutes,
+                        r.micros,
+                        r.billed_ms,
+                    )
+                })
+                .collect();
+            assert_eq!(
+                got,
+                [
+                    ("a", 10 * DAY, DAY, 18, 2000),
+                    ("b", 10 * DAY, DAY, 17, 1000),
+                    ("a", 11 * DAY, DAY, 13, 1000),
+                    ("a", 40 * DAY + 3, 1, 19, 1000),
+                ]
+            );
+            // A folded day is in a range by its end: a range ending inside
+            // day 10 does not hold it, one holding the day's end does.
+            let mid = s
+                .charge_rows(0, (10 * DAY + 700) * 60_000, None, None, 100)
+                .unwrap();
+            assert!(mid.is_empty());
+            let day10 = s
+                .charge_rows(
+                    10 * DAY * 60_000,
+                    11 * DAY * 60_000 + 1,
+                    Some("k"),
+                    None,
+                    100,
+                )
+                .unwrap();
+            assert_eq!(day10.len(), 1);
+            assert_eq!((day10[0].minute, day10[0].micros), (10 * DAY, 18));
+        });
+    }
 }

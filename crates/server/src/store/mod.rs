@@ -33,7 +33,14 @@ use db::{params, pg_connect, ConnGuard, Connection, DbError, Engine, Pool, MIGRA
 
 use crate::error::ServerError;
 
-pub(super) const SCHEMA_VERSION: i64 = 17;
+pub(super) const SCHEMA_VERSION: i64 = 18;
+
+/// Charges folded by day (v18): how many minutes a row of `charges` spans,
+/// 1 for a minute as the meter writes it, 1440 for a day whose minutes
+/// were folded into one row once they were old (`Store::fold_charges`).
+const SCHEMA_V18: &str = "
+ALTER TABLE charges ADD COLUMN minutes INTEGER NOT NULL DEFAULT 1;
+";
 
 /// Shared volumes (v17): a volume's `shared` flag, and the attachments of
 /// shared volumes to running sandboxes, each with its state (attaching,
@@ -462,7 +469,7 @@ fn keep_private(data_dir: &Path) -> Result<(), ServerError> {
 }
 
 /// Each schema version's SQL, oldest first (v6 also moves documents).
-const MIGRATIONS: [(i64, &str); 17] = [
+const MIGRATIONS: [(i64, &str); 18] = [
     (1, SCHEMA_V1),
     (2, SCHEMA_V2),
     (3, SCHEMA_V3),
@@ -480,6 +487,7 @@ const MIGRATIONS: [(i64, &str); 17] = [
     (15, SCHEMA_V15),
     (16, SCHEMA_V16),
     (17, SCHEMA_V17),
+    (18, SCHEMA_V18),
 ];
 
 /// Runs the migrations after `version` on SQLite, each in a transaction
@@ -507,7 +515,7 @@ fn step(c: &Connection, v: i64, sql: &str, op: &'static str) -> Result<(), Serve
     Ok(())
 }
 
-const MIGRATE_OPS: [&str; 17] = [
+const MIGRATE_OPS: [&str; 18] = [
     "migrate v1",
     "migrate v2",
     "migrate v3",
@@ -525,6 +533,7 @@ const MIGRATE_OPS: [&str; 17] = [
     "migrate v15",
     "migrate v16",
     "migrate v17",
+    "migrate v18",
 ];
 
 fn too_new(version: i64, what: &str) -> Result<(), ServerError> {

@@ -25,8 +25,10 @@ pub struct RequestCount {
 pub struct ChargeRow {
     pub key_id: String,
     pub sandbox_id: String,
-    /// Minutes since the epoch.
+    /// Minutes since the epoch: the row's first.
     pub minute: i64,
+    /// Minutes the row spans: 1, or 1440 for a day folded into one row.
+    pub minutes: i64,
     pub micros: i64,
     /// Milliseconds of that minute the sandbox was billed for.
     pub billed_ms: i64,
@@ -172,16 +174,16 @@ impl Store {
         let mut stmt = conn
             .prepare(
                 "SELECT c.key_id, c.sandbox_id, c.minute, c.micros, c.billed_ms, s.name,
-                        s.id IS NULL OR s.deleted IS NOT NULL
+                        s.id IS NULL OR s.deleted IS NOT NULL, c.minutes
                  FROM charges c LEFT JOIN sandboxes s ON s.id = c.sandbox_id
-                 WHERE c.minute >= ?1 AND c.minute < ?2
+                 WHERE c.minute + c.minutes - 1 >= ?1 AND c.minute + c.minutes - 1 < ?2
                    AND (CAST(?3 AS TEXT) IS NULL OR c.key_id = ?3)
                    AND (c.minute > ?4 OR (c.minute = ?4 AND c.sandbox_id > ?5))
                  ORDER BY c.minute, c.sandbox_id
                  LIMIT ?6",
             )
             .map_err(store_err("read charges"))?;
-        // A minute m ends at (m + 1) minutes: since <= end < until.
+        // A row's last minute m ends at (m + 1) minutes: since <= end < until.
         let first = since_ms.div_euclid(60_000) + i64::from(since_ms.rem_euclid(60_000) != 0) - 1;
         let end = (until_ms - 1).div_euclid(60_000);
         let (after_minute, after_id) = match after {
@@ -207,6 +209,7 @@ impl Store {
                         billed_ms: r.get(4)?,
                         name: r.get(5)?,
                         ended: r.get(6)?,
+                        minutes: r.get(7)?,
                     })
                 },
             )

@@ -310,6 +310,7 @@ fn quoted_rates(st: &AppState) -> Value {
 
 fn export_row(r: &ExportRow, rates: &Value) -> Value {
     let start = r.minute * 60_000;
+    let end = start + r.minutes.max(1) * 60_000;
     json!({
         "intervalId": format!("{}:{}", r.sandbox_id, r.minute),
         "resourceId": r.sandbox_id,
@@ -319,8 +320,8 @@ fn export_row(r: &ExportRow, rates: &Value) -> Value {
         "meter": "runtime",
         "fundedBy": "account",
         "startsAt": iso(start),
-        "endsAt": iso(start + 60_000),
-        "settledAt": iso(start + 60_000),
+        "endsAt": iso(end),
+        "settledAt": iso(end),
         "billedMilliseconds": r.billed_ms.to_string(),
         "chargedMicros": r.micros.to_string(),
         "quotedRates": rates,

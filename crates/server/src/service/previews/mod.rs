@@ -49,16 +49,39 @@ pub(crate) struct TokenAsk {
 
 /// `mint`: whether a private preview's answer carries a token (never for a
 /// read-only key, whose look must not become a way in).
-fn shared(st: &AppState, sandbox: &str, p: &Preview, ask: TokenAsk, mint: bool) -> Shared {
-    Shared {
+fn shared(
+    st: &AppState,
+    sandbox: &str,
+    p: &Preview,
+    ask: TokenAsk,
+    mint: bool,
+) -> ApiResult<Shared> {
+    let token = if !p.public && mint {
+        Some(p.mint(&mac_key(st, p)?, ask.ttl_s, ask.cap_ms, st.now_ms()))
+    } else {
+        None
+    };
+    Ok(Shared {
         id: p.id.clone(),
         sandbox_id: sandbox.to_string(),
         port: p.port,
         public: p.public,
-        token: (!p.public && mint).then(|| p.mint(ask.ttl_s, ask.cap_ms, st.now_ms())),
+        token,
         embed_origins: p.embed_origins.clone(),
         created_ms: p.created_ms,
+    })
+}
+
+/// The key a preview's tokens are MACs under: for a keyed preview, its
+/// secret's digest under the server's sealing key (`secrets.key`, outside
+/// the store), so whoever reads the store alone cannot mint a token.
+fn mac_key(st: &AppState, p: &Preview) -> ApiResult<Vec<u8>> {
+    if !p.keyed {
+        return Ok(p.secret.clone());
     }
+    let mut data = b"preview token key:".to_vec();
+    data.extend_from_slice(&p.secret);
+    Ok(st.sealer()?.keyed_digest(&data).into_bytes())
 }
 
 fn load(st: &AppState, sandbox: &str, port: u16) -> ApiResult<Option<Preview>> {
@@ -115,6 +138,7 @@ pub(crate) fn share(st: &AppState, key: &KeyInfo, id: &str, s: Share) -> ApiResu
             port,
             public: false,
             secret,
+            keyed: true,
             ttl_s: DEFAULT_TTL_S,
             expires_cap_ms: None,
             embed_origins: Vec::new(),
@@ -143,20 +167,19 @@ pub(crate) fn share(st: &AppState, key: &KeyInfo, id: &str, s: Share) -> ApiResu
         ttl_s: s.ttl_s,
         cap_ms: s.expires_cap_ms,
     };
-    Ok((shared(st, id, &p, ask, true), created))
+    Ok((shared(st, id, &p, ask, true)?, created))
 }
 
 /// `GET …/previews`: the sandbox's previews (tokens of the default
 /// lifetime, none for a read-only key).
 pub(crate) fn list(st: &AppState, key: &KeyInfo, id: &str) -> ApiResult<Vec<Shared>> {
     find(st, key, id)?;
-    Ok(st
-        .store()
+    st.store()
         .doc_list(KIND, Some(id))?
         .iter()
         .filter_map(|(_, _, d)| Preview::from_doc(d))
         .map(|p| shared(st, id, &p, TokenAsk::default(), !key.read_only))
-        .collect())
+        .collect()
 }
 
 /// `GET …/previews/{port}`: the preview, with a token as asked (none for a
@@ -170,7 +193,7 @@ pub(crate) fn get(
 ) -> ApiResult<Shared> {
     find(st, key, id)?;
     let p = load(st, id, port)?.ok_or_else(|| not_found(id, port))?;
-    Ok(shared(st, id, &p, ask, !key.read_only))
+    shared(st, id, &p, ask, !key.read_only)
 }
 
 /// `POST …/previews/{port}:rotate`: a new secret; earlier tokens are
@@ -179,9 +202,10 @@ pub(crate) fn rotate(st: &AppState, key: &KeyInfo, id: &str, port: u16) -> ApiRe
     find(st, key, id)?;
     let mut p = load(st, id, port)?.ok_or_else(|| not_found(id, port))?;
     rand::thread_rng().fill_bytes(&mut p.secret);
+    p.keyed = true;
     save(st, id, &p)?;
     st.inner.previews.cut(id, port);
-    Ok(shared(st, id, &p, TokenAsk::default(), true))
+    shared(st, id, &p, TokenAsk::default(), true)
 }
 
 /// `DELETE …/previews/{port}`: stops sharing; open connections close.
@@ -223,7 +247,9 @@ pub(crate) fn admit(
     if !p.public {
         match token {
             None => return Ok(Admission::TokenRequired),
-            Some(t) if !p.check(t, st.now_ms()) => return Ok(Admission::TokenInvalid),
+            Some(t) if !p.check(&mac_key(st, &p)?, t, st.now_ms()) => {
+                return Ok(Admission::TokenInvalid)
+            }
             Some(_) => {}
         }
     }
