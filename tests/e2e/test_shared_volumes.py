@@ -7,12 +7,20 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import os
 from pathlib import Path
 
 import pytest
 from withruntime import ConflictError, InvalidRequestError, NotFoundError
 
 from conftest import assert_error_body, http
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return []
 
 
 def _run(sbx, cmd: str):
@@ -107,6 +115,16 @@ def test_the_size_is_enforced_and_links_stay_inside(server, runtime, pair):
                      "sleep 2; dd if=/dev/zero of=/srv/small/more bs=64k count=4 2>&1")
         assert "No space left on device" in out.stdout + out.stderr, out
         assert runtime.volumes.get(vid)["usedBytes"] <= (16 << 20) + (8 << 20)
+        # Its 9P server runs in a network namespace with nothing in it.
+        if os.geteuid() == 0:
+            servers = [p for p in (int(x) for x in os.listdir("/proc") if x.isdigit())
+                       if "9p-serve" in _cmdline(p) and f"{vid}.d" in " ".join(_cmdline(p))]
+            assert servers, "no 9p-serve for the volume"
+            for p in servers:
+                assert os.readlink(f"/proc/{p}/ns/net") != os.readlink("/proc/self/ns/net")
+                devices = [line.split(":")[0].strip()
+                           for line in Path(f"/proc/{p}/net/dev").read_text().splitlines()[2:]]
+                assert devices == ["lo"], devices
         # The guest cannot make links or device nodes in a share (the 9P
         # server refuses them) ...
         _run(a, "rm -f /srv/small/big /srv/small/more")

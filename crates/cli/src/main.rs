@@ -727,6 +727,7 @@ async fn serve(
     let (mut accel, mut why) = choose_accel();
     let mut qemu_cfg = QemuConfig {
         state_dir: data_dir.join("vms"),
+        images_dir: data_dir.join("images"),
         qemu_binary: PathBuf::from("qemu-system-x86_64"),
         artifacts: arts,
         accel,

@@ -35,6 +35,7 @@ pub async fn probe_boot(cfg: QemuConfig) -> Result<Duration, HostError> {
     let state = cfg.state_dir.join("probe");
     let host = QemuHost::new(QemuConfig {
         state_dir: state.clone(),
+        images_dir: state.join("images"),
         boot_timeout: Duration::from_secs(30),
         ..cfg
     })

@@ -95,6 +95,7 @@ impl FakeHost {
     fn host_on(root: &Path, state: &Path, name: &str, templates: bool) -> QemuHost {
         QemuHost::new(QemuConfig {
             state_dir: state.to_owned(),
+            images_dir: state.join("images"),
             qemu_binary: root.join("fake-qemu-system-x86_64"),
             artifacts: Artifacts {
                 kernel: root.join("kernel"),

@@ -112,13 +112,16 @@ impl Jail {
             shown.push((normal(p), *access, meta.is_dir()));
         }
         // Directories first, shortest first, so a path under one shown is
-        // seen to be and left out.
+        // seen to be and left out, unless it must be writable and that one
+        // is not (it is then mounted over its place there).
         shown.sort_by_key(|(p, _, dir)| (!*dir, p.as_os_str().len()));
         let mut kept: Vec<(PathBuf, Access, bool)> = Vec::new();
         for (p, access, dir) in shown {
-            let covered = kept
-                .iter()
-                .any(|(k, _, kdir)| *kdir && (p.starts_with(k) || *k == p));
+            let covered = kept.iter().any(|(k, kaccess, kdir)| {
+                *kdir
+                    && p.starts_with(k)
+                    && (*kaccess == Access::ReadWrite || access == Access::ReadOnly)
+            });
             if !covered && !links.iter().any(|(l, _)| p.starts_with(l)) {
                 kept.push((p, access, dir));
             }
@@ -127,8 +130,9 @@ impl Jail {
         let mut steps = Vec::new();
         let mut made: Vec<PathBuf> = Vec::new();
         let inside = |p: &Path| root.join(p.strip_prefix("/").unwrap_or(p));
-        let mut make_parents = |p: &Path, steps: &mut Vec<Step>| -> io::Result<()> {
-            let mut chain: Vec<&Path> = p.ancestors().skip(1).collect();
+        // The directories down to `p` (and `p` too when `itself`), each once.
+        let mut make_dirs = |p: &Path, itself: bool, steps: &mut Vec<Step>| -> io::Result<()> {
+            let mut chain: Vec<&Path> = p.ancestors().skip(usize::from(!itself)).collect();
             chain.reverse();
             for a in chain {
                 if a == Path::new("/") || made.iter().any(|m| m == a) {
@@ -140,20 +144,18 @@ impl Jail {
             Ok(())
         };
         for (at, target) in &links {
-            make_parents(at, &mut steps)?;
+            make_dirs(at, false, &mut steps)?;
             steps.push(Step::Symlink {
                 target: cstr(target)?,
                 at: cstr(&inside(at))?,
             });
         }
         for (p, access, dir) in &kept {
-            make_parents(p, &mut steps)?;
+            make_dirs(p, *dir, &mut steps)?;
             let at = cstr(&inside(p))?;
-            steps.push(if *dir {
-                Step::Dir(at.clone())
-            } else {
-                Step::File(at.clone())
-            });
+            if !*dir {
+                steps.push(Step::File(at.clone()));
+            }
             steps.push(Step::Bind {
                 from: cstr(p)?,
                 at,
@@ -214,7 +216,9 @@ impl Jail {
                     Step::File(at) => {
                         let fd = libc::open(
                             at.as_ptr(),
-                            libc::O_CREAT | libc::O_WRONLY | libc::O_CLOEXEC,
+                            // Read-only: under a read-only mount the file
+                            // is already there; only a missing one is made.
+                            libc::O_CREAT | libc::O_RDONLY | libc::O_CLOEXEC,
                             0o644,
                         );
                         check(fd)?;
@@ -341,6 +345,9 @@ mod tests {
                 (vm.join("disk.qcow2"), Access::ReadOnly),
                 // Named with `..`: shown at the path it means.
                 (vm.join("../../images/im1/disk.qcow2"), Access::ReadOnly),
+                // A read-only directory above the machine's: the machine's
+                // own is still mounted writable over its place in it.
+                (t.join("data/sandboxes"), Access::ReadOnly),
             ],
             &vm,
         )
@@ -350,6 +357,11 @@ mod tests {
         let v = vm.display().to_string();
         let i = image.display().to_string();
         assert!(s.contains(&format!("bind {v} {r}{v} rw")), "{s:?}");
+        let sandboxes = t.join("data/sandboxes").display().to_string();
+        let above = format!("bind {sandboxes} {r}{sandboxes} ro");
+        let over = format!("bind {v} {r}{v} rw");
+        let at = |x: &str| s.iter().position(|y| y == x).unwrap();
+        assert!(at(&above) < at(&over), "{s:?}");
         assert!(s.contains(&format!("file {r}{i}")), "{s:?}");
         assert!(s.contains(&format!("bind {i} {r}{i} ro")), "{s:?}");
         assert!(s.contains(&format!("bind /usr {r}/usr ro")), "{s:?}");

@@ -200,13 +200,10 @@ impl QemuHost {
         Ok((pid, started))
     }
 
-    /// Where the files a disk rests on may be: the data directory's images
-    /// (beside the machines' directories) and the base images' directory.
+    /// Where the files a disk rests on may be: the images' directory and
+    /// the base images' directory.
     fn disk_roots(&self) -> Vec<PathBuf> {
-        let mut roots = Vec::new();
-        if let Some(data) = self.cfg.state_dir.parent() {
-            roots.push(jail::normal(&data.join("images")));
-        }
+        let mut roots = vec![jail::normal(&self.cfg.images_dir)];
         if let Some(cache) = self.cfg.artifacts.base.parent() {
             roots.push(jail::normal(cache));
         }

@@ -30,6 +30,9 @@ use crate::uid;
 pub struct QemuConfig {
     /// Where each VM gets its directory (overlay, sockets, console log).
     pub state_dir: PathBuf,
+    /// Where custom images' disks live: a machine's disk may rest only on
+    /// files under it or in the base image's directory.
+    pub images_dir: PathBuf,
     pub qemu_binary: PathBuf,
     pub artifacts: Artifacts,
     pub accel: Accel,

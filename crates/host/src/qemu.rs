@@ -462,8 +462,10 @@ fn jailed_paths(cfg: &VmConfig<'_>) -> std::io::Result<Vec<(PathBuf, Access)>> {
         (cfg.kernel.to_owned(), Access::ReadOnly),
         (cfg.initrd.to_owned(), Access::ReadOnly),
     ];
-    if cfg.qemu.is_absolute() {
-        out.push((cfg.qemu.to_owned(), Access::ReadOnly));
+    // QEMU's own directory, when it is not under `/usr` (where it is
+    // already shown).
+    if let Some(dir) = cfg.qemu.parent().filter(|_| cfg.qemu.is_absolute()) {
+        out.push((dir.to_owned(), Access::ReadOnly));
     }
     for f in backing_chain(&cfg.paths.overlay(), cfg.disk_roots)? {
         out.push((f, Access::ReadOnly));

@@ -273,6 +273,19 @@ pub(crate) fn start(spec: ShareSpec, exe: &Path) -> std::io::Result<ShareHandle>
         .stdout(std::process::Stdio::from(std::os::fd::OwnedFd::from(child)))
         .stderr(std::process::Stdio::inherit())
         .kill_on_drop(true);
+    // Like a QEMU, a server of its own uid gets a network namespace with
+    // nothing in it: it serves a socket pair and needs no network.
+    if spec.uid.is_some() && crate::qemu::own_netns_works() {
+        // SAFETY: unshare is an async-signal-safe system call.
+        unsafe {
+            cmd.pre_exec(|| {
+                if libc::unshare(libc::CLONE_NEWNET) < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+    }
     let proc = cmd.spawn()?;
     parent.set_nonblocking(true)?;
     let sock = tokio::net::UnixStream::from_std(parent)?;

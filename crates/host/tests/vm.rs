@@ -82,6 +82,7 @@ fn host_with(outbound: Option<Arc<dyn Outbound>>) -> TestHost {
     let (accel, _) = choose_accel();
     let cfg = QemuConfig {
         state_dir: state.clone(),
+        images_dir: state.join("images"),
         qemu_binary: "qemu-system-x86_64".into(),
         artifacts: arts,
         accel,
@@ -469,6 +470,7 @@ async fn a_new_host_process_recovers_a_running_machine() {
     let arts = artifacts::ensure(&cache(), &agent_path()).unwrap();
     let h2 = QemuHost::new(QemuConfig {
         state_dir: state.clone(),
+        images_dir: state.join("images"),
         qemu_binary: "qemu-system-x86_64".into(),
         artifacts: arts,
         accel,
@@ -623,7 +625,9 @@ async fn a_captured_disk_serves_as_an_image_for_new_machines() {
     )
     .await;
     assert_eq!(st.code, Some(0), "{err}");
-    let layer = t.state.join("layer");
+    // Under the host's images, the only place an image's disk may be.
+    let layer = t.state.join("images").join("layer");
+    std::fs::create_dir_all(t.state.join("images")).unwrap();
     h.capture(a, &layer, false).await.unwrap();
     h.destroy(a).await.unwrap();
     let disk = layer.join("disk.qcow2");
@@ -874,6 +878,7 @@ async fn a_machine_left_stopped_by_a_crash_mid_capture_is_recovered_running() {
     let arts = artifacts::ensure(&cache(), &agent_path()).unwrap();
     let h2 = QemuHost::new(QemuConfig {
         state_dir: state.clone(),
+        images_dir: state.join("images"),
         qemu_binary: "qemu-system-x86_64".into(),
         artifacts: arts,
         accel,
@@ -1081,6 +1086,7 @@ async fn starts_restore_a_template_with_fresh_entropy() {
     let (accel, _) = choose_accel();
     let h = QemuHost::new(QemuConfig {
         state_dir: state.clone(),
+        images_dir: state.join("images"),
         qemu_binary: "qemu-system-x86_64".into(),
         artifacts: arts,
         accel,

@@ -117,18 +117,23 @@ const DAY_MS: i64 = 86_400_000;
 /// Folds the charges of the days that ended [`FOLD_AFTER_DAYS`] ago or
 /// earlier into a row per sandbox and day, once per UTC day (`folded` is
 /// the day it last ran).
-fn fold_old_charges(st: &AppState, folded: &mut Option<i64>) {
+async fn fold_old_charges(st: &AppState, folded: &mut Option<i64>) {
     let today = st.now_ms().div_euclid(DAY_MS);
     if *folded == Some(today) {
         return;
     }
-    match st.store().fold_charges((today - FOLD_AFTER_DAYS) * 1440) {
-        Ok(n) => {
+    // The first fold of a store kept for months is long: off the workers.
+    let st2 = st.clone();
+    let cutoff = (today - FOLD_AFTER_DAYS) * 1440;
+    let done = tokio::task::spawn_blocking(move || st2.store().fold_charges(cutoff)).await;
+    match done {
+        Ok(Ok(n)) => {
             *folded = Some(today);
             if n > 0 {
                 tracing::info!(rows = n, "folded old charges by day");
             }
         }
+        Ok(Err(e)) => tracing::error!(error = %e, "folding old charges failed"),
         Err(e) => tracing::error!(error = %e, "folding old charges failed"),
     }
 }
@@ -140,7 +145,7 @@ pub(crate) async fn run(st: AppState) {
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut folded = None;
     loop {
-        fold_old_charges(&st, &mut folded);
+        fold_old_charges(&st, &mut folded).await;
         let stop = tokio::select! {
             _ = tick.tick() => false,
             _ = st.inner.cancel.cancelled() => true,
