@@ -362,14 +362,20 @@ pub(crate) fn spawn(cfg: &VmConfig<'_>) -> std::io::Result<u32> {
     // reaches no service of the host, not even on loopback.
     let own_net = cfg.run_as.is_some() && own_netns_works();
     // A header the VM's uid wrote names nothing outside the images.
-    if cfg.run_as.is_some() {
-        backing_chain(&cfg.paths.overlay(), cfg.disk_roots)?;
-    }
+    let chain = if cfg.run_as.is_some() {
+        backing_chain(&cfg.paths.overlay(), cfg.disk_roots)?
+    } else {
+        Vec::new()
+    };
     // And a mount namespace whose root shows only what it opens.
     let jail = if own_net {
         let root = jail_root(cfg.paths)?;
         if jail::works(&root) {
-            Some(Jail::plan(&root, &jailed_paths(cfg)?, &cfg.paths.dir)?)
+            Some(Jail::plan(
+                &root,
+                &jailed_paths(cfg, chain)?,
+                &cfg.paths.dir,
+            )?)
         } else {
             None
         }
@@ -384,8 +390,8 @@ pub(crate) fn spawn(cfg: &VmConfig<'_>) -> std::io::Result<u32> {
             if libc::setsid() < 0 {
                 return Err(std::io::Error::last_os_error());
             }
-            if own_net && libc::unshare(libc::CLONE_NEWNET) < 0 {
-                return Err(std::io::Error::last_os_error());
+            if own_net {
+                unshare_net()?;
             }
             if let Some(fd) = incoming {
                 // dup2 clears close-on-exec on the new descriptor.
@@ -454,9 +460,12 @@ pub(crate) fn backing_chain(overlay: &Path, roots: &[PathBuf]) -> std::io::Resul
 }
 
 /// What a QEMU opens, for its jail ([`crate::jail`]): its directory, its
-/// kernel and initrd, every file its disk rests on, its volumes, its RAM
-/// file, `/dev/kvm` under KVM, and its binary.
-fn jailed_paths(cfg: &VmConfig<'_>) -> std::io::Result<Vec<(PathBuf, Access)>> {
+/// kernel and initrd, `chain` (the files its disk rests on, checked), its
+/// volumes, its RAM file, `/dev/kvm` under KVM, and its binary.
+fn jailed_paths(
+    cfg: &VmConfig<'_>,
+    chain: Vec<PathBuf>,
+) -> std::io::Result<Vec<(PathBuf, Access)>> {
     let mut out = vec![
         (cfg.paths.dir.clone(), Access::ReadWrite),
         (cfg.kernel.to_owned(), Access::ReadOnly),
@@ -467,9 +476,7 @@ fn jailed_paths(cfg: &VmConfig<'_>) -> std::io::Result<Vec<(PathBuf, Access)>> {
     if let Some(dir) = cfg.qemu.parent().filter(|_| cfg.qemu.is_absolute()) {
         out.push((dir.to_owned(), Access::ReadOnly));
     }
-    for f in backing_chain(&cfg.paths.overlay(), cfg.disk_roots)? {
-        out.push((f, Access::ReadOnly));
-    }
+    out.extend(chain.into_iter().map(|f| (f, Access::ReadOnly)));
     for v in cfg.volumes {
         out.push((v.clone(), Access::ReadWrite));
     }
@@ -495,6 +502,15 @@ fn jailed_paths(cfg: &VmConfig<'_>) -> std::io::Result<Vec<(PathBuf, Access)>> {
     Ok(out)
 }
 
+/// For a forked child before exec: a network namespace of its own.
+pub(crate) fn unshare_net() -> std::io::Result<()> {
+    // SAFETY: unshare is an async-signal-safe system call.
+    if unsafe { libc::unshare(libc::CLONE_NEWNET) } < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
 /// Whether a child of this process can have a network namespace of its
 /// own (root, and not refused by a container's rules): probed once.
 pub(crate) fn own_netns_works() -> bool {
@@ -505,14 +521,9 @@ pub(crate) fn own_netns_works() -> bool {
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::null());
-        // SAFETY: unshare is an async-signal-safe system call.
+        // SAFETY: `unshare_net` makes one system call.
         unsafe {
-            probe.pre_exec(|| {
-                if libc::unshare(libc::CLONE_NEWNET) < 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                Ok(())
-            });
+            probe.pre_exec(unshare_net);
         }
         let works = probe.status().is_ok_and(|s| s.success());
         if !works {
@@ -697,6 +708,105 @@ pub(crate) fn console_tail(paths: &VmPaths, max: usize) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn qemu_img(args: &[&str]) {
+        let out = Command::new("qemu-img").args(args).output().unwrap();
+        assert!(out.status.success(), "{out:?}");
+    }
+
+    #[test]
+    fn a_disk_rests_only_on_regular_files_under_the_images_and_not_endlessly() {
+        let t = std::env::temp_dir().join(format!("rt-chain-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&t);
+        let images = t.join("images");
+        std::fs::create_dir_all(&images).unwrap();
+        let (base, layer, top) = (images.join("base"), images.join("layer"), t.join("top"));
+        let p = |f: &Path| f.to_str().unwrap().to_owned();
+        qemu_img(&["create", "-q", "-f", "qcow2", &p(&base), "64M"]);
+        qemu_img(&[
+            "create",
+            "-q",
+            "-f",
+            "qcow2",
+            "-F",
+            "qcow2",
+            "-b",
+            &p(&base),
+            &p(&layer),
+        ]);
+        qemu_img(&[
+            "create",
+            "-q",
+            "-f",
+            "qcow2",
+            "-F",
+            "qcow2",
+            "-b",
+            &p(&layer),
+            &p(&top),
+        ]);
+        let roots = [images.clone()];
+        assert_eq!(
+            backing_chain(&top, &roots).unwrap(),
+            [layer.clone(), base.clone()]
+        );
+        // A header naming a file outside the roots, even through `..`.
+        let outside = format!("{}/../top", images.display());
+        qemu_img(&[
+            "rebase",
+            "-u",
+            "-f",
+            "qcow2",
+            "-F",
+            "qcow2",
+            "-b",
+            &outside,
+            &p(&layer),
+        ]);
+        let e = backing_chain(&top, &roots).unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::PermissionDenied, "{e}");
+        // A link under the roots is not followed.
+        let link = images.join("link");
+        std::os::unix::fs::symlink(&base, &link).unwrap();
+        qemu_img(&[
+            "rebase",
+            "-u",
+            "-f",
+            "qcow2",
+            "-F",
+            "qcow2",
+            "-b",
+            &p(&link),
+            &p(&layer),
+        ]);
+        assert!(backing_chain(&top, &roots).is_err());
+        // A circle ends at the chain's bound.
+        qemu_img(&[
+            "rebase",
+            "-u",
+            "-f",
+            "qcow2",
+            "-F",
+            "qcow2",
+            "-b",
+            &p(&layer),
+            &p(&base),
+        ]);
+        qemu_img(&[
+            "rebase",
+            "-u",
+            "-f",
+            "qcow2",
+            "-F",
+            "qcow2",
+            "-b",
+            &p(&base),
+            &p(&layer),
+        ]);
+        let e = backing_chain(&top, &roots).unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::PermissionDenied, "{e}");
+        std::fs::remove_dir_all(&t).unwrap();
+    }
 
     #[test]
     fn the_console_is_cut_to_its_tail_beyond_its_bound_and_read_from_the_end() {

@@ -276,14 +276,9 @@ pub(crate) fn start(spec: ShareSpec, exe: &Path) -> std::io::Result<ShareHandle>
     // Like a QEMU, a server of its own uid gets a network namespace with
     // nothing in it: it serves a socket pair and needs no network.
     if spec.uid.is_some() && crate::qemu::own_netns_works() {
-        // SAFETY: unshare is an async-signal-safe system call.
+        // SAFETY: `unshare_net` makes one system call.
         unsafe {
-            cmd.pre_exec(|| {
-                if libc::unshare(libc::CLONE_NEWNET) < 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                Ok(())
-            });
+            cmd.pre_exec(crate::qemu::unshare_net);
         }
     }
     let proc = cmd.spawn()?;
