@@ -6,7 +6,7 @@
 # process) prints travels as JSON `stdout`/`stderr` events and cannot forge a
 # protocol line. SIGINT (a timeout or an interrupt) raises KeyboardInterrupt
 # while a run is in progress; between runs it is ignored.
-import ast, base64, codecs, io, json, linecache, os, select, signal, subprocess, sys, threading, time, traceback, warnings
+import ast, base64, codecs, io, json, linecache, os, queue, select, signal, subprocess, sys, threading, time, traceback, warnings
 
 MODE = sys.argv[1] if len(sys.argv) > 1 else "python"
 _inp = os.fdopen(os.dup(0), "rb", buffering=0)
@@ -33,7 +33,15 @@ class Reader(threading.Thread):
         os.dup2(w, fd)
         os.close(w)
         self.r, self.fd, self.kind = r, fd, kind
-        self.synced = threading.Event()
+        # A marker is SYNC, 16 hex digits (the sync's monotonic clock in ns)
+        # and NUL; `seen` is the latest one read, and each read puts a token.
+        # SIGINT raises KeyboardInterrupt in the main thread at any bytecode,
+        # so a sync keeps no count and takes no Python-level lock that an
+        # interrupt could leave wrong or held (a threading.Event's inner
+        # lock did: every later sync hung); SimpleQueue's get and put are
+        # single C calls.
+        self.seen = 0
+        self.tokens = queue.SimpleQueue()
         self.dec = codecs.getincrementaldecoder("utf-8")("replace")
 
     def out(self, b, final=False):
@@ -43,6 +51,7 @@ class Reader(threading.Thread):
 
     def run(self):
         buf = b""
+        whole = len(SYNC) + 17
         while True:
             chunk = os.read(self.r, 65536)
             if not chunk:
@@ -50,23 +59,35 @@ class Reader(threading.Thread):
             buf += chunk
             while True:
                 i = buf.find(SYNC)
-                if i < 0:
+                if i < 0 or len(buf) < i + whole:
                     break
                 self.out(buf[:i], True)
-                buf = buf[i + len(SYNC):]
-                self.synced.set()
-            keep = 0
-            for n in range(min(len(SYNC) - 1, len(buf)), 0, -1):
-                if SYNC.startswith(buf[-n:]):
-                    keep = n
-                    break
+                self.seen = int(buf[i + len(SYNC):i + whole - 1], 16)
+                buf = buf[i + whole:]
+                self.tokens.put(None)
+            if i >= 0:
+                keep = len(buf) - i  # a marker not whole yet
+            else:
+                keep = 0
+                for n in range(min(len(SYNC) - 1, len(buf)), 0, -1):
+                    if SYNC.startswith(buf[-n:]):
+                        keep = n
+                        break
             self.out(buf[: len(buf) - keep])
             buf = buf[len(buf) - keep:]
 
     def sync(self):
-        self.synced.clear()
-        os.write(self.fd, SYNC)
-        self.synced.wait(10)
+        """Returns once everything written to the fd before it has been
+        emitted (or after 10 s): once a marker at least as new as its own
+        has been read, whatever an interrupt cut short before."""
+        mark = time.monotonic_ns()
+        os.write(self.fd, SYNC + b"%016x\x00" % mark)
+        deadline = time.monotonic() + 10
+        while self.seen < mark:
+            try:
+                self.tokens.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                return
 
 
 os.environ.setdefault("MPLBACKEND", "Agg")
@@ -605,6 +626,10 @@ def main():
         except KeyboardInterrupt as e:
             signal.signal(signal.SIGINT, between_runs)
             status, events = "error", [error_event(e, 0)]
+        if status != "ok":
+            # An interrupt may have cut the run's own flush short: what it
+            # printed goes out before its end (no interrupt raises here).
+            flush_all()
         for ev in events:
             emit(ev)
         emit({"k": "end", "id": req.get("id"), "status": status})

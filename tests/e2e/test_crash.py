@@ -1,5 +1,6 @@
 """Crashes tell the truth: the server is killed (SIGKILL) at an exact step
-of a snapshot, a pause, a delete and an idempotent create, then started
+of a snapshot, a pause, a wake, a delete, an idempotent create, an image
+build and a volume's attach, then started
 again; every record is then true, nothing runs that no record owns, and a
 resend acts once.
 
@@ -8,6 +9,7 @@ which `runtime serve` kills itself, so no timer races the emulated guest.
 """
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import time
@@ -199,3 +201,124 @@ def test_an_idempotent_fork_and_snapshot_cut_short_act_once(server, runtime):
             runtime.sandboxes.delete(s.id)
         for s in runtime.snapshots.list(sandbox_id=sbx.id):
             runtime.snapshots.delete(s["id"])
+
+
+def qemu_of(server) -> set[int]:
+    """Every live QEMU of this server's data dir."""
+    return {pid for pid in server.qemu_pids("")}
+
+
+def crashes_leaving(server, action) -> set[int]:
+    """As `crashes`, and answers the QEMU processes that were running while
+    the server was down (before the restart settled them)."""
+    proc = server.proc
+    assert proc is not None
+    with pytest.raises(Exception):
+        action()
+    proc.wait(CRASH_WAIT)
+    assert proc.returncode == -signal.SIGKILL, f"the server ended with {proc.returncode}, not at its crash point"
+    left = qemu_of(server)
+    server.proc = None
+    server.start()
+    return left
+
+
+def unowned(server, runtime, pids: set[int]) -> list[str]:
+    """Those of `pids` still running that no live sandbox owns."""
+    live = [s.id for s in runtime.sandboxes.list(include_stopped=True) if s.state != "stopped"]
+    owned = {pid for sid in live for pid in server.qemu_pids(sid)}
+    return [" ".join(_cmdline(p))[:300] for p in sorted(pids - owned) if p in qemu_of(server)]
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().decode(errors="replace").split("\0")
+    except OSError:
+        return []
+
+
+def test_a_wake_cut_short_runs_with_its_memory_and_no_state_left(server, runtime):
+    sbx = runtime.sandboxes.create(labels={"suite": "e2e-crash"})
+    try:
+        sbx.exec("echo in-memory > /tmp/mem.txt")
+        booted = boot_id(sbx)
+        sbx.pause()
+        state = server.data_dir / "vms" / sbx.id / "paused.state"
+        assert state.is_file(), "no paused state to wake from"
+        # The server dies once the woken machine is registered, before the
+        # state it woke from is removed.
+        start_with_crash_point(server, "wake_running")
+        with client_for(server, server.admin_key()) as once:
+            left = crashes_leaving(server, lambda: once.sandboxes.get(sbx.id).wake())
+
+        again = settled(runtime, sbx.id, ("running", "paused", "stopped"))
+        assert again.state == "running", again.info
+        assert boot_id(again) == booted
+        assert again.exec("cat /tmp/mem.txt").stdout == "in-memory\n"
+        # A running machine keeps no state to wake from (a second wake from
+        # it would take the sandbox back in time).
+        assert not state.exists(), "the woken machine's old state is left"
+        assert len(server.qemu_pids(sbx.id)) == 1
+        assert unowned(server, runtime, left) == []
+        again.pause()
+        again.wake()
+        assert again.exec("cat /tmp/mem.txt").stdout == "in-memory\n"
+    finally:
+        runtime.sandboxes.delete(sbx.id)
+
+
+def test_an_image_build_cut_short_fails_ends_its_machine_and_builds_again(server, runtime):
+    recipe = {"commands": ["sudo sh -c 'echo built > /etc/crash-built'"]}
+    start_with_crash_point(server, "build_step")
+    with client_for(server, server.admin_key()) as once:
+        left = crashes_leaving(
+            server, lambda: once.images.build(name="e2e-crash-build", recipe=recipe, poll_seconds=0.5))
+    assert left, "no build machine was running when the server died"
+
+    made = runtime.images.list(name="e2e-crash-build").data
+    assert len(made) == 1, made
+    image = made[0]
+    assert image["state"] == "failed", image
+    assert "restarted during the build" in (image.get("error") or ""), image
+    # Its build machine is gone with everything else no record owns.
+    assert unowned(server, runtime, left) == []
+    again = runtime.images.build(name="e2e-crash-build", recipe=recipe, poll_seconds=0.5)
+    assert again["state"] == "ready", again
+    sbx = runtime.sandboxes.create(image="e2e-crash-build")
+    try:
+        assert sbx.exec("cat /etc/crash-built").stdout == "built\n"
+    finally:
+        runtime.sandboxes.delete(sbx.id)
+        for i in runtime.images.list(name="e2e-crash-build").data:
+            runtime.images.delete(i["id"])
+
+
+def test_a_volume_attach_cut_short_is_undone_and_attaches_again(server, runtime):
+    sbx = runtime.sandboxes.create(labels={"suite": "e2e-crash"})
+    volume = runtime.volumes.create(16, name="e2e-crash-attach", shared=True)
+    vid = volume["id"]
+    try:
+        # The server dies once the guest has mounted the share, before the
+        # attachment is recorded as attached.
+        start_with_crash_point(server, "attach_served")
+        with client_for(server, server.admin_key()) as once:
+            crashes(server, lambda: once.volumes.attach(vid, sbx.id, "/mnt/cut"))
+
+        # Undone: no attachment, no mount in the guest, no 9P server.
+        assert runtime.volumes.get(vid)["attachments"] == []
+        again = runtime.sandboxes.get(sbx.id)
+        assert again.state == "running", again.info
+        assert again.exec("grep -c ' /mnt/cut ' /proc/mounts || true").stdout.strip() == "0"
+        servers = [p for p in (int(x) for x in os.listdir("/proc") if x.isdigit())
+                   if "9p-serve" in _cmdline(p) and f"{vid}.d" in " ".join(_cmdline(p))]
+        assert servers == [], "a 9P server of the volume is left"
+        # The same attach then works, once.
+        at = runtime.volumes.attach(vid, sbx.id, "/mnt/cut")
+        assert at["state"] == "attached", at
+        assert again.exec("echo through > /mnt/cut/f && cat /mnt/cut/f").stdout == "through\n"
+        assert [a["id"] for a in runtime.volumes.get(vid)["attachments"]] == [at["id"]]
+        runtime.volumes.detach(vid, at["id"])
+    finally:
+        runtime.sandboxes.delete(sbx.id)
+        runtime.volumes.delete(vid)

@@ -185,8 +185,10 @@ struct NetArgs {
     #[arg(long = "webhook-test-second-ms", hide = true, default_value_t = 1000)]
     webhook_test_second_ms: u32,
     /// TEST ONLY: the server kills itself (SIGKILL) at this step
-    /// (`capture_running`, `pause_capture`, `pause_kept`, `delete_destroy`,
-    /// `create_answer`), so the crash tests hit it exactly.
+    /// (`capture_running`, `pause_capture`, `pause_kept`, `wake_running`,
+    /// `delete_destroy`, `create_answer`, `machine_up`, `fork_answer`,
+    /// `snapshot_answer`, `build_step`, `attach_served`), so the crash tests
+    /// hit it exactly.
     #[arg(long = "test-crash-at", hide = true, value_name = "POINT")]
     test_crash_at: Option<String>,
     /// Image builds pull REGISTRY's images (`docker.io` for Docker Hub)

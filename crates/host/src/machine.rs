@@ -657,6 +657,7 @@ impl Host for QemuHost {
         // is adopted (and its old state dropped), never a paused record
         // without a state to wake from.
         vm.register();
+        crash_point(self.cfg.test_crash_at.as_deref(), "wake_running");
         // The machine has moved on from that state; keep only the newest.
         let _ = std::fs::remove_file(&state);
         let _ = std::fs::remove_file(&ram);

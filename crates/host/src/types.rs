@@ -629,8 +629,8 @@ pub trait Outbound: Send + Sync + 'static {
 
 /// TEST ONLY (`runtime serve --test-crash-at POINT`): when `at` names
 /// `point`, the whole server dies here at once by SIGKILL, so the crash
-/// tests stop it at an exact step of a capture, a pause, a delete or a
-/// create instead of racing a timer. Never set in production.
+/// tests stop it at an exact step of a capture, a pause, a wake, a delete,
+/// a create, a build or a volume's attach instead of racing a timer. Never set in production.
 pub fn crash_point(at: Option<&str>, point: &str) {
     if at != Some(point) {
         return;

@@ -115,6 +115,7 @@ pub(crate) async fn attach(
     st.store().insert_share(&a)?;
     match st.host().share(&sid, share).await {
         Ok(()) => {
+            runtime_host::crash_point(st.config().test_crash_at.as_deref(), "attach_served");
             st.store().set_share_state(
                 &a.id,
                 &[ShareState::Attaching],

@@ -658,6 +658,7 @@ async fn run_step(
             instruction: s.instruction.clone(),
             cause,
         })?;
+    runtime_host::crash_point(st.config().test_crash_at.as_deref(), "build_step");
     let mut out = StepOutput::default();
     let status = loop {
         match h.events.recv().await {
