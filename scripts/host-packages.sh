@@ -52,6 +52,9 @@ log "installing guest build tools"
 apt-get install -y -qq --no-install-recommends \
   debootstrap debian-archive-keyring e2fsprogs xz-utils bc bison flex libelf-dev libssl-dev cpio rsync kmod \
   python3-venv sqlite3 >/dev/null
+# busybox-static: the shell supplied to registry images that have none
+# (docs/images.md, "Images without a shell").
+apt-get install -y -qq --no-install-recommends busybox-static >/dev/null
 # PostgreSQL: the store's tests and tests/e2e/test_postgres.py start
 # throwaway clusters of their own with its initdb and pg_ctl (the package's
 # own cluster is not used).

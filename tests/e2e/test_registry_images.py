@@ -25,6 +25,7 @@ from pull_registry import NAME, Layer, Registry, alpine_layer, base_layer
 REPO = "e2e/app"
 APP = f"{NAME}/{REPO}:1"
 ALPINE = f"{NAME}/e2e/alpine:3"
+DISTROLESS = f"{NAME}/e2e/distroless:1"
 CONFIG = {
     "Env": ["PATH=/usr/local/bin:/usr/bin:/bin", "GREETING=hello from the registry"],
     "WorkingDir": "/srv/app",
@@ -63,6 +64,13 @@ def env():
         # An Alpine-like image: busybox's sh, no bash.
         images["alpine"] = reg.image("e2e/alpine", "3", [(alpine_layer().bytes(), "gzip")],
                                      {"Env": ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"], "Cmd": ["/bin/sh"]})
+        # A distroless-like image: files and users, no shell, no busybox.
+        bare = (Layer().dir("etc").dir("app").dir("tmp", 0o1777)
+                .file("etc/passwd", b"root:x:0:0:root:/root:/sbin/nologin\nnonroot:x:65532:65532::/home/nonroot:/sbin/nologin\n")
+                .file("etc/group", b"root:x:0:\nnonroot:x:65532:\n")
+                .file("app/greeting.txt", b"hello from distroless\n").bytes())
+        images["distroless"] = reg.image("e2e/distroless", "1", [(bare, "gzip")],
+                                         {"Env": ["PATH=/usr/local/bin:/usr/bin:/bin"]})
         srv.start()
     except Exception:
         reg.close()
@@ -382,6 +390,29 @@ def test_an_image_without_bash_runs_shell_commands_through_sh(rt):
         sbx.files.write("/tmp/note", "via files\n")
         assert sbx.exec("cat /tmp/note").stdout == "via files\n"
 
+
+
+def test_an_image_without_any_shell_gets_ours(rt, tmp_path):
+    ctx = tmp_path / "ctx"
+    ctx.mkdir()
+    (ctx / "added.txt").write_text("from the context\n")
+    image = rt.images.build(name="distroless-like", context_dir=str(ctx), poll_seconds=0.5,
+                            dockerfile=f"FROM {DISTROLESS}\nCOPY added.txt /app/added.txt\n"
+                                       "RUN echo $((6*7)) > /app/answer\n")
+    assert image["state"] == "ready", image["error"]
+    with rt.sandboxes.create(image="distroless-like") as sbx:
+        # No shell of its own: strings run through the busybox supplied at
+        # the unpack, its applets after the image's PATH.
+        assert sbx.exec("test -e /bin/sh || test -e /usr/bin/sh || echo no-sh-of-its-own").stdout \
+            == "no-sh-of-its-own\n"
+        assert sbx.exec("echo $((1+2))").stdout == "3\n"
+        assert sbx.exec("cat /app/greeting.txt /app/added.txt /app/answer").stdout == \
+            "hello from distroless\nfrom the context\n42\n"
+        assert sbx.exec("echo $SHELL; id -u").stdout == "/usr/lib/runtime/bin/sh\n1000\n"
+        # sudo is supplied too, as for any image without one.
+        assert sbx.exec("sudo id -u").stdout == "0\n"
+        sbx.files.write("/tmp/note", "via files\n")
+        assert sbx.exec("wc -l < /tmp/note").stdout.strip() == "1"
 
 
 def test_an_image_without_sudo_gets_runtimes(rt):

@@ -188,22 +188,31 @@ fn plan(req: &ExecRequest) -> Result<Plan, Fail> {
         .map(|(_, v)| v.as_str())
         .unwrap_or("");
     let mut argv = req.argv.clone();
-    let found = resolve(argv0, path_var).filter(|p| !is_bash(argv0) || Path::new(p).is_file());
+    let found = resolve(argv0, path_var).filter(|p| !is_shell(argv0) || Path::new(p).is_file());
     let path = match found {
         Some(p) => p,
         // An image without bash (Alpine, busybox): a shell command runs
         // through its POSIX `sh` instead (`bash -c`/`-lc`/`-l` take the
-        // same options there).
-        None if is_bash(argv0) => {
-            let Some(sh) = resolve("sh", path_var) else {
+        // same options there); an image with no shell at all (distroless)
+        // through the busybox supplied when it was unpacked, whose applets
+        // then come after the image's own programs on PATH.
+        None if is_shell(argv0) => {
+            let Some((sh, supplied)) = fallback_shell(path_var, Path::new(SUPPLIED_SH)) else {
                 return Err(Fail::new(
                     FailCode::CommandNotFound,
                     format!("{argv0}: command not found (and no sh either)"),
                 ));
             };
             argv[0] = "sh".into();
-            if let Some(slot) = env.iter_mut().find(|(k, _)| k == "SHELL") {
-                slot.1 = sh.clone();
+            for (k, v) in env.iter_mut() {
+                if k == "SHELL" {
+                    *v = sh.clone();
+                } else if k == "PATH" && supplied {
+                    if !v.is_empty() {
+                        v.push(':');
+                    }
+                    v.push_str(SUPPLIED_BIN);
+                }
             }
             sh
         }
@@ -266,6 +275,26 @@ fn uid_name(passwd: &str, uid: u32) -> Option<String> {
 /// `bash` by name or at its usual paths: what falls back to `sh`.
 fn is_bash(argv0: &str) -> bool {
     matches!(argv0, "bash" | "/bin/bash" | "/usr/bin/bash")
+}
+
+/// bash or sh, by name or at their usual paths.
+fn is_shell(argv0: &str) -> bool {
+    is_bash(argv0) || matches!(argv0, "sh" | "/bin/sh" | "/usr/bin/sh")
+}
+
+/// The shell supplied to an image that has none (docs/images.md, "Images
+/// without a shell"): busybox's `sh`, its applets beside it.
+pub(crate) const SUPPLIED_SH: &str = "/usr/lib/runtime/bin/sh";
+pub(crate) const SUPPLIED_BIN: &str = "/usr/lib/runtime/bin";
+
+/// The image's own `sh` on `path_var`, else the `supplied` one if it is
+/// there (true with it).
+fn fallback_shell(path_var: &str, supplied: &Path) -> Option<(String, bool)> {
+    resolve("sh", path_var).map(|sh| (sh, false)).or_else(|| {
+        supplied
+            .is_file()
+            .then(|| (supplied.to_string_lossy().into_owned(), true))
+    })
 }
 
 /// Looks `argv0` up in `PATH` like execvp; a name with a slash is taken as is.
@@ -878,6 +907,24 @@ mod tests {
         assert_eq!(
             e.as_deref(),
             Some("bash: command not found (and no sh either)")
+        );
+        // The supplied shell, when there, is taken only where the image has
+        // no sh of its own.
+        let supplied = dir.join("supplied-sh");
+        let empty_path = empty.to_string_lossy().into_owned();
+        assert_eq!(super::fallback_shell(&empty_path, &supplied), None);
+        std::fs::write(&supplied, b"").unwrap();
+        assert_eq!(
+            super::fallback_shell(&empty_path, &supplied),
+            Some((supplied.to_string_lossy().into_owned(), true))
+        );
+        let with_sh = format!("{}:{}", empty.display(), dir.display());
+        assert_eq!(
+            super::fallback_shell(&with_sh, &supplied).map(|(_, s)| s),
+            Some(false)
+        );
+        assert!(
+            super::is_shell("/bin/sh") && super::is_shell("bash") && !super::is_shell("python3")
         );
         let _ = std::fs::remove_dir_all(&dir);
     }

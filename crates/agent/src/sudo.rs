@@ -261,7 +261,7 @@ pub(crate) fn main() -> ! {
         env.retain(|(ek, _)| ek != k);
         env.push((k.into(), v.into()));
     };
-    set("PATH", SECURE_PATH);
+    set("PATH", &secure_path());
     set("HOME", &home);
     set("USER", &name);
     set("LOGNAME", &name);
@@ -346,13 +346,23 @@ pub(crate) fn main() -> ! {
     ))
 }
 
+/// Debian's secure path, then the tools supplied to an image that has no
+/// shell (docs/images.md, "Images without a shell") when it got them.
+fn secure_path() -> String {
+    if Path::new(crate::exec::SUPPLIED_SH).is_file() {
+        format!("{SECURE_PATH}:{}", crate::exec::SUPPLIED_BIN)
+    } else {
+        SECURE_PATH.to_string()
+    }
+}
+
 /// The program `name` names: itself when it has a `/`, else the first
 /// executable file of that name on the secure path.
 fn resolve(name: &OsStr) -> Option<std::path::PathBuf> {
     if name.as_bytes().contains(&b'/') {
         return Some(name.into());
     }
-    SECURE_PATH
+    secure_path()
         .split(':')
         .map(|d| Path::new(d).join(name))
         .find(|p| {

@@ -1123,8 +1123,13 @@ fn copy(
             e.dst = format!("{dir}/{}", &e.dst[1..]);
         }
         let d = sh_quote(&format!("/{dir}"));
-        let mut script =
-            format!("cat {d}/part-* | tar -x --numeric-owner -p --keep-directory-symlink -C /");
+        // GNU tar keeps a directory symlink the image has where the copy
+        // names a directory; busybox's tar (Alpine, or the one supplied
+        // to an image without a shell) has no such option.
+        let mut script = format!(
+            "k=; tar --keep-directory-symlink --version >/dev/null 2>&1 && k='-p --keep-directory-symlink'; \
+             cat {d}/part-* | tar -x --numeric-owner $k -C /"
+        );
         for (i, target) in archives.iter().enumerate() {
             script.push_str(&format!(
                 " && mkdir -p {t} && tar -x --no-same-owner -f {d}/archive-{n} -C {t}",
@@ -2226,7 +2231,8 @@ ENV S="two words" T='it''s' U=a\ b V="say \"hi\" \\ \$HOME \n" W="" X=1"#);
         );
         assert_eq!(
             script,
-            format!("cat '{dir}'/part-* | tar -x --numeric-owner -p --keep-directory-symlink -C / && rm -rf '{dir}'")
+            format!("k=; tar --keep-directory-symlink --version >/dev/null 2>&1 && k='-p --keep-directory-symlink'; \
+                     cat '{dir}'/part-* | tar -x --numeric-owner $k -C / && rm -rf '{dir}'")
         );
     }
 

@@ -19,7 +19,7 @@ use crate::domain::image::LogStream;
 use crate::AppState;
 
 /// Changes whenever the unpacking (and so the disk it makes) changes.
-const UNPACK_VERSION: &str = "1";
+const UNPACK_VERSION: &str = "2";
 /// Most bytes of one layer, compressed or not, and of an image's layers
 /// together.
 pub(super) const MAX_LAYER_BYTES: u64 = 8 << 30;
@@ -243,6 +243,57 @@ fn run(cmd: &mut std::process::Command, what: &str) -> Result<(), Unpacked> {
     }
 }
 
+/// Where a host's static busybox may be.
+const BUSYBOX: &[&str] = &["/usr/bin/busybox", "/bin/busybox"];
+
+/// Copies the host's static busybox and its applet list into `dir` for
+/// the unpack (docs/images.md, "Images without a shell"); false when the
+/// host has none (a dynamic one would need the image's libc).
+fn supply_busybox(dir: &Path) -> bool {
+    let Some(bb) = BUSYBOX
+        .iter()
+        .map(Path::new)
+        .find(|p| is_static_elf(p).unwrap_or(false))
+    else {
+        return false;
+    };
+    let list = match std::process::Command::new(bb).arg("--list").output() {
+        Ok(out) if out.status.success() => out.stdout,
+        _ => return false,
+    };
+    std::fs::copy(bb, dir.join("busybox")).is_ok()
+        && std::fs::write(dir.join("busybox.list"), list).is_ok()
+}
+
+/// Whether `path` is a 64-bit ELF executable with no program interpreter
+/// (statically linked).
+fn is_static_elf(path: &Path) -> std::io::Result<bool> {
+    use std::io::Read;
+    let mut head = Vec::new();
+    std::fs::File::open(path)?
+        .take(64 * 1024)
+        .read_to_end(&mut head)?;
+    if head.len() < 64 || &head[..4] != b"\x7fELF" || head[4] != 2 {
+        return Ok(false);
+    }
+    let u16_at = |o: usize| u16::from_le_bytes([head[o], head[o + 1]]) as usize;
+    let phoff = u64::from_le_bytes(head[0x20..0x28].try_into().unwrap_or_default()) as usize;
+    let (size, count) = (u16_at(0x36), u16_at(0x38));
+    const PT_INTERP: u32 = 3;
+    for i in 0..count {
+        let Some(h) = phoff
+            .checked_add(i * size)
+            .and_then(|at| head.get(at..at.checked_add(4)?))
+        else {
+            return Ok(false);
+        };
+        if u32::from_le_bytes(h.try_into().unwrap_or_default()) == PT_INTERP {
+            return Ok(false);
+        }
+    }
+    Ok(true)
+}
+
 async fn blocking<T: Send + 'static>(
     f: impl FnOnce() -> Result<T, Unpacked> + Send + 'static,
 ) -> Result<T, Unpacked> {
@@ -280,8 +331,15 @@ async fn unpack(
             }));
         }
     }
-    // The script rides on the layers' volume (it reads only `*.tar`).
+    // The script rides on the layers' volume (it reads only `*.tar`), and
+    // so does the host's static busybox, for an image with no shell.
     std::fs::write(tars.join("unpack.py"), SCRIPT)?;
+    {
+        let tars = tars.clone();
+        if !blocking(move || Ok(supply_busybox(&tars))).await? {
+            log("no static busybox on this host (Debian's busybox-static): an image without a shell gets none".into());
+        }
+    }
     log(format!(
         "unpacking {} layers ({:.1} MiB of tar)",
         pulled.layers.len(),
@@ -433,6 +491,37 @@ async fn run_script(st: &AppState, id: &str, vm: &str) -> Result<(), Unpacked> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_a_static_elf_is_supplied_as_a_shell() {
+        let dir = std::env::temp_dir().join(format!("rt-elf-{}", uuid::Uuid::new_v4()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let elf = |interp: bool| {
+            let mut b = vec![0u8; 64 + 56];
+            b[..4].copy_from_slice(b"\x7fELF");
+            b[4] = 2;
+            b[0x20..0x28].copy_from_slice(&64u64.to_le_bytes());
+            b[0x36..0x38].copy_from_slice(&56u16.to_le_bytes());
+            b[0x38..0x3a].copy_from_slice(&1u16.to_le_bytes());
+            b[64..68].copy_from_slice(&(if interp { 3u32 } else { 1 }).to_le_bytes());
+            b
+        };
+        let write = |name: &str, data: &[u8]| {
+            let p = dir.join(name);
+            std::fs::write(&p, data).unwrap();
+            p
+        };
+        assert!(is_static_elf(&write("static", &elf(false))).unwrap());
+        assert!(!is_static_elf(&write("dynamic", &elf(true))).unwrap());
+        assert!(!is_static_elf(&write("script", b"#!/bin/sh\necho hi\n")).unwrap());
+        // Program headers past what was read, or past any end: not static.
+        let mut far = elf(false);
+        far[0x20..0x28].copy_from_slice(&u64::MAX.to_le_bytes());
+        assert!(!is_static_elf(&write("far", &far)).unwrap());
+        // This test binary is linked dynamically.
+        assert!(!is_static_elf(Path::new("/proc/self/exe")).unwrap());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 
     #[test]
     fn layer_keys_name_the_manifest_and_the_procedure() {

@@ -9,6 +9,14 @@
 import os, shutil, stat, sys, tarfile, pwd, grp  # noqa: F401 (loaded before chroot)
 
 src, dst = sys.argv[1], sys.argv[2]
+# The host's static busybox, when it sent one: supplied to an image with no
+# shell at all (distroless) as /usr/lib/runtime/busybox with its applets
+# linked in /usr/lib/runtime/bin (docs/images.md, "Images without a shell").
+SUPPLIED = "/usr/lib/runtime"
+busybox, applets = None, []
+if os.path.isfile(os.path.join(src, "busybox")) and os.path.isfile(os.path.join(src, "busybox.list")):
+    busybox = open(os.path.join(src, "busybox"), "rb").read()
+    applets = sorted(set(open(os.path.join(src, "busybox.list")).read().split()) - {"busybox"})
 names = sorted(n for n in os.listdir(src) if n.endswith(".tar"))
 tars = [tarfile.open(os.path.join(src, n), "r:") for n in names]
 resolv = open("/etc/resolv.conf", "rb").read() if os.path.exists("/etc/resolv.conf") else b""
@@ -108,7 +116,28 @@ for i, t in enumerate(tars):
 
 # What a sandbox needs.
 os.makedirs("/etc", exist_ok=True)
-shell = "/bin/bash" if os.path.exists("/bin/bash") else "/bin/sh"
+
+def supply_shell():
+    """Our busybox for an image with no /bin/sh (nor /usr/bin/sh): its
+    `sh` and applets under SUPPLIED, where the agent looks when a command
+    needs a shell the image lacks. Answers the shell's path, or None."""
+    if busybox is None or os.path.exists("/bin/sh") or os.path.exists("/usr/bin/sh"):
+        return None
+    os.makedirs(SUPPLIED + "/bin", exist_ok=True)
+    remove(SUPPLIED + "/busybox")
+    with open(SUPPLIED + "/busybox", "wb") as f:
+        f.write(busybox)
+    os.chmod(SUPPLIED + "/busybox", 0o755)
+    for a in applets:
+        if "/" not in a:
+            remove(SUPPLIED + "/bin/" + a)
+            os.symlink("../busybox", SUPPLIED + "/bin/" + a)
+    print(f"the image has no shell: supplied busybox ({len(applets)} applets) at {SUPPLIED}", flush=True)
+    return SUPPLIED + "/bin/sh"
+
+
+supplied_sh = supply_shell()
+shell = "/bin/bash" if os.path.exists("/bin/bash") else supplied_sh or "/bin/sh"
 
 
 def has_id(path, want):
