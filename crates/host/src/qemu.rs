@@ -714,6 +714,20 @@ mod tests {
         assert!(out.status.success(), "{out:?}");
     }
 
+    /// A new qcow2 `file` on `backing`.
+    fn overlay(backing: &Path, file: &Path) {
+        let (b, f) = (backing.to_str().unwrap(), file.to_str().unwrap());
+        qemu_img(&["create", "-q", "-f", "qcow2", "-F", "qcow2", "-b", b, f]);
+    }
+
+    /// `file`'s header rewritten to name `backing` (nothing else changes).
+    fn rebase(file: &Path, backing: &str) {
+        let f = file.to_str().unwrap();
+        qemu_img(&[
+            "rebase", "-u", "-f", "qcow2", "-F", "qcow2", "-b", backing, f,
+        ]);
+    }
+
     #[test]
     fn a_disk_rests_only_on_regular_files_under_the_images_and_not_endlessly() {
         let t = std::env::temp_dir().join(format!("rt-chain-{}", std::process::id()));
@@ -723,86 +737,25 @@ mod tests {
         let (base, layer, top) = (images.join("base"), images.join("layer"), t.join("top"));
         let p = |f: &Path| f.to_str().unwrap().to_owned();
         qemu_img(&["create", "-q", "-f", "qcow2", &p(&base), "64M"]);
-        qemu_img(&[
-            "create",
-            "-q",
-            "-f",
-            "qcow2",
-            "-F",
-            "qcow2",
-            "-b",
-            &p(&base),
-            &p(&layer),
-        ]);
-        qemu_img(&[
-            "create",
-            "-q",
-            "-f",
-            "qcow2",
-            "-F",
-            "qcow2",
-            "-b",
-            &p(&layer),
-            &p(&top),
-        ]);
+        overlay(&base, &layer);
+        overlay(&layer, &top);
         let roots = [images.clone()];
         assert_eq!(
             backing_chain(&top, &roots).unwrap(),
             [layer.clone(), base.clone()]
         );
         // A header naming a file outside the roots, even through `..`.
-        let outside = format!("{}/../top", images.display());
-        qemu_img(&[
-            "rebase",
-            "-u",
-            "-f",
-            "qcow2",
-            "-F",
-            "qcow2",
-            "-b",
-            &outside,
-            &p(&layer),
-        ]);
+        rebase(&layer, &format!("{}/../top", images.display()));
         let e = backing_chain(&top, &roots).unwrap_err();
         assert_eq!(e.kind(), std::io::ErrorKind::PermissionDenied, "{e}");
         // A link under the roots is not followed.
         let link = images.join("link");
         std::os::unix::fs::symlink(&base, &link).unwrap();
-        qemu_img(&[
-            "rebase",
-            "-u",
-            "-f",
-            "qcow2",
-            "-F",
-            "qcow2",
-            "-b",
-            &p(&link),
-            &p(&layer),
-        ]);
+        rebase(&layer, &p(&link));
         assert!(backing_chain(&top, &roots).is_err());
         // A circle ends at the chain's bound.
-        qemu_img(&[
-            "rebase",
-            "-u",
-            "-f",
-            "qcow2",
-            "-F",
-            "qcow2",
-            "-b",
-            &p(&layer),
-            &p(&base),
-        ]);
-        qemu_img(&[
-            "rebase",
-            "-u",
-            "-f",
-            "qcow2",
-            "-F",
-            "qcow2",
-            "-b",
-            &p(&base),
-            &p(&layer),
-        ]);
+        rebase(&base, &p(&layer));
+        rebase(&layer, &p(&base));
         let e = backing_chain(&top, &roots).unwrap_err();
         assert_eq!(e.kind(), std::io::ErrorKind::PermissionDenied, "{e}");
         std::fs::remove_dir_all(&t).unwrap();
