@@ -38,6 +38,10 @@ const EVENTS_PER_SECOND: u32 = 5000;
 const BATCH_BYTES: usize = 128 * 1024;
 /// The longest `batch_ms`.
 const MAX_BATCH_MS: u32 = 60_000;
+/// How long a rename's first half waits for its second before it counts as
+/// a move out of the tree. The kernel queues both halves inside one
+/// `rename`, but a reader can wake between them (a busy or emulated CPU).
+const MOVE_GRACE: Duration = Duration::from_millis(200);
 
 const MASK: u32 = libc::IN_CREATE
     | libc::IN_MODIFY
@@ -313,6 +317,7 @@ struct MovedFrom {
     is_dir: bool,
     /// The agent's own temporary file (a whole-file write's rename into place).
     temp: bool,
+    seen: Instant,
 }
 
 pub(crate) struct Watcher {
@@ -528,9 +533,15 @@ impl Watcher {
         }
     }
 
-    /// Renames whose second half never came: moved out of the tree.
-    fn settle_moves(&mut self) {
-        for m in std::mem::take(&mut self.moved) {
+    /// Renames whose second half did not come within `MOVE_GRACE` (all of
+    /// them once the watch ends): moved out of the tree.
+    fn settle_moves(&mut self, all: bool) {
+        let now = Instant::now();
+        let (old, young): (Vec<_>, Vec<_>) = std::mem::take(&mut self.moved)
+            .into_iter()
+            .partition(|m| all || now.duration_since(m.seen) >= MOVE_GRACE);
+        self.moved = young;
+        for m in old {
             if m.temp {
                 continue;
             }
@@ -575,6 +586,7 @@ impl Watcher {
                 path,
                 is_dir,
                 temp,
+                seen: Instant::now(),
             });
             return;
         }
@@ -672,8 +684,8 @@ impl Watcher {
         }
     }
 
-    fn ready(&mut self) -> Option<Step> {
-        self.settle_moves();
+    fn ready(&mut self, all: bool) -> Option<Step> {
+        self.settle_moves(all);
         if self.rate.dropped > 0 {
             self.notices.push(WatchNotice::Overflow {
                 dropped: self.rate.dropped,
@@ -695,7 +707,7 @@ impl Watcher {
     pub(crate) fn next_batch(&mut self, ctl: &WatchCtl) -> Step {
         loop {
             if self.ended.is_some() || ctl.is_stopped() {
-                if let Some(step) = self.ready() {
+                if let Some(step) = self.ready(true) {
                     return step;
                 }
                 return Step::End(self.ended.unwrap_or("stopped"));
@@ -704,14 +716,22 @@ impl Watcher {
                 .batch
                 .started
                 .map(|s| s + Duration::from_millis(u64::from(self.batch_ms)));
-            let pending = !self.notices.is_empty() || !self.moved.is_empty();
-            let timeout = match (due, pending) {
-                (Some(d), _) => d.saturating_duration_since(Instant::now()).as_millis() as i32,
-                (None, true) => 0,
-                (None, false) => -1,
+            // The oldest unpaired rename half settles once its grace is over.
+            let settle = self.moved.iter().map(|m| m.seen + MOVE_GRACE).min();
+            let wake = due.into_iter().chain(settle).min();
+            let timeout = match wake {
+                // Notices with no batch to wait for go out at once.
+                _ if due.is_none() && !self.notices.is_empty() => 0,
+                // Rounded up: a wake a fraction of a millisecond early would spin.
+                Some(w) => w
+                    .saturating_duration_since(Instant::now())
+                    .as_micros()
+                    .div_ceil(1000)
+                    .min(i32::MAX as u128) as i32,
+                None => -1,
             };
             if timeout == 0 || self.batch.full() {
-                if let Some(step) = self.ready() {
+                if let Some(step) = self.ready(false) {
                     return step;
                 }
                 continue;
@@ -915,6 +935,48 @@ mod tests {
             }
         };
         assert_eq!(end, "root-removed");
+    }
+
+    #[test]
+    fn a_rename_read_in_two_halves_is_still_a_rename() {
+        let dir = std::env::temp_dir().join(format!("agent-watch-halves-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let root = dir.to_str().unwrap().to_string();
+        let mut w = Watcher::open(&request(&root, false)).unwrap();
+        let wd = w.root_wd;
+        let kinds = |step: Option<Step>| match step {
+            Some(Step::Batch(events, _)) => events
+                .into_iter()
+                .map(|e| (e.kind, e.path, e.old_path))
+                .collect::<Vec<_>>(),
+            _ => Vec::new(),
+        };
+        // The reader woke between the halves, and its batch was due.
+        w.on_event(wd, libc::IN_MOVED_FROM, 7, "a.txt");
+        assert!(kinds(w.ready(false)).is_empty(), "the first half waits");
+        w.on_event(wd, libc::IN_MOVED_TO, 7, "b.txt");
+        let a = format!("{root}/a.txt");
+        let b = format!("{root}/b.txt");
+        assert_eq!(
+            kinds(w.ready(false)),
+            [(WatchKind::Rename, b.clone(), Some(a.clone()))]
+        );
+        // A half whose pair never comes is a move out, once its grace is over.
+        w.on_event(wd, libc::IN_MOVED_FROM, 8, "b.txt");
+        assert!(kinds(w.ready(false)).is_empty());
+        w.moved[0].seen -= MOVE_GRACE;
+        assert_eq!(
+            kinds(w.ready(false)),
+            [(WatchKind::Remove, b.clone(), None)]
+        );
+        // The end settles what is left at once.
+        w.on_event(wd, libc::IN_MOVED_FROM, 9, "c.txt");
+        assert_eq!(
+            kinds(w.ready(true)),
+            [(WatchKind::Remove, format!("{root}/c.txt"), None)]
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
