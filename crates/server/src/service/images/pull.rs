@@ -526,6 +526,6 @@ mod tests {
     #[test]
     fn layer_keys_name_the_manifest_and_the_procedure() {
         let d = format!("sha256:{}", "ab".repeat(32));
-        assert_eq!(layer_key(&d), format!("oci-v1-{}", "ab".repeat(32)));
+        assert_eq!(layer_key(&d), format!("oci-v2-{}", "ab".repeat(32)));
     }
 }
