@@ -31,17 +31,21 @@ def start_with_crash_point(server, point: str) -> None:
         server.extra_args = []
 
 
-def crashes(server, action) -> None:
+def crashes(server, action) -> set[int]:
     """Runs `action`, which the crash point cuts off, checks that the
-    server died by SIGKILL there, and starts it again without the point."""
+    server died by SIGKILL there, and starts it again without the point.
+    Answers the QEMU processes that ran while the server was down (before
+    the restart settled them)."""
     proc = server.proc
     assert proc is not None
     with pytest.raises(Exception):
         action()
     proc.wait(CRASH_WAIT)
     assert proc.returncode == -signal.SIGKILL, f"the server ended with {proc.returncode}, not at its crash point"
+    left = qemu_of(server)
     server.proc = None
     server.start()
+    return left
 
 
 def settled(runtime, sandbox_id: str, states: tuple[str, ...], timeout: float = 180):
@@ -208,21 +212,6 @@ def qemu_of(server) -> set[int]:
     return {pid for pid in server.qemu_pids("")}
 
 
-def crashes_leaving(server, action) -> set[int]:
-    """As `crashes`, and answers the QEMU processes that were running while
-    the server was down (before the restart settled them)."""
-    proc = server.proc
-    assert proc is not None
-    with pytest.raises(Exception):
-        action()
-    proc.wait(CRASH_WAIT)
-    assert proc.returncode == -signal.SIGKILL, f"the server ended with {proc.returncode}, not at its crash point"
-    left = qemu_of(server)
-    server.proc = None
-    server.start()
-    return left
-
-
 def unowned(server, runtime, pids: set[int]) -> list[str]:
     """Those of `pids` still running that no live sandbox owns."""
     live = [s.id for s in runtime.sandboxes.list(include_stopped=True) if s.state != "stopped"]
@@ -250,7 +239,7 @@ def test_a_wake_cut_short_runs_with_its_memory_and_no_state_left(server, runtime
         # state it woke from is removed.
         start_with_crash_point(server, "wake_running")
         with client_for(server, server.admin_key()) as once:
-            left = crashes_leaving(server, lambda: once.sandboxes.get(sbx.id).wake())
+            left = crashes(server, lambda: once.sandboxes.get(sbx.id).wake())
 
         again = settled(runtime, sbx.id, ("running", "paused", "stopped"))
         assert again.state == "running", again.info
@@ -272,7 +261,7 @@ def test_an_image_build_cut_short_fails_ends_its_machine_and_builds_again(server
     recipe = {"commands": ["sudo sh -c 'echo built > /etc/crash-built'"]}
     start_with_crash_point(server, "build_step")
     with client_for(server, server.admin_key()) as once:
-        left = crashes_leaving(
+        left = crashes(
             server, lambda: once.images.build(name="e2e-crash-build", recipe=recipe, poll_seconds=0.5))
     assert left, "no build machine was running when the server died"
 
