@@ -16,7 +16,7 @@ import pytest
 
 from conftest import BINARY, Server
 
-QUOTAS = ("--quota", "sandbox.count=1", "--quota", "volume.count=1")
+QUOTAS = ("--quota", "sandbox.count=1", "--quota", "volume.count=1", "--quota", "image.builds=1")
 
 
 @pytest.fixture(scope="module")
@@ -155,3 +155,29 @@ def test_a_snapshot_is_refused_up_front_when_its_size_would_pass_the_quota(small
             assert [s for s in rt.snapshots.list() if s["state"] not in ("failed", "deleted")] == []
         finally:
             rt.sandboxes.delete(sbx.id)
+
+
+def test_a_key_runs_its_quota_of_builds_at_once_and_queues_the_rest(small):
+    import time
+
+    from withruntime import Runtime
+
+    with Runtime(api_key=small.admin_key(), base_url=small.url, wait_for_capacity=0) as rt:
+        first = rt.images.create(name="e2e-quota-build", recipe={"commands": ["sleep 8"]})
+        second = rt.images.create(name="e2e-quota-build-2", recipe={"commands": ["true"]})
+        deadline = time.monotonic() + 300
+        states = []
+        while "building" not in states and time.monotonic() < deadline:
+            states = sorted(rt.images.get(i["id"])["state"] for i in (first, second))
+            time.sleep(0.2)
+        # One runs (image.builds=1); the other waits its turn, queued.
+        assert states == ["building", "queued"], states
+        assert rows(rt)["image.builds"]["used"] == 1
+        # Both are built in the end, through the client's own wait.
+        done = rt.images.build(name="e2e-quota-build-3", recipe={"commands": ["true"]}, poll_seconds=0.5)
+        assert done["state"] == "ready", done
+        for image in (first, second):
+            assert rt.images.get(image["id"])["state"] == "ready"
+        assert rows(rt)["image.builds"]["used"] == 0
+        for image in rt.images.list().data:
+            rt.images.delete(image["id"])

@@ -194,6 +194,8 @@ struct Inner {
     capturing: Mutex<HashMap<String, u64>>,
     /// Held while images are pruned and while a new image is inserted.
     prune_gate: Mutex<()>,
+    /// Builds running per key (`image.builds`): the rest wait `queued`.
+    build_slots: service::images::BuildSlots,
     inflight: http::idempotency::Inflight,
     procs: service::processes::Table,
     /// The interpreter's contexts and their kernels.
@@ -246,6 +248,7 @@ impl AppState {
                 create_lock: tokio::sync::Mutex::new(()),
                 capturing: Mutex::new(HashMap::new()),
                 prune_gate: Mutex::new(()),
+                build_slots: service::images::BuildSlots::default(),
                 inflight: http::idempotency::Inflight::default(),
                 procs: service::processes::Table::new(config.clock),
                 interpreter: service::interpreter::Contexts::default(),

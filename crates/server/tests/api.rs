@@ -7423,3 +7423,58 @@ async fn a_shared_volume_that_cannot_be_mounted_is_recorded_detached() {
         .await;
     assert_eq!(s, StatusCode::OK);
 }
+
+#[tokio::test]
+async fn a_key_runs_at_most_its_quota_of_builds_at_once_and_queues_the_rest() {
+    let t = T::with(|c| c.quotas.set("image.builds=2").unwrap());
+    t.host.script(
+        "(\nset -e\nslow-build\n) && sync",
+        vec![Step::Sleep(800), Step::Exit(0)],
+    );
+    let slow = json!({"recipe": {"commands": ["slow-build"]}});
+    let mut ids = Vec::new();
+    for _ in 0..3 {
+        let (s, v) = t.json("POST", "/v1/images", Some(slow.clone())).await;
+        assert_eq!(s, StatusCode::CREATED, "{v}");
+        ids.push(v["id"].as_str().unwrap_or_default().to_string());
+    }
+    // Two run; the third waits, queued, and its log says why.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let row = quota_row(&t, &t.admin, "image.builds").await;
+    assert_eq!(
+        (row["max"].as_u64(), row["used"].as_u64()),
+        (Some(2), Some(2)),
+        "{row}"
+    );
+    let mut states = Vec::new();
+    for id in &ids {
+        let (_, v) = t.json("GET", &format!("/v1/images/{id}"), None).await;
+        states.push(v["state"].as_str().unwrap_or_default().to_string());
+    }
+    states.sort();
+    assert_eq!(states, ["building", "building", "queued"], "{states:?}");
+    // Another key's builds are its own: not behind this key's queue.
+    let other = create_key(&t.dir, Some("other-builder"), false, false).unwrap();
+    let (s, v) = t
+        .json_as(
+            &other,
+            "POST",
+            "/v1/images",
+            Some(json!({"recipe": {}})),
+            &[],
+        )
+        .await;
+    assert_eq!(s, StatusCode::CREATED, "{v}");
+    let theirs = finished(&t, v["id"].as_str().unwrap_or_default()).await;
+    assert_eq!(theirs["state"], "ready", "{theirs}");
+    // Every one of this key's is built in the end, and the places are given back.
+    for id in &ids {
+        assert_eq!(finished(&t, id).await["state"], "ready");
+    }
+    let (_, log) = t
+        .json("GET", &format!("/v1/images/{}/logs", ids[2]), None)
+        .await;
+    assert!(log.to_string().contains("image.builds"), "{log}");
+    let row = quota_row(&t, &t.admin, "image.builds").await;
+    assert_eq!(row["used"].as_u64(), Some(0), "{row}");
+}

@@ -20,7 +20,7 @@ pub(crate) struct Quota {
 /// Every quota, with its default. Sandboxes count while their machine
 /// runs (a paused or stopped one holds no CPU or memory), their disks while
 /// kept; snapshots, volumes and volume backups while they exist; uploads
-/// while under way.
+/// while under way; image builds while they run (more wait, queued).
 pub(crate) const QUOTAS: &[Quota] = &[
     Quota {
         limit: "sandbox.count",
@@ -93,6 +93,12 @@ pub(crate) const QUOTAS: &[Quota] = &[
         label: "Size of chunked uploads under way",
         unit: "mib",
         default: 8 << 10,
+    },
+    Quota {
+        limit: "image.builds",
+        label: "Image builds running at once (more wait, queued)",
+        unit: "count",
+        default: 4,
     },
     Quota {
         limit: "process.count",

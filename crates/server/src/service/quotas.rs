@@ -68,6 +68,7 @@ pub(crate) fn usage(st: &AppState, key_id: &str) -> ApiResult<Usage> {
             u.add("volume_backup.mib", quota::mib_of(b.stored_bytes));
         }
     }
+    u.add("image.builds", st.inner.build_slots.running(key_id));
     let (n, bytes) = st.inner.uploads.under_way(key_id);
     u.add("upload.count", n);
     u.add("upload.mib", quota::mib_of(bytes));

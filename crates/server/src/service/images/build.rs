@@ -189,8 +189,106 @@ async fn pull_one(
     pulled.map_err(failed)
 }
 
+/// How many builds each key runs at once (`image.builds`, read at each
+/// try so that a changed quota applies to the builds waiting): the rest
+/// wait `queued`, in no promised order.
+#[derive(Default)]
+pub(crate) struct BuildSlots {
+    running: std::sync::Mutex<std::collections::HashMap<String, u64>>,
+    freed: tokio::sync::Notify,
+}
+
+/// A running build's place, given back when dropped.
+struct Slot<'a> {
+    slots: &'a BuildSlots,
+    key_id: String,
+}
+
+impl BuildSlots {
+    /// The builds `key_id` runs now.
+    pub(crate) fn running(&self, key_id: &str) -> u64 {
+        self.running
+            .lock()
+            .map_or(0, |m| m.get(key_id).copied().unwrap_or(0))
+    }
+
+    /// Takes a place for one of `key_id`'s builds once it has fewer than
+    /// `limit()` running; `None` when the server shuts down meanwhile.
+    async fn take(
+        &self,
+        key_id: &str,
+        limit: impl Fn() -> u64,
+        cancel: &tokio_util::sync::CancellationToken,
+    ) -> Option<Slot<'_>> {
+        loop {
+            // Registered before the count is read: a place freed between
+            // the two wakes it.
+            let freed = self.freed.notified();
+            {
+                let mut m = self.running.lock().unwrap_or_else(|p| p.into_inner());
+                let n = m.entry(key_id.to_string()).or_default();
+                if *n < limit().max(1) {
+                    *n += 1;
+                    return Some(Slot {
+                        slots: self,
+                        key_id: key_id.to_string(),
+                    });
+                }
+            }
+            tokio::select! {
+                _ = freed => {}
+                _ = cancel.cancelled() => return None,
+            }
+        }
+    }
+}
+
+impl Drop for Slot<'_> {
+    fn drop(&mut self) {
+        let mut m = self.slots.running.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(n) = m.get_mut(&self.key_id) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                m.remove(&self.key_id);
+            }
+        }
+        drop(m);
+        self.slots.freed.notify_waiters();
+    }
+}
+
 /// Builds image `id` and records how that ended.
 pub(super) async fn build(st: AppState, id: String, pending: Option<super::Pending>) {
+    let key_id = match st.store().get_image(&id) {
+        Ok(Some(d)) => d.key_id,
+        _ => return,
+    };
+    let limit = || {
+        crate::service::quotas::limits(&st, &key_id).map_or(
+            crate::domain::quota::Limits::default().max("image.builds"),
+            |l| l.max("image.builds"),
+        )
+    };
+    if st.inner.build_slots.running(&key_id) >= limit().max(1) {
+        log(
+            &st,
+            &id,
+            None,
+            LogStream::System,
+            &format!(
+                "queued: this key runs {} builds at once (image.builds)",
+                limit().max(1)
+            ),
+        );
+    }
+    let Some(_slot) = st
+        .inner
+        .build_slots
+        .take(&key_id, limit, &st.inner.cancel)
+        .await
+    else {
+        return;
+    };
     let started = Instant::now();
     let result = run_build(&st, &id, pending).await;
     let secs = started.elapsed().as_secs_f64();

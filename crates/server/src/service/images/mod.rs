@@ -39,7 +39,7 @@ use crate::domain::time::iso;
 use crate::error::{ApiError, ApiResult};
 use crate::AppState;
 
-pub(crate) use build::recover;
+pub(crate) use build::{recover, BuildSlots};
 pub(crate) use follow::{follow, FollowEvent};
 pub(crate) use prune::{prune_for, prune_if_short};
 
