@@ -22,6 +22,7 @@ mod rules;
 mod scrub;
 mod secrets;
 mod tls;
+mod udp;
 
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;

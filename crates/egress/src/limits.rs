@@ -82,6 +82,20 @@ pub(crate) struct ConnPermit {
     outbound: Arc<AtomicU64>,
 }
 
+impl ConnPermit {
+    /// Bytes sent to the destination outside an [`Upstream`] (a UDP flow's
+    /// datagrams): counted as the sandbox's outbound traffic.
+    pub(crate) fn count_sent(&self, n: usize) {
+        self.traffic.sent.fetch_add(n as u64, Ordering::Relaxed);
+        self.outbound.fetch_add(n as u64, Ordering::Relaxed);
+    }
+
+    /// Bytes received from the destination outside an [`Upstream`].
+    pub(crate) fn count_received(&self, n: usize) {
+        self.traffic.received.fetch_add(n as u64, Ordering::Relaxed);
+    }
+}
+
 /// What the proxy carried since it started, every sandbox together.
 #[derive(Debug, Default)]
 pub(crate) struct Counters {

@@ -48,6 +48,22 @@ struct Opened {
     target: Checked,
 }
 
+/// A UDP destination that passed the rules: a socket connected to it and
+/// its slot in the caps, where its bytes are counted.
+struct OpenedUdp {
+    socket: tokio::net::UdpSocket,
+    permit: crate::limits::ConnPermit,
+    target: Checked,
+}
+
+/// What the rules admitted: the addresses to try (as the rules saw them,
+/// and where to really go) and the exemptions they were judged with.
+struct Admitted {
+    host: Host,
+    candidates: Vec<(IpAddr, SocketAddr)>,
+    special: Special,
+}
+
 /// What a connection is re-checked against when the policy changes: the
 /// target, the address in use (never resolved again) and a TLS name.
 #[derive(Debug, Clone)]
@@ -178,12 +194,54 @@ impl Inner {
     /// Checks, resolves, checks every address, connects to one that passed.
     async fn open(&self, net: &SandboxNet, host: Host, port: u16) -> Result<Opened, OpenError> {
         let id = net.sandbox_id.as_str();
+        if host.name() == Some(crate::API_HOST) && host.is_valid() && port != 0 {
+            return self.open_api(net, host, port);
+        }
+        let Admitted {
+            host,
+            candidates,
+            special,
+        } = self.admit(net, host, port).await?;
+        // The slot is taken before connecting: a guest cannot hold more
+        // sockets than its cap even while they are still connecting.
+        let mut permit = Some(self.limits.connection(id).map_err(OpenError::Full)?);
+        // A few addresses at most: a name with many cannot hold the guest
+        // (or the host) for long.
+        for (addr, socket) in candidates.into_iter().take(4) {
+            match timeout(self.cfg.connect_timeout, TcpStream::connect(socket)).await {
+                Ok(Ok(stream)) => {
+                    let _ = stream.set_nodelay(true);
+                    let Some(permit) = permit.take() else { break };
+                    let stream = Upstream::new(stream, permit);
+                    tracing::debug!(sandbox_id = id, target = %host, port, addr = %addr, decision = "allowed");
+                    let target = Checked {
+                        host,
+                        port,
+                        addr,
+                        socket,
+                        special,
+                        api: false,
+                    };
+                    return Ok(Opened { stream, target });
+                }
+                Ok(Err(err)) => {
+                    tracing::debug!(sandbox_id = id, target = %host, port, addr = %addr, error = %err, "connect failed")
+                }
+                Err(_) => {
+                    tracing::debug!(sandbox_id = id, target = %host, port, addr = %addr, "connect timed out")
+                }
+            }
+        }
+        Err(OpenError::Connect)
+    }
+
+    /// The rules before any resolver is asked, the resolution, then the
+    /// rules again on every address it gave (on the newest policy).
+    async fn admit(&self, net: &SandboxNet, host: Host, port: u16) -> Result<Admitted, OpenError> {
+        let id = net.sandbox_id.as_str();
         if !host.is_valid() || port == 0 {
             tracing::debug!(sandbox_id = id, target = %host, port, decision = "refused", reason = "invalid host");
             return Err(OpenError::BadHost);
-        }
-        if host.name() == Some(crate::API_HOST) {
-            return self.open_api(net, host, port);
         }
         let refused = |r: Refusal| {
             tracing::debug!(sandbox_id = id, target = %host, port, decision = "refused", reason = %r);
@@ -221,37 +279,63 @@ impl Inner {
         policy
             .check(&host, port, Addrs::Known(&addrs), &special)
             .map_err(refused)?;
-        // The slot is taken before connecting: a guest cannot hold more
-        // sockets than its cap even while they are still connecting.
-        let mut permit = Some(self.limits.connection(id).map_err(OpenError::Full)?);
-        // A few addresses at most: a name with many cannot hold the guest
-        // (or the host) for long.
-        for (addr, socket) in candidates.into_iter().take(4) {
-            match timeout(self.cfg.connect_timeout, TcpStream::connect(socket)).await {
-                Ok(Ok(stream)) => {
-                    let _ = stream.set_nodelay(true);
-                    let Some(permit) = permit.take() else { break };
-                    let stream = Upstream::new(stream, permit);
-                    tracing::debug!(sandbox_id = id, target = %host, port, addr = %addr, decision = "allowed");
-                    let target = Checked {
-                        host,
-                        port,
-                        addr,
-                        socket,
-                        special,
-                        api: false,
-                    };
-                    return Ok(Opened { stream, target });
-                }
-                Ok(Err(err)) => {
-                    tracing::debug!(sandbox_id = id, target = %host, port, addr = %addr, error = %err, "connect failed")
-                }
-                Err(_) => {
-                    tracing::debug!(sandbox_id = id, target = %host, port, addr = %addr, "connect timed out")
-                }
-            }
+        Ok(Admitted {
+            host,
+            candidates,
+            special,
+        })
+    }
+
+    /// A UDP flow to `host:port`: the same rules as a connection, a slot of
+    /// the same caps, a socket connected to the first address that passed.
+    async fn open_udp(
+        &self,
+        net: &SandboxNet,
+        host: Host,
+        port: u16,
+    ) -> Result<OpenedUdp, OpenError> {
+        let id = net.sandbox_id.as_str();
+        if host.name() == Some(crate::API_HOST) {
+            return Err(OpenError::BadHost);
         }
-        Err(OpenError::Connect)
+        let Admitted {
+            host,
+            candidates,
+            special,
+        } = self.admit(net, host, port).await?;
+        let permit = self.limits.connection(id).map_err(OpenError::Full)?;
+        let Some((addr, socket)) = candidates.into_iter().next() else {
+            return Err(OpenError::Resolve);
+        };
+        let local: SocketAddr = if socket.is_ipv4() {
+            (std::net::Ipv4Addr::UNSPECIFIED, 0).into()
+        } else {
+            (std::net::Ipv6Addr::UNSPECIFIED, 0).into()
+        };
+        let sock = match tokio::net::UdpSocket::bind(local).await {
+            Ok(s) => s,
+            Err(err) => {
+                tracing::debug!(sandbox_id = id, target = %host, port, error = %err, "udp bind failed");
+                return Err(OpenError::Connect);
+            }
+        };
+        if let Err(err) = sock.connect(socket).await {
+            tracing::debug!(sandbox_id = id, target = %host, port, addr = %addr, error = %err, "udp connect failed");
+            return Err(OpenError::Connect);
+        }
+        tracing::debug!(sandbox_id = id, target = %host, port, addr = %addr, decision = "allowed", "udp");
+        Ok(OpenedUdp {
+            socket: sock,
+            permit,
+            target: Checked {
+                host,
+                port,
+                addr,
+                socket,
+                special,
+                api: false,
+            },
+        })
     }
 
     /// `runtime.internal`: the rules by name, a slot of the sandbox's API
@@ -435,10 +519,16 @@ async fn socks_head<IO: AsyncRead + AsyncWrite + Unpin>(
 
 // ---------------------------------------------------------------- HTTP proxy
 
-/// A CONNECT answered 200, waiting for hyper to hand over the stream.
+/// A CONNECT answered 200 (or a `connect-udp` answered 101), waiting for
+/// hyper to hand over the stream.
 struct Pending {
     upgrade: hyper::upgrade::OnUpgrade,
-    opened: Opened,
+    opened: Upgraded,
+}
+
+enum Upgraded {
+    Tunnel(Opened),
+    Udp(OpenedUdp),
 }
 
 struct HttpState {
@@ -515,9 +605,14 @@ where
     let pending = lock(&state.pending).take();
     drop(state);
     if let Some(p) = pending {
-        match p.upgrade.await {
-            Ok(upgraded) => relay(inner, TokioIo::new(upgraded), p.opened, net).await,
-            Err(err) => tracing::debug!(error = %err, "CONNECT upgrade failed"),
+        match (p.upgrade.await, p.opened) {
+            (Ok(upgraded), Upgraded::Tunnel(opened)) => {
+                relay(inner, TokioIo::new(upgraded), opened, net).await
+            }
+            (Ok(upgraded), Upgraded::Udp(opened)) => {
+                udp_flow(inner, TokioIo::new(upgraded), opened, net).await
+            }
+            (Err(err), _) => tracing::debug!(error = %err, "CONNECT upgrade failed"),
         }
     }
 }
@@ -533,10 +628,16 @@ async fn handle(state: Arc<HttpState>, mut req: Request<Incoming>) -> Response<B
             Err(e) => e.response(auth.host()),
             Ok(opened) => {
                 let upgrade = hyper::upgrade::on(&mut req);
-                *lock(&state.pending) = Some(Pending { upgrade, opened });
+                *lock(&state.pending) = Some(Pending {
+                    upgrade,
+                    opened: Upgraded::Tunnel(opened),
+                });
                 Response::new(full(Bytes::new()))
             }
         };
+    }
+    if is_connect_udp(&req) {
+        return connect_udp(&state, req).await;
     }
     match req.uri().scheme_str() {
         Some("http") => {}
@@ -598,6 +699,49 @@ async fn handle(state: Arc<HttpState>, mut req: Request<Incoming>) -> Response<B
                 Some("upstream-failed"),
                 &format!("{} did not answer", auth.host()),
             )
+        }
+    }
+}
+
+/// An HTTP/1.1 `connect-udp` request (RFC 9298, 3.2).
+fn is_connect_udp(req: &Request<Incoming>) -> bool {
+    req.method() == Method::GET
+        && req.uri().path().starts_with(crate::udp::PATH_PREFIX)
+        && req
+            .headers()
+            .get(header::UPGRADE)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v.trim().eq_ignore_ascii_case("connect-udp"))
+}
+
+async fn connect_udp(state: &HttpState, mut req: Request<Incoming>) -> Response<Body> {
+    let path = req.uri().path().to_string();
+    let Some((host, port)) = crate::udp::parse_target(&path) else {
+        return text(
+            StatusCode::BAD_REQUEST,
+            None,
+            &format!(
+                "{path:?} is not {}{{host}}/{{port}}/",
+                crate::udp::PATH_PREFIX
+            ),
+        );
+    };
+    let shown = host.to_string();
+    match state.inner.open_udp(&state.net, host, port).await {
+        Err(e) => e.response(&shown),
+        Ok(opened) => {
+            let upgrade = hyper::upgrade::on(&mut req);
+            *lock(&state.pending) = Some(Pending {
+                upgrade,
+                opened: Upgraded::Udp(opened),
+            });
+            let mut r = Response::new(full(Bytes::new()));
+            *r.status_mut() = StatusCode::SWITCHING_PROTOCOLS;
+            let h = r.headers_mut();
+            h.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
+            h.insert(header::UPGRADE, HeaderValue::from_static("connect-udp"));
+            h.insert("capsule-protocol", HeaderValue::from_static("?1"));
+            r
         }
     }
 }
@@ -775,6 +919,70 @@ where
             tracing::debug!(sandbox_id = %net.sandbox_id, target = %target.host, reason, "tunnel closed");
         }
     }
+}
+
+/// Carries one UDP flow: each datagram capsule from the guest is sent to
+/// the destination, each datagram from it comes back as a capsule; until
+/// either side closes, the rules stop allowing it, or it is idle.
+async fn udp_flow<G>(inner: Arc<Inner>, guest: G, opened: OpenedUdp, net: SandboxNet)
+where
+    G: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let OpenedUdp {
+        socket,
+        permit,
+        target,
+    } = opened;
+    let activity = Activity::new();
+    let (mut gr, mut gw) = tokio::io::split(guest);
+    let permit = &permit;
+    let up = async {
+        loop {
+            match crate::udp::read_datagram(&mut gr).await {
+                Ok(Some(d)) => {
+                    activity.touch();
+                    // A datagram the destination refuses (ICMP) is lost, as
+                    // UDP's are; the flow goes on.
+                    if socket.send(&d).await.is_ok() {
+                        permit.count_sent(d.len());
+                    }
+                }
+                Ok(None) => return "the guest closed the flow".to_string(),
+                Err(e) => return format!("the guest's capsules: {e}"),
+            }
+        }
+    };
+    let down = async {
+        let mut buf = vec![0u8; crate::udp::MAX_PAYLOAD];
+        loop {
+            match socket.recv(&mut buf).await {
+                Ok(n) => {
+                    activity.touch();
+                    permit.count_received(n);
+                    if let Err(e) = crate::udp::write_datagram(&mut gw, &buf[..n]).await {
+                        return format!("the guest's stream: {e}");
+                    }
+                }
+                // An ICMP error for an earlier datagram: later ones may pass.
+                Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => {}
+                Err(e) => return format!("the socket: {e}"),
+            }
+        }
+    };
+    let check = target.clone();
+    let guard = revoked(net.policy.clone(), move |p| check.check(p, None));
+    let quiet = idle(
+        &activity,
+        inner.cfg.handshake_timeout,
+        inner.cfg.tunnel_idle_timeout,
+    );
+    let reason = tokio::select! {
+        r = up => r,
+        r = down => r,
+        r = guard => format!("closed by a rule change: {r}"),
+        r = quiet => r.to_string(),
+    };
+    tracing::debug!(sandbox_id = %net.sandbox_id, target = %target.host, port = target.port, reason = %reason, "udp flow ended");
 }
 
 /// Per intercepted connection: where requests go and the upstream in use.
