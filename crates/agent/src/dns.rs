@@ -123,6 +123,12 @@ fn table() -> &'static Mutex<Names> {
     T.get_or_init(|| Mutex::new(Names::new(CAPACITY)))
 }
 
+/// The answer to a query that came by another way than the listeners
+/// (a datagram to any address's port 53, `udp.rs`).
+pub(crate) fn answer_here(q: &[u8]) -> Option<Vec<u8>> {
+    answer(q, table())
+}
+
 /// The name behind a reserved address.
 pub(crate) fn name_of(ip: Ipv4Addr) -> Option<String> {
     lock(table()).name(ip)

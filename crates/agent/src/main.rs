@@ -26,6 +26,7 @@ mod switch_root;
 mod sys;
 mod trace;
 mod tunnel;
+mod udp;
 mod watch;
 
 use std::path::PathBuf;

@@ -1,8 +1,11 @@
-//! Transparent egress set-up at boot (docs/network.md): a dummy interface
-//! with the default routes, so `connect()` to any address starts instead of
+//! Transparent egress set-up at boot (docs/network.md): an interface with
+//! the default routes, so `connect()` to any address starts instead of
 //! failing with `ENETUNREACH`, and an nftables rule that redirects every TCP
-//! connection routed to it to the agent's transparent listener. Whatever escapes the rule (rules deleted by root, UDP, raw
-//! sockets) goes to the dummy, which drops it.
+//! connection routed to it to the agent's transparent listener. The
+//! interface is a TUN device the agent reads (`udp.rs`: UDP is carried to
+//! the host's proxy, everything else dropped), or a dummy where the kernel
+//! has no TUN. Whatever escapes the rule (rules deleted by root, raw
+//! sockets) is dropped there.
 //!
 //! Both are written over netlink here, so the image needs no `nft` or `ip`
 //! (registry images have neither).
@@ -320,12 +323,9 @@ fn ifindex(name: &str) -> io::Result<u32> {
     }
 }
 
-/// The dummy interface, up, with its addresses and the default routes
-/// (IPv6 only when the kernel has it).
-pub(crate) fn dummy_with_default_routes() -> io::Result<()> {
-    let create = NLM_F_REQUEST | NLM_F_CREATE | NLM_F_EXCL | NLM_F_ACK;
-    // The kernel makes a `dummy0` of its own at boot (numdummies=1): gone,
-    // so the guest sees lo and ours only.
+/// The kernel makes a `dummy0` of its own at boot (numdummies=1): gone,
+/// so the guest sees lo and ours only.
+fn drop_kernel_dummy() {
     if ifindex("dummy0").is_ok() {
         let mut m = Msg::new(RTM_DELLINK, NLM_F_REQUEST | NLM_F_ACK, 9, &[0u8; 16]);
         m.str(IFLA_IFNAME, "dummy0");
@@ -333,6 +333,13 @@ pub(crate) fn dummy_with_default_routes() -> io::Result<()> {
             crate::sys::log!("cannot delete dummy0: {e}");
         }
     }
+}
+
+/// The dummy interface, up, with its addresses and the default routes
+/// (IPv6 only when the kernel has it).
+pub(crate) fn dummy_with_default_routes() -> io::Result<()> {
+    drop_kernel_dummy();
+    let create = NLM_F_REQUEST | NLM_F_CREATE | NLM_F_EXCL | NLM_F_ACK;
     // ifinfomsg: family, pad, type, index, flags = IFF_UP, change = IFF_UP
     let mut ifi = vec![0u8; 16];
     ifi[8..12].copy_from_slice(&(libc::IFF_UP as u32).to_ne_bytes());
@@ -341,6 +348,65 @@ pub(crate) fn dummy_with_default_routes() -> io::Result<()> {
     m.str(IFLA_IFNAME, DUMMY);
     m.begin(IFLA_LINKINFO).str(IFLA_INFO_KIND, "dummy").end();
     talk(libc::NETLINK_ROUTE, &[m.finish()], &[1])?;
+    addresses_and_routes()
+}
+
+/// `TUNSETIFF`, and the flags of a TUN device without packet information.
+const TUNSETIFF: libc::c_ulong = 0x4004_54ca;
+const IFF_TUN: i16 = 0x0001;
+const IFF_NO_PI: i16 = 0x1000;
+
+/// An `ifreq` naming `name`, with `value` in its union's first bytes.
+fn ifreq(name: &str, value: &[u8]) -> [u8; 40] {
+    let mut r = [0u8; 40];
+    let n = name.len().min(15);
+    r[..n].copy_from_slice(&name.as_bytes()[..n]);
+    r[16..16 + value.len()].copy_from_slice(value);
+    r
+}
+
+/// The same interface as a TUN device the agent holds (`udp.rs` reads
+/// what is routed to it), up, with the largest MTU (so no datagram is
+/// fragmented), its addresses and the default routes.
+pub(crate) fn tun_with_default_routes() -> io::Result<std::fs::File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    drop_kernel_dummy();
+    let path = "/dev/net/tun";
+    if !std::path::Path::new(path).exists() {
+        let _ = std::fs::create_dir_all("/dev/net");
+        let c = crate::sys::cstring(path)?;
+        // SAFETY: a valid C string; the misc device 10:200 is the TUN clone device.
+        cvt(unsafe { libc::mknod(c.as_ptr(), libc::S_IFCHR | 0o666, libc::makedev(10, 200)) })?;
+    }
+    let tun = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .custom_flags(libc::O_CLOEXEC)
+        .open(path)?;
+    let mut r = ifreq(DUMMY, &(IFF_TUN | IFF_NO_PI).to_ne_bytes());
+    // SAFETY: a 40-byte ifreq for an ioctl that reads and writes one.
+    cvt(unsafe { libc::ioctl(tun.as_raw_fd(), TUNSETIFF, r.as_mut_ptr()) })?;
+    // SAFETY: plain syscall; the fd is owned at once.
+    let sock = unsafe {
+        OwnedFd::from_raw_fd(cvt(libc::socket(
+            libc::AF_INET,
+            libc::SOCK_DGRAM | libc::SOCK_CLOEXEC,
+            0,
+        ))?)
+    };
+    let mut r = ifreq(DUMMY, &65_535i32.to_ne_bytes());
+    // SAFETY: as above, on a socket.
+    cvt(unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCSIFMTU, r.as_mut_ptr()) })?;
+    let mut r = ifreq(DUMMY, &(libc::IFF_UP as i16).to_ne_bytes());
+    // SAFETY: as above.
+    cvt(unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCSIFFLAGS, r.as_mut_ptr()) })?;
+    addresses_and_routes()?;
+    Ok(tun)
+}
+
+/// The carrier's addresses and the default routes through it.
+fn addresses_and_routes() -> io::Result<()> {
+    let create = NLM_F_REQUEST | NLM_F_CREATE | NLM_F_EXCL | NLM_F_ACK;
     let index = ifindex(DUMMY)?;
     let idx = index.to_ne_bytes();
     // ifaddrmsg: family, prefixlen, flags, scope, index
@@ -400,8 +466,24 @@ pub(crate) fn setup() {
         return;
     }
     TRANSPARENT.store(true, std::sync::atomic::Ordering::SeqCst);
-    if let Err(e) = dummy_with_default_routes() {
-        crate::sys::log!("cannot set up {DUMMY} and the default routes: {e}");
+    match tun_with_default_routes() {
+        Ok(tun) => {
+            let proxy = std::net::SocketAddr::from(([127, 0, 0, 1], runtime_proto::PROXY_PORT));
+            let started = std::thread::Builder::new()
+                .name("udp".into())
+                .stack_size(256 * 1024)
+                .spawn(move || crate::udp::run(tun, proxy));
+            if let Err(e) = started {
+                crate::sys::log!("outbound UDP off: {e}");
+            }
+        }
+        Err(e) => {
+            // An older kernel without TUN: the dummy drops what is routed to it.
+            crate::sys::log!("outbound UDP off: no TUN device ({e}); {DUMMY} is a dummy");
+            if let Err(e) = dummy_with_default_routes() {
+                crate::sys::log!("cannot set up {DUMMY} and the default routes: {e}");
+            }
+        }
     }
     if crate::dns::start() {
         crate::dns::write_resolv_conf();
@@ -464,5 +546,96 @@ mod tests {
         let dst = crate::tunnel::original_dst(&s2).unwrap();
         assert_eq!(dst, SocketAddr::from(([127, 0, 0, 1], port)));
         assert_eq!(crate::tunnel::connect_target(dst, |_| None), None);
+    }
+
+    /// A stand-in for the host's proxy: `connect-udp` to port 4242 answers
+    /// 101 and echoes each datagram upper-cased; any other target, 403.
+    fn udp_proxy() -> SocketAddr {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        std::thread::spawn(move || {
+            for c in l.incoming() {
+                let mut c = c.unwrap();
+                std::thread::spawn(move || {
+                    let mut head = Vec::new();
+                    let mut b = [0u8; 1];
+                    while !head.ends_with(b"\r\n\r\n") {
+                        c.read_exact(&mut b).unwrap();
+                        head.push(b[0]);
+                    }
+                    let head = String::from_utf8(head).unwrap();
+                    if !head.starts_with("GET /.well-known/masque/udp/203.0.113.9/4242/ ") {
+                        let _ = c.write_all(b"HTTP/1.1 403 Forbidden\r\ncontent-length: 0\r\n\r\n");
+                        return;
+                    }
+                    c.write_all(
+                        b"HTTP/1.1 101 Switching Protocols\r\nupgrade: connect-udp\r\n\r\n",
+                    )
+                    .unwrap();
+                    while let Ok(Some(d)) = crate::udp::read_capsule(&mut c) {
+                        c.write_all(&crate::udp::capsule(&d.to_ascii_uppercase()))
+                            .unwrap();
+                    }
+                });
+            }
+        });
+        addr
+    }
+
+    #[test]
+    fn udp_routed_to_the_tun_is_carried_answered_or_refused() {
+        // SAFETY: plain syscall; this thread and the ones it starts move.
+        if unsafe { libc::unshare(libc::CLONE_NEWNET) } != 0 {
+            eprintln!(
+                "skipped: cannot make a network namespace: {}",
+                io::Error::last_os_error()
+            );
+            return;
+        }
+        crate::init::lo_up().unwrap();
+        let tun = match tun_with_default_routes() {
+            Ok(t) => t,
+            Err(e) => {
+                eprintln!("skipped: no TUN device here: {e}");
+                return;
+            }
+        };
+        let proxy = udp_proxy();
+        std::thread::spawn(move || crate::udp::run(tun, proxy));
+        let wait = Some(std::time::Duration::from_secs(10));
+
+        // A flow the proxy admits: both ways, from the address asked.
+        let u = std::net::UdpSocket::bind("0.0.0.0:0").unwrap();
+        u.set_read_timeout(wait).unwrap();
+        for word in [&b"ping"[..], b"again", &[b'z'; 30_000][..]] {
+            u.send_to(word, "203.0.113.9:4242").unwrap();
+            let mut buf = vec![0u8; 65_536];
+            let (n, from) = u.recv_from(&mut buf).unwrap();
+            assert_eq!(from, "203.0.113.9:4242".parse::<SocketAddr>().unwrap());
+            assert_eq!(&buf[..n], &word.to_ascii_uppercase()[..]);
+        }
+
+        // A query to any resolver is answered here, with a reserved address.
+        let mut q = vec![0x12, 0x34, 1, 0, 0, 1, 0, 0, 0, 0, 0, 0];
+        for label in ["udp", "example", "com"] {
+            q.push(label.len() as u8);
+            q.extend_from_slice(label.as_bytes());
+        }
+        q.extend_from_slice(&[0, 0, 1, 0, 1]);
+        u.send_to(&q, "8.8.8.8:53").unwrap();
+        let mut buf = [0u8; 512];
+        let (n, from) = u.recv_from(&mut buf).unwrap();
+        assert_eq!(from, "8.8.8.8:53".parse::<SocketAddr>().unwrap());
+        assert_eq!(&buf[..2], &[0x12, 0x34]);
+        let ip = Ipv4Addr::new(buf[n - 4], buf[n - 3], buf[n - 2], buf[n - 1]);
+        assert!(crate::dns::in_range(ip), "{ip}");
+
+        // A flow the proxy refuses: a connected socket hears it at once.
+        let r = std::net::UdpSocket::bind("0.0.0.0:0").unwrap();
+        r.set_read_timeout(wait).unwrap();
+        r.connect("203.0.113.9:5000").unwrap();
+        r.send(b"refused").unwrap();
+        let err = r.recv(&mut buf).unwrap_err();
+        assert_eq!(err.raw_os_error(), Some(libc::EHOSTUNREACH), "{err}");
     }
 }
