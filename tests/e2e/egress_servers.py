@@ -11,6 +11,8 @@ server is started with its TEST-ONLY settings (`--egress-test-map`,
 - `ssh.example.com` -> a raw TCP server that speaks first, as sshd does
   (`SSH-2.0-RuntimeTest`), then echoes each line it gets upper-cased: what
   programs that ignore the proxy variables (ssh, database clients) reach.
+- `udp.example.com` -> a UDP server that answers each datagram with it
+  upper-cased and the count of datagrams it has had (outbound UDP).
 
 Both answer: `/echo...` with a JSON account of the request (method, path,
 headers, body); a PEP 503 index under `/simple/` with one wheel; an npm
@@ -37,6 +39,7 @@ HTTPS_NAMES = ["example.com", "example.org", "*.example.org"]
 HTTP_NAMES = ["example.net", "*.example.net"]
 BANNER_NAME = "ssh.example.com"
 BANNER = b"SSH-2.0-RuntimeTest\r\n"
+UDP_NAME = "udp.example.com"
 BIG = hashlib.sha256(b"runtime").digest() * (8 * 1024 * 1024 // 32)
 WHEEL = "rtdemo-1.0-py3-none-any.whl"
 NPM_TGZ = "rtdemo-1.0.0.tgz"
@@ -172,6 +175,18 @@ class BannerServer(socketserver.ThreadingTCPServer):
     allow_reuse_address = True
 
 
+class UdpHandler(socketserver.BaseRequestHandler):
+    def handle(self) -> None:
+        data, sock = self.request
+        self.server.count += 1
+        sock.sendto(data.upper() + f" #{self.server.count}".encode(), self.client_address)
+
+
+class UdpServer(socketserver.ThreadingUDPServer):
+    daemon_threads = True
+    count = 0
+
+
 class EgressServers:
     """Starts both servers; `args` are the `runtime serve` flags that use them."""
 
@@ -194,7 +209,8 @@ class EgressServers:
         self.https.socket = ctx.wrap_socket(self.https.socket, server_side=True)
         self.http = ThreadingHTTPServer(("127.0.0.1", 0), handler)
         self.banner = BannerServer(("127.0.0.1", 0), BannerHandler)
-        for s in (self.https, self.http, self.banner):
+        self.udp = UdpServer(("127.0.0.1", 0), UdpHandler)
+        for s in (self.https, self.http, self.banner, self.udp):
             threading.Thread(target=s.serve_forever, daemon=True).start()
 
     def _make_certs(self) -> None:
@@ -218,7 +234,8 @@ class EgressServers:
 
     @property
     def args(self) -> list[str]:
-        out = ["--egress-test-map", f"{BANNER_NAME}=127.0.0.1:{self.banner.server_address[1]}"]
+        out = ["--egress-test-map", f"{BANNER_NAME}=127.0.0.1:{self.banner.server_address[1]}",
+               "--egress-test-map", f"{UDP_NAME}=127.0.0.1:{self.udp.server_address[1]}"]
         for name in HTTPS_NAMES:
             out += ["--egress-test-map", f"{name}=127.0.0.1:{self.https.server_address[1]}"]
         for name in HTTP_NAMES:
@@ -226,6 +243,6 @@ class EgressServers:
         return out + ["--egress-test-root", str(self.ca_pem)]
 
     def close(self) -> None:
-        for s in (self.https, self.http, self.banner):
+        for s in (self.https, self.http, self.banner, self.udp):
             s.shutdown()
             s.server_close()

@@ -1,8 +1,9 @@
 """Programs that ignore the proxy variables, through the official client:
-names resolve inside the sandbox to reserved addresses, and any TCP
-connection is carried to the host's egress proxy as a CONNECT, under the
-same rules (docs/network.md, "Transparent egress"). Root cannot go around
-it: without the redirect, traffic dies on the dummy interface.
+names resolve inside the sandbox to reserved addresses, any TCP
+connection is carried to the host's egress proxy as a CONNECT and any UDP
+flow as a connect-udp, under the same rules (docs/network.md, "Transparent
+egress"). Root cannot go around it: without the redirect, traffic dies on
+the agent's interface; DNS to any resolver is answered inside.
 
 `example.net` is the suite's plain HTTP server; `ssh.example.com` a raw TCP
 server that speaks first like sshd, then echoes lines upper-cased
@@ -14,7 +15,7 @@ import json
 
 from withruntime import Sandbox
 
-from egress_servers import BANNER_NAME
+from egress_servers import BANNER_NAME, UDP_NAME
 
 # Every proxy variable gone: the program connects by itself.
 BARE = "env -u HTTP_PROXY -u HTTPS_PROXY -u ALL_PROXY -u http_proxy -u https_proxy -u all_proxy"
@@ -74,6 +75,23 @@ a = b''
 while len(a) < n:
     a += c.recv(n - len(a))
 print(a[:2].hex(), socket.inet_ntoa(a[-4:]))
+"""
+
+
+# Sends datagrams on one connected socket, prints each answer (or why not).
+UDP_CLIENT = """
+import socket, sys
+host, port, count = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.settimeout(15)
+try:
+    s.connect((host, port))
+    for i in range(count):
+        s.send(b'hello over udp ' + str(i).encode())
+        print(s.recv(65536).decode().rsplit(' #', 1)[0])
+except OSError as e:
+    print('failed', e)
+    sys.exit(1)
 """
 
 
@@ -161,6 +179,28 @@ def test_raw_tcp_reaches_allowed_hosts_by_name_under_the_rules(server):
         assert code != 0 and "echo/raw" not in out, out
 
 
+def test_udp_reaches_allowed_hosts_under_the_rules_and_a_refusal_is_heard_at_once(server):
+    with Sandbox.create() as s:
+        # Port 7777 is not open by default (UDP has TCP's ports): the proxy
+        # refuses and the program hears it at once, not after its timeout.
+        code, out = py(s, UDP_CLIENT, UDP_NAME, "7777", "1")
+        assert code != 0 and "No route to host" in out, out
+
+        s.network.set(internet=True, connect=[f"{UDP_NAME}:7777"])
+        code, out = py(s, UDP_CLIENT, UDP_NAME, "7777", "3")
+        assert code == 0, out
+        assert out.splitlines() == [f"HELLO OVER UDP {i}" for i in range(3)], out
+
+        # The rules change: a new flow is refused again.
+        s.network.set(internet=True)
+        code, out = py(s, UDP_CLIENT, UDP_NAME, "7777", "1")
+        assert code != 0 and "No route to host" in out, out
+
+        # Private addresses stay refused, on an open port too (QUIC's 443).
+        code, out = py(s, UDP_CLIENT, "10.0.0.1", "443", "1")
+        assert code != 0 and "No route to host" in out, out
+
+
 def test_allow_lists_apply_to_names_and_literal_addresses(server):
     with Sandbox.create(network={"internet": True, "allow": ["*.example.org"]}) as s:
         # Names the rules could never allow still get an address; the host
@@ -210,20 +250,21 @@ except OSError as e:
 
 def test_root_cannot_go_around_the_redirect(server):
     with Sandbox.create(user="root") as s:
-        # A raw socket: its packets go to the dummy interface, no answer comes.
+        # A raw socket: its packets go to the agent's interface, no answer comes.
         code, out = py(s, RAW_ICMP, "93.184.215.14")
         assert code != 0, out
-        # Another resolver: its queries die on the dummy; DNS over TCP to it
-        # is a connection the rules refuse (port 53).
+        # Another resolver: its queries over UDP are answered inside, with a
+        # reserved address as ours are (nothing leaves as DNS); DNS over TCP
+        # to it is a connection the rules refuse (port 53).
         s.files.write("/etc/resolv.conf", "nameserver 8.8.8.8\noptions timeout:1 attempts:1\n")
         code, out, _ = run(s, "getent ahostsv4 example.net")
-        assert code != 0, out
+        assert code == 0 and out.split()[0].startswith(("198.18.", "198.19.")), out
         code, out = py(s, RAW_HTTP, "8.8.8.8", "53")
         assert code != 0 and "HTTP/1." not in out, out
         s.files.write("/etc/resolv.conf", "nameserver 127.0.0.53\n")
         code, out = py(s, RAW_HTTP, "example.net", "80")
         assert code == 0, out
-        # Rules deleted: connections go to the dummy interface and die.
+        # Rules deleted: connections go to the agent's interface and die.
         code, out = py(s, DELETE_TABLE)
         assert code == 0 and out == "deleted 0", out
         for host in ("example.net", "93.184.215.14"):
