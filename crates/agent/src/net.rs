@@ -500,19 +500,28 @@ mod tests {
     use std::io::{Read, Write};
     use std::net::{SocketAddr, TcpListener, TcpStream};
 
-    /// The rule and the dummy in a network namespace of this test's own
-    /// thread (root only: skipped where a namespace cannot be made).
-    #[test]
-    fn the_rule_redirects_tcp_to_any_address_and_keeps_the_original() {
+    /// Moves this thread (and the ones it starts) to a network namespace of
+    /// its own with loopback up; false (skipped) where one cannot be made.
+    fn own_netns() -> bool {
         // SAFETY: plain syscall; only this thread moves.
         if unsafe { libc::unshare(libc::CLONE_NEWNET) } != 0 {
             eprintln!(
                 "skipped: cannot make a network namespace: {}",
                 io::Error::last_os_error()
             );
-            return;
+            return false;
         }
         crate::init::lo_up().unwrap();
+        true
+    }
+
+    /// The rule and the dummy in a network namespace of this test's own
+    /// thread (root only: skipped where a namespace cannot be made).
+    #[test]
+    fn the_rule_redirects_tcp_to_any_address_and_keeps_the_original() {
+        if !own_netns() {
+            return;
+        }
         let port = 10901;
         let listener = TcpListener::bind(("127.0.0.1", port)).unwrap();
         // Without a default route nothing starts: the dummy gives one.
@@ -584,15 +593,9 @@ mod tests {
 
     #[test]
     fn udp_routed_to_the_tun_is_carried_answered_or_refused() {
-        // SAFETY: plain syscall; this thread and the ones it starts move.
-        if unsafe { libc::unshare(libc::CLONE_NEWNET) } != 0 {
-            eprintln!(
-                "skipped: cannot make a network namespace: {}",
-                io::Error::last_os_error()
-            );
+        if !own_netns() {
             return;
         }
-        crate::init::lo_up().unwrap();
         let tun = match tun_with_default_routes() {
             Ok(t) => t,
             Err(e) => {
