@@ -446,7 +446,9 @@ fn flow(s: Start, rx: Receiver<Vec<u8>>) {
         match rx.recv_timeout(Duration::from_secs(5)) {
             Ok(d) => {
                 touch();
-                if w.write_all(&capsule(&d)).is_err() {
+                // A stream the host ended (a rule change) takes no more.
+                let ended = down.as_ref().map(|h| h.is_finished()).unwrap_or(true);
+                if ended || w.write_all(&capsule(&d)).is_err() {
                     break;
                 }
             }
