@@ -86,7 +86,7 @@ pub(crate) const QUOTAS: &[Quota] = &[
         limit: "upload.count",
         label: "Chunked uploads under way",
         unit: "count",
-        default: 16,
+        default: 128,
     },
     Quota {
         limit: "upload.mib",
