@@ -441,22 +441,20 @@ fn flow(s: Start, rx: Receiver<Vec<u8>>) {
                 }
             }
         });
+    let down_ended = || down.as_ref().map(|h| h.is_finished()).unwrap_or(true);
     let mut w = &stream;
     loop {
         match rx.recv_timeout(Duration::from_secs(5)) {
             Ok(d) => {
                 touch();
                 // A stream the host ended (a rule change) takes no more.
-                let ended = down.as_ref().map(|h| h.is_finished()).unwrap_or(true);
-                if ended || w.write_all(&capsule(&d)).is_err() {
+                if down_ended() || w.write_all(&capsule(&d)).is_err() {
                     break;
                 }
             }
             Err(RecvTimeoutError::Timeout) => {
                 let quiet = epoch.elapsed().as_millis() as u64 - last.load(Ordering::Relaxed);
-                if quiet >= IDLE.as_millis() as u64
-                    || down.as_ref().map(|h| h.is_finished()).unwrap_or(true)
-                {
+                if quiet >= IDLE.as_millis() as u64 || down_ended() {
                     break;
                 }
             }

@@ -80,6 +80,18 @@ struct Checked {
 }
 
 impl Checked {
+    /// An outbound destination (not `runtime.internal`) the rules admitted.
+    fn outbound(host: Host, port: u16, addr: IpAddr, socket: SocketAddr, special: Special) -> Self {
+        Checked {
+            host,
+            port,
+            addr,
+            socket,
+            special,
+            api: false,
+        }
+    }
+
     fn check(&self, policy: &Policy, sni: Option<&Host>) -> Result<(), Refusal> {
         if self.api {
             return policy.check_api(self.port);
@@ -214,14 +226,7 @@ impl Inner {
                     let Some(permit) = permit.take() else { break };
                     let stream = Upstream::new(stream, permit);
                     tracing::debug!(sandbox_id = id, target = %host, port, addr = %addr, decision = "allowed");
-                    let target = Checked {
-                        host,
-                        port,
-                        addr,
-                        socket,
-                        special,
-                        api: false,
-                    };
+                    let target = Checked::outbound(host, port, addr, socket, special);
                     return Ok(Opened { stream, target });
                 }
                 Ok(Err(err)) => {
@@ -327,14 +332,7 @@ impl Inner {
         Ok(OpenedUdp {
             socket: sock,
             permit,
-            target: Checked {
-                host,
-                port,
-                addr,
-                socket,
-                special,
-                api: false,
-            },
+            target: Checked::outbound(host, port, addr, socket, special),
         })
     }
 
