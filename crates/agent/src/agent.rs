@@ -695,7 +695,9 @@ pub(crate) fn serve(socket: Option<&Path>, reaper: &Arc<Reaper>, proxy_port: Opt
     }
     if crate::net::TRANSPARENT.load(std::sync::atomic::Ordering::SeqCst) {
         let port = tunnel::TRANSPARENT_PORT;
-        tunnel::listen_transparent(&agent, (std::net::Ipv4Addr::LOCALHOST, port).into());
+        // Every IPv4 address: the prerouting rule redirects a container's
+        // connection to the address of the bridge it came in on.
+        tunnel::listen_transparent(&agent, (std::net::Ipv4Addr::UNSPECIFIED, port).into());
         tunnel::listen_transparent(&agent, (std::net::Ipv6Addr::LOCALHOST, port).into());
     }
     read_loop(&agent, &link);

@@ -64,6 +64,7 @@ const NFTA_CHAIN_POLICY: u16 = 5;
 const NFTA_CHAIN_TYPE: u16 = 7;
 const NFTA_HOOK_HOOKNUM: u16 = 1;
 const NFTA_HOOK_PRIORITY: u16 = 2;
+const NF_INET_PRE_ROUTING: u32 = 0;
 const NF_INET_LOCAL_OUT: u32 = 3;
 const NF_ACCEPT: u32 = 1;
 const NFTA_RULE_TABLE: u16 = 1;
@@ -85,6 +86,11 @@ const NFTA_IMMEDIATE_DREG: u16 = 1;
 const NFTA_IMMEDIATE_DATA: u16 = 2;
 const NFTA_REDIR_REG_PROTO_MIN: u16 = 1;
 const NFT_REG_1: u32 = 1;
+const NFTA_FIB_DREG: u16 = 1;
+const NFTA_FIB_RESULT: u16 = 2;
+const NFTA_FIB_FLAGS: u16 = 3;
+const NFTA_FIB_F_DADDR: u32 = 1 << 1;
+const NFT_FIB_RESULT_OIFNAME: u32 = 2;
 
 /// A netlink message under construction: header, fixed part, attributes.
 struct Msg {
@@ -267,13 +273,17 @@ fn nft_type(msg: u16) -> u16 {
     (NFNL_SUBSYS_NFTABLES << 8) | msg
 }
 
-/// The nat rule: `table inet runtime { chain out { type nat hook output
-/// priority -100; oifname "runtime0" meta l4proto tcp redirect to :port } }`:
-/// every TCP connection the routes send to the dummy, that is to any
-/// address that is neither the guest's own nor on another interface of it
-/// (a bridge of containers inside).
-pub(crate) fn redirect_tcp(port: u16, ifname: &str) -> io::Result<()> {
-    let chain = "out";
+/// An interface name as the kernel compares it: IFNAMSIZ bytes, NUL-padded.
+fn ifname_bytes(ifname: &str) -> [u8; 16] {
+    let mut name = [0u8; 16];
+    let n = ifname.len().min(15);
+    name[..n].copy_from_slice(&ifname.as_bytes()[..n]);
+    name
+}
+
+/// One batch that makes the table, a nat chain on `hook` and its one rule,
+/// `(match) meta l4proto tcp redirect to :port`.
+fn nat_chain(chain: &str, hook: u32, port: u16, matches: impl FnOnce(&mut Msg)) -> io::Result<()> {
     let create = NLM_F_REQUEST | NLM_F_CREATE | NLM_F_ACK;
     let mut msgs = vec![Msg::new(NFNL_MSG_BATCH_BEGIN, NLM_F_REQUEST, 1, &nfgen(0)).finish()];
     let mut m = Msg::new(nft_type(NFT_MSG_NEWTABLE), create, 2, &nfgen(NFPROTO_INET));
@@ -282,21 +292,17 @@ pub(crate) fn redirect_tcp(port: u16, ifname: &str) -> io::Result<()> {
     let mut m = Msg::new(nft_type(NFT_MSG_NEWCHAIN), create, 3, &nfgen(NFPROTO_INET));
     m.str(NFTA_CHAIN_TABLE, TABLE).str(NFTA_CHAIN_NAME, chain);
     m.begin(NFTA_CHAIN_HOOK)
-        .be32(NFTA_HOOK_HOOKNUM, NF_INET_LOCAL_OUT)
+        .be32(NFTA_HOOK_HOOKNUM, hook)
         .be32(NFTA_HOOK_PRIORITY, (-100i32) as u32)
         .end();
     m.be32(NFTA_CHAIN_POLICY, NF_ACCEPT)
         .str(NFTA_CHAIN_TYPE, "nat");
     msgs.push(m.finish());
-    // An interface name as the kernel compares it: IFNAMSIZ bytes, NUL-padded.
-    let mut name = [0u8; 16];
-    let n = ifname.len().min(15);
-    name[..n].copy_from_slice(&ifname.as_bytes()[..n]);
     let flags = NLM_F_REQUEST | NLM_F_CREATE | NLM_F_APPEND | NLM_F_ACK;
     let mut m = Msg::new(nft_type(NFT_MSG_NEWRULE), flags, 4, &nfgen(NFPROTO_INET));
     m.str(NFTA_RULE_TABLE, TABLE).str(NFTA_RULE_CHAIN, chain);
     m.begin(NFTA_RULE_EXPRESSIONS);
-    m.meta(NFT_META_OIFNAME).cmp(NFT_CMP_EQ, &name);
+    matches(&mut m);
     m.meta(NFT_META_L4PROTO)
         .cmp(NFT_CMP_EQ, &[libc::IPPROTO_TCP as u8]);
     m.expr("immediate", |m| {
@@ -312,6 +318,37 @@ pub(crate) fn redirect_tcp(port: u16, ifname: &str) -> io::Result<()> {
     msgs.push(m.finish());
     msgs.push(Msg::new(NFNL_MSG_BATCH_END, NLM_F_REQUEST, 5, &nfgen(0)).finish());
     talk(libc::NETLINK_NETFILTER, &msgs, &[2, 3, 4])
+}
+
+/// The nat rule: `table inet runtime { chain out { type nat hook output
+/// priority -100; oifname "runtime0" meta l4proto tcp redirect to :port } }`:
+/// every TCP connection the routes send to the dummy, that is to any
+/// address that is neither the guest's own nor on another interface of it
+/// (a bridge of containers inside).
+pub(crate) fn redirect_tcp(port: u16, ifname: &str) -> io::Result<()> {
+    let name = ifname_bytes(ifname);
+    nat_chain("out", NF_INET_LOCAL_OUT, port, |m| {
+        m.meta(NFT_META_OIFNAME).cmp(NFT_CMP_EQ, &name);
+    })
+}
+
+/// The same for connections the guest forwards (containers on a bridge
+/// inside, `sudo enable-docker`): `chain pre { type nat hook prerouting
+/// priority -100; fib daddr oifname "runtime0" meta l4proto tcp redirect
+/// to :port }`. The route lookup leaves alone what stays inside (one
+/// container to another, to the guest's own addresses, published ports);
+/// the redirect goes to the address of the interface the connection came
+/// in on, so the listener takes every IPv4 address.
+pub(crate) fn redirect_forwarded_tcp(port: u16, ifname: &str) -> io::Result<()> {
+    let name = ifname_bytes(ifname);
+    nat_chain("pre", NF_INET_PRE_ROUTING, port, |m| {
+        m.expr("fib", |m| {
+            m.be32(NFTA_FIB_DREG, NFT_REG_1)
+                .be32(NFTA_FIB_RESULT, NFT_FIB_RESULT_OIFNAME)
+                .be32(NFTA_FIB_FLAGS, NFTA_FIB_F_DADDR);
+        });
+        m.cmp(NFT_CMP_EQ, &name);
+    })
 }
 
 fn ifindex(name: &str) -> io::Result<u32> {
@@ -466,6 +503,11 @@ pub(crate) fn setup() {
         return;
     }
     TRANSPARENT.store(true, std::sync::atomic::Ordering::SeqCst);
+    if let Err(e) = redirect_forwarded_tcp(crate::tunnel::TRANSPARENT_PORT, DUMMY) {
+        // An older kernel without nft's fib: the guest's own connections
+        // are still carried; containers inside reach nothing over TCP.
+        crate::sys::log!("containers' TCP not carried: cannot add the prerouting rule: {e}");
+    }
     match tun_with_default_routes() {
         Ok(tun) => {
             let proxy = std::net::SocketAddr::from(([127, 0, 0, 1], runtime_proto::PROXY_PORT));
@@ -555,6 +597,87 @@ mod tests {
         let dst = crate::tunnel::original_dst(&s2).unwrap();
         assert_eq!(dst, SocketAddr::from(([127, 0, 0, 1], port)));
         assert_eq!(crate::tunnel::connect_target(dst, |_| None), None);
+    }
+
+    fn ip(args: &[&str]) {
+        let out = std::process::Command::new("ip")
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "ip {args:?}: {out:?}");
+    }
+
+    /// A container's connection (from another namespace over a veth pair,
+    /// as from a bridge inside) to an address out there is redirected by
+    /// the prerouting rule with its original address; one to the guest's
+    /// own address on that link is not.
+    #[test]
+    fn the_prerouting_rule_redirects_forwarded_tcp_and_keeps_what_stays_inside() {
+        if !own_netns() {
+            return;
+        }
+        // runtime0 as the guest has it (nothing reads it here).
+        let _tun = match tun_with_default_routes() {
+            Ok(tun) => tun,
+            Err(e) => {
+                eprintln!("skipped: no TUN device here: {e}");
+                return;
+            }
+        };
+        let port = 10902;
+        if let Err(e) = redirect_forwarded_tcp(port, DUMMY) {
+            eprintln!("skipped: no nft fib in this kernel: {e}");
+            return;
+        }
+        let listener = TcpListener::bind(("0.0.0.0", port)).unwrap();
+        // The "container": a thread in a namespace of its own, at the
+        // other end of a veth pair, routed through this one.
+        let (tid_tx, tid_rx) = std::sync::mpsc::channel();
+        let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
+        let container = std::thread::spawn(move || {
+            // SAFETY: plain syscalls; only this thread moves.
+            assert_eq!(unsafe { libc::unshare(libc::CLONE_NEWNET) }, 0);
+            tid_tx.send(unsafe { libc::gettid() }).unwrap();
+            go_rx.recv().unwrap();
+            crate::init::lo_up().unwrap();
+            ip(&["addr", "add", "10.99.0.2/24", "dev", "rtc0"]);
+            ip(&["link", "set", "rtc0", "up"]);
+            ip(&["route", "add", "default", "via", "10.99.0.1"]);
+            // Without the rule nothing answers (this namespace forwards nothing).
+            let to = "203.0.113.9:4242".parse().unwrap();
+            let mut out = TcpStream::connect_timeout(&to, std::time::Duration::from_secs(5))
+                .expect("redirected to the listener");
+            out.write_all(b"out").unwrap();
+            let mut inside = TcpStream::connect(("10.99.0.1", port)).unwrap();
+            inside.write_all(b"in!").unwrap();
+            (out, inside)
+        });
+        let tid = tid_rx.recv().unwrap().to_string();
+        ip(&[
+            "link", "add", "rth0", "type", "veth", "peer", "name", "rtc0",
+        ]);
+        ip(&["link", "set", "rtc0", "netns", &tid]);
+        ip(&["addr", "add", "10.99.0.1/24", "dev", "rth0"]);
+        ip(&["link", "set", "rth0", "up"]);
+        go_tx.send(()).unwrap();
+        // The container's end first: its failure is the test's.
+        let _keep = container.join().unwrap();
+        listener.set_nonblocking(true).unwrap();
+        let mut got = Vec::new();
+        while let Ok((mut s, _)) = listener.accept() {
+            s.set_nonblocking(false).unwrap();
+            let mut buf = [0u8; 3];
+            s.read_exact(&mut buf).unwrap();
+            got.push((buf, crate::tunnel::original_dst(&s).unwrap()));
+        }
+        got.sort();
+        assert_eq!(
+            got,
+            vec![
+                (*b"in!", SocketAddr::from(([10, 99, 0, 1], port))),
+                (*b"out", "203.0.113.9:4242".parse().unwrap()),
+            ]
+        );
     }
 
     /// A stand-in for the host's proxy: `connect-udp` to port 4242 answers
