@@ -257,3 +257,19 @@ def test_the_async_api_runs_and_deletes(runtime):
             await made.delete()
     sandbox_id = asyncio.run(main())
     assert runtime.sandboxes.get(sandbox_id).state in ("stopping", "stopped")
+
+
+def test_the_docker_template_runs_docker_after_enable_docker(server):
+    # Blaxel's `docker-in-sandbox` template is the stock image here; its
+    # users start Docker as on Blaxel, with `sudo enable-docker`.
+    from withruntime.blaxel import SyncSandboxInstance as SandboxInstance
+    made = SandboxInstance.create({"name": unique("blaxel-docker"), "memory": MEMORY,
+                                   "image": "blaxel/docker-in-sandbox:latest"})
+    try:
+        started = made.process.exec({"command": "sudo enable-docker", "wait_for_completion": True})
+        assert started.exit_code == 0, started.logs
+        info = made.process.exec({"command": "docker info --format '{{.ServerVersion}} {{.Driver}}'",
+                                  "wait_for_completion": True})
+        assert info.exit_code == 0 and info.stdout.split()[1] == "overlay2", info.logs
+    finally:
+        made.delete()
