@@ -599,6 +599,18 @@ mod tests {
         assert_eq!(crate::tunnel::connect_target(dst, |_| None), None);
     }
 
+    /// runtime0 as a TUN device with the default routes, or `None` (the
+    /// test skipped) where this kernel has no TUN.
+    fn tun_or_skip() -> Option<std::fs::File> {
+        match tun_with_default_routes() {
+            Ok(t) => Some(t),
+            Err(e) => {
+                eprintln!("skipped: no TUN device here: {e}");
+                None
+            }
+        }
+    }
+
     fn ip(args: &[&str]) {
         let out = std::process::Command::new("ip")
             .args(args)
@@ -617,12 +629,8 @@ mod tests {
             return;
         }
         // runtime0 as the guest has it (nothing reads it here).
-        let _tun = match tun_with_default_routes() {
-            Ok(tun) => tun,
-            Err(e) => {
-                eprintln!("skipped: no TUN device here: {e}");
-                return;
-            }
+        let Some(_tun) = tun_or_skip() else {
+            return;
         };
         let port = 10902;
         if let Err(e) = redirect_forwarded_tcp(port, DUMMY) {
@@ -719,12 +727,8 @@ mod tests {
         if !own_netns() {
             return;
         }
-        let tun = match tun_with_default_routes() {
-            Ok(t) => t,
-            Err(e) => {
-                eprintln!("skipped: no TUN device here: {e}");
-                return;
-            }
+        let Some(tun) = tun_or_skip() else {
+            return;
         };
         let proxy = udp_proxy();
         std::thread::spawn(move || crate::udp::run(tun, proxy));
