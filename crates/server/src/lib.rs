@@ -292,10 +292,14 @@ impl AppState {
         &self.inner.store
     }
 
-    /// The user name and secret key `key_id` pulls from `registry` with
+    /// The credentials key `key_id` pulls from `registry` with
     /// (`service::images::registries::credentials_for`), for tests that
     /// drive the router.
-    pub fn registry_credentials(&self, key_id: &str, registry: &str) -> Option<(String, String)> {
+    pub fn registry_credentials(
+        &self,
+        key_id: &str,
+        registry: &str,
+    ) -> Option<runtime_host::oci::Credentials> {
         service::images::registries::credentials_for(self, key_id, registry)
     }
 

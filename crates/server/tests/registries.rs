@@ -14,9 +14,17 @@ use axum::body::Body;
 use axum::http::{Request, StatusCode};
 use fake::FakeHost;
 use http_body_util::BodyExt;
+use runtime_host::oci::Credentials;
 use runtime_server::{create_key, ensure_admin_key, open_store, router, AppState, Config};
 use serde_json::{json, Value};
 use tower::ServiceExt;
+
+fn basic(username: &str, password: &str) -> Option<Credentials> {
+    Some(Credentials::Basic {
+        username: username.into(),
+        password: password.into(),
+    })
+}
 
 struct T {
     dir: PathBuf,
@@ -218,7 +226,7 @@ async fn a_credential_is_normalised_sealed_listed_without_secret_and_deleted() {
     ] {
         assert_eq!(
             t.state.registry_credentials(&a_id, name),
-            Some(("me".to_string(), secret.to_string())),
+            basic("me", secret),
             "{name}"
         );
     }
@@ -245,11 +253,11 @@ async fn a_credential_is_normalised_sealed_listed_without_secret_and_deleted() {
     assert!(!list.to_string().contains(secret2), "{list}");
     assert_eq!(
         t.state.registry_credentials(&a_id, "docker.io"),
-        Some(("me2".to_string(), secret2.to_string()))
+        basic("me2", secret2)
     );
 
-    // An ECR access key is kept (its id shown, never its secret) but not
-    // used by pulls yet.
+    // An ECR access key is kept (its id shown, never its secret), for the
+    // pull to exchange for a token.
     let ecr = "123456789012.dkr.ecr.us-east-1.amazonaws.com";
     let aws_secret = "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY";
     let (s, v) = t
@@ -264,7 +272,13 @@ async fn a_credential_is_normalised_sealed_listed_without_secret_and_deleted() {
         (json!("ecr"), json!("AKIAIOSFODNN7EXAMPLE"))
     );
     assert!(!v.to_string().contains(aws_secret));
-    assert_eq!(t.state.registry_credentials(&a_id, ecr), None);
+    assert_eq!(
+        t.state.registry_credentials(&a_id, ecr),
+        Some(Credentials::Ecr {
+            access_key_id: "AKIAIOSFODNN7EXAMPLE".into(),
+            secret_access_key: aws_secret.into()
+        })
+    );
 
     // No file of the data dir holds a secret in the clear (store, WAL).
     for s in [secret, secret2, aws_secret] {
@@ -321,11 +335,11 @@ async fn a_credential_belongs_to_the_key_that_set_it() {
     assert_eq!(s, StatusCode::OK);
     assert_eq!(
         t.state.registry_credentials(&a_id, "private.example.com"),
-        Some(("alice".into(), "a-secret".into()))
+        basic("alice", "a-secret")
     );
     assert_eq!(
         t.state.registry_credentials(&b_id, "private.example.com"),
-        Some(("bob".into(), "b-secret".into()))
+        basic("bob", "b-secret")
     );
     let (s, _) = t.delete(&b, "private.example.com").await;
     assert_eq!(s, StatusCode::OK);
@@ -335,7 +349,7 @@ async fn a_credential_belongs_to_the_key_that_set_it() {
     );
     assert_eq!(
         t.state.registry_credentials(&a_id, "private.example.com"),
-        Some(("alice".into(), "a-secret".into()))
+        basic("alice", "a-secret")
     );
 }
 
@@ -429,6 +443,6 @@ async fn a_key_keeps_a_bounded_number_and_sets_replay_by_idempotency_key() {
     let a_id = t.key_id(&a).await;
     assert_eq!(
         t.state.registry_credentials(&a_id, "r1.example.com"),
-        Some(("again".into(), "p".into()))
+        basic("again", "p")
     );
 }

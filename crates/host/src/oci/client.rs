@@ -10,8 +10,8 @@ use std::sync::Arc;
 
 use base64::Engine as _;
 use bytes::Bytes;
-use http::{header, Request, Response, StatusCode, Uri};
-use http_body_util::{BodyExt, Empty};
+use http::{header, Method, Request, Response, StatusCode, Uri};
+use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -304,6 +304,25 @@ async fn send(
     accept: Option<&str>,
     auth: Option<&str>,
 ) -> Result<Response<Incoming>, PullError> {
+    let mut headers = Vec::new();
+    if let Some(a) = accept {
+        headers.push((header::ACCEPT, a.to_string()));
+    }
+    if let Some(a) = auth {
+        headers.push((header::AUTHORIZATION, a.to_string()));
+    }
+    send_with(connect, url, Method::GET, &headers, Bytes::new()).await
+}
+
+/// One request with `headers` and `body` on a new connection through the
+/// egress proxy.
+pub(super) async fn send_with(
+    connect: &Connector<'_>,
+    url: &Uri,
+    method: Method,
+    headers: &[(header::HeaderName, String)],
+    body: Bytes,
+) -> Result<Response<Incoming>, PullError> {
     let transfer = |cause: String| PullError::Transfer {
         url: url.to_string(),
         cause,
@@ -324,17 +343,16 @@ async fn send(
     } else {
         url.to_string()
     };
-    let mut req = Request::get(target)
+    let mut req = Request::builder()
+        .method(method)
+        .uri(target)
         .header(header::HOST, &authority)
         .header(header::USER_AGENT, "runtime-image-pull/1");
-    if let Some(a) = accept {
-        req = req.header(header::ACCEPT, a);
-    }
-    if let Some(a) = auth {
-        req = req.header(header::AUTHORIZATION, a);
+    for (name, value) in headers {
+        req = req.header(name, value);
     }
     let req = req
-        .body(Empty::<Bytes>::new())
+        .body(Full::new(body))
         .map_err(|e| transfer(e.to_string()))?;
     if https {
         let tls = conn
@@ -371,7 +389,7 @@ async fn send(
     }
 }
 
-async fn request<IO>(io: IO, req: Request<Empty<Bytes>>) -> Result<Response<Incoming>, String>
+async fn request<IO>(io: IO, req: Request<Full<Bytes>>) -> Result<Response<Incoming>, String>
 where
     IO: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
 {

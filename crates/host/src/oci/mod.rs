@@ -12,6 +12,7 @@
 
 mod auth;
 mod client;
+mod ecr;
 mod manifest;
 mod reference;
 
@@ -26,6 +27,7 @@ pub use reference::{Reference, ReferenceError, DOCKER_HUB, DOCKER_HUB_API};
 
 pub use client::Connector;
 use client::{error_text, read_limited, Client};
+pub use ecr::{ecr_login, ecr_region};
 use manifest::{AnyManifest, ACCEPT, DOCKER_LIST, OCI_INDEX};
 
 use crate::types::Host;
@@ -128,6 +130,59 @@ fn scheme_for(opts: &PullOptions, authority: &str) -> &'static str {
     }
 }
 
+/// What a pull authenticates with: a user name and password (or token),
+/// or an Amazon ECR access key, exchanged for a password at each pull
+/// ([`ecr_login`]). Its `Debug` shows no secret.
+#[derive(Clone, PartialEq, Eq)]
+pub enum Credentials {
+    Basic {
+        username: String,
+        password: String,
+    },
+    Ecr {
+        access_key_id: String,
+        secret_access_key: String,
+    },
+}
+
+impl std::fmt::Debug for Credentials {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Credentials::Basic { username, .. } => write!(f, "Basic({username}, <secret>)"),
+            Credentials::Ecr { access_key_id, .. } => write!(f, "Ecr({access_key_id}, <secret>)"),
+        }
+    }
+}
+
+impl Credentials {
+    /// The user name and password for the registry's Basic or token
+    /// challenge: an ECR key asks ECR for them first.
+    async fn resolve(
+        self,
+        connect: &Connector<'_>,
+        registry: &str,
+        progress: &(dyn Fn(String) + Send + Sync),
+    ) -> Result<(String, String), PullError> {
+        match self {
+            Credentials::Basic { username, password } => Ok((username, password)),
+            Credentials::Ecr {
+                access_key_id,
+                secret_access_key,
+            } => {
+                let now = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |d| d.as_secs());
+                let pair =
+                    ecr_login(connect, registry, &access_key_id, &secret_access_key, now).await?;
+                progress(format!(
+                    "{registry}: signed in with access key {access_key_id} (ECR token)"
+                ));
+                Ok(pair)
+            }
+        }
+    }
+}
+
 /// Pulls `r`'s manifest (linux/amd64 of an index), config and layers into
 /// the cache, through network `net`'s egress. `progress` gets one line per
 /// event (the build log).
@@ -135,7 +190,7 @@ pub async fn pull(
     host: &dyn Host,
     net: &str,
     r: &Reference,
-    credentials: Option<(String, String)>,
+    credentials: Option<Credentials>,
     opts: &PullOptions,
     progress: &(dyn Fn(String) + Send + Sync),
 ) -> Result<Pulled, PullError> {
@@ -147,7 +202,7 @@ pub async fn pull(
 pub async fn pull_through(
     connect: &Connector<'_>,
     r: &Reference,
-    credentials: Option<(String, String)>,
+    credentials: Option<Credentials>,
     opts: &PullOptions,
     progress: &(dyn Fn(String) + Send + Sync),
 ) -> Result<Pulled, PullError> {
@@ -167,6 +222,10 @@ pub async fn pull_through(
             Err(e) => progress(format!("mirror {mirror}: {e}; pulling from {}", r.registry)),
         }
     }
+    let credentials = match credentials {
+        Some(c) => Some(c.resolve(connect, &r.registry, progress).await?),
+        None => None,
+    };
     let c = Client::new(connect, scheme_for(opts, &r.registry), api, credentials);
     pull_from(c, r, opts, progress).await
 }
@@ -750,7 +809,10 @@ mod tests {
         let r = Reference::parse("reg.example.com/x:1").unwrap();
         let lines = Mutex::new(Vec::new());
         let progress = |l: String| lines.lock().unwrap().push(l);
-        let creds = Some(("u".to_string(), "p".to_string()));
+        let creds = Some(Credentials::Basic {
+            username: "u".into(),
+            password: "p".into(),
+        });
         let p = pull_through(&connect, &r, creds, &opts(&dir), &progress)
             .await
             .unwrap();
@@ -772,7 +834,10 @@ mod tests {
         let again = pull_through(
             &connect,
             &r,
-            Some(("u".into(), "p".into())),
+            Some(Credentials::Basic {
+                username: "u".into(),
+                password: "p".into(),
+            }),
             &opts(&dir),
             &progress,
         )

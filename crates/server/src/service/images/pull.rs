@@ -74,7 +74,7 @@ pub(super) async fn base(
     id: &str,
     net: &str,
     r: &Reference,
-    credentials: Option<(String, String)>,
+    credentials: Option<oci::Credentials>,
 ) -> Result<Base, PullFailed> {
     let canonical = r.canonical();
     let log = |text: String| super::build::log_line(st, id, None, LogStream::System, &text);

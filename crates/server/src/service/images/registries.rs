@@ -17,6 +17,7 @@ use crate::domain::secret::Sealer;
 use crate::error::{ApiError, ApiResult};
 use crate::store::{PutRegistry, Store};
 use crate::AppState;
+use runtime_host::oci::Credentials;
 
 /// A credential as its set gives it (the fields already checked).
 pub(crate) enum Credential {
@@ -100,16 +101,12 @@ pub(crate) fn delete(st: &AppState, key: &KeyInfo, registry: &str) -> ApiResult<
     Ok(())
 }
 
-/// The user name and secret key `key_id` pulls from `registry` with
-/// (normalised as the API does: `index.docker.io` is `docker.io`), for the
-/// puller. `None` when the key has none for it, for an ECR access key (the
-/// token exchange with ECR is not done by this server yet), or when the
-/// secret cannot be opened (logged, never the secret).
-pub(crate) fn credentials_for(
-    st: &AppState,
-    key_id: &str,
-    registry: &str,
-) -> Option<(String, String)> {
+/// The credentials key `key_id` pulls from `registry` with (normalised as
+/// the API does: `index.docker.io` is `docker.io`), for the puller: a user
+/// name and secret, or an ECR access key (which the pull exchanges for a
+/// token). `None` when the key has none for it, or when the secret cannot
+/// be opened (logged, never the secret).
+pub(crate) fn credentials_for(st: &AppState, key_id: &str, registry: &str) -> Option<Credentials> {
     let sealer = match st.sealer() {
         Ok(s) => s,
         Err(e) => {
@@ -120,7 +117,7 @@ pub(crate) fn credentials_for(
     open(st.store(), sealer, key_id, registry)
 }
 
-fn open(store: &Store, sealer: &Sealer, key_id: &str, registry: &str) -> Option<(String, String)> {
+fn open(store: &Store, sealer: &Sealer, key_id: &str, registry: &str) -> Option<Credentials> {
     let registry = normalize(registry)?;
     let row = match store.get_registry(key_id, &registry) {
         Ok(r) => r?,
@@ -129,17 +126,21 @@ fn open(store: &Store, sealer: &Sealer, key_id: &str, registry: &str) -> Option<
             return None;
         }
     };
-    if row.kind == Kind::Ecr {
-        tracing::warn!(registry = %registry, "an ECR access key is stored, but this server does not exchange it for a token yet: pulling without credentials");
+    let Some(secret) = sealer.unseal(&seal_name(key_id, &registry), &row.sealed) else {
+        tracing::error!(registry = %registry, "a registry credential could not be unsealed (another data dir's key?)");
         return None;
-    }
-    match sealer.unseal(&seal_name(key_id, &registry), &row.sealed) {
-        Some(secret) => Some((row.username, secret)),
-        None => {
-            tracing::error!(registry = %registry, "a registry credential could not be unsealed (another data dir's key?)");
-            None
+    };
+    Some(if row.kind == Kind::Ecr {
+        Credentials::Ecr {
+            access_key_id: row.username,
+            secret_access_key: secret,
         }
-    }
+    } else {
+        Credentials::Basic {
+            username: row.username,
+            password: secret,
+        }
+    })
 }
 
 #[cfg(test)]
@@ -172,7 +173,12 @@ mod tests {
         };
         put("a", "docker.io", Kind::Password, "me", "hub-token");
         put("a", "ghcr.io", Kind::Password, "me", "gh-token");
-        let pair = |u: &str, s: &str| Some((u.to_string(), s.to_string()));
+        let pair = |u: &str, s: &str| {
+            Some(Credentials::Basic {
+                username: u.to_string(),
+                password: s.to_string(),
+            })
+        };
         for name in [
             "docker.io",
             "index.docker.io",
@@ -205,10 +211,16 @@ mod tests {
             open(&store, &sealer, "a", "quay.io"),
             pair("me", "quay-token")
         );
-        // ECR keys are kept but not used until the token exchange exists.
+        // An ECR access key, for the pull to exchange for a token.
         let ecr = "123456789012.dkr.ecr.us-east-1.amazonaws.com";
         put("a", ecr, Kind::Ecr, "AKIAIOSFODNN7EXAMPLE", "secret");
-        assert_eq!(open(&store, &sealer, "a", ecr), None);
+        assert_eq!(
+            open(&store, &sealer, "a", ecr),
+            Some(Credentials::Ecr {
+                access_key_id: "AKIAIOSFODNN7EXAMPLE".into(),
+                secret_access_key: "secret".into()
+            })
+        );
         // Another data dir's key opens nothing.
         let stranger = Sealer::from_key(&[4u8; 32]).unwrap_or_else(|| panic!("a 32-byte key"));
         assert_eq!(open(&store, &stranger, "a", "ghcr.io"), None);
