@@ -126,6 +126,16 @@ class Server:
         self.stop()
         self.start()
 
+    def shut_down(self) -> None:
+        """A test module's own server at its end: its sandboxes deleted
+        (when it runs), the server and its egress servers stopped, any QEMU
+        of its data dir left over killed."""
+        if self.proc is not None:
+            self.delete_all_sandboxes()
+        self.stop()
+        self.egress.close()
+        self.kill_leftover_qemu()
+
     def rss_kib(self) -> int:
         """The server process's resident memory now, in KiB."""
         assert self.proc is not None, "the server is not running"

@@ -71,10 +71,7 @@ def env():
             sbx = Sandbox.create(client=client)
             yield srv, sbx, regs.ca_pem.read_text()
     finally:
-        srv.delete_all_sandboxes()
-        srv.stop()
-        srv.egress.close()
-        srv.kill_leftover_qemu()
+        srv.shut_down()
         regs.close()
         shutil.rmtree(root, ignore_errors=True)
 

@@ -148,11 +148,7 @@ def test_an_ecr_access_key_is_exchanged_for_a_token_at_each_pull():
         log = srv.log_path.read_bytes()
         assert SECRET.encode() not in log and password.encode() not in log
     finally:
-        if srv.proc is not None:
-            srv.delete_all_sandboxes()
-        srv.stop()
-        srv.egress.close()
-        srv.kill_leftover_qemu()
+        srv.shut_down()
         api.close()
         reg.close()
         shutil.rmtree(root, ignore_errors=True)

@@ -75,11 +75,7 @@ def on_pg():
         srv.start()
         yield srv, cluster
     finally:
-        if srv.proc is not None:
-            srv.delete_all_sandboxes()
-        srv.stop()
-        srv.egress.close()
-        srv.kill_leftover_qemu()
+        srv.shut_down()
         cluster.stop()
         shutil.rmtree(root, ignore_errors=True)
 
