@@ -4754,32 +4754,47 @@ async fn a_build_machine_has_the_shape_its_build_asks_for() {
     }
     let v = built(
         &t,
-        json!({"recipe": {"commands": ["true"]}, "build": {"vcpu": 1, "memoryMiB": 1024, "timeoutSeconds": 120}}),
+        json!({"recipe": {"commands": ["true"]}, "build": {"vcpu": 1, "memoryMiB": 1024, "timeoutSeconds": 120, "diskMiB": 5120}}),
     )
     .await;
     assert_eq!(v["state"], "ready", "{v}");
     assert_eq!(
         v["build"],
-        json!({"vcpu": 1, "memoryMiB": 1024, "timeoutSeconds": 120, "maxImageMiB": 8192})
+        json!({"vcpu": 1, "memoryMiB": 1024, "timeoutSeconds": 120, "maxImageMiB": 8192, "diskMiB": 5120})
     );
     let specs = t.host.specs.lock().unwrap().clone();
     let machine = specs
         .iter()
         .find(|s| s.hostname == "build")
         .expect("a build machine started");
-    assert_eq!((machine.vcpu, machine.memory_mib), (1, 1024));
+    assert_eq!(
+        (machine.vcpu, machine.memory_mib, machine.disk_mib),
+        (1, 1024, 5120)
+    );
     // Without `build`, the defaults.
     let plain = built(&t, json!({"recipe": {"commands": ["echo two"]}})).await;
     assert_eq!(plain["build"]["vcpu"], 2, "{plain}");
+    assert_eq!(plain["build"]["diskMiB"], 3072, "{plain}");
     let specs = t.host.specs.lock().unwrap().clone();
     let last = specs.iter().rev().find(|s| s.hostname == "build").unwrap();
-    assert_eq!((last.vcpu, last.memory_mib), (2, 2048));
+    assert_eq!((last.vcpu, last.memory_mib, last.disk_mib), (2, 2048, 3072));
+    // The same step on another disk is another layer (its file system is
+    // another size), so it runs again; on the default disk it is cached.
+    let again = built(&t, json!({"recipe": {"commands": ["true"]}})).await;
+    assert_eq!(again["state"], "ready", "{again}");
+    assert_eq!(again["steps"][0]["cached"], false, "{again}");
+    let cached = built(
+        &t,
+        json!({"recipe": {"commands": ["true"]}, "build": {"diskMiB": 5120}}),
+    )
+    .await;
+    assert_eq!(cached["steps"][0]["cached"], true, "{cached}");
     // Out of range, wrong types, unknown fields: each named, nothing queued.
     let (s, e) = t
         .json(
             "POST",
             "/v1/images",
-            Some(json!({"recipe": {}, "build": {"vcpu": 0, "memoryMiB": "x", "diskMiB": 9999, "cacheMiB": 1}})),
+            Some(json!({"recipe": {}, "build": {"vcpu": 0, "memoryMiB": "x", "diskMiB": 40000, "cacheMiB": 1}})),
         )
         .await;
     assert_eq!(s, StatusCode::BAD_REQUEST, "{e}");
@@ -4793,7 +4808,7 @@ async fn a_build_machine_has_the_shape_its_build_asks_for() {
         assert!(text.contains(f), "{f} not named: {text}");
     }
     let (_, list) = t.json("GET", "/v1/images", None).await;
-    assert_eq!(list["data"].as_array().map(Vec::len), Some(2), "{list}");
+    assert_eq!(list["data"].as_array().map(Vec::len), Some(4), "{list}");
 }
 
 #[tokio::test]

@@ -449,6 +449,20 @@ pub(crate) async fn create(
     if let Some(r) = &image {
         // The image's environment first; the create's own variables win.
         let img = crate::service::images::for_create(st, key, r)?;
+        // A disk smaller than the image's file system cannot hold it: the
+        // default grows to it, a smaller one asked for is refused.
+        if let Some(floor) = img.disk_mib.filter(|&m| m > record.disk_mib) {
+            if shape_given.iter().any(|(k, _)| *k == "diskMiB") {
+                return Err(ApiError::invalid(
+                    "diskMiB",
+                    format!(
+                        "must be at least {floor}, the disk of image {} (or left out)",
+                        img.id
+                    ),
+                ));
+            }
+            record.disk_mib = floor;
+        }
         let mut merged = img.env;
         merged.retain(|(k, _)| !env.iter().any(|(n, _)| n == k));
         merged.append(&mut env);

@@ -52,6 +52,15 @@ pub(crate) async fn switch_image(
     if r.image.as_deref() == Some(target.id.as_str()) {
         return Ok(row);
     }
+    if let Some(need) = target.disk_mib.filter(|&m| m > r.disk_mib) {
+        return Err(ApiError::invalid(
+            "image",
+            format!(
+                "image {} needs a disk of at least {need} MiB and sandbox {id} has {} MiB: grow it first (:resize with diskMiB)",
+                target.id, r.disk_mib
+            ),
+        ));
+    }
     match r.state {
         Running | Paused => {}
         Stopped if r.persistent => {}

@@ -192,7 +192,8 @@ pub(crate) struct Image {
 }
 
 /// A build's machine and limits, `build: {vcpu, memoryMiB, timeoutSeconds,
-/// maxImageMiB}` on `POST /v1/images` (docs/images.md "Build limits").
+/// maxImageMiB, diskMiB}` on `POST /v1/images` (docs/images.md "Build
+/// machine and limits").
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub(crate) struct BuildLimits {
@@ -204,6 +205,11 @@ pub(crate) struct BuildLimits {
     /// What the image's file system may hold after any step.
     #[serde(rename = "maxImageMiB")]
     pub(crate) max_image_mib: u32,
+    /// The build machine's disk, which each step's file system fills: the
+    /// image's file system is this large, and so at least is the disk of a
+    /// sandbox from it. Records from before it have the one disk builds had.
+    #[serde(rename = "diskMiB", default = "BuildLimits::default_disk")]
+    pub(crate) disk_mib: u32,
 }
 
 impl BuildLimits {
@@ -211,9 +217,19 @@ impl BuildLimits {
     pub(crate) const MEMORY_MIB: (u32, u32) = (1024, 16384);
     pub(crate) const TIMEOUT_SECONDS: (u32, u32) = (60, 3600);
     pub(crate) const MAX_IMAGE_MIB: (u32, u32) = (512, 20480);
-    /// The build machine's disk, which every layer's file system fills: a
-    /// sandbox's disk may not be smaller, so it is not a setting.
-    pub(crate) const DISK_MIB: u32 = 3072;
+    /// From the smallest sandbox disk (the default, which keeps the layer
+    /// keys of builds before the setting) to the product's 32 GiB.
+    pub(crate) const DISK_MIB: (u32, u32) = (3072, 32768);
+
+    fn default_disk() -> u32 {
+        Self::DISK_MIB.0
+    }
+
+    /// The disk when it is not the default: it then names the build's layers
+    /// apart from the same steps on the default disk.
+    pub(crate) fn other_disk(&self) -> Option<u32> {
+        (self.disk_mib != Self::DISK_MIB.0).then_some(self.disk_mib)
+    }
 }
 
 impl Default for BuildLimits {
@@ -223,6 +239,7 @@ impl Default for BuildLimits {
             memory_mib: 2048,
             timeout_seconds: 1800,
             max_image_mib: 8192,
+            disk_mib: Self::DISK_MIB.0,
         }
     }
 }

@@ -44,6 +44,9 @@ pub(crate) struct Steps {
     prev: String,
     /// Set by [`Steps::restart`]: the layer the next step runs on.
     on: Option<String>,
+    /// The build disk when it is not the default ([`super::BuildLimits::other_disk`]):
+    /// every key covers it, since a layer's file system is its disk's size.
+    pub(crate) disk: Option<u32>,
 }
 
 impl Steps {
@@ -54,6 +57,7 @@ impl Steps {
             state,
             prev: base_key.into(),
             on: None,
+            disk: None,
         }
     }
 
@@ -72,7 +76,10 @@ impl Steps {
 
     /// A step running `script` as the build's user, in its state.
     pub(crate) fn push(&mut self, instruction: String, script: String) {
-        let key = step_key(&self.prev, &instruction, &script, &self.state);
+        let mut key = step_key(&self.prev, &instruction, &script, &self.state);
+        if let Some(mib) = self.disk {
+            key = on_disk(&key, mib);
+        }
         self.prev = key.clone();
         self.steps.push(Step {
             index: self.steps.len(),
@@ -227,6 +234,12 @@ pub(crate) fn step_key(prev: &str, instruction: &str, script: &str, state: &Buil
         state.user
     ]);
     sha256_hex(canonical.to_string().as_bytes())
+}
+
+/// The key of a step whose key on the default build disk is `key`, on a
+/// build disk of `mib` MiB (the default disk's keys stay as they were).
+pub(crate) fn on_disk(key: &str, mib: u32) -> String {
+    sha256_hex(json!(["disk", mib, key]).to_string().as_bytes())
 }
 
 /// The name a layer's disk has for the host: the key's first 32 characters.
@@ -440,6 +453,19 @@ mod tests {
         );
         // A step's key chains from the one before it.
         let mut s = Steps::new("base-abc", st.clone());
+        let mut big = Steps::new("base-abc", st.clone());
+        big.disk = Some(5120);
+        big.push("RUN a".into(), "a".into());
+        big.push("RUN b".into(), "b".into());
+        assert_eq!(
+            big.steps[0].key,
+            on_disk(&step_key("base-abc", "RUN a", "a", &st), 5120)
+        );
+        assert_eq!(
+            big.steps[1].key,
+            on_disk(&step_key(&big.steps[0].key, "RUN b", "b", &st), 5120)
+        );
+        assert_eq!(on_disk("k", 5120), sha256_hex(br#"["disk",5120,"k"]"#));
         s.push("RUN a".into(), "a".into());
         s.push("RUN b".into(), "b".into());
         assert_eq!(s.steps[0].key, step_key("base-abc", "RUN a", "a", &st));

@@ -177,7 +177,7 @@ fn parse_create(body: &[u8]) -> ApiResult<CreateImage> {
 }
 
 /// `build: {vcpu, memoryMiB, timeoutSeconds, maxImageMiB, diskMiB}`: each
-/// absent one is its default; `diskMiB` only as the one disk builds have.
+/// absent one is its default.
 fn build_limits(f: &mut Fields<'_>) -> BuildLimits {
     let mut out = BuildLimits::default();
     let Some(v) = f.raw("build") else {
@@ -212,17 +212,7 @@ fn build_limits(f: &mut Fields<'_>) -> BuildLimits {
         BuildLimits::MAX_IMAGE_MIB,
         &mut out.max_image_mib,
     );
-    if let Some(d) = b.raw("diskMiB") {
-        if d.as_i64() != Some(i64::from(BuildLimits::DISK_MIB)) {
-            b.issue(
-                "diskMiB",
-                format!(
-                    "a build machine's disk is {} MiB here, the disk every layer's file system fills (a sandbox's disk may not be smaller); leave it out",
-                    BuildLimits::DISK_MIB
-                ),
-            );
-        }
-    }
+    take(&mut b, "diskMiB", BuildLimits::DISK_MIB, &mut out.disk_mib);
     f.absorb(b);
     out
 }

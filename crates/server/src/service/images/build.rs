@@ -608,9 +608,9 @@ async fn start_machine(
         id: vm.clone(),
         vcpu: d.build.vcpu,
         memory_mib: d.build.memory_mib,
-        // The smallest disk a sandbox may have: the guest grows its file
-        // system to its disk, and a sandbox's disk may not be smaller.
-        disk_mib: 3072,
+        // The guest grows its file system to its disk: the image's is this
+        // large, and a sandbox from it has at least this disk.
+        disk_mib: d.build.disk_mib,
         hostname: "build".into(),
         guest_ca_pem: crate::service::network::prepare_guest(st, &vm),
         volumes,

@@ -207,6 +207,9 @@ pub(crate) fn list(
 pub(crate) struct ForSandbox {
     pub(crate) id: String,
     pub(crate) env: Vec<(String, String)>,
+    /// The image's file system, in MiB, when it has a disk of its own: a
+    /// sandbox's disk may not be smaller.
+    pub(crate) disk_mib: Option<u32>,
 }
 
 /// The image a create names, which must be ready.
@@ -219,10 +222,30 @@ pub(crate) fn for_create(st: &AppState, key: &KeyInfo, r: &str) -> ApiResult<For
             details: Some(json!({"imageId": d.id, "state": d.state})),
         });
     }
+    let disk_mib = disk_mib(st, &d);
     Ok(ForSandbox {
         id: d.id,
         env: d.env,
+        disk_mib,
     })
+}
+
+/// The size of image `d`'s own disk in MiB (its last layer's, which the
+/// build machine's or the pull's file system fills), read from the qcow2
+/// header; `None` for the server's plain image or a header it cannot read.
+pub(crate) fn disk_mib(st: &AppState, d: &Image) -> Option<u32> {
+    if d.is_plain_base() {
+        return None;
+    }
+    let path = layers::disk(st, d.disk_key());
+    match runtime_host::disk_files::virtual_size(&path) {
+        Ok(Some(bytes)) => u32::try_from(bytes.div_ceil(1 << 20)).ok(),
+        Ok(None) => None,
+        Err(e) => {
+            tracing::warn!(image_id = %d.id, error = %e, "reading the image's disk size failed");
+            None
+        }
+    }
 }
 
 /// An image for [`start_of`] and [`disk_of`], which have no error to answer.
@@ -329,6 +352,7 @@ pub(super) fn plan(
         e => ApiError::invalid("dockerfile", e.to_string()),
     };
     let mut b = Steps::new(base_key, state);
+    b.disk = cmd.disk;
     for (k, v) in &cmd.env {
         b.state.set_env(k, v);
     }
@@ -381,6 +405,8 @@ pub(super) struct PlanInput {
     /// (other stages' bases, `COPY --from`), as resolved so far: a
     /// registry image is here once pulled.
     pub(super) externals: BTreeMap<String, dockerfile::External>,
+    /// The build disk when it is not the default (its steps' keys cover it).
+    pub(super) disk: Option<u32>,
 }
 
 /// Registry images the build pulls first, then reads its steps again on:
@@ -559,6 +585,7 @@ pub(crate) async fn create(st: &AppState, key: &KeyInfo, cmd: CreateImage) -> Ap
         context: manifest.clone(),
         target: cmd.target.clone(),
         externals: resolved,
+        disk: cmd.build.other_disk(),
     };
     let mut pending = None;
     let (base_key, base_id, state, inherited) = match base_of(st, key, base_ref.as_deref(), field)?
@@ -841,6 +868,7 @@ mod tests {
             context: None,
             target: None,
             externals: BTreeMap::new(),
+            disk: None,
         };
         let (state, inherited) = registry_state(&config(None));
         let source = BuildSource::Image("x".into());
