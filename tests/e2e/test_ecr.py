@@ -1,6 +1,6 @@
 """Amazon ECR through the official client (docs/images.md, "ECR"): an
 access key stored with `runtime.images.registries.set(..., access_key_id=,
-secret_access_key=)` is exchanged at each pull for a registry password with
+secret_access_key=)` is exchanged for a registry password (kept while it lasts) with
 `ecr:GetAuthorizationToken`, signed with AWS Signature Version 4.
 
 The stand-ins: `123456789012.dkr.ecr.us-east-1.amazonaws.com` is a real
@@ -111,7 +111,7 @@ class FakeEcr:
 
 
 @pytest.mark.timeout(900)
-def test_an_ecr_access_key_is_exchanged_for_a_token_at_each_pull():
+def test_an_ecr_access_key_is_exchanged_for_a_token_kept_between_pulls():
     from withruntime import Runtime
     root = Path(tempfile.mkdtemp(prefix="runtime-e2e-ecr-"))
     os.chmod(root, 0o711)
@@ -145,6 +145,13 @@ def test_an_ecr_access_key_is_exchanged_for_a_token_at_each_pull():
             assert SECRET not in image["log"] and password not in image["log"]
             with rt.sandboxes.create(image="from-ecr") as sbx:
                 assert sbx.exec("/srv/app/hello.sh").stdout == "hello from the image\n"
+            # Another pull of the registry within the token's 12 hours asks
+            # ECR nothing: the token is kept (the registry still checks it).
+            asked = len(api.calls)
+            again = rt.images.build(name="from-ecr-again", image=ref, poll_seconds=0.5)
+            assert again["state"] == "ready", again["error"]
+            assert len(api.calls) == asked, api.calls
+            assert "ECR token kept from an earlier pull" in again["log"], again["log"]
         log = srv.log_path.read_bytes()
         assert SECRET.encode() not in log and password.encode() not in log
     finally:

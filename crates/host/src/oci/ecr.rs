@@ -4,6 +4,8 @@
 //! through the same egress as the pull. The answer's token is
 //! `base64("AWS:<password>")`, valid 12 hours: the pull then uses it as
 //! Basic credentials, as `aws ecr get-login-password` users do by hand.
+//! The token is kept in memory ([`kept`]) until 10 minutes before it ends,
+//! so builds in a row ask ECR once.
 
 use base64::Engine as _;
 use bytes::Bytes;
@@ -124,6 +126,83 @@ struct TokenAnswer {
 #[serde(rename_all = "camelCase")]
 struct AuthorizationData {
     authorization_token: String,
+    /// When the token ends, in seconds since the epoch.
+    #[serde(default)]
+    expires_at: Option<f64>,
+}
+
+/// A registry password ECR gave, and until when it is used.
+#[derive(Clone)]
+struct Kept {
+    user: String,
+    password: String,
+    until: u64,
+}
+
+/// At most this many tokens are kept (registries × access keys); the one
+/// ending soonest makes room.
+const KEPT_MAX: usize = 256;
+/// A token is used until this long before it ends.
+const KEPT_MARGIN_SECS: u64 = 600;
+
+fn tokens() -> &'static std::sync::Mutex<std::collections::HashMap<String, Kept>> {
+    static TOKENS: std::sync::OnceLock<std::sync::Mutex<std::collections::HashMap<String, Kept>>> =
+        std::sync::OnceLock::new();
+    TOKENS.get_or_init(Default::default)
+}
+
+/// The name a token is kept under: the registry, the access key and a
+/// digest of its secret (a new secret asks ECR again).
+pub(super) fn kept_key(registry: &str, access_key_id: &str, secret_access_key: &str) -> String {
+    sha256_hex(format!("{registry}\n{access_key_id}\n{secret_access_key}").as_bytes())
+}
+
+/// The kept user name and password under `key`, while they last.
+pub(super) fn kept(key: &str, unix_now: u64) -> Option<(String, String)> {
+    let mut t = tokens().lock().unwrap_or_else(|e| e.into_inner());
+    match t.get(key) {
+        Some(k) if k.until > unix_now => Some((k.user.clone(), k.password.clone())),
+        Some(_) => {
+            t.remove(key);
+            None
+        }
+        None => None,
+    }
+}
+
+/// Keeps a token that ends at `expires_at` (used until the margin before).
+fn keep(key: String, pair: &(String, String), expires_at: u64, unix_now: u64) {
+    let until = expires_at.saturating_sub(KEPT_MARGIN_SECS);
+    if until <= unix_now {
+        return;
+    }
+    let mut t = tokens().lock().unwrap_or_else(|e| e.into_inner());
+    t.retain(|_, k| k.until > unix_now);
+    if t.len() >= KEPT_MAX && !t.contains_key(&key) {
+        if let Some(soonest) = t
+            .iter()
+            .min_by_key(|(_, k)| k.until)
+            .map(|(n, _)| n.clone())
+        {
+            t.remove(&soonest);
+        }
+    }
+    t.insert(
+        key,
+        Kept {
+            user: pair.0.clone(),
+            password: pair.1.clone(),
+            until,
+        },
+    );
+}
+
+/// Drops the token under `key` (the registry refused it).
+pub(super) fn forget(key: &str) {
+    tokens()
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .remove(key);
 }
 
 /// The user name and password of `registry` (an ECR host) for the access
@@ -211,7 +290,16 @@ pub async fn ecr_login(
     let (user, password) = decoded
         .split_once(':')
         .ok_or_else(|| protocol("the authorization token is not user:password".into()))?;
-    Ok((user.to_string(), password.to_string()))
+    let pair = (user.to_string(), password.to_string());
+    if let Some(at) = token.expires_at.filter(|t| t.is_finite() && *t > 0.0) {
+        keep(
+            kept_key(registry, access_key_id, secret_access_key),
+            &pair,
+            at as u64,
+            unix_now,
+        );
+    }
+    Ok(pair)
 }
 
 #[cfg(test)]
@@ -253,6 +341,48 @@ mod tests {
         assert_eq!(amz_date(1_440_938_160), "20150830T123600Z");
         assert_eq!(amz_date(951_782_400), "20000229T000000Z");
         assert_eq!(amz_date(1_796_342_399), "20261203T235959Z");
+    }
+
+    #[test]
+    fn a_token_is_kept_until_shortly_before_it_ends_and_bounded() {
+        let pair = ("AWS".to_string(), "pw".to_string());
+        let key = kept_key("r1", "AKIA", "secret");
+        assert_ne!(
+            key,
+            kept_key("r1", "AKIA", "other"),
+            "a new secret is another key"
+        );
+        keep(key.clone(), &pair, 10_000, 1_000);
+        assert_eq!(kept(&key, 1_000), Some(pair.clone()));
+        assert_eq!(
+            kept(&key, 10_000 - KEPT_MARGIN_SECS - 1),
+            Some(pair.clone())
+        );
+        assert_eq!(
+            kept(&key, 10_000 - KEPT_MARGIN_SECS),
+            None,
+            "used up to the margin"
+        );
+        // One that ends within the margin is not kept at all.
+        let short = kept_key("r2", "AKIA", "secret");
+        keep(short.clone(), &pair, 1_100, 1_000);
+        assert_eq!(kept(&short, 1_000), None);
+        // Forgotten when the registry refuses it.
+        keep(key.clone(), &pair, 10_000, 1_000);
+        forget(&key);
+        assert_eq!(kept(&key, 1_000), None);
+        // Never more than KEPT_MAX: the one ending soonest goes.
+        for i in 0..KEPT_MAX + 10 {
+            keep(
+                kept_key("many", &i.to_string(), "s"),
+                &pair,
+                50_000 + i as u64,
+                1_000,
+            );
+        }
+        assert!(tokens().lock().unwrap().len() <= KEPT_MAX);
+        assert_eq!(kept(&kept_key("many", "0", "s"), 1_000), None);
+        assert!(kept(&kept_key("many", &(KEPT_MAX + 9).to_string(), "s"), 1_000).is_some());
     }
 
     #[test]

@@ -131,8 +131,8 @@ fn scheme_for(opts: &PullOptions, authority: &str) -> &'static str {
 }
 
 /// What a pull authenticates with: a user name and password (or token),
-/// or an Amazon ECR access key, exchanged for a password at each pull
-/// ([`ecr_login`]). Its `Debug` shows no secret.
+/// or an Amazon ECR access key, exchanged for a password ([`ecr_login`],
+/// kept while it lasts). Its `Debug` shows no secret.
 #[derive(Clone, PartialEq, Eq)]
 pub enum Credentials {
     Basic {
@@ -172,6 +172,13 @@ impl Credentials {
                 let now = std::time::SystemTime::now()
                     .duration_since(std::time::UNIX_EPOCH)
                     .map_or(0, |d| d.as_secs());
+                let key = ecr::kept_key(registry, &access_key_id, &secret_access_key);
+                if let Some(pair) = ecr::kept(&key, now) {
+                    progress(format!(
+                        "{registry}: signed in with access key {access_key_id} (ECR token kept from an earlier pull)"
+                    ));
+                    return Ok(pair);
+                }
                 let pair =
                     ecr_login(connect, registry, &access_key_id, &secret_access_key, now).await?;
                 progress(format!(
@@ -222,12 +229,24 @@ pub async fn pull_through(
             Err(e) => progress(format!("mirror {mirror}: {e}; pulling from {}", r.registry)),
         }
     }
+    // A kept ECR token the registry refuses is not used again.
+    let kept = match &credentials {
+        Some(Credentials::Ecr {
+            access_key_id,
+            secret_access_key,
+        }) => Some(ecr::kept_key(&r.registry, access_key_id, secret_access_key)),
+        _ => None,
+    };
     let credentials = match credentials {
         Some(c) => Some(c.resolve(connect, &r.registry, progress).await?),
         None => None,
     };
     let c = Client::new(connect, scheme_for(opts, &r.registry), api, credentials);
-    pull_from(c, r, opts, progress).await
+    let pulled = pull_from(c, r, opts, progress).await;
+    if let (Err(PullError::Denied { .. }), Some(key)) = (&pulled, kept) {
+        ecr::forget(&key);
+    }
+    pulled
 }
 
 async fn pull_from(
