@@ -400,6 +400,10 @@ def test_an_image_without_any_shell_gets_ours(rt, tmp_path):
                             dockerfile=f"FROM {DISTROLESS}\nCOPY added.txt /app/added.txt\n"
                                        "RUN echo $((6*7)) > /app/answer\n")
     assert image["state"] == "ready", image["error"]
+    # Each step's size is measured (maxImageMiB) by the supplied busybox's df.
+    sized = [line for line in image["log"].splitlines() if line.endswith(" MiB in the image")]
+    assert len(sized) == len(image["steps"]) >= 2, image["log"]
+    assert "no df in the image" not in image["log"], image["log"]
     with rt.sandboxes.create(image="distroless-like") as sbx:
         # No shell of its own: strings run through the busybox supplied at
         # the unpack, its applets after the image's PATH.

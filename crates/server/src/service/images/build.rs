@@ -786,8 +786,8 @@ async fn run_step(
         });
     }
     // Over the image's size limit: failed, and not kept.
-    if let Some(used_mib) = used_mib(st, vm).await {
-        if used_mib > u64::from(d.build.max_image_mib) {
+    match used_mib(st, vm).await {
+        Some(used_mib) if used_mib > u64::from(d.build.max_image_mib) => {
             return Err(BuildError::TooBig {
                 n,
                 instruction: s.instruction.clone(),
@@ -795,6 +795,20 @@ async fn run_step(
                 max_mib: d.build.max_image_mib,
             });
         }
+        Some(used_mib) => log(
+            st,
+            id,
+            Some(s.index),
+            LogStream::System,
+            &format!("{used_mib} MiB in the image"),
+        ),
+        None => log(
+            st,
+            id,
+            Some(s.index),
+            LogStream::System,
+            "no df in the image (nor ours): its size is not checked against maxImageMiB",
+        ),
     }
     // Keep the disk as this step's layer.
     layers::keep(st, vm, &s.key).await.map_err(|e| match e {
@@ -810,11 +824,21 @@ async fn run_step(
 }
 
 /// What the build machine's root file system holds, in MiB (`df`'s used
-/// blocks); `None` when the image has no `df` or it answered nothing
-/// readable (the limit is then not checked for that step).
+/// blocks): the image's `df`, else the one of the busybox supplied to an
+/// image without a shell (distroless); `None` when neither answers
+/// anything readable (the limit is then not checked for that step).
 async fn used_mib(st: &AppState, vm: &str) -> Option<u64> {
+    for df in ["df", "/usr/lib/runtime/bin/df"] {
+        if let Some(mib) = df_used_mib(st, vm, df).await {
+            return Some(mib);
+        }
+    }
+    None
+}
+
+async fn df_used_mib(st: &AppState, vm: &str, df: &str) -> Option<u64> {
     let spec = ExecSpec {
-        argv: vec!["df".into(), "-Pk".into(), "/".into()],
+        argv: vec![df.into(), "-Pk".into(), "/".into()],
         cwd: None,
         env: Vec::new(),
         user: RunAs::Root,
