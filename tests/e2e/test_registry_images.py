@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import tarfile
 import tempfile
 import time
 from pathlib import Path
@@ -417,6 +418,26 @@ def test_an_image_without_any_shell_gets_ours(rt, tmp_path):
         assert sbx.exec("sudo id -u").stdout == "0\n"
         sbx.files.write("/tmp/note", "via files\n")
         assert sbx.exec("wc -l < /tmp/note").stdout.strip() == "1"
+
+
+def test_add_unpacks_each_compression_with_busybox_tar(rt, tmp_path):
+    # Busybox's tar (Alpine's, Debian's) guesses no compression from a file:
+    # ADD tells it, from the archive's name, as GNU tar would guess.
+    ctx, src = tmp_path / "ctx", tmp_path / "src"
+    ctx.mkdir()
+    (src / "d").mkdir(parents=True)
+    (src / "d" / "f.txt").write_text("packed\n")
+    kinds = [("a.tar", "w"), ("b.tgz", "w:gz"), ("c.tar.bz2", "w:bz2"), ("e.tar.xz", "w:xz")]
+    for name, mode in kinds:
+        with tarfile.open(ctx / name, mode) as t:
+            t.add(src / "d", arcname="d")
+    adds = "".join(f"ADD {name} /x/{name}/\n" for name, _ in kinds)
+    image = rt.images.build(name="alpine-add", context_dir=str(ctx), poll_seconds=0.5,
+                            dockerfile=f"FROM {ALPINE}\n{adds}")
+    assert image["state"] == "ready", image["error"]
+    with rt.sandboxes.create(image="alpine-add") as sbx:
+        paths = " ".join(f"/x/{name}/d/f.txt" for name, _ in kinds)
+        assert sbx.exec(f"cat {paths}").stdout == "packed\n" * len(kinds)
 
 
 def test_an_image_without_sudo_gets_runtimes(rt):

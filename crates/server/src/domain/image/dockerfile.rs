@@ -798,6 +798,22 @@ fn is_tar(name: &str) -> bool {
     .any(|e| name.ends_with(e))
 }
 
+/// The `tar` option that decompresses an archive [`is_tar`] takes, from its
+/// name: GNU tar guesses from the file, busybox's (Alpine, Debian's, the one
+/// supplied to an image without a shell) must be told.
+fn tar_decompress(name: &str) -> &'static str {
+    let ends = |exts: &[&str]| exts.iter().any(|e| name.ends_with(e));
+    if ends(&[".tar.gz", ".tgz"]) {
+        " -z"
+    } else if ends(&[".tar.bz2", ".tbz2"]) {
+        " -j"
+    } else if ends(&[".tar.xz", ".txz"]) {
+        " -J"
+    } else {
+        ""
+    }
+}
+
 /// What a COPY or ADD says: its options, checked, and its words (the
 /// sources, then the destination).
 struct CopyArgs {
@@ -917,7 +933,8 @@ fn copy(
         }
     };
     let mut plan: Vec<CopyEntry> = Vec::new();
-    let mut archives: Vec<String> = Vec::new();
+    // Where each archive unpacks, and its tar option.
+    let mut archives: Vec<(String, &'static str)> = Vec::new();
     let owner_of = |user: ImageUser| {
         chown.unwrap_or(match user {
             ImageUser::Root => (0, 0),
@@ -1075,7 +1092,7 @@ fn copy(
                     match m.files.get(&path) {
                         Some(f) if add && kind == Found::Named && is_tar(&path) => {
                             // Unpacked into the destination, as a directory.
-                            archives.push(dest_abs.clone());
+                            archives.push((dest_abs.clone(), tar_decompress(&path)));
                             plan.push(CopyEntry {
                                 src: path.clone(),
                                 sha256: f.sha256.clone(),
@@ -1130,9 +1147,9 @@ fn copy(
             "k=; tar --keep-directory-symlink --version >/dev/null 2>&1 && k='-p --keep-directory-symlink'; \
              cat {d}/part-* | tar -x --numeric-owner $k -C /"
         );
-        for (i, target) in archives.iter().enumerate() {
+        for (i, (target, z)) in archives.iter().enumerate() {
             script.push_str(&format!(
-                " && mkdir -p {t} && tar -x --no-same-owner -f {d}/archive-{n} -C {t}",
+                " && mkdir -p {t} && tar -x{z} --no-same-owner -f {d}/archive-{n} -C {t}",
                 t = sh_quote(target),
                 n = i + 1
             ));
@@ -2291,6 +2308,17 @@ ENV S="two words" T='it''s' U=a\ b V="say \"hi\" \\ \$HOME \n" W="" X=1"#);
     }
 
     #[test]
+    fn add_tells_tar_how_each_archive_is_compressed() {
+        assert_eq!(tar_decompress("a.tar.gz"), " -z");
+        assert_eq!(tar_decompress("d/a.tgz"), " -z");
+        assert_eq!(tar_decompress("a.tar.bz2"), " -j");
+        assert_eq!(tar_decompress("a.tbz2"), " -j");
+        assert_eq!(tar_decompress("a.tar.xz"), " -J");
+        assert_eq!(tar_decompress("a.txz"), " -J");
+        assert_eq!(tar_decompress("a.tar"), "");
+    }
+
+    #[test]
     fn add_unpacks_local_tars_and_downloads_urls() {
         let m = manifest(&[("pkg.tar.gz", "gz"), ("plain.txt", "p")]);
         // Into a directory ending in / or not, an archive unpacks there.
@@ -2314,7 +2342,7 @@ ENV S="two words" T='it''s' U=a\ b V="say \"hi\" \\ \$HOME \n" W="" X=1"#);
         let script = b.steps[0].script.clone().unwrap_or_default();
         assert!(
             script.contains(&format!(
-                "mkdir -p '/opt/pkg' && tar -x --no-same-owner -f '{}'/archive-1 -C '/opt/pkg'",
+                "mkdir -p '/opt/pkg' && tar -x -z --no-same-owner -f '{}'/archive-1 -C '/opt/pkg'",
                 p.dir
             )),
             "{script}"
