@@ -1,5 +1,6 @@
-"""Image benchmarks: builds cold and with a cached prefix; creates from a
-custom image beside creates from the default image.
+"""Image benchmarks: builds cold and with a cached prefix; a build
+context of 1,000 files uploaded and built, then again with one file
+changed; creates from a custom image beside creates from the default image.
 
     .venv/bin/python bench/images.py            # starts its own server
     .venv/bin/python bench/images.py -n 5
@@ -11,7 +12,15 @@ ready; the same recipe with only its last command changed (every step but
 the last cached) until ready; then creates until running from the default
 image and from the custom image, each after its shape's template is built
 (2 vCPU, 1 GiB). No network in the recipe: the numbers are the build
-machinery's, not a registry's. Prints Markdown and writes
+machinery's, not a registry's.
+
+The context: each run a fresh folder of 1,000 files (4 KiB each, in 10
+directories, distinct per run) is packed by the client (the local floor:
+`pack_context`, the tar and gzip alone), uploaded (`upload_context`: the
+packing, `context/missing` and the chunks the server lacks) and built by
+a Dockerfile that COPYs it and counts the files; then one file changes and
+the same is timed again (only the changed chunks go; the COPY step and the
+one after it run again, the base is cached). Prints Markdown and writes
 bench/results/images-<timestamp>.json.
 """
 from __future__ import annotations
@@ -20,6 +29,7 @@ import argparse
 import json
 import statistics
 import sys
+import tempfile
 import time
 import uuid
 from datetime import datetime, timezone
@@ -32,6 +42,11 @@ SHAPE = {"vcpu": 2, "memory_mib": 1024}
 METRICS = [
     ("build_cold", "build of a small recipe, nothing cached (6 steps)"),
     ("build_cached_prefix", "rebuild with only the last step changed"),
+    ("context_pack_local", "pack 1,000 files locally (tar + gzip, the client's floor)"),
+    ("context_upload_cold", "upload a context of 1,000 files, nothing on the server"),
+    ("context_build_cold", "build it (COPY . and one RUN) after the upload"),
+    ("context_upload_one_changed", "upload again with one file changed"),
+    ("context_build_one_changed", "rebuild with one file changed (COPY and RUN again)"),
     ("create_default", "create from the default image until running"),
     ("create_custom", "create from the custom image until running"),
 ]
@@ -48,6 +63,17 @@ def recipe(nonce: str, last: str) -> dict:
     }
 
 
+CONTEXT_DOCKERFILE = "FROM runtime\nCOPY . /workspace/ctx/\nRUN find /workspace/ctx -type f | wc -l > /workspace/count.txt\n"
+
+
+def make_context(root: Path, nonce: str) -> None:
+    for d in range(10):
+        (root / f"d{d}").mkdir(parents=True, exist_ok=True)
+        for f in range(100):
+            body = (f"{nonce} {d} {f}\n" * 128)[:4096]
+            (root / f"d{d}" / f"f{f}.txt").write_text(body)
+
+
 def timed(f):
     t = time.perf_counter()
     out = f()
@@ -61,6 +87,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     args = parser.parse_args()
     from withruntime import Runtime
+    from withruntime._sync_products.images import pack_context
 
     own = OwnServer(args.binary, 1200)
     s: dict[str, list[float]] = {k: [] for k, _ in METRICS}
@@ -82,6 +109,25 @@ def main() -> int:
                 assert [st["state"] for st in image["steps"]][-2:] == ["cached", "done"], image["steps"]
                 print(f"run {i + 1}/{args.runs}: cold {s['build_cold'][-1]:.0f} ms, "
                       f"cached prefix {s['build_cached_prefix'][-1]:.0f} ms", file=sys.stderr)
+                with tempfile.TemporaryDirectory() as tmp:
+                    folder = Path(tmp)
+                    make_context(folder, nonce)
+                    ms, _ = timed(lambda: pack_context(str(folder)))
+                    s["context_pack_local"].append(ms)
+                    for kind in ("cold", "one_changed"):
+                        if kind == "one_changed":
+                            (folder / "d3" / "f7.txt").write_text(f"changed {nonce}\n")
+                        ms, up = timed(lambda: rt.images.upload_context(str(folder)))
+                        s[f"context_upload_{kind}"].append(ms)
+                        ms, built = timed(lambda: rt.images.build(
+                            name="bench-context", dockerfile=CONTEXT_DOCKERFILE, context=up["context"],
+                            poll_seconds=0.2))
+                        s[f"context_build_{kind}"].append(ms)
+                        assert [st["state"] for st in built["steps"]] == ["done", "done"], built["steps"]
+                print(f"run {i + 1}/{args.runs}: context upload {s['context_upload_cold'][-1]:.0f} ms, "
+                      f"build {s['context_build_cold'][-1]:.0f} ms; one changed: "
+                      f"{s['context_upload_one_changed'][-1]:.0f} + {s['context_build_one_changed'][-1]:.0f} ms",
+                      file=sys.stderr)
             assert image is not None
             # The custom image's template for this shape: first create, then wait.
             rt.sandboxes.create(image=image["id"], **SHAPE).delete()
