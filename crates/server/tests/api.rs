@@ -4960,6 +4960,41 @@ async fn a_name_resolves_to_its_ready_version_while_a_new_one_builds_or_after_it
 }
 
 #[tokio::test]
+async fn a_version_in_use_is_deleted_from_the_api_and_its_sandboxes_keep_it() {
+    let t = T::new();
+    let v1 = built(&t, json!({"name": "app", "recipe": {"env": {"V": "1"}}})).await;
+    let id = v1["id"].as_str().unwrap().to_string();
+    let (s, sbx) = t
+        .json("POST", "/v1/sandboxes", Some(json!({"image": "app"})))
+        .await;
+    assert_eq!(s, StatusCode::CREATED, "{sbx}");
+    let sid = sbx["id"].as_str().unwrap().to_string();
+    // Deleted while the sandbox runs on it: as the product does.
+    let (s, v) = t.json("DELETE", &format!("/v1/images/{id}"), None).await;
+    assert!(s.is_success(), "{s} {v}");
+    let (s, v) = t.json("GET", &format!("/v1/images/{id}"), None).await;
+    assert_error(&v, 404, "image_not_found");
+    assert_eq!(s, StatusCode::NOT_FOUND);
+    let (_, list) = t.json("GET", "/v1/images", None).await;
+    assert_eq!(list["data"], json!([]), "{list}");
+    let (_, v) = t.json("GET", "/v1/images/resolve?ref=app", None).await;
+    assert_error(&v, 404, "image_not_found");
+    let (_, v) = t
+        .json("POST", "/v1/sandboxes", Some(json!({"image": id})))
+        .await;
+    assert_error(&v, 404, "image_not_found");
+    let (_, v) = t.json("DELETE", &format!("/v1/images/{id}"), None).await;
+    assert_error(&v, 404, "image_not_found");
+    // The sandbox keeps its image; the name's next build is version 2.
+    let (s, v) = t.json("GET", &format!("/v1/sandboxes/{sid}"), None).await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert_eq!(v["image"], json!(id), "{v}");
+    let v2 = built(&t, json!({"name": "app", "recipe": {"env": {"V": "2"}}})).await;
+    assert_eq!(v2["version"], 2, "{v2}");
+    assert_eq!(v2["tags"], json!(["latest"]), "{v2}");
+}
+
+#[tokio::test]
 async fn an_image_name_belongs_to_its_key_and_resolves_only_among_its_images() {
     let t = T::new();
     let b = create_key(&t.dir, Some("b"), false, false).unwrap();

@@ -189,6 +189,11 @@ pub(crate) struct Image {
     /// create); images kept before they existed had the defaults.
     #[serde(default)]
     pub(crate) build: BuildLimits,
+    /// Deleted while sandboxes still use it: gone from the API (no get,
+    /// list, reference or new sandbox), kept for those sandboxes' starts
+    /// until a prune finds none left.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub(crate) deleted: bool,
 }
 
 /// A build's machine and limits, `build: {vcpu, memoryMiB, timeoutSeconds,
@@ -528,6 +533,7 @@ mod tests {
             pulled: None,
             context: None,
             build: BuildLimits::default(),
+            deleted: false,
         }
     }
 

@@ -96,13 +96,13 @@ fn not_found(id: &str) -> ApiError {
 /// made them, so an account-wide key uses another key's image by id only.
 pub(crate) fn resolve(st: &AppState, key: &KeyInfo, r: &str) -> ApiResult<Image> {
     if let Some(d) = st.store().get_image(r)? {
-        if visible(key, &d.key_id) {
+        if visible(key, &d.key_id) && !d.deleted {
             return Ok(d);
         }
     }
     let wanted = ImageRef::parse(r).ok_or_else(|| not_found(r))?;
     let all = st.store().images()?;
-    let own = || all.iter().filter(|d| d.key_id == key.id);
+    let own = || all.iter().filter(|d| d.key_id == key.id && !d.deleted);
     if let Some(d) = wanted.pick(own()) {
         return Ok(d.clone());
     }
@@ -176,7 +176,7 @@ pub(crate) fn get(st: &AppState, key: &KeyInfo, id: &str) -> ApiResult<ImageView
     let d = st
         .store()
         .get_image(id)?
-        .filter(|d| visible(key, &d.key_id))
+        .filter(|d| visible(key, &d.key_id) && !d.deleted)
         .ok_or_else(|| not_found(id))?;
     view(st, d)
 }
@@ -197,7 +197,7 @@ pub(crate) fn list(
         .store()
         .images()?
         .into_iter()
-        .filter(|d| visible(key, &d.key_id))
+        .filter(|d| visible(key, &d.key_id) && !d.deleted)
         .filter(|d| name.is_none_or(|n| d.name.as_deref() == Some(n)))
         .filter(|d| state.is_none_or(|s| d.state == s))
         .collect())
@@ -668,6 +668,7 @@ pub(crate) async fn create(st: &AppState, key: &KeyInfo, cmd: CreateImage) -> Ap
         pulled: pending.as_ref().map(Reference::canonical),
         context: cmd.context.map(|c| c.archive),
         build: cmd.build,
+        deleted: false,
     };
     {
         // Not while a prune removes layers this build may start on.
@@ -695,15 +696,16 @@ pub(crate) async fn create(st: &AppState, key: &KeyInfo, cmd: CreateImage) -> Ap
     Ok(d)
 }
 
-/// Deletes one version; refused (409 `image_in_use`) while a sandbox that
-/// is not deleted started from it, and while it builds. The step cache
-/// (layers) stays.
+/// Deletes one version (its tags with it); refused while it builds. A
+/// version sandboxes still use (not deleted ones, stopped persistent ones
+/// included) is only marked deleted: gone from the API, kept for their
+/// starts until a prune finds none left. The step cache (layers) stays.
 pub(crate) async fn delete(st: &AppState, key: &KeyInfo, id: &str) -> ApiResult<()> {
     let _g = st.inner.create_lock.lock().await;
     let d = st
         .store()
         .get_image(id)?
-        .filter(|d| d.key_id == key.id || key.account_wide)
+        .filter(|d| (d.key_id == key.id || key.account_wide) && !d.deleted)
         .ok_or_else(|| not_found(id))?;
     if d.state.in_progress() {
         return Err(ApiError::Conflict {
@@ -712,23 +714,25 @@ pub(crate) async fn delete(st: &AppState, key: &KeyInfo, id: &str) -> ApiResult<
             details: None,
         });
     }
-    if let Some(user) = st
+    if in_use(st, id)? {
+        st.store().update_image(id, |d| {
+            d.deleted = true;
+            d.tags.clear();
+            true
+        })?;
+    } else {
+        st.store().delete_image(id)?;
+    }
+    Ok(())
+}
+
+/// Whether a sandbox that is not deleted started from image `id`.
+pub(super) fn in_use(st: &AppState, id: &str) -> ApiResult<bool> {
+    Ok(st
         .store()
         .live_sandboxes()?
-        .into_iter()
-        .find(|r| r.record.image.as_deref() == Some(id))
-    {
-        return Err(ApiError::Conflict {
-            code: codes::IMAGE_IN_USE,
-            message: format!(
-                "Image {id} is used by sandbox {}; delete that sandbox first.",
-                user.record.id
-            ),
-            details: Some(json!({"sandboxId": user.record.id})),
-        });
-    }
-    st.store().delete_image(id)?;
-    Ok(())
+        .iter()
+        .any(|r| r.record.image.as_deref() == Some(id)))
 }
 
 /// `:tag` (`on`) and `:untag`: points `tag` of the image's name at this
@@ -746,7 +750,7 @@ pub(crate) async fn tag(
     let d = st
         .store()
         .get_image(id)?
-        .filter(|d| d.key_id == key.id || key.account_wide)
+        .filter(|d| (d.key_id == key.id || key.account_wide) && !d.deleted)
         .ok_or_else(|| not_found(id))?;
     let Some(name) = d.name.clone() else {
         return Err(ApiError::Conflict {

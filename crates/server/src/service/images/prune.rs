@@ -60,6 +60,11 @@ pub(crate) fn prune(st: &AppState) -> ApiResult<Pruned> {
     let layers_dir = layers_dir.canonicalize().unwrap_or(layers_dir);
     let mut named: HashSet<String> = HashSet::new();
     for d in st.store().images()? {
+        // A deleted version no sandbox uses any more goes now.
+        if d.deleted && !super::in_use(st, &d.id)? {
+            st.store().delete_image(&d.id)?;
+            continue;
+        }
         named.insert(d.base_key.clone());
         named.extend(d.steps.iter().map(|s| s.key.clone()));
         // What a COPY --from copied out of (a pulled image no step rests on).
