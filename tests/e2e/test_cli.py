@@ -349,3 +349,48 @@ def test_images_ls_logs_tag_rm(tmp_path):
     assert "stable" not in listed[0]["tags"], listed
     assert cli("image", "rm", name).stdout.decode().strip() == f"deleted {mine[0]['id']}"
     assert name not in [i["name"] for i in json.loads(cli("image", "ls", "--json").stdout)]
+
+
+@pytest.mark.timeout(600)
+def test_image_build_of_a_folder_and_from_an_image(server, tmp_path):
+    # `runtime image build DIR -t name:tag`, as the product's first example:
+    # the folder is the context, less what its .dockerignore leaves out.
+    name = f"cli-dir-{uuid.uuid4().hex[:6]}"
+    ctx = tmp_path / "app"
+    deep = ctx / ("d" * 60) / ("e" * 60)
+    deep.mkdir(parents=True)
+    (ctx / "node_modules").mkdir()
+    (ctx / "Dockerfile").write_text("FROM runtime\nARG GREETING=plain\nCOPY . /srv/app/\n"
+                                    "RUN echo $GREETING > /srv/greeting.txt\n")
+    (ctx / ".dockerignore").write_text("secret.txt\nnode_modules\n")
+    (ctx / "a.txt").write_text("from the folder\n")
+    (ctx / "secret.txt").write_text("left out\n")
+    (ctx / "node_modules" / "big.js").write_text("left out too\n")
+    (deep / "long.txt").write_text("a path over 100 characters\n")
+    url = os.environ["RUNTIME_API_URL"]
+    built = cli("image", "build", str(ctx), "-t", f"{name}:v1", "--build-arg", "GREETING=spicy",
+                "--url", url, timeout=550)
+    assert b"ready" in built.stdout, built
+    assert b"context: 4 files" in built.stderr, built.stderr
+    image = http(server, "GET", f"/v1/images/resolve?ref={name}:v1").json()
+    assert image["state"] == "ready" and "v1" in image["tags"], image
+    from withruntime import Runtime
+    with Runtime(api_key=server.admin_key(), base_url=url) as rt:
+        with rt.sandboxes.create(image=f"{name}:v1") as sbx:
+            long = f"/srv/app/{'d' * 60}/{'e' * 60}/long.txt"
+            assert sbx.exec(f"cat /srv/app/a.txt {long} /srv/greeting.txt").stdout == \
+                "from the folder\na path over 100 characters\nspicy\n"
+            assert sbx.exec("test -e /srv/app/secret.txt || test -e /srv/app/node_modules || echo none")\
+                .stdout == "none\n"
+    # The same folder again: every chunk is on the server already, the
+    # steps are cached.
+    again = cli("image", "build", str(ctx), "-t", f"{name}:v2", "--build-arg", "GREETING=spicy",
+                "--url", url, timeout=550)
+    assert b"0 of 1 chunks sent" in again.stderr and b"(cached)" in again.stderr, again.stderr
+    # --from builds an image as it is (here one of ours, by name).
+    cli("image", "build", "--from", f"{name}:v1", "-t", f"{name}-copy", "--url", url, timeout=550)
+    copy = http(server, "GET", f"/v1/images/resolve?ref={name}-copy").json()
+    assert copy["state"] == "ready" and copy["base"] == image["id"], copy
+    # Two names in one build are refused before anything is sent.
+    two = cli("image", "build", str(ctx), "-t", "a:1", "-t", "b:1", "--url", url, check=False)
+    assert two.returncode != 0 and b"one name" in two.stderr, two.stderr

@@ -25,11 +25,18 @@
 //!
 //! `files` is a table of path = text, or an array of tables `{path,
 //! content, encoding?, mode?}` as in the API.
+//!
+//! `runtime image build DIR -t name:tag` builds the folder's Dockerfile with
+//! the folder as its context (packed and uploaded as the official client
+//! does, [`pack_context`]); `runtime image build --from REF -t name:tag`
+//! builds a registry image as it is.
 
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use serde_json::{json, Map, Value};
+use sha2::{Digest, Sha256};
 
 use crate::client::{self, ConnArgs};
 use crate::login;
@@ -303,6 +310,173 @@ pub(crate) fn build(target: &Target, body: &Value) -> anyhow::Result<Value> {
             .unwrap_or_default()
     );
     Ok(image)
+}
+
+/// Most files, compressed bytes and chunk size of a build context (the
+/// server's and the official client's limits).
+const CONTEXT_FILES: usize = 20_000;
+const CONTEXT_BYTES: usize = 100 << 20;
+const CHUNK_BYTES: usize = 1 << 20;
+
+/// A folder packed as a build context, the way the official client sends
+/// one: every regular file its `.dockerignore` leaves in (`.git` when it has
+/// none; links are not followed), in one gzipped tar with no times or
+/// owners, and the list of files with their SHA-256.
+pub(crate) struct Packed {
+    pub archive: Vec<u8>,
+    pub files: Vec<Value>,
+    pub dockerignore: Option<String>,
+}
+
+fn sha256_hex(b: &[u8]) -> String {
+    hex::encode(Sha256::digest(b))
+}
+
+/// Packs `dir`; `dockerfile` is the Dockerfile's path, whose
+/// `<name>.dockerignore` beside it wins over the folder's `.dockerignore`.
+pub(crate) fn pack_context(dir: &Path, dockerfile: &Path) -> anyhow::Result<Packed> {
+    let own = PathBuf::from(format!("{}.dockerignore", dockerfile.display()));
+    let dockerignore = [own, dir.join(".dockerignore")]
+        .iter()
+        .find_map(|p| std::fs::read_to_string(p).ok());
+    let text = dockerignore.clone().unwrap_or_else(|| ".git\n".into());
+    let excluded = runtime_server::dockerignore(&text);
+    // Without a re-include, nothing under a left-out folder comes back.
+    let prune_dirs = !text.lines().any(|l| l.trim_start().starts_with('!'));
+    let mut paths = Vec::new();
+    let mut stack = vec![(dir.to_path_buf(), String::new())];
+    while let Some((at, prefix)) = stack.pop() {
+        let mut entries: Vec<_> = std::fs::read_dir(&at)
+            .with_context(|| format!("reading {}", at.display()))?
+            .collect::<Result<_, _>>()?;
+        entries.sort_by_key(|e| e.file_name());
+        for e in entries.into_iter().rev() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let rel = format!("{prefix}{name}");
+            let kind = e.file_type()?;
+            if kind.is_dir() {
+                if !(prune_dirs && excluded(&rel)) {
+                    stack.push((e.path(), format!("{rel}/")));
+                }
+            } else if kind.is_file() && !excluded(&rel) {
+                paths.push((rel, e.path()));
+            }
+        }
+    }
+    paths.sort();
+    if paths.len() > CONTEXT_FILES {
+        bail!("the build context has more than {CONTEXT_FILES} files: leave some out with a .dockerignore");
+    }
+    let gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::new(6));
+    let mut tar = tar::Builder::new(gz);
+    let mut files = Vec::new();
+    for (rel, full) in &paths {
+        use std::os::unix::fs::PermissionsExt;
+        let data = std::fs::read(full).with_context(|| format!("reading {}", full.display()))?;
+        let mode = std::fs::metadata(full)?.permissions().mode() & 0o777;
+        let mut h = tar::Header::new_gnu();
+        h.set_size(data.len() as u64);
+        h.set_mode(mode);
+        h.set_mtime(0);
+        h.set_uid(0);
+        h.set_gid(0);
+        h.set_entry_type(tar::EntryType::Regular);
+        tar.append_data(&mut h, rel, &data[..])
+            .with_context(|| format!("packing {rel}"))?;
+        files.push(
+            json!({"path": rel, "sha256": sha256_hex(&data), "size": data.len(), "mode": mode}),
+        );
+    }
+    let archive = tar.into_inner()?.finish()?;
+    if archive.len() > CONTEXT_BYTES {
+        bail!(
+            "the build context is {} MiB compressed; the most is {} MiB: leave build outputs and dependencies out with a .dockerignore",
+            archive.len() / 1048576 + 1,
+            CONTEXT_BYTES >> 20
+        );
+    }
+    Ok(Packed {
+        archive,
+        files,
+        dockerignore,
+    })
+}
+
+/// Uploads the chunks of `p` the server lacks; the `context` a build names.
+pub(crate) fn upload_context(target: &Target, p: &Packed) -> anyhow::Result<Value> {
+    let chunks: Vec<&[u8]> = p.archive.chunks(CHUNK_BYTES).collect();
+    let digests: Vec<String> = chunks.iter().map(|c| sha256_hex(c)).collect();
+    let (status, v) = target.call(
+        "POST",
+        "/v1/images/context/missing",
+        Some(&json!({ "digests": digests })),
+    )?;
+    if status != 200 {
+        bail!("the server refused the context: {}", api_error(status, &v));
+    }
+    let mut missing: Vec<String> = v["missing"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|d| d.as_str().map(String::from))
+        .collect();
+    let mut sent = 0;
+    for (digest, chunk) in digests.iter().zip(&chunks) {
+        if let Some(i) = missing.iter().position(|m| m == digest) {
+            missing.swap_remove(i);
+            let path = format!("/v1/images/context/{digest}");
+            let (status, v) = login::call_bytes(
+                &target.url,
+                "PUT",
+                &path,
+                "application/octet-stream",
+                chunk,
+                Some(&target.key),
+            )
+            .with_context(|| format!("PUT {}{path}", target.url))?;
+            if !(200..300).contains(&status) {
+                bail!(
+                    "the server refused a context chunk: {}",
+                    api_error(status, &v)
+                );
+            }
+            sent += 1;
+        }
+    }
+    eprintln!(
+        "context: {} files, {:.1} MiB compressed, {sent} of {} chunks sent",
+        p.files.len(),
+        p.archive.len() as f64 / 1048576.0,
+        chunks.len()
+    );
+    Ok(json!({
+        "archive": {"sha256": sha256_hex(&p.archive), "size": p.archive.len(), "chunks": digests},
+        "files": p.files,
+    }))
+}
+
+/// A `-t` of `image build DIR|--from`: `name[:tag]`.
+pub(crate) fn name_and_tags(
+    name: Option<&str>,
+    tagged: &[String],
+) -> anyhow::Result<(Option<String>, Vec<String>)> {
+    let mut name = name.map(String::from);
+    let mut tags = Vec::new();
+    for t in tagged {
+        // The last `:` not followed by a `/` (a registry's port is not a tag).
+        let (n, tag) = match t.rsplit_once(':') {
+            Some((n, tag)) if !tag.contains('/') => (n, Some(tag)),
+            _ => (t.as_str(), None),
+        };
+        match &name {
+            Some(have) if have != n => {
+                bail!("-t {t}: one build makes one name's version, and {have} is named already")
+            }
+            _ => name = Some(n.to_string()),
+        }
+        tags.extend(tag.map(String::from));
+    }
+    Ok((name, tags))
 }
 
 /// `runtime image ls|logs|tag|rm`: the server's images, through the API.
@@ -697,6 +871,63 @@ mode = "755"
             body_from_toml("", None, &[]).unwrap(),
             json!({"recipe": {}})
         );
+    }
+
+    #[test]
+    fn a_folder_packs_as_the_client_does_less_what_it_ignores() {
+        let dir = std::env::temp_dir().join(format!("pack-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(dir.join("keep/deep")).unwrap();
+        std::fs::create_dir_all(dir.join("skip")).unwrap();
+        std::fs::write(dir.join("Dockerfile"), "FROM runtime\n").unwrap();
+        std::fs::write(dir.join(".dockerignore"), "skip\n*.log\n").unwrap();
+        std::fs::write(dir.join("keep/deep/a.txt"), "a").unwrap();
+        std::fs::write(dir.join("keep/b.log"), "b").unwrap();
+        std::fs::write(dir.join("skip/c.txt"), "c").unwrap();
+        std::fs::write(dir.join("top.log"), "t").unwrap();
+        let p = pack_context(&dir, &dir.join("Dockerfile")).unwrap();
+        let paths: Vec<&str> = p.files.iter().filter_map(|f| f["path"].as_str()).collect();
+        // As Docker reads it, `*.log` is the context's top level only.
+        assert_eq!(
+            paths,
+            [
+                ".dockerignore",
+                "Dockerfile",
+                "keep/b.log",
+                "keep/deep/a.txt"
+            ]
+        );
+        assert_eq!(p.files[3]["sha256"], sha256_hex(b"a"));
+        assert_eq!(p.dockerignore.as_deref(), Some("skip\n*.log\n"));
+        // The same folder gives the same bytes (no times, no owners).
+        let again = pack_context(&dir, &dir.join("Dockerfile")).unwrap();
+        assert_eq!(p.archive, again.archive);
+        let mut ar = tar::Archive::new(flate2::read::GzDecoder::new(&p.archive[..]));
+        let names: Vec<String> = ar
+            .entries()
+            .unwrap()
+            .map(|e| e.unwrap().path().unwrap().display().to_string())
+            .collect();
+        assert_eq!(names, paths);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_build_tag_names_one_image() {
+        let tags = |t: &[&str]| {
+            let t: Vec<String> = t.iter().map(|s| s.to_string()).collect();
+            name_and_tags(None, &t).map_err(|e| e.to_string())
+        };
+        assert_eq!(
+            tags(&["web:v1", "web:latest"]),
+            Ok((Some("web".into()), vec!["v1".into(), "latest".into()]))
+        );
+        assert_eq!(tags(&["web"]), Ok((Some("web".into()), vec![])));
+        assert_eq!(
+            tags(&["localhost:5000/web"]),
+            Ok((Some("localhost:5000/web".into()), vec![]))
+        );
+        assert!(tags(&["a:1", "b:1"]).unwrap_err().contains("one name"));
     }
 
     #[test]

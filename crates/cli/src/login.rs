@@ -58,15 +58,35 @@ pub(crate) fn call(
     body: Option<&Value>,
     key: Option<&str>,
 ) -> anyhow::Result<(u16, Value)> {
+    let payload = body.map(Value::to_string).unwrap_or_default();
+    call_bytes(
+        api,
+        method,
+        path,
+        "application/json",
+        payload.as_bytes(),
+        key,
+    )
+}
+
+/// [`call`] with a body of any type (a build context's chunk).
+pub(crate) fn call_bytes(
+    api: &str,
+    method: &str,
+    path: &str,
+    content_type: &str,
+    payload: &[u8],
+    key: Option<&str>,
+) -> anyhow::Result<(u16, Value)> {
     let (mut s, hostport) = connect(api)?;
     s.set_read_timeout(Some(Duration::from_secs(30)))?;
-    let payload = body.map(Value::to_string).unwrap_or_default();
     let auth = key.map_or_else(String::new, |k| format!("Authorization: Bearer {k}\r\n"));
     write!(
         s,
-        "{method} {path} HTTP/1.1\r\nHost: {hostport}\r\n{auth}Content-Type: application/json\r\nAccept: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{payload}",
+        "{method} {path} HTTP/1.1\r\nHost: {hostport}\r\n{auth}Content-Type: {content_type}\r\nAccept: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
         payload.len()
     )?;
+    s.write_all(payload)?;
     let mut raw = Vec::new();
     s.read_to_end(&mut raw)?;
     let text = String::from_utf8_lossy(&raw);

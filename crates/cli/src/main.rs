@@ -509,22 +509,104 @@ enum ImageCmd {
 
 #[derive(clap::Args)]
 struct ImageBuild {
+    /// A folder with a Dockerfile: built on the server with the folder as
+    /// its context (what its .dockerignore leaves in).
+    #[arg(value_name = "DIR", conflicts_with_all = ["file", "from"])]
+    dir: Option<PathBuf>,
+    /// A registry image (python:3.12-slim, ghcr.io/acme/app:1.4) built as it is.
+    #[arg(long, value_name = "REF", conflicts_with = "file")]
+    from: Option<String>,
     /// A TOML recipe (base, apt, pip, npm, commands, env, files, workdir,
     /// and the image's name, tags, start; see docs/images.md).
     #[arg(long, short = 'f', value_name = "TOML")]
     file: Option<PathBuf>,
     /// The image's name (wins over the file's).
-    #[arg(long, requires = "file")]
+    #[arg(long)]
     name: Option<String>,
-    /// A tag for the new version (repeatable; wins over the file's tags).
-    #[arg(long = "tag", value_name = "TAG", requires = "file")]
+    /// With DIR or --from: NAME[:TAG] (repeatable, one name). With --file: a
+    /// tag for the new version (repeatable; wins over the file's tags).
+    #[arg(long = "tag", short = 't', value_name = "TAG")]
     tags: Vec<String>,
+    /// The Dockerfile, when it is not DIR/Dockerfile.
+    #[arg(long, value_name = "PATH", requires = "dir")]
+    dockerfile: Option<PathBuf>,
+    /// A build argument NAME=VALUE (repeatable).
+    #[arg(long = "build-arg", value_name = "NAME=VALUE", requires = "dir")]
+    build_args: Vec<String>,
+    /// The stage to build, when not the last.
+    #[arg(long, requires = "dir")]
+    target: Option<String>,
+    /// The build machine's disk, and so the image's file system, in MiB.
+    #[arg(long)]
+    disk_mib: Option<u32>,
+    /// What the image's file system may hold, in MiB.
+    #[arg(long)]
+    max_image_mib: Option<u32>,
+    /// The whole build's time limit, in seconds.
+    #[arg(long, value_name = "SECONDS")]
+    timeout: Option<u32>,
     /// The server's origin.
     #[arg(long, env = "RUNTIME_API_URL", default_value = "http://127.0.0.1:8080")]
     url: String,
     /// An API key; without it, the key `runtime login` saved for the server.
     #[arg(long, env = "RUNTIME_API_KEY", hide_env_values = true)]
     key: Option<String>,
+}
+
+/// The `POST /v1/images` body of `image build DIR` or `--from REF` (a
+/// folder's context is uploaded first).
+fn image_build_body(b: &ImageBuild) -> anyhow::Result<serde_json::Value> {
+    use serde_json::json;
+    let (name, tags) = image::name_and_tags(b.name.as_deref(), &b.tags)?;
+    let mut body = json!({ "name": name });
+    if !tags.is_empty() {
+        body["tags"] = json!(tags);
+    }
+    let mut limits = serde_json::Map::new();
+    for (k, v) in [
+        ("diskMiB", b.disk_mib),
+        ("maxImageMiB", b.max_image_mib),
+        ("timeoutSeconds", b.timeout),
+    ] {
+        if let Some(v) = v {
+            limits.insert(k.into(), json!(v));
+        }
+    }
+    if !limits.is_empty() {
+        body["build"] = serde_json::Value::Object(limits);
+    }
+    if let Some(r) = &b.from {
+        body["image"] = json!(r);
+        return Ok(body);
+    }
+    let dir = b.dir.as_deref().context("a folder or --from")?;
+    let dockerfile = b
+        .dockerfile
+        .clone()
+        .unwrap_or_else(|| dir.join("Dockerfile"));
+    let text = std::fs::read_to_string(&dockerfile)
+        .with_context(|| format!("reading {}", dockerfile.display()))?;
+    let mut args = serde_json::Map::new();
+    for a in &b.build_args {
+        let (k, v) = a
+            .split_once('=')
+            .with_context(|| format!("--build-arg {a}: give NAME=VALUE"))?;
+        args.insert(k.into(), json!(v));
+    }
+    let target = image::Target::new(&b.url, b.key.clone())?;
+    let packed = image::pack_context(dir, &dockerfile)?;
+    body["dockerfile"] = json!(text);
+    body["context"] = image::upload_context(&target, &packed)?;
+    if let Some(d) = &packed.dockerignore {
+        body["dockerignore"] = json!(d);
+    }
+    if !args.is_empty() {
+        body["buildArgs"] = serde_json::Value::Object(args);
+    }
+    if let Some(t) = &b.target {
+        body["target"] = json!(t);
+    }
+    Ok(body)
 }
 
 fn home() -> PathBuf {
@@ -995,6 +1077,13 @@ fn main() -> anyhow::Result<()> {
             cmd: ImageCmd::Remote(cmd),
         } => client::exit_with(image::remote(cmd)),
         Cmd::Image {
+            cmd: ImageCmd::Build(b),
+        } if b.dir.is_some() || b.from.is_some() => {
+            let body = image_build_body(&b)?;
+            image::build(&image::Target::new(&b.url, b.key.clone())?, &body)?;
+            Ok(())
+        }
+        Cmd::Image {
             cmd:
                 ImageCmd::Build(ImageBuild {
                     file: Some(file),
@@ -1002,6 +1091,7 @@ fn main() -> anyhow::Result<()> {
                     tags,
                     url,
                     key,
+                    ..
                 }),
         } => {
             let text = std::fs::read_to_string(&file)

@@ -42,6 +42,14 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 pub use domain::money::Prices;
+
+/// A `.dockerignore` read as the server reads it: whether a context path
+/// (`a/b.txt`, `/`-separated, relative) is left out. For the CLI's build
+/// context, which leaves out what the server would.
+pub fn dockerignore(text: &str) -> impl Fn(&str) -> bool {
+    let ignore = domain::image::context::Ignore::parse(text);
+    move |path: &str| ignore.excluded(path)
+}
 pub use domain::quota::{Limits as Quotas, Reserve};
 pub use domain::webhook::AllowHost;
 pub use error::{ApiError, ServerError};
