@@ -123,3 +123,105 @@ def test_a_store_url_that_does_not_answer_stops_serve_naming_it_without_its_pass
     assert out.returncode != 0
     assert f"postgres://me:***@127.0.0.1:{port}/runtime" in out.stderr, out.stderr
     assert "hunter2" not in out.stderr + out.stdout
+
+
+def node_of(srv) -> str:
+    return (srv.data_dir / "node.id").read_text().strip()
+
+
+def test_two_control_planes_on_one_store_serve_each_others_sandboxes(on_pg):
+    """Two `runtime serve` on one database, each with its own data directory
+    and machines: the client through either reaches every sandbox (exec,
+    files, a streamed command, a terminal's WebSocket, a preview), each
+    node acts only on its own machines, one holds the housekeeping lease,
+    and a node that is down is said plainly by the other."""
+    import http.client
+    import time
+
+    from withruntime import Runtime, RuntimeError as ClientError
+
+    a, cluster = on_pg
+    root_b = Path(tempfile.mkdtemp(prefix="runtime-e2e-pg-b-"))
+    os.chmod(root_b, 0o711)
+    b = Server(root_b, ("--store", cluster.url))
+    b.start()
+    key = a.admin_key()
+    try:
+        with Runtime(api_key=key, base_url=a.url) as ra, \
+                Runtime(api_key=key, base_url=b.url, max_retries=0) as rb:
+            on_a = ra.sandboxes.create(labels={"suite": "e2e-pg-nodes"})
+            on_b = rb.sandboxes.create(labels={"suite": "e2e-pg-nodes"})
+            # Each create ran on the node it reached: its machine is there.
+            assert cluster.psql(f"SELECT node FROM sandboxes WHERE id = '{on_a.id}'") == node_of(a)
+            assert cluster.psql(f"SELECT node FROM sandboxes WHERE id = '{on_b.id}'") == node_of(b)
+            assert a.qemu_pids(on_a.id) and not b.qemu_pids(on_a.id)
+            assert b.qemu_pids(on_b.id) and not a.qemu_pids(on_b.id)
+            assert set(cluster.psql("SELECT url FROM nodes ORDER BY url").split("\n")) == {a.url, b.url}
+
+            # Through B, A's sandbox: record, exec, files, a streamed command.
+            via_b = rb.sandboxes.get(on_a.id)
+            assert via_b.state == "running"
+            via_b.files.write("/workspace/from-b.txt", "written through b")
+            assert on_a.exec("cat /workspace/from-b.txt").stdout == "written through b"
+            chunks: list[str] = []
+            out = via_b.exec("for i in 1 2 3; do echo line$i; sleep 0.2; done",
+                             on_stdout=chunks.append)
+            assert out.stdout == "line1\nline2\nline3\n" and "".join(chunks) == out.stdout
+            # A terminal is a WebSocket: the upgrade is carried too.
+            term = via_b.terminal(cols=90, rows=20)
+            term.write("echo term-$((40+2)); exit 4\n")
+            seen = b""
+            while (chunk := term.recv()) is not None:
+                seen += chunk
+            assert b"term-42" in seen and term.exit_code == 4, seen
+            # And the other way: A carries to B's sandbox.
+            assert ra.sandboxes.get(on_b.id).exec("echo from a").stdout == "from a\n"
+
+            # A preview of A's sandbox, asked of B by its host name.
+            on_a.files.write("/tmp/site/index.html", "preview through b\n")
+            on_a.spawn("cd /tmp/site && python3 -m http.server 8000")
+            preview = on_a.previews.create(8000, visibility="public")
+            host = f"8000-{on_a.id}.localhost:{b.port}"
+            deadline = time.monotonic() + 60
+            while True:
+                c = http.client.HTTPConnection("127.0.0.1", b.port, timeout=60)
+                c.request("GET", "/index.html", headers={"Host": host})
+                r = c.getresponse()
+                body = r.read()
+                c.close()
+                if r.status == 200 or time.monotonic() > deadline:
+                    break
+                time.sleep(0.5)
+            assert (r.status, body) == (200, b"preview through b\n"), (preview, r.status, body)
+
+            # Every node lists every sandbox; one node holds the housekeeping lease.
+            listed = {s.id for s in rb.sandboxes.list(labels={"suite": "e2e-pg-nodes"})}
+            assert {on_a.id, on_b.id} <= listed
+            assert cluster.psql("SELECT holder FROM leases WHERE name = 'housekeeping'") in \
+                {node_of(a), node_of(b)}
+
+            # B's restart recovers B's machines only: A's sandbox stays running
+            # (it would be `stopped`, host_lost, if B took it for its own).
+            b.restart()
+            assert ra.sandboxes.get(on_a.id).state == "running"
+            assert on_a.exec("echo still").stdout == "still\n"
+            assert rb.sandboxes.get(on_b.id).exec("echo b again").stdout == "b again\n"
+
+            # B down: A says so for B's sandbox, naming B's node; back, it serves again.
+            b.stop()
+            with pytest.raises(ClientError) as down:
+                with Runtime(api_key=key, base_url=a.url, max_retries=0) as ra0:
+                    ra0.sandboxes.get(on_b.id)
+            assert down.value.status == 503 and down.value.code == "host_unavailable", down.value
+            assert node_of(b) in str(down.value), down.value
+            assert on_a.exec("echo a unaffected").stdout == "a unaffected\n"
+            b.start()
+            assert ra.sandboxes.get(on_b.id).state == "running"
+            rb.sandboxes.delete(on_a.id)
+            ra.sandboxes.delete(on_b.id)
+            assert cluster.psql(
+                f"SELECT COUNT(*) FROM sandboxes WHERE id IN ('{on_a.id}', '{on_b.id}') AND deleted IS NULL") == "0"
+            assert not a.qemu_pids(on_a.id) and not b.qemu_pids(on_b.id)
+    finally:
+        b.shut_down()
+        shutil.rmtree(root_b, ignore_errors=True)

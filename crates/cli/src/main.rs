@@ -80,6 +80,12 @@ enum Cmd {
         /// (docs/deploy.md, "PostgreSQL").
         #[arg(long, env = "RUNTIME_STORE", hide_env_values = true)]
         store: Option<String>,
+        /// With several control planes on one PostgreSQL store: the
+        /// http:// URL the others reach this one at, for requests about its
+        /// sandboxes (default: the listen address; the host name when it
+        /// listens on every address). docs/deploy.md, "Several control planes".
+        #[arg(long, env = "RUNTIME_NODE_URL", value_name = "URL")]
+        node_url: Option<String>,
         /// Seconds a VM may take from QEMU's start until its agent answers.
         #[arg(long, default_value_t = 120)]
         boot_timeout: u64,
@@ -757,7 +763,7 @@ fn raise_open_files() {
 async fn serve(
     listen: SocketAddr,
     data_dir: PathBuf,
-    store: Option<String>,
+    (store, node_url): (Option<String>, Option<String>),
     boot_timeout: u64,
     templates: bool,
     prices: runtime_server::Prices,
@@ -778,6 +784,12 @@ async fn serve(
         );
     }
     config.store = Some(at.clone());
+    if let Some(u) = node_url {
+        if !u.starts_with("http://") {
+            anyhow::bail!("--node-url {u}: give an http:// URL (control planes carry requests to each other over plain HTTP for now)");
+        }
+        config.node_url = Some(u);
+    }
     net.apply(&mut config)?;
     limits.apply(&mut config)?;
     if !templates {
@@ -1037,6 +1049,7 @@ fn main() -> anyhow::Result<()> {
             listen,
             data_dir: d,
             store,
+            node_url,
             boot_timeout,
             no_templates,
             net,
@@ -1057,7 +1070,7 @@ fn main() -> anyhow::Result<()> {
             rt.block_on(serve(
                 listen,
                 data_dir(d),
-                store,
+                (store, node_url),
                 boot_timeout,
                 !no_templates,
                 prices,

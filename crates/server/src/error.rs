@@ -134,6 +134,10 @@ pub enum ApiError {
     /// it passes as others stop or pause.
     #[error("{message}")]
     NoCapacity { message: String, details: Value },
+    /// A 503: the control plane whose machines run the sandbox did not
+    /// answer (several control planes on one store).
+    #[error("{message}")]
+    NodeUnreachable { node: String, message: String },
     #[error("{feature} is not supported by this server")]
     Unsupported { feature: &'static str },
     /// A product of the client's surface this server does not offer.

@@ -139,6 +139,10 @@ pub struct Config {
     /// Certificates (PEM) every sandbox trusts beside the public ones and
     /// its own CA (`--guest-ca`): empty unless the operator gives some.
     pub guest_cas: String,
+    /// The URL other control planes on the same store reach this one at
+    /// (`--node-url`), for requests about its sandboxes; `None`: the
+    /// address it listens on (docs/deploy.md, "Several control planes").
+    pub node_url: Option<String>,
 }
 
 impl Config {
@@ -146,6 +150,7 @@ impl Config {
         Config {
             data_dir: data_dir.into(),
             store: None,
+            node_url: None,
             late_answer_after: Duration::from_secs(90),
             heartbeat: Duration::from_secs(15),
             output_keep: Duration::from_secs(600),
@@ -239,6 +244,10 @@ struct Inner {
     hooks: service::webhooks::Hooks,
     /// Warm machines per image and shape.
     pools: service::pool::Pools,
+    /// The URL this node's peers reach it at (set by `run`).
+    node_url: Mutex<String>,
+    /// Which node runs each sandbox asked about (a sandbox never moves).
+    owners: http::forward::Owners,
     tasks: TaskTracker,
     cancel: CancellationToken,
 }
@@ -278,6 +287,8 @@ impl AppState {
                 mcp: http::mcp::Sessions::default(),
                 hooks: service::webhooks::Hooks::default(),
                 pools: service::pool::Pools::default(),
+                node_url: Mutex::new(String::new()),
+                owners: http::forward::Owners::default(),
                 tasks: TaskTracker::new(),
                 cancel: CancellationToken::new(),
                 config,
@@ -294,6 +305,25 @@ impl AppState {
     /// Now, in milliseconds since the epoch, by the configured clock.
     pub(crate) fn now_ms(&self) -> i64 {
         self.inner.config.clock.now_ms()
+    }
+
+    /// The URL this control plane's peers reach it at.
+    pub(crate) fn node_url(&self) -> String {
+        self.inner
+            .node_url
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// Whether sandbox `id`'s machines are this node's (or it has no
+    /// record): another control plane's are left to it.
+    pub(crate) fn runs_here(&self, id: &str) -> bool {
+        match self.store().sandbox_node(id) {
+            Ok(Some(n)) => n == self.store().node(),
+            Ok(None) => true,
+            Err(_) => false,
+        }
     }
 
     fn store(&self) -> &Store {
@@ -509,8 +539,24 @@ pub async fn run(
         Some((cert, key)) => Some(http::tls::load(cert, key)?),
         None => None,
     };
-    let store = open_store(&config.store_at())?;
+    let node = node_id(&config.data_dir)?;
+    let node_url = match &config.node_url {
+        Some(u) => u.trim_end_matches('/').to_string(),
+        None => default_node_url(listener.local_addr().ok(), config.tls.is_some()),
+    };
+    let store = open_store(&config.store_at())?.on_node(&node);
+    let adopted = store.adopt_unowned()?;
+    if adopted > 0 {
+        tracing::info!(node = %node, sandboxes = adopted, "took the sandboxes no node owned");
+    }
+    store.beat(&node_url, config.clock.now_ms(), true)?;
+    tracing::info!(node = %node, url = %node_url, "this control plane's node");
     let state = AppState::new(config, store, host);
+    *state
+        .inner
+        .node_url
+        .lock()
+        .unwrap_or_else(|p| p.into_inner()) = node_url;
     recover(&state).await?;
     state.start_background();
     let app = router(state.clone());
@@ -541,5 +587,46 @@ pub async fn run(
     }
     state.host().serve_api(None);
     state.shutdown().await;
+    // Another control plane takes this one's store-wide jobs at once.
+    let _ = state.store().release_leases();
     Ok(())
+}
+
+/// This server's node id: `node.id` in the data directory, made on the
+/// first start. It names the machines of this data directory, so it moves
+/// with it.
+fn node_id(data_dir: &Path) -> Result<String, ServerError> {
+    let path = data_dir.join("node.id");
+    let io = |source| ServerError::Io {
+        op: "node id",
+        path: path.display().to_string(),
+        source,
+    };
+    match std::fs::read_to_string(&path) {
+        Ok(id) if !id.trim().is_empty() => Ok(id.trim().to_string()),
+        Ok(_) | Err(_) => {
+            std::fs::create_dir_all(data_dir).map_err(io)?;
+            let id = format!("node_{}", uuid::Uuid::new_v4().simple());
+            let tmp = data_dir.join("node.id.tmp");
+            std::fs::write(&tmp, format!("{id}\n")).map_err(io)?;
+            std::fs::rename(&tmp, &path).map_err(io)?;
+            Ok(id)
+        }
+    }
+}
+
+/// The URL peers reach a server listening at `addr` at: that address, or
+/// the machine's host name when it listens on every address.
+fn default_node_url(addr: Option<std::net::SocketAddr>, tls: bool) -> String {
+    let scheme = if tls { "https" } else { "http" };
+    let Some(addr) = addr else {
+        return format!("{scheme}://127.0.0.1:8080");
+    };
+    if addr.ip().is_unspecified() {
+        let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .map(|h| h.trim().to_string())
+            .unwrap_or_else(|_| "localhost".into());
+        return format!("{scheme}://{host}:{}", addr.port());
+    }
+    format!("{scheme}://{addr}")
 }

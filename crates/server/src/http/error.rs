@@ -250,6 +250,15 @@ impl ApiError {
                 retryable: Some(false),
                 ..p(StatusCode::BAD_REQUEST, code, message.clone())
             },
+            ApiError::NodeUnreachable { node, message } => Parts {
+                details: Some(json!({ "node": node })),
+                retryable: Some(true),
+                ..p(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    codes::HOST_UNAVAILABLE,
+                    message.clone(),
+                )
+            },
             ApiError::Failed { code, message } => {
                 p(StatusCode::INTERNAL_SERVER_ERROR, code, message.clone())
             }

@@ -6,6 +6,7 @@
 mod console;
 mod error;
 pub(crate) mod extract;
+pub(crate) mod forward;
 pub(crate) mod idempotency;
 pub(crate) mod internal;
 pub(crate) mod links;
@@ -111,6 +112,11 @@ pub(crate) fn router(state: AppState) -> axum::Router {
 }
 
 async fn handle(State(st): State<AppState>, req: Request) -> Response {
+    // Another control plane's sandbox: its node answers.
+    let req = match forward::route(&st, req).await {
+        Ok(req) => req,
+        Err(answer) => return answer,
+    };
     if let Some((port, sandbox)) = preview_proxy::target(&st, req.headers()) {
         let span = tracing::info_span!("preview", sandbox_id = %sandbox, port);
         return preview_proxy::serve(st, req, port, sandbox)

@@ -15,6 +15,10 @@ use crate::AppState;
 
 use SandboxState::{Paused, Pausing, Resuming, Running, Starting, Stopping};
 
+/// How long the housekeeping lease lasts: it is renewed each minute, so a
+/// holder that stops is replaced within 90 s.
+const HOUSEKEEPING_LEASE_MS: i64 = 90_000;
+
 /// Ends leases, forgets old idempotency records and process output.
 pub(crate) async fn reaper(st: AppState) {
     let mut tick = tokio::time::interval(Duration::from_secs(1));
@@ -26,7 +30,7 @@ pub(crate) async fn reaper(st: AppState) {
         }
         n += 1;
         let now = st.now_ms();
-        match st.store().live_sandboxes() {
+        match st.store().live_sandboxes_here() {
             Ok(rows) => {
                 for r in rows.iter().filter(|r| r.record.state == Running) {
                     if let Err(e) = end_lease_or_idle(&st, r, now) {
@@ -47,19 +51,26 @@ pub(crate) async fn reaper(st: AppState) {
         }
         if n.is_multiple_of(5) {
             crate::service::pool::tend(&st).await;
+            // Peers read this node's URL and liveness here.
+            if let Err(e) = st.store().beat(&st.node_url(), now, false) {
+                tracing::error!(error = %e, "saying this node is alive failed");
+            }
         }
-        if n % 60 == 1 {
+        // The store-wide jobs run on the one control plane holding their
+        // lease (any, on SQLite's one); another takes it once it lapses.
+        if n % 60 == 1
+            && st
+                .store()
+                .hold_lease("housekeeping", now, HOUSEKEEPING_LEASE_MS)
+                .unwrap_or_else(|e| {
+                    tracing::error!(error = %e, "taking the housekeeping lease failed");
+                    false
+                })
+        {
             let ttl = st.config().idempotency_ttl.as_millis() as i64;
             if let Err(e) = st.store().idem_purge(now - ttl) {
                 tracing::error!(error = %e, "purging idempotency records failed");
             }
-            st.inner
-                .procs
-                .forget_old(st.store(), st.config().output_keep);
-            crate::service::snapshots::expire(&st, now);
-            crate::service::volumes::expire_backups(&st, now);
-            let st2 = st.clone();
-            st.spawn(async move { crate::service::volumes::daily_backups(&st2).await });
             if let Err(e) = crate::service::links::prune(&st) {
                 tracing::error!(error = %e, "forgetting ended file links failed");
             }
@@ -67,6 +78,15 @@ pub(crate) async fn reaper(st: AppState) {
                 tracing::error!(error = %e, "forgetting ended sessions failed");
             }
             crate::service::events::prune(&st, now);
+        }
+        if n % 60 == 1 {
+            st.inner
+                .procs
+                .forget_old(st.store(), st.config().output_keep);
+            crate::service::snapshots::expire(&st, now);
+            crate::service::volumes::expire_backups(&st, now);
+            let st2 = st.clone();
+            st.spawn(async move { crate::service::volumes::daily_backups(&st2).await });
         }
         if n % 600 == 1 {
             let st2 = st.clone();
@@ -103,7 +123,7 @@ fn end_lease_or_idle(st: &AppState, r: &SandboxRow, now: i64) -> ApiResult<()> {
 /// captures cut short fail, and every sandbox it left starting, running,
 /// pausing, resuming or stopping is reattached or recorded as it truly is.
 pub(crate) async fn recover(st: &AppState) -> Result<(), ServerError> {
-    let rows = st.store().live_sandboxes()?;
+    let rows = st.store().live_sandboxes_here()?;
     sweep(st, &rows).await;
     crate::service::snapshots::recover(st);
     crate::service::volumes::recover_backups(st);

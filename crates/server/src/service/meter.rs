@@ -87,7 +87,7 @@ const BUSY_NS_PER_SECOND: u64 = 100_000_000;
 pub(crate) async fn tick(st: &AppState) -> Result<(), ServerError> {
     let now = st.now_ms();
     let prices = st.config().prices.clone();
-    let rows = st.store().live_sandboxes()?;
+    let rows = st.store().live_sandboxes_here()?;
     let live: std::collections::HashSet<String> =
         rows.iter().map(|r| r.record.id.clone()).collect();
     st.inner.metrics.retain(&live);
@@ -233,7 +233,7 @@ pub(crate) fn enforce_daily_limit(
     if st.store().settled_since(key_id, minute(now - DAY_MS))? < limit {
         return Ok(());
     }
-    for r in st.store().live_sandboxes()? {
+    for r in st.store().live_sandboxes_here()? {
         if r.key_id != key_id || r.record.state != SandboxState::Running {
             continue;
         }

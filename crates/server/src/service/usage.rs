@@ -122,6 +122,15 @@ async fn fold_old_charges(st: &AppState, folded: &mut Option<i64>) {
     if *folded == Some(today) {
         return;
     }
+    // One control plane folds a day's charges (the others see it done).
+    match st.store().hold_lease("fold", st.now_ms(), 3_600_000) {
+        Ok(true) => {}
+        Ok(false) => return,
+        Err(e) => {
+            tracing::error!(error = %e, "taking the fold lease failed");
+            return;
+        }
+    }
     // The first fold of a store kept for months is long: off the workers.
     let st2 = st.clone();
     let cutoff = (today - FOLD_AFTER_DAYS) * 1440;

@@ -18,6 +18,7 @@ mod idempotency;
 mod images;
 mod keys;
 mod links;
+mod nodes;
 mod processes;
 mod registries;
 mod sandboxes;
@@ -33,7 +34,28 @@ use db::{params, pg_connect, ConnGuard, Connection, DbError, Engine, Pool, MIGRA
 
 use crate::error::ServerError;
 
-pub(super) const SCHEMA_VERSION: i64 = 18;
+pub(super) const SCHEMA_VERSION: i64 = 19;
+
+/// Several control planes on one store (v19): each server is a node with
+/// the URL its peers reach it at and when it was last seen; a sandbox
+/// belongs to the node whose machines run it (`''`: made before v19, taken
+/// by the first node to start); a lease names the one node that runs a
+/// store-wide job until it lapses (docs/deploy.md, "Several control planes").
+const SCHEMA_V19: &str = "
+CREATE TABLE IF NOT EXISTS nodes (
+    id TEXT PRIMARY KEY,
+    url TEXT NOT NULL,
+    started_ms INTEGER NOT NULL,
+    seen_ms INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS leases (
+    name TEXT PRIMARY KEY,
+    holder TEXT NOT NULL,
+    until_ms INTEGER NOT NULL
+);
+ALTER TABLE sandboxes ADD COLUMN node TEXT NOT NULL DEFAULT '';
+CREATE INDEX IF NOT EXISTS sandboxes_node ON sandboxes(node);
+";
 
 /// Charges folded by day (v18): how many minutes a row of `charges` spans,
 /// 1 for a minute as the meter writes it, 1440 for a day whose minutes
@@ -437,6 +459,9 @@ CREATE INDEX IF NOT EXISTS volume_attachments_volume ON volume_attachments(volum
 
 pub struct Store {
     engine: Engine,
+    /// The node this server is ([`Store::on_node`]); `''` for the
+    /// operator's commands and tests, which make no sandboxes of their own.
+    node: String,
 }
 
 pub(crate) fn store_err(op: &'static str) -> impl FnOnce(DbError) -> ServerError {
@@ -469,7 +494,7 @@ fn keep_private(data_dir: &Path) -> Result<(), ServerError> {
 }
 
 /// Each schema version's SQL, oldest first (v6 also moves documents).
-const MIGRATIONS: [(i64, &str); 18] = [
+const MIGRATIONS: [(i64, &str); 19] = [
     (1, SCHEMA_V1),
     (2, SCHEMA_V2),
     (3, SCHEMA_V3),
@@ -488,6 +513,7 @@ const MIGRATIONS: [(i64, &str); 18] = [
     (16, SCHEMA_V16),
     (17, SCHEMA_V17),
     (18, SCHEMA_V18),
+    (19, SCHEMA_V19),
 ];
 
 /// Runs the migrations after `version` on SQLite, each in a transaction
@@ -515,7 +541,7 @@ fn step(c: &Connection, v: i64, sql: &str, op: &'static str) -> Result<(), Serve
     Ok(())
 }
 
-const MIGRATE_OPS: [&str; 18] = [
+const MIGRATE_OPS: [&str; 19] = [
     "migrate v1",
     "migrate v2",
     "migrate v3",
@@ -534,6 +560,7 @@ const MIGRATE_OPS: [&str; 18] = [
     "migrate v16",
     "migrate v17",
     "migrate v18",
+    "migrate v19",
 ];
 
 fn too_new(version: i64, what: &str) -> Result<(), ServerError> {
@@ -714,6 +741,7 @@ impl Store {
     pub fn open(data_dir: &Path) -> Result<Self, ServerError> {
         Ok(Store {
             engine: Engine::Sqlite(Mutex::new(open_sqlite(data_dir)?)),
+            node: String::new(),
         })
     }
 
@@ -729,6 +757,7 @@ impl Store {
                 }
                 Ok(Store {
                     engine: Engine::Pg(Pool::new(conns)),
+                    node: String::new(),
                 })
             }
         }
@@ -772,6 +801,18 @@ pub(crate) mod testing {
         let s = Store::open_at(&StoreAt::Postgres(pg.database()))
             .unwrap_or_else(|e| panic!("postgres: {e:?}"));
         f(&s);
+    }
+
+    /// [`each_engine`] for tests that open the store more than once (two
+    /// control planes): a fresh SQLite directory, then a fresh database.
+    pub(crate) fn each_location(f: impl Fn(&StoreAt)) {
+        let dir = std::env::temp_dir().join(format!("rt-store-{}", uuid::Uuid::new_v4()));
+        f(&StoreAt::Sqlite(dir.clone()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let Some(pg) = PgCluster::start() else {
+            return;
+        };
+        f(&StoreAt::Postgres(pg.database()));
     }
 
     /// A store on PostgreSQL with its cluster (kept alive beside it).

@@ -74,8 +74,8 @@ impl Store {
         let tx = conn.transaction().map_err(store_err("begin"))?;
         let seq: i64 = tx
             .query_row(
-                "INSERT INTO sandboxes (id, key_id, name, state, record, env) VALUES (?1, ?2, ?3, ?4, ?5, ?6) RETURNING seq",
-                params![row.record.id, row.key_id, row.record.name, row.record.state.as_str(), record, env],
+                "INSERT INTO sandboxes (id, key_id, name, state, record, env, node) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7) RETURNING seq",
+                params![row.record.id, row.key_id, row.record.name, row.record.state.as_str(), record, env, self.node],
                 |r| r.get(0),
             )
             .map_err(store_err("insert sandbox"))?;
@@ -100,8 +100,8 @@ impl Store {
             let record = serde_json::to_string(&row.record).map_err(|e| corrupt(e.to_string()))?;
             let env = serde_json::to_string(&row.env).map_err(|e| corrupt(e.to_string()))?;
             tx.execute(
-                "INSERT INTO sandboxes (id, key_id, name, state, record, env) VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
-                params![row.record.id, row.key_id, row.record.name, row.record.state.as_str(), record, env],
+                "INSERT INTO sandboxes (id, key_id, name, state, record, env, node) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
+                params![row.record.id, row.key_id, row.record.name, row.record.state.as_str(), record, env, self.node],
             )
             .map_err(store_err("insert sandbox"))?;
         }
@@ -174,6 +174,23 @@ impl Store {
             .map_err(store_err("list sandboxes"))?;
         let rows = stmt
             .query_map([], raw_row)
+            .map_err(store_err("list sandboxes"))?;
+        let mut out = Vec::new();
+        for r in rows {
+            out.push(parse_row(r.map_err(store_err("list sandboxes"))?)?);
+        }
+        Ok(out)
+    }
+
+    /// Every sandbox not deleted whose machines are this node's, newest
+    /// first: the ones its leases, meter and recovery act on.
+    pub fn live_sandboxes_here(&self) -> Result<Vec<SandboxRow>, ServerError> {
+        let conn = self.conn();
+        let mut stmt = conn
+            .prepare("SELECT seq, key_id, record, env, deleted FROM sandboxes WHERE deleted IS NULL AND node = ?1 ORDER BY seq DESC")
+            .map_err(store_err("list sandboxes"))?;
+        let rows = stmt
+            .query_map(params![self.node], raw_row)
             .map_err(store_err("list sandboxes"))?;
         let mut out = Vec::new();
         for r in rows {

@@ -638,7 +638,7 @@ pub(crate) fn expire(st: &AppState, now: i64) {
             .as_deref()
             .and_then(parse_iso_ms)
             .is_some_and(|t| t <= now);
-        if !due || r.record.state == "capturing" {
+        if !due || r.record.state == "capturing" || !st.runs_here(&r.record.sandbox_id) {
             continue;
         }
         let at = iso(now);

@@ -1,0 +1,197 @@
+//! Several control planes on one store: a request about a sandbox whose
+//! machines another control plane (node) runs is carried to that node as it
+//! came (method, path, headers with the caller's key, body streamed both
+//! ways, WebSocket and other upgrades passed through), and its answer is the
+//! caller's. The node checks the key again against the shared store, so no
+//! trust passes between control planes. Only PostgreSQL stores are shared;
+//! on SQLite nothing is looked up.
+//!
+//! A sandbox is named by the path (`/v1/sandboxes/{id}[:verb][/...]`) or by
+//! a preview's host (`<port>-<id>.<preview domain>`). Creates stay on the
+//! node they reach; forks, snapshots and everything else about a sandbox go
+//! to its node.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::extract::Request;
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::response::Response;
+use hyper_util::rt::TokioIo;
+
+use crate::error::ApiError;
+use crate::AppState;
+
+/// Set on a carried request: the node that carried it. A node never
+/// carries such a request again (no loops).
+pub(crate) const FORWARDED_BY: &str = "x-runtime-forwarded-by";
+
+/// How long connecting to a peer may take.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The most sandboxes whose node is remembered; past it the memory starts
+/// over (a sandbox never changes node, so an entry is never stale).
+const OWNERS_MAX: usize = 100_000;
+
+/// Which node runs each sandbox asked about.
+#[derive(Default)]
+pub(crate) struct Owners(Mutex<HashMap<String, String>>);
+
+impl Owners {
+    fn get(&self, id: &str) -> Option<String> {
+        self.0
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(id)
+            .cloned()
+    }
+
+    fn put(&self, id: &str, node: &str) {
+        let mut m = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        if m.len() >= OWNERS_MAX {
+            m.clear();
+        }
+        m.insert(id.to_string(), node.to_string());
+    }
+}
+
+/// The sandbox an API path is about: `/v1/sandboxes/{id}`, with or without
+/// a `:verb` or a sub-path.
+pub(crate) fn sandbox_in_path(path: &str) -> Option<&str> {
+    let rest = path.strip_prefix("/v1/sandboxes/")?;
+    let seg = rest.split('/').next()?;
+    let id = seg.split(':').next()?;
+    (!id.is_empty()).then_some(id)
+}
+
+/// Serves `req` here (`Ok`), or answers it from the node that runs its
+/// sandbox (`Err`: the peer's answer, or why it could not be had).
+pub(crate) async fn route(st: &AppState, req: Request) -> Result<Request, Response> {
+    if !st.store().shared() || req.headers().contains_key(FORWARDED_BY) {
+        return Ok(req);
+    }
+    let sandbox = match super::preview_proxy::target(st, req.headers()) {
+        Some((_, id)) => id,
+        None => match sandbox_in_path(req.uri().path()) {
+            Some(id) => id.to_string(),
+            None => return Ok(req),
+        },
+    };
+    let me = st.store().node();
+    let node = match st.inner.owners.get(&sandbox) {
+        Some(n) => n,
+        None => match st.store().sandbox_node(&sandbox) {
+            Ok(Some(n)) => {
+                st.inner.owners.put(&sandbox, &n);
+                n
+            }
+            // Unknown here: answered (404) here. A store error too.
+            Ok(None) | Err(_) => return Ok(req),
+        },
+    };
+    if node == me || node.is_empty() {
+        return Ok(req);
+    }
+    Err(carry(st, &node, req)
+        .await
+        .unwrap_or_else(|e| e.into_response_with("forward")))
+}
+
+/// Carries `req` to `node` and brings its answer back.
+async fn carry(st: &AppState, node: &str, mut req: Request) -> Result<Response, ApiError> {
+    let unreachable = |why: String| ApiError::NodeUnreachable {
+        node: node.to_string(),
+        message: format!("The control plane that runs this sandbox ({node}) {why}; try again."),
+    };
+    let peer = st
+        .store()
+        .get_node(node)
+        .ok()
+        .flatten()
+        .ok_or_else(|| unreachable("is not known to the store".into()))?;
+    let authority = peer
+        .url
+        .strip_prefix("http://")
+        .map(|a| a.trim_end_matches('/'))
+        .ok_or_else(|| {
+            unreachable(format!(
+                "has the URL {}, which is not plain http:// (carrying over TLS is not supported yet)",
+                peer.url
+            ))
+        })?
+        .to_string();
+    let tcp = tokio::time::timeout(CONNECT_TIMEOUT, tokio::net::TcpStream::connect(&authority))
+        .await
+        .map_err(|_| {
+            unreachable(format!(
+                "did not accept a connection at {authority} within 5 s"
+            ))
+        })?
+        .map_err(|e| unreachable(format!("refused a connection at {authority}: {e}")))?;
+    let _ = tcp.set_nodelay(true);
+    let (mut sender, conn) = hyper::client::conn::http1::Builder::new()
+        .handshake::<_, Body>(TokioIo::new(tcp))
+        .await
+        .map_err(|e| unreachable(format!("did not speak HTTP: {e}")))?;
+    tokio::spawn(async move {
+        let _ = conn.with_upgrades().await;
+    });
+    if let Ok(v) = HeaderValue::from_str(st.store().node()) {
+        req.headers_mut().insert(FORWARDED_BY, v);
+    }
+    let upgrade = req
+        .headers()
+        .contains_key(header::UPGRADE)
+        .then(|| hyper::upgrade::on(&mut req));
+    let mut resp = sender
+        .send_request(req)
+        .await
+        .map_err(|e| unreachable(format!("closed the connection: {e}")))?;
+    if resp.status() == StatusCode::SWITCHING_PROTOCOLS {
+        if let Some(caller_side) = upgrade {
+            let peer_side = hyper::upgrade::on(&mut resp);
+            tokio::spawn(async move {
+                let (Ok(c), Ok(p)) = (caller_side.await, peer_side.await) else {
+                    return;
+                };
+                let mut c = TokioIo::new(c);
+                let mut p = TokioIo::new(p);
+                let _ = tokio::io::copy_bidirectional(&mut c, &mut p).await;
+            });
+        }
+    }
+    *resp.version_mut() = axum::http::Version::HTTP_11;
+    Ok(resp.map(Body::new))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_sandbox_is_read_from_every_form_of_its_path() {
+        assert_eq!(sandbox_in_path("/v1/sandboxes/sbx_1"), Some("sbx_1"));
+        assert_eq!(sandbox_in_path("/v1/sandboxes/sbx_1:fork"), Some("sbx_1"));
+        assert_eq!(
+            sandbox_in_path("/v1/sandboxes/sbx_1/processes/p/stream"),
+            Some("sbx_1")
+        );
+        assert_eq!(sandbox_in_path("/v1/sandboxes"), None);
+        assert_eq!(sandbox_in_path("/v1/sandboxes/"), None);
+        assert_eq!(sandbox_in_path("/v1/sandboxes/:fork"), None);
+        assert_eq!(sandbox_in_path("/v1/images/img_1"), None);
+    }
+
+    #[test]
+    fn owners_are_remembered_and_bounded() {
+        let o = Owners::default();
+        o.put("a", "n1");
+        assert_eq!(o.get("a").as_deref(), Some("n1"));
+        for i in 0..OWNERS_MAX {
+            o.put(&format!("s{i}"), "n2");
+        }
+        assert!(o.0.lock().unwrap().len() <= OWNERS_MAX);
+    }
+}
