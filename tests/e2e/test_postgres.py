@@ -194,6 +194,25 @@ def test_two_control_planes_on_one_store_serve_each_others_sandboxes(on_pg):
                 time.sleep(0.5)
             assert (r.status, body) == (200, b"preview through b\n"), (preview, r.status, body)
 
+            # A fork and a snapshot asked of B are made where the source runs
+            # (A), and so is a create from that snapshot or from an image A built.
+            snap = via_b.snapshot(name="e2e-pg-nodes")
+            assert snap["state"] == "ready", snap
+            from_snap = rb.sandboxes.create(snapshot=snap["id"])
+            forks = via_b.fork(count=1)
+            image = ra.images.build(name="e2e-pg-nodes",
+                                    dockerfile="FROM runtime\nRUN echo built on a > /srv/built.txt\n",
+                                    poll_seconds=0.5)
+            assert image["state"] == "ready", image
+            from_image = rb.sandboxes.create(image="e2e-pg-nodes")
+            for made in [from_snap, *forks, from_image]:
+                assert cluster.psql(f"SELECT node FROM sandboxes WHERE id = '{made.id}'") == node_of(a), made.id
+                assert a.qemu_pids(made.id) and not b.qemu_pids(made.id), made.id
+            assert from_snap.files.read("/workspace/from-b.txt") == b"written through b"
+            assert from_image.exec("cat /srv/built.txt").stdout == "built on a\n"
+            for made in [from_snap, *forks, from_image]:
+                rb.sandboxes.delete(made.id)
+
             # Every node lists every sandbox; one node holds the housekeeping lease.
             listed = {s.id for s in rb.sandboxes.list(labels={"suite": "e2e-pg-nodes"})}
             assert {on_a.id, on_b.id} <= listed

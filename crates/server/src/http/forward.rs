@@ -99,6 +99,46 @@ pub(crate) async fn route(st: &AppState, req: Request) -> Result<Request, Respon
         .unwrap_or_else(|e| e.into_response_with("forward")))
 }
 
+/// Carries a request already read here (a create whose image or snapshot
+/// is on `node`) to `node`: its method, `path` with the query it came
+/// with, its headers and body.
+pub(crate) async fn carry_parts(
+    st: &AppState,
+    node: &str,
+    method: axum::http::Method,
+    path: &str,
+    ctx: &super::Ctx,
+    body: bytes::Bytes,
+) -> Result<Response, ApiError> {
+    let mut uri = path.to_string();
+    for (i, (k, v)) in ctx.query.iter().enumerate() {
+        uri.push(if i == 0 { '?' } else { '&' });
+        uri.push_str(&query_escape(k));
+        uri.push('=');
+        uri.push_str(&query_escape(v));
+    }
+    let mut req = Request::new(Body::from(body));
+    *req.method_mut() = method;
+    *req.uri_mut() = uri.parse().map_err(|e| ApiError::Internal {
+        what: format!("carrying {uri}: {e}"),
+    })?;
+    *req.headers_mut() = ctx.headers.clone();
+    carry(st, node, req).await
+}
+
+/// `s` percent-encoded for a query (all but RFC 3986's unreserved).
+fn query_escape(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for b in s.bytes() {
+        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b'~') {
+            out.push(char::from(b));
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
 /// Carries `req` to `node` and brings its answer back.
 async fn carry(st: &AppState, node: &str, mut req: Request) -> Result<Response, ApiError> {
     let unreachable = |why: String| ApiError::NodeUnreachable {
@@ -182,6 +222,7 @@ mod tests {
         assert_eq!(sandbox_in_path("/v1/sandboxes/"), None);
         assert_eq!(sandbox_in_path("/v1/sandboxes/:fork"), None);
         assert_eq!(sandbox_in_path("/v1/images/img_1"), None);
+        assert_eq!(query_escape("a b&c=d/é"), "a%20b%26c%3Dd%2F%C3%A9");
     }
 
     #[test]

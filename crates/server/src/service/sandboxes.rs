@@ -337,6 +337,34 @@ pub(crate) fn delete_sandbox(st: &AppState, id: &str, reason: &str) -> ApiResult
 }
 
 /// A create, parsed: the settings of the record and what starts it.
+/// With several control planes on one store: the node a create must run
+/// on because its image's layers or its snapshot are there (`None`: this
+/// one will do). Unknown or unready images and snapshots are left to the
+/// create's own checks here.
+pub(crate) fn node_for_create(
+    st: &AppState,
+    key: &KeyInfo,
+    req: &NewSandbox,
+) -> ApiResult<Option<String>> {
+    if !st.store().shared() {
+        return Ok(None);
+    }
+    let node = if let Some(r) = &req.image {
+        match crate::service::images::resolve(st, key, r) {
+            Ok(img) => st.store().image_node(&img.id)?,
+            Err(_) => None,
+        }
+    } else if let Some(sid) = &req.snapshot {
+        match crate::service::snapshots::records::find_ready(st, key, sid) {
+            Ok(snap) => st.store().sandbox_node(&snap.record.sandbox_id)?,
+            Err(_) => None,
+        }
+    } else {
+        None
+    };
+    Ok(node.filter(|n| !n.is_empty() && n != st.store().node()))
+}
+
 pub(crate) struct NewSandbox {
     pub settings: Settings,
     pub env: Vec<(String, String)>,

@@ -92,7 +92,23 @@ impl Store {
             None => 1,
         };
         insert_row(&tx, img)?;
+        // Its layers are made and kept on this node (v19).
+        tx.execute(
+            "UPDATE images SET node = ?1 WHERE id = ?2",
+            params![self.node, img.id],
+        )
+        .map_err(store_err("insert image"))?;
         tx.commit().map_err(store_err("commit"))
+    }
+
+    /// The node whose data directory holds image `id`'s layers.
+    pub(crate) fn image_node(&self, id: &str) -> Result<Option<String>, ServerError> {
+        self.conn()
+            .query_row("SELECT node FROM images WHERE id = ?1", params![id], |r| {
+                r.get(0)
+            })
+            .optional()
+            .map_err(store_err("image node"))
     }
 
     pub(crate) fn get_image(&self, id: &str) -> Result<Option<Image>, ServerError> {

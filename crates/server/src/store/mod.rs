@@ -38,8 +38,9 @@ pub(super) const SCHEMA_VERSION: i64 = 19;
 
 /// Several control planes on one store (v19): each server is a node with
 /// the URL its peers reach it at and when it was last seen; a sandbox
-/// belongs to the node whose machines run it (`''`: made before v19, taken
-/// by the first node to start); a lease names the one node that runs a
+/// belongs to the node whose machines run it, an image to the node whose
+/// data directory holds its layers (`''`: made before v19, taken by the
+/// first node to start); a lease names the one node that runs a
 /// store-wide job until it lapses (docs/deploy.md, "Several control planes").
 const SCHEMA_V19: &str = "
 CREATE TABLE IF NOT EXISTS nodes (
@@ -55,6 +56,7 @@ CREATE TABLE IF NOT EXISTS leases (
 );
 ALTER TABLE sandboxes ADD COLUMN node TEXT NOT NULL DEFAULT '';
 CREATE INDEX IF NOT EXISTS sandboxes_node ON sandboxes(node);
+ALTER TABLE images ADD COLUMN node TEXT NOT NULL DEFAULT '';
 ";
 
 /// Charges folded by day (v18): how many minutes a row of `charges` spans,

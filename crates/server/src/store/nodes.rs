@@ -95,15 +95,21 @@ impl Store {
         Ok(out)
     }
 
-    /// Makes the sandboxes no node owns (made before v19) this node's: on
-    /// an upgrade, the one machine that ran them. Returns how many.
+    /// Makes the sandboxes and images no node owns (made before v19) this
+    /// node's: on an upgrade, the one machine that has them. Returns how
+    /// many sandboxes.
     pub fn adopt_unowned(&self) -> Result<usize, ServerError> {
-        self.conn()
-            .execute(
-                "UPDATE sandboxes SET node = ?1 WHERE node = ''",
-                params![self.node],
-            )
-            .map_err(store_err("adopt sandboxes"))
+        let conn = self.conn();
+        conn.execute(
+            "UPDATE images SET node = ?1 WHERE node = ''",
+            params![self.node],
+        )
+        .map_err(store_err("adopt images"))?;
+        conn.execute(
+            "UPDATE sandboxes SET node = ?1 WHERE node = ''",
+            params![self.node],
+        )
+        .map_err(store_err("adopt sandboxes"))
     }
 
     /// The node whose machines run sandbox `id` (deleted ones included).

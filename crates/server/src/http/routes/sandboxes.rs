@@ -161,6 +161,21 @@ fn parse_create(st: &AppState, key: &KeyInfo, body: &[u8]) -> ApiResult<NewSandb
 
 pub(super) async fn create(st: AppState, ctx: Ctx, body: Bytes) -> ApiResult<Reply> {
     let mut req = parse_create(&st, &ctx.key, &body)?;
+    // Its image or snapshot is on another control plane: made there.
+    if !ctx.headers.contains_key(crate::http::forward::FORWARDED_BY) {
+        if let Some(node) = svc::node_for_create(&st, &ctx.key, &req)? {
+            let answer = crate::http::forward::carry_parts(
+                &st,
+                &node,
+                axum::http::Method::POST,
+                "/v1/sandboxes",
+                &ctx,
+                body,
+            )
+            .await?;
+            return Ok(Reply::Raw(answer));
+        }
+    }
     req.answer_slot = answer_slot(&ctx);
     let made = svc::create(&st, &ctx.key, req, wait_of(&ctx)).await?;
     Ok(created_reply(&made))

@@ -92,7 +92,18 @@ pub(crate) async fn recover(st: &AppState) -> Result<(), crate::ServerError> {
             return Ok(());
         }
     };
-    for d in images.into_iter().filter(|d| d.state.in_progress()) {
+    let me = st.store().node().to_string();
+    // Another control plane's builds are its own to settle.
+    let here = |id: &str| {
+        st.store()
+            .image_node(id)
+            .map(|n| n.is_none_or(|n| n == me))
+            .unwrap_or(false)
+    };
+    for d in images
+        .into_iter()
+        .filter(|d| d.state.in_progress() && here(&d.id))
+    {
         if let Some(vm) = &d.build_vm {
             if let Err(e) = st.host().destroy(vm).await {
                 tracing::warn!(image_id = %d.id, vm = %vm, error = %e, "ending a build machine failed");
