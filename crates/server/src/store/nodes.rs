@@ -19,6 +19,15 @@ pub struct NodeRow {
     pub seen_ms: i64,
 }
 
+fn node_row(r: &super::db::Row) -> super::db::DbResult<NodeRow> {
+    Ok(NodeRow {
+        id: r.get(0)?,
+        url: r.get(1)?,
+        started_ms: r.get(2)?,
+        seen_ms: r.get(3)?,
+    })
+}
+
 impl Store {
     /// This store as node `node`'s: the sandboxes it inserts are `node`'s,
     /// the leases it takes are held by `node`.
@@ -59,14 +68,7 @@ impl Store {
             .query_row(
                 "SELECT id, url, started_ms, seen_ms FROM nodes WHERE id = ?1",
                 params![id],
-                |r| {
-                    Ok(NodeRow {
-                        id: r.get(0)?,
-                        url: r.get(1)?,
-                        started_ms: r.get(2)?,
-                        seen_ms: r.get(3)?,
-                    })
-                },
+                node_row,
             )
             .optional()
             .map_err(store_err("get node"))
@@ -79,14 +81,7 @@ impl Store {
             .prepare("SELECT id, url, started_ms, seen_ms FROM nodes ORDER BY id")
             .map_err(store_err("list nodes"))?;
         let rows = stmt
-            .query_map([], |r| {
-                Ok(NodeRow {
-                    id: r.get(0)?,
-                    url: r.get(1)?,
-                    started_ms: r.get(2)?,
-                    seen_ms: r.get(3)?,
-                })
-            })
+            .query_map([], node_row)
             .map_err(store_err("list nodes"))?;
         let mut out = Vec::new();
         for r in rows {

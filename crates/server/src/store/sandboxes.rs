@@ -168,29 +168,22 @@ impl Store {
 
     /// Every sandbox not deleted, newest first.
     pub fn live_sandboxes(&self) -> Result<Vec<SandboxRow>, ServerError> {
-        let conn = self.conn();
-        let mut stmt = conn
-            .prepare("SELECT seq, key_id, record, env, deleted FROM sandboxes WHERE deleted IS NULL ORDER BY seq DESC")
-            .map_err(store_err("list sandboxes"))?;
-        let rows = stmt
-            .query_map([], raw_row)
-            .map_err(store_err("list sandboxes"))?;
-        let mut out = Vec::new();
-        for r in rows {
-            out.push(parse_row(r.map_err(store_err("list sandboxes"))?)?);
-        }
-        Ok(out)
+        self.live(None)
     }
 
     /// Every sandbox not deleted whose machines are this node's, newest
     /// first: the ones its leases, meter and recovery act on.
     pub fn live_sandboxes_here(&self) -> Result<Vec<SandboxRow>, ServerError> {
+        self.live(Some(&self.node))
+    }
+
+    fn live(&self, node: Option<&str>) -> Result<Vec<SandboxRow>, ServerError> {
         let conn = self.conn();
         let mut stmt = conn
-            .prepare("SELECT seq, key_id, record, env, deleted FROM sandboxes WHERE deleted IS NULL AND node = ?1 ORDER BY seq DESC")
+            .prepare("SELECT seq, key_id, record, env, deleted FROM sandboxes WHERE deleted IS NULL AND (CAST(?1 AS TEXT) IS NULL OR node = ?1) ORDER BY seq DESC")
             .map_err(store_err("list sandboxes"))?;
         let rows = stmt
-            .query_map(params![self.node], raw_row)
+            .query_map(params![node], raw_row)
             .map_err(store_err("list sandboxes"))?;
         let mut out = Vec::new();
         for r in rows {
