@@ -595,6 +595,14 @@ mod tests {
                 codes::UNAVAILABLE,
             ),
             (
+                ApiError::NodeUnreachable {
+                    node: "node_b".into(),
+                    message: "m".into(),
+                },
+                503,
+                codes::HOST_UNAVAILABLE,
+            ),
+            (
                 ApiError::BadField {
                     code: codes::ENV_TAKEN,
                     field: "env",
