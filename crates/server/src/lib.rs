@@ -244,8 +244,6 @@ struct Inner {
     hooks: service::webhooks::Hooks,
     /// Warm machines per image and shape.
     pools: service::pool::Pools,
-    /// The URL this node's peers reach it at (set by `run`).
-    node_url: Mutex<String>,
     /// Which node runs each sandbox asked about (a sandbox never moves).
     owners: http::forward::Owners,
     tasks: TaskTracker,
@@ -287,7 +285,6 @@ impl AppState {
                 mcp: http::mcp::Sessions::default(),
                 hooks: service::webhooks::Hooks::default(),
                 pools: service::pool::Pools::default(),
-                node_url: Mutex::new(String::new()),
                 owners: http::forward::Owners::default(),
                 tasks: TaskTracker::new(),
                 cancel: CancellationToken::new(),
@@ -307,13 +304,9 @@ impl AppState {
         self.inner.config.clock.now_ms()
     }
 
-    /// The URL this control plane's peers reach it at.
-    pub(crate) fn node_url(&self) -> String {
-        self.inner
-            .node_url
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
+    /// The URL this control plane's peers reach it at (`run` settles it).
+    pub(crate) fn node_url(&self) -> &str {
+        self.config().node_url.as_deref().unwrap_or_default()
     }
 
     /// Whether sandbox `id`'s machines are this node's (or it has no
@@ -544,6 +537,7 @@ pub async fn run(
         Some(u) => u.trim_end_matches('/').to_string(),
         None => default_node_url(listener.local_addr().ok(), config.tls.is_some()),
     };
+    config.node_url = Some(node_url.clone());
     let store = open_store(&config.store_at())?.on_node(&node);
     let adopted = store.adopt_unowned()?;
     if adopted > 0 {
@@ -552,11 +546,6 @@ pub async fn run(
     store.beat(&node_url, config.clock.now_ms(), true)?;
     tracing::info!(node = %node, url = %node_url, "this control plane's node");
     let state = AppState::new(config, store, host);
-    *state
-        .inner
-        .node_url
-        .lock()
-        .unwrap_or_else(|p| p.into_inner()) = node_url;
     recover(&state).await?;
     state.start_background();
     let app = router(state.clone());
@@ -602,8 +591,11 @@ fn node_id(data_dir: &Path) -> Result<String, ServerError> {
         path: path.display().to_string(),
         source,
     };
+    // Only a missing (or empty) file is made anew: a new id would leave this
+    // machine's sandboxes to a node that never comes back.
     match std::fs::read_to_string(&path) {
         Ok(id) if !id.trim().is_empty() => Ok(id.trim().to_string()),
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(io(e)),
         Ok(_) | Err(_) => {
             std::fs::create_dir_all(data_dir).map_err(io)?;
             let id = format!("node_{}", uuid::Uuid::new_v4().simple());
@@ -629,4 +621,21 @@ fn default_node_url(addr: Option<std::net::SocketAddr>, tls: bool) -> String {
         return format!("{scheme}://{host}:{}", addr.port());
     }
     format!("{scheme}://{addr}")
+}
+
+#[cfg(test)]
+mod node_id_tests {
+    #[test]
+    fn a_node_keeps_its_id_and_an_unreadable_one_is_an_error_not_a_new_id() {
+        let dir = std::env::temp_dir().join(format!("rt-node-{}", uuid::Uuid::new_v4()));
+        let first = super::node_id(&dir).unwrap();
+        assert!(first.starts_with("node_"), "{first}");
+        assert_eq!(super::node_id(&dir).unwrap(), first);
+        // A node.id that cannot be read (here a directory) is not replaced.
+        let other = dir.join("other");
+        std::fs::create_dir_all(other.join("node.id")).unwrap();
+        assert!(super::node_id(&other).is_err());
+        assert!(other.join("node.id").is_dir());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }

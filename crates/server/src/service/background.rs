@@ -52,7 +52,7 @@ pub(crate) async fn reaper(st: AppState) {
         if n.is_multiple_of(5) {
             crate::service::pool::tend(&st).await;
             // Peers read this node's URL and liveness here.
-            if let Err(e) = st.store().beat(&st.node_url(), now, false) {
+            if let Err(e) = st.store().beat(st.node_url(), now, false) {
                 tracing::error!(error = %e, "saying this node is alive failed");
             }
         }

@@ -73,16 +73,13 @@ pub(crate) async fn reattach(st: &AppState, sandbox_id: &str) {
 pub(crate) async fn recover(st: &AppState) -> Result<(), crate::ServerError> {
     let mut sandboxes: HashMap<String, Option<(SandboxState, u32)>> = HashMap::new();
     for row in st.store().all_processes()? {
-        // Another control plane's sandbox: its processes are that node's.
-        if st
-            .store()
-            .sandbox_node(&row.sandbox_id)?
-            .is_some_and(|n| n != st.store().node())
-        {
-            continue;
-        }
         let state = match sandboxes.get(&row.sandbox_id) {
             Some(s) => *s,
+            // Another control plane's sandbox: its processes are that node's.
+            None if !st.runs_here(&row.sandbox_id) => {
+                sandboxes.insert(row.sandbox_id.clone(), None);
+                None
+            }
             None => {
                 let s = st
                     .store()
