@@ -336,7 +336,6 @@ pub(crate) fn delete_sandbox(st: &AppState, id: &str, reason: &str) -> ApiResult
     Ok(row)
 }
 
-/// A create, parsed: the settings of the record and what starts it.
 /// With several control planes on one store: the node a create must run
 /// on because its image's layers or its snapshot are there (`None`: this
 /// one will do). Unknown or unready images and snapshots are left to the
@@ -365,6 +364,7 @@ pub(crate) fn node_for_create(
     Ok(node.filter(|n| !n.is_empty() && n != st.store().node()))
 }
 
+/// A create, parsed: the settings of the record and what starts it.
 pub(crate) struct NewSandbox {
     pub settings: Settings,
     pub env: Vec<(String, String)>,
