@@ -94,7 +94,7 @@ def main() -> None:
     a = b = None
     try:
         a = OwnServer(args.binary, 600, ("--store", pg.url))
-        b = OwnServer(args.binary, 600, ("--store", pg.url))
+        b = OwnServer(args.binary, 600, ("--store", pg.url), secrets_key=a.root / "data" / "secrets.key")
         samples: dict[str, list[float]] = {k: [] for k, _ in METRICS}
         with Runtime(api_key=a.key, base_url=a.url) as ra, Runtime(api_key=a.key, base_url=b.url) as rb:
             sbx = ra.sandboxes.create(labels={"bench": "cluster"})

@@ -55,10 +55,15 @@ def free_port() -> int:
 class OwnServer:
     """`runtime serve` on a free port and a temporary data directory."""
 
-    def __init__(self, binary: Path, timeout: float, extra: tuple[str, ...] = ()) -> None:
+    def __init__(self, binary: Path, timeout: float, extra: tuple[str, ...] = (),
+                 secrets_key: Path | None = None) -> None:
         self.root = Path(tempfile.mkdtemp(prefix="runtime-bench-"))
         # As root each VM's QEMU runs as its own uid and must reach the data dir.
         os.chmod(self.root, 0o711)
+        if secrets_key is not None:
+            # Another node of the same store: the same key seals secrets.
+            (self.root / "data").mkdir()
+            shutil.copy2(secrets_key, self.root / "data" / "secrets.key")
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = self.root / "server.log"

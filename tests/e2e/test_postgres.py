@@ -129,6 +129,24 @@ def node_of(srv) -> str:
     return (srv.data_dir / "node.id").read_text().strip()
 
 
+def another_node(first: Server, cluster: "Cluster", prefix: str, *args: str) -> Server:
+    """A second node of `first`'s store, with its own data directory that
+    holds the store's `secrets.key` (every node of one store needs it)."""
+    root = Path(tempfile.mkdtemp(prefix=prefix))
+    os.chmod(root, 0o711)
+    srv = Server(root, ("--store", cluster.url, *args))
+    srv.data_dir.mkdir()
+    shutil.copy2(first.data_dir / "secrets.key", srv.data_dir / "secrets.key")
+    return srv
+
+
+def host_cli(cluster: "Cluster", *args: str) -> str:
+    out = subprocess.run([str(BINARY), "host", *args, "--store", cluster.url], capture_output=True,
+                         text=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
 def test_two_control_planes_on_one_store_serve_each_others_sandboxes(on_pg):
     """Two `runtime serve` on one database, each with its own data directory
     and machines: the client through either reaches every sandbox (exec,
@@ -141,9 +159,8 @@ def test_two_control_planes_on_one_store_serve_each_others_sandboxes(on_pg):
     from withruntime import Runtime, RuntimeError as ClientError
 
     a, cluster = on_pg
-    root_b = Path(tempfile.mkdtemp(prefix="runtime-e2e-pg-b-"))
-    os.chmod(root_b, 0o711)
-    b = Server(root_b, ("--store", cluster.url))
+    b = another_node(a, cluster, "runtime-e2e-pg-b-")
+    root_b = b.root
     b.start()
     key = a.admin_key()
     try:
@@ -244,3 +261,114 @@ def test_two_control_planes_on_one_store_serve_each_others_sandboxes(on_pg):
     finally:
         b.shut_down()
         shutil.rmtree(root_b, ignore_errors=True)
+
+
+def test_a_node_with_another_secrets_key_is_refused_naming_the_file(on_pg, tmp_path):
+    """Every node of one store seals secrets with one key: a node without
+    the store's `secrets.key`, or with another, does not start."""
+    a, cluster = on_pg
+    os.chmod(tmp_path, 0o711)
+    lacking = Server(tmp_path / "lacking", ("--store", cluster.url))
+    with pytest.raises(RuntimeError) as refused:
+        lacking.start()
+    assert "secrets.key" in str(refused.value) and "copy" in str(refused.value), refused.value
+    other = Server(tmp_path / "other", ("--store", cluster.url))
+    other.data_dir.mkdir(parents=True)
+    (other.data_dir / "secrets.key").write_bytes(os.urandom(32))
+    os.chmod(other.data_dir / "secrets.key", 0o600)
+    with pytest.raises(RuntimeError) as differs:
+        other.start()
+    assert "is not the key the store's secrets are sealed with" in str(differs.value), differs.value
+
+
+def test_creates_go_where_there_is_room_and_a_node_that_stays_away_is_noticed(on_pg):
+    """Placement and failure across two nodes: a full node carries a create
+    to one with room; a drained node takes none (and with no room anywhere
+    the create is refused `no_capacity`); a node killed with SIGKILL is
+    held lost within its bound and its sandboxes recorded
+    `stopped`/`host_lost` by the other; back, its persistent sandbox runs
+    again (its machine outlived the server) and the other's machine ends."""
+    import signal
+    import time
+
+    from withruntime import Runtime, RuntimeError as ClientError
+
+    a, cluster = on_pg
+    # F keeps more memory free than any machine has: it has room for nothing.
+    full = another_node(a, cluster, "runtime-e2e-pg-full-", "--reserve-memory-mib", "100000000")
+    full.start()
+    key = a.admin_key()
+    lost_after = 30  # the default --host-lost-after; the lease holder's watch runs every 5 s
+    try:
+        with Runtime(api_key=key, base_url=full.url, max_retries=0, wait_for_capacity=0) as rf:
+            placed = rf.sandboxes.create(labels={"suite": "e2e-pg-place"})
+            assert cluster.psql(f"SELECT node FROM sandboxes WHERE id = '{placed.id}'") == node_of(a)
+            assert placed.exec("echo placed").stdout == "placed\n"
+            listed = host_cli(cluster, "list")
+            row_full = next(line for line in listed.splitlines() if line.startswith(node_of(full)))
+            assert row_full.split()[3] == "0", listed  # FREE MIB
+            row_a = next(line for line in listed.splitlines() if line.startswith(node_of(a)))
+            assert int(row_a.split()[3]) >= 1024 and row_a.split()[4] == "ready", listed
+
+            # A drained: no node has room, through either of them.
+            assert "drained" in host_cli(cluster, "drain", node_of(a))
+            for url in (full.url, a.url):
+                with Runtime(api_key=key, base_url=url, max_retries=0, wait_for_capacity=0) as r:
+                    with pytest.raises(ClientError) as refused:
+                        r.sandboxes.create(labels={"suite": "e2e-pg-place"})
+                    assert refused.value.code == "no_capacity", refused.value
+            assert "drained" in host_cli(cluster, "list")
+            host_cli(cluster, "resume", node_of(a))
+
+            kept = rf.sandboxes.create(labels={"suite": "e2e-pg-place"}, persistent=True)
+            plain = rf.sandboxes.create(labels={"suite": "e2e-pg-place"})
+            for s in (kept, plain):
+                assert cluster.psql(f"SELECT node FROM sandboxes WHERE id = '{s.id}'") == node_of(a)
+            kept.exec("echo before > /workspace/mark")
+            plain_qemu = a.qemu_pids(plain.id)
+            assert plain_qemu and a.qemu_pids(kept.id)
+
+            # A dies (SIGKILL: no clean stop, its leases lapse); its machines live on.
+            a.proc.send_signal(signal.SIGKILL)
+            a.proc.wait(30)
+            a.proc = None
+            killed = time.monotonic()
+            while True:
+                try:
+                    state = rf.sandboxes.get(kept.id)
+                except ClientError as error:  # not yet held lost: its node does not answer
+                    assert error.code == "host_unavailable", error
+                    state = None
+                if state is not None and state.state == "stopped":
+                    break
+                assert time.monotonic() - killed < lost_after + 30, "A was never held lost"
+                time.sleep(1)
+            waited = time.monotonic() - killed
+            assert waited >= lost_after - 1, f"held lost after {waited:.0f} s, before its bound"
+            assert state.info.get("stopReason") == "host_lost", state.info
+            gone = rf.sandboxes.get(plain.id)
+            assert gone.state == "stopped" and gone.info.get("stopReason") == "host_lost", gone.info
+            assert "lost" in host_cli(cluster, "list")
+            # What needs its machine is still its node's: said plainly.
+            with pytest.raises(ClientError) as down:
+                kept.exec("true")
+            assert down.value.code == "host_unavailable", down.value
+
+            a.start()
+            deadline = time.monotonic() + 60
+            while rf.sandboxes.get(kept.id).state != "running":
+                assert time.monotonic() < deadline, rf.sandboxes.get(kept.id).info
+                time.sleep(0.5)
+            back = rf.sandboxes.get(kept.id)
+            assert back.info.get("stopReason") is None, back.info
+            assert back.exec("cat /workspace/mark").stdout == "before\n"
+            assert rf.sandboxes.get(plain.id).state == "stopped"
+            assert not a.qemu_pids(plain.id)
+            assert "lost" not in host_cli(cluster, "list")
+            for s in (placed, kept, plain):
+                rf.sandboxes.delete(s.id)
+    finally:
+        if a.proc is None:
+            a.start()
+        full.shut_down()
+        shutil.rmtree(full.root, ignore_errors=True)

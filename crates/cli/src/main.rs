@@ -129,6 +129,12 @@ enum Cmd {
         #[command(subcommand)]
         cmd: KeysCmd,
     },
+    /// The nodes that share a PostgreSQL store (docs/deploy.md,
+    /// "Placement"): list them, drain one, take it back.
+    Host {
+        #[command(subcommand)]
+        cmd: HostCmd,
+    },
     /// The guest kernel and root filesystem image, and custom images.
     Image {
         #[command(subcommand)]
@@ -399,6 +405,11 @@ struct LimitArgs {
     /// also ended whenever the host is short of memory.
     #[arg(long, value_name = "MIB", default_value_t = runtime_server::DEFAULT_WARM_POOL_MEMORY_MIB)]
     warm_pool_memory_mib: u64,
+    /// With several nodes on one store: a node not seen for this many
+    /// seconds is held lost and its running sandboxes recorded stopped
+    /// (`stopReason: host_lost`); at least 15 (nodes beat every 5 s).
+    #[arg(long, value_name = "SECONDS", default_value_t = 30)]
+    host_lost_after: u64,
 }
 
 impl LimitArgs {
@@ -411,6 +422,13 @@ impl LimitArgs {
         if !(self.memory_overcommit.is_finite() && self.memory_overcommit > 0.0) {
             anyhow::bail!("--memory-overcommit takes a positive number");
         }
+        if self.host_lost_after < 15 {
+            anyhow::bail!(
+                "--host-lost-after {}: give at least 15 seconds (nodes say they are alive every 5 s)",
+                self.host_lost_after
+            );
+        }
+        c.host_lost_after = std::time::Duration::from_secs(self.host_lost_after);
         c.warm_pool = self.warm_pool;
         c.warm_pool_memory_mib = self.warm_pool_memory_mib;
         c.reserve = runtime_server::Reserve {
@@ -500,6 +518,43 @@ enum KeysCmd {
         /// NAME=VALUE (`sandbox.count=20`) or NAME=default.
         #[arg(value_name = "NAME=VALUE")]
         settings: Vec<String>,
+    },
+}
+
+#[derive(Subcommand)]
+enum HostCmd {
+    /// Every node: its URL, when it was last seen, the memory it can still
+    /// take, whether it is drained or held lost, its sandboxes.
+    List {
+        #[arg(long)]
+        data_dir: Option<PathBuf>,
+        /// The store, as `runtime serve --store`.
+        #[arg(long, env = "RUNTIME_STORE", hide_env_values = true)]
+        store: Option<String>,
+        /// One JSON object per line.
+        #[arg(long)]
+        json: bool,
+    },
+    /// No new sandboxes go to NODE: creates that reach it run on the
+    /// others; its sandboxes keep running (their forks and snapshots stay
+    /// there too) until they end or it is stopped.
+    Drain {
+        #[arg(long)]
+        data_dir: Option<PathBuf>,
+        /// The store, as `runtime serve --store`.
+        #[arg(long, env = "RUNTIME_STORE", hide_env_values = true)]
+        store: Option<String>,
+        /// The node's id (`node.id` in its data directory; `runtime host list`).
+        node: String,
+    },
+    /// Takes a drained NODE back: it gets new sandboxes again.
+    Resume {
+        #[arg(long)]
+        data_dir: Option<PathBuf>,
+        /// The store, as `runtime serve --store`.
+        #[arg(long, env = "RUNTIME_STORE", hide_env_values = true)]
+        store: Option<String>,
+        node: String,
     },
 }
 
@@ -888,6 +943,94 @@ fn micros(m: u64) -> anyhow::Result<i64> {
     i64::try_from(m).context("the limit is too large")
 }
 
+fn hosts(cmd: HostCmd) -> anyhow::Result<()> {
+    let (at, node, drain) = match cmd {
+        HostCmd::List {
+            data_dir,
+            store,
+            json,
+        } => return list_hosts(&store_at(data_dir, store)?, json),
+        HostCmd::Drain {
+            data_dir,
+            store,
+            node,
+        } => (store_at(data_dir, store)?, node, true),
+        HostCmd::Resume {
+            data_dir,
+            store,
+            node,
+        } => (store_at(data_dir, store)?, node, false),
+    };
+    let store = runtime_server::Store::open_at(&at)?;
+    if !store.set_draining(&node, drain)? {
+        let known: Vec<String> = store.nodes()?.into_iter().map(|n| n.id).collect();
+        anyhow::bail!(
+            "no node {node} in the store (its nodes: {})",
+            if known.is_empty() {
+                "none".to_string()
+            } else {
+                known.join(", ")
+            }
+        );
+    }
+    println!(
+        "node {node} {}",
+        if drain {
+            "drained: new sandboxes go to the other nodes (it sees this within 5 s)"
+        } else {
+            "takes new sandboxes again"
+        }
+    );
+    Ok(())
+}
+
+fn list_hosts(at: &runtime_server::StoreAt, json: bool) -> anyhow::Result<()> {
+    let store = runtime_server::Store::open_at(at)?;
+    let counts: std::collections::HashMap<String, i64> =
+        store.sandboxes_per_node()?.into_iter().collect();
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX));
+    if !json {
+        println!(
+            "{:<36}  {:<28}  {:>10}  {:>10}  {:<8}  {:>9}",
+            "NODE", "URL", "SEEN S AGO", "FREE MIB", "STATE", "SANDBOXES"
+        );
+    }
+    for n in store.nodes()? {
+        let state = if n.lost_ms != 0 {
+            "lost"
+        } else if n.draining {
+            "drained"
+        } else {
+            "ready"
+        };
+        let sandboxes = counts.get(&n.id).copied().unwrap_or(0);
+        let ago = (now - n.seen_ms).max(0) / 1000;
+        if json {
+            println!(
+                "{}",
+                serde_json::json!({
+                    "node": n.id, "url": n.url, "seenMsAgo": (now - n.seen_ms).max(0),
+                    "freeMiB": (n.free_mib >= 0).then_some(n.free_mib), "state": state,
+                    "sandboxes": sandboxes,
+                })
+            );
+        } else {
+            let free = if n.free_mib >= 0 {
+                n.free_mib.to_string()
+            } else {
+                "-".to_string()
+            };
+            println!(
+                "{:<36}  {:<28}  {:>10}  {:>10}  {:<8}  {:>9}",
+                n.id, n.url, ago, free, state, sandboxes
+            );
+        }
+    }
+    Ok(())
+}
+
 fn keys(cmd: KeysCmd) -> anyhow::Result<()> {
     use runtime_server::keys;
     match cmd {
@@ -1085,6 +1228,7 @@ fn main() -> anyhow::Result<()> {
         } => login::run(&url, computer, !no_browser),
         Cmd::Mcp { url, key } => mcp::run(mcp::target(url, key)?),
         Cmd::Keys { cmd } => keys(cmd),
+        Cmd::Host { cmd } => hosts(cmd),
         Cmd::Sandbox(args) => client::exit_with(sandbox::run(args)),
         Cmd::Image {
             cmd: ImageCmd::Remote(cmd),

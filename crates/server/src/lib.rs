@@ -57,7 +57,7 @@ pub use http::route::ROUTE_SAMPLES;
 pub use http::serve::Peer;
 pub use service::clock::Clock;
 pub use service::keys;
-pub use store::{redact as redact_store_url, Store, StoreAt, StoreLocation};
+pub use store::{redact as redact_store_url, NodeRow, Store, StoreAt, StoreLocation};
 
 /// Warm machines per image and shape, unless the operator says otherwise.
 pub const DEFAULT_WARM_POOL: u32 = 2;
@@ -143,6 +143,10 @@ pub struct Config {
     /// (`--node-url`), for requests about its sandboxes; `None`: the
     /// address it listens on (docs/deploy.md, "Several control planes").
     pub node_url: Option<String>,
+    /// A node not seen for this long is held lost by its peers, its
+    /// running sandboxes recorded `stopped` with `stopReason: host_lost`
+    /// (`--host-lost-after`; docs/deploy.md, "A node that stays away").
+    pub host_lost_after: Duration,
 }
 
 impl Config {
@@ -151,6 +155,7 @@ impl Config {
             data_dir: data_dir.into(),
             store: None,
             node_url: None,
+            host_lost_after: Duration::from_secs(30),
             late_answer_after: Duration::from_secs(90),
             heartbeat: Duration::from_secs(15),
             output_keep: Duration::from_secs(600),
@@ -246,6 +251,9 @@ struct Inner {
     pools: service::pool::Pools,
     /// Which node runs each sandbox asked about (a sandbox never moves).
     owners: http::forward::Owners,
+    /// This node is drained (`runtime host drain`): its creates go to
+    /// others. Read from the store on each beat.
+    draining: std::sync::atomic::AtomicBool,
     tasks: TaskTracker,
     cancel: CancellationToken,
 }
@@ -286,6 +294,7 @@ impl AppState {
                 hooks: service::webhooks::Hooks::default(),
                 pools: service::pool::Pools::default(),
                 owners: http::forward::Owners::default(),
+                draining: std::sync::atomic::AtomicBool::new(false),
                 tasks: TaskTracker::new(),
                 cancel: CancellationToken::new(),
                 config,
@@ -539,14 +548,21 @@ pub async fn run(
     };
     config.node_url = Some(node_url.clone());
     let store = open_store(&config.store_at())?.on_node(&node);
+    if store.shared() {
+        service::secrets::check_shared_key(&config.data_dir, &store)?;
+    }
     let adopted = store.adopt_unowned()?;
     if adopted > 0 {
         tracing::info!(node = %node, sandboxes = adopted, "took the sandboxes no node owned");
     }
-    store.beat(&node_url, config.clock.now_ms(), true)?;
     tracing::info!(node = %node, url = %node_url, "this control plane's node");
     let state = AppState::new(config, store, host);
+    let me = service::nodes::beat(&state, true).await?;
     recover(&state).await?;
+    if me.lost_ms != 0 {
+        // Its peers held it lost while it was away: settle what they recorded.
+        service::nodes::come_back(&state, me.lost_ms).await;
+    }
     state.start_background();
     let app = router(state.clone());
     // Code in the sandboxes reaches the same router at runtime.internal.

@@ -52,6 +52,8 @@ pub(crate) fn sandbox_types(from: SandboxState, event: Event) -> &'static [&'sta
         (Resuming, MachineGone) => &["sandbox.wake_failed", "sandbox.stopped"],
         (Stopping, Halted) => &["sandbox.stopped"],
         (Starting | Running | Pausing | Paused, MachineGone) => &["sandbox.stopped"],
+        (Starting | Running | Pausing | Resuming | Stopping, HostLost) => &["sandbox.stopped"],
+        (Stopped, HostBack) => &["sandbox.running"],
         (Starting | Running | Pausing | Paused | Resuming | Stopping, Delete) => {
             &["sandbox.stopped"]
         }
@@ -81,6 +83,8 @@ mod tests {
             ["sandbox.start_failed", "sandbox.stopped"]
         );
         assert_eq!(sandbox_types(Pausing, Suspended), ["sandbox.paused"]);
+        assert_eq!(sandbox_types(Running, HostLost), ["sandbox.stopped"]);
+        assert_eq!(sandbox_types(Stopped, HostBack), ["sandbox.running"]);
         assert_eq!(sandbox_types(Resuming, Woken), ["sandbox.woken"]);
         assert_eq!(sandbox_types(Resuming, WakeFailed), ["sandbox.wake_failed"]);
         assert_eq!(sandbox_types(Stopping, Halted), ["sandbox.stopped"]);

@@ -56,6 +56,11 @@ pub(crate) enum Event {
     /// A restart of the server found no machine but the saved state of a
     /// pause (that had happened) or wake (that had not).
     RecoveredSaved,
+    /// Its node was not seen for too long: its peers record it stopped
+    /// (docs/deploy.md, "A node that stays away").
+    HostLost,
+    /// Its node came back and its machine still runs (a persistent one).
+    HostBack,
 }
 
 /// An edge the lifecycle does not have.
@@ -87,6 +92,8 @@ pub(crate) fn next(from: SandboxState, event: Event) -> Result<SandboxState, Inv
         (_, Delete) => Stopped,
         (Starting | Running | Pausing | Resuming | Stopping, Recovered) => Running,
         (Pausing | Resuming, RecoveredSaved) => Paused,
+        (Starting | Running | Pausing | Resuming | Stopping, HostLost) => Stopped,
+        (Stopped, HostBack) => Running,
         (from, event) => return Err(InvalidTransition { from, event }),
     };
     Ok(to)
@@ -98,7 +105,7 @@ mod tests {
     use super::SandboxState::*;
     use super::*;
 
-    const EVENTS: [Event; 16] = [
+    const EVENTS: [Event; 18] = [
         Restart,
         Resize,
         Booted,
@@ -115,6 +122,8 @@ mod tests {
         Delete,
         Recovered,
         RecoveredSaved,
+        HostLost,
+        HostBack,
     ];
 
     /// Every allowed edge, written out once more by hand: the table below
@@ -157,6 +166,12 @@ mod tests {
         (Stopping, Recovered, Running),
         (Pausing, RecoveredSaved, Paused),
         (Resuming, RecoveredSaved, Paused),
+        (Starting, HostLost, Stopped),
+        (Running, HostLost, Stopped),
+        (Pausing, HostLost, Stopped),
+        (Resuming, HostLost, Stopped),
+        (Stopping, HostLost, Stopped),
+        (Stopped, HostBack, Running),
     ];
 
     #[test]

@@ -15,6 +15,7 @@ pub(crate) mod metrics;
 pub(crate) mod money;
 pub(crate) mod names;
 pub(crate) mod network;
+pub(crate) mod placement;
 pub(crate) mod pool;
 pub(crate) mod preview;
 pub(crate) mod process;

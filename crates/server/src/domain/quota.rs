@@ -360,6 +360,21 @@ pub(crate) fn room_for(
     Ok(())
 }
 
+/// The memory (MiB) of new machines the host can still take now: what
+/// [`room_for`] would admit of a machine of at least [`START_MIB`] (0 when
+/// the host is short of memory, memory files or disk). What a node
+/// publishes for placement (docs/deploy.md, "Placement").
+pub(crate) fn headroom(free: &Free, promised_mib: u64, r: &Reserve) -> u64 {
+    let short = free.memory_available < r.memory_mib + START_MIB
+        || (free.ram_dir_total > 0 && free.ram_dir_free < r.memory_mib + START_MIB)
+        || free.disk < r.disk_mib;
+    if short {
+        return 0;
+    }
+    let can_promise = (free.memory_total as f64 * r.memory_overcommit) as u64;
+    can_promise.saturating_sub(promised_mib)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -472,6 +487,56 @@ mod tests {
             ..free
         };
         assert_eq!(room_for(&unknown, 0, 1024, &r), Ok(()));
+    }
+
+    #[test]
+    fn the_headroom_a_node_publishes_is_what_it_admits() {
+        let r = Reserve::default();
+        let base = Free {
+            memory_total: 8192,
+            memory_available: 4096,
+            ram_dir_total: 4096,
+            ram_dir_free: 4096,
+            disk: 10_000,
+        };
+        let frees = [
+            base,
+            Free {
+                memory_available: 700,
+                ..base
+            },
+            Free {
+                ram_dir_free: 700,
+                ..base
+            },
+            Free { disk: 100, ..base },
+            Free {
+                ram_dir_total: 0,
+                ram_dir_free: 0,
+                ..base
+            },
+        ];
+        for free in frees {
+            for promised in [0, 1024, 30 << 10, 32 << 10, 40 << 10] {
+                let room = headroom(&free, promised, &r);
+                for asked in [
+                    256,
+                    512,
+                    1024,
+                    2048,
+                    4096,
+                    1536 + (30 << 10) - promised.min(30 << 10),
+                ] {
+                    assert_eq!(
+                        room_for(&free, promised, asked, &r).is_ok(),
+                        asked <= room,
+                        "{free:?} promised {promised} asked {asked} headroom {room}"
+                    );
+                }
+            }
+        }
+        assert_eq!(headroom(&base, 0, &r), 32 << 10);
+        assert_eq!(headroom(&base, 40 << 10, &r), 0);
     }
 
     #[test]

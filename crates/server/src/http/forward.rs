@@ -22,6 +22,7 @@ use axum::response::Response;
 use hyper_util::rt::TokioIo;
 
 use crate::error::ApiError;
+use crate::store::NodeRow;
 use crate::AppState;
 
 /// Set on a carried request: the node that carried it. A node never
@@ -94,9 +95,35 @@ pub(crate) async fn route(st: &AppState, req: Request) -> Result<Request, Respon
     if node == me || node.is_empty() {
         return Ok(req);
     }
-    Err(carry(st, &node, req)
+    let peer = match st.store().get_node(&node) {
+        Ok(Some(peer)) => peer,
+        Ok(None) | Err(_) => {
+            return Err(unreachable(&node, "is not known to the store".into())
+                .into_response_with("forward"))
+        }
+    };
+    // Its node is held lost: its record (stopped) is read, and the sandbox
+    // deleted, here; the rest needs its machine or its disk there.
+    if peer.lost_ms != 0 && answered_without_node(req.method(), req.uri().path()) {
+        return Ok(req);
+    }
+    Err(carry_to(st, &peer, req)
         .await
         .unwrap_or_else(|e| e.into_response_with("forward")))
+}
+
+/// What of a lost node's sandbox another node answers: reading its record
+/// and deleting it (`GET` and `DELETE /v1/sandboxes/{id}`).
+fn answered_without_node(method: &axum::http::Method, path: &str) -> bool {
+    let whole = sandbox_in_path(path).is_some_and(|id| path == format!("/v1/sandboxes/{id}"));
+    whole && (method == axum::http::Method::GET || method == axum::http::Method::DELETE)
+}
+
+fn unreachable(node: &str, why: String) -> ApiError {
+    ApiError::NodeUnreachable {
+        node: node.to_string(),
+        message: format!("The control plane that runs this sandbox ({node}) {why}; try again."),
+    }
 }
 
 /// Carries a request already read here (a create whose image or snapshot
@@ -140,17 +167,20 @@ fn query_escape(s: &str) -> String {
 }
 
 /// Carries `req` to `node` and brings its answer back.
-async fn carry(st: &AppState, node: &str, mut req: Request) -> Result<Response, ApiError> {
-    let unreachable = |why: String| ApiError::NodeUnreachable {
-        node: node.to_string(),
-        message: format!("The control plane that runs this sandbox ({node}) {why}; try again."),
-    };
+async fn carry(st: &AppState, node: &str, req: Request) -> Result<Response, ApiError> {
     let peer = st
         .store()
         .get_node(node)
         .ok()
         .flatten()
-        .ok_or_else(|| unreachable("is not known to the store".into()))?;
+        .ok_or_else(|| unreachable(node, "is not known to the store".into()))?;
+    carry_to(st, &peer, req).await
+}
+
+/// Carries `req` to `peer` and brings its answer back.
+async fn carry_to(st: &AppState, peer: &NodeRow, mut req: Request) -> Result<Response, ApiError> {
+    let node = peer.id.as_str();
+    let unreachable = |why: String| unreachable(node, why);
     let authority = peer
         .url
         .strip_prefix("http://")

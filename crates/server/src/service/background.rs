@@ -19,6 +19,10 @@ use SandboxState::{Paused, Pausing, Resuming, Running, Starting, Stopping};
 /// holder that stops is replaced within 90 s.
 const HOUSEKEEPING_LEASE_MS: i64 = 90_000;
 
+/// How long the lease of watching for lost nodes lasts: renewed every 5 s,
+/// so its holder is replaced within 15 s of stopping.
+const NODES_LEASE_MS: i64 = 15_000;
+
 /// Ends leases, forgets old idempotency records and process output.
 pub(crate) async fn reaper(st: AppState) {
     let mut tick = tokio::time::interval(Duration::from_secs(1));
@@ -51,9 +55,23 @@ pub(crate) async fn reaper(st: AppState) {
         }
         if n.is_multiple_of(5) {
             crate::service::pool::tend(&st).await;
-            // Peers read this node's URL and liveness here.
-            if let Err(e) = st.store().beat(st.node_url(), now, false) {
-                tracing::error!(error = %e, "saying this node is alive failed");
+            // Peers read this node's URL, liveness and room here.
+            match crate::service::nodes::beat(&st, false).await {
+                // Held lost while cut from the store: settle what peers recorded.
+                Ok(me) if me.lost_ms != 0 => {
+                    crate::service::nodes::come_back(&st, me.lost_ms).await
+                }
+                Ok(_) => {}
+                Err(e) => tracing::error!(error = %e, "saying this node is alive failed"),
+            }
+            // One node watches for peers that stay away.
+            if st.store().shared()
+                && st
+                    .store()
+                    .hold_lease("nodes", now, NODES_LEASE_MS)
+                    .unwrap_or(false)
+            {
+                crate::service::nodes::notice_lost(&st, now);
             }
         }
         // The store-wide jobs run on the one control plane holding their

@@ -17,6 +17,7 @@ pub(crate) mod links;
 pub(crate) mod meter;
 pub(crate) mod metrics;
 pub(crate) mod network;
+pub(crate) mod nodes;
 pub(crate) mod pool;
 pub(crate) mod previews;
 pub(crate) mod processes;

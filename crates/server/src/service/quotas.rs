@@ -190,19 +190,33 @@ pub(crate) async fn host_free(st: &AppState) -> Option<Free> {
     })
 }
 
-/// The host's room for machines of `asked_mib` memory in all, beside the
-/// memory promised to every key's running machines.
-async fn host_room(st: &AppState, asked_mib: u64) -> ApiResult<()> {
-    let Some(free) = host_free(st).await else {
-        return Ok(());
-    };
-    let promised: u64 = st
+/// Memory promised to this node's machines (on a shared store, the other
+/// nodes' machines are theirs to count).
+fn promised_here(st: &AppState) -> ApiResult<u64> {
+    Ok(st
         .store()
-        .live_sandboxes()?
+        .live_sandboxes_here()?
         .iter()
         .filter(|r| holds_machine(r.record.state))
         .map(|r| u64::from(r.record.memory_mib))
-        .sum();
+        .sum())
+}
+
+/// The memory (MiB) of new machines this host can take now, for its
+/// peers' placement (`None`: it cannot tell).
+pub(crate) async fn headroom_here(st: &AppState) -> Option<u64> {
+    let free = host_free(st).await?;
+    let promised = promised_here(st).ok()?;
+    Some(quota::headroom(&free, promised, &st.config().reserve))
+}
+
+/// The host's room for machines of `asked_mib` memory in all, beside the
+/// memory promised to every key's running machines.
+pub(crate) async fn host_room(st: &AppState, asked_mib: u64) -> ApiResult<()> {
+    let Some(free) = host_free(st).await else {
+        return Ok(());
+    };
+    let promised = promised_here(st)?;
     quota::room_for(&free, promised, asked_mib, &st.config().reserve).map_err(|why| {
         tracing::warn!(reason = %why, "a machine was refused for want of room");
         ApiError::NoCapacity {

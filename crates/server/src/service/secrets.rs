@@ -63,6 +63,42 @@ pub(crate) fn open_sealer(data_dir: &Path) -> Result<Sealer, ServerError> {
     })
 }
 
+/// With several nodes on one store: every node must seal secrets with the
+/// same `secrets.key`, or a sandbox on one could not open what was stored
+/// through another. The first node records a digest of its key in the
+/// store; a node whose key differs, or that has none while the store has
+/// one, is refused at its start, naming the file to copy.
+pub(crate) fn check_shared_key(
+    data_dir: &Path,
+    store: &crate::store::Store,
+) -> Result<(), ServerError> {
+    const CHECK: &str = "secrets_key_check";
+    let path = data_dir.join("secrets.key");
+    let recorded = store.meta(CHECK)?;
+    if recorded.is_some() && !path.exists() {
+        return Err(ServerError::BadSetting {
+            message: format!(
+                "this node has no {} and the store's secrets are sealed with another node's key: \
+             copy secrets.key from a node of this store into the data directory (mode 0600) \
+             before starting",
+                path.display()
+            ),
+        });
+    }
+    let mine = open_sealer(data_dir)?.keyed_digest(b"runtime: the store's sealing key");
+    let kept = store.claim_meta(CHECK, &mine)?;
+    if kept != mine {
+        return Err(ServerError::BadSetting {
+            message: format!(
+                "{} is not the key the store's secrets are sealed with: every node of one store \
+             needs the same secrets.key (copy it from another node of this store)",
+                path.display()
+            ),
+        });
+    }
+    Ok(())
+}
+
 /// A secret as the egress proxy needs it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Opened {

@@ -34,7 +34,7 @@ use db::{params, pg_connect, ConnGuard, Connection, DbError, Engine, Pool, MIGRA
 
 use crate::error::ServerError;
 
-pub(super) const SCHEMA_VERSION: i64 = 19;
+pub(super) const SCHEMA_VERSION: i64 = 20;
 
 /// Several control planes on one store (v19): each server is a node with
 /// the URL its peers reach it at and when it was last seen; a sandbox
@@ -57,6 +57,21 @@ CREATE TABLE IF NOT EXISTS leases (
 ALTER TABLE sandboxes ADD COLUMN node TEXT NOT NULL DEFAULT '';
 CREATE INDEX IF NOT EXISTS sandboxes_node ON sandboxes(node);
 ALTER TABLE images ADD COLUMN node TEXT NOT NULL DEFAULT '';
+";
+
+/// Placement and failure (v20): what memory each node can still promise
+/// new machines (`-1`: it cannot tell), whether it is draining (no new
+/// sandboxes), and since when its peers hold it lost (`0`: not lost);
+/// facts every node must agree on (`store_meta`: a check of the key that
+/// seals secrets, so a node with another `secrets.key` is refused).
+const SCHEMA_V20: &str = "
+ALTER TABLE nodes ADD COLUMN free_mib INTEGER NOT NULL DEFAULT -1;
+ALTER TABLE nodes ADD COLUMN draining INTEGER NOT NULL DEFAULT 0;
+ALTER TABLE nodes ADD COLUMN lost_ms INTEGER NOT NULL DEFAULT 0;
+CREATE TABLE IF NOT EXISTS store_meta (
+    name TEXT PRIMARY KEY,
+    value TEXT NOT NULL
+);
 ";
 
 /// Charges folded by day (v18): how many minutes a row of `charges` spans,
@@ -496,7 +511,7 @@ fn keep_private(data_dir: &Path) -> Result<(), ServerError> {
 }
 
 /// Each schema version's SQL, oldest first (v6 also moves documents).
-const MIGRATIONS: [(i64, &str); 19] = [
+const MIGRATIONS: [(i64, &str); 20] = [
     (1, SCHEMA_V1),
     (2, SCHEMA_V2),
     (3, SCHEMA_V3),
@@ -516,6 +531,7 @@ const MIGRATIONS: [(i64, &str); 19] = [
     (17, SCHEMA_V17),
     (18, SCHEMA_V18),
     (19, SCHEMA_V19),
+    (20, SCHEMA_V20),
 ];
 
 /// Runs the migrations after `version` on SQLite, each in a transaction
@@ -543,7 +559,7 @@ fn step(c: &Connection, v: i64, sql: &str, op: &'static str) -> Result<(), Serve
     Ok(())
 }
 
-const MIGRATE_OPS: [&str; 19] = [
+const MIGRATE_OPS: [&str; 20] = [
     "migrate v1",
     "migrate v2",
     "migrate v3",
@@ -563,6 +579,7 @@ const MIGRATE_OPS: [&str; 19] = [
     "migrate v17",
     "migrate v18",
     "migrate v19",
+    "migrate v20",
 ];
 
 fn too_new(version: i64, what: &str) -> Result<(), ServerError> {
@@ -773,6 +790,7 @@ impl Store {
 pub(crate) use events::{Attempt, DeliveryRow, EventQuery, EventRow, SealedSecret, WebhookRow};
 pub(crate) use idempotency::{StoredAnswer, PENDING_FORK, PENDING_SANDBOX, PENDING_SNAPSHOT};
 pub(crate) use keys::insert_key;
+pub use nodes::NodeRow;
 pub(crate) use processes::{ProcEnd, ProcRow};
 pub(crate) use registries::PutRegistry;
 pub(crate) use sandboxes::SandboxRow;

@@ -10,14 +10,9 @@ use super::db::{params, Engine, OptionalExtension};
 use super::{store_err, Store};
 use crate::error::ServerError;
 
-/// A node as its peers see it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct NodeRow {
-    pub id: String,
-    pub url: String,
-    pub started_ms: i64,
-    pub seen_ms: i64,
-}
+pub use crate::domain::placement::NodeRow;
+
+const NODE_COLUMNS: &str = "id, url, started_ms, seen_ms, free_mib, draining, lost_ms";
 
 fn node_row(r: &super::db::Row) -> super::db::DbResult<NodeRow> {
     Ok(NodeRow {
@@ -25,6 +20,9 @@ fn node_row(r: &super::db::Row) -> super::db::DbResult<NodeRow> {
         url: r.get(1)?,
         started_ms: r.get(2)?,
         seen_ms: r.get(3)?,
+        free_mib: r.get(4)?,
+        draining: r.get::<_, i64>(5)? != 0,
+        lost_ms: r.get(6)?,
     })
 }
 
@@ -47,26 +45,76 @@ impl Store {
         matches!(self.engine, Engine::Pg(_))
     }
 
-    /// Says this node is alive at `now`, reachable at `url` (a first beat
-    /// since the start also sets `started_ms`).
-    pub fn beat(&self, url: &str, now: i64, starting: bool) -> Result<(), ServerError> {
+    /// Says this node is alive at `now`, reachable at `url`, with room for
+    /// `free_mib` more MiB of machines (a first beat since the start also
+    /// sets `started_ms`). Answers its row as its peers see it (drained,
+    /// held lost).
+    pub fn beat(
+        &self,
+        url: &str,
+        now: i64,
+        starting: bool,
+        free_mib: i64,
+    ) -> Result<NodeRow, ServerError> {
         let sql = if starting {
-            "INSERT INTO nodes (id, url, started_ms, seen_ms) VALUES (?1, ?2, ?3, ?3) \
-             ON CONFLICT (id) DO UPDATE SET url = excluded.url, started_ms = excluded.started_ms, seen_ms = excluded.seen_ms"
+            "INSERT INTO nodes (id, url, started_ms, seen_ms, free_mib) VALUES (?1, ?2, ?3, ?3, ?4) \
+             ON CONFLICT (id) DO UPDATE SET url = excluded.url, started_ms = excluded.started_ms, \
+             seen_ms = excluded.seen_ms, free_mib = excluded.free_mib"
         } else {
-            "INSERT INTO nodes (id, url, started_ms, seen_ms) VALUES (?1, ?2, ?3, ?3) \
-             ON CONFLICT (id) DO UPDATE SET url = excluded.url, seen_ms = excluded.seen_ms"
+            "INSERT INTO nodes (id, url, started_ms, seen_ms, free_mib) VALUES (?1, ?2, ?3, ?3, ?4) \
+             ON CONFLICT (id) DO UPDATE SET url = excluded.url, seen_ms = excluded.seen_ms, \
+             free_mib = excluded.free_mib"
         };
         self.conn()
-            .execute(sql, params![self.node, url, now])
+            .execute(sql, params![self.node, url, now, free_mib])
             .map_err(store_err("node beat"))?;
+        self.get_node(&self.node)?
+            .ok_or_else(|| super::corrupt(format!("node {} vanished on its beat", self.node)))
+    }
+
+    /// Drains node `id` (no new sandboxes go there) or takes it back;
+    /// `false` when no such node is known.
+    pub fn set_draining(&self, id: &str, draining: bool) -> Result<bool, ServerError> {
+        let n = self
+            .conn()
+            .execute(
+                "UPDATE nodes SET draining = ?2 WHERE id = ?1",
+                params![id, i64::from(draining)],
+            )
+            .map_err(store_err("drain node"))?;
+        Ok(n == 1)
+    }
+
+    /// Holds node `id` lost from `now` when it was last seen before
+    /// `cutoff_ms` and is not held lost yet: true for the one caller that
+    /// did it (it then stops the node's sandboxes in the records).
+    pub fn mark_lost(&self, id: &str, cutoff_ms: i64, now: i64) -> Result<bool, ServerError> {
+        let n = self
+            .conn()
+            .execute(
+                "UPDATE nodes SET lost_ms = ?3 WHERE id = ?1 AND lost_ms = 0 AND seen_ms < ?2",
+                params![id, cutoff_ms, now],
+            )
+            .map_err(store_err("mark node lost"))?;
+        Ok(n == 1)
+    }
+
+    /// This node, held lost since `since_ms`, has settled what its peers
+    /// recorded meanwhile: no longer lost.
+    pub fn node_back(&self, since_ms: i64) -> Result<(), ServerError> {
+        self.conn()
+            .execute(
+                "UPDATE nodes SET lost_ms = 0 WHERE id = ?1 AND lost_ms = ?2",
+                params![self.node, since_ms],
+            )
+            .map_err(store_err("node back"))?;
         Ok(())
     }
 
     pub fn get_node(&self, id: &str) -> Result<Option<NodeRow>, ServerError> {
         self.conn()
             .query_row(
-                "SELECT id, url, started_ms, seen_ms FROM nodes WHERE id = ?1",
+                &format!("SELECT {NODE_COLUMNS} FROM nodes WHERE id = ?1"),
                 params![id],
                 node_row,
             )
@@ -78,7 +126,7 @@ impl Store {
     pub fn nodes(&self) -> Result<Vec<NodeRow>, ServerError> {
         let conn = self.conn();
         let mut stmt = conn
-            .prepare("SELECT id, url, started_ms, seen_ms FROM nodes ORDER BY id")
+            .prepare(&format!("SELECT {NODE_COLUMNS} FROM nodes ORDER BY id"))
             .map_err(store_err("list nodes"))?;
         let rows = stmt
             .query_map([], node_row)
@@ -86,6 +134,55 @@ impl Store {
         let mut out = Vec::new();
         for r in rows {
             out.push(r.map_err(store_err("list nodes"))?);
+        }
+        Ok(out)
+    }
+
+    /// The store-wide fact `name`: `value` if none was set yet, otherwise
+    /// the one set first (by whichever node).
+    pub fn claim_meta(&self, name: &str, value: &str) -> Result<String, ServerError> {
+        let conn = self.conn();
+        conn.execute(
+            "INSERT INTO store_meta (name, value) VALUES (?1, ?2) ON CONFLICT (name) DO NOTHING",
+            params![name, value],
+        )
+        .map_err(store_err("store fact"))?;
+        conn.query_row(
+            "SELECT value FROM store_meta WHERE name = ?1",
+            params![name],
+            |r| r.get(0),
+        )
+        .map_err(store_err("store fact"))
+    }
+
+    /// The store-wide fact `name`, if set.
+    pub fn meta(&self, name: &str) -> Result<Option<String>, ServerError> {
+        self.conn()
+            .query_row(
+                "SELECT value FROM store_meta WHERE name = ?1",
+                params![name],
+                |r| r.get(0),
+            )
+            .optional()
+            .map_err(store_err("store fact"))
+    }
+
+    /// How many sandboxes each node holds that are not stopped (deleted
+    /// ones aside), by node id.
+    pub fn sandboxes_per_node(&self) -> Result<Vec<(String, i64)>, ServerError> {
+        let conn = self.conn();
+        let mut stmt = conn
+            .prepare(
+                "SELECT node, COUNT(*) FROM sandboxes WHERE deleted IS NULL AND state <> 'stopped' \
+                 GROUP BY node ORDER BY node",
+            )
+            .map_err(store_err("count sandboxes per node"))?;
+        let rows = stmt
+            .query_map([], |r| Ok((r.get(0)?, r.get(1)?)))
+            .map_err(store_err("count sandboxes per node"))?;
+        let mut out = Vec::new();
+        for r in rows {
+            out.push(r.map_err(store_err("count sandboxes per node"))?);
         }
         Ok(out)
     }
@@ -222,14 +319,16 @@ mod tests {
             let before = Store::open_at(at).unwrap();
             let a = open(at, "node-a");
             let b = open(at, "node-b");
-            a.beat("http://10.0.0.1:8080", 100, true).unwrap();
-            a.beat("http://10.0.0.1:8080", 200, false).unwrap();
-            b.beat("http://10.0.0.2:8080", 150, true).unwrap();
+            a.beat("http://10.0.0.1:8080", 100, true, -1).unwrap();
+            let seen = a.beat("http://10.0.0.1:8080", 200, false, 3072).unwrap();
+            b.beat("http://10.0.0.2:8080", 150, true, 0).unwrap();
             let na = a.get_node("node-a").unwrap().unwrap();
+            assert_eq!(seen, na);
             assert_eq!(
-                (na.url.as_str(), na.started_ms, na.seen_ms),
-                ("http://10.0.0.1:8080", 100, 200)
+                (na.url.as_str(), na.started_ms, na.seen_ms, na.free_mib),
+                ("http://10.0.0.1:8080", 100, 200, 3072)
             );
+            assert!(!na.draining && na.lost_ms == 0);
             assert_eq!(a.nodes().unwrap().len(), 2);
             // One made before nodes existed (no node), one by each node.
             before.insert_sandbox(&row("old")).unwrap();
@@ -246,6 +345,50 @@ mod tests {
             assert_eq!(here(&a), ["old", "sa"]);
             // Every node still lists all of them.
             assert_eq!(b.live_sandboxes().unwrap().len(), 3);
+            assert_eq!(
+                b.sandboxes_per_node().unwrap(),
+                [("node-a".to_string(), 2), ("node-b".to_string(), 1)]
+            );
+        });
+    }
+
+    #[test]
+    fn a_node_is_drained_held_lost_once_and_back_when_it_says_so() {
+        testing::each_location(|at| {
+            let a = open(at, "node-a");
+            let b = open(at, "node-b");
+            a.beat("http://10.0.0.1:8080", 1_000, true, 2048).unwrap();
+            b.beat("http://10.0.0.2:8080", 1_000, true, 2048).unwrap();
+            // Drained by the operator: its next beat sees it; unknown nodes are said.
+            assert!(a.set_draining("node-b", true).unwrap());
+            assert!(!a.set_draining("node-z", true).unwrap());
+            assert!(
+                b.beat("http://10.0.0.2:8080", 2_000, false, 2048)
+                    .unwrap()
+                    .draining
+            );
+            assert!(a.set_draining("node-b", false).unwrap());
+            assert!(!b.get_node("node-b").unwrap().unwrap().draining);
+            // Seen since the cutoff: not lost.
+            assert!(!a.mark_lost("node-b", 1_500, 40_000).unwrap());
+            // Unseen since: held lost by one caller only, from `now`.
+            assert!(a.mark_lost("node-b", 2_500, 40_000).unwrap());
+            assert!(!a.mark_lost("node-b", 2_500, 41_000).unwrap());
+            let lost = b.beat("http://10.0.0.2:8080", 50_000, true, 2048).unwrap();
+            assert_eq!(
+                lost.lost_ms, 40_000,
+                "a beat does not end it: the node settles first"
+            );
+            // Back only for the loss it settled.
+            b.node_back(39_999).unwrap();
+            assert_eq!(b.get_node("node-b").unwrap().unwrap().lost_ms, 40_000);
+            b.node_back(40_000).unwrap();
+            assert_eq!(b.get_node("node-b").unwrap().unwrap().lost_ms, 0);
+            // A store-wide fact: the first node's stands.
+            assert_eq!(a.meta("check").unwrap(), None);
+            assert_eq!(a.claim_meta("check", "one").unwrap(), "one");
+            assert_eq!(b.claim_meta("check", "two").unwrap(), "one");
+            assert_eq!(b.meta("check").unwrap().as_deref(), Some("one"));
         });
     }
 }

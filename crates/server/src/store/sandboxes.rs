@@ -177,6 +177,11 @@ impl Store {
         self.live(Some(&self.node))
     }
 
+    /// Every sandbox not deleted whose machines are node `node`'s.
+    pub fn live_sandboxes_of(&self, node: &str) -> Result<Vec<SandboxRow>, ServerError> {
+        self.live(Some(node))
+    }
+
     fn live(&self, node: Option<&str>) -> Result<Vec<SandboxRow>, ServerError> {
         let conn = self.conn();
         let mut stmt = conn

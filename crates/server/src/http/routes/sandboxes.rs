@@ -163,7 +163,15 @@ pub(super) async fn create(st: AppState, ctx: Ctx, body: Bytes) -> ApiResult<Rep
     let mut req = parse_create(&st, &ctx.key, &body)?;
     // Its image or snapshot is on another control plane: made there.
     if !ctx.headers.contains_key(crate::http::forward::FORWARDED_BY) {
-        if let Some(node) = svc::node_for_create(&st, &ctx.key, &req)? {
+        // Tied to nothing: on a node with room for it, this one first.
+        let node = match svc::node_for_create(&st, &ctx.key, &req)? {
+            Some(node) => Some(node),
+            None if req.snapshot.is_none() && req.image.is_none() => {
+                crate::service::nodes::place(&st, u64::from(req.settings.memory_mib)).await?
+            }
+            None => None,
+        };
+        if let Some(node) = node {
             let answer = crate::http::forward::carry_parts(
                 &st,
                 &node,
