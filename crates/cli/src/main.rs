@@ -905,6 +905,7 @@ async fn serve(
         }
     }
     let host = QemuHost::new(qemu_cfg).context("preparing the VM directory")?;
+    runtime_server::check_secrets_key(&data_dir, &at)?;
     if let Some(key) = runtime_server::ensure_admin_key_in(&data_dir, &at)? {
         eprintln!(
             "runtime: created the admin key (saved to {}):",
@@ -976,7 +977,7 @@ fn hosts(cmd: HostCmd) -> anyhow::Result<()> {
     println!(
         "node {node} {}",
         if drain {
-            "drained: new sandboxes go to the other nodes (it sees this within 5 s)"
+            "drained: new sandboxes go to the other nodes"
         } else {
             "takes new sandboxes again"
         }

@@ -251,9 +251,6 @@ struct Inner {
     pools: service::pool::Pools,
     /// Which node runs each sandbox asked about (a sandbox never moves).
     owners: http::forward::Owners,
-    /// This node is drained (`runtime host drain`): its creates go to
-    /// others. Read from the store on each beat.
-    draining: std::sync::atomic::AtomicBool,
     tasks: TaskTracker,
     cancel: CancellationToken,
 }
@@ -294,7 +291,6 @@ impl AppState {
                 hooks: service::webhooks::Hooks::default(),
                 pools: service::pool::Pools::default(),
                 owners: http::forward::Owners::default(),
-                draining: std::sync::atomic::AtomicBool::new(false),
                 tasks: TaskTracker::new(),
                 cancel: CancellationToken::new(),
                 config,
@@ -526,6 +522,17 @@ pub async fn recover(state: &AppState) -> Result<(), ServerError> {
     service::processes::recover(state).await
 }
 
+/// With several nodes on one PostgreSQL store: whether this data
+/// directory's `secrets.key` is the one the store's secrets are sealed
+/// with (a node without it, or with another, is refused; see
+/// [`run`], which checks it too). Nothing to check on SQLite.
+pub fn check_secrets_key(data_dir: &Path, at: &StoreAt) -> Result<(), ServerError> {
+    if !matches!(at, StoreAt::Postgres(_)) {
+        return Ok(());
+    }
+    service::secrets::check_shared_key(data_dir, &open_store(at)?)
+}
+
 /// Recovers sandboxes, serves until `shutdown` resolves, then drains.
 pub async fn run(
     listener: tokio::net::TcpListener,
@@ -592,8 +599,10 @@ pub async fn run(
     }
     state.host().serve_api(None);
     state.shutdown().await;
-    // Another control plane takes this one's store-wide jobs at once.
+    // Another control plane takes this one's store-wide jobs at once, and
+    // places no more creates here.
     let _ = state.store().release_leases();
+    let _ = state.store().node_leaving();
     Ok(())
 }
 

@@ -16,23 +16,30 @@ pub struct NodeRow {
     pub lost_ms: i64,
 }
 
-/// The node with the most room for a machine of `asked_mib`, other than
-/// `me`: one seen within `fresh_ms` of `now`, not drained, not held lost,
-/// that said it can take `asked_mib` more. A node that cannot tell its
-/// room (`free_mib` -1) comes after every node that can.
-pub(crate) fn choose<'a>(
+/// The nodes that may take a machine of `asked_mib`, most room first,
+/// other than `me`: seen within `fresh_ms` of `now`, not drained, not held
+/// lost, and that said they can take `asked_mib` more. A node that cannot
+/// tell its room (`free_mib` -1) comes after every node that can; equal
+/// room is ordered by id, so every node ranks alike.
+pub(crate) fn rank<'a>(
     nodes: &'a [NodeRow],
     me: &str,
     now: i64,
     fresh_ms: i64,
     asked_mib: u64,
-) -> Option<&'a NodeRow> {
+) -> Vec<&'a NodeRow> {
     let asked = i64::try_from(asked_mib).unwrap_or(i64::MAX);
-    nodes
+    let mut fit: Vec<&NodeRow> = nodes
         .iter()
         .filter(|n| n.id != me && !n.draining && n.lost_ms == 0 && n.seen_ms >= now - fresh_ms)
         .filter(|n| n.free_mib < 0 || n.free_mib >= asked)
-        .max_by_key(|n| (n.free_mib >= 0, n.free_mib, std::cmp::Reverse(n.id.clone())))
+        .collect();
+    fit.sort_by(|a, b| {
+        (b.free_mib >= 0, b.free_mib)
+            .cmp(&(a.free_mib >= 0, a.free_mib))
+            .then_with(|| a.id.cmp(&b.id))
+    });
+    fit
 }
 
 #[cfg(test)]
@@ -63,10 +70,18 @@ mod tests {
             node("unknown", -1, now),
         ];
         let pick = |nodes: &[NodeRow], asked| {
-            choose(nodes, "me", now, 15_000, asked).map(|n| n.id.clone())
+            rank(nodes, "me", now, 15_000, asked)
+                .first()
+                .map(|n| n.id.clone())
         };
         assert_eq!(pick(&nodes, 1024).as_deref(), Some("b"));
         assert_eq!(pick(&nodes, 4096).as_deref(), Some("b"));
+        // The rest follow by room, the one that cannot tell last.
+        let order: Vec<&str> = rank(&nodes, "me", now, 15_000, 512)
+            .iter()
+            .map(|n| n.id.as_str())
+            .collect();
+        assert_eq!(order, ["b", "a", "c", "unknown"]);
         // Known room too small everywhere: the node that cannot tell.
         assert_eq!(pick(&nodes, 9000).as_deref(), Some("unknown"));
         nodes.retain(|n| n.id != "unknown");

@@ -137,6 +137,41 @@ pub(crate) async fn carry_parts(
     ctx: &super::Ctx,
     body: bytes::Bytes,
 ) -> Result<Response, ApiError> {
+    carry(st, node, rebuilt(method, path, ctx, body)?).await
+}
+
+/// Carries a create already read here to the first of `peers` that
+/// accepts a connection (placement's ranking); `None` when none did, so
+/// nothing was sent anywhere.
+pub(crate) async fn carry_to_first(
+    st: &AppState,
+    peers: &[NodeRow],
+    path: &str,
+    ctx: &super::Ctx,
+    body: bytes::Bytes,
+) -> Result<Option<Response>, ApiError> {
+    for peer in peers {
+        match connect(peer).await {
+            Ok(sender) => {
+                let req = rebuilt(axum::http::Method::POST, path, ctx, body)?;
+                return send(st, &peer.id, sender, req).await.map(Some);
+            }
+            Err(e) => {
+                tracing::warn!(node = %peer.id, error = %e, "a node placed on did not answer: trying the next")
+            }
+        }
+    }
+    Ok(None)
+}
+
+/// A request read here, as it came: method, `path` with its query,
+/// headers and body.
+fn rebuilt(
+    method: axum::http::Method,
+    path: &str,
+    ctx: &super::Ctx,
+    body: bytes::Bytes,
+) -> Result<Request, ApiError> {
     let mut uri = path.to_string();
     for (i, (k, v)) in ctx.query.iter().enumerate() {
         uri.push(if i == 0 { '?' } else { '&' });
@@ -150,7 +185,7 @@ pub(crate) async fn carry_parts(
         what: format!("carrying {uri}: {e}"),
     })?;
     *req.headers_mut() = ctx.headers.clone();
-    carry(st, node, req).await
+    Ok(req)
 }
 
 /// `s` percent-encoded for a query (all but RFC 3986's unreserved).
@@ -178,7 +213,16 @@ async fn carry(st: &AppState, node: &str, req: Request) -> Result<Response, ApiE
 }
 
 /// Carries `req` to `peer` and brings its answer back.
-async fn carry_to(st: &AppState, peer: &NodeRow, mut req: Request) -> Result<Response, ApiError> {
+async fn carry_to(st: &AppState, peer: &NodeRow, req: Request) -> Result<Response, ApiError> {
+    let sender = connect(peer).await?;
+    send(st, &peer.id, sender, req).await
+}
+
+/// An HTTP/1 connection to `peer`, or why none could be had (then nothing
+/// was sent to it).
+async fn connect(
+    peer: &NodeRow,
+) -> Result<hyper::client::conn::http1::SendRequest<Body>, ApiError> {
     let node = peer.id.as_str();
     let unreachable = |why: String| unreachable(node, why);
     let authority = peer
@@ -201,13 +245,24 @@ async fn carry_to(st: &AppState, peer: &NodeRow, mut req: Request) -> Result<Res
         })?
         .map_err(|e| unreachable(format!("refused a connection at {authority}: {e}")))?;
     let _ = tcp.set_nodelay(true);
-    let (mut sender, conn) = hyper::client::conn::http1::Builder::new()
+    let (sender, conn) = hyper::client::conn::http1::Builder::new()
         .handshake::<_, Body>(TokioIo::new(tcp))
         .await
         .map_err(|e| unreachable(format!("did not speak HTTP: {e}")))?;
     tokio::spawn(async move {
         let _ = conn.with_upgrades().await;
     });
+    Ok(sender)
+}
+
+/// Sends `req` on a connection to node `node` and brings its answer back,
+/// an upgrade passed through both ways.
+async fn send(
+    st: &AppState,
+    node: &str,
+    mut sender: hyper::client::conn::http1::SendRequest<Body>,
+    mut req: Request,
+) -> Result<Response, ApiError> {
     if let Ok(v) = HeaderValue::from_str(st.store().node()) {
         req.headers_mut().insert(FORWARDED_BY, v);
     }
@@ -218,7 +273,7 @@ async fn carry_to(st: &AppState, peer: &NodeRow, mut req: Request) -> Result<Res
     let mut resp = sender
         .send_request(req)
         .await
-        .map_err(|e| unreachable(format!("closed the connection: {e}")))?;
+        .map_err(|e| unreachable(node, format!("closed the connection: {e}")))?;
     if resp.status() == StatusCode::SWITCHING_PROTOCOLS {
         if let Some(caller_side) = upgrade {
             let peer_side = hyper::upgrade::on(&mut resp);

@@ -3,8 +3,6 @@
 //! create runs, noticing a node that stays away, and a node settling what
 //! its peers recorded while it was away.
 
-use std::sync::atomic::Ordering;
-
 use crate::domain::lifecycle::{Event, SandboxState};
 use crate::domain::time::{iso, parse_iso_ms};
 use crate::error::{ApiError, ApiResult, ServerError};
@@ -15,34 +13,42 @@ use crate::AppState;
 /// A node seen within this long takes creates of its peers.
 pub(crate) const FRESH_MS: i64 = 15_000;
 
-/// Says this node is alive, with the room it has for new machines; notes
-/// whether the operator drained it. Answers its row as its peers see it.
+/// Says this node is alive, with the room it has for new machines.
+/// Answers its row as its peers see it.
 pub(crate) async fn beat(st: &AppState, starting: bool) -> Result<NodeRow, ServerError> {
     let free_mib = match crate::service::quotas::headroom_here(st).await {
         Some(mib) => i64::try_from(mib).unwrap_or(i64::MAX),
         None => -1,
     };
-    let me = st
-        .store()
-        .beat(st.node_url(), st.now_ms(), starting, free_mib)?;
-    st.inner.draining.store(me.draining, Ordering::Relaxed);
-    Ok(me)
+    st.store()
+        .beat(st.node_url(), st.now_ms(), starting, free_mib)
+}
+
+/// Where a create that nothing ties to a node runs.
+pub(crate) enum Placement {
+    /// On this node.
+    Here,
+    /// On one of these peers, the first that answers; none answering,
+    /// the refusal this node gave.
+    Peers(Vec<NodeRow>, ApiError),
 }
 
 /// Where a create of `asked_mib` that nothing ties to a node runs: here
-/// (`None`) unless this node is drained or has no room for it; then the
-/// live peer with the most room. No peer with room: this node's own
-/// refusal (`no_capacity`, which the client waits out).
-pub(crate) async fn place(st: &AppState, asked_mib: u64) -> ApiResult<Option<String>> {
+/// unless this node is drained or has no room for it; then the live peers
+/// with room, most room first. No peer with room: this node's own refusal
+/// (`no_capacity`, which the client waits out).
+pub(crate) async fn place(st: &AppState, asked_mib: u64) -> ApiResult<Placement> {
     if !st.store().shared() {
-        return Ok(None);
+        return Ok(Placement::Here);
     }
-    let draining = st.inner.draining.load(Ordering::Relaxed);
+    // Read at each create: a drain counts from the moment it is said.
+    let nodes = st.store().nodes()?;
+    let me = st.store().node();
+    let draining = nodes.iter().any(|n| n.id == me && n.draining);
     let here = if draining {
         Err(ApiError::NoCapacity {
             message: format!(
-                "This node ({}) is drained and no other node has room for this sandbox now.",
-                st.store().node()
+                "This node ({me}) is drained and no other node has room for this sandbox now."
             ),
             details: serde_json::json!({ "memoryMiB": asked_mib }),
         })
@@ -50,14 +56,17 @@ pub(crate) async fn place(st: &AppState, asked_mib: u64) -> ApiResult<Option<Str
         crate::service::quotas::host_room(st, asked_mib).await
     };
     let Err(refusal) = here else {
-        return Ok(None);
+        return Ok(Placement::Here);
     };
-    let nodes = st.store().nodes()?;
-    let now = st.now_ms();
-    match crate::domain::placement::choose(&nodes, st.store().node(), now, FRESH_MS, asked_mib) {
-        Some(n) => Ok(Some(n.id.clone())),
-        None => Err(refusal),
+    let peers: Vec<NodeRow> =
+        crate::domain::placement::rank(&nodes, me, st.now_ms(), FRESH_MS, asked_mib)
+            .into_iter()
+            .cloned()
+            .collect();
+    if peers.is_empty() {
+        return Err(refusal);
     }
+    Ok(Placement::Peers(peers, refusal))
 }
 
 /// Run by the holder of the `nodes` lease: a node not seen for

@@ -72,6 +72,18 @@ impl Store {
             .ok_or_else(|| super::corrupt(format!("node {} vanished on its beat", self.node)))
     }
 
+    /// This node stops: it takes no creates of its peers until its next
+    /// start says its room again.
+    pub fn node_leaving(&self) -> Result<(), ServerError> {
+        self.conn()
+            .execute(
+                "UPDATE nodes SET free_mib = 0 WHERE id = ?1",
+                params![self.node],
+            )
+            .map_err(store_err("node leaving"))?;
+        Ok(())
+    }
+
     /// Drains node `id` (no new sandboxes go there) or takes it back;
     /// `false` when no such node is known.
     pub fn set_draining(&self, id: &str, draining: bool) -> Result<bool, ServerError> {
@@ -359,6 +371,9 @@ mod tests {
             let b = open(at, "node-b");
             a.beat("http://10.0.0.1:8080", 1_000, true, 2048).unwrap();
             b.beat("http://10.0.0.2:8080", 1_000, true, 2048).unwrap();
+            // Leaving: no room until its next beat.
+            b.node_leaving().unwrap();
+            assert_eq!(a.get_node("node-b").unwrap().unwrap().free_mib, 0);
             // Drained by the operator: its next beat sees it; unknown nodes are said.
             assert!(a.set_draining("node-b", true).unwrap());
             assert!(!a.set_draining("node-z", true).unwrap());

@@ -21,6 +21,7 @@ use crate::http::extract::{
     Fields,
 };
 use crate::http::{record_json, Ctx, Reply};
+use crate::service::nodes::{self, Placement};
 use crate::service::sandboxes::{self as svc, ListFilter, NewSandbox, Update};
 use crate::AppState;
 
@@ -163,15 +164,7 @@ pub(super) async fn create(st: AppState, ctx: Ctx, body: Bytes) -> ApiResult<Rep
     let mut req = parse_create(&st, &ctx.key, &body)?;
     // Its image or snapshot is on another control plane: made there.
     if !ctx.headers.contains_key(crate::http::forward::FORWARDED_BY) {
-        // Tied to nothing: on a node with room for it, this one first.
-        let node = match svc::node_for_create(&st, &ctx.key, &req)? {
-            Some(node) => Some(node),
-            None if req.snapshot.is_none() && req.image.is_none() => {
-                crate::service::nodes::place(&st, u64::from(req.settings.memory_mib)).await?
-            }
-            None => None,
-        };
-        if let Some(node) = node {
+        if let Some(node) = svc::node_for_create(&st, &ctx.key, &req)? {
             let answer = crate::http::forward::carry_parts(
                 &st,
                 &node,
@@ -182,6 +175,16 @@ pub(super) async fn create(st: AppState, ctx: Ctx, body: Bytes) -> ApiResult<Rep
             )
             .await?;
             return Ok(Reply::Raw(answer));
+        }
+        // Tied to nothing: here when this node has room, else where there is.
+        if req.snapshot.is_none() && req.image.is_none() {
+            let asked = u64::from(req.settings.memory_mib);
+            if let Placement::Peers(peers, refusal) = nodes::place(&st, asked).await? {
+                let answer =
+                    crate::http::forward::carry_to_first(&st, &peers, "/v1/sandboxes", &ctx, body)
+                        .await?;
+                return answer.map(Reply::Raw).ok_or(refusal);
+            }
         }
     }
     req.answer_slot = answer_slot(&ctx);
