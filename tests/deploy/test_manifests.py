@@ -219,7 +219,9 @@ def test_the_kustomization_lists_exactly_the_manifests():
     assert len(listed) == len(set(listed)), "a resource listed twice"
     examples = {p.name for p in manifest_files() if p.name.endswith(".example.yaml")}
     assert examples, "the store Secret's example is missing"
-    assert set(listed) == {p.name for p in manifest_files()} - examples
+    present = {p.name for p in manifest_files()} - examples
+    assert not set(listed) - present, f"listed but not there: {sorted(set(listed) - present)}"
+    assert not present - set(listed), f"there but not listed: {sorted(present - set(listed))}"
     assert kust.get("namespace") == the("Namespace")["metadata"]["name"]
     for image in kust.get("images", []):
         used = {c["image"] for c in pod_spec().get("initContainers", []) + pod_spec()["containers"]}
