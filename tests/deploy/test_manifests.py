@@ -13,7 +13,8 @@ built binary.
   builds the guest kernel and image before it listens, so the test reads the
   route code instead of starting one.
 - Ports, the data and cache directories, the Service, the Ingress's hosts
-  (the API's and the wildcard of --preview-domain) agree with each other.
+  (the API's and the wildcard of --preview-domain) agree with each other;
+  the image builds with rust-toolchain.toml's toolchain.
 
 Run from the repository's root: .venv/bin/python -m pytest tests/deploy
 """
@@ -361,6 +362,15 @@ def test_the_ingress_covers_the_api_and_every_preview_host():
     assert set(hosts) <= tls_hosts, "a host without TLS"
     for h in hosts:
         assert h == "example.com" or h.endswith(".example.com"), f"{h}: use example names only"
+
+
+def test_the_image_builds_with_the_repositorys_toolchain():
+    channel = re.search(r'^channel\s*=\s*"([^"]+)"', (ROOT / "rust-toolchain.toml").read_text(), re.M)
+    assert channel, "rust-toolchain.toml names no channel"
+    froms = re.findall(r"^FROM\s+rust:(\S+)", DOCKERFILE.read_text(), re.M)
+    assert froms, "the Dockerfile builds from no rust image"
+    for tag in froms:
+        assert tag.split("-")[0] == channel.group(1), f"rust:{tag}, but rust-toolchain.toml has {channel.group(1)}"
 
 
 def test_the_unit_leaves_machines_running_and_restarts_on_failure():
