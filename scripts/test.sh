@@ -2,9 +2,10 @@
 # The whole test suite from a fresh machine: host packages (as root), the
 # binary and the static guest agent, the guest kernel and image (built once
 # into the cache dir, ~10 min the first time, with progress), the Rust tests,
-# the interpreter drivers on this host (guest/interp/tests), then the Python
-# end-to-end suite through the official client against a real `runtime serve`
-# (tests/e2e). Extra arguments go to the end-to-end pytest (e.g. -k exec -x).
+# the interpreter drivers on this host (guest/interp/tests) and the deploy/
+# files against the binary (tests/deploy), then the Python end-to-end suite
+# through the official client against a real `runtime serve` (tests/e2e).
+# Extra arguments go to the end-to-end pytest (e.g. -k exec -x).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -36,8 +37,8 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install --quiet --disable-pip-version-check -r tests/e2e/requirements.txt
 
-step "interpreter drivers"
-.venv/bin/python -m pytest guest/interp/tests -q
+step "interpreter drivers, deploy/ files"
+.venv/bin/python -m pytest guest/interp/tests tests/deploy -q
 
 step "end-to-end suite"
 .venv/bin/python -m pytest tests/e2e "$@"
