@@ -12,14 +12,22 @@ own machines), then, interleaved in each round, for one sandbox on A:
 - a create until running asked of A and one asked of B (each made where it
   is asked), then both deleted.
 
-Prints a Markdown table and writes the samples to
-bench/results/cluster-<timestamp>.json. Both servers share this machine's
-cores: the figures say what carrying adds, not how creates scale with
-machines.
+Then creates at once (`--at-once`, 12), each until running, sent round
+robin over 1 node (A) and then over 3 (A, B and a third, C), as a load
+balancer would: creates per second and each create's p95. Last, the
+placement simulation (`runtime host simulate`): 1,000 hosts and 100,000
+creates ranked by the server's own code, and the read of 1,000 nodes' rows
+timed on the same PostgreSQL.
+
+Prints Markdown tables and writes the samples to
+bench/results/cluster-<timestamp>.json. All servers share this machine's
+cores: the figures say what carrying and placement add, not how creates
+scale with machines.
 """
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import glob
 import json
 import os
@@ -77,6 +85,38 @@ class Postgres:
         shutil.rmtree(self.root, ignore_errors=True)
 
 
+def creates_at_once(Runtime, key: str, hosts: tuple, n: int) -> dict:
+    """`n` creates sent at once, round robin over `hosts`, each until
+    running; then all deleted. Where each was made is read from its node."""
+    clients = [Runtime(api_key=key, base_url=h.url) for h in hosts]
+    try:
+        def one(i: int):
+            t0 = time.perf_counter()
+            made = clients[i % len(clients)].sandboxes.create(labels={"bench": "cluster-burst"})
+            return made, (time.perf_counter() - t0) * 1000
+        t0 = time.perf_counter()
+        with concurrent.futures.ThreadPoolExecutor(n) as pool:
+            results = list(pool.map(one, range(n)))
+        wall = time.perf_counter() - t0
+        per_node = []
+        for h in hosts:
+            node = (h.root / "data" / "node.id").read_text().strip()
+            per_node.append(sum(1 for m, _ in results if node_of_sandbox(h, m.id) == node))
+        for m, _ in results:
+            m.delete()
+        print(f"{len(hosts)} hosts: {n} creates in {wall:.1f} s", file=sys.stderr)
+        return {"per_second": n / wall, "ms": [ms for _, ms in results], "per_node": per_node}
+    finally:
+        for c in clients:
+            c.close()
+
+
+def node_of_sandbox(srv, sandbox_id: str) -> str:
+    """The node whose data directory holds the sandbox's machine."""
+    return ((srv.root / "data" / "node.id").read_text().strip()
+            if (srv.root / "data" / "vms" / sandbox_id).exists() else "")
+
+
 def timed(f) -> float:
     t0 = time.perf_counter()
     f()
@@ -86,12 +126,14 @@ def timed(f) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("-n", "--runs", type=int, default=20)
+    ap.add_argument("--at-once", type=int, default=12)
     ap.add_argument("--binary", type=Path, default=REPO / "target" / "release" / "runtime")
     args = ap.parse_args()
     from withruntime import Runtime
 
     pg = Postgres()
-    a = b = None
+    a = b = c = None
+    burst: dict[str, dict] = {}
     try:
         a = OwnServer(args.binary, 600, ("--store", pg.url))
         b = OwnServer(args.binary, 600, ("--store", pg.url), secrets_key=a.root / "data" / "secrets.key")
@@ -116,9 +158,15 @@ def main() -> None:
                 print(f"round {i + 1}/{args.runs}: exec {samples['exec_owner'][-1]:.1f} / "
                       f"{samples['exec_carried'][-1]:.1f} ms", file=sys.stderr)
             sbx.delete()
+        c = OwnServer(args.binary, 600, ("--store", pg.url), secrets_key=a.root / "data" / "secrets.key")
+        for hosts in ((a,), (a, b, c)):
+            burst[f"{len(hosts)} hosts"] = creates_at_once(Runtime, a.key, hosts, args.at_once)
         accel = a.accelerator()
+        sim = json.loads(subprocess.run([str(args.binary), "host", "simulate", "--hosts", "1000", "--creates",
+                                         "100000", "--store", pg.url], check=True, capture_output=True,
+                                        text=True, timeout=600).stdout)
     finally:
-        for s in (a, b):
+        for s in (a, b, c):
             if s is not None:
                 s.close()
         pg.close()
@@ -129,11 +177,28 @@ def main() -> None:
     for key, label in METRICS:
         s = samples[key]
         print(f"| {label} | {statistics.median(s):.1f} | {percentile(s, 95):.1f} |")
+    print(f"\n{args.at_once} creates at once, each until running, round robin over the nodes\n")
+    print("| nodes | creates/s | median ms | p95 ms | made on (per node) |")
+    print("|---|---:|---:|---:|---|")
+    for label, r in burst.items():
+        print(f"| {label} | {r['per_second']:.2f} | {statistics.median(r['ms']):.0f} | "
+              f"{percentile(r['ms'], 95):.0f} | {' / '.join(str(n) for n in r['per_node'])} |")
+    print(f"\nPlacement simulation: {sim['hosts']} hosts, {sim['creates']} creates\n")
+    print("| measure | value |")
+    print("|---|---:|")
+    print(f"| decisions per second (every host ranked per create) | {sim['decisionsPerSecond']:.0f} |")
+    print(f"| one decision, median / p95 µs | {sim['decisionP50Us']:.0f} / {sim['decisionP95Us']:.0f} |")
+    print(f"| placed / refused | {sim['placed']} / {sim['refused']} |")
+    print(f"| store reads a create adds for placement | {sim['storeReadsPerCreate']} "
+          f"({sim['rowsPerRead']} rows) |")
+    print(f"| that read on PostgreSQL, median / p95 ms | {sim['readP50Ms']:.2f} / {sim['readP95Ms']:.2f} |")
+    print(f"| statements all hosts write each second (beats, lease tries) | "
+          f"{sim['storeWritesPerSecondAllHosts']:.0f} |")
     out = REPO / "bench" / "results"
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"cluster-{datetime.now(timezone.utc).strftime('%Y%m%dT%H%M%SZ')}.json"
     path.write_text(json.dumps({"accelerator": accel, "host": platform.node(), "runs": args.runs,
-                                "samples": samples}, indent=1))
+                                "samples": samples, "at_once": burst, "simulation": sim}, indent=1))
     print(f"\nsamples: {path.relative_to(REPO)}", file=sys.stderr)
 
 

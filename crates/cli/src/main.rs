@@ -547,6 +547,18 @@ enum HostCmd {
         /// The node's id (`node.id` in its data directory; `runtime host list`).
         node: String,
     },
+    /// (bench) Places CREATES sandboxes on HOSTS simulated hosts with the
+    /// server's own ranking and prints what it measured as JSON; with
+    /// --store, also times the read of that many nodes' rows there.
+    #[command(hide = true)]
+    Simulate {
+        #[arg(long, default_value_t = 1000)]
+        hosts: usize,
+        #[arg(long, default_value_t = 100_000)]
+        creates: usize,
+        #[arg(long, env = "RUNTIME_STORE", hide_env_values = true)]
+        store: Option<String>,
+    },
     /// Takes a drained NODE back: it gets new sandboxes again.
     Resume {
         #[arg(long)]
@@ -951,6 +963,22 @@ fn hosts(cmd: HostCmd) -> anyhow::Result<()> {
             store,
             json,
         } => return list_hosts(&store_at(data_dir, store)?, json),
+        HostCmd::Simulate {
+            hosts,
+            creates,
+            store,
+        } => {
+            let at = match store {
+                Some(s) => Some(
+                    runtime_server::StoreAt::parse(Some(&s), &data_dir(None))
+                        .map_err(|e| anyhow::anyhow!(e))?,
+                ),
+                None => None,
+            };
+            let report = runtime_server::simulate_placement(hosts, creates, at.as_ref())?;
+            println!("{}", serde_json::to_string(&report)?);
+            return Ok(());
+        }
         HostCmd::Drain {
             data_dir,
             store,

@@ -57,6 +57,7 @@ pub use http::route::ROUTE_SAMPLES;
 pub use http::serve::Peer;
 pub use service::clock::Clock;
 pub use service::keys;
+pub use service::simulate::{simulate_placement, SimReport};
 pub use store::{redact as redact_store_url, NodeRow, Store, StoreAt, StoreLocation};
 
 /// Warm machines per image and shape, unless the operator says otherwise.

@@ -27,6 +27,7 @@ pub(crate) mod sandboxes;
 pub(crate) mod secrets;
 pub(crate) mod sessions;
 pub(crate) mod shares;
+pub(crate) mod simulate;
 pub(crate) mod snapshots;
 pub(crate) mod switch;
 pub(crate) mod telemetry;

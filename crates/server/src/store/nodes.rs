@@ -150,6 +150,42 @@ impl Store {
         Ok(out)
     }
 
+    /// Writes `rows` as nodes, in one transaction: the placement
+    /// simulation's hosts (`runtime host simulate --store`), so its reads
+    /// of the `nodes` table are timed against that many rows.
+    pub fn seed_nodes(&self, rows: &[NodeRow]) -> Result<(), ServerError> {
+        let mut conn = self.conn();
+        let tx = conn.transaction().map_err(store_err("begin"))?;
+        for n in rows {
+            tx.execute(
+                "INSERT INTO nodes (id, url, started_ms, seen_ms, free_mib, draining, lost_ms) \
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7) ON CONFLICT (id) DO UPDATE SET \
+                 seen_ms = excluded.seen_ms, free_mib = excluded.free_mib",
+                params![
+                    n.id,
+                    n.url,
+                    n.started_ms,
+                    n.seen_ms,
+                    n.free_mib,
+                    i64::from(n.draining),
+                    n.lost_ms
+                ],
+            )
+            .map_err(store_err("seed nodes"))?;
+        }
+        tx.commit().map_err(store_err("commit"))
+    }
+
+    /// Forgets the nodes whose id starts with `prefix` (the simulation's).
+    pub fn forget_nodes(&self, prefix: &str) -> Result<usize, ServerError> {
+        self.conn()
+            .execute(
+                "DELETE FROM nodes WHERE substr(id, 1, length(?1)) = ?1",
+                params![prefix],
+            )
+            .map_err(store_err("forget nodes"))
+    }
+
     /// The store-wide fact `name`: `value` if none was set yet, otherwise
     /// the one set first (by whichever node).
     pub fn claim_meta(&self, name: &str, value: &str) -> Result<String, ServerError> {
@@ -399,6 +435,23 @@ mod tests {
             assert_eq!(b.get_node("node-b").unwrap().unwrap().lost_ms, 40_000);
             b.node_back(40_000).unwrap();
             assert_eq!(b.get_node("node-b").unwrap().unwrap().lost_ms, 0);
+            // The simulation's hosts come and go by their prefix alone.
+            let sim: Vec<NodeRow> = (0..3)
+                .map(|i| NodeRow {
+                    id: format!("sim-{i}"),
+                    url: format!("http://10.0.0.{i}:8080"),
+                    started_ms: 0,
+                    seen_ms: 1,
+                    free_mib: 1024,
+                    draining: false,
+                    lost_ms: 0,
+                })
+                .collect();
+            a.seed_nodes(&sim).unwrap();
+            assert_eq!(a.nodes().unwrap().len(), 5);
+            assert_eq!(a.get_node("sim-2").unwrap().as_ref(), Some(&sim[2]));
+            assert_eq!(a.forget_nodes("sim-").unwrap(), 3);
+            assert_eq!(a.nodes().unwrap().len(), 2);
             // A store-wide fact: the first node's stands.
             assert_eq!(a.meta("check").unwrap(), None);
             assert_eq!(a.claim_meta("check", "one").unwrap(), "one");
