@@ -436,8 +436,8 @@ mod tests {
             b.node_back(40_000).unwrap();
             assert_eq!(b.get_node("node-b").unwrap().unwrap().lost_ms, 0);
             // The simulation's hosts come and go by their prefix alone.
-            let sim: Vec<NodeRow> = (0..3)
-                .map(|i| NodeRow {
+            let sim: Vec<super::NodeRow> = (0..3)
+                .map(|i| super::NodeRow {
                     id: format!("sim-{i}"),
                     url: format!("http://10.0.0.{i}:8080"),
                     started_ms: 0,
