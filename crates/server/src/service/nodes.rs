@@ -160,6 +160,9 @@ pub(crate) async fn come_back(st: &AppState, since_ms: i64) {
                 tracing::warn!(sandbox_id = %id, error = %e, "ending a lost sandbox's machine failed");
             }
             crate::service::network::sandbox_gone(st, &id);
+            st.inner.procs.sandbox_gone(st.store(), &id);
+            crate::service::watches::sandbox_gone(st, &id);
+            crate::service::shares::sandbox_ended(st, &id);
             ended += 1;
             continue;
         }

@@ -337,8 +337,9 @@ pub(crate) fn delete_sandbox(st: &AppState, id: &str, reason: &str) -> ApiResult
 }
 
 /// With several control planes on one store: the node a create must run
-/// on because its image's layers or its snapshot are there (`None`: this
-/// one will do). Unknown or unready images and snapshots are left to the
+/// on because its image's layers or its snapshot are there, or (with
+/// `getOrCreate`) the sandbox holding its name is (`None`: this one will
+/// do). Unknown or unready images and snapshots are left to the
 /// create's own checks here.
 pub(crate) fn node_for_create(
     st: &AppState,
@@ -357,6 +358,13 @@ pub(crate) fn node_for_create(
         match crate::service::snapshots::records::find_ready(st, key, sid) {
             Ok(snap) => st.store().sandbox_node(&snap.record.sandbox_id)?,
             Err(_) => None,
+        }
+    } else if let (true, Some(name)) = (req.get_or_create, &req.settings.name) {
+        // `getOrCreate` answers the name's holder, woken or restarted
+        // where its machine or disk is.
+        match name_holder(st, &key.id, name, None)? {
+            Some(h) if visible(key, &h) => st.store().sandbox_node(&h.record.id)?,
+            _ => None,
         }
     } else {
         None

@@ -176,8 +176,10 @@ pub(super) async fn create(st: AppState, ctx: Ctx, body: Bytes) -> ApiResult<Rep
             .await?;
             return Ok(Reply::Raw(answer));
         }
-        // Tied to nothing: here when this node has room, else where there is.
-        if req.snapshot.is_none() && req.image.is_none() {
+        // Tied to nothing: here when this node has room, else where there
+        // is. (A `getOrCreate` of a name held here stays here.)
+        let named_get = req.get_or_create && req.settings.name.is_some();
+        if req.snapshot.is_none() && req.image.is_none() && !named_get {
             let asked = u64::from(req.settings.memory_mib);
             if let Placement::Peers(peers, refusal) = nodes::place(&st, asked).await? {
                 let answer =
