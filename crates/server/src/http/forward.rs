@@ -274,21 +274,39 @@ async fn send(
         .send_request(req)
         .await
         .map_err(|e| unreachable(node, format!("closed the connection: {e}")))?;
-    if resp.status() == StatusCode::SWITCHING_PROTOCOLS {
-        if let Some(caller_side) = upgrade {
-            let peer_side = hyper::upgrade::on(&mut resp);
-            tokio::spawn(async move {
-                let (Ok(c), Ok(p)) = (caller_side.await, peer_side.await) else {
-                    return;
-                };
-                let mut c = TokioIo::new(c);
-                let mut p = TokioIo::new(p);
-                let _ = tokio::io::copy_bidirectional(&mut c, &mut p).await;
-            });
-        }
+    if let Some(caller_side) = upgrade {
+        splice_upgrade(caller_side, &mut resp, None, ());
     }
     *resp.version_mut() = axum::http::Version::HTTP_11;
     Ok(resp.map(Body::new))
+}
+
+/// When `resp` switches protocols: once the caller's side (`caller`) and
+/// the answering side are both upgraded, passes bytes both ways until
+/// either ends or `cut` fires, holding `hold` (a slot, say) as long.
+pub(crate) fn splice_upgrade<T: Send + 'static>(
+    caller: hyper::upgrade::OnUpgrade,
+    resp: &mut hyper::Response<hyper::body::Incoming>,
+    cut: Option<tokio_util::sync::CancellationToken>,
+    hold: T,
+) {
+    if resp.status() != StatusCode::SWITCHING_PROTOCOLS {
+        return;
+    }
+    let other = hyper::upgrade::on(resp);
+    tokio::spawn(async move {
+        let _hold = hold;
+        let (Ok(c), Ok(o)) = (caller.await, other.await) else {
+            return;
+        };
+        let mut c = TokioIo::new(c);
+        let mut o = TokioIo::new(o);
+        let cut = cut.unwrap_or_default();
+        tokio::select! {
+            _ = tokio::io::copy_bidirectional(&mut c, &mut o) => {}
+            _ = cut.cancelled() => {}
+        }
+    });
 }
 
 #[cfg(test)]

@@ -230,22 +230,8 @@ async fn forward(
             ));
         }
     };
-    if resp.status() == StatusCode::SWITCHING_PROTOCOLS {
-        if let Some(client_side) = upgrade {
-            let guest_side = hyper::upgrade::on(&mut resp);
-            tokio::spawn(async move {
-                let _slot = slot;
-                let (Ok(c), Ok(g)) = (client_side.await, guest_side.await) else {
-                    return;
-                };
-                let mut c = TokioIo::new(c);
-                let mut g = TokioIo::new(g);
-                tokio::select! {
-                    _ = tokio::io::copy_bidirectional(&mut c, &mut g) => {}
-                    _ = cut.cancelled() => {}
-                }
-            });
-        }
+    if let Some(client_side) = upgrade {
+        super::forward::splice_upgrade(client_side, &mut resp, Some(cut), slot);
     }
     // The answer is ours to the client: our HTTP version, whatever the guest's.
     *resp.version_mut() = axum::http::Version::HTTP_11;
