@@ -330,9 +330,7 @@ async fn run(st: &AppState, row: SandboxRow, op: Op) {
                 (_, Err(e)) => tracing::error!(error = %e, "recording the pause failed"),
             }
             if ev == Event::MachineGone {
-                st.inner.procs.sandbox_gone(st.store(), &id);
-                crate::service::watches::sandbox_gone(st, &id);
-                crate::service::shares::sandbox_ended(st, &id);
+                machine_gone(st, &id);
             }
         }
         Op::Wake { .. } => {
@@ -375,9 +373,7 @@ async fn run(st: &AppState, row: SandboxRow, op: Op) {
                 (_, Err(e)) => tracing::error!(error = %e, "recording the wake failed"),
             }
             if ev == Event::MachineGone {
-                st.inner.procs.sandbox_gone(st.store(), &id);
-                crate::service::watches::sandbox_gone(st, &id);
-                crate::service::shares::sandbox_ended(st, &id);
+                machine_gone(st, &id);
             }
         }
     }
@@ -630,6 +626,14 @@ pub(crate) async fn start_image_command(st: &AppState, row: &SandboxRow, restore
             tracing::warn!(error = %e, "the image's start command did not start")
         }
     }
+}
+
+/// What the server held for a sandbox whose machine is gone (its
+/// processes, watches and shared volumes' mounts) ends.
+pub(crate) fn machine_gone(st: &AppState, id: &str) {
+    st.inner.procs.sandbox_gone(st.store(), id);
+    crate::service::watches::sandbox_gone(st, id);
+    crate::service::shares::sandbox_ended(st, id);
 }
 
 /// Where a persistent sandbox's disk is kept while it is stopped.

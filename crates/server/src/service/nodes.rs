@@ -105,7 +105,6 @@ pub(crate) fn notice_lost(st: &AppState, now: i64) {
             let moved = lifecycle::transition(st, &r.record.id, Event::HostLost, |r| {
                 r.record.stop_reason = Some("host_lost".into());
                 r.record.ended_at = Some(iso(now));
-                r.record.paused_at = None;
             });
             match moved {
                 Ok(true) => stopped += 1,
@@ -160,9 +159,7 @@ pub(crate) async fn come_back(st: &AppState, since_ms: i64) {
                 tracing::warn!(sandbox_id = %id, error = %e, "ending a lost sandbox's machine failed");
             }
             crate::service::network::sandbox_gone(st, &id);
-            st.inner.procs.sandbox_gone(st.store(), &id);
-            crate::service::watches::sandbox_gone(st, &id);
-            crate::service::shares::sandbox_ended(st, &id);
+            lifecycle::machine_gone(st, &id);
             ended += 1;
             continue;
         }
