@@ -106,6 +106,7 @@ impl FakeHost {
             accel: Accel::Tcg,
             boot_timeout: Duration::from_secs(5),
             templates,
+            share_template_memory: false,
             egress: Default::default(),
             test_crash_at: None,
         })

@@ -41,6 +41,13 @@ pub struct QemuConfig {
     /// Start sandboxes by restoring a pre-booted template of their shape
     /// (built in the background after the first boot of that shape).
     pub templates: bool,
+    /// Machines restored from a template map its RAM file privately
+    /// (copy-on-write: the pages no guest writes are held once, by the
+    /// template's file) instead of each getting a copy of their own. Denser
+    /// idle machines; their pause, fork and snapshot write the whole memory
+    /// through QEMU's migration (docs/memory.md, "Sharing a template's
+    /// memory").
+    pub share_template_memory: bool,
     /// The egress proxy of this host's guests (its test-only host map among
     /// its settings).
     pub egress: runtime_egress::EgressConfig,
@@ -57,8 +64,9 @@ pub(crate) struct Vm {
     /// It has volume drives: what the guest wrote to them is flushed before
     /// the machine is paused or ended, so it never lives only in its memory.
     pub(crate) volumes: bool,
-    /// Its own RAM file (mapped shared), or `None`: a fork's copy (a private
-    /// mapping of its source's frozen file) or anonymous memory. Only a
+    /// Its own RAM file (mapped shared), or `None`: a fork's copy or a
+    /// shared template restore (a private mapping of a frozen file) or
+    /// anonymous memory. Only a
     /// machine with its own file is captured without its RAM in the state.
     pub(crate) ram: Option<PathBuf>,
 }
@@ -787,14 +795,17 @@ impl Host for QemuHost {
             self.copy_snapshot_volumes(spec, &paths).await?;
             None
         };
-        // A capture of a machine with its own RAM file: a fork's copies map
-        // it privately (sharing the pages none of them writes); anything
+        // A capture of a machine with its own RAM file: a fork's copies (and,
+        // when the host shares templates' memory, a template's restores)
+        // map it privately, sharing the pages none of them writes; anything
         // else started from it gets a file of its own.
         let ram = from.join("memory.ram");
+        let shared = from.starts_with(self.forks_dir())
+            || (self.cfg.share_template_memory && from.starts_with(self.templates_dir()));
         let plan = RamPlan::restoring(
             incoming.is_some(),
             ram.exists().then_some(ram.as_path()),
-            from.starts_with(self.forks_dir()),
+            shared,
         );
         let vm = self.launch(spec, paths, incoming, plan).await?;
         if let Err(e) = mount_volumes(vm.vm(), spec).await {

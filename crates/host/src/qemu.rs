@@ -116,9 +116,9 @@ pub(crate) enum Ram<'a> {
     /// file's data is a copy of its memory, and a capture with
     /// `x-ignore-shared` leaves the RAM out of the state.
     Own(&'a Path),
-    /// A fork's frozen copy of its source's file, opened read-only and
-    /// mapped private: writes are copy-on-write, and the copies of one fork
-    /// share every page none of them wrote.
+    /// A frozen RAM file (a fork's copy of its source's, or a template's),
+    /// opened read-only and mapped private: writes are copy-on-write, and
+    /// the machines started from it share every page none of them wrote.
     CopyOf(&'a Path),
     /// Anonymous memory: a machine restored from a state that holds its
     /// whole memory. Loading such a state reads every page, which in a file

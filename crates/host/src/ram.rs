@@ -22,14 +22,15 @@ pub(crate) enum RamPlan<'a> {
 impl<'a> RamPlan<'a> {
     /// For a machine started from a capture: booted (`loads_state` false)
     /// or loading the captured state, whose RAM file is `ram` when the
-    /// captured machine had one. A fork's copies (`of_fork`) map that file
+    /// captured machine had one. A fork's copies, and a template's restores
+    /// when the host shares templates' memory (`shared`), map that file
     /// privately (sharing the pages none of them writes); anything else
     /// started from it gets a file of its own.
-    pub(crate) fn restoring(loads_state: bool, ram: Option<&'a Path>, of_fork: bool) -> Self {
+    pub(crate) fn restoring(loads_state: bool, ram: Option<&'a Path>, shared: bool) -> Self {
         match (loads_state, ram) {
             (false, _) => RamPlan::Own { fill: None },
             (true, None) => RamPlan::Anon,
-            (true, Some(ram)) if of_fork => RamPlan::CopyOf(ram),
+            (true, Some(ram)) if shared => RamPlan::CopyOf(ram),
             (true, Some(ram)) => RamPlan::Own { fill: Some(ram) },
         }
     }

@@ -12,7 +12,7 @@ use crate::ram::copy_ram;
 use crate::types::{BootStage, Host, HostError, MachineSpec};
 
 impl QemuHost {
-    fn templates_dir(&self) -> PathBuf {
+    pub(crate) fn templates_dir(&self) -> PathBuf {
         self.cfg.state_dir.join(".templates")
     }
 

@@ -88,6 +88,7 @@ fn host_with(outbound: Option<Arc<dyn Outbound>>) -> TestHost {
         accel,
         boot_timeout: Duration::from_secs(120),
         templates: false,
+        share_template_memory: false,
         egress: Default::default(),
         test_crash_at: None,
     };
@@ -476,6 +477,7 @@ async fn a_new_host_process_recovers_a_running_machine() {
         accel,
         boot_timeout: Duration::from_secs(60),
         templates: false,
+        share_template_memory: false,
         egress: Default::default(),
         test_crash_at: None,
     })
@@ -884,6 +886,7 @@ async fn a_machine_left_stopped_by_a_crash_mid_capture_is_recovered_running() {
         accel,
         boot_timeout: Duration::from_secs(60),
         templates: false,
+        share_template_memory: false,
         egress: Default::default(),
         test_crash_at: None,
     })
@@ -1074,8 +1077,9 @@ async fn captures_restore_into_copies_that_diverge() {
     assert!(!own.exists(), "a machine's RAM file goes with it");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn starts_restore_a_template_with_fresh_entropy() {
+/// A host with templates (sharing their memory or not) whose first machine
+/// `first` booted and whose template of that shape is built.
+async fn host_with_a_template(share: bool, first: &str) -> (QemuHost, Cleanup, PathBuf) {
     let arts = artifacts::ensure(&cache(), &agent_path()).unwrap();
     let state = std::env::temp_dir().join(format!(
         "rt-host-tpl-{}-{}",
@@ -1092,33 +1096,47 @@ async fn starts_restore_a_template_with_fresh_entropy() {
         accel,
         boot_timeout: Duration::from_secs(120),
         templates: true,
+        share_template_memory: share,
         egress: Default::default(),
         test_crash_at: None,
     })
     .unwrap();
     cleanup.1 = h.ram_dir().to_owned();
-    let first = "00000000-0000-4000-8000-00000000b001";
     h.start(&spec(first))
         .await
         .unwrap_or_else(|e| panic!("start: {e:?}"));
     // The first start of a shape boots and builds its template beside.
     let deadline = std::time::Instant::now() + Duration::from_secs(120);
     // (Built in `<key>.partial`, renamed to `<key>` once whole.)
-    while !std::fs::read_dir(state.join(".templates"))
-        .map(|d| {
-            d.flatten().any(|e| {
-                !e.file_name().to_string_lossy().ends_with(".partial")
-                    && e.path().join("memory.state").exists()
+    let built = || {
+        std::fs::read_dir(state.join(".templates"))
+            .ok()
+            .and_then(|d| {
+                d.flatten()
+                    .find(|e| {
+                        !e.file_name().to_string_lossy().ends_with(".partial")
+                            && e.path().join("memory.state").exists()
+                    })
+                    .map(|e| e.path())
             })
-        })
-        .unwrap_or(false)
-    {
+    };
+    let template = loop {
+        if let Some(t) = built() {
+            break t;
+        }
         assert!(
             std::time::Instant::now() < deadline,
             "no template was built"
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    };
+    (h, cleanup, template)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn starts_restore_a_template_with_fresh_entropy() {
+    let first = "00000000-0000-4000-8000-00000000b001";
+    let (h, _cleanup, _) = host_with_a_template(false, first).await;
     let copies = [
         "00000000-0000-4000-8000-00000000b002",
         "00000000-0000-4000-8000-00000000b003",
@@ -1149,6 +1167,73 @@ async fn starts_restore_a_template_with_fresh_entropy() {
     }
     // ...yet do not share their random numbers.
     assert_ne!(randoms[0], randoms[1]);
+    for id in [first, copies[0], copies[1]] {
+        h.destroy(id).await.unwrap();
+    }
+}
+
+/// With `share_template_memory`, a template's restores map its RAM file
+/// privately: no file of their own, what one writes is its own, and a
+/// pause (its whole memory through the migration) and a wake keep it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shared_template_restores_map_its_memory_and_keep_their_own_writes() {
+    let first = "00000000-0000-4000-8000-00000000b011";
+    let (h, _cleanup, template) = host_with_a_template(true, first).await;
+    let ram = template.join("memory.ram");
+    assert!(
+        h.ram_file(first).is_some(),
+        "a boot has a RAM file of its own"
+    );
+    let copies = [
+        "00000000-0000-4000-8000-00000000b012",
+        "00000000-0000-4000-8000-00000000b013",
+    ];
+    for c in copies {
+        h.start(&spec(c))
+            .await
+            .unwrap_or_else(|e| panic!("start: {e:?}"));
+        assert_eq!(h.ram_file(c), None, "{c} copied the template's memory");
+        let maps =
+            std::fs::read_to_string(format!("/proc/{}/maps", h.qemu_pid(c).unwrap())).unwrap();
+        let line = maps
+            .lines()
+            .find(|l| l.ends_with(ram.to_str().unwrap()))
+            .unwrap_or_else(|| panic!("{c} does not map {}:\n{maps}", ram.display()));
+        assert!(
+            line.split_whitespace().nth(1).unwrap().ends_with('p'),
+            "a private mapping: {line}"
+        );
+        let (_, _, st) = run(
+            &h,
+            c,
+            &[
+                "bash",
+                "-c",
+                &format!("echo {c} > /tmp/mine; echo 3 > /proc/sys/vm/drop_caches"),
+            ],
+            RunAs::Root,
+            None,
+        )
+        .await;
+        assert_eq!(st.code, Some(0));
+    }
+    for c in copies {
+        let (out, _, _) = run(&h, c, &["cat", "/tmp/mine"], RunAs::Sandbox, None).await;
+        assert_eq!(out.trim(), c, "each keeps what it wrote");
+    }
+    let before = std::fs::metadata(&ram).unwrap().modified().unwrap();
+    let c = copies[0];
+    h.pause(c).await.unwrap();
+    h.wake(&spec(c))
+        .await
+        .unwrap_or_else(|e| panic!("wake: {e:?}"));
+    let (out, _, _) = run(&h, c, &["cat", "/tmp/mine"], RunAs::Sandbox, None).await;
+    assert_eq!(out.trim(), c, "a pause and wake keep its memory");
+    assert_eq!(
+        std::fs::metadata(&ram).unwrap().modified().unwrap(),
+        before,
+        "no machine wrote the template's memory"
+    );
     for id in [first, copies[0], copies[1]] {
         h.destroy(id).await.unwrap();
     }
