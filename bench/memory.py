@@ -15,13 +15,19 @@ bench/results/memory-<timestamp>.json.
 
     .venv/bin/python bench/memory.py --density              # 1, 10 and 50 at once
     .venv/bin/python bench/memory.py --density --levels 1,10
+    .venv/bin/python bench/memory.py --density --variants shared
 
 With --density it measures idle density instead, on one server with its
 defaults: for each level, that many idle 1 GiB sandboxes at once (created
 one after another, each having run `true`, then left idle for 10 s), the
 host MiB of their QEMU processes (as above, sampled five times a second
-apart, the peak) and that per sandbox. Writes
-bench/results/density-<timestamp>.json.
+apart, the peak) and that per sandbox. It does so twice by default, on a
+server with its defaults (`copied`: each restore copies the template's
+memory) and on one with `--share-template-memory` (`shared`: restores map
+the template's memory copy-on-write), and on each times what the sharing
+costs: pause (the first after the template was made, then later ones),
+wake, fork of one and a memory snapshot of a sandbox from the template.
+Writes bench/results/density-<timestamp>.json.
 """
 from __future__ import annotations
 
@@ -204,31 +210,80 @@ def density(rt, root: Path, levels: list[int]) -> dict[str, dict]:
     return out
 
 
+CAPTURE_COSTS = [
+    ("first_pause", "first pause after the template was made"),
+    ("pause", "pause (later ones)"),
+    ("wake", "wake until running"),
+    ("fork_one", "fork of one until the copy runs"),
+    ("snapshot", "memory snapshot until ready"),
+]
+
+
+def capture_costs(rt, runs: int) -> dict[str, list[float]]:
+    """What pause, wake, fork and snapshot of a sandbox from the template
+    take; the first pause apart (with shared memory it reads the template's
+    whole file through the page cache)."""
+    s: dict[str, list[float]] = {name: [] for name, _ in CAPTURE_COSTS}
+    for i in range(runs + 1):
+        sbx = rt.sandboxes.create(labels={"bench": "density"}, **SHAPE)
+        assert sbx.exec("echo $((6*7)) > /tmp/x").exit_code == 0
+        ms, _ = timed(sbx.pause)
+        s["first_pause" if i == 0 else "pause"].append(ms)
+        ms, _ = timed(sbx.wake)
+        s["wake"].append(ms)
+        assert sbx.exec("cat /tmp/x").stdout == "42\n"
+        ms, copy = timed(sbx.fork)
+        s["fork_one"].append(ms)
+        assert copy.exec("cat /tmp/x").stdout == "42\n"
+        ms, snap = timed(lambda: sbx.snapshot(name=f"density-{i}"))
+        s["snapshot"].append(ms)
+        for x in [copy, sbx]:
+            x.delete()
+        rt.snapshots.delete(snap["id"])
+    return s
+
+
+VARIANTS = {"copied": (), "shared": ("--share-template-memory",)}
+
+
 def main_density(args) -> int:
     from withruntime import Runtime
     levels = [int(x) for x in args.levels.split(",")]
+    variants = args.variants.split(",")
     load = os.getloadavg()[0]
-    own = OwnServer(args.binary, 1200)
-    try:
-        with Runtime(api_key=own.key, base_url=own.url, timeout=600) as rt:
-            # The first create of the shape boots and builds its template.
-            rt.sandboxes.create(labels={"bench": "density"}, **SHAPE).delete()
-            found = density(rt, own.root, levels)
-        accel = own.accelerator()
-    finally:
-        own.close()
+    found: dict[str, dict] = {}
+    costs: dict[str, dict] = {}
+    for variant in variants:
+        own = OwnServer(args.binary, 1200, VARIANTS[variant])
+        try:
+            with Runtime(api_key=own.key, base_url=own.url, timeout=600) as rt:
+                # The first create of the shape boots and builds its template.
+                rt.sandboxes.create(labels={"bench": "density"}, **SHAPE).delete()
+                time.sleep(15)
+                costs[variant] = capture_costs(rt, args.cost_runs)
+                found[variant] = density(rt, own.root, levels)
+            accel = own.accelerator()
+        finally:
+            own.close()
     now = datetime.now(timezone.utc)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"density-{now.strftime('%Y%m%dT%H%M%SZ')}.json"
     path.write_text(json.dumps({"date": now.isoformat(timespec="seconds"), "accelerator": accel,
                                 "command": "python bench/memory.py " + " ".join(sys.argv[1:]),
-                                "load_average_at_start": load, "shape": SHAPE, "density": found},
+                                "load_average_at_start": load, "shape": SHAPE, "density": found,
+                                "capture_costs_ms": costs},
                                indent=2) + "\n")
-    print("| idle 1 GiB sandboxes at once | host MiB | host MiB per sandbox | PSS MiB | RSS MiB |\n"
-          "|---:|---:|---:|---:|---:|")
-    for n, m in found.items():
-        print(f"| {n} | {m['host_mib']:.0f} | {m['host_mib_per_sandbox']:.0f} | {m['pss_mib']:.0f} "
-              f"| {m['rss_mib']:.0f} |")
+    print("| template memory | idle 1 GiB sandboxes at once | host MiB | host MiB per sandbox | PSS MiB | RSS MiB |\n"
+          "|---|---:|---:|---:|---:|---:|")
+    for variant, levels_found in found.items():
+        for n, m in levels_found.items():
+            print(f"| {variant} | {n} | {m['host_mib']:.0f} | {m['host_mib_per_sandbox']:.0f} | {m['pss_mib']:.0f} "
+                  f"| {m['rss_mib']:.0f} |")
+    print("\n| operation (1 vCPU, 1 GiB) | " + " | ".join(f"{v}: median / max ms" for v in costs) + " |\n"
+          "|---|" + "---:|" * len(costs))
+    for key, label in CAPTURE_COSTS:
+        cells = [f"{statistics.median(costs[v][key]):.0f} / {max(costs[v][key]):.0f}" for v in costs]
+        print(f"| {label} | " + " | ".join(cells) + " |")
     print(f"\naccelerator: {accel}; load average at start {load:.2f}; samples in {path.relative_to(REPO)}")
     return 0
 
@@ -241,6 +296,10 @@ def main() -> int:
     parser.add_argument("--density", action="store_true",
                         help="host memory per idle 1 GiB sandbox, at each level of --levels at once")
     parser.add_argument("--levels", default="1,10,50")
+    parser.add_argument("--variants", default="copied,shared",
+                        help="template memory: copied (the default server), shared (--share-template-memory)")
+    parser.add_argument("--cost-runs", type=int, default=3,
+                        help="pauses, wakes, forks and snapshots timed after the first pause")
     args = parser.parse_args()
     if args.density:
         return main_density(args)

@@ -4,6 +4,7 @@
     .venv/bin/python bench/run.py -n 50      # more runs
     RUNTIME_API_URL=... RUNTIME_API_KEY=... .venv/bin/python bench/run.py   # an existing server
     .venv/bin/python bench/run.py --creates  # create until running: pool on/off, 1, 10, 50 at once
+    .venv/bin/python bench/run.py --execs    # exec `true`: 1, 10 and 50 at once over 10 sandboxes
 
 Over N sequential runs (default 20), each with a fresh sandbox, it measures:
 create until running; create through the first `python3 -c pass` exec; an
@@ -17,6 +18,12 @@ in turn: cold boots (`--no-templates --warm-pool 0`, one at a time only: the
 reference), template restores (`--warm-pool 0`), and the warm pool
 (`--warm-pool P`, P the largest level, refilled before each round). Shape
 1 vCPU, 1 GiB. Each level gets at least --samples samples (default 20).
+
+With --execs it measures exec `true` round trips through the official
+client on one server with its defaults and 10 running sandboxes (1 vCPU,
+1 GiB): one at a time (the reference), 10 at once (one per sandbox) and 50
+at once (five per sandbox), threads behind a barrier; every exec must
+succeed. Each level gets at least --samples samples.
 """
 from __future__ import annotations
 
@@ -40,6 +47,7 @@ REPO = Path(__file__).resolve().parents[1]
 METRICS = [
     ("create_until_running", "create until running"),
     ("create_to_first_exec", "create through first `python3 -c pass`"),
+    ("python_running", "exec `python3 -c pass` (running sandbox, its second)"),
     ("exec_true", "exec `true` (running sandbox)"),
     ("delete", "delete"),
     ("local_python_floor", "local `python3 -c pass` (floor)"),
@@ -92,19 +100,33 @@ class OwnServer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(30)
-        needle = str(self.root).encode()
-        for entry in Path("/proc").iterdir():
-            if entry.name.isdigit():
-                try:
-                    cmd = (entry / "cmdline").read_bytes()
-                except OSError:
-                    continue
-                if b"qemu-system" in cmd.split(b"\0", 1)[0] and needle in cmd:
-                    try:
-                        os.kill(int(entry.name), signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
+        for ram_dir in kill_qemu_under(self.root):
+            shutil.rmtree(ram_dir, ignore_errors=True)
         shutil.rmtree(self.root, ignore_errors=True)
+
+
+def kill_qemu_under(root: Path) -> set[Path]:
+    """SIGKILL every QEMU whose command line names `root`; the directories of
+    the RAM files they mapped (on the host's memory file system, outside
+    `root`), which a server that stopped while its machines ran leaves."""
+    needle = str(root).encode()
+    ram_dirs = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmd = (entry / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"qemu-system" in cmd.split(b"\0", 1)[0] and needle in cmd:
+                for path in re.findall(rb"mem-path=([^,\0]+)", cmd):
+                    ram = Path(path.decode())
+                    if ram.parent.name.startswith("runtime-"):
+                        ram_dirs.add(ram.parent)
+                try:
+                    os.kill(int(entry.name), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+    return ram_dirs
 
 
 def percentile(samples: list[float], p: float) -> float:
@@ -123,6 +145,10 @@ def measure(rt, runs: int) -> dict[str, list[float]]:
         first = sbx.exec(["python3", "-c", "pass"])
         t2 = time.perf_counter()
         assert sbx.state == "running" and first.exit_code == 0, (sbx.info, first)
+        t2b = time.perf_counter()
+        second = sbx.exec(["python3", "-c", "pass"])
+        t2c = time.perf_counter()
+        assert second.exit_code == 0, second
         t3 = time.perf_counter()
         done = sbx.exec("true")
         t4 = time.perf_counter()
@@ -134,6 +160,7 @@ def measure(rt, runs: int) -> dict[str, list[float]]:
         assert local.returncode == 0
         samples["create_until_running"].append((t1 - t0) * 1000)
         samples["create_to_first_exec"].append((t2 - t0) * 1000)
+        samples["python_running"].append((t2c - t2b) * 1000)
         samples["exec_true"].append((t4 - t3) * 1000)
         samples["delete"].append((t5 - t4) * 1000)
         samples["local_python_floor"].append((t6 - t5) * 1000)
@@ -213,8 +240,54 @@ def measure_creates(binary: Path, timeout: float, levels: list[int], samples: in
     return out
 
 
+def exec_round(sandboxes: list, at_once: int) -> list[float]:
+    """`at_once` execs of `true` sent together, spread over `sandboxes`;
+    each one's round trip, ms. Every one must succeed."""
+    from concurrent.futures import ThreadPoolExecutor
+    import threading
+    gate = threading.Barrier(at_once)
+
+    def one(i):
+        sbx = sandboxes[i % len(sandboxes)]
+        gate.wait()
+        t0 = time.perf_counter()
+        done = sbx.exec(["true"])
+        took = (time.perf_counter() - t0) * 1000
+        assert done.exit_code == 0, done
+        return took
+
+    with ThreadPoolExecutor(at_once) as ex:
+        return list(ex.map(one, range(at_once)))
+
+
+def measure_execs(binary: Path, timeout: float, levels: list[int], samples: int) -> dict:
+    """Exec `true` round trips at each level, over 10 running sandboxes."""
+    from withruntime import Runtime
+    own = OwnServer(binary, timeout)
+    out: dict = {}
+    try:
+        with Runtime(api_key=own.key, base_url=own.url, timeout=900, max_connections=64) as rt:
+            sandboxes = [rt.sandboxes.create(**CREATE_SHAPE) for _ in range(10)]
+            for sbx in sandboxes:
+                assert sbx.exec(["true"]).exit_code == 0  # untimed: each one's first
+            time.sleep(5)  # the pool's refills settle
+            for level in levels:
+                got: list[float] = []
+                while len(got) < samples:
+                    got += exec_round(sandboxes, level)
+                print(f"exec true, {level} at once: {len(got)} samples, p50 {statistics.median(got):.0f} ms",
+                      file=sys.stderr)
+                out[f"exec `true`|{level}"] = got
+            for sbx in sandboxes:
+                sbx.delete()
+        out["accelerator"] = own.accelerator()
+    finally:
+        own.close()
+    return out
+
+
 def creates_table(found: dict) -> str:
-    lines = ["| create until running | at once | n | median ms | p95 ms | p95 / median of one |",
+    lines = ["| what | at once | n | median ms | p95 ms | p95 / median of one |",
              "|---|---:|---:|---:|---:|---:|"]
     for key, v in found.items():
         if "|" not in key:
@@ -232,6 +305,9 @@ def table(summary: dict[str, dict[str, float]], runs: int) -> str:
     for name, label in METRICS:
         s = summary[name]
         lines.append(f"| {label} | {s['median_ms']:.0f} | {s['p95_ms']:.0f} |")
+    first, again = summary["create_to_first_exec"]["median_ms"], summary["python_running"]["median_ms"]
+    lines.append(f"\ncreate through first `python3 -c pass` / the same exec in a running sandbox: "
+                 f"{first / again:.2f} × (medians)")
     return "\n".join(lines)
 
 
@@ -243,13 +319,16 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     parser.add_argument("--creates", action="store_true",
                         help="create until running with the pool on and off, at each level of --levels")
+    parser.add_argument("--execs", action="store_true",
+                        help="exec `true` round trips at each level of --levels at once, over 10 sandboxes")
     parser.add_argument("--levels", default="1,10,50")
     parser.add_argument("--samples", type=int, default=20)
     args = parser.parse_args()
 
-    if args.creates:
+    if args.creates or args.execs:
         levels = [int(x) for x in args.levels.split(",")]
-        found = measure_creates(args.binary, args.start_timeout, levels, args.samples)
+        measure_kind = measure_creates if args.creates else measure_execs
+        found = measure_kind(args.binary, args.start_timeout, levels, args.samples)
         now = datetime.now(timezone.utc)
         result = {
             "date": now.isoformat(timespec="seconds").replace("+00:00", "Z"),
@@ -260,7 +339,7 @@ def main() -> int:
             "samples_ms": {k: v for k, v in found.items() if "|" in k},
         }
         args.out.mkdir(parents=True, exist_ok=True)
-        path = args.out / f"creates-{now.strftime('%Y%m%dT%H%M%SZ')}.json"
+        path = args.out / f"{'creates' if args.creates else 'execs'}-{now.strftime('%Y%m%dT%H%M%SZ')}.json"
         path.write_text(json.dumps(result, indent=2) + "\n")
         print(creates_table(found))
         print(f"\naccelerator: {found.get('accelerator')}; samples in {path}")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -196,7 +197,11 @@ class Server:
         return problems
 
     def kill_leftover_qemu(self) -> list[int]:
+        """SIGKILL every QEMU of this server's data dir, and remove the
+        directories of the RAM files they mapped (on the host's memory file
+        system, outside the data dir): nothing else would."""
         killed = []
+        ram_dirs = set()
         needle = str(self.root).encode()
         for entry in Path("/proc").iterdir():
             if not entry.name.isdigit():
@@ -206,11 +211,17 @@ class Server:
             except OSError:
                 continue
             if b"qemu-system" in cmdline.split(b"\0", 1)[0] and needle in cmdline:
+                for path in re.findall(rb"mem-path=([^,\0]+)", cmdline):
+                    ram = Path(path.decode())
+                    if ram.parent.name.startswith("runtime-"):
+                        ram_dirs.add(ram.parent)
                 try:
                     os.kill(int(entry.name), signal.SIGKILL)
                     killed.append(int(entry.name))
                 except ProcessLookupError:
                     pass
+        for ram_dir in ram_dirs:
+            shutil.rmtree(ram_dir, ignore_errors=True)
         return killed
 
 
