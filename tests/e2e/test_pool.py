@@ -3,8 +3,10 @@ client, on servers of this module's own: a create takes a machine of the
 pool of its image and shape; nothing of one sandbox made from the pool is
 visible in another (files, /tmp, processes, what its kernel cached,
 entropy); warm machines are never listed nor counted; a create works with
-the pool empty or off; 50 creates at once all succeed; and no warm machine
-outlives a shutdown or a crash of the server."""
+the pool empty or off; 50 creates at once all succeed; no warm machine
+outlives a shutdown or a crash of the server; and with the template's
+memory shared (`--share-template-memory`) the same isolation holds while
+pause, wake and fork keep what a guest held in memory."""
 from __future__ import annotations
 
 import os
@@ -113,63 +115,123 @@ def disk_count(sbx, mark: str, sync: bool = False) -> int:
     return int(count)
 
 
+@pytest.fixture(scope="module")
+def pooled_shared():
+    srv = own_server("runtime-e2e-pool-shared-", "--warm-pool", "2", "--share-template-memory")
+    try:
+        yield srv
+    finally:
+        close_server(srv)
+
+
 @pytest.mark.timeout(900)
 def test_sandboxes_from_the_pool_share_nothing(pooled):
     with client(pooled) as rt:
-        # The first create of the shape restores no template (there is none
-        # yet); the pool fills once the template is built.
-        rt.sandboxes.delete(rt.sandboxes.create(**SHAPE).id)
-        wait_warm(pooled, 2)
-        # Warm machines are nobody's: not listed, not counted.
-        assert [s.id for s in rt.sandboxes.list()] == []
-        used = {r["limit"]: r["used"] for r in rt.limits.get()["account"]}
-        assert used["sandbox.count"] == 0, used
-
-        before = metric(pooled, POOL_STARTS)
-        a = rt.sandboxes.create(**SHAPE)
-        assert metric(pooled, POOL_STARTS) == before + 1, "the create did not take a warm machine"
-        assert {s.id for s in rt.sandboxes.list()} == {a.id}
-        mark = "pool-" + secrets.token_hex(8)
-        # Files in the workspace and /tmp, read back (in the page cache of
-        # A's kernel, not synced), and a process that names the mark.
-        sh(a, f"echo {mark} > /workspace/{mark}.txt && echo {mark} > /tmp/{mark} && cat /workspace/{mark}.txt /tmp/{mark}")
-        sh(a, f"setsid -f bash -c 'sleep 600; : {mark}' </dev/null >/dev/null 2>&1")
-        assert mark in sh(a, "ps -eo args")
-        a_random = sh(a, "head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \\n'")
-        a_boot = sh(a, "cat /proc/sys/kernel/random/boot_id")
-        a_host = sh(a, "hostname")
-
-        wait_warm(pooled, 1)
-        before = metric(pooled, POOL_STARTS)
-        b = rt.sandboxes.create(**SHAPE)
-        assert metric(pooled, POOL_STARTS) == before + 1, "the create did not take a warm machine"
-        assert b.id != a.id
-        # Nothing of A: its files, /tmp, its process, anything on B's disk
-        # (read through B's kernel, so through its page cache).
-        assert sh(b, f"ls /workspace /tmp; test ! -e /workspace/{mark}.txt && test ! -e /tmp/{mark} && echo none").endswith("none\n")
-        assert mark not in sh(b, "ps -eo args")
-        found = b.exec(["bash", "-c", f"grep -rl {mark} /workspace /tmp /var/tmp /dev/shm /root /home 2>/dev/null"],
-                       user="root")
-        assert found.stdout == "", found.stdout
-        # The whole root disk, read through B's kernel (and so through its
-        # page cache): A's bytes are on A's disk only. (The same search in A
-        # finds them: it can fail.)
-        assert disk_count(a, mark, sync=True) >= 1
-        assert disk_count(b, mark) == 0
-        # Its own identity and entropy.
-        assert sh(b, "hostname") != a_host
-        assert sh(b, "hostname").strip() == "sbx-" + b.id[:8]
-        assert sh(b, "head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \\n'") != a_random
-        assert sh(b, "cat /proc/sys/kernel/random/boot_id") != a_boot
-        # Its own CA, trusted: the one its egress proxy signs with.
-        ca = sh(b, "cat /usr/local/share/ca-certificates/runtime-egress.crt")
-        assert "BEGIN CERTIFICATE" in ca
-        assert ca != sh(a, "cat /usr/local/share/ca-certificates/runtime-egress.crt")
-        assert sh(b, "tail -c 2000 /etc/ssl/certs/ca-certificates.crt").strip().endswith(ca.strip()[-200:])
-        # A sees its own things still.
-        assert sh(a, f"cat /workspace/{mark}.txt") == mark + "\n"
+        a, b, _ = share_nothing(rt, pooled)
         rt.sandboxes.delete(a.id)
         rt.sandboxes.delete(b.id)
+
+
+def qemu_maps(srv: Server, sandbox_id: str) -> str:
+    """/proc/<pid>/maps of the QEMU of that sandbox."""
+    needle = f"/vms/{sandbox_id}/"
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmd = (entry / "cmdline").read_bytes().decode(errors="replace")
+            except OSError:
+                continue
+            if "qemu-system" in cmd.split("\0", 1)[0] and str(srv.data_dir) in cmd and needle in cmd:
+                return (entry / "maps").read_text()
+    raise AssertionError(f"no QEMU for {sandbox_id}")
+
+
+@pytest.mark.timeout(900)
+def test_sandboxes_sharing_the_templates_memory_share_nothing_else(pooled_shared):
+    """With --share-template-memory (docs/memory.md, "Sharing a template's
+    memory"): the same isolation, each QEMU maps the template's memory
+    privately, and a pause, a wake and a fork keep what the guest held in
+    memory only."""
+    srv = pooled_shared
+    with client(srv) as rt:
+        a, b, mark = share_nothing(rt, srv)
+        templates = str(srv.data_dir / "vms" / ".templates") + "/"
+        for sbx in (a, b):
+            mapped = [line for line in qemu_maps(srv, sbx.id).splitlines()
+                      if templates in line and line.endswith("/memory.ram")]
+            assert len(mapped) == 1, f"{sbx.id} does not map its template's memory: {mapped}"
+            assert mapped[0].split()[1].endswith("p"), f"not a private mapping: {mapped[0]}"
+        # What only A's memory holds (a shell variable in a running process,
+        # /tmp on tmpfs) goes through a pause and wake, and into a fork.
+        sh(a, f"mkdir -p /dev/shm/m && echo {mark} > /dev/shm/m/mark")
+        a.pause()
+        assert a.state == "paused"
+        a.wake()
+        assert sh(a, "cat /dev/shm/m/mark") == mark + "\n"
+        assert mark in sh(a, "ps -eo args"), "its process went on"
+        copy = a.fork()
+        assert sh(copy, "cat /dev/shm/m/mark") == mark + "\n"
+        assert sh(b, "test ! -e /dev/shm/m/mark && echo none") == "none\n"
+        for sbx in (copy, a, b):
+            rt.sandboxes.delete(sbx.id)
+
+
+def share_nothing(rt, pooled: Server):
+    """Two sandboxes from the pool, A marked in files, /tmp, a process and
+    its disk, B shown to hold none of it; both left running, and the mark."""
+    # The first create of the shape restores no template (there is none
+    # yet); the pool fills once the template is built.
+    rt.sandboxes.delete(rt.sandboxes.create(**SHAPE).id)
+    wait_warm(pooled, 2)
+    # Warm machines are nobody's: not listed, not counted.
+    assert [s.id for s in rt.sandboxes.list()] == []
+    used = {r["limit"]: r["used"] for r in rt.limits.get()["account"]}
+    assert used["sandbox.count"] == 0, used
+
+    before = metric(pooled, POOL_STARTS)
+    a = rt.sandboxes.create(**SHAPE)
+    assert metric(pooled, POOL_STARTS) == before + 1, "the create did not take a warm machine"
+    assert {s.id for s in rt.sandboxes.list()} == {a.id}
+    mark = "pool-" + secrets.token_hex(8)
+    # Files in the workspace and /tmp, read back (in the page cache of
+    # A's kernel, not synced), and a process that names the mark.
+    sh(a, f"echo {mark} > /workspace/{mark}.txt && echo {mark} > /tmp/{mark} && cat /workspace/{mark}.txt /tmp/{mark}")
+    sh(a, f"setsid -f bash -c 'sleep 600; : {mark}' </dev/null >/dev/null 2>&1")
+    assert mark in sh(a, "ps -eo args")
+    a_random = sh(a, "head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \\n'")
+    a_boot = sh(a, "cat /proc/sys/kernel/random/boot_id")
+    a_host = sh(a, "hostname")
+
+    wait_warm(pooled, 1)
+    before = metric(pooled, POOL_STARTS)
+    b = rt.sandboxes.create(**SHAPE)
+    assert metric(pooled, POOL_STARTS) == before + 1, "the create did not take a warm machine"
+    assert b.id != a.id
+    # Nothing of A: its files, /tmp, its process, anything on B's disk
+    # (read through B's kernel, so through its page cache).
+    assert sh(b, f"ls /workspace /tmp; test ! -e /workspace/{mark}.txt && test ! -e /tmp/{mark} && echo none").endswith("none\n")
+    assert mark not in sh(b, "ps -eo args")
+    found = b.exec(["bash", "-c", f"grep -rl {mark} /workspace /tmp /var/tmp /dev/shm /root /home 2>/dev/null"],
+                   user="root")
+    assert found.stdout == "", found.stdout
+    # The whole root disk, read through B's kernel (and so through its
+    # page cache): A's bytes are on A's disk only. (The same search in A
+    # finds them: it can fail.)
+    assert disk_count(a, mark, sync=True) >= 1
+    assert disk_count(b, mark) == 0
+    # Its own identity and entropy.
+    assert sh(b, "hostname") != a_host
+    assert sh(b, "hostname").strip() == "sbx-" + b.id[:8]
+    assert sh(b, "head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \\n'") != a_random
+    assert sh(b, "cat /proc/sys/kernel/random/boot_id") != a_boot
+    # Its own CA, trusted: the one its egress proxy signs with.
+    ca = sh(b, "cat /usr/local/share/ca-certificates/runtime-egress.crt")
+    assert "BEGIN CERTIFICATE" in ca
+    assert ca != sh(a, "cat /usr/local/share/ca-certificates/runtime-egress.crt")
+    assert sh(b, "tail -c 2000 /etc/ssl/certs/ca-certificates.crt").strip().endswith(ca.strip()[-200:])
+    # A sees its own things still.
+    assert sh(a, f"cat /workspace/{mark}.txt") == mark + "\n"
+    return a, b, mark
 
 
 @pytest.mark.timeout(900)

@@ -111,8 +111,15 @@ const WARM_UP: &str = "bash -c true; command -v python3 >/dev/null && python3 -c
 pub(crate) async fn warm_up(vm: &Vm) {
     let link = vm.link.lock().await.clone();
     let Some(link) = link else { return };
+    run_warm_up(&link).await;
+}
+
+/// Runs [`WARM_UP`] over `link`: in a template (the guest's page cache) or
+/// in a warm machine (under TCG, QEMU's cache of translated code, which no
+/// capture keeps).
+pub(crate) async fn run_warm_up(link: &Link) {
     let argv = vec!["/bin/sh".into(), "-c".into(), WARM_UP.into()];
-    match run_root(&link, argv, Duration::from_secs(60)).await {
+    match run_root(link, argv, Duration::from_secs(60)).await {
         Ok((Some(0), _)) => {}
         Ok((code, out)) => tracing::warn!(
             ?code,

@@ -54,7 +54,15 @@ impl QemuHost {
             let link = self.link(&spec.id).await?;
             crate::guest_setup::setup(&link, &spec.id, &spec.hostname, Some(PRACTICE_CA))
                 .await
-                .map_err(|e| self.start_failed(&spec.id, BootStage::Agent, e.to_string()))
+                .map_err(|e| self.start_failed(&spec.id, BootStage::Agent, e.to_string()))?;
+            // And a sandbox's usual first commands (the shell, Python): the
+            // template's page cache holds their files, but under TCG their
+            // code is translated again in every new QEMU, which is most of
+            // a first `python3`'s time. Best effort, like the template's.
+            if self.cfg.accel == crate::qemu::Accel::Tcg {
+                crate::guest_setup::run_warm_up(&link).await;
+            }
+            Ok::<(), HostError>(())
         };
         if let Err(error) = practice.await {
             let _ = self.destroy(&spec.id).await;
