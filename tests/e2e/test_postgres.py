@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from conftest import BINARY, Server, free_port
+from conftest import http as request_of
 
 
 def pg_bin() -> Path | None:
@@ -242,6 +243,23 @@ def test_two_control_planes_on_one_store_serve_each_others_sandboxes(on_pg):
             assert {on_a.id, on_b.id} <= listed
             assert cluster.psql("SELECT holder FROM leases WHERE name = 'housekeeping'") in \
                 {node_of(a), node_of(b)}
+
+            # One create sent to both nodes at once under one Idempotency-Key
+            # is acted on once: the node that claimed it first makes the
+            # sandbox, the other waits for that answer and replays it.
+            import uuid
+            from concurrent.futures import ThreadPoolExecutor
+            once = {"Idempotency-Key": f"both-nodes-{uuid.uuid4()}", "Prefer": "wait=120"}
+            label = {"suite": "e2e-pg-once"}
+            with ThreadPoolExecutor(2) as pool:
+                both = list(pool.map(lambda srv: request_of(srv, "POST", "/v1/sandboxes", {"labels": label},
+                                                            key=key, headers=once), [a, b]))
+            assert all(200 <= x.status < 300 for x in both), both
+            made = {x.json()["id"] for x in both}
+            assert len(made) == 1, f"two sandboxes for one request: {made}"
+            assert [x.headers.get("idempotency-replayed") for x in both].count("true") == 1, both
+            assert {s.id for s in ra.sandboxes.list(labels=label)} == made
+            rb.sandboxes.delete(made.pop())
 
             # B's restart recovers B's machines only: A's sandbox stays running
             # (it would be `stopped`, host_lost, if B took it for its own).

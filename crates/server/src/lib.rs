@@ -559,6 +559,14 @@ pub async fn run(
     if store.shared() {
         service::secrets::check_shared_key(&config.data_dir, &store)?;
     }
+    if store.shared() {
+        // Requests this node had claimed before it stopped run nowhere now:
+        // their resends run again.
+        let dropped = store.idem_release_all_mine()?;
+        if dropped > 0 {
+            tracing::info!(node = %node, requests = dropped, "dropped the idempotency claims of requests cut short");
+        }
+    }
     let adopted = store.adopt_unowned()?;
     if adopted > 0 {
         tracing::info!(node = %node, sandboxes = adopted, "took the sandboxes no node owned");

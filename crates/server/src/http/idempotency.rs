@@ -7,6 +7,12 @@
 //! An NDJSON stream is stored as the process it follows: a duplicate follows
 //! that process's output from the start (or gets 409 `output_gone` once the
 //! process table dropped it).
+//!
+//! On a store several nodes share, a request is also claimed in the store
+//! (`Store::idem_claim`) before it runs: a duplicate that reaches another
+//! node while the first runs waits there for its answer (polling the store)
+//! instead of running it again. A claim whose node is held lost, or this
+//! node's own from before a restart, is taken over.
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -20,13 +26,18 @@ use tokio::sync::watch;
 use crate::error::{ApiError, ApiResult};
 use crate::http::routes::processes;
 use crate::http::{deferred_body, json_bytes, Reply};
-use crate::store::{StoredAnswer, PENDING_FORK, PENDING_SANDBOX, PENDING_SNAPSHOT};
+use crate::store::{
+    IdemClaim, StoredAnswer, IN_FLIGHT, PENDING_FORK, PENDING_SANDBOX, PENDING_SNAPSHOT,
+};
 use crate::AppState;
 
 #[derive(Clone)]
 pub(crate) struct Request {
     pub idem_key: String,
     pub fingerprint: String,
+    /// Carried here by the node that claimed it (a create placed on this
+    /// node): that node's claim in the shared store covers it.
+    pub carried: bool,
 }
 
 type Slot = (String, String);
@@ -41,6 +52,8 @@ struct Guard {
     st: AppState,
     slot: Slot,
     done: watch::Sender<bool>,
+    /// The request is claimed in a store other nodes share too.
+    shared: bool,
 }
 
 impl Drop for Guard {
@@ -60,8 +73,13 @@ impl Drop for Guard {
 enum Claim {
     Replay(StoredAnswer),
     Wait(watch::Receiver<bool>),
+    /// Another node runs it: look again in a moment.
+    Elsewhere,
     Run(Guard),
 }
+
+/// How often a duplicate of a request another node runs looks for its answer.
+const ELSEWHERE_POLL: std::time::Duration = std::time::Duration::from_millis(100);
 
 fn claim(st: &AppState, key_id: &str, req: &Request) -> ApiResult<Claim> {
     let slot = (key_id.to_string(), req.idem_key.clone());
@@ -78,7 +96,39 @@ fn claim(st: &AppState, key_id: &str, req: &Request) -> ApiResult<Claim> {
         return Ok(Claim::Wait(rx.clone()));
     }
     let ttl_ms = st.config().idempotency_ttl.as_millis() as i64;
-    if let Some(stored) = st.store().idem_get(key_id, &req.idem_key)? {
+    let shared = st.store().shared() && !req.carried;
+    if shared {
+        let me = st.store().node().to_string();
+        // A claim of a node held lost, or this node's own without a local
+        // entry (from before a restart), runs nowhere any more.
+        let gone = |owner: &str| {
+            owner == me
+                || match st.store().get_node(owner) {
+                    Ok(Some(n)) => n.lost_ms > 0,
+                    Ok(None) => true,
+                    Err(_) => false,
+                }
+        };
+        let found = st.store().idem_claim(
+            key_id,
+            &req.idem_key,
+            &req.fingerprint,
+            st.now_ms(),
+            ttl_ms,
+            &gone,
+        )?;
+        match found {
+            IdemClaim::Run => {}
+            IdemClaim::Stored(stored) => return Ok(Claim::Replay(stored)),
+            IdemClaim::InFlight { .. } => return Ok(Claim::Elsewhere),
+            IdemClaim::Reused => return Err(ApiError::IdempotencyKeyReused),
+        }
+    } else if let Some(stored) = st
+        .store()
+        .idem_get(key_id, &req.idem_key)?
+        // A carried request: the claim is the carrying node's own.
+        .filter(|s| s.kind != IN_FLIGHT)
+    {
         if stored.created_ms + ttl_ms > st.now_ms() {
             if stored.fingerprint != req.fingerprint {
                 return Err(ApiError::IdempotencyKeyReused);
@@ -92,6 +142,7 @@ fn claim(st: &AppState, key_id: &str, req: &Request) -> ApiResult<Claim> {
         st: st.clone(),
         slot,
         done: tx,
+        shared,
     }))
 }
 
@@ -161,6 +212,7 @@ where
                 Claim::Wait(mut rx) => {
                     let _ = rx.wait_for(|done| *done).await;
                 }
+                Claim::Elsewhere => tokio::time::sleep(ELSEWHERE_POLL).await,
                 Claim::Run(g) => break Some(g),
             }
         },
@@ -169,35 +221,44 @@ where
     let st2 = st.clone();
     let mut task = st.spawn(async move {
         let result = work.await;
-        if let (Some(g), Some(fp), Ok(reply)) = (&guard, &fingerprint, &result) {
-            let stored = match reply {
-                Reply::Json(status, body) if status.is_success() => Some(StoredAnswer {
-                    fingerprint: fp.clone(),
-                    kind: "json".into(),
-                    status: status.as_u16(),
-                    body: body.to_string(),
-                    created_ms: st2.now_ms(),
-                }),
-                // A token or secret is shown once: a replay answers without it.
-                Reply::ShownOnce { status, replay, .. } => Some(StoredAnswer {
-                    fingerprint: fp.clone(),
-                    kind: "json".into(),
-                    status: status.as_u16(),
-                    body: replay.to_string(),
-                    created_ms: st2.now_ms(),
-                }),
-                Reply::Stream { replay, .. } => Some(StoredAnswer {
-                    fingerprint: fp.clone(),
-                    kind: "stream".into(),
-                    status: 200,
-                    body: replay.to_string(),
-                    created_ms: st2.now_ms(),
-                }),
-                _ => None,
+        if let (Some(g), Some(fp)) = (&guard, &fingerprint) {
+            let stored = match &result {
+                Err(_) => None,
+                Ok(reply) => match reply {
+                    Reply::Json(status, body) if status.is_success() => Some(StoredAnswer {
+                        fingerprint: fp.clone(),
+                        kind: "json".into(),
+                        status: status.as_u16(),
+                        body: body.to_string(),
+                        created_ms: st2.now_ms(),
+                    }),
+                    // A token or secret is shown once: a replay answers without it.
+                    Reply::ShownOnce { status, replay, .. } => Some(StoredAnswer {
+                        fingerprint: fp.clone(),
+                        kind: "json".into(),
+                        status: status.as_u16(),
+                        body: replay.to_string(),
+                        created_ms: st2.now_ms(),
+                    }),
+                    Reply::Stream { replay, .. } => Some(StoredAnswer {
+                        fingerprint: fp.clone(),
+                        kind: "stream".into(),
+                        status: 200,
+                        body: replay.to_string(),
+                        created_ms: st2.now_ms(),
+                    }),
+                    _ => None,
+                },
             };
             if let Some(stored) = stored {
+                // (Replaces this node's claim in a shared store.)
                 if let Err(e) = st2.store().idem_put(&g.slot.0, &g.slot.1, &stored) {
                     tracing::error!(error = %e, "storing the idempotent answer failed");
+                }
+            } else if g.shared {
+                // Nothing to replay: a resend runs again, on any node.
+                if let Err(e) = st2.store().idem_release(&g.slot.0, &g.slot.1) {
+                    tracing::error!(error = %e, "releasing the idempotency claim failed");
                 }
             }
         }

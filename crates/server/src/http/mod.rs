@@ -403,6 +403,7 @@ async fn serve(
             Some(idempotency::Request {
                 idem_key: k.to_string(),
                 fingerprint,
+                carried: parts.headers.contains_key(forward::FORWARDED_BY),
             })
         }
         _ => None,

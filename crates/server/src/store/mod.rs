@@ -788,7 +788,9 @@ impl Store {
 }
 
 pub(crate) use events::{Attempt, DeliveryRow, EventQuery, EventRow, SealedSecret, WebhookRow};
-pub(crate) use idempotency::{StoredAnswer, PENDING_FORK, PENDING_SANDBOX, PENDING_SNAPSHOT};
+pub(crate) use idempotency::{
+    IdemClaim, StoredAnswer, IN_FLIGHT, PENDING_FORK, PENDING_SANDBOX, PENDING_SNAPSHOT,
+};
 pub(crate) use keys::insert_key;
 pub use nodes::NodeRow;
 pub(crate) use processes::{ProcEnd, ProcRow};
