@@ -72,6 +72,8 @@ pub mod codes {
     pub const UNSUPPORTED: &str = "unsupported";
     pub const UNAVAILABLE: &str = "unavailable";
     pub const HOST_UNAVAILABLE: &str = "host_unavailable";
+    /// The shared store (PostgreSQL) does not answer the node asked.
+    pub const STORE_UNAVAILABLE: &str = "store_unavailable";
     pub const NO_CAPACITY: &str = "no_capacity";
     pub const GUEST_ERROR: &str = "guest_error";
     pub const INTERNAL: &str = "internal_error";

@@ -263,6 +263,22 @@ impl ApiError {
                 p(StatusCode::INTERNAL_SERVER_ERROR, code, message.clone())
             }
             ApiError::Host(e) => host_parts(e),
+            // The store (PostgreSQL) did not answer: the same request may
+            // work once it does (a write's resend is still acted on once).
+            ApiError::Server(crate::error::ServerError::Store { source, .. })
+                if source.is_unreachable() =>
+            {
+                Parts {
+                    retryable: Some(true),
+                    ..p(
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        codes::STORE_UNAVAILABLE,
+                        "The store (the database every node shares) does not answer this node now; \
+                         try again."
+                            .into(),
+                    )
+                }
+            }
             ApiError::Server(_) | ApiError::Internal { .. } => p(
                 StatusCode::INTERNAL_SERVER_ERROR,
                 codes::INTERNAL,
@@ -640,6 +656,34 @@ mod tests {
             assert_eq!((s, c.as_str()), (status, code), "{shown}");
             assert!(!m.is_empty(), "{shown}: a message");
         }
+    }
+
+    #[test]
+    fn a_store_that_does_not_answer_is_503_store_unavailable_and_retryable() {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let Err(source) =
+            crate::store::db::pg_connect(&format!("postgres://u@127.0.0.1:{port}/db"))
+        else {
+            panic!("connected to a closed port");
+        };
+        let e = ApiError::Server(crate::error::ServerError::Store {
+            op: "find key",
+            source,
+        });
+        assert_eq!(e.parts().retryable, Some(true));
+        let (status, code, message, _) = answer(e);
+        assert_eq!((status, code.as_str()), (503, codes::STORE_UNAVAILABLE));
+        assert!(!message.contains("127.0.0.1"), "{message}");
+        // Any other store failure stays a plain 500.
+        let other = ApiError::Server(crate::error::ServerError::Store {
+            op: "read",
+            source: crate::store::db::DbError::NoRow,
+        });
+        assert_eq!(answer(other).0, 500);
     }
 
     #[test]

@@ -22,6 +22,7 @@ use std::collections::HashMap;
 use std::ops::{Deref, DerefMut};
 use std::sync::mpsc;
 use std::sync::{Condvar, Mutex, MutexGuard};
+use std::time::Duration;
 
 /// A value bound to a statement or read from a row.
 #[derive(Debug, Clone, PartialEq)]
@@ -47,6 +48,9 @@ pub enum DbError {
     /// A PostgreSQL connection's thread ended (it answers no more).
     #[error("the PostgreSQL connection's thread is gone")]
     Gone,
+    /// PostgreSQL did not answer a connection or a call in time.
+    #[error("PostgreSQL did not answer in time")]
+    Timeout,
     #[error("cannot start a PostgreSQL connection's thread")]
     Spawn(#[source] std::io::Error),
     /// A call answered with the other kind of answer (a bug).
@@ -55,6 +59,20 @@ pub enum DbError {
 }
 
 impl DbError {
+    /// The store did not answer: a PostgreSQL connection that is closed,
+    /// cannot be made, or timed out (not a statement the server refused).
+    pub fn is_unreachable(&self) -> bool {
+        match self {
+            DbError::Postgres(e) => {
+                e.is_closed()
+                    || e.as_db_error().is_none()
+                        && std::error::Error::source(e).is_some_and(|s| s.is::<std::io::Error>())
+            }
+            DbError::Gone | DbError::Timeout => true,
+            _ => false,
+        }
+    }
+
     /// A constraint refused the write (unique, primary key, not null).
     pub fn is_constraint(&self) -> bool {
         match self {
@@ -517,59 +535,150 @@ type Job = (Req, mpsc::Sender<DbResult<Out>>);
 
 struct PgConn {
     jobs: mpsc::Sender<Job>,
+    /// How to connect again (a stuck connection is replaced).
+    config: Box<postgres::Config>,
+    /// A call got no answer in time: the thread may be stuck on a silent
+    /// peer, so the pool replaces this connection when it is given back.
+    stuck: std::sync::atomic::AtomicBool,
 }
 
 impl PgConn {
     fn call(&self, req: Req) -> DbResult<Out> {
+        if self.stuck.load(std::sync::atomic::Ordering::Relaxed) {
+            // Behind a call that got no answer: this one would get none.
+            return Err(DbError::Timeout);
+        }
         let (tx, rx) = mpsc::channel();
         self.jobs.send((req, tx)).map_err(|_| DbError::Gone)?;
-        rx.recv().map_err(|_| DbError::Gone)?
+        match rx.recv_timeout(PG_CALL_TIMEOUT) {
+            Ok(out) => out,
+            Err(mpsc::RecvTimeoutError::Timeout) => {
+                self.stuck.store(true, std::sync::atomic::Ordering::Relaxed);
+                Err(DbError::Timeout)
+            }
+            Err(mpsc::RecvTimeoutError::Disconnected) => Err(DbError::Gone),
+        }
     }
 }
 
 /// Statements kept prepared per connection, at most.
 const PG_STATEMENTS: usize = 256;
 
+/// How long a connection attempt to PostgreSQL may take (TCP's connect),
+/// and twice this its whole start (the server's greeting included).
+const PG_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// A connection whose peer stops answering (a machine cut from the
+/// network drops packets, nothing refuses them) is found dead by TCP
+/// keepalives: first probe after 5 s of quiet, then every 2 s, given up
+/// after 3 unanswered (about 11 s); data sent and not acknowledged for
+/// 10 s ends it too. Both ends are told: the server then ends the
+/// session of a node cut from it, and its transaction's locks with it.
+const PG_KEEPALIVE_IDLE: Duration = Duration::from_secs(5);
+const PG_KEEPALIVE_INTERVAL: Duration = Duration::from_secs(2);
+const PG_KEEPALIVE_RETRIES: u32 = 3;
+const PG_TCP_USER_TIMEOUT: Duration = Duration::from_secs(10);
+/// A call that gets no answer for this long fails (`Timeout`); its
+/// connection is replaced. No statement of the store runs this long: a
+/// wait this long is a server that holds the connection without
+/// answering (the network alive, the server stalled).
+const PG_CALL_TIMEOUT: Duration = Duration::from_secs(60);
+/// The session settings each connection asks for: the server-side
+/// keepalives above, and a session left idle inside a transaction for a
+/// minute (its node stalled mid-transaction) is ended by the server, so
+/// the store-wide transaction lock never waits on a node for longer.
+const PG_SESSION_OPTIONS: &str = "-c tcp_keepalives_idle=5 -c tcp_keepalives_interval=2 \
+    -c tcp_keepalives_count=3 -c tcp_user_timeout=10000 \
+    -c idle_in_transaction_session_timeout=60000";
+
+/// The connection settings of `url` with this server's bounds (a URL's
+/// own `connect_timeout` and keepalive settings are overridden; its
+/// `options` are kept, ahead of ours).
+fn pg_config(url: &str) -> DbResult<postgres::Config> {
+    let mut config: postgres::Config = url.parse()?;
+    let options = match config.get_options() {
+        Some(own) if !own.trim().is_empty() => format!("{own} {PG_SESSION_OPTIONS}"),
+        _ => PG_SESSION_OPTIONS.to_string(),
+    };
+    config
+        .options(&options)
+        .connect_timeout(PG_CONNECT_TIMEOUT)
+        .keepalives(true)
+        .keepalives_idle(PG_KEEPALIVE_IDLE)
+        .keepalives_interval(PG_KEEPALIVE_INTERVAL)
+        .keepalives_retries(PG_KEEPALIVE_RETRIES)
+        .tcp_user_timeout(PG_TCP_USER_TIMEOUT);
+    Ok(config)
+}
+
 /// Opens one PostgreSQL connection on a thread of its own.
 pub(crate) fn pg_connect(url: &str) -> DbResult<Connection> {
-    let url = url.to_string();
+    let config = pg_config(url)?;
     let (ready_tx, ready_rx) = mpsc::channel::<DbResult<()>>();
+    let conn = pg_thread(config, Some(ready_tx))?;
+    match ready_rx.recv_timeout(PG_CONNECT_TIMEOUT * 2) {
+        Ok(Ok(())) => Ok(conn),
+        Ok(Err(e)) => Err(e),
+        // The thread ends once its connection attempt does.
+        Err(mpsc::RecvTimeoutError::Timeout) => Err(DbError::Timeout),
+        Err(mpsc::RecvTimeoutError::Disconnected) => Err(DbError::Gone),
+    }
+}
+
+/// A connection's thread. With `ready`, it connects first and says how
+/// that went (giving up when nobody waits any more); without, it connects
+/// at its first call. A call finding the connection closed connects again.
+fn pg_thread(
+    config: postgres::Config,
+    ready: Option<mpsc::Sender<DbResult<()>>>,
+) -> DbResult<Connection> {
     let (jobs, rx) = mpsc::channel::<Job>();
+    let own = config.clone();
     std::thread::Builder::new()
         .name("store-pg".into())
         .spawn(move || {
-            let mut client = match postgres::Client::connect(&url, postgres::NoTls) {
-                Ok(c) => {
-                    let _ = ready_tx.send(Ok(()));
-                    c
+            let mut client = None;
+            if let Some(ready) = ready {
+                match own.connect(postgres::NoTls) {
+                    Ok(c) => {
+                        if ready.send(Ok(())).is_err() {
+                            return;
+                        }
+                        client = Some(c);
+                    }
+                    Err(e) => {
+                        let _ = ready.send(Err(e.into()));
+                        return;
+                    }
                 }
-                Err(e) => {
-                    let _ = ready_tx.send(Err(e.into()));
-                    return;
-                }
-            };
+            }
             let mut prepared: HashMap<String, postgres::Statement> = HashMap::new();
             while let Ok((req, reply)) = rx.recv() {
-                if client.is_closed() {
-                    // The server went away: try once more for this call.
-                    match postgres::Client::connect(&url, postgres::NoTls) {
+                let open = match client.take() {
+                    Some(c) if !c.is_closed() => c,
+                    // Never connected, or the server went away: connect
+                    // again for this call.
+                    _ => match own.connect(postgres::NoTls) {
                         Ok(c) => {
-                            client = c;
                             prepared.clear();
+                            c
                         }
                         Err(e) => {
                             let _ = reply.send(Err(e.into()));
                             continue;
                         }
-                    }
-                }
-                let _ = reply.send(pg_run(&mut client, &mut prepared, req));
+                    },
+                };
+                let c = client.insert(open);
+                let _ = reply.send(pg_run(c, &mut prepared, req));
             }
         })
         .map_err(DbError::Spawn)?;
-    ready_rx.recv().map_err(|_| DbError::Gone)??;
     Ok(Connection {
-        inner: Inner::Pg(PgConn { jobs }),
+        inner: Inner::Pg(PgConn {
+            jobs,
+            config: Box::new(config),
+            stuck: std::sync::atomic::AtomicBool::new(false),
+        }),
     })
 }
 
@@ -761,7 +870,20 @@ impl DerefMut for ConnGuard<'_> {
 impl Drop for ConnGuard<'_> {
     fn drop(&mut self) {
         if let ConnGuard::Pg { pool, conn } = self {
-            if let Some(c) = conn.take() {
+            if let Some(mut c) = conn.take() {
+                if let Inner::Pg(pg) = &c.inner {
+                    if pg.stuck.load(std::sync::atomic::Ordering::Relaxed) {
+                        // Its thread may wait on a silent peer for ever: a
+                        // new connection, made at its first call, takes
+                        // its place (the old thread ends with its socket).
+                        match pg_thread((*pg.config).clone(), None) {
+                            Ok(fresh) => c = fresh,
+                            Err(e) => {
+                                tracing::warn!(error = %e, "replacing a stuck store connection failed")
+                            }
+                        }
+                    }
+                }
                 pool.free.lock().unwrap_or_else(|p| p.into_inner()).push(c);
                 pool.returned.notify_one();
             }
@@ -772,6 +894,37 @@ impl Drop for ConnGuard<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_store_that_refuses_or_never_answers_is_unreachable_and_does_not_hang() {
+        // Refused: nothing listens on the port.
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let Err(refused) = pg_connect(&format!("postgres://u@127.0.0.1:{port}/db")) else {
+            panic!("connected to a closed port");
+        };
+        assert!(refused.is_unreachable(), "{refused:?}");
+        // Never answers: a listener that takes the connection and says nothing.
+        let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let url = format!("postgres://u@{}/db", silent.local_addr().unwrap());
+        let held = std::thread::spawn(move || silent.accept().map(|(s, _)| s));
+        let started = std::time::Instant::now();
+        let Err(quiet) = pg_connect(&url) else {
+            panic!("connected to a listener that says nothing");
+        };
+        assert!(quiet.is_unreachable(), "{quiet:?}");
+        assert!(
+            started.elapsed() < PG_CONNECT_TIMEOUT * 4,
+            "gave up after {:?}",
+            started.elapsed()
+        );
+        drop(held.join());
+        // A statement the server refused is not a store that is away.
+        assert!(!DbError::NoRow.is_unreachable());
+    }
 
     #[test]
     fn placeholders_and_types_are_translated_for_postgres() {
