@@ -70,6 +70,13 @@ class Server:
         self.log_path = root / "server.log"
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        # The port it listens on: the client's (`port`) unless another
+        # node answers the client (ClusterServer).
+        self.listen_port = self.port
+        # The environment of its process: RUNTIME_STORE only for a node
+        # that is given one (the CLI's commands of a cluster session read
+        # it; no other server may join that store).
+        self.env = {k: v for k, v in os.environ.items() if k != "RUNTIME_STORE"}
         self.proc: Optional[subprocess.Popen] = None
         self.starts = 0
         self.keys: list[str] = []
@@ -85,16 +92,16 @@ class Server:
         if not BINARY.exists():
             raise RuntimeError(f"{BINARY} does not exist: build it first (bash scripts/build.sh)")
         self.starts += 1
-        mark = f"listening on http://127.0.0.1:{self.port}"
+        mark = f"listening on http://127.0.0.1:{self.listen_port}"
         with self.log_path.open("a") as log:
             log.write(f"\n===== start {self.starts} =====\n")
             log.flush()
             offset = self.log_path.stat().st_size
             self.proc = subprocess.Popen(
-                [str(BINARY), "serve", "--listen", f"127.0.0.1:{self.port}", "--data-dir", str(self.data_dir),
+                [str(BINARY), "serve", "--listen", f"127.0.0.1:{self.listen_port}", "--data-dir", str(self.data_dir),
                  *self.egress.args, *WEBHOOK_ARGS, *self.extra_args],
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                env={**os.environ, "RUST_BACKTRACE": "1"})
+                env={**self.env, "RUST_BACKTRACE": "1"})
         deadline = time.monotonic() + START_TIMEOUT
         while True:
             with self.log_path.open("rb") as log:
@@ -225,6 +232,46 @@ class Server:
         return killed
 
 
+class ClusterServer(Server):
+    """`RUNTIME_E2E_CLUSTER=1`: the suite's server is a deployment of two
+    nodes on one PostgreSQL of the session's own (pg_cluster.py). This
+    object is the host node H, whose machines the tests look at (its data
+    directory, its QEMUs, its log, `restart`), while the client talks to
+    `front`, a control plane that keeps more memory free than any machine
+    has: every create is carried to H, and every request about a sandbox
+    too. The CLI's commands reach the store through RUNTIME_STORE."""
+
+    def __init__(self, root: Path) -> None:
+        from pg_cluster import Cluster
+        (root / "pg").mkdir()
+        self.cluster = Cluster(root / "pg")
+        super().__init__(root, ("--store", self.cluster.url))
+        self.env["RUNTIME_STORE"] = self.cluster.url
+        front_root = root / "front"
+        front_root.mkdir()
+        self.front = Server(front_root, ("--store", self.cluster.url, "--reserve-memory-mib", "100000000"))
+        self.url, self.port = self.front.url, self.front.port
+        os.environ["RUNTIME_STORE"] = self.cluster.url
+
+    def start(self) -> None:
+        super().start()
+        if self.front.proc is None:
+            self.front.data_dir.mkdir(parents=True, exist_ok=True)
+            if not (self.front.data_dir / "secrets.key").exists():
+                shutil.copy2(self.data_dir / "secrets.key", self.front.data_dir / "secrets.key")
+            self.front.start()
+
+    def close(self) -> None:
+        """The front node and the database, after H's teardown."""
+        self.front.stop()
+        self.front.egress.close()
+        self.cluster.stop()
+        os.environ.pop("RUNTIME_STORE", None)
+
+
+CLUSTER = os.environ.get("RUNTIME_E2E_CLUSTER") == "1"
+
+
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)
 def pytest_runtest_makereport(item, call):
     outcome = yield
@@ -239,7 +286,7 @@ def server(request):
     # As root, each VM's QEMU runs as a uid of its own that must reach the
     # data dir (serve refuses a data dir others cannot traverse).
     os.chmod(root, 0o711)
-    srv = Server(root)
+    srv = ClusterServer(root) if CLUSTER else Server(root)
     saved = {k: os.environ.get(k) for k in ("RUNTIME_API_URL", "RUNTIME_API_KEY", "NO_PROXY", "no_proxy")}
     try:
         srv.start()
@@ -258,6 +305,8 @@ def server(request):
         problems = srv.delete_all_sandboxes() if srv.proc is not None else ["server not running at teardown"]
         srv.stop()
         srv.egress.close()
+        if isinstance(srv, ClusterServer):
+            srv.close()
         killed = srv.kill_leftover_qemu()
         for name, value in saved.items():
             if value is None:

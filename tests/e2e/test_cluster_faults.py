@@ -341,3 +341,29 @@ def test_a_node_cut_from_the_store_answers_at_once_is_held_lost_and_settles_when
         assert kept.id in records_are_true(cluster, h)
         for s in (kept, plain):
             rc.sandboxes.delete(s.id)
+
+
+def test_a_file_link_made_through_one_node_serves_through_the_other(two_nodes):
+    """A file link is used without a key, at whichever node it reaches: C,
+    which has no machine, carries it to the node of the link's sandbox
+    (found in the store), for a download and an upload."""
+    import urllib.request
+
+    h, c, cluster, _ = two_nodes
+    takes_creates(cluster, h)
+    key = c.admin_key()
+    with runtime_at(c, key) as rc:
+        sbx = rc.sandboxes.create(labels=LABELS)
+        assert node_in_store(cluster, sbx.id) == node_of(h)
+        sbx.files.write("/workspace/digits", "0123456789")
+        link = sbx.files.download_url("/workspace/digits", expires_in_seconds=300)
+        assert link["url"].startswith(c.url), link
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        with opener.open(link["url"], timeout=60) as answer:
+            assert (answer.status, answer.read()) == (200, b"0123456789")
+        up = sbx.files.upload_url("/workspace/up.txt", expires_in_seconds=300)
+        put = urllib.request.Request(up["url"], data=b"through C", method="PUT")
+        with opener.open(put, timeout=60) as answer:
+            assert answer.status == 200
+        assert sbx.files.read("/workspace/up.txt") in ("through C", b"through C")
+        rc.sandboxes.delete(sbx.id)

@@ -77,7 +77,15 @@ pub(crate) async fn route(st: &AppState, req: Request) -> Result<Request, Respon
         Some((_, id)) => id,
         None => match sandbox_in_path(req.uri().path()) {
             Some(id) => id.to_string(),
-            None => return Ok(req),
+            // A file link is used without a key: its sandbox is the link's.
+            None => match super::links::token_of(req.uri().path()).map(|t| {
+                st.store()
+                    .find_link(&crate::domain::access::sha256_hex(t.as_bytes()))
+            }) {
+                Some(Ok(Some(link))) => link.sandbox_id,
+                // No link (answered 404 here), or not a link's path.
+                _ => return Ok(req),
+            },
         },
     };
     let me = st.store().node();
