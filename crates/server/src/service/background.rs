@@ -27,6 +27,7 @@ const NODES_LEASE_MS: i64 = 15_000;
 pub(crate) async fn reaper(st: AppState) {
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     let mut n: u64 = 0;
+    let mut secrets_seen = None;
     loop {
         tokio::select! {
             _ = tick.tick() => {}
@@ -34,6 +35,11 @@ pub(crate) async fn reaper(st: AppState) {
         }
         n += 1;
         let now = st.now_ms();
+        if st.store().shared() {
+            // A secret changed on another node: running sandboxes here use
+            // its new value from now on.
+            secrets_seen = crate::service::secrets::watch_peers(&st, secrets_seen);
+        }
         match st.store().live_sandboxes_here() {
             Ok(rows) => {
                 for r in rows.iter().filter(|r| r.record.state == Running) {

@@ -203,6 +203,18 @@ impl Store {
         .map_err(store_err("store fact"))
     }
 
+    /// Sets the store-wide fact `name` to `value`, whatever it was.
+    pub fn set_meta(&self, name: &str, value: &str) -> Result<(), ServerError> {
+        self.conn()
+            .execute(
+                "INSERT INTO store_meta (name, value) VALUES (?1, ?2) \
+                 ON CONFLICT (name) DO UPDATE SET value = excluded.value",
+                params![name, value],
+            )
+            .map(|_| ())
+            .map_err(store_err("store fact"))
+    }
+
     /// The store-wide fact `name`, if set.
     pub fn meta(&self, name: &str) -> Result<Option<String>, ServerError> {
         self.conn()

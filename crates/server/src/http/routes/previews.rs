@@ -13,12 +13,29 @@ use crate::http::{Ctx, Reply};
 use crate::service::previews::{self, Shared, TokenAsk};
 use crate::AppState;
 
-fn answer(st: &AppState, p: &Shared) -> Value {
+/// The port preview URLs name. On one machine, this server's. On several
+/// nodes, the port of the address the caller used (`Host`; none: the
+/// scheme's own), so that a URL made by whichever node the request was
+/// carried to names the address the caller reaches them all at (a load
+/// balancer's, say), not that node's.
+fn url_port(st: &AppState, ctx: &Ctx) -> u16 {
+    let own = st.config().preview_port;
+    if !st.store().shared() {
+        return own;
+    }
+    ctx.headers
+        .get(axum::http::header::HOST)
+        .and_then(|h| h.to_str().ok())
+        .and_then(|h| h.parse::<axum::http::uri::Authority>().ok())
+        .map_or(own, |a| a.port_u16().unwrap_or(0))
+}
+
+fn answer(st: &AppState, url_port: u16, p: &Shared) -> Value {
     let c = st.config();
     let url = base_url(
         c.tls.is_some(),
         &c.preview_domain,
-        c.preview_port,
+        url_port,
         &p.sandbox_id,
         p.port,
     );
@@ -107,14 +124,15 @@ pub(super) async fn create(st: AppState, ctx: Ctx, id: String, body: Bytes) -> A
     } else {
         StatusCode::OK
     };
-    Ok(Reply::Json(status, answer(&st, &p)))
+    Ok(Reply::Json(status, answer(&st, url_port(&st, &ctx), &p)))
 }
 
 /// `GET …/previews`.
 pub(super) async fn list(st: AppState, ctx: Ctx, id: String) -> ApiResult<Reply> {
+    let at = url_port(&st, &ctx);
     let data: Vec<Value> = previews::list(&st, &ctx.key, &id)?
         .iter()
-        .map(|p| answer(&st, p))
+        .map(|p| answer(&st, at, p))
         .collect();
     Reply::ok(json!({ "data": data }))
 }
@@ -137,7 +155,7 @@ pub(super) async fn get(st: AppState, ctx: Ctx, id: String, port: String) -> Api
     f.finish()?;
     let ask = TokenAsk { ttl_s: ttl, cap_ms };
     let p = previews::get(&st, &ctx.key, &id, port, ask)?;
-    Reply::ok(answer(&st, &p))
+    Reply::ok(answer(&st, url_port(&st, &ctx), &p))
 }
 
 /// `POST …/previews/{port}:rotate`.
@@ -158,7 +176,7 @@ pub(super) async fn action(
         });
     }
     let p = previews::rotate(&st, &ctx.key, &id, port)?;
-    Reply::ok(answer(&st, &p))
+    Reply::ok(answer(&st, url_port(&st, &ctx), &p))
 }
 
 /// `DELETE …/previews/{port}`.
