@@ -322,6 +322,40 @@ pub(crate) fn placeholders(
         .collect()
 }
 
+/// The store-wide fact that changes with every secret's change: the other
+/// nodes on a shared store read it each second ([`watch_peers`]).
+const CHANGED_META: &str = "secrets_changed";
+
+/// A secret of some key changed here: this node's running sandboxes take
+/// it up at once, the other nodes' within a second.
+fn changed(st: &AppState) {
+    st.secrets_changed();
+    if st.store().shared() {
+        let mark = uuid::Uuid::new_v4().simple().to_string();
+        if let Err(e) = st.store().set_meta(CHANGED_META, &mark) {
+            tracing::error!(error = %e, "telling the other nodes of a secret's change failed");
+        }
+    }
+}
+
+/// Run each second on a shared store: when another node changed a secret
+/// since the mark last read (`seen`: `None` before the first read, then
+/// the mark, `Some(None)` while no secret ever changed), this node's
+/// running sandboxes take the secrets up again. Answers what to pass next.
+pub(crate) fn watch_peers(st: &AppState, seen: Option<Option<String>>) -> Option<Option<String>> {
+    let now = match st.store().meta(CHANGED_META) {
+        Ok(m) => m,
+        Err(e) => {
+            tracing::warn!(error = %e, "reading whether a secret changed failed");
+            return seen;
+        }
+    };
+    if seen.as_ref().is_some_and(|before| *before != now) {
+        st.secrets_changed();
+    }
+    Some(now)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -357,38 +391,4 @@ mod tests {
         assert!(matches!(open_sealer(&d), Err(ServerError::Corrupt { .. })));
         let _ = std::fs::remove_dir_all(&d);
     }
-}
-
-/// The store-wide fact that changes with every secret's change: the other
-/// nodes on a shared store read it each second ([`watch_peers`]).
-const CHANGED_META: &str = "secrets_changed";
-
-/// A secret of some key changed here: this node's running sandboxes take
-/// it up at once, the other nodes' within a second.
-fn changed(st: &AppState) {
-    st.secrets_changed();
-    if st.store().shared() {
-        let mark = uuid::Uuid::new_v4().simple().to_string();
-        if let Err(e) = st.store().set_meta(CHANGED_META, &mark) {
-            tracing::error!(error = %e, "telling the other nodes of a secret's change failed");
-        }
-    }
-}
-
-/// Run each second on a shared store: when another node changed a secret
-/// since the mark last read (`seen`: `None` before the first read, then
-/// the mark, `Some(None)` while no secret ever changed), this node's
-/// running sandboxes take the secrets up again. Answers what to pass next.
-pub(crate) fn watch_peers(st: &AppState, seen: Option<Option<String>>) -> Option<Option<String>> {
-    let now = match st.store().meta(CHANGED_META) {
-        Ok(m) => m,
-        Err(e) => {
-            tracing::warn!(error = %e, "reading whether a secret changed failed");
-            return seen;
-        }
-    };
-    if seen.as_ref().is_some_and(|before| *before != now) {
-        st.secrets_changed();
-    }
-    Some(now)
 }
