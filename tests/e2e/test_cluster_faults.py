@@ -367,3 +367,36 @@ def test_a_file_link_made_through_one_node_serves_through_the_other(two_nodes):
             assert answer.status == 200
         assert sbx.files.read("/workspace/up.txt") in ("through C", b"through C")
         rc.sandboxes.delete(sbx.id)
+
+
+def test_a_secret_changed_through_one_node_reaches_sandboxes_on_the_other(two_nodes):
+    """Secrets are the key's, not a sandbox's: one changed through C (which
+    runs no machine) is used by H's egress proxy for H's running sandbox
+    within a second, without the value ever reaching the guest."""
+    import hashlib
+
+    h, c, cluster, _ = two_nodes
+    takes_creates(cluster, h)
+    key = c.admin_key()
+    value = "sk-e2e-" + hashlib.sha256(str(time.time()).encode()).hexdigest()[:24]
+    with runtime_at(c, key) as rc:
+        placeholder = rc.secrets.set("E2E_NODES", value=value + "-a", hosts=["api.example.org"])["placeholder"]
+        try:
+            sbx = rc.sandboxes.create(labels=LABELS)
+            assert node_in_store(cluster, sbx.id) == node_of(h)
+
+            def sent() -> str:
+                out = sbx.exec('curl -sSf --max-time 30 -H "x-api-key: $E2E_NODES" https://api.example.org/echo')
+                assert out.exit_code == 0 and value not in out.stdout, out.stdout + out.stderr
+                return h.egress.seen[-1]["headers"]["x-api-key"]
+
+            assert sent() == value + "-a"
+            again = rc.secrets.set("E2E_NODES", value=value + "-b", hosts=["api.example.org"])
+            assert again["placeholder"] == placeholder
+            deadline = time.monotonic() + 10
+            while (got := sent()) != value + "-b":
+                assert got == value + "-a" and time.monotonic() < deadline, got
+                time.sleep(0.5)
+            rc.sandboxes.delete(sbx.id)
+        finally:
+            rc.secrets.delete("E2E_NODES")
