@@ -11,7 +11,8 @@ its path printed, with the tail of the server log.
 Environment knobs: RUNTIME_BIN (the binary, default target/release/runtime),
 RUNTIME_E2E_START_TIMEOUT (seconds to wait for `listening on`, default 1200:
 the first start may build the guest kernel and image), RUNTIME_E2E_KEEP=1
-(keep the data directory even when everything passed).
+(keep the data directory even when everything passed), RUNTIME_E2E_CLUSTER=1
+(the suite's server is two nodes on one PostgreSQL: `ClusterServer`).
 """
 from __future__ import annotations
 
