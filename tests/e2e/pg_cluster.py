@@ -95,3 +95,21 @@ def host_cli(cluster: "Cluster", *args: str) -> str:
     return out.stdout
 
 
+
+
+def came_back(rt, srv: Server, kept_id: str, plain_id: str) -> None:
+    """After node `srv` was held lost and is back: its persistent sandbox
+    `kept_id` (which wrote "before" to /workspace/mark) runs again as it
+    was, and `plain_id` stays stopped with no machine left."""
+    import time
+
+    from conftest import qemu_gone
+    deadline = time.monotonic() + 60
+    while rt.sandboxes.get(kept_id).state != "running":
+        assert time.monotonic() < deadline, rt.sandboxes.get(kept_id).info
+        time.sleep(0.5)
+    back = rt.sandboxes.get(kept_id)
+    assert back.info.get("stopReason") is None, back.info
+    assert back.exec("cat /workspace/mark").stdout == "before\n"
+    assert rt.sandboxes.get(plain_id).state == "stopped"
+    assert qemu_gone(srv, plain_id), "the sandbox recorded stopped kept its machine"

@@ -25,7 +25,7 @@ import pytest
 
 from conftest import Server, free_port, qemu_gone
 from conftest import http as request_of
-from pg_cluster import Cluster, host_cli, host_state, node_of
+from pg_cluster import Cluster, came_back, host_cli, host_state, node_of
 
 LABELS = {"suite": "e2e-cluster-faults"}
 
@@ -328,15 +328,7 @@ def test_a_node_cut_from_the_store_answers_at_once_is_held_lost_and_settles_when
         assert h.qemu_pids(kept.id) and h.qemu_pids(plain.id)
 
         link.mend()
-        deadline = time.monotonic() + 60
-        while rc.sandboxes.get(kept.id).state != "running":
-            assert time.monotonic() < deadline, rc.sandboxes.get(kept.id).info
-            time.sleep(0.5)
-        back = rc.sandboxes.get(kept.id)
-        assert back.info.get("stopReason") is None, back.info
-        assert back.exec("cat /workspace/mark").stdout == "before\n"
-        assert rc.sandboxes.get(plain.id).state == "stopped"
-        assert qemu_gone(h, plain.id), "the sandbox recorded stopped kept its machine"
+        came_back(rc, h, kept.id, plain.id)
         assert host_state(cluster, h) == "ready"
         assert kept.id in records_are_true(cluster, h)
         for s in (kept, plain):

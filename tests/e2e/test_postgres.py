@@ -17,7 +17,7 @@ import pytest
 
 from conftest import BINARY, Server, free_port
 from conftest import http as request_of
-from pg_cluster import Cluster, another_node, host_cli, host_state, node_of
+from pg_cluster import Cluster, another_node, came_back, host_cli, host_state, node_of
 
 
 @pytest.fixture(scope="module")
@@ -317,15 +317,7 @@ def test_creates_go_where_there_is_room_and_a_node_that_stays_away_is_noticed(on
             assert down.value.code == "host_unavailable", down.value
 
             a.start()
-            deadline = time.monotonic() + 60
-            while rf.sandboxes.get(kept.id).state != "running":
-                assert time.monotonic() < deadline, rf.sandboxes.get(kept.id).info
-                time.sleep(0.5)
-            back = rf.sandboxes.get(kept.id)
-            assert back.info.get("stopReason") is None, back.info
-            assert back.exec("cat /workspace/mark").stdout == "before\n"
-            assert rf.sandboxes.get(plain.id).state == "stopped"
-            assert not a.qemu_pids(plain.id)
+            came_back(rf, a, kept.id, plain.id)
             assert host_state(cluster, a) == "ready"
             for s in (placed, kept, plain):
                 rf.sandboxes.delete(s.id)
