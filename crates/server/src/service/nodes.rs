@@ -10,6 +10,11 @@ use crate::service::lifecycle;
 use crate::store::NodeRow;
 use crate::AppState;
 
+/// Whether this node is one of several on a shared store.
+pub(crate) fn several(st: &AppState) -> bool {
+    st.store().shared()
+}
+
 /// A node seen within this long takes creates of its peers.
 pub(crate) const FRESH_MS: i64 = 15_000;
 

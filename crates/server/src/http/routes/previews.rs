@@ -20,7 +20,7 @@ use crate::AppState;
 /// balancer's, say), not that node's.
 fn url_port(st: &AppState, ctx: &Ctx) -> u16 {
     let own = st.config().preview_port;
-    if !st.store().shared() {
+    if !crate::service::nodes::several(st) {
         return own;
     }
     ctx.headers
