@@ -74,10 +74,11 @@ class Server:
         # The port it listens on: the client's (`port`) unless another
         # node answers the client (ClusterServer).
         self.listen_port = self.port
-        # The environment of its process: RUNTIME_STORE only for a node
-        # that is given one (the CLI's commands of a cluster session read
-        # it; no other server may join that store).
-        self.env = {k: v for k, v in os.environ.items() if k != "RUNTIME_STORE"}
+        # What its process's environment has beyond the suite's (read at
+        # each start): RUNTIME_STORE only for a node given one (the CLI's
+        # commands of a cluster session read it; no other server may join
+        # that store).
+        self.env: dict[str, str] = {}
         self.proc: Optional[subprocess.Popen] = None
         self.starts = 0
         self.keys: list[str] = []
@@ -102,7 +103,8 @@ class Server:
                 [str(BINARY), "serve", "--listen", f"127.0.0.1:{self.listen_port}", "--data-dir", str(self.data_dir),
                  *self.egress.args, *WEBHOOK_ARGS, *self.extra_args],
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                env={**self.env, "RUST_BACKTRACE": "1"})
+                env={**{k: v for k, v in os.environ.items() if k != "RUNTIME_STORE"}, **self.env,
+                     "RUST_BACKTRACE": "1"})
         deadline = time.monotonic() + START_TIMEOUT
         while True:
             with self.log_path.open("rb") as log:
