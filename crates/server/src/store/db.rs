@@ -582,22 +582,34 @@ const PG_TCP_USER_TIMEOUT: Duration = Duration::from_secs(10);
 /// wait this long is a server that holds the connection without
 /// answering (the network alive, the server stalled).
 const PG_CALL_TIMEOUT: Duration = Duration::from_secs(60);
-/// The session settings each connection asks for: the server-side
-/// keepalives above, and a session left idle inside a transaction for a
-/// minute (its node stalled mid-transaction) is ended by the server, so
-/// the store-wide transaction lock never waits on a node for longer.
-const PG_SESSION_OPTIONS: &str = "-c tcp_keepalives_idle=5 -c tcp_keepalives_interval=2 \
-    -c tcp_keepalives_count=3 -c tcp_user_timeout=10000 \
-    -c idle_in_transaction_session_timeout=60000";
+/// A session left idle inside a transaction this long (its node stalled
+/// mid-transaction) is ended by the server, so the store-wide transaction
+/// lock never waits on a node for longer.
+const PG_IDLE_IN_TRANSACTION: Duration = Duration::from_secs(60);
+
+/// The session settings each connection asks for: the server's side of
+/// the keepalives and user timeout above, and the idle-in-transaction end.
+fn pg_session_options() -> String {
+    format!(
+        "-c tcp_keepalives_idle={} -c tcp_keepalives_interval={} -c tcp_keepalives_count={} \
+         -c tcp_user_timeout={} -c idle_in_transaction_session_timeout={}",
+        PG_KEEPALIVE_IDLE.as_secs(),
+        PG_KEEPALIVE_INTERVAL.as_secs(),
+        PG_KEEPALIVE_RETRIES,
+        PG_TCP_USER_TIMEOUT.as_millis(),
+        PG_IDLE_IN_TRANSACTION.as_millis()
+    )
+}
 
 /// The connection settings of `url` with this server's bounds (a URL's
 /// own `connect_timeout` and keepalive settings are overridden; its
 /// `options` are kept, ahead of ours).
 fn pg_config(url: &str) -> DbResult<postgres::Config> {
     let mut config: postgres::Config = url.parse()?;
+    let ours = pg_session_options();
     let options = match config.get_options() {
-        Some(own) if !own.trim().is_empty() => format!("{own} {PG_SESSION_OPTIONS}"),
-        _ => PG_SESSION_OPTIONS.to_string(),
+        Some(own) if !own.trim().is_empty() => format!("{own} {ours}"),
+        _ => ours,
     };
     config
         .options(&options)
